@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .certs import NodeKeys, TlsFiles, make_node_keys, make_tls
-from .errors import DeployError
+from .errors import DeployError, ProcessStartError
 from .links import LinkSet, NodeLink, choose_mode
 from .presets import LinkSpec
 from .processes import ManagedProcess, free_port, run_command, wait_for_port
@@ -140,7 +141,8 @@ class Deployment:
         try:
             self.start()
         except BaseException:
-            self.stop()
+            with contextlib.suppress(DeployError):
+                self.stop()  # the start failure is the error worth reporting
             raise
         return self
 
@@ -171,13 +173,23 @@ class Deployment:
                 self.wait_supernode(index)
 
     def stop(self) -> None:
-        """Stop every process (SuperNodes first) and tear down the links; never raises."""
-        for proc in self.supernodes.values():
-            proc.stop(timeout_s=10.0)
-        if self.superlink is not None:
-            self.superlink.stop(timeout_s=10.0)
+        """Stop every process (SuperNodes first) and tear down the links.
+
+        Every step runs even when an earlier one fails; a process group that survives SIGKILL is
+        reported afterwards as a :class:`DeployError`.
+        """
+        problems = []
+        procs = [*self.supernodes.values(), *([self.superlink] if self.superlink else [])]
+        for proc in procs:
+            try:
+                # Graceful shutdown first, but a wedged process must not hold the run up long.
+                proc.stop(timeout_s=5.0)
+            except ProcessStartError as err:
+                problems.append(str(err))
         if self.links is not None:
             self.links.stop()
+        if problems:
+            raise DeployError("; ".join(problems))
 
     # ---- SuperLink -------------------------------------------------------------------------
     def _start_superlink(self) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 from .errors import LinkError
 
+OUTAGE_POLICIES = ("drop", "resume")
+
 
 @dataclass(frozen=True)
 class LinkSpec:
@@ -25,12 +27,16 @@ class LinkSpec:
     rtt_ms : float
         Round-trip latency; each direction is delayed by half of it.
     jitter_ms : float
-        Standard deviation of the extra one-way delay (truncated at zero, never reorders bytes).
+        Half-width of the uniform jitter around the latency, as ``tc netem delay D J`` and the
+        virtual-clock emulator use it; at most ``rtt_ms``. Bytes are never reordered.
     down_mbps, up_mbps : float
         Bottleneck rate towards the client (downlink) and from it (uplink), in Mbit/s.
     mean_online_s, mean_offline_s : float
         Mean sojourn times of the two-state on/off chain (exponential); ``mean_offline_s == 0``
         means the link never goes down.
+    outage_policy : str
+        ``"resume"``: an outage pauses the bytes and the connection survives (a stall);
+        ``"drop"``: an outage resets every connection and refuses new ones until it ends.
     """
 
     name: str
@@ -40,8 +46,14 @@ class LinkSpec:
     up_mbps: float
     mean_online_s: float = math.inf
     mean_offline_s: float = 0.0
+    outage_policy: str = "drop"
 
     def __post_init__(self) -> None:
+        if self.outage_policy not in OUTAGE_POLICIES:
+            raise LinkError(
+                f"link {self.name!r}: outage_policy={self.outage_policy!r}, expected one of "
+                f"{list(OUTAGE_POLICIES)}"
+            )
         for key in ("rtt_ms", "jitter_ms", "mean_offline_s"):
             value = getattr(self, key)
             if not (value >= 0.0 and math.isfinite(value)):
@@ -52,6 +64,10 @@ class LinkSpec:
             value = getattr(self, key)
             if not (value > 0.0 and math.isfinite(value)):
                 raise LinkError(f"link {self.name!r}: {key}={value!r}, expected a finite value > 0")
+        if self.jitter_ms > self.rtt_ms:
+            raise LinkError(
+                f"link {self.name!r}: jitter_ms={self.jitter_ms!r} exceeds rtt_ms={self.rtt_ms!r}"
+            )
         if not self.mean_online_s > 0.0:
             raise LinkError(
                 f"link {self.name!r}: mean_online_s={self.mean_online_s!r}, expected > 0"
@@ -62,7 +78,7 @@ class LinkSpec:
         """Whether the link has outages."""
         return self.mean_offline_s > 0.0 and math.isfinite(self.mean_online_s)
 
-    def with_overrides(self, **changes: float) -> LinkSpec:
+    def with_overrides(self, **changes: float | str) -> LinkSpec:
         """Return a copy with some fields changed (validated again)."""
         unknown = set(changes) - set(self.__dataclass_fields__)
         if unknown:

@@ -159,6 +159,7 @@ class ManagedProcess:
         self.signal_group(signal.SIGKILL)
         if self._proc is not None:
             self._proc.wait(timeout=10)
+            self._wait_group_gone(10.0)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM the group, SIGKILL it after ``timeout_s``; return the exit status."""
@@ -173,7 +174,40 @@ class ManagedProcess:
                 self._proc.wait(timeout=10)
         # Children that outlived their leader (e.g. SuperExec workers) still share the group.
         self.signal_group(signal.SIGKILL)
+        self._wait_group_gone(timeout_s)
         return self._proc.returncode
+
+    def group_alive(self) -> bool:
+        """Whether any process of the group still exists (zombies included)."""
+        if self._proc is None:
+            return False
+        try:
+            os.killpg(self._proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if self.group_alive():
+            pids = [
+                entry for entry in os.listdir("/proc")
+                if entry.isdigit() and _pgid_of(int(entry)) == self._proc.pid  # type: ignore[union-attr]
+            ]
+            raise ProcessStartError(
+                f"{self.name}: process group {self.pid} still has pids {pids} after SIGKILL"
+            )
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def run_command(

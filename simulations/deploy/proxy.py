@@ -5,9 +5,10 @@ bottleneck (serialisation at ``bandwidth_mbps``, shared by all connections of th
 proxy shapes the rate itself), then travels one way in ``rtt_ms / 2`` plus a half-normal jitter.
 Delivery times never decrease within a connection, so TCP's byte order is kept.
 
-Outages follow a two-state on/off chain with exponential sojourn times (seeded). Going offline
-aborts every open connection (a reset, as when a phone loses its radio bearer) and refuses new ones
-until the link is back, which is what a SuperNode sees on an intermittent link.
+Outages follow a two-state on/off chain with exponential sojourn times (seeded). Under the
+``"drop"`` policy going offline aborts every open connection (a reset, as when a phone loses its
+radio bearer) and refuses new ones until the link is back, which is what a SuperNode sees on an
+intermittent link; under ``"resume"`` the bytes wait and the connections survive (a stall).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class LinkProxy:
         self._down = _Direction(spec.down_mbps if shape_rate else None)
         self.stats = ProxyStats()
         self._online = True
+        self._online_event: asyncio.Event | None = None
         self._offline_since: float | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,6 +184,8 @@ class LinkProxy:
             self._ready.set()
             loop.close()
             return
+        self._online_event = asyncio.Event()
+        self._online_event.set()
         if self.run_outages:
             self._spawn(self._outage_chain())
         self._ready.set()
@@ -208,6 +212,11 @@ class LinkProxy:
             return
         now = time.monotonic()
         self._online = online
+        assert self._online_event is not None
+        if online:
+            self._online_event.set()
+        else:
+            self._online_event.clear()
         if online:
             assert self._offline_since is not None
             self.stats.offline_intervals_s.append((self._offline_since, now))
@@ -215,6 +224,8 @@ class LinkProxy:
             return
         self._offline_since = now
         self.stats.outages += 1
+        if self.spec.outage_policy == "resume":
+            return  # bytes wait in the pumps until the link is back
         for writer in list(self._writers):
             self.stats.aborted_by_outage += 1
             writer.transport.abort()
@@ -230,11 +241,14 @@ class LinkProxy:
     def _one_way_delay_s(self) -> float:
         if not self.shape_delay:
             return 0.0
-        jitter_ms = abs(self._rng.gauss(0.0, self.spec.jitter_ms)) if self.spec.jitter_ms else 0.0
-        return (self.spec.rtt_ms / 2.0 + jitter_ms) / 1000.0
+        # Each direction carries half the round trip and half its jitter, so that a request and
+        # its reply see ``rtt_ms +- jitter_ms`` as in the emulator.
+        half_jitter_ms = self.spec.jitter_ms / 2.0
+        jitter_ms = self._rng.uniform(-half_jitter_ms, half_jitter_ms) if half_jitter_ms else 0.0
+        return max(0.0, self.spec.rtt_ms / 2.0 + jitter_ms) / 1000.0
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self._online:
+        if not self._online and self.spec.outage_policy == "drop":
             self.stats.refused_offline += 1
             writer.transport.abort()
             return
@@ -291,6 +305,8 @@ class LinkProxy:
                 wait_s = deliver_s - loop.time()
                 if wait_s > 0:
                     await asyncio.sleep(wait_s)
+                assert self._online_event is not None
+                await self._online_event.wait()  # a stall under the "resume" policy
                 if data is None:
                     writer.transport.abort()
                     return
