@@ -170,12 +170,15 @@ class VethLink:
 def tbf_args(mbps: float) -> list[str]:
     """``tbf`` arguments for a rate of ``mbps``.
 
-    The bucket holds 10 ms of traffic (at least two full frames) so that short transfers are not
-    let through at line rate, and the queue holds one second so that TCP sees few drops.
+    The bucket holds 10 ms of traffic (at least two full frames); a peak rate just above the rate
+    drains it one frame at a time, so a short transfer is not let through at line rate (which the
+    analytic model does not do either). The queue holds one second so that TCP sees few drops.
     """
     bytes_per_s = mbps * 1e6 / 8.0
     burst_bytes = max(3028, int(bytes_per_s * 0.010))
-    return ["tbf", "rate", f"{max(8, round(mbps * 1000))}kbit", "burst", str(burst_bytes),
+    rate_kbit = max(8, round(mbps * 1000))
+    return ["tbf", "rate", f"{rate_kbit}kbit", "burst", str(burst_bytes),
+            "peakrate", f"{round(rate_kbit * 1.02) + 1}kbit", "mtu", "1600",
             "latency", "1000ms"]
 
 

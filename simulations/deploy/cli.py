@@ -1,0 +1,167 @@
+"""``python -m simulations deploy``: run an app on a local deployment, or calibrate the links."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+# Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
+import tomli
+
+from .calibrate import measure, point_to_dict, predicted_transfer_s
+from .cluster import Deployment, DeploymentConfig
+from .errors import DeployError
+from .links import MODES, choose_mode
+from .presets import LOCAL_PRESETS, preset
+
+PROBE_APP = Path(__file__).resolve().parent / "probe_app"
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, object]:
+    """``["rounds=3", "task=mnist5k"]`` -> ``{"rounds": 3, "task": "mnist5k"}``.
+
+    Values are read as TOML (numbers, booleans, quoted strings); anything else is a string.
+
+    Raises
+    ------
+    DeployError
+        When an item has no ``=`` or an empty key.
+    """
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise DeployError(f"--set expects key=value, got {item!r}")
+        try:
+            out[key] = tomli.loads(f"v = {raw.strip()}")["v"]
+        except tomli.TOMLDecodeError:
+            out[key] = raw.strip()
+    return out
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m simulations deploy",
+        description="Run a Flower app on one local SuperLink and N SuperNodes behind shaped "
+                    "links (`python -m simulations deploy calibrate --help` for calibration).",
+    )
+    p.add_argument("--nodes", type=int, default=2, help="number of SuperNodes (default 2)")
+    p.add_argument("--link", default=None, choices=sorted(LOCAL_PRESETS),
+                   help="link preset of every SuperNode (default: unshaped loopback)")
+    p.add_argument("--shaping", default="auto", choices=MODES,
+                   help="how links are shaped (default: the best this machine supports)")
+    p.add_argument("--tls", action="store_true", help="TLS with certificates made for the run")
+    p.add_argument("--auth", action="store_true",
+                   help="SuperNode authentication with registered keys (implies --tls)")
+    p.add_argument("--app", default="probe",
+                   help="app folder with [tool.flwr.app], or 'probe' (a numpy FedAvg check)")
+    p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
+                   help="run-config override, repeatable")
+    p.add_argument("--workdir", default=None,
+                   help="logs, certificates and state (default: a new temporary folder)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
+    p.add_argument("--seed", type=int, default=0, help="seeds the links' jitter and outages")
+    return p
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m simulations deploy calibrate",
+        description="Time transfers on shaped real links and compare them with the analytic "
+                    "prediction (rtt + bytes * 8 / bandwidth).",
+    )
+    p.add_argument("--presets", default="wifi,lte,lte-driving,3g,edge",
+                   help="comma-separated presets")
+    p.add_argument("--sizes", default="10000,100000,1000000",
+                   help="comma-separated payload sizes in bytes")
+    p.add_argument("--directions", default="up,down", help="up, down or both")
+    p.add_argument("--shaping", default="auto", choices=MODES)
+    p.add_argument("--max-predicted-s", type=float, default=12.0,
+                   help="skip points whose predicted transfer is longer than this")
+    p.add_argument("--repeats", type=int, default=2, help="transfers per point (fastest kept)")
+    p.add_argument("--out", default=None, help="write the points as JSON here")
+    return p
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def cmd_calibrate(argv: Sequence[str]) -> int:
+    """Measure and print the calibration table; returns 1 when a point misses 15%."""
+    args = _calibrate_parser().parse_args(argv)
+    mode, detail = choose_mode(args.shaping)
+    print(f"[deploy] link shaping mode: {mode} ({detail})", flush=True)
+    try:
+        sizes = [int(s) for s in _csv(args.sizes)]
+    except ValueError:
+        raise DeployError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
+    directions = _csv(args.directions)
+    rows = []
+    print(f"{'preset':<12} {'dir':<4} {'bytes':>9} {'measured s':>10} {'predicted s':>11} "
+          f"{'error':>7}")
+    for name in _csv(args.presets):
+        spec = preset(name)
+        for direction in directions:
+            for size in sizes:
+                if predicted_transfer_s(spec, size, direction) > args.max_predicted_s:
+                    continue
+                point = measure(spec, mode, size, direction, seed=0, repeats=args.repeats)
+                rows.append(point_to_dict(point))
+                print(f"{name:<12} {direction:<4} {size:>9} {point.measured_s:>10.3f} "
+                      f"{point.predicted_s:>11.3f} {point.relative_error:>+7.1%}", flush=True)
+    worst = max((abs(float(r["relative_error"])) for r in rows), default=0.0)
+    print(f"{len(rows)} points, worst relative error {worst:.1%} (target 15%)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"mode": mode, "points": rows}, indent=2) + "\n")
+    return 0 if worst <= 0.15 else 1
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """Start the deployment, run the app, print its outcome, shut everything down."""
+    args = _run_parser().parse_args(argv)
+    run_config = parse_sets(args.set)
+    app_dir = PROBE_APP if args.app == "probe" else Path(args.app).resolve()
+    if not (app_dir / "pyproject.toml").is_file():
+        raise DeployError(f"--app {args.app!r}: no pyproject.toml in {app_dir}")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
+    config = DeploymentConfig(
+        nodes=args.nodes,
+        workdir=workdir,
+        link=preset(args.link) if args.link else None,
+        shaping=args.shaping,
+        tls=args.tls,
+        auth=args.auth,
+        seed=args.seed,
+    )
+    print(f"[deploy] {args.nodes} SuperNodes, link {args.link or 'none'}, "
+          f"tls={'on' if config.tls else 'off'}, auth={'on' if config.auth else 'off'}, "
+          f"workdir {workdir}", flush=True)
+    with Deployment(config) as dep:
+        result = dep.run(app_dir, run_config or None, timeout_s=args.timeout_s)
+        print(result.log)
+        print(f"[deploy] run {result.run_id}: {result.status} in {result.seconds:.1f} s")
+        if not result.ok:
+            print(dep.log_tails(), file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point dispatched to by ``python -m simulations deploy ...``."""
+    try:
+        if argv and argv[0] == "calibrate":
+            return cmd_calibrate(argv[1:])
+        return cmd_run(argv)
+    except DeployError as err:
+        print(f"python -m simulations deploy: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
