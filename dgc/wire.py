@@ -96,24 +96,28 @@ def _check_tensor(name: str, t: SparseTensor) -> np.ndarray:
     return indices
 
 
-def _index_sizes(indices: np.ndarray, numel: int) -> dict[str, int]:
-    """Bytes of the index section under every coding that can carry these indices."""
+def _index_sizes(indices: np.ndarray, numel: int) -> tuple[dict[str, int], int]:
+    """Bytes of the index section under every coding that can carry these indices, and the
+    Rice parameter the Golomb-Rice coding would use."""
     count = int(indices.size)
-    sizes = {"golomb": golomb.golomb_size(indices, numel)[0], "bitmap": golomb.bitmap_size(numel)}
+    golomb_bytes, rice_b = golomb.golomb_size(indices, numel)
+    sizes = {"golomb": golomb_bytes, "bitmap": golomb.bitmap_size(numel)}
     if count == numel:
         sizes["all"] = 0
     if numel <= _MAX_U32 + 1:
         sizes["raw"] = 4 * count
-    return sizes
+    return sizes, rice_b
 
 
-def _choose_coding(indices: np.ndarray, numel: int, index_coding: str, name: str) -> str:
+def _choose_coding(indices: np.ndarray, numel: int, index_coding: str,
+                   name: str) -> tuple[str, int | None]:
+    """The coding for one tensor, and its Rice parameter when already computed."""
     if index_coding == "auto":
-        count = int(indices.size)
-        if count == numel:
-            return "all"
-        sizes = _index_sizes(indices, numel)
-        return min(sizes, key=lambda c: (sizes[c], _AUTO_PREFERENCE.index(c)))
+        if indices.size == numel:
+            return "all", None
+        sizes, rice_b = _index_sizes(indices, numel)
+        coding = min(sizes, key=lambda c: (sizes[c], _AUTO_PREFERENCE.index(c)))
+        return coding, rice_b
     if index_coding not in INDEX_CODINGS:
         raise EncodeError(f"index_coding {index_coding!r} is not one of "
                           f"{['auto', *INDEX_CODINGS]}")
@@ -123,17 +127,17 @@ def _choose_coding(indices: np.ndarray, numel: int, index_coding: str, name: str
     if index_coding == "raw" and numel > _MAX_U32 + 1:
         raise EncodeError(f"tensor {name!r}: index_coding 'raw' carries uint32 indices, the "
                           f"tensor has {numel} entries")
-    return index_coding
+    return index_coding, None
 
 
-def _encode_indices(indices: np.ndarray, numel: int, coding: str) -> bytes:
+def _encode_indices(indices: np.ndarray, numel: int, coding: str, rice_b: int | None) -> bytes:
     if coding == "all":
         return b""
     if coding == "raw":
         return golomb.raw_encode(indices)
     if coding == "bitmap":
         return golomb.bitmap_encode(indices, numel)
-    return golomb.golomb_encode(indices, numel)
+    return golomb.golomb_encode(indices, numel, rice_b)
 
 
 def _value_bytes(values: torch.Tensor) -> bytes:
@@ -188,8 +192,8 @@ def encode(update: SparseUpdate, index_coding: str = "auto") -> bytes:
     parts = [_PREAMBLE.pack(MAGIC, VERSION, 0, update.sequence, len(update.tensors))]
     for name, t in update.tensors.items():
         indices = _check_tensor(name, t)
-        coding = _choose_coding(indices, t.numel, index_coding, name)
-        index_section = _encode_indices(indices, t.numel, coding)
+        coding, rice_b = _choose_coding(indices, t.numel, index_coding, name)
+        index_section = _encode_indices(indices, t.numel, coding, rice_b)
         parts += [_tensor_header(name, t, coding, len(index_section)), index_section,
                   _value_bytes(t.values)]
     body = b"".join(parts)
@@ -202,8 +206,8 @@ def encoded_size(update: SparseUpdate, index_coding: str = "auto") -> int:
     total = EMPTY_MESSAGE_BYTES
     for name, t in update.tensors.items():
         indices = _check_tensor(name, t)
-        coding = _choose_coding(indices, t.numel, index_coding, name)
-        index_bytes = 0 if coding == "all" else _index_sizes(indices, t.numel)[coding]
+        coding, _ = _choose_coding(indices, t.numel, index_coding, name)
+        index_bytes = 0 if coding == "all" else _index_sizes(indices, t.numel)[0][coding]
         total += (_NAME_LEN.size + len(name.encode("utf-8")) + _NDIM.size
                   + _DIM.size * len(t.shape) + _TENSOR_TAIL.size + index_bytes
                   + t.nnz * t.values.element_size())
@@ -218,7 +222,7 @@ def index_bits(indices: torch.Tensor | np.ndarray, numel: int, coding: str) -> i
     """
     idx = indices.detach().cpu().numpy() if isinstance(indices, torch.Tensor) else indices
     idx = np.asarray(idx, dtype=np.int64)
-    sizes = _index_sizes(idx, numel)
+    sizes, _ = _index_sizes(idx, numel)
     if coding == "auto":
         return 8 * min(sizes.values())
     if coding not in sizes:
@@ -381,7 +385,8 @@ def decode(data: bytes | bytearray | memoryview, *, max_numel: int | None = None
         raise DecodeError(f"malformed update: {type(e).__name__}: {e}") from e
 
 
-def _decode(data: memoryview, max_numel: int | None) -> SparseUpdate:
+def _read_structure(data: memoryview, max_numel: int | None) -> tuple[int, list[_TensorRecord]]:
+    """The sequence and every tensor header, after the framing and the checksum are verified."""
     size = len(data)
     if size < EMPTY_MESSAGE_BYTES:
         raise DecodeError(f"truncated input: {size} bytes, a message has at least "
@@ -413,9 +418,30 @@ def _decode(data: memoryview, max_numel: int | None) -> SparseUpdate:
     actual_crc = zlib.crc32(data[:end])
     if stored_crc != actual_crc:
         raise DecodeError(f"bad checksum: stored 0x{stored_crc:08x}, computed 0x{actual_crc:08x}")
+    return sequence, records
+
+
+def _decode(data: memoryview, max_numel: int | None) -> SparseUpdate:
+    sequence, records = _read_structure(data, max_numel)
     tensors = {}
     for r in records:
         indices = torch.from_numpy(_decode_indices(data, r))
         values = _decode_values(data, r)
         tensors[r.name] = SparseTensor(indices, values, r.shape)
     return SparseUpdate(tensors, sequence)
+
+
+def tensor_codings(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The index coding each tensor of a message is stored with, by name, in message order.
+
+    Reads only the headers (after verifying framing and checksum); a diagnostic for benchmarks,
+    tests and other-language codecs. Raises :class:`~dgc.errors.DecodeError` like :func:`decode`.
+    """
+    view = _as_bytes_view(data)
+    try:
+        _, records = _read_structure(view, None)
+    except (ValueError, TypeError, IndexError, OverflowError, struct.error) as e:
+        if isinstance(e, DecodeError):
+            raise
+        raise DecodeError(f"malformed update: {type(e).__name__}: {e}") from e
+    return {r.name: _CODING_NAMES[r.coding] for r in records}
