@@ -458,5 +458,9 @@ def test_encode_rejects_what_decode_would_refuse() -> None:
         encode(upd([1], [1.0]), "huffman")
     with pytest.raises(EncodeError, match="65535"):
         encode(SparseUpdate({"x" * 70_000: upd([1], [1.0]).tensors["w"]}))
+    empty = torch.empty(0, dtype=torch.int64)
+    for shape in ((0, 2**63), (-1, 4)):
+        with pytest.raises(EncodeError, match="has a dim outside"):
+            encode(SparseUpdate({"w": SparseTensor(empty, torch.empty(0), shape)}))
     with pytest.raises(EncodeError, match="SparseUpdate"):
         encode({"w": upd([1], [1.0]).tensors["w"]})
