@@ -29,6 +29,13 @@ def run_scenario(config: RunConfig, verbose: bool = False) -> dict[str, Any]:
     from server.app import prepare_run_dir, run_server
 
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
+    if config.server.engine == "local":
+        from server.local_grid import LocalGrid
+
+        if not verbose:
+            logging.getLogger("flwr").setLevel(logging.WARNING)
+        return run_server(LocalGrid(client_app, config.train.num_clients, seed=config.train.seed),
+                          config)
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if not verbose:
