@@ -75,7 +75,9 @@ class GilbertElliott:
         pieces: list[np.ndarray] = []
         total = 0
         while total < n:
-            runs = max(16, int(2 * n * max(self.p_good_bad, self.p_bad_good)) + 16)
+            # Enough good+bad run pairs to cover the rest of the n packets, on average.
+            cycle = 1.0 / self.p_bad_good + (1.0 / self.p_good_bad if self.p_good_bad else n)
+            runs = int((n - total) / cycle) + 16
             if self.p_good_bad == 0.0:
                 good_runs = np.full(runs, n + 1, dtype=np.int64)
             else:

@@ -106,11 +106,10 @@ class MarkovOnOff:
             self._up_at_horizon = True
         on = self._rng.exponential(self.mean_on_s, size=self._BATCH)
         off = self._rng.exponential(self.mean_off_s, size=self._BATCH)
-        for a, b in zip(on.tolist(), off.tolist(), strict=True):
-            t += a
-            self._starts.append(t)
-            self._ends.append(t + b)
-            t += b
+        ends = t + np.cumsum(on + off)
+        self._starts.extend((ends - off).tolist())
+        self._ends.extend(ends.tolist())
+        t = float(ends[-1])
         # The horizon sits at the end of an outage: the next batch starts with a whole up period.
         self._horizon_s = t
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,31 +51,80 @@ class ClientNetwork:
 class Assignment:
     """The mapping client id -> (link, device) of a scenario; built by :func:`assign`.
 
-    Parameters
-    ----------
-    clients : list of ClientNetwork
-        Indexed by client id, 0..num_clients-1.
+    The per-client draws are held as small arrays; a client's :class:`ClientNetwork` is built on
+    first use and kept in a bounded cache, so 10,000 clients cost a few hundred kilobytes and any
+    one client can be looked up without building the others (the Flower mod does that, once per
+    process and client).
     """
 
-    def __init__(self, clients: list[ClientNetwork]) -> None:
-        self.clients = clients
+    _CACHE = 4096
+
+    def __init__(self, seed: int, profiles: list[LinkProfile], link_idx: np.ndarray,
+                 devices: list[DeviceProfile], device_idx: np.ndarray, speed_z: np.ndarray,
+                 flaky: np.ndarray, phase: np.ndarray, intermittent_mean_on_s: float,
+                 intermittent_mean_off_s: float, outage_policy: str,
+                 availability: float | None) -> None:
+        self.seed = seed
+        self._profiles, self._link_idx = profiles, link_idx
+        self._devices, self._device_idx, self._speed_z = devices, device_idx, speed_z
+        self._flaky, self._phase = flaky, phase
+        self._on_s, self._off_s = intermittent_mean_on_s, intermittent_mean_off_s
+        self._policy, self._availability = outage_policy, availability
+        self._cache: OrderedDict[int, ClientNetwork] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self.clients)
+        return int(self._link_idx.size)
 
     def __getitem__(self, client_id: int) -> ClientNetwork:
         if isinstance(client_id, bool) or not isinstance(client_id, (int, np.integer)):
             raise LinkConfigError(f"client id must be an int, got {client_id!r}")
-        if not 0 <= client_id < len(self.clients):
-            raise LinkConfigError(f"client id {client_id} is outside 0..{len(self.clients) - 1}")
-        return self.clients[int(client_id)]
+        cid = int(client_id)
+        if not 0 <= cid < len(self):
+            raise LinkConfigError(f"client id {cid} is outside 0..{len(self) - 1}")
+        hit = self._cache.get(cid)
+        if hit is not None:
+            self._cache.move_to_end(cid)
+            return hit
+        built = self._build(cid)
+        self._cache[cid] = built
+        if len(self._cache) > self._CACHE:
+            self._cache.popitem(last=False)
+        return built
+
+    def _build(self, cid: int) -> ClientNetwork:
+        profile = self._profiles[int(self._link_idx[cid])]
+        flaky = bool(self._flaky[cid])
+        outages = None
+        if flaky:
+            outages = MarkovOnOff(self._on_s, self._off_s, seed=(self.seed, cid, _STREAM_OUTAGES))
+        periods = [t.period_s for t in (profile.down_mbps, profile.up_mbps)
+                   if isinstance(t, Trace)]
+        offset_s = float(self._phase[cid]) * max(periods) if periods else 0.0
+        link = profile.make_link((self.seed, cid), outages=outages, outage_policy=self._policy,
+                                 trace_offset_s=offset_s)
+        dp = self._devices[int(self._device_idx[cid])]
+        sps = dp.seconds_per_sample * float(np.exp(dp.spread * self._speed_z[cid]))
+        availability = dp.availability if self._availability is None else self._availability
+        return ClientNetwork(cid, link, Device(sps, availability, dp.name, (self.seed, cid)),
+                             flaky)
+
+    @property
+    def clients(self) -> list[ClientNetwork]:
+        """Every client, in id order (builds them all: for small scenarios and reports)."""
+        return [self[i] for i in range(len(self))]
+
+    def link_name(self, client_id: int) -> str:
+        """The link preset of ``client_id``, without building its link."""
+        return self._profiles[int(self._link_idx[client_id])].name
+
+    def is_intermittent(self, client_id: int) -> bool:
+        """Whether ``client_id`` has the scenario's outages."""
+        return bool(self._flaky[client_id])
 
     def counts(self) -> dict[str, int]:
         """Clients per link preset."""
-        out: dict[str, int] = {}
-        for c in self.clients:
-            out[c.link.name] = out.get(c.link.name, 0) + 1
-        return out
+        idx, n = np.unique(self._link_idx, return_counts=True)
+        return {self._profiles[int(i)].name: int(c) for i, c in zip(idx, n, strict=True)}
 
 
 def assign(num_clients: int, mix: Mapping[str, float], seed: int = 0, *,
@@ -109,10 +159,10 @@ def assign(num_clients: int, mix: Mapping[str, float], seed: int = 0, *,
     integer("assign", "num_clients", num_clients, minimum=1)
     integer("assign", "seed", seed, minimum=0)
     number("assign", "intermittent", intermittent, minimum=0.0, maximum=1.0)
-    number("assign", "intermittent_mean_on_s", intermittent_mean_on_s, minimum=0.0,
-           strict_min=True)
-    number("assign", "intermittent_mean_off_s", intermittent_mean_off_s, minimum=0.0,
-           strict_min=True)
+    on_s = number("assign", "intermittent_mean_on_s", intermittent_mean_on_s, minimum=0.0,
+                  strict_min=True)
+    off_s = number("assign", "intermittent_mean_off_s", intermittent_mean_off_s, minimum=0.0,
+                   strict_min=True)
     if outage_policy not in OUTAGE_POLICIES:
         raise LinkConfigError(f"assign.outage_policy must be one of {OUTAGE_POLICIES}, "
                               f"got {outage_policy!r}")
@@ -131,34 +181,21 @@ def assign(num_clients: int, mix: Mapping[str, float], seed: int = 0, *,
             raise LinkConfigError(f"assign.device_mix names unknown device preset {name!r}; "
                                   f"expected one of {sorted(devices)}")
 
-    def labels(fractions: Mapping[str, float], what: str, stream: int) -> list[str]:
+    def labels(fractions: Mapping[str, float], what: str, stream: int) -> tuple[list[str],
+                                                                               np.ndarray]:
         counts = split_counts(num_clients, fractions, what)
-        seq = [n for n in sorted(counts) for _ in range(counts[n])]
+        names = sorted(counts)
+        seq = np.repeat(np.arange(len(names)), [counts[n] for n in names])
         order = np.random.default_rng([seed, stream]).permutation(num_clients)
-        return [seq[i] for i in order]
+        return names, seq[order]
 
-    link_names = labels(mix, "assign.mix", _STREAM_LINKS)
-    device_names = labels(device_mix, "assign.device_mix", _STREAM_DEVICES)
+    link_names, link_idx = labels(mix, "assign.mix", _STREAM_LINKS)
+    device_names, device_idx = labels(device_mix, "assign.device_mix", _STREAM_DEVICES)
     n_int = int(round(intermittent * num_clients))
     flaky = np.zeros(num_clients, dtype=bool)
     flaky[np.random.default_rng([seed, _STREAM_INTERMITTENT]).permutation(num_clients)[:n_int]] = 1
-    device_rng = np.random.default_rng([seed, _STREAM_DEVICES, 1])
-    phase_rng = np.random.default_rng([seed, _STREAM_LINKS, 1])
-
-    clients = []
-    for cid in range(num_clients):
-        profile = links[link_names[cid]]
-        outages = None
-        if flaky[cid]:
-            outages = MarkovOnOff(intermittent_mean_on_s, intermittent_mean_off_s,
-                                  seed=(seed, cid, _STREAM_OUTAGES))
-        periods = [t.period_s for t in (profile.down_mbps, profile.up_mbps)
-                   if isinstance(t, Trace)]
-        offset_s = float(phase_rng.uniform(0.0, max(periods))) if periods else 0.0
-        link = profile.make_link((seed, cid), outages=outages, outage_policy=outage_policy,
-                                 trace_offset_s=offset_s)
-        device = devices[device_names[cid]].sample(device_rng, (seed, cid))
-        if availability is not None:
-            device = Device(device.seconds_per_sample, availability, device.name, device.seed)
-        clients.append(ClientNetwork(cid, link, device, bool(flaky[cid])))
-    return Assignment(clients)
+    speed_z = np.random.default_rng([seed, _STREAM_DEVICES, 1]).standard_normal(num_clients)
+    phase = np.random.default_rng([seed, _STREAM_LINKS, 1]).random(num_clients)
+    return Assignment(seed, [links[n] for n in link_names], link_idx,
+                      [devices[n] for n in device_names], device_idx, speed_z, flaky, phase,
+                      on_s, off_s, outage_policy, availability)
