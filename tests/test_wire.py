@@ -458,5 +458,35 @@ def test_encode_rejects_what_decode_would_refuse() -> None:
         encode(upd([1], [1.0]), "huffman")
     with pytest.raises(EncodeError, match="65535"):
         encode(SparseUpdate({"x" * 70_000: upd([1], [1.0]).tensors["w"]}))
+    empty = torch.empty(0, dtype=torch.int64)
+    for shape in ((0, 2**63), (-1, 4)):
+        with pytest.raises(EncodeError, match="has a dim outside"):
+            encode(SparseUpdate({"w": SparseTensor(empty, torch.empty(0), shape)}))
     with pytest.raises(EncodeError, match="SparseUpdate"):
         encode({"w": upd([1], [1.0]).tensors["w"]})
+
+
+# ---------------------------------------------------------------------------------------------
+# With the real compressor
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
+def test_compressor_updates_round_trip_and_take_the_expected_codings(value_dtype: str) -> None:
+    from dgc import DGCCompressor, DGCConfig
+
+    comp = DGCCompressor(DGCConfig(density=0.01, value_dtype=value_dtype))
+    g = torch.Generator().manual_seed(11)
+    shapes = {"conv.weight": (32, 16, 3, 3), "fc.weight": (10, 512), "fc.bias": (10,)}
+    for epoch in (0.0, 5.0):  # warm-up density, then the target density
+        grads = {n: torch.randn(s, generator=g) * 100 for n, s in shapes.items()}
+        update = comp.compress(grads, epoch=epoch)
+        data = encode(update)
+        assert len(data) == encoded_size(update)
+        decoded = decode(data)
+        assert_same(update, decoded)
+        for name, dense in update.to_dense().items():
+            assert torch.equal(decoded.to_dense()[name], dense)
+        codings = tensor_codings(data)
+        assert codings["fc.bias"] == "all"
+        if epoch == 5.0:
+            assert codings["conv.weight"] == codings["fc.weight"] == "golomb"
