@@ -114,7 +114,10 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         if "num-examples" in record:
             samples = int(record["num-examples"])  # type: ignore[arg-type]
             break
-    compute_s = net.device.compute_seconds(samples, settings.local_epochs)
+    if settings.local_samples > 0:
+        compute_s = net.device.compute_seconds(settings.local_samples)
+    else:
+        compute_s = net.device.compute_seconds(samples, settings.local_epochs)
     reply.content[RECORD] = _record({})
     up_nbytes = encoded_nbytes(reply.content)
     up = net.link.transfer(up_nbytes, down.end_s + compute_s, "up", round_index=round_index)

@@ -57,6 +57,10 @@ class NetemSettings:
         Round deadline in virtual seconds, >= 0; 0 means none.
     local_epochs : float
         Local epochs per round: virtual compute is ``num-examples * local_epochs`` samples.
+    local_samples : int
+        When > 0, the samples trained per round instead (local steps times batch size).
+    target_accuracy : float
+        When > 0, ``summary.json`` reports ``virtual_seconds_to_target`` for it, in [0, 1].
     stale_policy : str
         ``"keep"``, ``"decay"`` or ``"drop"`` (see :mod:`simulations.netem.staleness`).
     stale_decay : float
@@ -77,6 +81,8 @@ class NetemSettings:
     num_clients: int = _doc("clients in the scenario")
     deadline_s: float = _doc("round deadline; 0 = none")
     local_epochs: float = _doc("local epochs per round")
+    local_samples: int = _doc("samples per round; 0 = num-examples * local_epochs")
+    target_accuracy: float = _doc("accuracy for virtual_seconds_to_target; 0 = none")
     stale_policy: str = _doc("keep, decay or drop")
     stale_decay: float = _doc("decay per round away")
     stale_after_rounds: int = _doc("rounds away before the policy acts")
@@ -86,6 +92,7 @@ class NetemSettings:
                  intermittent_mean_off_s: float = 30.0, outage_policy: str = "fail",
                  device_mix: str = "midrange:1.0", availability: float = 0.0, seed: int = 0,
                  num_clients: int = 100, deadline_s: float = 0.0, local_epochs: float = 1.0,
+                 local_samples: int = 0, target_accuracy: float = 0.0,
                  stale_policy: str = "keep", stale_decay: float = 0.5,
                  stale_after_rounds: int = 0) -> None:
         values = dict(locals())
@@ -124,6 +131,10 @@ class NetemSettings:
             raise bad("deadline_s", ">= 0 seconds (0: no deadline)")
         if not self.local_epochs > 0:
             raise bad("local_epochs", "> 0")
+        if self.local_samples < 0:
+            raise bad("local_samples", "an integer >= 0 (0: num-examples * local_epochs)")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise bad("target_accuracy", "in [0, 1] (0: none)")
         if self.stale_policy not in STALE_POLICIES:
             raise bad("stale_policy", f"one of {list(STALE_POLICIES)}")
         if not 0.0 < self.stale_decay <= 1.0:
