@@ -63,3 +63,43 @@ def test_bad_policies_name_the_field(kwargs: dict, field: str) -> None:
         StalePolicy(**kwargs)
     with pytest.raises(LinkConfigError, match="rounds_away"):
         StalePolicy().factor(-1)
+
+
+def _record(c: DGCCompressor, last: object) -> dict:
+    """What client.app stores: the compressor state and the encoded last update."""
+    import dgc
+
+    data = dgc.encode(last)
+    return {"compressor": c.state_dict(),
+            "pending": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+
+
+def test_stale_policy_on_a_stored_record_folds_back_unacked_pending_first() -> None:
+    from simulations.netem.staleness import apply_stale_policy_to_record
+
+    c = DGCCompressor(DGCConfig(density=0.1, warmup="none"))
+    g = torch.Generator().manual_seed(1)
+    last = c.compress({"w": torch.randn(40, 50, generator=g)}, sequence=3)
+    v = c.memory.v["w"].clone()
+    pending_dense = last.tensors["w"].to_dense().reshape(-1).float()
+
+    keep = _record(c, last)
+    assert apply_stale_policy_to_record(keep, 10, -1, StalePolicy("keep")) is None
+    assert "pending" in keep
+    # Back in round 4 (0 rounds away): within any grace, nothing to do.
+    assert apply_stale_policy_to_record(_record(c, last), 4, -1, StalePolicy("drop")) is None
+
+    decayed = _record(c, last)  # round 8: 4 rounds away, unacknowledged
+    rep = apply_stale_policy_to_record(decayed, 8, -1, StalePolicy("decay", 0.5, 2))
+    assert rep.factor == 0.25 and "pending" not in decayed
+    after = decayed["compressor"]["memory"]["v"]["w"]
+    assert torch.allclose(after, (v + pending_dense) * 0.25, atol=1e-6)
+
+    acked = _record(c, last)  # the same, but the server aggregated it: not folded back
+    apply_stale_policy_to_record(acked, 8, 3, StalePolicy("decay", 0.5, 2))
+    assert torch.allclose(acked["compressor"]["memory"]["v"]["w"], v * 0.25, atol=1e-6)
+
+    dropped = _record(c, last)
+    rep = apply_stale_policy_to_record(dropped, 6, -1, StalePolicy("drop", after_rounds=1))
+    assert rep.factor == 0.0 and not dropped["compressor"]["memory"]["v"]["w"].any()
+    assert rep.discarded_l1 == pytest.approx(float((v + pending_dense).abs().sum()), rel=1e-5)

@@ -9,10 +9,12 @@ config carries ``netem.enabled = True`` it:
    bytes Flower serialises for it, from the round's virtual start ``netem.round_start_s``;
 3. if the device is unavailable or the download fails, replies at once without training (a real
    client would never have seen the model);
-4. otherwise trains (``call_next``), charges ``num-examples * local_epochs`` samples of the
-   device's compute time, and charges the upload: the encoded size of the reply, emulator record
-   included;
-5. attaches the timeline as a ``netem`` MetricRecord to the reply. Nothing sleeps: the strategy's
+4. applies the stale-residual policy (``netem.stale_policy``) to the client's stored residual
+   when it has been away long enough;
+5. trains (``call_next``), charges ``num-examples * local_epochs`` samples (or
+   ``netem.local_samples``) of the device's compute time, and charges the upload: the encoded
+   size of the reply, emulator record included;
+6. attaches the timeline as a ``netem`` MetricRecord to the reply. Nothing sleeps: the strategy's
    round clock reads these virtual times and decides which updates make the round.
 
 Other messages (query, evaluate) and runs without ``netem.enabled`` pass through untouched.
@@ -36,6 +38,7 @@ from simulations.netem.settings import (
     NetemSettings,
     assignment_for,
 )
+from simulations.netem.staleness import StaleReport, apply_stale_policy_to_record
 
 #: Name of the MetricRecord the mod adds to a train reply.
 RECORD = "netem"
@@ -43,7 +46,7 @@ REASON_CODES: dict[str, float] = {REASON_OK: 0.0, REASON_LINK_DOWN: 1.0, REASON_
 _REASONS = {v: k for k, v in REASON_CODES.items()}
 _FIELDS = ("ok", "reason", "client_key", "finish_s", "download_end_s", "compute_s",
            "download_bytes", "upload_bytes", "download_wire_bytes", "upload_wire_bytes",
-           "outage_s")
+           "outage_s", "stale_factor", "stale_discarded_l1")
 
 
 def encoded_nbytes(content: RecordDict) -> int:
@@ -81,6 +84,28 @@ def _early_reply(msg: Message, key: int, reason: str, end_s: float,
     return Message(RecordDict({RECORD: _record(values)}), reply_to=msg)
 
 
+def _age_residual(config: dict, context: Context, key: int, round_index: int,
+                  settings: NetemSettings) -> StaleReport | None:
+    # The client keeps its residual in client.state.ClientStateStore; the stale policy acts on
+    # that record before the client loads it.
+    if settings.stale_policy == "keep":
+        return None
+    root = context.node_config.get("state-dir") or config.get("state_dir")
+    if not root:
+        return None
+    from client.state import ClientStateStore
+
+    store = ClientStateStore(str(root))
+    record = store.get(str(key))
+    if record is None:
+        return None
+    report = apply_stale_policy_to_record(record, round_index,
+                                          int(config.get("ack_sequence", -1)), settings.stale)
+    if report is not None:
+        store.put(str(key), record)
+    return report
+
+
 def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Charge the train round trip to this client's emulated link (see the module docstring)."""
     if msg.metadata.message_type != MessageType.TRAIN:
@@ -106,6 +131,7 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     if not down.ok:
         return _early_reply(msg, key, down.reason, down.end_s, down)
 
+    stale = _age_residual(config, context, key, round_index, settings)
     reply = call_next(msg, context)
     if reply.has_error() or not reply.has_content():
         return reply
@@ -127,6 +153,8 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         "download_bytes": down.nbytes, "upload_bytes": up.nbytes,
         "download_wire_bytes": down.wire_bytes, "upload_wire_bytes": up.wire_bytes,
         "outage_s": down.outage_s + up.outage_s,
+        "stale_factor": 1.0 if stale is None else stale.factor,
+        "stale_discarded_l1": 0.0 if stale is None else stale.discarded_l1,
     })
     return reply
 

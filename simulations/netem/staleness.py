@@ -17,10 +17,12 @@ a client sampled in consecutive rounds is 0 rounds away.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dgc import DGCCompressor
+import dgc
+from dgc import DGCCompressor, DGCConfig
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
 
@@ -89,3 +91,30 @@ def apply_stale_policy(compressor: DGCCompressor, rounds_away: int,
             for t in part.values():
                 t.mul_(factor)
     return StaleReport(factor, before, _l1(compressor.memory.v) if factor != 1.0 else before)
+
+
+def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_sequence: int,
+                                 policy: StalePolicy) -> StaleReport | None:
+    """Apply ``policy`` to a client's stored record (``client.app``'s format), in place.
+
+    The record holds ``compressor`` (a ``DGCCompressor.state_dict()``) and ``pending`` (the
+    encoded last update, a uint8 tensor). The client was last trained in round
+    ``pending.sequence``, so it is ``round_index - pending.sequence - 1`` rounds away. When the
+    policy changes anything, an unacknowledged pending update is first folded back (as the client
+    would do), then residual and momentum are scaled, and ``pending`` is removed so that the
+    client does not fold it back a second time. Returns None when the record has nothing to age.
+    """
+    if policy.mode == "keep" or "compressor" not in record or record.get("pending") is None:
+        return None
+    pending = dgc.decode(bytes(record["pending"].numpy().tobytes()))
+    rounds_away = max(0, round_index - pending.sequence - 1)
+    if policy.factor(rounds_away) == 1.0:
+        return None
+    compressor = DGCCompressor(DGCConfig.from_dict(record["compressor"]["config"]))
+    compressor.load_state_dict(record["compressor"])
+    if pending.sequence != ack_sequence:
+        compressor.restore(pending)
+    report = apply_stale_policy(compressor, rounds_away, policy)
+    record["compressor"] = compressor.state_dict()
+    del record["pending"]
+    return report
