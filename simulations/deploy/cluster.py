@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .certs import NodeKeys, TlsFiles, make_node_keys, make_tls
 from .errors import DeployError, ProcessStartError
+from .fedgc_app import repo_root
 from .links import LinkSet, NodeLink, choose_mode
 from .presets import LinkSpec
 from .processes import ManagedProcess, free_port, run_command, wait_for_port
@@ -134,6 +135,10 @@ class Deployment:
             "PATH": f"{_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
             # Child processes print progress as it happens, so readiness can be read in logs.
             "PYTHONUNBUFFERED": "1",
+            # The app processes import fedgc's packages (dgc, client, server, tasks) from here.
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p
+            ),
         }
 
     # ---- lifecycle -------------------------------------------------------------------------

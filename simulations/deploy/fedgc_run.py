@@ -1,0 +1,109 @@
+"""Run the real fedgc federation on a local deployment and write a simulation run's results."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cluster import Deployment, RunResult
+from .errors import DeployError
+from .fedgc_app import write_app
+
+
+def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
+    """The :class:`server.config.RunConfig` of a deployment of ``nodes`` SuperNodes.
+
+    One SuperNode is one client (its partition id is its index), so ``num_clients`` is ``nodes``;
+    ``clients_per_round`` defaults to all of them. Paths become absolute, because the ServerApp
+    and the ClientApps run in processes of their own.
+
+    Raises
+    ------
+    DeployError
+        When ``num_clients`` is set to something else than ``nodes``, or a key is invalid.
+    """
+    from server.config import RunConfig, SettingsError
+
+    values = dict(base)
+    if "num_clients" in values and int(str(values["num_clients"])) != nodes:
+        raise DeployError(
+            f"num_clients={values['num_clients']} but --nodes {nodes}: in a deployment every "
+            f"SuperNode is one client, so num_clients must equal the number of nodes"
+        )
+    values["num_clients"] = nodes
+    values.setdefault("clients_per_round", nodes)
+    values.setdefault("run_name", "deploy")
+    try:
+        config = RunConfig.from_flat(values)
+    except SettingsError as err:
+        raise DeployError(str(err)) from err
+    return config.with_overrides({
+        "results_dir": str(Path(config.server.results_dir).resolve()),
+        "state_dir": str(config.state_dir.resolve()),
+    })
+
+
+@dataclass
+class FedgcRun:
+    """What one deployed fedgc run left behind."""
+
+    result: RunResult
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def submit_fedgc(dep: Deployment, config: Any, app_version: str = "1.0.0") -> int:
+    """Write the app for ``config`` into the deployment's folder and submit it; return the run id."""
+    from server.app import prepare_run_dir
+
+    prepare_run_dir(config)  # refuse a taken run folder before anything is submitted
+    app_dir = write_app(dep.workdir / f"app-{app_version}", config.to_flat(), app_version)
+    return dep.submit(app_dir)
+
+
+def finish_fedgc(dep: Deployment, config: Any, run_id: int, timeout_s: float) -> FedgcRun:
+    """Wait for ``run_id`` and collect the results the ServerApp wrote."""
+    result = dep.wait_run(run_id, timeout_s)
+    run_dir = config.run_dir
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return FedgcRun(result, run_dir, summary)
+
+
+def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Path:
+    """``<run_dir>/deploy.json``: how the run was deployed (mode, link, nodes, TLS, auth)."""
+    link = dep.config.link
+    record = {
+        "run_id": run.result.run_id,
+        "status": run.result.status,
+        "nodes": dep.config.nodes,
+        "link": None if link is None else link.name,
+        "link_spec": None if link is None else {
+            "rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms, "down_mbps": link.down_mbps,
+            "up_mbps": link.up_mbps, "mean_online_s": link.mean_online_s,
+            "mean_offline_s": link.mean_offline_s, "outage_policy": link.outage_policy,
+        },
+        "shaping_mode": dep.mode,
+        "shaping_detail": dep.mode_detail,
+        "tls": dep.config.tls,
+        "auth": dep.config.auth,
+        "deploy_wall_seconds": time.monotonic() - started_s,
+        "links": {
+            str(i): None if nl.proxy is None else {
+                "uplink_bytes": nl.proxy.stats.uplink_bytes,
+                "downlink_bytes": nl.proxy.stats.downlink_bytes,
+                "connections": nl.proxy.stats.connections,
+                "outages": nl.proxy.stats.outages,
+                "aborted_by_outage": nl.proxy.stats.aborted_by_outage,
+            }
+            for i, nl in dep.node_links.items()
+        },
+    }
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    path = run.run_dir / "deploy.json"
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
