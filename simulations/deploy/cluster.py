@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -18,7 +19,14 @@ from .errors import DeployError, ProcessStartError
 from .fedgc_app import repo_root
 from .links import LinkSet, NodeLink, choose_mode
 from .presets import LinkSpec
-from .processes import ManagedProcess, free_port, run_command, wait_for_port
+from .processes import (
+    ManagedProcess,
+    descendants,
+    free_port,
+    process_args,
+    run_command,
+    wait_for_port,
+)
 
 CONNECTION = "fedgc-deploy"
 _BIN = Path(sys.executable).parent
@@ -292,6 +300,28 @@ class Deployment:
     def kill_supernode(self, index: int) -> None:
         """SIGKILL SuperNode ``index`` and its ClientApp processes (a crash)."""
         self.supernodes[index].kill()
+
+    def serverapp_pids(self) -> list[int]:
+        """Pids of the ``flwr-serverapp`` processes the SuperLink runs (via its SuperExec)."""
+        if self.superlink is None or not self.superlink.running():
+            return []
+        return [
+            pid for pid in descendants(self.superlink.pid)
+            if any(arg.endswith("flwr-serverapp") for arg in process_args(pid)[:2])
+        ]
+
+    def kill_serverapp(self) -> int:
+        """SIGKILL every running ServerApp process (a server crash); return how many died."""
+        pids = self.serverapp_pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
+    def stop_run(self, run_id: int) -> None:
+        """Ask the SuperLink to stop ``run_id`` (``flwr stop``); a finished run is left alone."""
+        if not str(self.run_status(run_id)["status"]).startswith("finished"):
+            self.flwr("stop", str(run_id), CONNECTION)
 
     # ---- runs ------------------------------------------------------------------------------
     def submit(self, app_dir: Path, run_config: Mapping[str, object] | None = None) -> int:

@@ -57,7 +57,7 @@ class FedgcRun:
 
 
 def submit_fedgc(dep: Deployment, config: Any, app_version: str = "1.0.0") -> int:
-    """Write the app for ``config`` into the deployment's folder and submit it; return the run id."""
+    """Write the app for ``config`` into the deployment's folder, submit it, return the run id."""
     from server.app import prepare_run_dir
 
     prepare_run_dir(config)  # refuse a taken run folder before anything is submitted

@@ -73,6 +73,7 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
+        self._strays: list[int] = []
 
     @property
     def pid(self) -> int:
@@ -156,7 +157,10 @@ class ManagedProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole group at once: a crash, as in a fault test."""
+        if self._proc is not None:
+            self._strays = descendants(self._proc.pid)
         self.signal_group(signal.SIGKILL)
+        self._kill_strays()
         if self._proc is not None:
             self._proc.wait(timeout=10)
             self._wait_group_gone(10.0)
@@ -165,6 +169,8 @@ class ManagedProcess:
         """SIGTERM the group, SIGKILL it after ``timeout_s``; return the exit status."""
         if self._proc is None:
             return None
+        # Flower's SuperExec starts a session of its own; remember it to kill it too.
+        self._strays = descendants(self._proc.pid)
         if self._proc.poll() is None:
             self.signal_group(signal.SIGTERM)
             try:
@@ -174,17 +180,27 @@ class ManagedProcess:
                 self._proc.wait(timeout=10)
         # Children that outlived their leader (e.g. SuperExec workers) still share the group.
         self.signal_group(signal.SIGKILL)
+        self._kill_strays()
         self._wait_group_gone(timeout_s)
         return self._proc.returncode
 
+    def _kill_strays(self) -> None:
+        for pid in self._strays:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
     def group_alive(self) -> bool:
-        """Whether any process of the group still exists (zombies included)."""
+        """Whether any process of the group, or a known stray child, still exists."""
         if self._proc is None:
             return False
+        strays = [pid for pid in self._strays if _pgid_of(pid) is not None]
         try:
             os.killpg(self._proc.pid, 0)
         except ProcessLookupError:
-            return False
+            return bool(strays)
         except PermissionError:
             return True
         return True
@@ -201,6 +217,43 @@ class ManagedProcess:
             raise ProcessStartError(
                 f"{self.name}: process group {self.pid} still has pids {pids} after SIGKILL"
             )
+
+
+def _parent_map() -> dict[int, int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        # The command name may hold spaces and parentheses; the fields after the last ')' don't.
+        fields = stat[stat.rindex(")") + 2:].split()
+        parents[int(entry)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children that left its process group included)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parent_map().items():
+        children.setdefault(parent, []).append(child)
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(children.get(current, []))
+    return out
+
+
+def process_args(pid: int) -> list[str]:
+    """The command line of ``pid`` (empty when it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
 def _pgid_of(pid: int) -> int | None:
