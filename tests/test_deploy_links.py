@@ -52,11 +52,18 @@ def test_choose_mode_rejects_unknown_and_unavailable_modes() -> None:
     assert choose_mode("auto", no_kernel)[0] == "proxy"
 
 
-def test_outage_preset_chain_matches_the_trace_fraction() -> None:
-    spec = preset("lte-driving")
-    offline = spec.mean_offline_s / (spec.mean_online_s + spec.mean_offline_s)
-    assert spec.intermittent
-    assert offline == pytest.approx(94 / 1012)
+def test_presets_are_the_emulators_numbers() -> None:
+    from simulations.netem.presets import LINK_PRESETS
+
+    for name, profile in LINK_PRESETS.items():
+        spec = preset(name)
+        assert (spec.rtt_ms, spec.jitter_ms) == (profile.latency_ms, profile.jitter_ms)
+        assert (spec.down_mbps, spec.up_mbps) == (profile.down_mbps, profile.up_mbps)
+        assert spec.intermittent == (profile.stall_mean_off_s is not None)
+    driving = preset("lte-driving")
+    offline = driving.mean_offline_s / (driving.mean_online_s + driving.mean_offline_s)
+    assert offline == pytest.approx(94 / 1012)  # DGC_NOTES: 94 of 1012 s without uplink
+    assert driving.outage_policy == "resume"  # the emulator's stalls keep the connection
 
 
 def test_proxy_adds_round_trip_and_serialisation_time() -> None:

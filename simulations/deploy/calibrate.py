@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from simulations.netem.link import Link
+
 from .errors import DeployError
 from .links import LinkSet
 from .presets import LinkSpec
@@ -29,9 +31,13 @@ _IO_TIMEOUT_S = 120.0
 
 
 def predicted_transfer_s(spec: LinkSpec, payload_bytes: int, direction: str) -> float:
-    """Analytic transfer time: one round trip plus the payload at the direction's rate."""
-    mbps = spec.up_mbps if direction == "up" else spec.down_mbps
-    return spec.rtt_ms / 1000.0 + payload_bytes * 8.0 / (mbps * 1e6)
+    """The virtual-clock emulator's time for the transfer (mean latency, no loss, no outages).
+
+    That is one round trip plus the payload at the direction's rate, computed by
+    :meth:`simulations.netem.link.Link.transfer` itself.
+    """
+    link = Link(spec.down_mbps, spec.up_mbps, latency_ms=spec.rtt_ms, name=spec.name)
+    return link.transfer(payload_bytes, 0.0, direction).duration_s
 
 
 @dataclass(frozen=True)

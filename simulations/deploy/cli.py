@@ -16,7 +16,7 @@ from .calibrate import measure, point_to_dict, predicted_transfer_s
 from .cluster import Deployment, DeploymentConfig
 from .errors import DeployError
 from .links import MODES, choose_mode
-from .presets import LOCAL_PRESETS, preset
+from .presets import preset, preset_names
 
 PROBE_APP = Path(__file__).resolve().parent / "probe_app"
 
@@ -51,7 +51,7 @@ def _run_parser() -> argparse.ArgumentParser:
                     "links (`python -m simulations deploy calibrate --help` for calibration).",
     )
     p.add_argument("--nodes", type=int, default=2, help="number of SuperNodes (default 2)")
-    p.add_argument("--link", default=None, choices=sorted(LOCAL_PRESETS),
+    p.add_argument("--link", default=None, choices=preset_names(),
                    help="link preset of every SuperNode (default: unshaped loopback)")
     p.add_argument("--shaping", default="auto", choices=MODES,
                    help="how links are shaped (default: the best this machine supports)")

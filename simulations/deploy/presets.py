@@ -1,15 +1,19 @@
-"""Link presets for real shaping: latency, bandwidth per direction and on/off outages.
+"""Link presets for real shaping, taken from the virtual-clock emulator (``simulations.netem``).
 
-The cellular numbers are the medians in ``shared/DGC_NOTES.md`` (public traces); the round-trip
-latencies, jitter and the ``wifi`` / ``ethernet-1g`` rows are typical values chosen here, because
-the notes give none. When ``simulations.netem`` (the virtual-clock emulator) is importable its
-presets take precedence, so that a deployment and a simulation use the very same numbers.
+A deployment and a simulation use the very same numbers: :func:`preset` converts the emulator's
+:class:`~simulations.netem.presets.LinkProfile` into a :class:`LinkSpec` (round-trip latency,
+jitter, rates, and its zero-throughput stalls as an on/off chain under the ``"resume"`` policy).
+Packet loss is not reproduced on real links (neither ``tbf`` nor the proxy drops packets), and
+trace-driven profiles are refused; see ``docs/deploy.md``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from simulations.netem.presets import LINK_PRESETS, LinkProfile
+from simulations.netem.throughput import Trace
 
 from .errors import LinkError
 
@@ -89,43 +93,50 @@ class LinkSpec:
         return replace(self, **changes)
 
 
-def _outage_chain(up_zero_s: float, total_s: float, mean_offline_s: float) -> tuple[float, float]:
-    """Mean on/off sojourns that give ``up_zero_s`` seconds offline out of ``total_s``."""
-    offline_fraction = up_zero_s / total_s
-    mean_online_s = mean_offline_s * (1.0 - offline_fraction) / offline_fraction
-    return mean_online_s, mean_offline_s
+def from_profile(profile: LinkProfile) -> LinkSpec:
+    """Convert an emulator ``LinkProfile`` into the :class:`LinkSpec` shaped on real sockets.
+
+    Raises
+    ------
+    LinkError
+        When a rate is a throughput trace (real shaping here uses constant rates).
+    """
+    name = profile.name
+    rates = {}
+    for key in ("down_mbps", "up_mbps"):
+        value = profile.down_mbps if key == "down_mbps" else profile.up_mbps
+        if isinstance(value, Trace):
+            raise LinkError(
+                f"link preset {name!r}: {key} is a throughput trace; real shaping needs a "
+                f"constant rate"
+            )
+        rates[key] = float(value)
+    on_s, off_s = profile.stall_mean_on_s, profile.stall_mean_off_s
+    return LinkSpec(
+        name,
+        rtt_ms=float(profile.latency_ms),
+        jitter_ms=float(profile.jitter_ms),
+        mean_online_s=math.inf if on_s is None else float(on_s),
+        mean_offline_s=0.0 if off_s is None else float(off_s),
+        # The emulator's stalls pause throughput and keep the connection.
+        outage_policy="resume",
+        **rates,
+    )
 
 
-_LTE_DRIVING_ON, _LTE_DRIVING_OFF = _outage_chain(94.0, 1012.0, 3.0)
-_3G_ON, _3G_OFF = _outage_chain(27.0, 1000.0, 2.0)
-
-LOCAL_PRESETS: dict[str, LinkSpec] = {
-    "ethernet-1g": LinkSpec("ethernet-1g", rtt_ms=1.0, jitter_ms=0.0, down_mbps=1000.0,
-                            up_mbps=1000.0),
-    "wifi": LinkSpec("wifi", rtt_ms=20.0, jitter_ms=3.0, down_mbps=50.0, up_mbps=20.0),
-    # LTE stationary: the middle of the notes' ranges (3.7-14.0 down, 1.6-11.2 up).
-    "lte": LinkSpec("lte", rtt_ms=50.0, jitter_ms=5.0, down_mbps=8.0, up_mbps=4.0),
-    "lte-driving": LinkSpec("lte-driving", rtt_ms=80.0, jitter_ms=15.0, down_mbps=5.4,
-                            up_mbps=1.04, mean_online_s=_LTE_DRIVING_ON,
-                            mean_offline_s=_LTE_DRIVING_OFF),
-    "3g": LinkSpec("3g", rtt_ms=150.0, jitter_ms=20.0, down_mbps=1.88, up_mbps=1.08,
-                   mean_online_s=_3G_ON, mean_offline_s=_3G_OFF),
-    # EDGE-class link; the notes' EVDO row is the closest measured one.
-    "edge": LinkSpec("edge", rtt_ms=300.0, jitter_ms=40.0, down_mbps=0.41, up_mbps=0.96),
-}
+def preset_names() -> list[str]:
+    """Names of the emulator's link presets."""
+    return sorted(LINK_PRESETS)
 
 
 def preset(name: str) -> LinkSpec:
-    """Look up a link preset by name.
+    """The emulator's link preset ``name`` as a :class:`LinkSpec`.
 
     Raises
     ------
     LinkError
         When ``name`` is not a known preset; the message lists the known ones.
     """
-    try:
-        return LOCAL_PRESETS[name]
-    except KeyError:
-        raise LinkError(
-            f"unknown link preset {name!r}; expected one of {sorted(LOCAL_PRESETS)}"
-        ) from None
+    if name not in LINK_PRESETS:
+        raise LinkError(f"unknown link preset {name!r}; expected one of {preset_names()}")
+    return from_profile(LINK_PRESETS[name])
