@@ -55,6 +55,8 @@ def deployment_factory(tmp_path: Path) -> Iterator[callable]:
     yield make
     for dep in started:  # runs on failure too
         dep.stop()
+    for dep in started:
+        assert dep.leftover_pids() == [], "processes of the deployment outlived stop()"
 
 
 def test_probe_app_runs_over_shaped_links_and_everything_is_cleaned_up(

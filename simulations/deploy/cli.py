@@ -58,10 +58,14 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls", action="store_true", help="TLS with certificates made for the run")
     p.add_argument("--auth", action="store_true",
                    help="SuperNode authentication with registered keys (implies --tls)")
-    p.add_argument("--app", default="probe",
-                   help="app folder with [tool.flwr.app], or 'probe' (a numpy FedAvg check)")
+    p.add_argument("--app", default="fedgc",
+                   help="'fedgc' (the real ServerApp/ClientApp, default), 'probe' (a numpy "
+                        "FedAvg check), or an app folder with [tool.flwr.app]")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="fedgc: TOML file of run keys, as for `python -m simulations run`")
     p.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
-                   help="run-config override, repeatable")
+                   help="fedgc: a run key as for `python -m simulations run`; other apps: a "
+                        "run-config override (repeatable)")
     p.add_argument("--workdir", default=None,
                    help="logs, certificates and state (default: a new temporary folder)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
@@ -122,13 +126,7 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     return 0 if worst <= 0.15 else 1
 
 
-def cmd_run(argv: Sequence[str]) -> int:
-    """Start the deployment, run the app, print its outcome, shut everything down."""
-    args = _run_parser().parse_args(argv)
-    run_config = parse_sets(args.set)
-    app_dir = PROBE_APP if args.app == "probe" else Path(args.app).resolve()
-    if not (app_dir / "pyproject.toml").is_file():
-        raise DeployError(f"--app {args.app!r}: no pyproject.toml in {app_dir}")
+def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
     config = DeploymentConfig(
         nodes=args.nodes,
@@ -138,11 +136,61 @@ def cmd_run(argv: Sequence[str]) -> int:
         tls=args.tls,
         auth=args.auth,
         seed=args.seed,
+        # A device's service manager restarts a SuperNode that gave up on a bad link.
+        restart_on_exit=True,
     )
     print(f"[deploy] {args.nodes} SuperNodes, link {args.link or 'none'}, "
           f"tls={'on' if config.tls else 'off'}, auth={'on' if config.auth else 'off'}, "
           f"workdir {workdir}", flush=True)
-    with Deployment(config) as dep:
+    return config
+
+
+def _run_fedgc(args: argparse.Namespace) -> int:
+    import time
+
+    from server.config import SettingsError, load_toml
+    from simulations.cli import parse_sets as parse_run_sets
+    from simulations.cli import summary_table
+    from simulations.plots import plot_run
+
+    from .fedgc_run import deploy_run_config, finish_fedgc, submit_fedgc, write_deploy_record
+
+    try:
+        values: dict[str, object] = {"run_name": f"deploy-{args.link or 'loopback'}"}
+        if args.config:
+            values.update(load_toml(args.config))
+        values.update(parse_run_sets(args.set))
+    except SettingsError as err:
+        raise DeployError(str(err)) from err
+    run_config = deploy_run_config(values, args.nodes)
+    started_s = time.monotonic()
+    with Deployment(_deployment_config(args)) as dep:
+        run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s)
+        write_deploy_record(dep, run, started_s)
+        print(f"[deploy] run {run.result.run_id}: {run.result.status} in "
+              f"{run.result.seconds:.1f} s; results in {run.run_dir}")
+        if not run.result.ok or not run.summary:
+            print(run.result.log[-4000:], file=sys.stderr)
+            print(dep.log_tails(), file=sys.stderr)
+            return 1
+    plot = plot_run(run.run_dir)
+    print(summary_table({str(run.summary.get("method", "run")): run.summary}))
+    print(f"results: {run.run_dir}/rounds.csv, summary.json, deploy.json, {plot.name}")
+    return 0
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """Start the deployment, run the app, print its outcome, shut everything down."""
+    args = _run_parser().parse_args(argv)
+    if args.app == "fedgc":
+        return _run_fedgc(args)
+    if args.config:
+        raise DeployError("--config is for the fedgc app; use --set with other apps")
+    run_config = parse_sets(args.set)
+    app_dir = PROBE_APP if args.app == "probe" else Path(args.app).resolve()
+    if not (app_dir / "pyproject.toml").is_file():
+        raise DeployError(f"--app {args.app!r}: no pyproject.toml in {app_dir}")
+    with Deployment(_deployment_config(args)) as dep:
         result = dep.run(app_dir, run_config or None, timeout_s=args.timeout_s)
         print(result.log)
         print(f"[deploy] run {result.run_id}: {result.status} in {result.seconds:.1f} s")

@@ -9,6 +9,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,10 @@ class DeploymentConfig:
         Seeds the links (jitter and outages).
     startup_timeout_s : float
         Bound on each process's readiness.
+    restart_on_exit : bool
+        Supervise the SuperNodes and restart one that exits, as a service manager does on a
+        device. Needed on intermittent links: Flower's SuperNode gives up when a connection reset
+        makes one of its non-idempotent requests (node activation) fail for good.
     """
 
     nodes: int
@@ -89,6 +94,7 @@ class DeploymentConfig:
     node_config: Callable[[int, int], Mapping[str, object]] = default_node_config
     seed: int = 0
     startup_timeout_s: float = 90.0
+    restart_on_exit: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
@@ -137,6 +143,11 @@ class Deployment:
         self.node_keys: dict[int, NodeKeys] = {}
         self.tls: TlsFiles | None = None
         self.superlink_port = 0
+        self.restarts: dict[int, int] = {}
+        self._held: set[int] = set(config.unregistered)
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.RLock()
         self.env = {
             **os.environ,
             "FLWR_HOME": str(self.flwr_home),
@@ -184,6 +195,23 @@ class Deployment:
         for index in range(cfg.nodes):
             if index not in cfg.unregistered:
                 self.wait_supernode(index)
+        if cfg.restart_on_exit:
+            self._supervisor = threading.Thread(target=self._supervise, daemon=True,
+                                                name="supernode-supervisor")
+            self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(0.5):
+            for index in list(self.supernodes):
+                with self._lock:
+                    proc = self.supernodes[index]
+                    if index in self._held or proc.running() or self._stopping.is_set():
+                        continue
+                    print(f"[deploy] supernode{index} exited ({proc.returncode()}); restarting",
+                          flush=True)
+                    self.restarts[index] = self.restarts.get(index, 0) + 1
+                    proc.stop(timeout_s=5.0)  # reap what is left of its group
+                    proc.start()
 
     def stop(self) -> None:
         """Stop every process (SuperNodes first) and tear down the links.
@@ -192,6 +220,9 @@ class Deployment:
         reported afterwards as a :class:`DeployError`.
         """
         problems = []
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(10.0)
         procs = [*self.supernodes.values(), *([self.superlink] if self.superlink else [])]
         for proc in procs:
             try:
@@ -262,6 +293,10 @@ class Deployment:
     # ---- SuperNodes ------------------------------------------------------------------------
     def start_supernode(self, index: int) -> ManagedProcess:
         """Start (or restart) SuperNode ``index`` behind its link."""
+        with self._lock:  # the supervisor must not restart it at the same moment
+            return self._start_supernode(index)
+
+    def _start_supernode(self, index: int) -> ManagedProcess:
         assert self.links is not None
         link = self.node_links.get(index) or self.links.build(
             index, "127.0.0.1", self.superlink_port
@@ -269,6 +304,7 @@ class Deployment:
         self.node_links[index] = link
         existing = self.supernodes.get(index)
         if existing is not None and existing.running():
+            self._held.discard(index)
             return existing
         node_config = dict(self.config.node_config(index, self.config.nodes))
         argv = [
@@ -289,17 +325,50 @@ class Deployment:
             env=self.env, netns=link.netns,
         )
         self.supernodes[index] = proc.start()
+        self._held.discard(index)
         return proc
 
     def wait_supernode(self, index: int, timeout_s: float | None = None) -> None:
-        """Block until SuperNode ``index`` has joined the SuperLink (it logs its node id)."""
-        self.supernodes[index].wait_for_log(
-            r"SuperNode ID: \d+", timeout_s or self.config.startup_timeout_s
-        )
+        """Block until SuperNode ``index`` has joined the SuperLink (it logs its node id).
+
+        With ``restart_on_exit`` a SuperNode that gives up while joining is started again
+        within the same time bound.
+        """
+        deadline = time.monotonic() + (timeout_s or self.config.startup_timeout_s)
+        while True:
+            proc = self.supernodes[index]
+            try:
+                proc.wait_for_log(r"SuperNode ID: \d+", max(0.1, deadline - time.monotonic()))
+                return
+            except ProcessStartError:
+                if not self.config.restart_on_exit or time.monotonic() > deadline:
+                    raise
+            with self._lock:
+                if not proc.running():
+                    self.restarts[index] = self.restarts.get(index, 0) + 1
+                    proc.stop(timeout_s=5.0)
+                    proc.start()
 
     def kill_supernode(self, index: int) -> None:
-        """SIGKILL SuperNode ``index`` and its ClientApp processes (a crash)."""
-        self.supernodes[index].kill()
+        """SIGKILL SuperNode ``index`` and its ClientApp processes (a crash); it stays down
+        (the supervisor leaves it alone) until :meth:`start_supernode`."""
+        with self._lock:
+            self._held.add(index)
+            self.supernodes[index].kill()
+
+    def leftover_pids(self) -> list[int]:
+        """Processes that still name this deployment's SuperLink port or folder (a leak check)."""
+        if not self.superlink_port:
+            return []
+        marks = (f":{self.superlink_port}", str(self.workdir))
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                args = " ".join(process_args(int(entry)))
+                if "flower-" in args or "flwr-" in args:
+                    if any(mark in args for mark in marks):
+                        out.append(int(entry))
+        return out
 
     def serverapp_pids(self) -> list[int]:
         """Pids of the ``flwr-serverapp`` processes the SuperLink runs (via its SuperExec)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -84,7 +85,9 @@ def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Pat
         "link": None if link is None else link.name,
         "link_spec": None if link is None else {
             "rtt_ms": link.rtt_ms, "jitter_ms": link.jitter_ms, "down_mbps": link.down_mbps,
-            "up_mbps": link.up_mbps, "mean_online_s": link.mean_online_s,
+            "up_mbps": link.up_mbps,
+            # None (JSON null) for a link that never goes down; JSON has no infinity.
+            "mean_online_s": link.mean_online_s if math.isfinite(link.mean_online_s) else None,
             "mean_offline_s": link.mean_offline_s, "outage_policy": link.outage_policy,
         },
         "shaping_mode": dep.mode,
@@ -105,5 +108,5 @@ def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Pat
     }
     run.run_dir.mkdir(parents=True, exist_ok=True)
     path = run.run_dir / "deploy.json"
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     return path

@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -74,6 +75,7 @@ class ManagedProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
         self._strays: list[int] = []
+        self._start_lock = threading.Lock()
 
     @property
     def pid(self) -> int:
@@ -84,6 +86,10 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         """Start the process; a process that is already running is left alone."""
+        with self._start_lock:  # two threads must never start two copies
+            return self._start()
+
+    def _start(self) -> ManagedProcess:
         if self.running():
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
