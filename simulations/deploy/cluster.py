@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
@@ -349,6 +348,19 @@ class Deployment:
                     proc.stop(timeout_s=5.0)
                     proc.start()
 
+    def node_id(self, index: int) -> int:
+        """The node id SuperNode ``index`` got at its latest start (read from its log)."""
+        found = re.findall(r"SuperNode ID: (\d+)", self.supernodes[index].log_text())
+        if not found:
+            raise DeployError(f"supernode{index} has not logged a node id yet")
+        return int(found[-1])
+
+    def node_statuses(self) -> dict[int, str]:
+        """Node id -> status (``online``, ``offline``, ...) as the SuperLink sees them."""
+        out = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        nodes = json.loads(out[out.index("{"):]).get("nodes", [])
+        return {int(n["node-id"]): str(n["status"]) for n in nodes}
+
     def kill_supernode(self, index: int) -> None:
         """SIGKILL SuperNode ``index`` and its ClientApp processes (a crash); it stays down
         (the supervisor leaves it alone) until :meth:`start_supernode`."""
@@ -450,8 +462,3 @@ class Deployment:
         for index in names if names is not None else self.supernodes:
             parts.append(f"--- supernode{index}\n{self.supernodes[index].tail()}")
         return "\n".join(parts)
-
-
-def quote_argv(argv: Iterable[str]) -> str:
-    """A shell-quoted command line, for logs."""
-    return " ".join(shlex.quote(a) for a in argv)
