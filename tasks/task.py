@@ -311,6 +311,8 @@ def get_task(
         raise DataError(f"unknown option(s) {unknown} for dataset {name!r}; accepted: {accepted}")
     path = Path(data_dir) if data_dir is not None else None
     task = spec.build(model_name, path, seed, model_options, **options)
-    # Fail here, not in the first training round, when model_options do not fit the model.
-    task.build_model()
+    # Fail here, not in the first training round, when model_options do not fit the model; a
+    # forked RNG keeps this trial build from shifting the user's torch.manual_seed stream.
+    with torch.random.fork_rng(devices=[]):
+        task.build_model()
     return task

@@ -138,7 +138,7 @@ def test_read_idx_rejects_corrupt_files(tmp_path: Path) -> None:
         read_idx(tmp_path / "gz")
 
 
-def _write_cifar(folder: Path, n_per_batch: int = 4) -> list[dict]:
+def _write_cifar(folder: Path, n_per_batch: int = 4, protocol: int = 2) -> list[dict]:
     rng = np.random.default_rng(1)
     folder.mkdir(parents=True)
     batches = []
@@ -149,13 +149,14 @@ def _write_cifar(folder: Path, n_per_batch: int = 4) -> list[dict]:
             b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
             b"filenames": [b"img%d.png" % i for i in range(n_per_batch)],
         }
-        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=protocol))
         batches.append(batch)
     return batches
 
 
-def test_cifar10_from_python_batches(tmp_path: Path) -> None:
-    batches = _write_cifar(tmp_path / "cifar-10-batches-py")
+@pytest.mark.parametrize("protocol", [2, pickle.HIGHEST_PROTOCOL])
+def test_cifar10_from_python_batches(tmp_path: Path, protocol: int) -> None:
+    batches = _write_cifar(tmp_path / "cifar-10-batches-py", protocol=protocol)
     task = get_task("cifar10", data_dir=tmp_path)
     assert task.model_name == "cnn" and task.input_shape == (3, 32, 32)
     assert len(task.train_y) == 20 and len(task.test_y) == 4

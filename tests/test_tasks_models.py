@@ -6,6 +6,15 @@ import torch
 from tasks import MODELS, DataError, build_model, get_task
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The test machines are shared; one intra-op thread is faster than contended threads here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
     ("name", "input_shape", "num_classes", "batch"),
     [
@@ -98,3 +107,31 @@ def test_evaluate_rejects_bad_input() -> None:
         task.evaluate(model, batch_size=0)
     with pytest.raises(DataError, match="no samples"):
         task.evaluate(model, task.test_x[:0], task.test_y[:0])
+
+
+def test_get_task_leaves_the_torch_rng_alone() -> None:
+    torch.manual_seed(9)
+    expected = build_model("mlp", (64,), 10).state_dict()
+    torch.manual_seed(9)
+    task = get_task("digits")
+    got = task.build_model().state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_sgd_steps_on_shakespeare_reduce_the_loss() -> None:
+    torch.manual_seed(0)
+    task = get_task(
+        "shakespeare", max_samples_per_client=8, seq_len=20, model_options={"hidden": 32}
+    )
+    model = task.build_model()
+    assert model.lstm.hidden_size == 32
+    x, y = task.train_x[:256], task.train_y[:256]
+    before, _ = task.evaluate(model, x, y)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(15):
+        batch = slice((step % 4) * 64, (step % 4 + 1) * 64)
+        opt.zero_grad()
+        task.loss_fn(model(x[batch]), y[batch]).backward()
+        opt.step()
+    after, _ = task.evaluate(model, x, y)
+    assert after < before - 0.8

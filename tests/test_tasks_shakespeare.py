@@ -54,6 +54,15 @@ The rest is silence.
 """
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The test machines are shared; one intra-op thread is faster than contended threads here.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_speaker_lines() -> None:
     assert speaker_name("Ham.") == "Ham"
     assert speaker_name("First Clown.") == "First Clown"
