@@ -109,7 +109,7 @@ def main() -> None:
 
     k = min(args.dense_sample, args.clients)
     half = max(1, k // 2)
-    records = [dense_record(u, w) for u, w in zip(updates[:k], weights[:k])]
+    records = [dense_record(u, w) for u, w in zip(updates[:k], weights[:k], strict=True)]
     t_half, _ = best_of(lambda: aggregate_arrayrecords(records[:half], "num-examples"),
                         args.repeats)
     t_k, flower = best_of(lambda: aggregate_arrayrecords(records, "num-examples"), args.repeats)
