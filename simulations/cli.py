@@ -148,8 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m simulations``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "deploy":
-        from simulations.deploy.cli import main as deploy_main  # another helper's package
-
+        try:
+            from simulations.deploy.cli import main as deploy_main  # another package's CLI
+        except ModuleNotFoundError as ex:
+            if ex.name not in ("simulations.deploy", "simulations.deploy.cli"):
+                raise
+            print("python -m simulations deploy: error: simulations.deploy is not installed",
+                  file=sys.stderr)
+            return 2
         return int(deploy_main(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     try:
