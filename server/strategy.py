@@ -90,6 +90,11 @@ class RoundRecord:
     compute_seconds_max: float = 0.0
     wall_seconds: float = 0.0
     model_version: int = 0
+    # Filled by the network emulator (simulations.netem.strategy.NetemStrategy); 0 without it.
+    virtual_seconds: float = 0.0
+    dropped_deadline: int = 0
+    dropped_link: int = 0
+    dropped_rejected: int = 0
 
 
 @dataclass

@@ -1,0 +1,182 @@
+"""Exportable DGC encoder: one compression step for one flat tensor, state passed in and out.
+
+The modules here compute, for a single flat float32 tensor, exactly what
+:class:`dgc.DGCCompressor` computes with ``selection="exact"``: local clipping by a given scale,
+momentum correction (plain or Nesterov, with dampening), exact top-k selection, value rounding,
+removal of the sent values from the residual and momentum factor masking. They hold no state:
+the momentum ``u`` and the residual ``v`` go in and come out, so that the same graph runs in
+ExecuTorch (``.pte``), TorchScript (``.pt``) and eager mode.
+
+Contract of :class:`SparseStepEncoder` (the ``encode`` method of the exported program)::
+
+    inputs   grad f32[n], u f32[n], v f32[n], scale f32[1], k_like f32[k]   (1 <= k <= n)
+    outputs  indices i64[k], values VDT[k], count i64[], u_out f32[n], v_out f32[n]
+
+Only the length of ``k_like`` is read (ExecuTorch programs take tensors, and a tensor's length is
+a dynamic dimension that the graph can use as ``k``). ``indices[:count]`` are the selected flat
+positions in increasing order and ``values[:count]`` their rounded values; the entries past
+``count`` are padding (positions whose accumulated value is exactly zero, which the eager
+compressor drops) and must be ignored. ``VDT`` is the config's ``value_dtype``.
+
+:class:`DenseStepEncoder` (method ``encode_dense``) is the same step for a tensor the layer policy
+sends dense: ``grad, u, v, scale -> values VDT[n], u_out, v_out`` with no selection and no
+masking. :class:`SumSquares` (method ``sum_squares``) returns ``sum(grad**2)`` accumulated in
+float64; the host adds these over all tensors, takes the square root and forms the clipping scale
+``threshold / (norm + 1e-6)`` exactly as the eager compressor does (see :func:`clip_scale`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dgc.config import DGCConfig
+from dgc.errors import ConfigError
+from dgc.sparse import VALUE_DTYPES
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def check_exportable(config: DGCConfig) -> None:
+    """Raise :class:`dgc.ConfigError` when the exported encoder cannot match ``config``.
+
+    The exported graph implements exact top-k; the sampled threshold estimate uses data-dependent
+    slicing and output sizes that ExecuTorch cannot plan memory for, so it is not exported.
+    """
+    if config.selection != "exact":
+        raise ConfigError(f"the exported encoder implements selection='exact' only, got "
+                          f"selection={config.selection!r}; export with "
+                          f"dataclasses.replace(config, selection='exact')")
+
+
+class _StepBase(nn.Module):
+    """Momentum correction and value rounding shared by the sparse and the dense step."""
+
+    def __init__(self, config: DGCConfig) -> None:
+        super().__init__()
+        self.momentum = float(config.momentum)
+        self.grad_scale = 1.0 - float(config.dampening)
+        self.momentum_correction = bool(config.momentum_correction)
+        self.nesterov = bool(config.nesterov)
+        self.momentum_masking = bool(config.momentum_masking) and self.momentum_correction
+        self.error_feedback = bool(config.error_feedback)
+        self.value_dtype = VALUE_DTYPES[config.value_dtype]
+        self.clamp_fp16 = self.value_dtype == torch.float16
+        self.fp16_max = _FP16_MAX
+
+    def _accumulate(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
+                    scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Same operations, in the same order, as DGCMemory.accumulate, so the results agree bit
+        # for bit (torch.add with alpha is the fused form the eager in-place ops use).
+        g = grad * scale
+        if not self.momentum_correction:
+            return u, v + g
+        if self.nesterov:
+            u = torch.add(u, g, alpha=self.grad_scale) * self.momentum
+            v = torch.add(v + u, g, alpha=self.grad_scale)
+        else:
+            u = torch.add(u * self.momentum, g, alpha=self.grad_scale)
+            v = v + u
+        return u, v
+
+    def _round(self, values: torch.Tensor) -> torch.Tensor:
+        if self.clamp_fp16:
+            values = values.clamp(-self.fp16_max, self.fp16_max)
+        return values.to(self.value_dtype)
+
+
+class SparseStepEncoder(_StepBase):
+    """One DGC step with exact top-k selection for one flat tensor (see the module contract).
+
+    Parameters
+    ----------
+    config : DGCConfig
+        The compressor's hyperparameters; ``selection`` must be ``"exact"``. The density is not
+        read here: the caller passes ``k`` (``dgc.selection.num_selected(n, density_at(epoch))``)
+        as the length of ``k_like``, so one program serves every warm-up epoch.
+    """
+
+    def __init__(self, config: DGCConfig) -> None:
+        check_exportable(config)
+        super().__init__(config)
+
+    def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                k_like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = grad.shape[0]
+        k = k_like.shape[0]
+        if not torch.jit.is_scripting():
+            torch._check(k <= n)
+        u, v = self._accumulate(grad, u, v, scale)
+        magnitude = v.abs()
+        top = torch.topk(magnitude, k, sorted=False).indices
+        # select_exact drops entries whose magnitude is zero; here they are moved behind the
+        # selected ones by offsetting their key by n, and a second (small) top-k sorts the keys
+        # ascending. ExecuTorch has no sort kernel for int64; topk(largest=False) is the sort.
+        valid = magnitude[top] > 0
+        count = valid.sum()
+        key = torch.where(valid, top, top + n)
+        key = torch.topk(key, k, largest=False, sorted=True).values
+        valid = key < n
+        indices = torch.where(valid, key, key - n)
+        picked = v[indices]
+        values = self._round(picked)
+        sent = torch.where(valid, values.to(torch.float32), torch.zeros_like(picked))
+        v = v.index_put((indices,), picked - sent)
+        if self.momentum_masking:
+            u = u.index_put((indices,), torch.where(valid, torch.zeros_like(sent), u[indices]))
+        if not self.error_feedback:
+            v = torch.zeros_like(v)
+        return indices, values, count, u, v
+
+
+class DenseStepEncoder(_StepBase):
+    """One DGC step for a tensor sent dense: every value is sent, momentum is not masked.
+
+    Parameters
+    ----------
+    config : DGCConfig
+        The compressor's hyperparameters (selection is irrelevant here).
+    """
+
+    def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u, v = self._accumulate(grad, u, v, scale)
+        values = self._round(v)
+        v = v - values.to(torch.float32)
+        if not self.error_feedback:
+            v = torch.zeros_like(v)
+        return values, u, v
+
+
+class SumSquares(nn.Module):
+    """``sum(grad ** 2)`` of one flat float32 tensor, accumulated in float64 (shape ``[]``).
+
+    ExecuTorch sums in a different order than eager torch, so the float64 result differs in its
+    last bits (measured: ~3e-13 relative at 1e6 floats). The clipping scale is rounded to
+    float32 before use, which absorbs that difference unless the scale falls within ~2e-13 of a
+    float32 rounding boundary (a chance of a few in 1e6 per clipped step); then one gradient
+    scale, and with it the step, differs in the last bit of float32.
+    """
+
+    def forward(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to(torch.float64).pow(2).sum()
+
+
+def clip_scale(sum_squares: Sequence[float], config: DGCConfig) -> float:
+    """The clipping scale for one step from the per-tensor float64 sums of squares.
+
+    Returns 1.0 when clipping is off or the norm is under the threshold; multiplying by exactly
+    1.0 leaves every gradient unchanged, as the eager compressor's skipped multiplication does.
+    The sum runs in the caller's tensor order, which must be the order of the gradient mapping.
+    """
+    if config.clip_norm is None or not sum_squares:
+        return 1.0
+    total = math.sqrt(sum(float(s) for s in sum_squares))
+    threshold = config.clip_norm / math.sqrt(config.num_workers)
+    if total > threshold:
+        return threshold / (total + 1e-6)
+    return 1.0

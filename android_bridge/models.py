@@ -1,0 +1,61 @@
+"""Models the exporter knows by name, with the example batch their training step is traced on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dgc.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to export and the fixed batch layout of its on-device training step.
+
+    Parameters
+    ----------
+    name : str
+        Registry name (``--model`` on the command line).
+    build : callable
+        Returns a freshly initialised ``nn.Module`` mapping ``input_shape`` batches to logits.
+    input_shape : tuple of int
+        Shape of one example (without the batch dimension).
+    num_classes : int
+        Number of logits; labels are int64 class indices.
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+class MLP(nn.Module):
+    """A two-layer perceptron: Linear, ReLU, Linear."""
+
+    def __init__(self, in_features: int, hidden: int, num_classes: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+MODELS: dict[str, ModelSpec] = {
+    # 8x8 digits (scikit-learn's load_digits): 2,410 parameters, fc1.weight (2,048) is sparsified.
+    "mlp-digits": ModelSpec("mlp-digits", lambda: MLP(64, 32, 10), (64,), 10),
+    # MNIST-sized input, the model of DGC_NOTES' measurements: 159,010 parameters.
+    "mlp-mnist": ModelSpec("mlp-mnist", lambda: MLP(784, 200, 10), (784,), 10),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    """The registered model ``name``; an unknown name is a :class:`dgc.ConfigError`."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None

@@ -1,0 +1,254 @@
+"""Host-side drivers that run the exported ``.pte`` files in the ExecuTorch runtime.
+
+These are what a phone does, written in Python: :class:`PteEncoder` turns a model's named
+gradients into a :class:`dgc.SparseUpdate` with the ``encoder.pte`` program and keeps the DGC state
+(momentum ``u``, residual ``v``) between steps; :class:`PteTrainer` runs ``train_step.pte`` with
+ExecuTorch's SGD. All arithmetic on tensors happens inside the ExecuTorch runtime; the host only
+moves buffers (the Python bindings exchange ``torch.Tensor`` objects, used here as containers) and
+does the scalar arithmetic of the clipping scale and of ``k``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from android_bridge.encoder import check_exportable, clip_scale
+from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
+from dgc.config import DGCConfig
+from dgc.errors import StateError
+from dgc.selection import num_selected
+from dgc.sparse import VALUE_DTYPES, SparseTensor, SparseUpdate
+
+
+def load_manifest(export_dir: str | Path) -> dict[str, Any]:
+    """The manifest written by :func:`android_bridge.export.export_all`."""
+    path = Path(export_dir) / MANIFEST_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StateError(f"no {MANIFEST_FILE} in {str(export_dir)!r}; run "
+                         f"`python -m android_bridge export` first") from None
+
+
+def _as_flat_f32(name: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        arr = value.detach().cpu().numpy()
+    else:
+        arr = np.asarray(value)
+    if arr.dtype.kind != "f":
+        raise StateError(f"gradient {name!r} must be floating point, got dtype {arr.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(-1))
+
+
+class PteEncoder:
+    """Compresses a model's gradients step after step with the exported encoder program.
+
+    Parameters
+    ----------
+    pte_path : str or Path
+        An ``encoder.pte`` written by the exporter.
+    config : DGCConfig
+        The config the program was exported with (``selection="exact"``); the host reads the
+        layer policy, the warm-up schedule and the clipping threshold from it.
+    shapes : mapping of str to tuple of int
+        The model's parameter shapes, in the order the gradients come in.
+    """
+
+    def __init__(self, pte_path: str | Path, config: DGCConfig,
+                 shapes: Mapping[str, tuple[int, ...]]) -> None:
+        from executorch.runtime import Runtime
+
+        check_exportable(config)
+        self.config = config
+        self.shapes = {name: tuple(int(s) for s in shape) for name, shape in shapes.items()}
+        program = Runtime.get().load_program(Path(pte_path))
+        missing = {"encode", "encode_dense", "sum_squares"} - set(program.method_names)
+        if missing:
+            raise StateError(f"{str(pte_path)!r} lacks encoder methods {sorted(missing)}")
+        self._encode = program.load_method("encode")
+        self._encode_dense = program.load_method("encode_dense")
+        self._sum_squares = program.load_method("sum_squares")
+        self._value_dtype = VALUE_DTYPES[config.value_dtype]
+        self.u = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
+        self.v = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
+        self.step = 0
+
+    @classmethod
+    def from_export(cls, export_dir: str | Path) -> PteEncoder:
+        """The encoder of an export folder, with config and shapes from its manifest."""
+        manifest = load_manifest(export_dir)
+        shapes = {p["name"]: tuple(p["shape"]) for p in manifest["parameters"]}
+        return cls(Path(export_dir) / ENCODER_FILE,
+                   DGCConfig.from_dict(manifest["dgc_config"]), shapes)
+
+    def is_dense_tensor(self, shape: tuple[int, ...]) -> bool:
+        """The layer policy of :meth:`dgc.DGCCompressor.is_dense_tensor`."""
+        return len(shape) <= 1 or math.prod(shape) < self.config.min_sparse_numel
+
+    def compress(self, grads: Mapping[str, Any], epoch: float = 0.0,
+                 sequence: int | None = None) -> SparseUpdate:
+        """Fold ``grads`` into the state and return what to send, as ``DGCCompressor`` does.
+
+        Every gradient is checked (known name, size, floating point, finite) before any state
+        changes, so a bad gradient leaves the encoder as it was.
+        """
+        density = self.config.density_at(epoch)
+        flat: dict[str, torch.Tensor] = {}
+        for name, g in grads.items():
+            if name not in self.shapes:
+                raise StateError(f"gradient {name!r} is not a parameter of this model; known: "
+                                 f"{sorted(self.shapes)}")
+            f = _as_flat_f32(name, g)
+            if f.numel() != self.v[name].numel():
+                raise StateError(f"gradient {name!r} has {f.numel()} entries, the residual "
+                                 f"holds {self.v[name].numel()}")
+            flat[name] = f
+        if self.config.check_finite:
+            for name, f in flat.items():
+                # A host-side pass: ExecuTorch's portable isfinite kernel is ~70x slower.
+                if not np.isfinite(f.numpy()).all():
+                    raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was "
+                                     f"changed")
+        squares = ([float(self._sum_squares.execute((f,))[0]) for f in flat.values()]
+                   if self.config.clip_norm is not None else [])
+        scale = torch.tensor([clip_scale(squares, self.config)], dtype=torch.float32)
+        out: dict[str, SparseTensor] = {}
+        new_u: dict[str, torch.Tensor] = {}
+        new_v: dict[str, torch.Tensor] = {}
+        for name, g in flat.items():
+            shape = self.shapes[name]
+            u, v = self.u[name], self.v[name]
+            if self.is_dense_tensor(shape):
+                values, new_u[name], new_v[name] = self._encode_dense.execute((g, u, v, scale))
+                indices = torch.from_numpy(np.arange(g.numel(), dtype=np.int64))
+            else:
+                k = num_selected(g.numel(), density)
+                k_like = torch.from_numpy(np.zeros(k, dtype=np.float32))
+                idx, vals, count, new_u[name], new_v[name] = self._encode.execute(
+                    (g, u, v, scale, k_like))
+                c = int(count)
+                indices, values = idx[:c].clone(), vals[:c].clone()
+            out[name] = SparseTensor(indices, values, shape)
+        self.u.update(new_u)
+        self.v.update(new_v)
+        self.step += 1
+        return SparseUpdate(out, self.step if sequence is None else sequence)
+
+    def restore(self, update: SparseUpdate) -> None:
+        """Fold an update that was never applied back into the residual (host-side scatter-add,
+        as :meth:`dgc.DGCCompressor.restore`)."""
+        for name, t in update.tensors.items():
+            if name not in self.v:
+                raise StateError(f"update tensor {name!r} is not held by this encoder")
+            n = self.v[name].numel()
+            if t.numel != n:
+                raise StateError(f"update tensor {name!r} has {t.numel} entries, the residual "
+                                 f"holds {n}")
+            if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= n):
+                raise StateError(f"restore indices for {name!r} fall outside [0, {n})")
+        for name, t in update.tensors.items():
+            v = self.v[name].numpy().copy()
+            np.add.at(v, t.indices.numpy(), t.values.to(torch.float32).numpy())
+            self.v[name] = torch.from_numpy(v)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the step counter and of ``u`` and ``v`` (flat float32 numpy arrays)."""
+        return {"step": self.step, "u": {k: t.numpy().copy() for k, t in self.u.items()},
+                "v": {k: t.numpy().copy() for k, t in self.v.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; validated whole before anything is replaced."""
+        new: dict[str, dict[str, torch.Tensor]] = {}
+        for part in ("u", "v"):
+            held = state.get(part)
+            if not isinstance(held, Mapping) or set(held) != set(self.shapes):
+                raise StateError(f"encoder state {part!r} must hold exactly {sorted(self.shapes)}")
+            new[part] = {}
+            for name, arr in held.items():
+                a = np.asarray(arr, dtype=np.float32).reshape(-1)
+                if a.size != math.prod(self.shapes[name]) or not np.isfinite(a).all():
+                    raise StateError(f"encoder state {part}[{name!r}] must be finite with "
+                                     f"{math.prod(self.shapes[name])} entries")
+                new[part][name] = torch.from_numpy(a.copy())
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateError(f"encoder state step must be an integer >= 0, got {step!r}")
+        self.u, self.v, self.step = new["u"], new["v"], step
+
+
+class PteTrainer:
+    """Local training with ``train_step.pte``: forward and backward in ExecuTorch, then
+    ExecuTorch's SGD optimizer.
+
+    Parameters
+    ----------
+    export_dir : str or Path
+        An export folder (manifest and ``train_step.pte``).
+    learning_rate : float, optional
+        SGD step size; the manifest's when omitted.
+    """
+
+    def __init__(self, export_dir: str | Path, learning_rate: float | None = None) -> None:
+        from executorch.extension.training import (
+            _load_for_executorch_for_training_from_buffer,
+            get_sgd_optimizer,
+        )
+
+        self.manifest = load_manifest(export_dir)
+        t = self.manifest["training"]
+        self.batch_shape = tuple(t["input_shape"])
+        self.learning_rate = float(t["learning_rate"] if learning_rate is None else learning_rate)
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise StateError(f"learning_rate must be positive and finite, got {learning_rate!r}")
+        # The loaded program points into this buffer, which must outlive it (a freed buffer
+        # crashes forward_backward).
+        self._program_bytes = (Path(export_dir) / TRAIN_FILE).read_bytes()
+        self._module = _load_for_executorch_for_training_from_buffer(self._program_bytes)
+        # The training module hands out its parameter buffers only after one forward_backward;
+        # this first call on a zero batch exists to obtain them, its gradients are never used.
+        self._module.forward_backward("forward", (
+            torch.zeros(self.batch_shape), torch.zeros(self.batch_shape[0], dtype=torch.int64)))
+        self._params = {k.removeprefix(TRAIN_PREFIX): p
+                        for k, p in self._module.named_parameters().items()}
+        self._optimizer = get_sgd_optimizer(self._module.named_parameters(),
+                                            self.learning_rate, 0, 0, 0, False)
+
+    def set_parameters(self, params: Mapping[str, Any]) -> None:
+        """Overwrite the program's parameters (all of them, validated first) in place."""
+        arrays = {}
+        for name, held in self._params.items():
+            if name not in params:
+                raise StateError(f"parameter {name!r} missing; expected {sorted(self._params)}")
+            a = np.asarray(params[name], dtype=np.float32)
+            if a.shape != tuple(held.shape):
+                raise StateError(f"parameter {name!r} has shape {a.shape}, expected "
+                                 f"{tuple(held.shape)}")
+            arrays[name] = a
+        for name, a in arrays.items():
+            self._params[name].numpy()[...] = a
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the current parameters."""
+        return {name: p.numpy().copy() for name, p in self._params.items()}
+
+    def train(self, batches: Iterable[tuple[Any, Any]]) -> list[float]:
+        """One SGD step per ``(x, y)`` batch (float32 inputs, int64 labels); the losses."""
+        losses = []
+        for x, y in batches:
+            xa = np.ascontiguousarray(x, dtype=np.float32)
+            ya = np.ascontiguousarray(y, dtype=np.int64)
+            if xa.shape != self.batch_shape or ya.shape != (self.batch_shape[0],):
+                raise StateError(f"batch must be x{self.batch_shape} and y"
+                                 f"({self.batch_shape[0]},), got x{xa.shape} and y{ya.shape}")
+            loss = self._module.forward_backward("forward",
+                                                 (torch.from_numpy(xa), torch.from_numpy(ya)))
+            self._optimizer.step(self._module.named_gradients())
+            losses.append(float(loss[0]))
+        return losses
