@@ -1,0 +1,151 @@
+"""Federated adaptations of DGC: stale client state by rounds missed, and server-side momentum.
+
+The paper's momentum correction (Lin et al., ICLR 2018, Sec. 3.2) assumes that every worker takes
+part in every step. In cross-device federated learning a client sends one pseudo-gradient per round
+(after several local steps) and takes part in few rounds. Two things follow, measured in
+``docs/federated_momentum.md``:
+
+* Momentum kept on the client goes stale between its participations and, applied to pseudo-
+  gradients, multiplies the effective step by ``1 / (1 - m)``. :class:`StaleStatePolicy` decays a
+  client's momentum (and optionally its residual) by the number of rounds it missed.
+* The same momentum applied once, on the server, to the aggregated sparse update is never stale:
+  :class:`ServerMomentum` is that optimizer (FedAvgM, Hsu et al. 2019, on the DGC aggregate), while
+  the clients keep plain error feedback (``momentum_correction=False``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dgc.compressor import DGCCompressor
+from dgc.errors import ConfigError, StateError
+
+
+@dataclass(frozen=True)
+class StaleStatePolicy:
+    """How a client's DGC state ages over the rounds it did not take part in.
+
+    Parameters
+    ----------
+    momentum_decay : float or None, default None
+        Factor applied to the momentum ``u`` once per missed round, in [0, 1]. ``None`` uses the
+        compressor's own momentum factor m: the momentum then decays exactly as it would have over
+        steps with a zero gradient. 0 resets the momentum whenever a round was missed.
+    residual_decay : float, default 1.0
+        Factor applied to the residual ``v`` once per missed round, in [0, 1]. 1 keeps every unsent
+        value (no gradient mass is lost); smaller values forget old, stale residual.
+    """
+
+    momentum_decay: float | None = None
+    residual_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.momentum_decay is not None:
+            _check_unit("momentum_decay", self.momentum_decay)
+        _check_unit("residual_decay", self.residual_decay)
+
+    def apply(self, compressor: DGCCompressor, rounds_missed: int) -> None:
+        """Age ``compressor``'s momentum and residual by ``rounds_missed`` rounds, in place."""
+        if isinstance(rounds_missed, bool) or not isinstance(rounds_missed, int) \
+                or rounds_missed < 0:
+            raise StateError(f"rounds_missed must be an integer >= 0, got {rounds_missed!r}")
+        if rounds_missed == 0:
+            return
+        m = compressor.config.momentum if self.momentum_decay is None else self.momentum_decay
+        u_factor = m ** rounds_missed
+        v_factor = self.residual_decay ** rounds_missed
+        memory = compressor.memory
+        if u_factor != 1.0:
+            for u in memory.u.values():
+                u.mul_(u_factor)
+        if v_factor != 1.0:
+            for v in memory.v.values():
+                v.mul_(v_factor)
+
+
+class ServerMomentum:
+    """Server optimizer for aggregated pseudo-gradients: ``b = mu*b + g; w -= lr * b``.
+
+    With ``momentum=0`` and ``lr=1`` it is FedAvg's plain model averaging. Momentum here is DGC's
+    momentum applied once per round to the global aggregate, where it is never stale.
+
+    Parameters
+    ----------
+    lr : float, default 1.0
+        Server learning rate, > 0.
+    momentum : float, default 0.0
+        Momentum factor mu, in [0, 1).
+    nesterov : bool, default False
+        Nesterov form: ``w -= lr * (g + mu*b)``.
+    """
+
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0, nesterov: bool = False) -> None:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
+                or lr <= 0:
+            raise ConfigError(f"server lr must be a finite number > 0, got {lr!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
+                or not 0.0 <= momentum < 1.0:
+            raise ConfigError(f"server momentum must be in [0, 1), got {momentum!r}")
+        if nesterov and momentum == 0.0:
+            raise ConfigError("nesterov=True needs a server momentum > 0")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.buffer: dict[str, torch.Tensor] = {}
+
+    def step(self, params: Mapping[str, torch.Tensor],
+             pseudo_gradient: Mapping[str, torch.Tensor]) -> None:
+        """Apply one aggregated pseudo-gradient to ``params`` in place.
+
+        Every tensor is checked (known name, same shape, finite) before any parameter or buffer
+        changes, so a bad aggregate leaves the model and the optimizer as they were.
+        """
+        for name, g in pseudo_gradient.items():
+            if name not in params:
+                raise StateError(f"pseudo-gradient tensor {name!r} is not a model parameter; "
+                                 f"known: {sorted(params)}")
+            if tuple(g.shape) != tuple(params[name].shape):
+                raise StateError(f"pseudo-gradient {name!r} has shape {tuple(g.shape)}, the "
+                                 f"parameter has {tuple(params[name].shape)}")
+            if not torch.isfinite(g).all():
+                raise StateError(f"pseudo-gradient {name!r} holds NaN or Inf")
+        for name, g in pseudo_gradient.items():
+            g = g.to(params[name].dtype)
+            if self.momentum == 0.0:
+                params[name].sub_(g, alpha=self.lr)
+                continue
+            b = self.buffer.get(name)
+            if b is None:
+                b = self.buffer[name] = torch.zeros_like(params[name])
+            b.mul_(self.momentum).add_(g)
+            direction = g.add(b, alpha=self.momentum) if self.nesterov else b
+            params[name].sub_(direction, alpha=self.lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings and momentum buffers (copies), for checkpoints."""
+        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+                "buffer": {k: b.clone() for k, b in self.buffer.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; a malformed state changes nothing."""
+        missing = {"lr", "momentum", "nesterov", "buffer"} - set(state)
+        if missing:
+            raise StateError(f"server momentum state lacks {sorted(missing)}")
+        probe = ServerMomentum(state["lr"], state["momentum"], state["nesterov"])
+        buffer = {}
+        for k, b in state["buffer"].items():
+            if not isinstance(b, torch.Tensor) or not torch.isfinite(b).all():
+                raise StateError(f"server momentum buffer {k!r} must be a finite tensor")
+            buffer[k] = b.detach().clone()
+        self.lr, self.momentum, self.nesterov = probe.lr, probe.momentum, probe.nesterov
+        self.buffer = buffer
+
+
+def _check_unit(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name} must be a number in [0, 1], got {value!r}")

@@ -1,0 +1,188 @@
+"""Tests of dgc.federated: stale client state by rounds missed, and the server momentum optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dgc
+from dgc.errors import ConfigError, StateError
+from dgc.federated import ServerMomentum, StaleStatePolicy
+
+SHAPES = {"w": (64, 32), "b": (32,)}
+
+
+def _grads(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+def _compressor(**kw) -> dgc.DGCCompressor:
+    cfg = dict(density=0.05, selection="exact", warmup="none", min_sparse_numel=16)
+    cfg.update(kw)
+    comp = dgc.DGCCompressor(dgc.DGCConfig(**cfg))
+    for s in range(3):
+        comp.compress(_grads(s))
+    return comp
+
+
+def _snapshot(comp: dgc.DGCCompressor) -> dict[str, dict[str, torch.Tensor]]:
+    return comp.memory.state_dict()
+
+
+# ------------------------------------------------------------------------- StaleStatePolicy
+
+def test_stale_momentum_decays_by_m_per_missed_round_and_keeps_residual():
+    comp = _compressor(momentum=0.8)
+    before = _snapshot(comp)
+    assert any(u.abs().sum() > 0 for u in before["u"].values())
+    StaleStatePolicy().apply(comp, 3)
+    for name, u in before["u"].items():
+        torch.testing.assert_close(comp.memory.u[name], u * 0.8 ** 3)
+    for name, v in before["v"].items():
+        assert torch.equal(comp.memory.v[name], v)  # no gradient mass is lost
+
+
+def test_stale_policy_explicit_factors_reset_momentum_and_decay_residual():
+    comp = _compressor(momentum=0.9)
+    before = _snapshot(comp)
+    StaleStatePolicy(momentum_decay=0.0, residual_decay=0.5).apply(comp, 2)
+    for u in comp.memory.u.values():
+        assert torch.count_nonzero(u) == 0
+    for name, v in before["v"].items():
+        torch.testing.assert_close(comp.memory.v[name], v * 0.25)
+
+
+def test_stale_policy_zero_rounds_missed_changes_nothing():
+    comp = _compressor()
+    before = _snapshot(comp)
+    StaleStatePolicy(momentum_decay=0.0, residual_decay=0.0).apply(comp, 0)
+    after = _snapshot(comp)
+    for part in ("u", "v"):
+        for name, t in before[part].items():
+            assert torch.equal(after[part][name], t)
+
+
+def test_stale_policy_changes_what_is_sent_next():
+    # A client that missed rounds sends less of its old momentum: the policy must reach the wire.
+    fresh, aged = _compressor(), _compressor()
+    StaleStatePolicy(momentum_decay=0.0).apply(aged, 5)
+    g = _grads(99)
+    a, b = fresh.compress(g).to_dense(), aged.compress(g).to_dense()
+    assert not torch.equal(a["w"], b["w"])
+
+
+@pytest.mark.parametrize("rounds", [-1, 1.5, True, "2"])
+def test_stale_policy_rejects_bad_rounds_missed_and_changes_nothing(rounds):
+    comp = _compressor()
+    before = _snapshot(comp)
+    with pytest.raises(StateError, match="rounds_missed"):
+        StaleStatePolicy(momentum_decay=0.0).apply(comp, rounds)
+    for name, u in before["u"].items():
+        assert torch.equal(comp.memory.u[name], u)
+
+
+@pytest.mark.parametrize("kw", [dict(momentum_decay=1.5), dict(momentum_decay=-0.1),
+                                dict(residual_decay=2.0), dict(residual_decay=True),
+                                dict(momentum_decay="0.5")])
+def test_stale_policy_rejects_factors_outside_unit_interval(kw):
+    name = next(iter(kw))
+    with pytest.raises(ConfigError, match=name):
+        StaleStatePolicy(**kw)
+
+
+# ------------------------------------------------------------------------- ServerMomentum
+
+def _params(seed: int = 0) -> dict[str, torch.Tensor]:
+    return _grads(1000 + seed)
+
+
+def test_server_plain_step_is_fedavg_model_averaging():
+    params = _params()
+    local = [{k: v - 0.1 * g for (k, v), g in zip(params.items(), _grads(s).values(),
+                                                    strict=True)} for s in range(3)]
+    weights = [1.0, 2.0, 5.0]
+    fedavg = {k: sum(w * m[k] for w, m in zip(weights, local, strict=True)) / sum(weights)
+              for k in params}
+    updates = [dgc.SparseUpdate.from_dense({k: params[k] - m[k] for k in params})
+               for m in local]
+    agg = dgc.aggregate(updates, weights, SHAPES)
+    ServerMomentum().step(params, agg)
+    for k in params:
+        torch.testing.assert_close(params[k], fedavg[k])
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_server_momentum_matches_torch_sgd(nesterov):
+    ours = _params()
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in ours.items()}
+    opt = torch.optim.SGD(ref.values(), lr=0.3, momentum=0.9, nesterov=nesterov)
+    server = ServerMomentum(lr=0.3, momentum=0.9, nesterov=nesterov)
+    for s in range(5):
+        g = _grads(s)
+        server.step(ours, g)
+        for k, p in ref.items():
+            p.grad = g[k].clone()
+        opt.step()
+    for k in ours:
+        torch.testing.assert_close(ours[k], ref[k].detach())
+
+
+def test_server_momentum_resumes_exactly_from_state_dict():
+    straight, resumed = _params(), _params()
+    a = ServerMomentum(lr=0.5, momentum=0.9)
+    for s in range(6):
+        a.step(straight, _grads(s))
+    b = ServerMomentum(lr=0.5, momentum=0.9)
+    for s in range(3):
+        b.step(resumed, _grads(s))
+    c = ServerMomentum()
+    c.load_state_dict(b.state_dict())
+    for s in range(3, 6):
+        c.step(resumed, _grads(s))
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"w": torch.zeros(64, 32), "nope": torch.zeros(3)}, "'nope' is not a model parameter"),
+    ({"w": torch.zeros(32, 64)}, r"shape \(32, 64\)"),
+    ({"b": torch.full((32,), math.nan)}, "NaN or Inf"),
+])
+def test_server_rejects_bad_aggregate_and_changes_nothing(bad, match):
+    params = _params()
+    server = ServerMomentum(lr=0.5, momentum=0.9)
+    server.step(params, _grads(0))
+    before = {k: v.clone() for k, v in params.items()}
+    buffer = {k: v.clone() for k, v in server.buffer.items()}
+    with pytest.raises(StateError, match=match):
+        server.step(params, {**_grads(1), **bad} if "w" not in bad else bad)
+    for k in params:
+        assert torch.equal(params[k], before[k])
+        assert torch.equal(server.buffer[k], buffer[k])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(lr=0.0), "server lr"), (dict(lr=-1.0), "server lr"), (dict(lr=math.inf), "server lr"),
+    (dict(momentum=1.0), "server momentum"), (dict(momentum=-0.5), "server momentum"),
+    (dict(momentum=0.0, nesterov=True), "nesterov"),
+])
+def test_server_rejects_bad_settings(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        ServerMomentum(**kw)
+
+
+def test_server_load_rejects_malformed_state_and_keeps_its_own():
+    server = ServerMomentum(lr=0.5, momentum=0.9)
+    server.step(_params(), _grads(0))
+    good = server.state_dict()
+    for bad, match in [({k: v for k, v in good.items() if k != "buffer"}, "lacks"),
+                       ({**good, "momentum": 1.2}, "server momentum"),
+                       ({**good, "buffer": {"w": torch.full((2,), math.inf)}}, "finite")]:
+        with pytest.raises((StateError, ConfigError), match=match):
+            server.load_state_dict(bad)
+        assert server.momentum == 0.9
+        for k in good["buffer"]:
+            assert torch.equal(server.buffer[k], good["buffer"][k])
