@@ -9,6 +9,7 @@ from dgc.config import DGCConfig
 from dgc.errors import AggregationError, ConfigError, DecodeError, DGCError, StateError
 from dgc.memory import DGCMemory
 from dgc.sparse import SparseTensor, SparseUpdate
+from dgc.wire import decode, encode
 
 __all__ = [
     "AggregationError",
@@ -26,10 +27,3 @@ __all__ = [
     "encode",
 ]
 
-
-def __getattr__(name: str):  # the wire format lands in dgc.wire
-    if name in ("encode", "decode"):
-        from dgc import wire
-
-        return getattr(wire, name)
-    raise AttributeError(name)

@@ -43,7 +43,7 @@ def aggregate(
     scale = 1.0 / total if normalize and total > 0 else 1.0
     out = {name: torch.zeros(int(torch.Size(s).numel()), dtype=torch.float32)
            for name, s in shapes.items()}
-    for u, w in zip(updates, weights):
+    for u, w in zip(updates, weights, strict=True):
         factor = float(w) * scale
         for name, t in u.tensors.items():
             out[name].index_add_(0, t.indices, t.values.to(torch.float32), alpha=factor)

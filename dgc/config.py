@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,8 @@ from dgc.sparse import VALUE_DTYPES
 
 SELECTIONS = ("exact", "sampled")
 WARMUP_SCHEDULES = ("exponential", "list", "none")
+_BOOL_FIELDS = ("momentum_correction", "nesterov", "momentum_masking", "error_feedback",
+                "check_finite")
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,9 @@ class DGCConfig:
         Nesterov form of momentum correction: ``u = m*(u + g); v = v + u + g``.
     dampening : float, default 0.0
         Scale of the new gradient in the momentum, ``u = m*u + (1 - dampening)*g``, as in
-        ``torch.optim.SGD``. ``dampening = momentum`` keeps the step size of plain SGD, which
-        matters in federated rounds where momentum would otherwise multiply the step (see README).
+        ``torch.optim.SGD`` (which, like this compressor, takes the first gradient undamped).
+        ``dampening = momentum`` keeps the step size of plain SGD, which matters in federated
+        rounds where momentum would otherwise multiply the step (see README).
     momentum_masking : bool, default True
         Momentum factor masking: zero the momentum where entries were sent, so stale momentum does
         not keep pushing coordinates already applied (paper, Sec. 3.3).
@@ -62,11 +65,12 @@ class DGCConfig:
     warmup : {"exponential", "list", "none"}, default "exponential"
         Density schedule over the first epochs. "exponential": density ``4 ** -(e + 1)`` in epoch
         e until it reaches ``density`` (75%, 93.75%, 98.44%, 99.6% sparsity, then the target).
-        "list": ``warmup_densities[e]`` for each listed epoch. "none": the target from the start.
+        "list": ``warmup_densities[e]`` for each listed epoch (never below ``density``).
+        "none": the target from the start.
     warmup_epochs : int, default 4
         Epochs the exponential schedule lasts (four for CIFAR and ImageNet, one for PTB and speech).
     warmup_densities : tuple of float, default ()
-        The per-epoch densities of the "list" schedule.
+        The per-epoch densities of the "list" schedule; an error with any other schedule.
     dense_epochs : int, default 0
         Epochs sent fully dense before any warm-up or sparsification starts.
     min_sparse_numel : int, default 1024
@@ -103,29 +107,40 @@ class DGCConfig:
     check_finite: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "warmup_densities", tuple(float(d) for d in self.warmup_densities))
+        densities = self.warmup_densities
+        if isinstance(densities, (str, bytes)) or not isinstance(densities, Iterable):
+            raise ConfigError(f"warmup_densities must be a sequence of numbers in (0, 1], "
+                              f"got {densities!r}")
+        densities = tuple(densities)
+        for i, d in enumerate(densities):
+            _check_fraction(f"warmup_densities[{i}]", d)
+        object.__setattr__(self, "warmup_densities", tuple(float(d) for d in densities))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _check_fraction("density", self.density)
         _check_choice("selection", self.selection, SELECTIONS)
         _check_fraction("sample_ratio", self.sample_ratio)
         _check_fraction("min_count_ratio", self.min_count_ratio)
         _check_int("max_adaptations", self.max_adaptations, 0)
-        if not (isinstance(self.momentum, (int, float)) and 0.0 <= self.momentum < 1.0):
+        if not (_is_number(self.momentum) and 0.0 <= self.momentum < 1.0):
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if not (isinstance(self.dampening, (int, float)) and 0.0 <= self.dampening <= 1.0):
+        if not (_is_number(self.dampening) and 0.0 <= self.dampening <= 1.0):
             raise ConfigError(f"dampening must be in [0, 1], got {self.dampening!r}")
         if self.clip_norm is not None and not (
-            isinstance(self.clip_norm, (int, float)) and math.isfinite(self.clip_norm)
-            and self.clip_norm > 0
+            _is_number(self.clip_norm) and math.isfinite(self.clip_norm) and self.clip_norm > 0
         ):
             raise ConfigError(f"clip_norm must be a positive finite number or None, "
                               f"got {self.clip_norm!r}")
         _check_int("num_workers", self.num_workers, 1)
         _check_choice("warmup", self.warmup, WARMUP_SCHEDULES)
         _check_int("warmup_epochs", self.warmup_epochs, 0)
-        for i, d in enumerate(self.warmup_densities):
-            _check_fraction(f"warmup_densities[{i}]", d)
         if self.warmup == "list" and not self.warmup_densities:
             raise ConfigError("warmup='list' needs a non-empty warmup_densities")
+        if self.warmup != "list" and self.warmup_densities:
+            # Silently ignoring the list would run a schedule the user did not ask for.
+            raise ConfigError(f"warmup_densities is only used with warmup='list', but warmup is "
+                              f"{self.warmup!r}")
         _check_int("dense_epochs", self.dense_epochs, 0)
         _check_int("min_sparse_numel", self.min_sparse_numel, 1)
         _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
@@ -163,8 +178,12 @@ class DGCConfig:
         return cls(**kwargs)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_fraction(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+    if not _is_number(value) or not 0.0 < value <= 1.0:
         raise ConfigError(f"{name} must be a number in (0, 1], got {value!r}")
 
 

@@ -22,9 +22,9 @@ class DGCMemory:
     momentum_correction : bool
         Accumulate the velocity (True) or the raw gradient (False) into the residual.
     nesterov : bool
-        Nesterov momentum correction: ``u = m*(u + g); v += u + g``.
+        Nesterov momentum correction: ``v += g + m*u`` (paper: ``u' = m*(u' + g); v += u' + g``).
     dampening : float
-        ``u = m*u + (1 - dampening)*g``, as in ``torch.optim.SGD``.
+        ``u = m*u + (1 - dampening)*g`` after the first step, as in ``torch.optim.SGD``.
     """
 
     def __init__(self, momentum: float, momentum_correction: bool, nesterov: bool,
@@ -37,7 +37,14 @@ class DGCMemory:
         self.v: dict[str, torch.Tensor] = {}
 
     def accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """Fold one flat float32 gradient into the state; return the residual ``v`` (a view)."""
+        """Fold one flat float32 gradient into the state; return the residual ``v`` (a view).
+
+        The momentum ``u`` is held in the form of ``torch.optim.SGD``'s momentum buffer, with the
+        same operations in the same order, so that density 1 without masking reproduces SGD bit
+        for bit: it starts as the first gradient (undamped, as SGD does), then
+        ``u = m*u + (1 - dampening)*g``; ``v += u``, or ``v += g + m*u`` for Nesterov (the
+        paper's ``u' = m*(u' + g); v += u' + g`` with ``u' = m*u``).
+        """
         v = self.v.get(name)
         if v is None:
             v = self.v[name] = torch.zeros_like(grad)
@@ -49,13 +56,13 @@ class DGCMemory:
             return v
         u = self.u.get(name)
         if u is None:
-            u = self.u[name] = torch.zeros_like(grad)
-        scale = 1.0 - self.dampening
-        if self.nesterov:
-            u.add_(grad, alpha=scale).mul_(self.momentum)
-            v.add_(u).add_(grad, alpha=scale)
+            # clone: the flat gradient may be a view of the caller's tensor.
+            u = self.u[name] = grad.clone()
         else:
-            u.mul_(self.momentum).add_(grad, alpha=scale)
+            u.mul_(self.momentum).add_(grad, alpha=1.0 - self.dampening)
+        if self.nesterov:
+            v.add_(grad).add_(u, alpha=self.momentum)
+        else:
             v.add_(u)
         return v
 
@@ -96,9 +103,16 @@ class DGCMemory:
         new: dict[str, dict[str, torch.Tensor]] = {}
         for part in ("u", "v"):
             new[part] = {}
-            for k, t in state.get(part, {}).items():
-                if not isinstance(t, torch.Tensor) or t.dim() != 1:
-                    raise StateError(f"memory state {part}[{k!r}] must be a flat tensor")
+            tensors = state.get(part, {})
+            if not isinstance(tensors, Mapping):
+                raise StateError(f"memory state {part!r} must map tensor names to tensors, got "
+                                 f"{type(tensors).__name__}")
+            for k, t in tensors.items():
+                if not isinstance(k, str):
+                    raise StateError(f"memory state {part} has a non-string name {k!r}")
+                if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_floating_point():
+                    raise StateError(f"memory state {part}[{k!r}] must be a flat floating-point "
+                                     f"tensor")
                 if not torch.isfinite(t).all():
                     raise StateError(f"memory state {part}[{k!r}] holds NaN or Inf")
                 new[part][k] = t.detach().to(torch.float32).clone()

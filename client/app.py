@@ -1,0 +1,221 @@
+"""The Flower ClientApp: local training, on-device DGC encoding, residual state between rounds.
+
+One train message, in order:
+
+1. read the settings and per-node keys from the message's ConfigRecord;
+2. load this client's record from the :class:`client.state.ClientStateStore` (compressor
+   residual and momentum, the pending update, the model version it holds);
+3. rebuild the global model: dense arrays, or a patch on the held version;
+4. train locally and form the pseudo-gradient ``global - local``;
+5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
+   sequence), fold it back into the residual with ``DGCCompressor.restore``;
+6. compress ("dense": all of it in fp32; "topk": no residual, no momentum; "dgc": configured),
+   encode with ``dgc.encode``, store the new state and pending update, and reply.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+import dgc
+from client import protocol as P
+from client.settings import SettingsError, TrainSettings, fields_of, parse
+from client.state import ClientStateStore
+from client.training import round_seed, train_locally
+from dgc import DGCCompressor, SparseUpdate
+
+app = ClientApp()
+
+_TRAIN_KEYS = {f.metadata["key"] for f in fields_of(TrainSettings)}
+
+
+class ClientProtocolError(RuntimeError):
+    """A train message the client cannot act on (missing keys, a patch for a version it lacks)."""
+
+
+@lru_cache(maxsize=4)
+def _task(name: str) -> Any:
+    from tasks import get_task  # imported lazily: the Ray actor pays for it once
+
+    return get_task(name)
+
+
+@lru_cache(maxsize=8)
+def _partitions(task: str, num_clients: int, scheme: str, alpha: float,
+                seed: int) -> tuple[np.ndarray, ...]:
+    parts = _task(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
+    return tuple(np.asarray(p, dtype=np.int64) for p in parts)
+
+
+def client_key(context: Context) -> int:
+    """This client's stable key: its partition id in simulation, else ``client-key`` or node id."""
+    for k in ("client-key", "partition-id"):
+        if k in context.node_config:
+            return int(context.node_config[k])
+    return int(context.node_id)
+
+
+def settings_from(config: ConfigRecord) -> TrainSettings:
+    """The TrainSettings keys of a message config (other keys are per-node or Flower's)."""
+    try:
+        return parse(TrainSettings, {k: v for k, v in config.items() if k in _TRAIN_KEYS},
+                     strict=False)
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
+def _store(settings: TrainSettings, context: Context) -> ClientStateStore:
+    root = context.node_config.get("state-dir") or settings.state_dir
+    if not root:
+        raise ClientProtocolError("no state_dir in the train config and no 'state-dir' in the "
+                                  "node config: the client has nowhere to keep its residual")
+    return ClientStateStore(str(root))
+
+
+def _int(config: ConfigRecord, key: str) -> int:
+    if key not in config:
+        raise ClientProtocolError(f"train message config lacks {key!r}")
+    return int(config[key])  # type: ignore[arg-type]
+
+
+def global_model(content: RecordDict, config: ConfigRecord,
+                 held: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """The global model of this message, from dense arrays or a patch on the held version."""
+    arrays = content.array_records.get(P.ARRAYS)
+    if arrays is None:
+        raise ClientProtocolError(f"train message has no {P.ARRAYS!r} ArrayRecord")
+    kind = str(config.get(P.DOWNLINK, "dense"))
+    if kind == "dense":
+        return {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+    if kind != "patch":
+        raise ClientProtocolError(f"downlink must be 'dense' or 'patch', got {kind!r}")
+    base = _int(config, P.BASE_VERSION)
+    if held is None or "model" not in held or int(held.get("model_version", -1)) != base:
+        have = None if held is None else held.get("model_version")
+        raise ClientProtocolError(f"server sent a patch on model version {base}, this client "
+                                  f"holds version {have}")
+    patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH))
+    model = {k: v.clone() for k, v in held["model"].items()}
+    for name, t in patch.tensors.items():
+        if name not in model or model[name].numel() != t.numel:
+            raise ClientProtocolError(f"patch tensor {name!r} does not match the held model")
+        flat = model[name].view(-1)
+        flat[t.indices] = t.values.to(flat.dtype)
+    return model
+
+
+def _pending_update(record: dict[str, Any]) -> SparseUpdate | None:
+    data = record.get("pending")
+    if data is None:
+        return None
+    return dgc.decode(bytes(data.numpy().tobytes()))
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train on this client's partition and reply with the encoded pseudo-gradient."""
+    torch.set_num_threads(1)  # one core per simulated client; Ray gives each actor one CPU
+    started = time.perf_counter()
+    config = msg.content.config_records.get(P.CONFIG)
+    if config is None:
+        raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
+    s = settings_from(config)
+    server_round = _int(config, P.SERVER_ROUND)
+    version = _int(config, P.MODEL_VERSION)
+    ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
+    key = client_key(context)
+    store = _store(s, context)
+    record = store.get(str(key)) or {}
+
+    task = _task(s.task)
+    parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
+    if not 0 <= key < len(parts):
+        raise ClientProtocolError(f"client key {key} has no partition: the task has "
+                                  f"{len(parts)} partitions (num_clients = {s.num_clients})")
+    idx = torch.from_numpy(parts[key])
+
+    global_state = global_model(msg.content, config, record)
+    model = task.build_model()
+    model.load_state_dict(global_state)
+    local = train_locally(
+        model, task.train_x[idx], task.train_y[idx], task.loss_fn, lr=s.lr,
+        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
+        momentum=s.client_momentum, weight_decay=s.weight_decay,
+        seed=round_seed(s.seed, server_round, key))
+
+    restored = 0
+    if s.method == "dense":
+        update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
+        new_record: dict[str, Any] = {}
+    else:
+        compressor = DGCCompressor(s.dgc_config())
+        if s.method == "dgc" and "compressor" in record:
+            compressor.load_state_dict(record["compressor"])
+            pending = _pending_update(record)
+            if pending is not None and pending.sequence != ack:
+                # The server never aggregated it (deadline, lost link, rejected): put its mass
+                # back so that nothing this client computed is lost.
+                compressor.restore(pending)
+                restored = 1
+        update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
+                                     sequence=server_round)
+        new_record = {"compressor": compressor.state_dict()} if s.method == "dgc" else {}
+    data = dgc.encode(update)
+    if s.method == "dgc":
+        new_record["pending"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if bool(config.get(P.KEEP_MODEL, False)):
+        # Keep the model this client now holds, so the server may send a patch next time.
+        new_record["model"] = global_state
+        new_record["model_version"] = version
+    store.put(str(key), new_record)
+
+    metrics = MetricRecord({
+        "num-examples": local.num_examples,
+        "uplink_bytes": len(data),
+        "nnz": update.nnz,
+        "density": update.density,
+        "train_loss": local.train_loss,
+        "compute_seconds": time.perf_counter() - started,
+        "model_version": version,
+        "client_key": key,
+        "sequence": server_round,
+        "restored": restored,
+    })
+    return Message(RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics}),
+                   reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Evaluate the sent (dense) model on this client's partition (federated evaluation)."""
+    torch.set_num_threads(1)
+    config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
+    s = settings_from(config)
+    task = _task(s.task)
+    parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
+    key = client_key(context)
+    idx = torch.from_numpy(parts[key])
+    model = task.build_model()
+    model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())
+    model.eval()
+    with torch.no_grad():
+        out = model(task.train_x[idx])
+        loss = float(task.loss_fn(out, task.train_y[idx]))
+        pred = out.argmax(-1)
+        accuracy = float((pred == task.train_y[idx]).float().mean())
+    metrics = MetricRecord({"num-examples": int(idx.numel()), "loss": loss, "accuracy": accuracy})
+    return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server this client's stable key (node ids change with every simulation run)."""
+    return Message(RecordDict({P.METRICS: MetricRecord({P.CLIENT_KEY: client_key(context)})}),
+                   reply_to=msg)

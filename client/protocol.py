@@ -1,0 +1,65 @@
+"""The message contract between DGCStrategy and the ClientApp: record keys and byte payloads.
+
+A train message carries
+
+- ``config`` (ConfigRecord): the :class:`client.settings.TrainSettings` keys plus the per-node
+  keys below;
+- ``arrays`` (ArrayRecord): either the dense global model (one numpy Array per tensor, what
+  Flower's FedAvg sends), or one byte Array named ``patch``: a ``dgc.encode``-d update whose
+  fp32 values *replace* the entries of the model version the client already holds
+  (``base_version``). Replacing instead of adding keeps the client's copy bit-identical to the
+  server's.
+
+A train reply carries ``update`` (ArrayRecord with one byte Array: the ``dgc.encode``-d
+pseudo-gradient) and ``metrics`` (MetricRecord, keys in :data:`REPLY_METRICS`).
+"""
+
+from __future__ import annotations
+
+from flwr.app import Array, ArrayRecord
+
+#: stype of a byte Array that holds ``dgc.encode`` output.
+WIRE_STYPE = "fedgc.dgc.wire"
+
+# Record keys.
+ARRAYS = "arrays"
+CONFIG = "config"
+UPDATE = "update"
+METRICS = "metrics"
+PATCH = "patch"
+
+# Per-node config keys the server adds to the TrainSettings keys.
+SERVER_ROUND = "server-round"
+ACK_SEQUENCE = "ack_sequence"  # sequence of this client's last update that was aggregated; -1 none
+MODEL_VERSION = "model_version"  # version of the model in this message
+DOWNLINK = "downlink"  # "dense" or "patch"
+BASE_VERSION = "base_version"  # the version a patch applies to
+KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
+
+#: Metrics every train reply carries.
+REPLY_METRICS = ("num-examples", "uplink_bytes", "nnz", "density", "train_loss",
+                 "compute_seconds", "model_version", "client_key", "sequence", "restored")
+
+#: The metric a query reply carries: the client's stable key (its partition id in simulation).
+CLIENT_KEY = "client_key"
+
+
+def bytes_to_record(data: bytes, name: str = UPDATE) -> ArrayRecord:
+    """Wrap encoded bytes as an ArrayRecord with one uint8 Array (Flower carries it unchanged)."""
+    return ArrayRecord({name: Array(dtype="uint8", shape=(len(data),), stype=WIRE_STYPE,
+                                    data=bytes(data))})
+
+
+def record_to_bytes(record: ArrayRecord, name: str = UPDATE) -> bytes:
+    """The bytes of :func:`bytes_to_record`; a ValueError names what is missing or wrong."""
+    if name not in record:
+        raise ValueError(f"ArrayRecord lacks the byte array {name!r}; it holds {list(record)}")
+    arr = record[name]
+    if arr.stype != WIRE_STYPE:
+        raise ValueError(f"array {name!r} has stype {arr.stype!r}, expected {WIRE_STYPE!r}")
+    return bytes(arr.data)
+
+
+def record_nbytes(record: ArrayRecord) -> int:
+    """Payload bytes of an ArrayRecord as sent: the serialized data of every Array."""
+    return sum(len(a.data) for a in record.values())

@@ -1,0 +1,249 @@
+"""Index codings of the wire format: Golomb-Rice on gaps, bitmap and raw uint32, vectorized numpy.
+
+Every function here works on a sorted, unique, flat ``int64`` index array and a tensor size
+``numel``; encoders return the index section's bytes, decoders take them back and raise
+:class:`IndexCodingError` with a specific reason when the bytes are not a canonical encoding.
+No function loops in Python over indices: the unary parts are placed by cumulative bit positions
+and found again with ``np.flatnonzero``; the fixed-width remainders are moved one bit plane at a
+time (at most 62 planes).
+
+Bit order everywhere is least-significant-bit first: bit ``k`` of a section is bit ``k % 8``
+(value ``1 << (k % 8)``) of byte ``k // 8``. ``docs/wire.md`` specifies the layout byte by byte.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: Largest Rice parameter the format allows (remainders then fit an int64 with room to spare).
+MAX_RICE_PARAMETER = 62
+
+#: Largest tensor size the format allows; keeps every gap and index computation inside int64.
+MAX_NUMEL = 1 << 62
+
+_LOG_GOLDEN_CONJUGATE = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(phi - 1)
+
+
+class IndexCodingError(ValueError):
+    """An index section is not a canonical encoding; ``wire.decode`` raises it as DecodeError."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Golomb-Rice on gaps
+# ---------------------------------------------------------------------------------------------
+
+def gaps_of(indices: np.ndarray) -> np.ndarray:
+    """Gaps minus one of sorted unique indices: ``g[0] = i[0]``, ``g[j] = i[j] - i[j-1] - 1``."""
+    gaps = np.empty_like(indices)
+    if indices.size:
+        gaps[0] = indices[0]
+        np.subtract(indices[1:], indices[:-1], out=gaps[1:])
+        gaps[1:] -= 1
+    return gaps
+
+
+def rice_parameter_estimate(count: int, numel: int) -> int:
+    """The Rice parameter for uniform random indices at density ``q = count / numel``.
+
+    ``b* = 1 + floor(log2(log(phi - 1) / log(1 - q)))`` (phi the golden ratio; Sattler et al.,
+    Sparse Ternary Compression), clamped to ``[0, MAX_RICE_PARAMETER]``; 0 for an empty or full
+    selection, where there are no gaps to code.
+    """
+    if count <= 0 or count >= numel:
+        return 0
+    q = count / numel
+    ratio = _LOG_GOLDEN_CONJUGATE / math.log1p(-q)
+    b = 1 + math.floor(math.log2(ratio))
+    return min(max(b, 0), MAX_RICE_PARAMETER)
+
+
+def rice_cost_bits(gaps: np.ndarray, b: int) -> int:
+    """Exact bits of the Golomb-Rice code of ``gaps`` with parameter ``b`` (both sections)."""
+    n = int(gaps.size)
+    return n * (b + 1) + int(np.right_shift(gaps, b).sum())
+
+
+def best_rice_parameter(gaps: np.ndarray, numel: int) -> int:
+    """The Rice parameter the reference encoder uses: a descent on the exact cost.
+
+    Start at :func:`rice_parameter_estimate`; step down while the cost does not grow, otherwise
+    step up while it strictly shrinks. The cost is convex in ``b``, so this finds the minimum
+    (the smallest ``b`` among ties below the start) in a few O(nnz) passes; it also copes with
+    indices that are far from uniform (clustered selections), where the estimate is off.
+    """
+    n = int(gaps.size)
+    if n == 0:
+        return 0
+    b = rice_parameter_estimate(n, numel)
+    cost = rice_cost_bits(gaps, b)
+    moved_down = False
+    while b > 0:
+        lower = rice_cost_bits(gaps, b - 1)
+        if lower > cost:
+            break
+        b, cost, moved_down = b - 1, lower, True
+    if not moved_down:
+        while b < MAX_RICE_PARAMETER:
+            higher = rice_cost_bits(gaps, b + 1)
+            if higher >= cost:
+                break
+            b, cost = b + 1, higher
+    return b
+
+
+def rice_section_bytes(count: int, b: int, unary_bits: int) -> int:
+    """Bytes of a Golomb-Rice index section: parameter byte, remainder part, unary part."""
+    return 1 + (count * b + 7) // 8 + (unary_bits + 7) // 8
+
+
+def golomb_size(indices: np.ndarray, numel: int) -> tuple[int, int]:
+    """``(section_bytes, b)`` of the Golomb-Rice coding the encoder would write."""
+    gaps = gaps_of(indices)
+    b = best_rice_parameter(gaps, numel)
+    unary_bits = int(gaps.size) + int(np.right_shift(gaps, b).sum())
+    return rice_section_bytes(int(gaps.size), b, unary_bits), b
+
+
+def _pack_bit_positions(positions: np.ndarray, nbits: int) -> bytes:
+    """Bytes of an ``nbits``-long LSB-first bit string with ones exactly at ``positions``."""
+    nbytes = (nbits + 7) // 8
+    if positions.size == 0:
+        return bytes(nbytes)
+    # Several ones can share a byte; their bit values never collide, so a weighted bincount
+    # (exact in float64 for sums below 256) ORs them in O(nnz) without materializing nbits.
+    byte_values = np.bincount(positions >> 3, weights=np.left_shift(1, positions & 7),
+                              minlength=nbytes)
+    return byte_values.astype(np.uint8).tobytes()
+
+
+def _pack_fixed_width(values: np.ndarray, width: int) -> bytes:
+    """``values`` (each below ``2**width``) as consecutive ``width``-bit LSB-first fields."""
+    n = int(values.size)
+    if n == 0 or width == 0:
+        return b""
+    bits = np.empty((n, width), dtype=np.uint8)
+    for t in range(width):  # one pass per bit plane, never per value
+        bits[:, t] = np.right_shift(values, t) & 1
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def golomb_encode(indices: np.ndarray, numel: int, b: int | None = None) -> bytes:
+    """Golomb-Rice index section: ``[b: u8][remainders: count*b bits][unary: q_j zeros, a one]``.
+
+    ``indices`` must be sorted, unique and inside ``[0, numel)``; ``b`` defaults to
+    :func:`best_rice_parameter`.
+    """
+    gaps = gaps_of(indices)
+    if b is None:
+        b = best_rice_parameter(gaps, numel)
+    if not 0 <= b <= MAX_RICE_PARAMETER:
+        raise IndexCodingError(f"Rice parameter {b} outside [0, {MAX_RICE_PARAMETER}]")
+    quotients = np.right_shift(gaps, b)
+    remainders = gaps & ((1 << b) - 1)
+    # The j-th unary code ends with a one at bit sum_{i<=j}(q_i + 1) - 1.
+    one_positions = np.cumsum(quotients + 1) - 1
+    unary_bits = int(one_positions[-1]) + 1 if one_positions.size else 0
+    return (bytes([b]) + _pack_fixed_width(remainders, b)
+            + _pack_bit_positions(one_positions, unary_bits))
+
+
+def golomb_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarray:
+    """Indices from a Golomb-Rice section; rejects anything but the canonical encoding."""
+    if len(section) < 1:
+        raise IndexCodingError("Golomb-Rice section lacks its parameter byte")
+    b = section[0]
+    if b > MAX_RICE_PARAMETER:
+        raise IndexCodingError(f"Rice parameter {b} above the maximum {MAX_RICE_PARAMETER}")
+    remainder_bytes = (count * b + 7) // 8
+    if 1 + remainder_bytes > len(section):
+        raise IndexCodingError(f"Golomb-Rice section of {len(section)} bytes is shorter than its "
+                               f"{remainder_bytes} remainder bytes for {count} indices")
+    unary = np.frombuffer(section, dtype=np.uint8, offset=1 + remainder_bytes)
+    if count == 0:
+        if unary.size:
+            raise IndexCodingError(f"{unary.size} unary bytes for zero indices")
+        return np.empty(0, dtype=np.int64)
+    # Each index needs at least one unary bit: refuse before unpacking anything count-sized.
+    if unary.size == 0 or count > 8 * unary.size:
+        raise IndexCodingError(f"{unary.size} unary bytes cannot hold {count} codes")
+    if unary[-1] == 0:
+        raise IndexCodingError("unary part ends with a zero byte (not canonical)")
+    one_positions = np.flatnonzero(np.unpackbits(unary, bitorder="little"))
+    if one_positions.size != count:
+        raise IndexCodingError(f"unary part holds {one_positions.size} codes, header says {count}")
+    quotients = np.diff(one_positions, prepend=-1) - 1
+    # Bound the quotients before shifting so that no gap can overflow int64.
+    if int(quotients.max()) > (numel - 1) >> b:
+        raise IndexCodingError(f"a gap exceeds the tensor size {numel}")
+    gaps = np.left_shift(quotients.astype(np.int64), b)
+    if b:
+        bits = np.unpackbits(np.frombuffer(section, dtype=np.uint8, offset=1,
+                                           count=remainder_bytes), bitorder="little")
+        if bits[count * b:].any():
+            raise IndexCodingError("remainder part has nonzero padding bits")
+        planes = bits[:count * b].reshape(count, b)
+        for t in range(b):  # one pass per bit plane
+            gaps |= np.left_shift(planes[:, t].astype(np.int64), t)
+    if int(gaps.max()) >= numel:
+        raise IndexCodingError(f"a gap exceeds the tensor size {numel}")
+    # Each term is at most numel <= 2**62; partial sums could only wrap after passing numel,
+    # which the strict-increase check below then catches.
+    indices = np.cumsum(gaps + 1) - 1
+    if count * numel >= 1 << 63 and not bool(np.all(indices[1:] > indices[:-1])):
+        raise IndexCodingError(f"indices run past the tensor size {numel}")
+    if int(indices[-1]) >= numel:
+        raise IndexCodingError(f"index {int(indices[-1])} out of range for {numel} entries")
+    return indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Bitmap and raw uint32
+# ---------------------------------------------------------------------------------------------
+
+def bitmap_size(numel: int) -> int:
+    """Bytes of a bitmap section: one bit per entry."""
+    return (numel + 7) // 8
+
+
+def bitmap_encode(indices: np.ndarray, numel: int) -> bytes:
+    """Bitmap section: bit ``i`` (LSB-first) is one exactly when ``i`` is among the indices."""
+    return _pack_bit_positions(indices, numel)
+
+
+def bitmap_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarray:
+    """Indices from a bitmap section of exactly ``ceil(numel / 8)`` bytes holding ``count`` ones."""
+    expected = bitmap_size(numel)
+    if len(section) != expected:
+        raise IndexCodingError(f"bitmap of {len(section)} bytes, expected {expected} for "
+                               f"{numel} entries")
+    bits = np.unpackbits(np.frombuffer(section, dtype=np.uint8), bitorder="little")
+    if bits[numel:].any():
+        raise IndexCodingError("bitmap has nonzero padding bits")
+    indices = np.flatnonzero(bits).astype(np.int64, copy=False)
+    if indices.size != count:
+        raise IndexCodingError(f"bitmap holds {indices.size} indices, header says {count}")
+    return indices
+
+
+def raw_encode(indices: np.ndarray) -> bytes:
+    """Raw section: each index as a little-endian uint32."""
+    return indices.astype("<u4").tobytes()
+
+
+def raw_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarray:
+    """Indices from a raw uint32 section; they must be strictly increasing and below ``numel``."""
+    if len(section) != 4 * count:
+        raise IndexCodingError(f"raw section of {len(section)} bytes, expected {4 * count} for "
+                               f"{count} indices")
+    indices = np.frombuffer(section, dtype="<u4").astype(np.int64)
+    if count:
+        if not bool(np.all(indices[1:] > indices[:-1])):
+            bad = int(np.flatnonzero(indices[1:] <= indices[:-1])[0]) + 1
+            raise IndexCodingError(f"raw index {int(indices[bad])} at position {bad} does not "
+                                   f"increase on {int(indices[bad - 1])} (repeated or unsorted)")
+        if int(indices[-1]) >= numel:
+            raise IndexCodingError(f"raw index {int(indices[-1])} out of range for {numel} "
+                                   f"entries")
+    return indices

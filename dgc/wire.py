@@ -1,0 +1,448 @@
+"""The fedgc wire format: a SparseUpdate to bytes and back, versioned, checksummed, validated.
+
+Layout (all integers little-endian; ``docs/wire.md`` has the byte-by-byte specification)::
+
+    message  = magic "FGCU" | version u8 = 1 | flags u8 = 0 | sequence u64 | tensor_count u32
+               | tensor * tensor_count | crc32 u32 (zlib CRC-32 of every byte before it)
+    tensor   = name_len u16 | name (utf-8) | ndim u8 | dims u64 * ndim | count u64
+               | index_coding u8 | value_dtype u8 | index_bytes u64
+               | index section (index_bytes) | values (count * value size)
+
+Index codings: 0 all (count == numel, no index bytes), 1 raw uint32, 2 bitmap, 3 Golomb-Rice on
+gaps. Value dtypes: 0 float32, 1 float16, 2 bfloat16, carried as their raw bits.
+
+:func:`decode` first walks the headers (so truncated or trailing input is named as such and no
+payload is touched before its length is known to be present), then checks the CRC, then decodes
+and validates each section. Every failure is a :class:`~dgc.errors.DecodeError`.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dgc import golomb
+from dgc.errors import DecodeError, DGCError
+from dgc.sparse import SparseTensor, SparseUpdate
+
+MAGIC = b"FGCU"
+VERSION = 1
+
+#: Index coding ids, by the name ``encode(index_coding=...)`` takes.
+INDEX_CODINGS: dict[str, int] = {"all": 0, "raw": 1, "bitmap": 2, "golomb": 3}
+_CODING_NAMES = {v: k for k, v in INDEX_CODINGS.items()}
+
+#: Value dtype ids and their raw-bit representation on the wire.
+VALUE_DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPES_BY_ID = {v: k for k, v in VALUE_DTYPE_IDS.items()}
+_RAW_BITS = {  # wire dtype, torch view dtype, exponent mask (all ones = Inf or NaN)
+    torch.float32: ("<u4", torch.int32, 0x7F800000),
+    torch.float16: ("<u2", torch.int16, 0x7C00),
+    torch.bfloat16: ("<u2", torch.int16, 0x7F80),
+}
+
+_PREAMBLE = struct.Struct("<4sBBQI")  # magic, version, flags, sequence, tensor_count
+_NAME_LEN = struct.Struct("<H")
+_NDIM = struct.Struct("<B")
+_DIM = struct.Struct("<Q")
+_TENSOR_TAIL = struct.Struct("<QBBQ")  # count, index_coding, value_dtype, index_bytes
+_CRC = struct.Struct("<I")
+
+#: Bytes of a message that carries no tensors: preamble plus checksum.
+EMPTY_MESSAGE_BYTES = _PREAMBLE.size + _CRC.size
+
+#: Tiebreak among codings of equal size: the cheapest to decode first.
+_AUTO_PREFERENCE = ("all", "golomb", "bitmap", "raw")
+
+_MAX_U32 = (1 << 32) - 1
+_MAX_U64 = (1 << 64) - 1
+
+
+class EncodeError(DGCError, ValueError):
+    """An update handed to :func:`encode` cannot be put on the wire (the message names why)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------
+
+def _check_tensor(name: str, t: SparseTensor) -> np.ndarray:
+    """The tensor's indices as numpy after checking what decode would check."""
+    numel = t.numel
+    if numel > golomb.MAX_NUMEL:
+        raise EncodeError(f"tensor {name!r} has {numel} entries, above the format's limit "
+                          f"{golomb.MAX_NUMEL}")
+    if len(t.shape) > 255:
+        raise EncodeError(f"tensor {name!r} has {len(t.shape)} dims, the format allows 255")
+    if any(d < 0 or d > golomb.MAX_NUMEL for d in t.shape):
+        raise EncodeError(f"tensor {name!r} has a dim outside [0, {golomb.MAX_NUMEL}] in shape "
+                          f"{t.shape}")
+    indices = t.indices.detach().cpu().contiguous().numpy()
+    if indices.size:
+        if not bool(np.all(indices[1:] > indices[:-1])):
+            bad = int(np.flatnonzero(indices[1:] <= indices[:-1])[0]) + 1
+            raise EncodeError(f"tensor {name!r}: index {int(indices[bad])} at position {bad} "
+                              f"does not increase on {int(indices[bad - 1])}; indices must be "
+                              f"sorted and unique")
+        if int(indices[0]) < 0 or int(indices[-1]) >= numel:
+            raise EncodeError(f"tensor {name!r}: indices span [{int(indices[0])}, "
+                              f"{int(indices[-1])}], outside [0, {numel}) for shape {t.shape}")
+    if t.values.numel() and not bool(torch.isfinite(t.values).all()):
+        raise EncodeError(f"tensor {name!r} carries NaN or Inf values; the format only carries "
+                          f"finite values")
+    return indices
+
+
+def _index_sizes(indices: np.ndarray, numel: int) -> tuple[dict[str, int], int]:
+    """Bytes of the index section under every coding that can carry these indices, and the
+    Rice parameter the Golomb-Rice coding would use."""
+    count = int(indices.size)
+    golomb_bytes, rice_b = golomb.golomb_size(indices, numel)
+    sizes = {"golomb": golomb_bytes, "bitmap": golomb.bitmap_size(numel)}
+    if count == numel:
+        sizes["all"] = 0
+    if numel <= _MAX_U32 + 1:
+        sizes["raw"] = 4 * count
+    return sizes, rice_b
+
+
+def _choose_coding(indices: np.ndarray, numel: int, index_coding: str,
+                   name: str) -> tuple[str, int | None]:
+    """The coding for one tensor, and its Rice parameter when already computed."""
+    if index_coding == "auto":
+        if indices.size == numel:
+            return "all", None
+        sizes, rice_b = _index_sizes(indices, numel)
+        coding = min(sizes, key=lambda c: (sizes[c], _AUTO_PREFERENCE.index(c)))
+        return coding, rice_b
+    if index_coding not in INDEX_CODINGS:
+        raise EncodeError(f"index_coding {index_coding!r} is not one of "
+                          f"{['auto', *INDEX_CODINGS]}")
+    if index_coding == "all" and indices.size != numel:
+        raise EncodeError(f"tensor {name!r}: index_coding 'all' needs every entry, got "
+                          f"{indices.size} of {numel}")
+    if index_coding == "raw" and numel > _MAX_U32 + 1:
+        raise EncodeError(f"tensor {name!r}: index_coding 'raw' carries uint32 indices, the "
+                          f"tensor has {numel} entries")
+    return index_coding, None
+
+
+def _encode_indices(indices: np.ndarray, numel: int, coding: str, rice_b: int | None) -> bytes:
+    if coding == "all":
+        return b""
+    if coding == "raw":
+        return golomb.raw_encode(indices)
+    if coding == "bitmap":
+        return golomb.bitmap_encode(indices, numel)
+    return golomb.golomb_encode(indices, numel, rice_b)
+
+
+def _value_bytes(values: torch.Tensor) -> bytes:
+    wire_dtype, view_dtype, _ = _RAW_BITS[values.dtype]
+    raw = values.detach().cpu().contiguous().view(view_dtype).numpy()
+    return raw.astype(wire_dtype, copy=False).tobytes()
+
+
+def _tensor_header(name: str, t: SparseTensor, coding: str, index_bytes: int) -> bytes:
+    name_utf8 = name.encode("utf-8")
+    if len(name_utf8) > 0xFFFF:
+        raise EncodeError(f"tensor name of {len(name_utf8)} utf-8 bytes; the format allows 65535")
+    return b"".join([
+        _NAME_LEN.pack(len(name_utf8)), name_utf8, _NDIM.pack(len(t.shape)),
+        *(_DIM.pack(d) for d in t.shape),
+        _TENSOR_TAIL.pack(t.nnz, INDEX_CODINGS[coding], VALUE_DTYPE_IDS[t.values.dtype],
+                          index_bytes),
+    ])
+
+
+def _check_update(update: SparseUpdate) -> None:
+    if not isinstance(update, SparseUpdate):
+        raise EncodeError(f"encode takes a SparseUpdate, got {type(update).__name__}")
+    if not 0 <= update.sequence <= _MAX_U64:
+        raise EncodeError(f"sequence {update.sequence} outside the u64 range [0, 2**64)")
+    if len(update.tensors) > _MAX_U32:
+        raise EncodeError(f"{len(update.tensors)} tensors; the format allows {_MAX_U32}")
+    for name in update.tensors:
+        if not isinstance(name, str):
+            raise EncodeError(f"tensor names must be str, got {name!r}")
+
+
+def encode(update: SparseUpdate, index_coding: str = "auto") -> bytes:
+    """The wire bytes of ``update``.
+
+    Parameters
+    ----------
+    update
+        The update to send. Tensors are written in the dict's order.
+    index_coding
+        ``"auto"`` (per tensor the smallest of the codings that can carry it), or one of
+        ``"all"``, ``"raw"``, ``"bitmap"``, ``"golomb"`` for every tensor.
+
+    Raises
+    ------
+    EncodeError
+        The update cannot be carried: unsorted/repeated/out-of-range indices, NaN/Inf values, a
+        sequence outside u64, a name over 65535 utf-8 bytes, or a coding that cannot carry a
+        tensor (``"all"`` on a sparse one, ``"raw"`` beyond 2**32 entries).
+    """
+    _check_update(update)
+    parts = [_PREAMBLE.pack(MAGIC, VERSION, 0, update.sequence, len(update.tensors))]
+    for name, t in update.tensors.items():
+        indices = _check_tensor(name, t)
+        coding, rice_b = _choose_coding(indices, t.numel, index_coding, name)
+        index_section = _encode_indices(indices, t.numel, coding, rice_b)
+        parts += [_tensor_header(name, t, coding, len(index_section)), index_section,
+                  _value_bytes(t.values)]
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def encoded_size(update: SparseUpdate, index_coding: str = "auto") -> int:
+    """``len(encode(update, index_coding))``, computed without building the bytes."""
+    _check_update(update)
+    total = EMPTY_MESSAGE_BYTES
+    for name, t in update.tensors.items():
+        indices = _check_tensor(name, t)
+        coding, _ = _choose_coding(indices, t.numel, index_coding, name)
+        index_bytes = 0 if coding == "all" else _index_sizes(indices, t.numel)[0][coding]
+        total += (_NAME_LEN.size + len(name.encode("utf-8")) + _NDIM.size
+                  + _DIM.size * len(t.shape) + _TENSOR_TAIL.size + index_bytes
+                  + t.nnz * t.values.element_size())
+    return total
+
+
+def index_bits(indices: torch.Tensor | np.ndarray, numel: int, coding: str) -> int:
+    """Bits of the index section of one tensor under ``coding`` (``"auto"``: the smallest).
+
+    A measurement helper for benchmarks and the network emulator; ``indices`` must be sorted,
+    unique and inside ``[0, numel)``.
+    """
+    idx = indices.detach().cpu().numpy() if isinstance(indices, torch.Tensor) else indices
+    idx = np.asarray(idx, dtype=np.int64)
+    sizes, _ = _index_sizes(idx, numel)
+    if coding == "auto":
+        return 8 * min(sizes.values())
+    if coding not in sizes:
+        raise EncodeError(f"coding {coding!r} cannot carry {idx.size} of {numel} indices; "
+                          f"possible: {sorted(sizes)}")
+    return 8 * sizes[coding]
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _TensorRecord:
+    """One tensor's header, and where its sections lie, from the structural pass."""
+
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    count: int
+    coding: int
+    dtype: torch.dtype
+    index_start: int
+    index_bytes: int
+    values_start: int
+
+
+def _read(fmt: struct.Struct, data: memoryview, pos: int, end: int, what: str) -> tuple:
+    if pos + fmt.size > end:
+        raise DecodeError(f"truncated input: {what} needs {fmt.size} bytes at offset {pos}, "
+                          f"only {max(end - pos, 0)} left before the checksum")
+    return fmt.unpack_from(data, pos)
+
+
+def _read_record(data: memoryview, pos: int, end: int, k: int, max_numel: int | None,
+                 seen: set[str]) -> tuple[_TensorRecord, int]:
+    (name_len,) = _read(_NAME_LEN, data, pos, end, f"tensor {k} name length")
+    pos += _NAME_LEN.size
+    if pos + name_len > end:
+        raise DecodeError(f"truncated input: tensor {k} name of {name_len} bytes at offset {pos}")
+    try:
+        name = bytes(data[pos:pos + name_len]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DecodeError(f"tensor {k} name is not valid utf-8: {e.reason} at byte "
+                          f"{e.start}") from e
+    pos += name_len
+    if name in seen:
+        raise DecodeError(f"duplicate tensor name {name!r} (tensor {k})")
+    seen.add(name)
+    (ndim,) = _read(_NDIM, data, pos, end, f"tensor {name!r} ndim")
+    pos += _NDIM.size
+    shape = []
+    numel = 1
+    for _ in range(ndim):
+        (dim,) = _read(_DIM, data, pos, end, f"tensor {name!r} dims")
+        pos += _DIM.size
+        if dim > golomb.MAX_NUMEL:
+            raise DecodeError(f"tensor {name!r} has dim {dim}, above the format's limit "
+                              f"{golomb.MAX_NUMEL}")
+        shape.append(dim)
+        numel *= dim  # exact Python int; bounded below since each factor is
+    if numel > golomb.MAX_NUMEL:
+        raise DecodeError(f"tensor {name!r} shape {tuple(shape)} has {numel} entries, above the "
+                          f"format's limit {golomb.MAX_NUMEL}")
+    if max_numel is not None and numel > max_numel:
+        raise DecodeError(f"tensor {name!r} shape {tuple(shape)} has {numel} entries, above "
+                          f"max_numel={max_numel}")
+    count, coding, dtype_id, index_bytes = _read(_TENSOR_TAIL, data, pos, end,
+                                                 f"tensor {name!r} count/coding/dtype/length")
+    pos += _TENSOR_TAIL.size
+    if count > numel:
+        raise DecodeError(f"tensor {name!r} claims {count} entries, above its numel {numel}")
+    if coding not in _CODING_NAMES:
+        raise DecodeError(f"tensor {name!r} has unknown index coding id {coding}; known: "
+                          f"{sorted(_CODING_NAMES)}")
+    if dtype_id not in _DTYPES_BY_ID:
+        raise DecodeError(f"tensor {name!r} has unknown value dtype id {dtype_id}; known: "
+                          f"{sorted(_DTYPES_BY_ID)}")
+    if coding == INDEX_CODINGS["all"] and (count != numel or index_bytes != 0):
+        raise DecodeError(f"tensor {name!r}: coding 'all' needs count == numel and no index "
+                          f"bytes, got count {count}, numel {numel}, {index_bytes} index bytes")
+    dtype = _DTYPES_BY_ID[dtype_id]
+    value_bytes = count * _RAW_BITS[dtype][1].itemsize
+    if pos + index_bytes + value_bytes > end:
+        raise DecodeError(f"truncated input: tensor {name!r} needs {index_bytes} index bytes and "
+                          f"{value_bytes} value bytes at offset {pos}, only {end - pos} left")
+    record = _TensorRecord(name, tuple(shape), numel, count, coding, dtype, pos, index_bytes,
+                           pos + index_bytes)
+    return record, pos + index_bytes + value_bytes
+
+
+def _decode_indices(data: memoryview, r: _TensorRecord) -> np.ndarray:
+    section = data[r.index_start:r.index_start + r.index_bytes]
+    name = _CODING_NAMES[r.coding]
+    try:
+        if name == "all":
+            return np.arange(r.numel, dtype=np.int64)
+        if name == "raw":
+            return golomb.raw_decode(section, r.count, r.numel)
+        if name == "bitmap":
+            return golomb.bitmap_decode(section, r.count, r.numel)
+        return golomb.golomb_decode(section, r.count, r.numel)
+    except golomb.IndexCodingError as e:
+        raise DecodeError(f"tensor {r.name!r} ({name} indices): {e}") from e
+
+
+def _decode_values(data: memoryview, r: _TensorRecord) -> torch.Tensor:
+    wire_dtype, view_dtype, exponent_mask = _RAW_BITS[r.dtype]
+    raw = np.frombuffer(data, dtype=wire_dtype, count=r.count, offset=r.values_start)
+    non_finite = (raw & exponent_mask) == exponent_mask
+    if non_finite.any():
+        at = int(np.flatnonzero(non_finite)[0])
+        raise DecodeError(f"tensor {r.name!r}: value {at} is NaN or Inf (raw bits "
+                          f"0x{int(raw[at]):x}); only finite values are valid")
+    signed = raw.astype(wire_dtype.replace("u", "i"))  # a copy, so torch owns writable memory
+    return torch.from_numpy(signed).view(r.dtype)
+
+
+def _as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"decode takes bytes, bytearray or memoryview, got "
+                          f"{type(data).__name__}")
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise DecodeError("decode needs a contiguous buffer")
+        view = view.cast("B")
+    return view
+
+
+def decode(data: bytes | bytearray | memoryview, *, max_numel: int | None = None) -> SparseUpdate:
+    """The update carried by ``data``, validated.
+
+    Parameters
+    ----------
+    data
+        One whole message as :func:`encode` wrote it, nothing before or after.
+    max_numel
+        If given, reject any tensor whose shape claims more entries (a guard for receivers that
+        will densify what they decode). Checked from the header, before anything is allocated.
+
+    Raises
+    ------
+    DecodeError
+        With the reason: truncated input, trailing bytes, bad magic, unsupported version or
+        flags, bad checksum, unknown coding or dtype id, count above numel, numel above
+        ``max_numel`` or the format's limit, indices out of range / repeated / not increasing /
+        not canonically coded, NaN or Inf values, duplicate or non-utf-8 tensor names. No other
+        exception escapes on bad bytes.
+    """
+    if max_numel is not None and (not isinstance(max_numel, int) or max_numel < 0):
+        raise ValueError(f"max_numel must be a non-negative int or None, got {max_numel!r}")
+    view = _as_bytes_view(data)
+    try:
+        return _decode(view, max_numel)
+    except DecodeError:
+        raise
+    except (ValueError, TypeError, IndexError, OverflowError, struct.error, RuntimeError) as e:
+        # A check above missed a malformed case: still honour the DecodeError-only contract.
+        raise DecodeError(f"malformed update: {type(e).__name__}: {e}") from e
+
+
+def _read_structure(data: memoryview, max_numel: int | None) -> tuple[int, list[_TensorRecord]]:
+    """The sequence and every tensor header, after the framing and the checksum are verified."""
+    size = len(data)
+    if size < EMPTY_MESSAGE_BYTES:
+        raise DecodeError(f"truncated input: {size} bytes, a message has at least "
+                          f"{EMPTY_MESSAGE_BYTES}")
+    magic, version, flags, sequence, tensor_count = _PREAMBLE.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise DecodeError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise DecodeError(f"unsupported version {version}, this decoder reads {VERSION}")
+    if flags != 0:
+        raise DecodeError(f"unsupported flags 0x{flags:02x} for version {VERSION} (must be 0)")
+    end = size - _CRC.size
+    # Each tensor record has at least its fixed fields: a count larger than the bytes can hold
+    # is refused before any per-tensor work.
+    min_record = _NAME_LEN.size + _NDIM.size + _TENSOR_TAIL.size
+    if tensor_count * min_record > end - _PREAMBLE.size:
+        raise DecodeError(f"truncated input: {tensor_count} tensors cannot fit in "
+                          f"{end - _PREAMBLE.size} bytes")
+    records = []
+    seen: set[str] = set()
+    pos = _PREAMBLE.size
+    for k in range(tensor_count):
+        record, pos = _read_record(data, pos, end, k, max_numel, seen)
+        records.append(record)
+    if pos != end:
+        raise DecodeError(f"trailing or oversized input: {end - pos} bytes after the last tensor "
+                          f"(message is {size} bytes, its tensors end at {pos + _CRC.size})")
+    (stored_crc,) = _CRC.unpack_from(data, end)
+    actual_crc = zlib.crc32(data[:end])
+    if stored_crc != actual_crc:
+        raise DecodeError(f"bad checksum: stored 0x{stored_crc:08x}, computed 0x{actual_crc:08x}")
+    return sequence, records
+
+
+def _decode(data: memoryview, max_numel: int | None) -> SparseUpdate:
+    sequence, records = _read_structure(data, max_numel)
+    tensors = {}
+    for r in records:
+        indices = torch.from_numpy(_decode_indices(data, r))
+        values = _decode_values(data, r)
+        tensors[r.name] = SparseTensor(indices, values, r.shape)
+    return SparseUpdate(tensors, sequence)
+
+
+def tensor_codings(data: bytes | bytearray | memoryview) -> dict[str, str]:
+    """The index coding each tensor of a message is stored with, by name, in message order.
+
+    Reads only the headers (after verifying framing and checksum); a diagnostic for benchmarks,
+    tests and other-language codecs. Raises :class:`~dgc.errors.DecodeError` like :func:`decode`.
+    """
+    view = _as_bytes_view(data)
+    try:
+        _, records = _read_structure(view, None)
+    except (ValueError, TypeError, IndexError, OverflowError, struct.error) as e:
+        if isinstance(e, DecodeError):
+            raise
+        raise DecodeError(f"malformed update: {type(e).__name__}: {e}") from e
+    return {r.name: _CODING_NAMES[r.coding] for r in records}

@@ -1,0 +1,127 @@
+"""The Flower ServerApp: read the run config, build task and DGCStrategy, run, write results.
+
+``app`` reads ``context.run_config`` (``[tool.flwr.app.config]`` under ``flwr run .``);
+:func:`run_server` is the same main with a :class:`server.config.RunConfig` in hand, which is what
+``python -m simulations`` calls inside ``flwr.simulation.run_simulation``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from client.settings import to_flat
+from server.checkpoint import CHECKPOINT_FILE
+from server.config import RunConfig, SettingsError
+from server.results import summarize, write_clients, write_rounds, write_summary
+from server.strategy import DGCStrategy, RoundRecord
+
+app = ServerApp()
+
+logger = logging.getLogger("fedgc")
+
+
+class RunFolderError(RuntimeError):
+    """The run folder holds an earlier run and neither ``resume`` nor ``overwrite`` is set."""
+
+
+def prepare_run_dir(config: RunConfig) -> None:
+    """Create the run folder; refuse to clobber an earlier run unless told to."""
+    run_dir, s = config.run_dir, config.server
+    has_run = (run_dir / CHECKPOINT_FILE).exists() or (run_dir / "rounds.csv").exists()
+    if has_run and not (s.resume or s.overwrite):
+        raise RunFolderError(f"{run_dir} already holds a run; set resume=true to continue it, "
+                             f"overwrite=true to replace it, or choose another run_name")
+    if has_run and s.overwrite and not s.resume:
+        for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        # Residuals of the replaced run must not leak into the new one.
+        shutil.rmtree(config.state_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def progress_line(record: RoundRecord, rounds: int) -> str:
+    """One human-readable line per round."""
+    ratio = record.dense_uplink_bytes / record.uplink_bytes if record.uplink_bytes else 0.0
+    return (f"round {record.round:>4}/{rounds}  acc {record.accuracy:.4f}  loss {record.loss:.4f}"
+            f"  up {record.uplink_bytes / 1e3:9.1f} kB (x{ratio:7.1f})"
+            f"  down {record.downlink_bytes / 1e6:7.2f} MB"
+            f"  clients {record.clients_aggregated}/{record.clients_sampled}"
+            f" failed {record.clients_failed}  {record.wall_seconds:5.1f}s")
+
+
+def run_server(grid: Grid, config: RunConfig,
+               on_round: Callable[[RoundRecord], None] | None = None) -> dict[str, Any]:
+    """Run a whole federation on ``grid`` and write the results files; return the summary."""
+    started = time.time()
+    torch.set_num_threads(1)
+    s, t = config.server, config.train
+    prepare_run_dir(config)
+    from tasks import get_task
+
+    task = get_task(t.task)
+    torch.manual_seed(t.seed)
+    model = task.build_model()
+    run_dir = config.run_dir
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy = task.evaluate(model)
+        return MetricRecord({"accuracy": float(accuracy), "loss": float(loss)})
+
+    def round_done(record: RoundRecord) -> None:
+        write_rounds(run_dir, strategy.rounds)
+        if s.progress:
+            print(progress_line(record, s.rounds), flush=True)
+        if on_round is not None:
+            on_round(record)
+
+    strategy = DGCStrategy(
+        clients_per_round=t.clients_per_round,
+        over_selection=s.over_selection,
+        server_learning_rate=s.server_lr,
+        server_momentum=s.server_momentum,
+        downlink=s.downlink,
+        downlink_history=s.downlink_history,
+        seed=t.seed,
+        checkpoint_dir=run_dir if s.checkpoint else None,
+        resume=s.resume,
+        on_round=round_done,
+        fraction_evaluate=s.fraction_evaluate,
+        min_available_nodes=t.clients_per_round,
+    )
+    train_config = ConfigRecord(to_flat(config.client_train_settings()))
+    result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
+                            timeout=s.round_timeout_s, train_config=train_config,
+                            evaluate_fn=evaluate)
+    torch.save(result.arrays.to_torch_state_dict(), run_dir / "model.pt")
+    write_rounds(run_dir, strategy.rounds)
+    write_clients(run_dir, strategy.client_rows)
+    summary = summarize(strategy.rounds, t.method, {
+        "task": t.task, "num_clients": t.num_clients, "clients_per_round": t.clients_per_round,
+        "density": t.density if t.method != "dense" else 1.0,
+        "num_parameters": sum(v.numel() for v in strategy.model.values()),
+        "rejections": strategy.rejections, "process_seconds": time.time() - started,
+        "config": config.to_flat(),
+    })
+    write_summary(run_dir, summary)
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md)."""
+    try:
+        config = RunConfig.from_flat(dict(context.run_config))
+    except SettingsError as ex:
+        print(f"fedgc: bad run config: {ex}", file=sys.stderr)
+        raise
+    run_server(grid, config)

@@ -1,0 +1,121 @@
+"""Results files of a run: ``rounds.csv``, ``clients.csv`` and ``summary.json`` (the schema).
+
+``rounds.csv`` has at least :data:`ROUND_COLUMNS`; ``summary.json`` at least
+:data:`SUMMARY_KEYS`. Other tools (plots, compare, the network emulator) read these names.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from server.strategy import ClientRow, RoundRecord
+
+ROUND_COLUMNS = ("round", "accuracy", "loss", "uplink_bytes", "downlink_bytes",
+                 "clients_sampled", "clients_aggregated", "clients_failed", "wall_seconds")
+SUMMARY_KEYS = ("method", "final_accuracy", "rounds", "uplink_bytes", "downlink_bytes",
+                "dense_uplink_bytes", "uplink_compression", "wall_seconds")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", newline="") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: row[k] for k in columns})
+    return buf.getvalue()
+
+
+def round_columns() -> list[str]:
+    """Every column of ``rounds.csv``: the schema's first, then the extras."""
+    extra = [f.name for f in fields(RoundRecord) if f.name not in ROUND_COLUMNS]
+    return list(ROUND_COLUMNS) + extra
+
+
+def write_rounds(run_dir: Path, rounds: Sequence[RoundRecord]) -> None:
+    """(Re)write ``rounds.csv`` from all rounds so far (a resumed run keeps earlier rounds)."""
+    _atomic_write(run_dir / "rounds.csv", _csv_text(round_columns(),
+                                                    [asdict(r) for r in rounds]))
+
+
+def write_clients(run_dir: Path, rows: Sequence[ClientRow]) -> None:
+    """Write ``clients.csv``: one line per sampled client per round."""
+    cols = [f.name for f in fields(ClientRow)]
+    _atomic_write(run_dir / "clients.csv", _csv_text(cols, [asdict(r) for r in rows]))
+
+
+def summarize(rounds: Sequence[RoundRecord], method: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``summary.json`` dict of a run's rounds."""
+    up = sum(r.uplink_bytes for r in rounds)
+    down = sum(r.downlink_bytes for r in rounds)
+    dense_up = sum(r.dense_uplink_bytes for r in rounds)
+    dense_down = sum(r.dense_downlink_bytes for r in rounds)
+    accs = [r.accuracy for r in rounds if math.isfinite(r.accuracy)]
+    last = rounds[-1] if rounds else RoundRecord(0)
+    return {
+        "method": method,
+        "final_accuracy": last.accuracy if rounds else float("nan"),
+        "final_loss": last.loss if rounds else float("nan"),
+        "best_accuracy": max(accs) if accs else float("nan"),
+        "rounds": len(rounds),
+        "uplink_bytes": up,
+        "downlink_bytes": down,
+        "dense_uplink_bytes": dense_up,
+        "dense_downlink_bytes": dense_down,
+        "uplink_compression": dense_up / up if up else float("nan"),
+        "downlink_compression": dense_down / down if down else float("nan"),
+        "clients_aggregated": sum(r.clients_aggregated for r in rounds),
+        "clients_failed": sum(r.clients_failed for r in rounds),
+        "clients_rejected": sum(r.clients_rejected for r in rounds),
+        "wall_seconds": sum(r.wall_seconds for r in rounds),
+        **extra,
+    }
+
+
+def json_clean(obj: Any) -> Any:
+    """``obj`` with NaN and infinities replaced by None, so any JSON reader accepts it."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_clean(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as strict JSON (see :func:`json_clean`), atomically."""
+    _atomic_write(path, json.dumps(json_clean(obj), indent=2, sort_keys=True) + "\n")
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary.json``."""
+    write_json(run_dir / "summary.json", summary)
+
+
+def read_rounds(run_dir: Path) -> list[dict[str, float]]:
+    """``rounds.csv`` as dicts of numbers (for plots and comparisons)."""
+    with (Path(run_dir) / "rounds.csv").open() as fh:
+        return [{k: float(v) if v not in ("", "nan") else float("nan") for k, v in row.items()}
+                for row in csv.DictReader(fh)]

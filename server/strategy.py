@@ -1,0 +1,687 @@
+"""DGCStrategy: a Flower FedAvg that aggregates DGC-compressed sparse pseudo-gradients.
+
+Per round (``configure_train`` then ``aggregate_train``):
+
+1. identify clients by a stable key (a query message once per node: node ids change with every
+   simulation run, partition ids do not), and sample them with a seeded generator;
+2. send each the dense global model, or a patch on the version it holds, whichever is smaller,
+   with ``ack_sequence``: the sequence of its last update that was aggregated;
+3. decode and validate every reply; a rejected reply is logged with its reason, counted, and
+   never touches the model;
+4. aggregate by scatter-add in O(total nonzeros), weighted by ``num-examples``, and apply the
+   server optimizer ``buf = m*buf + avg; global -= lr * buf``;
+5. record bytes, failures and timings per round and per client, evaluate (``evaluate_fn``) and
+   checkpoint atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Result
+from flwr.supercore import log
+
+import dgc
+from client import protocol as P
+from dgc import DecodeError, SparseTensor, SparseUpdate
+from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+STRATEGY_STATE_VERSION = 1
+
+
+@dataclass
+class ClientRow:
+    """What happened to one sampled client in one round (one line of ``clients.csv``)."""
+
+    round: int
+    client_key: int
+    node_id: int
+    status: str  # aggregated | rejected | error | timeout | surplus
+    reason: str = ""
+    downlink: str = ""
+    downlink_bytes: int = 0
+    uplink_bytes: int = 0
+    nnz: int = 0
+    density: float = 0.0
+    compression_ratio: float = 0.0
+    num_examples: int = 0
+    train_loss: float = float("nan")
+    compute_seconds: float = 0.0
+    restored: int = 0
+
+
+@dataclass
+class RoundRecord:
+    """One round's totals (one line of ``rounds.csv``). Accuracy is a fraction in [0, 1]."""
+
+    round: int
+    accuracy: float = float("nan")
+    loss: float = float("nan")
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    dense_uplink_bytes: int = 0
+    dense_downlink_bytes: int = 0
+    clients_sampled: int = 0
+    clients_aggregated: int = 0
+    clients_failed: int = 0
+    clients_rejected: int = 0
+    patches_sent: int = 0
+    nnz: int = 0
+    train_loss: float = float("nan")
+    compute_seconds_max: float = 0.0
+    wall_seconds: float = 0.0
+    model_version: int = 0
+
+
+@dataclass
+class _RoundState:
+    server_round: int
+    sampled: list[int]  # client keys, in sampling order
+    node_of: dict[int, int]  # client key -> node id
+    downlink: dict[int, tuple[str, int]]  # client key -> (kind, bytes)
+    version_sent: int
+    rows: list[ClientRow] = field(default_factory=list)
+
+
+class ReplyRejected(ValueError):
+    """A train reply failed validation; the message names the reason."""
+
+
+# pylint: disable=too-many-instance-attributes
+class DGCStrategy(FedAvg):
+    """Federated Averaging of Deep Gradient Compression updates (Lin et al., ICLR 2018).
+
+    Clients reply with ``dgc.encode``-d pseudo-gradients ``global - local`` (see
+    :mod:`client.app`); the strategy validates, aggregates them sparsely and applies a server
+    optimizer. With dense updates, ``server_learning_rate = 1`` and no momentum it computes
+    exactly Flower's FedAvg.
+
+    Parameters
+    ----------
+    clients_per_round : int (default: 10)
+        Clients whose updates are aggregated each round.
+    over_selection : float (default: 1.0)
+        Sample ``ceil(clients_per_round * over_selection)`` clients and aggregate the first
+        ``clients_per_round`` valid replies in sampling order (straggler defence, 1.3 is usual).
+        The others are "surplus": not acknowledged, so those clients restore their update.
+    server_learning_rate : float (default: 1.0)
+        Server step size on the averaged pseudo-gradient.
+    server_momentum : float (default: 0.0)
+        Server momentum, in the convention of Flower's FedAvgM and ``torch.optim.SGD``.
+    downlink : {"auto", "dense"} (default: "auto")
+        "auto" sends a client a patch on the global version it holds when the server still keeps
+        that version and the encoded patch is smaller than the dense model; "dense" always sends
+        the dense model.
+    downlink_history : int (default: 1)
+        Past global versions kept to build patches (each costs one model of server memory).
+    seed : int (default: 0)
+        Seed of client sampling (per round: ``Random(seed * 1000003 + round)``).
+    checkpoint_dir : str or Path, optional (default: None)
+        Where to write ``checkpoint.pt`` after every round. None: no checkpoints.
+    resume : bool (default: False)
+        Continue from ``checkpoint_dir``'s checkpoint in :meth:`start`, if there is one.
+    on_round : callable, optional (default: None)
+        Called with each finished :class:`RoundRecord` (progress display, results files).
+    probe_timeout : float (default: 120.0)
+        Seconds to wait for the query replies that identify new nodes.
+    fraction_evaluate : float (default: 0.0)
+        Fraction of nodes for federated evaluation; centralized evaluation (``evaluate_fn``)
+        runs every round regardless.
+    min_evaluate_nodes : int (default: 2)
+        Minimum number of nodes for federated evaluation.
+    min_available_nodes : int (default: 2)
+        Minimum number of connected nodes before a round starts.
+    weighted_by_key : str (default: "num-examples")
+        The reply metric that weighs each update.
+    """
+
+    # pylint: disable=too-many-arguments,too-many-locals
+    def __init__(
+        self,
+        clients_per_round: int = 10,
+        over_selection: float = 1.0,
+        server_learning_rate: float = 1.0,
+        server_momentum: float = 0.0,
+        downlink: str = "auto",
+        downlink_history: int = 1,
+        seed: int = 0,
+        checkpoint_dir: str | Path | None = None,
+        resume: bool = False,
+        on_round: Callable[[RoundRecord], None] | None = None,
+        probe_timeout: float = 120.0,
+        fraction_evaluate: float = 0.0,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = "num-examples",
+    ) -> None:
+        super().__init__(
+            fraction_train=1.0,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=clients_per_round,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=P.ARRAYS,
+            configrecord_key=P.CONFIG,
+        )
+        if isinstance(clients_per_round, bool) or not isinstance(clients_per_round, int) \
+                or clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be an integer >= 1, got "
+                             f"{clients_per_round!r}")
+        if not (isinstance(over_selection, (int, float)) and 1.0 <= over_selection <= 10.0):
+            raise ValueError(f"over_selection must be in [1, 10], got {over_selection!r}")
+        if not (isinstance(server_learning_rate, (int, float)) and server_learning_rate > 0
+                and math.isfinite(server_learning_rate)):
+            raise ValueError(f"server_learning_rate must be a finite number > 0, got "
+                             f"{server_learning_rate!r}")
+        if not (isinstance(server_momentum, (int, float)) and 0.0 <= server_momentum < 1.0):
+            raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
+        if downlink not in ("auto", "dense"):
+            raise ValueError(f"downlink must be 'auto' or 'dense', got {downlink!r}")
+        if isinstance(downlink_history, bool) or not isinstance(downlink_history, int) \
+                or downlink_history < 0:
+            raise ValueError(f"downlink_history must be an integer >= 0, got "
+                             f"{downlink_history!r}")
+        self.clients_per_round = clients_per_round
+        self.over_selection = float(over_selection)
+        self.server_learning_rate = float(server_learning_rate)
+        self.server_momentum = float(server_momentum)
+        self.downlink = downlink
+        self.downlink_history = downlink_history
+        self.seed = int(seed)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.resume = resume
+        self.on_round = on_round
+        self.probe_timeout = probe_timeout
+
+        self.model: OrderedDict[str, torch.Tensor] | None = None  # the global model, float32
+        self.model_version = 0  # aggregations applied so far
+        self.completed_rounds = 0
+        self.momentum_buffer: dict[str, torch.Tensor] | None = None
+        self.history: list[tuple[int, dict[str, torch.Tensor]]] = []  # (version, model), oldest 1st
+        self.clients: dict[int, dict[str, int]] = {}  # key -> {"acked": seq, "version": v}
+        self.node_keys: dict[int, int] = {}  # node id -> client key (this process only)
+        self.rounds: list[RoundRecord] = []
+        self.client_rows: list[ClientRow] = []
+        self.rejections: dict[str, int] = {}
+        self._round: _RoundState | None = None
+        self._pending_record = RoundRecord(0)
+        self._dense_update_nbytes = 0
+        self._dense_model_nbytes = 0
+
+    # ------------------------------------------------------------------ settings / model
+    def summary(self) -> None:
+        """Log summary configuration of the strategy."""
+        log(INFO, "\t├──> DGCStrategy settings:")
+        log(INFO, "\t│\t├── Clients per round: %d (over-selection %.2f)",
+            self.clients_per_round, self.over_selection)
+        log(INFO, "\t│\t├── Server learning rate: %s", self.server_learning_rate)
+        log(INFO, "\t│\t├── Server momentum: %s", self.server_momentum)
+        log(INFO, "\t│\t├── Downlink: %s (history %d)", self.downlink, self.downlink_history)
+        log(INFO, "\t│\t├── Sampling seed: %d", self.seed)
+        log(INFO, "\t│\t└── Checkpoints: %s%s", self.checkpoint_dir or "off",
+            " (resume)" if self.resume else "")
+        super().summary()
+
+    def set_model(self, arrays: ArrayRecord) -> None:
+        """Adopt ``arrays`` as the global model (float tensors only are trained and sent)."""
+        state = arrays.to_torch_state_dict()
+        model: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for name, t in state.items():
+            if not t.is_floating_point():
+                raise ValueError(f"model tensor {name!r} has dtype {t.dtype}; DGCStrategy "
+                                 f"trains floating-point tensors only")
+            model[name] = t.detach().to(torch.float32).clone().contiguous()
+        self.model = model
+        self._measure_dense()
+
+    def _measure_dense(self) -> None:
+        assert self.model is not None
+        # What a dense fp32 update costs on the same wire, and what the dense model costs as
+        # Flower ArrayRecord: the baselines of the compression ratios.
+        self._dense_update_nbytes = len(dgc.encode(SparseUpdate.from_dense(self.model,
+                                                                           "float32")))
+        self._dense_model_nbytes = P.record_nbytes(self.model_arrays())
+
+    def model_arrays(self) -> ArrayRecord:
+        """The global model as an ArrayRecord (one numpy Array per tensor)."""
+        assert self.model is not None
+        return ArrayRecord(OrderedDict((k, v.clone()) for k, v in self.model.items()))
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensor shapes of the global model, by name."""
+        assert self.model is not None
+        return {k: tuple(v.shape) for k, v in self.model.items()}
+
+    def register_clients(self, node_keys: Mapping[int, int]) -> None:
+        """Record node id -> client key pairs (what the identification query learns)."""
+        for node, key in node_keys.items():
+            self.node_keys[int(node)] = int(key)
+
+    # ------------------------------------------------------------------ configure
+    def _identify(self, grid: Grid, node_ids: list[int]) -> None:
+        unknown = [n for n in node_ids if n not in self.node_keys]
+        if not unknown:
+            return
+        messages = [Message(RecordDict({P.CONFIG: ConfigRecord({"ask": P.CLIENT_KEY})}),
+                            dst_node_id=n, message_type=MessageType.QUERY) for n in unknown]
+        replies = grid.send_and_receive(messages, timeout=self.probe_timeout)
+        for msg in replies:
+            if msg.has_error():
+                log(WARNING, "node %d did not identify itself: %s", msg.metadata.src_node_id,
+                    msg.error.reason)
+                continue
+            metrics = msg.content.metric_records.get(P.METRICS)
+            if metrics is None or P.CLIENT_KEY not in metrics:
+                log(WARNING, "node %d sent no client key", msg.metadata.src_node_id)
+                continue
+            self.node_keys[msg.metadata.src_node_id] = int(metrics[P.CLIENT_KEY])  # type: ignore
+        missing = len([n for n in unknown if n not in self.node_keys])
+        if missing:
+            log(WARNING, "%d of %d new nodes are unidentified and will not be sampled", missing,
+                len(unknown))
+
+    def _wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
+        while len(node_ids := sorted(grid.get_node_ids())) < needed:
+            log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).",
+                len(node_ids), needed)
+            time.sleep(1)
+        return node_ids
+
+    def sample(self, server_round: int, keys: list[int]) -> list[int]:
+        """The client keys sampled in ``server_round`` (reproducible from the seed)."""
+        want = min(len(keys), math.ceil(self.clients_per_round * self.over_selection))
+        rng = random.Random(self.seed * 1_000_003 + server_round)
+        return rng.sample(sorted(keys), want)
+
+    def _patch(self, base_version: int) -> bytes | None:
+        assert self.model is not None
+        if base_version == self.model_version:
+            base = self.model  # the client already holds it: the patch is empty
+        else:
+            base = next((m for v, m in self.history if v == base_version), None)
+        if base is None:
+            return None
+        tensors = {}
+        for name, t in self.model.items():
+            flat, old = t.view(-1), base[name].view(-1)
+            # bitwise comparison, so a replaced entry reproduces the server's value exactly
+            idx = torch.nonzero(flat.view(torch.int32) != old.view(torch.int32)).view(-1)
+            tensors[name] = SparseTensor(idx, flat[idx].clone(), tuple(t.shape))
+        return dgc.encode(SparseUpdate(tensors, self.model_version))
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample clients and send each the model (dense or patch) with its acknowledgement."""
+        if self.model is None:
+            self.set_model(arrays)
+        node_ids = self._wait_for_nodes(grid, max(self.min_available_nodes,
+                                                  self.clients_per_round))
+        self._identify(grid, node_ids)
+        node_of: dict[int, int] = {}
+        for n in node_ids:
+            if n in self.node_keys:
+                node_of.setdefault(self.node_keys[n], n)
+        sampled = self.sample(server_round, list(node_of))
+        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), len(node_ids))
+
+        dense_record = self.model_arrays()
+        dense_nbytes = P.record_nbytes(dense_record)
+        patches: dict[int, bytes | None] = {}
+        state = _RoundState(server_round, sampled, {k: node_of[k] for k in sampled}, {},
+                            self.model_version)
+        messages = []
+        for key in sampled:
+            info = self.clients.get(key, {})
+            held = info.get("version", -1)
+            record, kind, nbytes = dense_record, "dense", dense_nbytes
+            if self.downlink == "auto" and held >= 0:
+                if held not in patches:
+                    patches[held] = self._patch(held)
+                patch = patches[held]
+                if patch is not None and len(patch) < dense_nbytes:
+                    record, kind, nbytes = P.bytes_to_record(patch, P.PATCH), "patch", len(patch)
+            cfg = ConfigRecord(dict(config))
+            cfg[P.SERVER_ROUND] = server_round
+            cfg[P.MODEL_VERSION] = self.model_version
+            cfg[P.ACK_SEQUENCE] = info.get("acked", -1)
+            cfg[P.DOWNLINK] = kind
+            cfg[P.KEEP_MODEL] = self.downlink == "auto"
+            if kind == "patch":
+                cfg[P.BASE_VERSION] = held
+            state.downlink[key] = (kind, nbytes)
+            messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}),
+                                    dst_node_id=node_of[key], message_type=MessageType.TRAIN))
+        self._round = state
+        return messages
+
+    # ------------------------------------------------------------------ validate
+    def validate_reply(self, msg: Message, server_round: int) -> tuple[int, SparseUpdate,
+                                                                       MetricRecord, int]:
+        """(client key, update, metrics, uplink bytes) of a valid reply; ReplyRejected if not."""
+        assert self._round is not None
+        content = msg.content
+        metrics = content.metric_records.get(P.METRICS)
+        if metrics is None:
+            raise ReplyRejected(f"no {P.METRICS!r} MetricRecord")
+        arrays = content.array_records.get(P.UPDATE)
+        if arrays is None:
+            raise ReplyRejected(f"no {P.UPDATE!r} ArrayRecord")
+        try:
+            data = P.record_to_bytes(arrays, P.UPDATE)
+        except ValueError as ex:
+            raise ReplyRejected(str(ex)) from ex
+        weight = metrics.get(self.weighted_by_key)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not math.isfinite(weight) or weight <= 0:
+            raise ReplyRejected(f"{self.weighted_by_key} must be a finite number > 0, got "
+                                f"{weight!r}")
+        try:
+            update = dgc.decode(data)
+        except DecodeError as ex:
+            raise ReplyRejected(f"undecodable update ({len(data)} bytes): {ex}") from ex
+        if update.sequence != server_round:
+            raise ReplyRejected(f"update sequence {update.sequence} is not the round "
+                                f"{server_round}")
+        shapes = self.shapes
+        missing = sorted(set(shapes) - set(update.tensors))
+        extra = sorted(set(update.tensors) - set(shapes))
+        if missing or extra:
+            raise ReplyRejected(f"tensor names differ from the model: missing {missing}, "
+                                f"unknown {extra}")
+        for name, t in update.tensors.items():
+            if t.shape != shapes[name]:
+                raise ReplyRejected(f"tensor {name!r} has shape {t.shape}, the model has "
+                                    f"{shapes[name]}")
+            if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
+                raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
+            if not torch.isfinite(t.values).all():
+                raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
+        return self.node_keys.get(msg.metadata.src_node_id, -1), update, metrics, len(data)
+
+    # ------------------------------------------------------------------ aggregate
+    def aggregate_train(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate replies, aggregate the valid ones sparsely, apply the server optimizer."""
+        state = self._round
+        if state is None or state.server_round != server_round or self.model is None:
+            raise RuntimeError(f"aggregate_train({server_round}) without configure_train for "
+                               f"that round")
+        replies = list(replies)
+        rows: dict[int, ClientRow] = {}
+        valid: dict[int, tuple[SparseUpdate, MetricRecord]] = {}
+        uplink = 0
+        sampled = set(state.sampled)
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            key = self.node_keys.get(node, -1)
+            if key not in sampled or key in rows:
+                self._count_rejection("reply from a node that was not sampled or replied twice")
+                log(WARNING, "\t> Ignored reply from node %d (client %d): not sampled in round "
+                    "%d or a duplicate", node, key, server_round)
+                continue
+            kind, down = state.downlink[key]
+            row = ClientRow(server_round, key, node, "error", downlink=kind, downlink_bytes=down)
+            rows[key] = row
+            if msg.has_error():
+                row.reason = msg.error.reason
+                log(INFO, "\t> Received error in reply from node %d: %s", node, row.reason)
+                continue
+            try:
+                _, update, metrics, nbytes = self.validate_reply(msg, server_round)
+            except ReplyRejected as ex:
+                row.status, row.reason = "rejected", str(ex)
+                nbytes = _payload_nbytes(msg)
+                row.uplink_bytes = nbytes
+                uplink += nbytes
+                self._count_rejection(str(ex).split(":")[0])
+                log(WARNING, "\t> Rejected reply from node %d (client %d): %s", node, key, ex)
+                continue
+            uplink += nbytes
+            row.status = "valid"
+            row.uplink_bytes = nbytes
+            row.nnz, row.density = update.nnz, update.density
+            row.compression_ratio = self._dense_update_nbytes / nbytes
+            row.num_examples = int(metrics[self.weighted_by_key])  # type: ignore[arg-type]
+            row.train_loss = float(metrics.get("train_loss", float("nan")))  # type: ignore
+            row.compute_seconds = float(metrics.get("compute_seconds", 0.0))  # type: ignore
+            row.restored = int(metrics.get("restored", 0))  # type: ignore[arg-type]
+            valid[key] = (update, metrics)
+        for key in state.sampled:
+            if key not in rows:
+                kind, down = state.downlink[key]
+                rows[key] = ClientRow(server_round, key, state.node_of[key], "timeout",
+                                      reason="no reply before the round timeout",
+                                      downlink=kind, downlink_bytes=down)
+
+        # The first clients_per_round valid replies in sampling order: deterministic, unlike
+        # arrival order.
+        chosen = [k for k in state.sampled if k in valid][: self.clients_per_round]
+        for k in valid:
+            rows[k].status = "aggregated" if k in chosen else "surplus"
+        applied = False
+        if chosen:
+            keys = sorted(chosen)  # a fixed summation order makes the sum reproducible
+            try:
+                applied = self._apply([valid[k][0] for k in keys],
+                                      [float(rows[k].num_examples) for k in keys])
+            except dgc.AggregationError as ex:
+                log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s",
+                    server_round, ex)
+            if not applied:
+                for k in chosen:
+                    rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
+        # Bookkeeping the next round's messages rely on.
+        for key, row in rows.items():
+            info = self.clients.setdefault(key, {"acked": -1, "version": -1})
+            if row.status == "aggregated":
+                info["acked"] = server_round
+            if row.status in ("aggregated", "surplus", "rejected") and self.downlink == "auto":
+                # It answered with content, so it processed the message and holds what we sent.
+                info["version"] = state.version_sent
+            else:
+                info["version"] = -1  # unknown: the client may or may not hold what we sent
+
+        ordered = [rows[k] for k in state.sampled]
+        self.client_rows.extend(ordered)
+        state.rows = ordered
+        record = self._round_record(server_round, ordered, uplink)
+        self._pending_record = record
+        metrics = MetricRecord({
+            "uplink_bytes": record.uplink_bytes, "downlink_bytes": record.downlink_bytes,
+            "clients_aggregated": record.clients_aggregated,
+            "clients_failed": record.clients_failed, "nnz": record.nnz,
+            "train_loss": record.train_loss if math.isfinite(record.train_loss) else 0.0,
+        })
+        log(INFO, "aggregate_train: %d aggregated, %d rejected, %d failed; uplink %d B",
+            record.clients_aggregated, record.clients_rejected, record.clients_failed,
+            record.uplink_bytes)
+        return (self.model_arrays() if applied else None), metrics
+
+    def _count_rejection(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def _apply(self, updates: list[SparseUpdate], weights: list[float]) -> bool:
+        assert self.model is not None
+        avg = dgc.aggregate(updates, weights, self.shapes, normalize=True)
+        if self.server_momentum > 0.0:
+            if self.momentum_buffer is None:
+                self.momentum_buffer = {k: torch.zeros_like(v) for k, v in self.model.items()}
+            step = {k: self.momentum_buffer[k] * self.server_momentum + avg[k] for k in avg}
+        else:
+            step = avg
+        new = OrderedDict((k, v - self.server_learning_rate * step[k])
+                          for k, v in self.model.items())
+        if not all(torch.isfinite(t).all() for t in new.values()):
+            return False
+        if self.server_momentum > 0.0:
+            self.momentum_buffer = step
+        if self.downlink_history > 0:
+            self.history.append((self.model_version, self.model))
+            self.history = self.history[-self.downlink_history:]
+        self.model = new
+        self.model_version += 1
+        return True
+
+    def _round_record(self, server_round: int, rows: list[ClientRow], uplink: int) -> RoundRecord:
+        assert self._round is not None and self.model is not None
+        aggregated = [r for r in rows if r.status == "aggregated"]
+        arrived = [r for r in rows if r.status in ("aggregated", "surplus", "rejected")]
+        weight = sum(r.num_examples for r in aggregated)
+        return RoundRecord(
+            round=server_round,
+            uplink_bytes=uplink,
+            downlink_bytes=sum(r.downlink_bytes for r in rows),
+            dense_uplink_bytes=self._dense_update_nbytes * len(arrived),
+            dense_downlink_bytes=self._dense_model_nbytes * len(rows),
+            clients_sampled=len(rows),
+            clients_aggregated=len(aggregated),
+            clients_failed=sum(r.status in ("error", "timeout", "rejected") for r in rows),
+            clients_rejected=sum(r.status == "rejected" for r in rows),
+            patches_sent=sum(r.downlink == "patch" for r in rows),
+            nnz=sum(r.nnz for r in aggregated),
+            train_loss=(sum(r.train_loss * r.num_examples for r in aggregated) / weight
+                        if weight else float("nan")),
+            compute_seconds_max=max((r.compute_seconds for r in arrived), default=0.0),
+            model_version=self.model_version,
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the run: model, optimizer, clients, records."""
+        assert self.model is not None
+        return {
+            "strategy_state_version": STRATEGY_STATE_VERSION,
+            "completed_rounds": self.completed_rounds,
+            "model": dict(self.model),
+            "model_names": list(self.model),
+            "model_version": self.model_version,
+            "momentum_buffer": self.momentum_buffer,
+            "history": [[v, dict(m)] for v, m in self.history],
+            "clients": {str(k): dict(v) for k, v in self.clients.items()},
+            "rounds": [asdict(r) for r in self.rounds],
+            "client_rows": [asdict(r) for r in self.client_rows],
+            "rejections": dict(self.rejections),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; a state for another model changes nothing."""
+        if state.get("strategy_state_version") != STRATEGY_STATE_VERSION:
+            raise CheckpointError(f"strategy state version {state.get('strategy_state_version')}"
+                                  f" is not {STRATEGY_STATE_VERSION}")
+        model = state["model"]
+        if self.model is not None:
+            ours = self.shapes
+            theirs = {k: tuple(v.shape) for k, v in model.items()}
+            if ours != theirs:
+                raise CheckpointError(f"checkpoint model {theirs} does not match the run's "
+                                      f"model {ours}")
+        self.model = OrderedDict((k, model[k].to(torch.float32).contiguous())
+                                 for k in state["model_names"])
+        self._measure_dense()
+        self.completed_rounds = int(state["completed_rounds"])
+        self.model_version = int(state["model_version"])
+        self.momentum_buffer = state["momentum_buffer"]
+        self.history = [(int(v), OrderedDict(m)) for v, m in state["history"]]
+        self.clients = {int(k): dict(v) for k, v in state["clients"].items()}
+        self.rounds = [RoundRecord(**r) for r in state["rounds"]]
+        self.client_rows = [ClientRow(**r) for r in state["client_rows"]]
+        self.rejections = dict(state["rejections"])
+
+    # ------------------------------------------------------------------ the loop
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run rounds ``completed_rounds + 1 .. num_rounds`` (Flower's loop, plus checkpoints).
+
+        ``evaluate_fn`` is expected to return a MetricRecord with ``accuracy`` (a fraction) and
+        ``loss``; they fill :class:`RoundRecord`.
+        """
+        log(INFO, "Starting %s strategy:", self.__class__.__name__)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        self.set_model(initial_arrays)
+        if self.resume and self.checkpoint_dir is not None:
+            saved = load_checkpoint(self.checkpoint_dir)
+            if saved is not None:
+                self.load_state_dict(saved)
+                log(INFO, "Resumed from %s after round %d", self.checkpoint_dir,
+                    self.completed_rounds)
+        result = Result()
+        for r in self.rounds:
+            result.evaluate_metrics_serverapp[r.round] = MetricRecord(
+                {"accuracy": r.accuracy, "loss": r.loss})
+        if evaluate_fn and self.completed_rounds == 0:
+            res = evaluate_fn(0, self.model_arrays())
+            if res is not None:
+                result.evaluate_metrics_serverapp[0] = res
+        for current_round in range(self.completed_rounds + 1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
+            started = time.time()
+            replies = grid.send_and_receive(
+                messages=self.configure_train(current_round, self.model_arrays(),
+                                              train_config, grid),
+                timeout=timeout)
+            _, train_metrics = self.aggregate_train(current_round, replies)
+            if train_metrics is not None:
+                result.train_metrics_clientapp[current_round] = train_metrics
+            if self.fraction_evaluate > 0:
+                eval_replies = grid.send_and_receive(
+                    messages=self.configure_evaluate(current_round, self.model_arrays(),
+                                                     evaluate_config, grid),
+                    timeout=timeout)
+                agg = self.aggregate_evaluate(current_round, eval_replies)
+                if agg is not None:
+                    result.evaluate_metrics_clientapp[current_round] = agg
+            record = self._pending_record
+            if evaluate_fn:
+                res = evaluate_fn(current_round, self.model_arrays())
+                if res is not None:
+                    result.evaluate_metrics_serverapp[current_round] = res
+                    record.accuracy = float(res.get("accuracy", float("nan")))  # type: ignore
+                    record.loss = float(res.get("loss", float("nan")))  # type: ignore
+            record.wall_seconds = time.time() - started
+            self.rounds.append(record)
+            self.completed_rounds = current_round
+            if self.checkpoint_dir is not None:
+                save_checkpoint(self.checkpoint_dir, self.state_dict())
+            if self.on_round is not None:
+                self.on_round(record)
+        result.arrays = self.model_arrays()
+        return result
+
+
+def _payload_nbytes(msg: Message) -> int:
+    return sum(P.record_nbytes(r) for r in msg.content.array_records.values())

@@ -1,0 +1,54 @@
+"""PNG plots of results: accuracy against cumulative uplink MB (log x), and bytes per round."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers and CI
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from server.results import read_rounds  # noqa: E402
+
+
+def _curves(ax_acc, ax_bytes, label: str, rows: Sequence[Mapping[str, float]]) -> None:
+    cumulative_mb, total = [], 0.0
+    for r in rows:
+        total += r["uplink_bytes"]
+        cumulative_mb.append(total / 1e6)
+    ax_acc.plot(cumulative_mb, [r["accuracy"] for r in rows], marker=".", label=label)
+    ax_bytes.plot([r["round"] for r in rows], [max(r["uplink_bytes"], 1.0) for r in rows],
+                  label=f"{label} uplink")
+
+
+def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
+    """One figure for several runs (name -> run folder): the two panels side by side."""
+    fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run_dir in runs.items():
+        _curves(ax_acc, ax_bytes, name, read_rounds(Path(run_dir)))
+    ax_acc.set_xscale("log")
+    ax_acc.set_xlabel("cumulative uplink (MB, log scale)")
+    ax_acc.set_ylabel("test accuracy")
+    ax_acc.grid(True, which="both", alpha=0.3)
+    ax_acc.legend()
+    ax_bytes.set_yscale("log")
+    ax_bytes.set_xlabel("round")
+    ax_bytes.set_ylabel("uplink bytes per round (log scale)")
+    ax_bytes.grid(True, which="both", alpha=0.3)
+    ax_bytes.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """``<run_dir>/plots.png`` for a single run."""
+    run_dir = Path(run_dir)
+    return plot_runs({run_dir.name: run_dir}, run_dir / "plots.png", title=str(run_dir))

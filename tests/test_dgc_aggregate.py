@@ -1,0 +1,116 @@
+"""Tests of aggregate: weighted scatter-add of sparse updates against the dense computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dgc.aggregate import aggregate
+from dgc.compressor import DGCCompressor
+from dgc.config import DGCConfig
+from dgc.errors import AggregationError
+from dgc.sparse import SparseTensor, SparseUpdate
+
+torch.set_num_threads(1)
+
+SHAPES = {"fc.weight": (50, 60), "fc.bias": (50,)}
+
+
+def _client_updates(count: int, value_dtype: str = "float16") -> list[SparseUpdate]:
+    updates = []
+    for c in range(count):
+        comp = DGCCompressor(DGCConfig(density=0.05, warmup="none", value_dtype=value_dtype))
+        gen = torch.Generator().manual_seed(c)
+        updates.append(comp.compress({n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}))
+    return updates
+
+
+def _dense_average(updates: list[SparseUpdate], weights: list[float],
+                   normalize: bool = True) -> dict[str, torch.Tensor]:
+    total = sum(weights) if normalize else 1.0
+    out = {n: torch.zeros(s, dtype=torch.float64) for n, s in SHAPES.items()}
+    for u, w in zip(updates, weights, strict=True):
+        for n, t in u.to_dense(torch.float64).items():
+            out[n] += w * t
+    return {n: (t / total).float() for n, t in out.items()}
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_scatter_add_equals_dense_weighted_average(value_dtype: str, normalize: bool) -> None:
+    updates = _client_updates(5, value_dtype)
+    weights = [1.0, 3.0, 0.5, 2.0, 0.0]
+    got = aggregate(updates, weights, SHAPES, normalize=normalize)
+    expected = _dense_average(updates, weights, normalize)
+    assert set(got) == set(SHAPES)
+    for n, s in SHAPES.items():
+        assert got[n].shape == s and got[n].dtype == torch.float32
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-6)
+
+
+def test_duplicates_across_updates_sum() -> None:
+    a = SparseUpdate({"fc.bias": SparseTensor(torch.tensor([1, 4]), torch.tensor([1.0, 2.0]),
+                                              (50,))})
+    b = SparseUpdate({"fc.bias": SparseTensor(torch.tensor([4, 9]), torch.tensor([10.0, 5.0]),
+                                              (50,))})
+    got = aggregate([a, b], [1, 1], SHAPES, normalize=False)["fc.bias"]
+    expected = torch.zeros(50)
+    expected[1], expected[4], expected[9] = 1.0, 12.0, 5.0
+    assert torch.equal(got, expected)
+    weighted = aggregate([a, b], [1, 3], SHAPES)["fc.bias"]
+    assert float(weighted[4]) == (1 * 2.0 + 3 * 10.0) / 4
+    assert torch.count_nonzero(aggregate([a, b], [1, 1], SHAPES)["fc.weight"]) == 0
+
+
+def test_empty_updates() -> None:
+    empty = SparseUpdate({})
+    nothing_selected = SparseUpdate({"fc.weight": SparseTensor(
+        torch.zeros(0, dtype=torch.int64), torch.zeros(0), (50, 60))})
+    for updates, weights in [([], []), ([empty], [1.0]), ([empty, nothing_selected], [1.0, 2.0])]:
+        got = aggregate(updates, weights, SHAPES)
+        assert all(torch.count_nonzero(t) == 0 and t.shape == SHAPES[n] for n, t in got.items())
+    # An empty update still counts in the average (FedAvg: it sent zeros).
+    one = _client_updates(1)
+    half = aggregate([one[0], empty], [1.0, 1.0], SHAPES)
+    torch.testing.assert_close(half["fc.weight"], one[0].to_dense()["fc.weight"] / 2)
+
+
+def _bad(name: str, indices: list[int], shape: tuple[int, ...]) -> SparseUpdate:
+    return SparseUpdate({name: SparseTensor(torch.tensor(indices, dtype=torch.int64),
+                                            torch.ones(len(indices)), shape)})
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (_bad("fc.other", [0], (50,)), "fc.other"),
+        (_bad("fc.bias", [0], (51,)), r"fc\.bias.*\(51,\).*\(50,\)"),
+        (_bad("fc.weight", [0], (60, 50)), r"fc\.weight.*\(60, 50\)"),
+        (_bad("fc.bias", [3, 50], (50,)), r"fc\.bias.*outside \[0, 50\)"),
+        (_bad("fc.bias", [-1, 3], (50,)), r"fc\.bias.*outside"),
+    ],
+    ids=["unknown name", "wrong shape", "transposed", "index too large", "negative index"],
+)
+def test_bad_updates_raise(bad: SparseUpdate, match: str) -> None:
+    good = _client_updates(2)
+    inputs = [u.to_dense() for u in good]
+    # The bad update comes last: it must be found before anything is summed.
+    with pytest.raises(AggregationError, match=match):
+        aggregate([*good, bad], [1.0, 1.0, 1.0], SHAPES)
+    assert all(torch.equal(a, b) for u, d in zip(good, inputs, strict=True)
+               for a, b in zip(u.to_dense().values(), d.values(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [([1.0], "2 updates but 1 weights"), ([1.0, -1.0], "-1.0"), ([1.0, float("nan")], "nan"),
+     ([1.0, float("inf")], "inf"), ([0.0, 0.0], "total weight is zero"), ([1.0, "2"], "'2'")],
+)
+def test_bad_weights_raise(weights: list, match: str) -> None:
+    with pytest.raises(AggregationError, match=match):
+        aggregate(_client_updates(2), weights, SHAPES)
+
+
+def test_zero_total_weight_is_fine_without_normalizing() -> None:
+    got = aggregate(_client_updates(2), [0.0, 0.0], SHAPES, normalize=False)
+    assert all(torch.count_nonzero(t) == 0 for t in got.values())

@@ -1,0 +1,492 @@
+"""Round trips, coding choice, golden vectors and the specific rejections of dgc.wire."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dgc import DecodeError, SparseTensor, SparseUpdate, decode, encode
+from dgc import golomb as gr
+from dgc.wire import EncodeError, encoded_size, index_bits, tensor_codings
+
+GOLDEN_DIR = Path(__file__).with_name("golden")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+RAW_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+CODINGS = ["auto", "golomb", "bitmap", "raw"]
+
+
+def random_tensor(numel: int, count: int, dtype: torch.dtype, seed: int,
+                  shape: tuple[int, ...] | None = None) -> SparseTensor:
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.randperm(numel, generator=g)[:count].sort().values
+    values = torch.randn(count, generator=g).to(dtype)
+    return SparseTensor(indices, values, shape if shape is not None else (numel,))
+
+
+def assert_same(a: SparseUpdate, b: SparseUpdate) -> None:
+    """Equal sequence, names in order, shapes, indices, and value bits."""
+    assert a.sequence == b.sequence
+    assert list(a.tensors) == list(b.tensors)
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert u.shape == t.shape
+        assert u.values.dtype == t.values.dtype
+        assert u.indices.dtype == torch.int64
+        assert torch.equal(u.indices, t.indices)
+        view = RAW_VIEW[t.values.dtype]
+        assert torch.equal(u.values.view(view), t.values.view(view))
+
+
+def edge_tensors(dtype: torch.dtype) -> dict[str, SparseTensor]:
+    """Tensors every coding can carry: sparse, empty, first/last index, one entry of many."""
+    def t(indices, values, shape):
+        return SparseTensor(torch.tensor(indices, dtype=torch.int64),
+                            torch.tensor(values, dtype=torch.float32).to(dtype), shape)
+    return {
+        "random": random_tensor(5000, 61, dtype, seed=1, shape=(50, 100)),
+        "no.selection": t([], [], (7, 3)),
+        "zero.size": t([], [], (4, 0)),
+        "at.zero": t([0], [1.5], (1000,)),
+        "at.last": t([999], [-1.5], (1000,)),
+        "both.ends": t([0, 999], [2.0, -0.0], (10, 100)),
+        "one.of.one.sparse": t([0], [3.0], (1, 1, 1)),
+        "adjacent": t(list(range(40, 72)), [0.5] * 32, (128,)),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("coding", CODINGS)
+def test_round_trip_every_coding_and_dtype(coding: str, dtype: torch.dtype) -> None:
+    update = SparseUpdate(edge_tensors(dtype), sequence=41)
+    data = encode(update, coding)
+    assert_same(update, decode(data))
+    assert len(data) == encoded_size(update, coding)
+    if coding != "auto":
+        assert set(tensor_codings(data).values()) == {coding}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_dense_tensors_with_all_coding(dtype: torch.dtype) -> None:
+    dense = {"bias": torch.randn(33, generator=torch.Generator().manual_seed(3)),
+             "scalar": torch.tensor(2.5), "matrix": torch.ones(3, 4)}
+    update = SparseUpdate.from_dense(dense, value_dtype=str(dtype).removeprefix("torch."),
+                                     sequence=5)
+    data = encode(update, "all")
+    assert set(tensor_codings(data).values()) == {"all"}
+    assert_same(update, decode(data))
+    assert decode(data).tensors["scalar"].shape == ()
+    # 'auto' sends no index bytes for a dense tensor either.
+    assert encode(update, "auto") == data
+
+
+def test_empty_update_round_trips_for_every_sequence_width() -> None:
+    for sequence in (0, 1, 2**32, 2**64 - 1):
+        data = encode(SparseUpdate({}, sequence))
+        assert len(data) == 22
+        assert_same(SparseUpdate({}, sequence), decode(data))
+
+
+def test_special_values_keep_their_bits() -> None:
+    values = {
+        torch.float32: [-0.0, 1e-45, -3.4028235e38, 1.1754942e-38],
+        torch.float16: [-0.0, 6e-8, 65504.0, -6.1e-5],
+        torch.bfloat16: [-0.0, 9.2e-41, 3.38e38, -1.0],
+    }
+    for dtype, vals in values.items():
+        t = SparseTensor(torch.tensor([1, 5, 6, 9]), torch.tensor(vals).to(dtype), (10,))
+        for coding in CODINGS:
+            assert_same(SparseUpdate({"x": t}), decode(encode(SparseUpdate({"x": t}), coding)))
+
+
+def test_large_numel_beyond_uint32() -> None:
+    numel = 2**40
+    indices = torch.tensor([0, 2**32 - 1, 2**32, 2**39 + 12345, numel - 1])
+    t = SparseTensor(indices, torch.arange(5, dtype=torch.float16), (2**20, 2**20))
+    update = SparseUpdate({"huge": t}, 9)
+    data = encode(update)  # 'auto' must neither pick raw nor build a 128 GiB bitmap
+    assert tensor_codings(data) == {"huge": "golomb"}
+    assert len(data) < 200
+    assert_same(update, decode(data))
+    with pytest.raises(EncodeError, match="uint32"):
+        encode(update, "raw")
+
+
+def test_large_dense_like_selection_round_trips() -> None:
+    t = random_tensor(200_000, 20_000, torch.bfloat16, seed=4)
+    update = SparseUpdate({"w": t})
+    for coding in ("golomb", "bitmap", "raw", "auto"):
+        assert_same(update, decode(encode(update, coding)))
+
+
+def test_decode_accepts_bytearray_and_memoryview() -> None:
+    update = SparseUpdate(edge_tensors(torch.float16), 3)
+    data = encode(update)
+    assert_same(update, decode(bytearray(data)))
+    assert_same(update, decode(memoryview(data)))
+    padded = b"xx" + data + b"yy"
+    assert_same(update, decode(memoryview(padded)[2:-2]))
+
+
+def test_decoded_tensors_are_writable_and_independent_of_the_buffer() -> None:
+    buffer = bytearray(encode(SparseUpdate({"x": random_tensor(100, 10, torch.float32, 5)})))
+    decoded = decode(buffer)
+    before = decoded.tensors["x"].values.clone()
+    buffer[:] = bytes(len(buffer))
+    assert torch.equal(decoded.tensors["x"].values, before)
+    decoded.tensors["x"].values.add_(1.0)  # would fail on a read-only numpy view
+
+
+def test_encode_leaves_the_update_unchanged() -> None:
+    update = SparseUpdate(edge_tensors(torch.float32), 8)
+    snapshot = {n: (t.indices.clone(), t.values.clone()) for n, t in update.tensors.items()}
+    encode(update)
+    for n, (i, v) in snapshot.items():
+        assert torch.equal(update.tensors[n].indices, i)
+        assert torch.equal(update.tensors[n].values, v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Coding choice and sizes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("numel,count", [(10_000, 1), (10_000, 10), (10_000, 100), (10_000, 300),
+                                         (10_000, 400), (10_000, 2_000), (10_000, 9_999),
+                                         (64, 0), (7, 7), (1, 1), (3, 0)])
+def test_auto_picks_the_smallest_coding(numel: int, count: int) -> None:
+    update = SparseUpdate({"w": random_tensor(numel, count, torch.float16, seed=count)})
+    auto = encode(update, "auto")
+    sizes = {c: len(encode(update, c)) for c in ("golomb", "bitmap", "raw")}
+    if count == numel:
+        sizes["all"] = len(encode(update, "all"))
+    assert len(auto) == min(sizes.values())
+    assert tensor_codings(auto)["w"] in {c for c, s in sizes.items() if s == len(auto)}
+
+
+def test_auto_crosses_from_golomb_to_bitmap_near_the_expected_density() -> None:
+    # Rice with b = 1 costs about 0.5 + 1.5 q bits per entry, a bitmap 1: they cross near q = 1/3
+    # (with b = 0 Golomb-Rice is a bitmap in disguise plus its parameter byte).
+    numel = 100_000
+    chosen = {}
+    for density in (0.001, 0.01, 0.1, 0.25, 0.45, 0.9):
+        update = SparseUpdate({"w": random_tensor(numel, int(density * numel), torch.float16,
+                                                  seed=7)})
+        chosen[density] = tensor_codings(encode(update))["w"]
+    assert chosen == {0.001: "golomb", 0.01: "golomb", 0.1: "golomb", 0.25: "golomb",
+                      0.45: "bitmap", 0.9: "bitmap"}
+
+
+def test_best_rice_parameter_is_the_exact_minimum() -> None:
+    rng = np.random.default_rng(0)
+    cases = [(100_000, 100), (100_000, 1_000), (100_000, 10_000), (100_000, 50_000)]
+    for numel, count in cases:
+        indices = np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+        gaps = gr.gaps_of(indices)
+        costs = [gr.rice_cost_bits(gaps, b) for b in range(gr.MAX_RICE_PARAMETER + 1)]
+        assert gr.rice_cost_bits(gaps, gr.best_rice_parameter(gaps, numel)) == min(costs)
+    # Clustered indices: the uniform estimate is far off, the descent still finds the minimum.
+    clustered = np.concatenate([np.arange(0, 500), np.arange(10**6, 10**6 + 500)]).astype(np.int64)
+    gaps = gr.gaps_of(clustered)
+    costs = [gr.rice_cost_bits(gaps, b) for b in range(gr.MAX_RICE_PARAMETER + 1)]
+    assert gr.rice_cost_bits(gaps, gr.best_rice_parameter(gaps, 2 * 10**6)) == min(costs)
+
+
+def test_rice_parameter_estimate_follows_the_formula() -> None:
+    phi = (1 + math.sqrt(5)) / 2
+    for q in (0.3, 0.1, 0.01, 0.001, 1e-6):
+        numel = 10**7
+        expected = 1 + math.floor(math.log2(math.log(phi - 1) / math.log(1 - q)))
+        assert gr.rice_parameter_estimate(round(q * numel), numel) == max(expected, 0)
+    assert gr.rice_parameter_estimate(0, 100) == 0
+    assert gr.rice_parameter_estimate(100, 100) == 0
+
+
+def test_golomb_is_near_the_entropy_bound_at_low_density() -> None:
+    numel = 1_000_000
+    for count in (1_000, 10_000):
+        indices = np.sort(np.random.default_rng(count).choice(numel, count, replace=False))
+        bound = (math.lgamma(numel + 1) - math.lgamma(count + 1)
+                 - math.lgamma(numel - count + 1)) / math.log(2)
+        assert index_bits(indices, numel, "golomb") < 1.02 * bound
+
+
+def test_index_bits_matches_the_encoded_section() -> None:
+    t = random_tensor(10_000, 123, torch.float16, seed=2)
+    for coding in ("golomb", "bitmap", "raw"):
+        header_and_values = len(encode(SparseUpdate({"w": t}), "raw")) - 4 * 123
+        assert 8 * (len(encode(SparseUpdate({"w": t}), coding)) - header_and_values) == \
+            index_bits(t.indices, 10_000, coding)
+    with pytest.raises(EncodeError, match="'all'"):
+        index_bits(t.indices, 10_000, "all")
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden vectors
+# ---------------------------------------------------------------------------------------------
+
+def _golden_module():
+    spec = importlib.util.spec_from_file_location("wire_golden", GOLDEN_DIR / "wire_golden.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_golden_vectors_are_byte_exact() -> None:
+    stored = json.loads((GOLDEN_DIR / "wire_v1.json").read_text(encoding="utf-8"))["cases"]
+    generator = _golden_module()
+    current = generator.golden_records()
+    assert [c["case"] for c in stored] == [c["case"] for c in current]
+    for want, got in zip(stored, current, strict=True):
+        assert got["hex"] == want["hex"], f"wire bytes of golden case {want['case']} changed"
+        assert got == want
+
+
+def test_golden_vectors_decode_to_their_recorded_content() -> None:
+    stored = json.loads((GOLDEN_DIR / "wire_v1.json").read_text(encoding="utf-8"))["cases"]
+    codings_seen = set()
+    dtypes_seen = set()
+    for case in stored:
+        data = bytes.fromhex(case["hex"])
+        decoded = decode(data)
+        assert decoded.sequence == case["sequence"]
+        assert list(decoded.tensors) == [t["name"] for t in case["tensors"]]
+        for t in case["tensors"]:
+            got = decoded.tensors[t["name"]]
+            assert list(got.shape) == t["shape"]
+            assert got.indices.tolist() == t["indices"]
+            bits = got.values.view(RAW_VIEW[got.values.dtype]).tolist()
+            mask = 2 ** (8 * got.values.element_size()) - 1
+            assert [b & mask for b in bits] == t["value_bits"]
+            codings_seen.add(t["index_coding"])
+            dtypes_seen.add(t["dtype"])
+    assert codings_seen == {"all", "raw", "bitmap", "golomb"}
+    assert dtypes_seen == {"float32", "float16", "bfloat16"}
+
+
+def test_golden_empty_update_matches_the_spec_by_hand() -> None:
+    body = b"FGCU" + bytes([1, 0]) + (0).to_bytes(8, "little") + (0).to_bytes(4, "little")
+    assert encode(SparseUpdate({}, 0)) == body + zlib.crc32(body).to_bytes(4, "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages built by hand from docs/wire.md, to reach each rejection past the checksum
+# ---------------------------------------------------------------------------------------------
+
+def tensor_record(name: bytes, shape: list[int], count: int, coding: int, dtype_id: int,
+                  index: bytes, values: bytes, index_bytes: int | None = None) -> bytes:
+    return (struct.pack("<H", len(name)) + name + struct.pack("<B", len(shape))
+            + b"".join(struct.pack("<Q", d) for d in shape)
+            + struct.pack("<QBBQ", count, coding, dtype_id,
+                          len(index) if index_bytes is None else index_bytes)
+            + index + values)
+
+
+def message(records: list[bytes], sequence: int = 0, magic: bytes = b"FGCU", version: int = 1,
+            flags: int = 0, tensor_count: int | None = None, crc: int | None = None) -> bytes:
+    body = (magic + struct.pack("<BBQI", version, flags, sequence,
+                                len(records) if tensor_count is None else tensor_count)
+            + b"".join(records))
+    return body + struct.pack("<I", zlib.crc32(body) if crc is None else crc)
+
+
+def f16(*vals: float) -> bytes:
+    return np.array(vals, dtype="<f2").tobytes()
+
+
+def raw_u32(*idx: int) -> bytes:
+    return np.array(idx, dtype="<u4").tobytes()
+
+
+def test_hand_built_message_decodes() -> None:
+    data = message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 9), f16(1.0, -2.0))], 77)
+    decoded = decode(data)
+    assert decoded.sequence == 77
+    assert decoded.tensors["w"].indices.tolist() == [3, 9]
+    assert decoded.tensors["w"].values.tolist() == [1.0, -2.0]
+    assert encode(decoded, "raw") == data
+
+
+GOOD = tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 9), f16(1.0, -2.0))
+
+REJECTIONS = {
+    "short": (b"FGCU\x01", "truncated input: 5 bytes"),
+    "magic": (message([GOOD], magic=b"FGCV"), "bad magic"),
+    "version": (message([GOOD], version=2), "unsupported version 2"),
+    "flags": (message([GOOD], flags=1), "unsupported flags 0x01"),
+    "checksum": (message([GOOD], crc=1234), "bad checksum"),
+    "tensor_count": (message([GOOD], tensor_count=2), "truncated input"),
+    "tensor_count_huge": (message([GOOD], tensor_count=2**32 - 1), "cannot fit"),
+    "trailing": (message([GOOD + b"\x00"]), "trailing or oversized input: 1 bytes"),
+    "unknown_coding": (message([tensor_record(b"w", [4, 4], 2, 9, 1, raw_u32(3, 9),
+                                              f16(1, 2))]), "unknown index coding id 9"),
+    "unknown_dtype": (message([tensor_record(b"w", [4, 4], 2, 1, 7, raw_u32(3, 9),
+                                             f16(1, 2))]), "unknown value dtype id 7"),
+    "count_above_numel": (message([tensor_record(b"w", [2], 3, 1, 1, raw_u32(0, 1, 2),
+                                                 f16(1, 2, 3))]), "above its numel 2"),
+    "absurd_dim": (message([tensor_record(b"w", [2**63], 0, 1, 1, b"", b"")]),
+                   "above the format's limit"),
+    "absurd_product": (message([tensor_record(b"w", [2**31, 2**31, 2], 0, 1, 1, b"", b"")]),
+                       "above the format's limit"),
+    "claims_2_60_dense": (message([tensor_record(b"w", [2**60], 2**60, 0, 1, b"", b"")]),
+                          "truncated input"),
+    "claims_huge_bitmap": (message([tensor_record(b"w", [2**60], 1, 2, 1, b"\x01", f16(1))]),
+                           f"bitmap of 1 bytes, expected {2**57}"),
+    "bad_utf8": (message([tensor_record(b"\xff\xfe", [4, 4], 2, 1, 1, raw_u32(3, 9),
+                                        f16(1, 2))]), "not valid utf-8"),
+    "duplicate_name": (message([GOOD, GOOD]), "duplicate tensor name 'w'"),
+    "raw_out_of_range": (message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 16),
+                                                f16(1, 2))]), "out of range for 16"),
+    "raw_repeated": (message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 3), f16(1, 2))]),
+                     "repeated or unsorted"),
+    "raw_decreasing": (message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(9, 3),
+                                              f16(1, 2))]), "repeated or unsorted"),
+    "raw_length": (message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 9, 11),
+                                          f16(1, 2))]), "expected 8"),
+    "nan": (message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 9),
+                                   f16(1.0, float("nan")))]), "value 1 is NaN or Inf"),
+    "inf_bf16": (message([tensor_record(b"w", [4, 4], 1, 1, 2, raw_u32(3), b"\x80\x7f")]),
+                 "NaN or Inf"),
+    "inf_f32": (message([tensor_record(b"w", [4, 4], 1, 1, 0, raw_u32(3),
+                                       np.array([-np.inf], "<f4").tobytes())]), "NaN or Inf"),
+    "all_sparse": (message([tensor_record(b"w", [4], 2, 0, 1, b"", f16(1, 2))]),
+                   "coding 'all' needs count == numel"),
+    "bitmap_count": (message([tensor_record(b"w", [10], 2, 2, 1, b"\x07\x00", f16(1, 2))]),
+                     "bitmap holds 3 indices, header says 2"),
+    "bitmap_padding": (message([tensor_record(b"w", [10], 2, 2, 1, b"\x01\x08", f16(1, 2))]),
+                       "nonzero padding bits"),
+    "bitmap_length": (message([tensor_record(b"w", [10], 1, 2, 1, b"\x01", f16(1))]),
+                      "expected 2 for 10 entries"),
+    # Golomb-Rice with b = 1: gap 0 -> remainder 0, unary '1'; gap 5 -> q 2, r 1, unary '001'.
+    "golomb_rice_param": (message([tensor_record(b"w", [100], 1, 3, 1, b"\x3f\x01", f16(1))]),
+                          "Rice parameter 63"),
+    "golomb_count": (message([tensor_record(b"w", [100], 3, 3, 1, b"\x01\x02\x09", f16(1, 2, 3))]),
+                     "holds 2 codes, header says 3"),
+    "golomb_out_of_range": (message([tensor_record(b"w", [6], 2, 3, 1, b"\x01\x02\x09",
+                                                   f16(1, 2))]), "out of range for 6"),
+    "golomb_gap_too_big": (message([tensor_record(b"w", [4], 1, 3, 1, b"\x00\x40", f16(1))]),
+                           "gap exceeds the tensor size 4"),
+    "golomb_trailing_zero_byte": (message([tensor_record(b"w", [100], 2, 3, 1, b"\x01\x02\x09\x00",
+                                                         f16(1, 2))]), "not canonical"),
+    "golomb_remainder_padding": (message([tensor_record(b"w", [100], 2, 3, 1, b"\x01\x06\x09",
+                                                        f16(1, 2))]), "padding bits"),
+    "golomb_no_param": (message([tensor_record(b"w", [100], 0, 3, 1, b"", b"")]),
+                        "lacks its parameter byte"),
+    "golomb_codes_for_nothing": (message([tensor_record(b"w", [100], 0, 3, 1, b"\x00\x01", b"")]),
+                                 "unary bytes for zero indices"),
+}
+
+
+def test_hand_built_golomb_section_is_what_the_encoder_writes() -> None:
+    data = message([tensor_record(b"w", [100], 2, 3, 1, b"\x01\x02\x09", f16(1, 2))])
+    assert decode(data).tensors["w"].indices.tolist() == [0, 6]
+    t = SparseTensor(torch.tensor([0, 6]), torch.tensor([1.0, 2.0]).half(), (100,))
+    assert gr.golomb_encode(t.indices.numpy(), 100, 1) == b"\x01\x02\x09"
+
+
+@pytest.mark.parametrize("case", sorted(REJECTIONS))
+def test_decode_rejects_with_a_specific_reason(case: str) -> None:
+    data, reason = REJECTIONS[case]
+    with pytest.raises(DecodeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        decode(data)
+
+
+def test_max_numel_guards_before_allocating() -> None:
+    data = encode(SparseUpdate({"w": random_tensor(1000, 10, torch.float16, 1)}))
+    assert decode(data, max_numel=1000).tensors["w"].nnz == 10
+    with pytest.raises(DecodeError, match="above max_numel=999"):
+        decode(data, max_numel=999)
+    huge = message([tensor_record(b"w", [2**40, 2**20], 1, 3, 1, b"\x00\x01", f16(1))])
+    with pytest.raises(DecodeError, match="max_numel"):
+        decode(huge, max_numel=2**30)
+    with pytest.raises(ValueError, match="max_numel"):
+        decode(data, max_numel=-1)
+
+
+def test_every_truncation_and_extension_is_named() -> None:
+    data = encode(SparseUpdate(edge_tensors(torch.float16), 6))
+    for cut in range(len(data)):
+        with pytest.raises(DecodeError, match="truncated input"):
+            decode(data[:cut])
+    for extra in (b"\x00", b"\x00" * 9, data):
+        with pytest.raises(DecodeError, match="trailing or oversized input"):
+            decode(data + extra)
+
+
+def test_decode_rejects_non_bytes() -> None:
+    for bad in ("FGCU", None, 12, [1, 2]):
+        with pytest.raises(DecodeError, match="decode takes bytes"):
+            decode(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode-side rejections
+# ---------------------------------------------------------------------------------------------
+
+def test_encode_rejects_what_decode_would_refuse() -> None:
+    def upd(indices, values, shape=(10,), dtype=torch.float32, sequence=0):
+        return SparseUpdate({"w": SparseTensor(torch.tensor(indices, dtype=torch.int64),
+                                               torch.tensor(values, dtype=dtype), shape)},
+                            sequence)
+    with pytest.raises(EncodeError, match="does not increase"):
+        encode(upd([3, 2], [1.0, 2.0]))
+    with pytest.raises(EncodeError, match="does not increase"):
+        encode(upd([3, 3], [1.0, 2.0]))
+    with pytest.raises(EncodeError, match=r"outside \[0, 10\)"):
+        encode(upd([3, 10], [1.0, 2.0]))
+    with pytest.raises(EncodeError, match=r"outside \[0, 10\)"):
+        encode(upd([-1, 3], [1.0, 2.0]))
+    with pytest.raises(EncodeError, match="NaN or Inf"):
+        encode(upd([1], [float("inf")], dtype=torch.bfloat16))
+    with pytest.raises(EncodeError, match="sequence -1"):
+        encode(upd([1], [1.0], sequence=-1))
+    with pytest.raises(EncodeError, match="sequence"):
+        encode(upd([1], [1.0], sequence=2**64))
+    with pytest.raises(EncodeError, match="'all' needs every entry"):
+        encode(upd([1], [1.0]), "all")
+    with pytest.raises(EncodeError, match="'huffman' is not one of"):
+        encode(upd([1], [1.0]), "huffman")
+    with pytest.raises(EncodeError, match="65535"):
+        encode(SparseUpdate({"x" * 70_000: upd([1], [1.0]).tensors["w"]}))
+    empty = torch.empty(0, dtype=torch.int64)
+    for shape in ((0, 2**63), (-1, 4)):
+        with pytest.raises(EncodeError, match="has a dim outside"):
+            encode(SparseUpdate({"w": SparseTensor(empty, torch.empty(0), shape)}))
+    with pytest.raises(EncodeError, match="SparseUpdate"):
+        encode({"w": upd([1], [1.0]).tensors["w"]})
+
+
+# ---------------------------------------------------------------------------------------------
+# With the real compressor
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
+def test_compressor_updates_round_trip_and_take_the_expected_codings(value_dtype: str) -> None:
+    from dgc import DGCCompressor, DGCConfig
+
+    comp = DGCCompressor(DGCConfig(density=0.01, value_dtype=value_dtype))
+    g = torch.Generator().manual_seed(11)
+    shapes = {"conv.weight": (32, 16, 3, 3), "fc.weight": (10, 512), "fc.bias": (10,)}
+    for epoch in (0.0, 5.0):  # warm-up density, then the target density
+        grads = {n: torch.randn(s, generator=g) * 100 for n, s in shapes.items()}
+        update = comp.compress(grads, epoch=epoch)
+        data = encode(update)
+        assert len(data) == encoded_size(update)
+        decoded = decode(data)
+        assert_same(update, decoded)
+        for name, dense in update.to_dense().items():
+            assert torch.equal(decoded.to_dense()[name], dense)
+        codings = tensor_codings(data)
+        assert codings["fc.bias"] == "all"
+        if epoch == 5.0:
+            assert codings["conv.weight"] == codings["fc.weight"] == "golomb"
