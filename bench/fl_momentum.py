@@ -74,6 +74,7 @@ class RunConfig:
     server_lr: float = 1.0
     server_momentum: float = 0.0
     server_nesterov: bool = False
+    contributor_average: bool = False  # average each entry over the clients that sent it only
     eval_every: int = 10
     tag: str = ""
 
@@ -274,6 +275,12 @@ class _SplitCompressor:
         return (self.big, self.small)
 
 
+def _indicator(update: dgc.SparseUpdate) -> dgc.SparseUpdate:
+    """The same entries with value 1: aggregating these counts who sent what."""
+    return dgc.SparseUpdate({n: dgc.SparseTensor(t.indices, torch.ones(t.nnz), t.shape)
+                             for n, t in update.tensors.items()}, update.sequence)
+
+
 def make_compressor(cfg: RunConfig):
     warm = dict(warmup="exponential", warmup_epochs=cfg.warmup_epochs) if cfg.warmup_epochs \
         else dict(warmup="none")
@@ -316,7 +323,7 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
     last_seen = [-1] * cfg.num_clients
     sample_rng = np.random.default_rng(cfg.seed + 1_000_003)
     dense_bytes_per_update = 4 * sum(math.prod(s) for s in SHAPES.values())
-    uplink = dense_uplink = 0
+    uplink = dense_uplink = nnz = 0
     curve = []
     for r in range(cfg.rounds):
         chosen = sorted(sample_rng.choice(cfg.num_clients, cfg.clients_per_round, replace=False)
@@ -339,8 +346,14 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
                 grads = {n: params[n] - local[n][i] for n in SHAPES}
                 upd = comp.compress(grads, epoch=r / cfg.rounds_per_epoch)
                 uplink += update_bytes(upd)
+                nnz += upd.nnz
                 updates.append(upd)
             agg = dgc.aggregate(updates, weights, SHAPES)
+            if cfg.contributor_average:
+                total = sum(weights)
+                share = dgc.aggregate([_indicator(u) for u in updates], weights, SHAPES,
+                                      normalize=False)
+                agg = {n: a * total / share[n].clamp(min=1e-12) for n, a in agg.items()}
         for k in chosen:
             last_seen[k] = r
         dense_uplink += dense_bytes_per_update * len(chosen)
@@ -359,6 +372,7 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
             "tail_accuracy": sum(tail) / len(tail), "curve": curve,
             "uplink_bytes": uplink, "dense_uplink_bytes": dense_uplink,
             "compression": dense_uplink / uplink, "wire": wire_available(),
+            "nnz_per_update": nnz / (cfg.rounds * cfg.clients_per_round),
             "seconds": time.perf_counter() - t0}
 
 
@@ -425,6 +439,19 @@ SWEEPS: dict[str, list[dict]] = {
     "density": [dict(P100, **EF, density=d) for d in (0.002, 0.005)]
     + [dict(P100, **EF, warmup_epochs=w) for w in (0, 2, 8)]
     + [dict(P100, **EF, head_density=h) for h in (0.01, 0.05)],
+    # combinations of what helped alone: small-tensor density, server lr, density, warm-up
+    "combo": [dict(P100, **EF, head_density=h, server_lr=lr)
+              for h in (0.05, 0.1, 0.2) for lr in (1.0, 1.5, 2.0)]
+    + [dict(P100, **EF, density=0.002, head_density=0.1, server_lr=lr, warmup_epochs=w)
+       for lr in (1.5, 2.0) for w in (4, 0)],
+    "combo2": [dict(P100, **EF, client_momentum=0.5, head_density=0.1, server_lr=lr)
+               for lr in (1.0, 1.5)]
+    + [dict(P100, **EF, contributor_average=True), dict(P100, **EF, contributor_average=True,
+                                                         server_lr=0.5)]
+    + [dict(P100, **EF, client_momentum=0.5, head_density=0.1, density=d, warmup_epochs=w)
+       for d, w in ((0.002, 1), (0.003, 1), (0.003, 0))]
+    + [dict(P100, **EF, client_momentum=0.5, head_density=0.1, density=0.001, warmup_epochs=w)
+       for w in (1, 8)],
     # (f) FedSGD: one local step per round, the paper's datacenter setting
     "fedsgd": [dict(FEDSGD10, method="dense", server_momentum=0.9),
                dict(FEDSGD10, method="dense"),

@@ -1,4 +1,4 @@
-"""Tests of dgc.federated: stale client state by rounds missed, and the server momentum optimizer."""
+"""Tests of dgc.federated: stale client state by rounds missed, and server momentum."""
 
 from __future__ import annotations
 
