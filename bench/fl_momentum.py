@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dgc  # noqa: E402
-from dgc.federated import ServerMomentum, StaleStatePolicy  # noqa: E402
+from dgc.federated import RowwiseCompressor, ServerMomentum, StaleStatePolicy  # noqa: E402
 
 METHODS = ("dense", "topk", "dgc")
 TAIL_ROUNDS = 10
@@ -66,6 +66,7 @@ class RunConfig:
     momentum_correction: bool = True
     nesterov: bool = False
     momentum_masking: bool = True
+    rowwise: bool = False            # dgc.federated.RowwiseCompressor: top-k per output unit
     head_density: float = 0.0        # > 0: density for the small (<= 10k entries) weight tensors
     stale_momentum_decay: float = -1.0  # < 0: no stale policy; >= 0 factor per missed round
     stale_momentum_decay_m: bool = False  # decay the momentum by m per missed round
@@ -292,6 +293,8 @@ def make_compressor(cfg: RunConfig):
                              momentum_correction=cfg.momentum_correction,
                              dampening=cfg.dampening, nesterov=cfg.nesterov,
                              momentum_masking=cfg.momentum_masking, **warm)
+    if cfg.rowwise:
+        return RowwiseCompressor(base)
     if cfg.head_density > 0:
         return _SplitCompressor(base, dataclasses.replace(base, density=cfg.head_density))
     return dgc.DGCCompressor(base)
@@ -452,6 +455,13 @@ SWEEPS: dict[str, list[dict]] = {
        for d, w in ((0.002, 1), (0.003, 1), (0.003, 0))]
     + [dict(P100, **EF, client_momentum=0.5, head_density=0.1, density=0.001, warmup_epochs=w)
        for w in (1, 8)],
+    # top-k per output unit (row) instead of per tensor
+    "rowwise": [dict(P100, **EF, rowwise=True), dict(P100, **EF, rowwise=True, client_momentum=0.5),
+                dict(P100, **EF, rowwise=True, server_lr=1.5),
+                dict(P100, **EF, rowwise=True, warmup_epochs=0),
+                dict(P100, **NAIVE, rowwise=True, stale_momentum_decay=0.0)],
+    "rowwise_contrast": [dict(P100, **EF, density=0.0013), dict(P100, method="topk", rowwise=True),
+                         dict(P100, **NAIVE, rowwise=True), dict(P100, **DAMP, rowwise=True)],
     # (f) FedSGD: one local step per round, the paper's datacenter setting
     "fedsgd": [dict(FEDSGD10, method="dense", server_momentum=0.9),
                dict(FEDSGD10, method="dense"),
