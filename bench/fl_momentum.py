@@ -418,6 +418,8 @@ SWEEPS: dict[str, list[dict]] = {
                    dict(P10, method="dgc", momentum=0.5, dampening=0.5)],
     "baseline100": [dict(P100, method="dense"), dict(P100, method="topk"), dict(P100, **EF),
                     dict(P100, **NAIVE), dict(P100, **NAIVE, dampening=0.9)],
+    "contrast100": [dict(P100, method="topk"), dict(P100, **EF), dict(P100, **NAIVE),
+                    dict(P100, **NAIVE, dampening=0.9)],
     # (c) momentum moved to the server, (h) server lr; dense gets the same server optimizers
     "server": [dict(P100, **EF, server_lr=lr) for lr in (1.5, 2.0, 3.0)]
     + [dict(P100, **EF, server_momentum=sm, server_lr=lr)
@@ -455,6 +457,16 @@ SWEEPS: dict[str, list[dict]] = {
        for d, w in ((0.002, 1), (0.003, 1), (0.003, 0))]
     + [dict(P100, **EF, client_momentum=0.5, head_density=0.1, density=0.001, warmup_epochs=w)
        for w in (1, 8)],
+    "highdensity": [dict(P100, **EF, density=d, warmup_epochs=0) for d in (0.01, 0.05, 0.2)],
+    # final candidates, run over several seeds
+    "final_a": [dict(P100, method="dense"), dict(P100, method="dense", client_momentum=0.5),
+                dict(P100, **EF, client_momentum=0.5),
+                dict(P100, **EF, client_momentum=0.5, server_lr=1.5),
+                dict(P100, **EF, client_momentum=0.5, server_lr=2.0)],
+    "final_b": [dict(P100, **EF, client_momentum=0.5, head_density=0.1, server_lr=1.5),
+                dict(P100, **EF, client_momentum=0.5, head_density=0.1, server_lr=1.0),
+                dict(P100, **EF, client_momentum=0.5, head_density=0.1, density=0.003,
+                     warmup_epochs=0, server_lr=1.5)],
     # top-k per output unit (row) instead of per tensor
     "rowwise": [dict(P100, **EF, rowwise=True), dict(P100, **EF, rowwise=True, client_momentum=0.5),
                 dict(P100, **EF, rowwise=True, server_lr=1.5),
@@ -477,6 +489,72 @@ SWEEPS: dict[str, list[dict]] = {
 }
 
 
+def _setting(rec: dict) -> dict:
+    """The fields of a record's config that differ from the defaults, seed and tag left out."""
+    base = dataclasses.asdict(RunConfig())
+    return {k: v for k, v in rec["config"].items()
+            if k in base and k not in ("seed", "tag", "eval_every") and v != base[k]}
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def table(records: list[dict]) -> str:
+    """Markdown table: one row per setting, mean and spread (min-max) over its seeds."""
+    groups: dict[str, list[dict]] = {}
+    for rec in records:
+        if "tail_accuracy" not in rec:
+            continue  # records from before the tail mean was measured
+        key = json.dumps(_setting(rec), sort_keys=True)
+        groups.setdefault(key, []).append(rec)
+    lines = ["| setting | seeds | final acc (mean, min-max) | last-10-round mean | uplink x |",
+             "|---|---|---|---|---|"]
+    for key, recs in groups.items():
+        seen: dict[int, dict] = {}
+        for r in recs:  # a setting run twice with one seed counts once (runs are deterministic)
+            seen[r["config"]["seed"]] = r
+        recs = list(seen.values())
+        fin = [r["final_accuracy"] for r in recs]
+        tail = [r["tail_accuracy"] for r in recs]
+        comp = sum(r["compression"] for r in recs) / len(recs)
+        name = ", ".join(f"{k}={v}" for k, v in json.loads(key).items()) or "defaults"
+        lines.append(f"| {name} | {len(recs)} | {np.mean(fin):.3f} ({min(fin):.3f}-{max(fin):.3f})"
+                     f" | {np.mean(tail):.3f} | {comp:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], curves: dict[str, dict], out: str, title: str) -> None:
+    """Accuracy against round, mean over seeds, one line per labelled setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, want in curves.items():
+        recs = [r for r in records if _setting(r) == want]
+        if not recs:
+            raise SystemExit(f"no records for {label!r} = {want}")
+        by_round: dict[int, list[float]] = {}
+        for r in recs:
+            for rr, acc in r["curve"]:
+                if rr % 10 == 0:
+                    by_round.setdefault(rr, []).append(acc)
+        xs = sorted(by_round)
+        ax.plot(xs, [np.mean(by_round[x]) for x in xs],
+                label=f"{label} ({np.mean([r['compression'] for r in recs]):.0f}x)")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0.5, 0.97)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -487,7 +565,14 @@ def main(argv: list[str] | None = None) -> None:
     p_sweep.add_argument("--seeds", default="0")
     p_sweep.add_argument("--set", action="append", default=[])
     p_sweep.add_argument("--out", default="")
+    p_table = sub.add_parser("table")
+    p_table.add_argument("file")
+    p_table.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.cmd == "table":
+        recs = [r for r in load(args.file) if not args.tag or r["config"]["tag"] == args.tag]
+        print(table(recs))
+        return
     if args.cmd == "run":
         rec = run(configure(args.set), verbose=True)
         print(json.dumps({k: v for k, v in rec.items() if k != "curve"}))
