@@ -60,6 +60,8 @@ class RunConfig:
     # dgc
     density: float = 0.001
     warmup_epochs: int = 4           # exponential warm-up 75%, 93.75%, ... over this many epochs
+    warmup_list: str = ""            # "0.25,0.0625,0.01x47": per-round densities ("geom100":
+    # geometric from 0.25 down to density over 100 rounds); replaces the exponential warm-up
     rounds_per_epoch: float = 1.0    # an "epoch" of the warm-up is a round (FedSGD: 40 rounds)
     momentum: float = 0.9
     dampening: float = 0.0
@@ -282,9 +284,25 @@ def _indicator(update: dgc.SparseUpdate) -> dgc.SparseUpdate:
                              for n, t in update.tensors.items()}, update.sequence)
 
 
+def warmup_densities(spec: str, density: float) -> tuple[float, ...]:
+    """Densities per round from ``"0.25,0.01x47"`` or ``"geom100"`` (see RunConfig)."""
+    if spec.startswith("geom"):
+        n = int(spec[4:])
+        return tuple(0.25 * (density / 0.25) ** (e / n) for e in range(n))
+    out: list[float] = []
+    for token in spec.split(","):
+        value, _, times = token.partition("x")
+        out.extend([float(value)] * (int(times) if times else 1))
+    return tuple(out)
+
+
 def make_compressor(cfg: RunConfig):
-    warm = dict(warmup="exponential", warmup_epochs=cfg.warmup_epochs) if cfg.warmup_epochs \
-        else dict(warmup="none")
+    if cfg.warmup_list:
+        warm = dict(warmup="list", warmup_densities=warmup_densities(cfg.warmup_list, cfg.density))
+    elif cfg.warmup_epochs:
+        warm = dict(warmup="exponential", warmup_epochs=cfg.warmup_epochs)
+    else:
+        warm = dict(warmup="none")
     if cfg.method == "topk":
         base = dgc.DGCConfig(density=cfg.density, momentum=0.0, momentum_correction=False,
                              error_feedback=False, **warm)
@@ -467,6 +485,15 @@ SWEEPS: dict[str, list[dict]] = {
                 dict(P100, **EF, client_momentum=0.5, head_density=0.1, server_lr=1.0),
                 dict(P100, **EF, client_momentum=0.5, head_density=0.1, density=0.003,
                      warmup_epochs=0, server_lr=1.5)],
+    # faster local training for both: does the gap shrink as both approach the plateau?
+    "client": [dict(P100, **(EF if m == "dgc" else {"method": m}), client_lr=lr,
+                    local_epochs=e, client_momentum=cm)
+               for lr, e, cm in ((0.1, 1, 0.0), (0.05, 2, 0.0), (0.1, 2, 0.5))
+               for m in ("dense", "dgc")],
+    # long warm-ups: spend the byte budget where progress per round is fastest
+    "warmup": [dict(P100, **EF, client_momentum=0.5, warmup_list=w) for w in
+               ("0.25,0.0625,0.0156,0.01x47", "0.25,0.0625,0.0156,0.01x27,0.004x30,0.002x40",
+                "0.25,0.0625,0.0156,0.005x97", "0.25,0.0625,0.02x18")],
     # top-k per output unit (row) instead of per tensor
     "rowwise": [dict(P100, **EF, rowwise=True), dict(P100, **EF, rowwise=True, client_momentum=0.5),
                 dict(P100, **EF, rowwise=True, server_lr=1.5),
@@ -555,6 +582,17 @@ def plot(records: list[dict], curves: dict[str, dict], out: str, title: str) -> 
     fig.savefig(out, dpi=120)
 
 
+#: The curves of the report's figure: dense, top-k, naive DGC, error feedback, the chosen default.
+CHOSEN = dict(P100, **EF, client_momentum=0.5)
+PLOT_CURVES = {
+    "dense FedAvg": dict(P100, method="dense"),
+    "top-k, no error feedback": dict(P100, method="topk"),
+    "DGC, m=0.9 on pseudo-gradients (naive)": dict(P100, **NAIVE),
+    "error feedback only": dict(P100, **EF),
+    "chosen default": CHOSEN,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -568,7 +606,17 @@ def main(argv: list[str] | None = None) -> None:
     p_table = sub.add_parser("table")
     p_table.add_argument("file")
     p_table.add_argument("--tag", default="")
+    p_plot = sub.add_parser("plot")
+    p_plot.add_argument("file")
+    p_plot.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.cmd == "plot":
+        recs = load(args.file)
+        curves = {name: _setting({"config": dataclasses.asdict(RunConfig(**kw))})
+                  for name, kw in PLOT_CURVES.items()}
+        plot(recs, curves, args.out, "MNIST-5k MLP, 100 clients, 10/round, Dirichlet(0.5), "
+             "density 0.001, 4 warm-up rounds (mean of seeds)")
+        return
     if args.cmd == "table":
         recs = [r for r in load(args.file) if not args.tag or r["config"]["tag"] == args.tag]
         print(table(recs))
