@@ -40,7 +40,8 @@ class StaleStatePolicy:
     momentum_decay : float or None, default None
         Factor applied to the momentum ``u`` once per missed round, in [0, 1]. ``None`` uses the
         compressor's own momentum factor m: the momentum then decays exactly as it would have over
-        steps with a zero gradient. 0 resets the momentum whenever a round was missed.
+        steps with a zero gradient. 0 resets the momentum whenever a round was missed: the next
+        step starts it afresh from the gradient, as a new compressor would.
     residual_decay : float, default 1.0
         Factor applied to the residual ``v`` once per missed round, in [0, 1]. 1 keeps every unsent
         value (no gradient mass is lost); smaller values forget old, stale residual.
@@ -65,7 +66,11 @@ class StaleStatePolicy:
         u_factor = m ** rounds_missed
         v_factor = self.residual_decay ** rounds_missed
         memory = compressor.memory
-        if u_factor != 1.0:
+        if u_factor == 0.0:
+            # Dropped, not zeroed: the next step then starts the momentum buffer afresh from the
+            # gradient, as torch.optim.SGD does (zeros would give only (1 - dampening) * g).
+            memory.u.clear()
+        elif u_factor != 1.0:
             for u in memory.u.values():
                 u.mul_(u_factor)
         if v_factor != 1.0:

@@ -46,13 +46,20 @@ def test_stale_momentum_decays_by_m_per_missed_round_and_keeps_residual():
 
 
 def test_stale_policy_explicit_factors_reset_momentum_and_decay_residual():
-    comp = _compressor(momentum=0.9)
+    comp = _compressor(momentum=0.9, dampening=0.9, momentum_masking=False)
     before = _snapshot(comp)
     StaleStatePolicy(momentum_decay=0.0, residual_decay=0.5).apply(comp, 2)
-    for u in comp.memory.u.values():
-        assert torch.count_nonzero(u) == 0
+    assert comp.memory.u == {}
     for name, v in before["v"].items():
         torch.testing.assert_close(comp.memory.v[name], v * 0.25)
+    # The reset momentum restarts as a fresh compressor's: the whole gradient, not (1 - d) * g.
+    g = _grads(7)
+    comp.compress(g)
+    fresh = _compressor(momentum=0.9, dampening=0.9, momentum_masking=False)
+    fresh.memory.u.clear()
+    fresh.compress(g)
+    for name in g:
+        torch.testing.assert_close(comp.memory.u[name], fresh.memory.u[name])
 
 
 def test_stale_policy_zero_rounds_missed_changes_nothing():
