@@ -35,7 +35,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dgc  # noqa: E402
-from dgc.federated import RowwiseCompressor, ServerMomentum, StaleStatePolicy  # noqa: E402
+from dgc.federated import (  # noqa: E402
+    RowwiseCompressor,
+    ServerMomentum,
+    StaleStatePolicy,
+    TwoDensityCompressor,
+)
 
 METHODS = ("dense", "topk", "dgc")
 TAIL_ROUNDS = 10
@@ -262,22 +267,6 @@ def wire_available() -> bool:
 
 # ---------------------------------------------------------------------------------------- run
 
-class _SplitCompressor:
-    """Two DGC compressors: the large weight tensor at ``density``, small ones at another."""
-
-    def __init__(self, big: dgc.DGCConfig, small: dgc.DGCConfig) -> None:
-        self.big, self.small = dgc.DGCCompressor(big), dgc.DGCCompressor(small)
-
-    def compress(self, grads, epoch):
-        a = self.big.compress({k: v for k, v in grads.items() if v.numel() > 10_000}, epoch)
-        b = self.small.compress({k: v for k, v in grads.items() if v.numel() <= 10_000}, epoch)
-        return dgc.SparseUpdate({**a.tensors, **b.tensors}, a.sequence)
-
-    @property
-    def parts(self):
-        return (self.big, self.small)
-
-
 def _indicator(update: dgc.SparseUpdate) -> dgc.SparseUpdate:
     """The same entries with value 1: aggregating these counts who sent what."""
     return dgc.SparseUpdate({n: dgc.SparseTensor(t.indices, torch.ones(t.nnz), t.shape)
@@ -314,7 +303,7 @@ def make_compressor(cfg: RunConfig):
     if cfg.rowwise:
         return RowwiseCompressor(base)
     if cfg.head_density > 0:
-        return _SplitCompressor(base, dataclasses.replace(base, density=cfg.head_density))
+        return TwoDensityCompressor(base, cfg.head_density)
     return dgc.DGCCompressor(base)
 
 
@@ -362,8 +351,7 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
             for i, k in enumerate(chosen):
                 comp = compressors[k]
                 if stale is not None and last_seen[k] >= 0:
-                    for part in getattr(comp, "parts", (comp,)):
-                        stale.apply(part, r - last_seen[k] - 1)
+                    stale.apply(comp, r - last_seen[k] - 1)
                 grads = {n: params[n] - local[n][i] for n in SHAPES}
                 upd = comp.compress(grads, epoch=r / cfg.rounds_per_epoch)
                 uplink += update_bytes(upd)
@@ -494,6 +482,20 @@ SWEEPS: dict[str, list[dict]] = {
     "warmup": [dict(P100, **EF, client_momentum=0.5, warmup_list=w) for w in
                ("0.25,0.0625,0.0156,0.01x47", "0.25,0.0625,0.0156,0.01x27,0.004x30,0.002x40",
                 "0.25,0.0625,0.0156,0.005x97", "0.25,0.0625,0.02x18")],
+    # heavier local training with error feedback (dense gets the same settings for contrast)
+    "heavy": [dict(P100, **EF, client_lr=0.1, local_epochs=2, client_momentum=0.5),
+              dict(P100, method="dense", client_lr=0.1, local_epochs=2, client_momentum=0.5)],
+    "heavy_variants": [dict(P100, **EF, client_lr=lr, local_epochs=e, client_momentum=cm)
+                       for lr, e, cm in ((0.1, 3, 0.5), (0.2, 2, 0.5), (0.1, 2, 0.9),
+                                         (0.05, 2, 0.9), (0.1, 5, 0.5))],
+    "heavy_plus": [dict(P100, **EF, client_lr=0.1, local_epochs=2, client_momentum=0.5,
+                        head_density=0.1),
+                   dict(P100, **EF, client_lr=0.1, local_epochs=2, client_momentum=0.5,
+                        server_lr=1.5),
+                   dict(P100, **EF, client_lr=0.2, local_epochs=2, client_momentum=0.5,
+                        head_density=0.1)],
+    "chosen": [dict(P100, **EF, client_lr=0.1, local_epochs=2, client_momentum=0.5,
+                    head_density=0.1)],
     # top-k per output unit (row) instead of per tensor
     "rowwise": [dict(P100, **EF, rowwise=True), dict(P100, **EF, rowwise=True, client_momentum=0.5),
                 dict(P100, **EF, rowwise=True, server_lr=1.5),
