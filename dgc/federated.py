@@ -1,16 +1,20 @@
-"""Federated adaptations of DGC: stale client state by rounds missed, and server-side momentum.
+"""Federated adaptations of DGC: per-group density, stale client state, server-side momentum.
 
 The paper's momentum correction (Lin et al., ICLR 2018, Sec. 3.2) assumes that every worker takes
 part in every step. In cross-device federated learning a client sends one pseudo-gradient per round
-(after several local steps) and takes part in few rounds. Two things follow, measured in
-``docs/federated_momentum.md``:
+(after several local steps) and takes part in few rounds. What follows was measured in
+``docs/federated_momentum.md`` (``bench/fl_momentum.py``):
 
-* Momentum kept on the client goes stale between its participations and, applied to pseudo-
-  gradients, multiplies the effective step by ``1 / (1 - m)``. :class:`StaleStatePolicy` decays a
-  client's momentum (and optionally its residual) by the number of rounds it missed.
-* The same momentum applied once, on the server, to the aggregated sparse update is never stale:
-  :class:`ServerMomentum` is that optimizer (FedAvgM, Hsu et al. 2019, on the DGC aggregate), while
-  the clients keep plain error feedback (``momentum_correction=False``).
+* :class:`TwoDensityCompressor` gives small weight tensors (an output layer) their own density:
+  the per-tensor budget otherwise leaves them a couple of entries per update. Part of the chosen
+  default (error feedback only, no momentum correction).
+* :class:`ServerMomentum` is the server optimizer for aggregated pseudo-gradients (FedAvg at lr 1,
+  momentum 0; FedAvgM with momentum). Measured: momentum helps dense aggregates but hurts sparse
+  ones, so the default keeps it at 0.
+* :class:`StaleStatePolicy` decays a client's momentum (and optionally its residual) by the rounds
+  it missed. It halves the loss of naive momentum correction but does not beat error feedback.
+* :class:`RowwiseCompressor` spends the density per output unit instead of per tensor. Measured
+  worse on the MLP; kept for models where per-tensor top-k starves whole units.
 """
 
 from __future__ import annotations
