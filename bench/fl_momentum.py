@@ -534,26 +534,27 @@ def load(path: str) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    """Markdown table: one row per setting, mean and spread (min-max) over its seeds."""
-    groups: dict[str, list[dict]] = {}
+    """Markdown table: one row per setting, mean and spread (min-max) over its seeds.
+
+    A setting run twice with one seed counts once, the later run winning (runs are
+    deterministic; early records lack the tail mean and, marked *, count estimated bytes).
+    """
+    groups: dict[str, dict[int, dict]] = {}
     for rec in records:
-        if "tail_accuracy" not in rec:
-            continue  # records from before the tail mean was measured
         key = json.dumps(_setting(rec), sort_keys=True)
-        groups.setdefault(key, []).append(rec)
+        groups.setdefault(key, {})[rec["config"]["seed"]] = rec
     lines = ["| setting | seeds | final acc (mean, min-max) | last-10-round mean | uplink x |",
              "|---|---|---|---|---|"]
-    for key, recs in groups.items():
-        seen: dict[int, dict] = {}
-        for r in recs:  # a setting run twice with one seed counts once (runs are deterministic)
-            seen[r["config"]["seed"]] = r
-        recs = list(seen.values())
+    for key, by_seed in groups.items():
+        recs = list(by_seed.values())
         fin = [r["final_accuracy"] for r in recs]
-        tail = [r["tail_accuracy"] for r in recs]
+        tails = [r["tail_accuracy"] for r in recs if "tail_accuracy" in r]
+        tail = f"{np.mean(tails):.3f}" if len(tails) == len(recs) else "-"
         comp = sum(r["compression"] for r in recs) / len(recs)
+        mark = "" if all(r["wire"] or r["config"]["method"] == "dense" for r in recs) else "*"
         name = ", ".join(f"{k}={v}" for k, v in json.loads(key).items()) or "defaults"
         lines.append(f"| {name} | {len(recs)} | {np.mean(fin):.3f} ({min(fin):.3f}-{max(fin):.3f})"
-                     f" | {np.mean(tail):.3f} | {comp:.0f} |")
+                     f" | {tail} | {comp:.0f}{mark} |")
     return "\n".join(lines)
 
 
