@@ -25,7 +25,7 @@ DEMO: dict[str, object] = {
     "clients_per_round": 10,
     "partition": "dirichlet",
     "alpha": 0.5,
-    "rounds": 100,
+    "rounds": 200,
     "dgc.density": 0.001,
     "dgc.warmup": "exponential",
     "dgc.warmup_rounds": 4,
