@@ -90,3 +90,14 @@ def test_topk_drops_residual_and_dgc_keeps_it():
     d = RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5,
                              "dgc.dampening": 0.5}).train.dgc_config()
     assert d.error_feedback and d.momentum == 0.5 and d.dampening == 0.5
+
+
+def test_docs_key_table_matches_the_schema():
+    """docs/federation.md's key table is the schema's (regenerate it from RunConfig.describe)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "federation.md").read_text()
+    rows = [f"| `{key}` | {kind} | `{default}` | {accepted} | {text} |"
+            for key, kind, default, accepted, text in RunConfig.describe()]
+    table = [line for line in doc.splitlines() if line.startswith("| `")]
+    assert table == rows
