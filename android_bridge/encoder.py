@@ -52,6 +52,23 @@ def check_exportable(config: DGCConfig) -> None:
                           f"dataclasses.replace(config, selection='exact')")
 
 
+#: DGCConfig fields fixed in the exported graph; the host reads the others (density, warm-up,
+#: layer policy, clipping threshold, finiteness check) at run time.
+BAKED_FIELDS = ("selection", "momentum", "momentum_correction", "nesterov", "dampening",
+                "momentum_masking", "error_feedback", "value_dtype")
+
+
+def check_compatible(exported: DGCConfig, requested: DGCConfig) -> None:
+    """Raise :class:`dgc.ConfigError` when ``requested`` differs from the config the encoder
+    was exported with in a field the graph has baked in (see :data:`BAKED_FIELDS`)."""
+    diff = {f: (getattr(exported, f), getattr(requested, f)) for f in BAKED_FIELDS
+            if getattr(exported, f) != getattr(requested, f)}
+    if diff:
+        detail = ", ".join(f"{f}: exported {a!r}, requested {b!r}" for f, (a, b) in diff.items())
+        raise ConfigError(f"the exported encoder cannot run this config ({detail}); re-export "
+                          f"with the requested config")
+
+
 class _StepBase(nn.Module):
     """Momentum correction and value rounding shared by the sparse and the dense step."""
 

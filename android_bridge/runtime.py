@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from android_bridge.encoder import check_exportable, clip_scale
+from android_bridge.encoder import check_compatible, check_exportable, clip_scale
 from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
 from dgc.config import DGCConfig
 from dgc.errors import StateError
@@ -87,6 +87,12 @@ class PteEncoder:
         shapes = {p["name"]: tuple(p["shape"]) for p in manifest["parameters"]}
         return cls(Path(export_dir) / ENCODER_FILE,
                    DGCConfig.from_dict(manifest["dgc_config"]), shapes)
+
+    def reconfigure(self, config: DGCConfig) -> None:
+        """Use ``config``'s run-time fields (density, warm-up, clipping, layer policy) from now
+        on; a change of a field baked into the graph is a :class:`dgc.ConfigError`."""
+        check_compatible(self.config, config)
+        self.config = config
 
     def is_dense_tensor(self, shape: tuple[int, ...]) -> bool:
         """The layer policy of :meth:`dgc.DGCCompressor.is_dense_tensor`."""
@@ -217,8 +223,17 @@ class PteTrainer:
             torch.zeros(self.batch_shape), torch.zeros(self.batch_shape[0], dtype=torch.int64)))
         self._params = {k.removeprefix(TRAIN_PREFIX): p
                         for k, p in self._module.named_parameters().items()}
-        self._optimizer = get_sgd_optimizer(self._module.named_parameters(),
-                                            self.learning_rate, 0, 0, 0, False)
+        self._get_sgd_optimizer = get_sgd_optimizer
+        self.set_learning_rate(self.learning_rate)
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Use a fresh SGD optimizer with this step size (no momentum is kept, none is used)."""
+        if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
+                and learning_rate > 0):
+            raise StateError(f"learning_rate must be positive and finite, got {learning_rate!r}")
+        self.learning_rate = float(learning_rate)
+        self._optimizer = self._get_sgd_optimizer(self._module.named_parameters(),
+                                                  self.learning_rate, 0, 0, 0, False)
 
     def set_parameters(self, params: Mapping[str, Any]) -> None:
         """Overwrite the program's parameters (all of them, validated first) in place."""
