@@ -44,6 +44,10 @@ class DGCCompressor:
         self.memory = DGCMemory(c.momentum, c.momentum_correction, c.nesterov, c.dampening)
         self.step = 0
         self._value_dtype = VALUE_DTYPES[c.value_dtype]
+        # |v| is written into one buffer reused across tensors and steps: allocating it anew
+        # costs page faults that take longer than the pass itself on large tensors. It holds
+        # the largest sparsified tensor, is scratch only and is not part of the state.
+        self._magnitude = torch.empty(0)
 
     def is_dense_tensor(self, shape: tuple[int, ...] | torch.Size) -> bool:
         """Whether the layer policy sends a tensor of this shape dense."""
@@ -69,7 +73,7 @@ class DGCCompressor:
                 mask = False  # dense layers keep ordinary momentum, as in the paper
             else:
                 k = num_selected(v.numel(), density)
-                magnitude = v.abs()
+                magnitude = self._magnitude_of(v)
                 if c.selection == "exact" or k >= v.numel():
                     idx = select_exact(magnitude, k)
                 else:
@@ -162,6 +166,11 @@ class DGCCompressor:
             scale = threshold / total
             for name in flat:
                 flat[name] = flat[name] * scale
+
+    def _magnitude_of(self, v: torch.Tensor) -> torch.Tensor:
+        if self._magnitude.numel() < v.numel():
+            self._magnitude = torch.empty(v.numel(), dtype=torch.float32)
+        return torch.abs(v, out=self._magnitude[: v.numel()])
 
     def _round(self, values: torch.Tensor) -> torch.Tensor:
         if self._value_dtype == torch.float16:

@@ -59,8 +59,13 @@ def progress_line(record: RoundRecord, rounds: int) -> str:
 
 
 def run_server(grid: Grid, config: RunConfig,
-               on_round: Callable[[RoundRecord], None] | None = None) -> dict[str, Any]:
-    """Run a whole federation on ``grid`` and write the results files; return the summary."""
+               on_round: Callable[[RoundRecord], None] | None = None,
+               strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
+    """Run a whole federation on ``grid`` and write the results files; return the summary.
+
+    ``strategy_factory`` builds the strategy from DGCStrategy's keyword arguments (the network
+    emulator passes a NetemStrategy); a ``summary_extra()`` method adds keys to the summary.
+    """
     started = time.time()
     torch.set_num_threads(1)
     s, t = config.server, config.train
@@ -84,7 +89,7 @@ def run_server(grid: Grid, config: RunConfig,
         if on_round is not None:
             on_round(record)
 
-    strategy = DGCStrategy(
+    strategy = strategy_factory(
         clients_per_round=t.clients_per_round,
         over_selection=s.over_selection,
         server_learning_rate=s.server_lr,
@@ -111,6 +116,7 @@ def run_server(grid: Grid, config: RunConfig,
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
         "config": config.to_flat(),
+        **(strategy.summary_extra() if hasattr(strategy, "summary_extra") else {}),
     })
     write_summary(run_dir, summary)
     return summary

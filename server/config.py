@@ -28,6 +28,7 @@ from client.settings import (
 )
 
 DOWNLINKS = ("auto", "dense")
+ENGINES = ("ray", "local")
 
 __all__ = ["RunConfig", "SettingsError", "flatten", "load_toml"]
 
@@ -67,6 +68,9 @@ class ServerSettings:
     overwrite: bool = setting(False, "overwrite", "replace an earlier run in the same folder "
                               "(its checkpoint, results and client state)")
     progress: bool = setting(True, "progress", "print one line per round")
+    engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
+                          "local: server.local_grid.LocalGrid, every client in this process "
+                          "one after another (tests, debugging)", Check(choices=ENGINES))
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))

@@ -42,6 +42,7 @@ from flwr.supercore import log
 import dgc
 from client import protocol as P
 from dgc import DecodeError, SparseTensor, SparseUpdate
+from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 STRATEGY_STATE_VERSION = 1
@@ -89,6 +90,11 @@ class RoundRecord:
     compute_seconds_max: float = 0.0
     wall_seconds: float = 0.0
     model_version: int = 0
+    # Filled by the network emulator (simulations.netem.strategy.NetemStrategy); 0 without it.
+    virtual_seconds: float = 0.0
+    dropped_deadline: int = 0
+    dropped_link: int = 0
+    dropped_rejected: int = 0
 
 
 @dataclass
@@ -226,6 +232,7 @@ class DGCStrategy(FedAvg):
         self._pending_record = RoundRecord(0)
         self._dense_update_nbytes = 0
         self._dense_model_nbytes = 0
+        self._max_numel = 0
 
     # ------------------------------------------------------------------ settings / model
     def summary(self) -> None:
@@ -257,8 +264,8 @@ class DGCStrategy(FedAvg):
         assert self.model is not None
         # What a dense fp32 update costs on the same wire, and what the dense model costs as
         # Flower ArrayRecord: the baselines of the compression ratios.
-        self._dense_update_nbytes = len(dgc.encode(SparseUpdate.from_dense(self.model,
-                                                                           "float32")))
+        self._dense_update_nbytes = encoded_size(SparseUpdate.from_dense(self.model, "float32"))
+        self._max_numel = max((t.numel() for t in self.model.values()), default=0)
         self._dense_model_nbytes = P.record_nbytes(self.model_arrays())
 
     def model_arrays(self) -> ArrayRecord:
@@ -397,7 +404,8 @@ class DGCStrategy(FedAvg):
             raise ReplyRejected(f"{self.weighted_by_key} must be a finite number > 0, got "
                                 f"{weight!r}")
         try:
-            update = dgc.decode(data)
+            # max_numel: a forged header cannot make the server allocate more than the model.
+            update = dgc.decode(data, max_numel=self._max_numel)
         except DecodeError as ex:
             raise ReplyRejected(f"undecodable update ({len(data)} bytes): {ex}") from ex
         if update.sequence != server_round:

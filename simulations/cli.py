@@ -12,6 +12,7 @@ from typing import Any
 from server.app import RunFolderError
 from server.config import RunConfig, SettingsError, load_toml
 from server.results import write_json
+from simulations.netem.errors import NetemError
 
 METHODS = ("dense", "topk", "dgc")
 
@@ -43,13 +44,25 @@ def parse_sets(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:
-    """Defaults < ``base`` < ``--config FILE`` < ``--set key=value``."""
+def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict[str, object]:
     values: dict[str, object] = dict(base or {})
     if args.config:
         values.update(load_toml(args.config))
     values.update(parse_sets(args.set or []))
-    return RunConfig.from_flat(values)
+    return values
+
+
+def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:
+    """Defaults < ``base`` < ``--config FILE`` < ``--set key=value`` (``netem.*`` aside)."""
+    values = _values(args, base)
+    return RunConfig.from_flat({k: v for k, v in values.items() if not k.startswith("netem.")})
+
+
+def build_netem(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> Any:
+    """The network emulator's settings from the ``netem.*`` keys (disabled when none)."""
+    from simulations.netem.integration import split_netem
+
+    return split_netem(_values(args, base))[1]
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -71,7 +84,7 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def cmd_run(config: RunConfig, verbose: bool) -> dict[str, Any]:
+def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, Any]:
     """Run one scenario, plot it, print its table."""
     from simulations.plots import plot_run
     from simulations.runner import run_scenario
@@ -79,7 +92,7 @@ def cmd_run(config: RunConfig, verbose: bool) -> dict[str, Any]:
     print(f"fedgc: running {config.train.method} on {config.train.task}, "
           f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
           f"{config.server.rounds} rounds -> {config.run_dir}", flush=True)
-    summary = run_scenario(config, verbose=verbose)
+    summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.train.method: summary}))
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}")
@@ -87,7 +100,7 @@ def cmd_run(config: RunConfig, verbose: bool) -> dict[str, Any]:
 
 
 def cmd_compare(config: RunConfig, verbose: bool,
-                methods: Sequence[str] = METHODS) -> dict[str, Any]:
+                methods: Sequence[str] = METHODS, netem: Any = None) -> dict[str, Any]:
     """The same scenario with each method; ``compare.json`` and ``compare.png`` in one folder."""
     from simulations.plots import plot_runs
     from simulations.runner import run_scenario
@@ -99,7 +112,7 @@ def cmd_compare(config: RunConfig, verbose: bool,
         c = config.with_overrides({"method": method, "results_dir": str(base),
                                    "run_name": method, "state_dir": ""})
         print(f"fedgc: [{method}] {c.server.rounds} rounds -> {c.run_dir}", flush=True)
-        summaries[method] = run_scenario(c, verbose=verbose)
+        summaries[method] = run_scenario(c, verbose=verbose, netem=netem)
         runs[method] = c.run_dir
     base.mkdir(parents=True, exist_ok=True)
     doc = {"methods": summaries}
@@ -156,17 +169,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "keys":
             cmd_keys()
         elif args.command == "run":
-            cmd_run(build_config(args), args.verbose)
+            cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":
             methods = [m.strip() for m in args.methods.split(",") if m.strip()]
             bad = [m for m in methods if m not in METHODS]
             if bad or not methods:
                 raise SettingsError(f"--methods must be a comma-separated subset of "
                                     f"{list(METHODS)}, got {args.methods!r}")
-            cmd_compare(build_config(args), args.verbose, methods)
+            cmd_compare(build_config(args), args.verbose, methods, build_netem(args))
         elif args.command == "demo":
-            cmd_compare(build_config(args, DEMO), args.verbose)
-    except (SettingsError, RunFolderError) as ex:
+            cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
+    except (SettingsError, RunFolderError, NetemError) as ex:
         print(f"python -m simulations {args.command}: error: {ex}", file=sys.stderr)
         return 2
     return 0

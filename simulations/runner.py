@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from server.config import RunConfig
+from simulations.netem.settings import NetemSettings
 
 
 def backend_config(config: RunConfig) -> dict[str, Any]:
@@ -18,8 +19,12 @@ def backend_config(config: RunConfig) -> dict[str, Any]:
             "init_args": init_args}
 
 
-def run_scenario(config: RunConfig, verbose: bool = False) -> dict[str, Any]:
-    """Run ``config`` with ``num_clients`` simulated SuperNodes; write and return the summary."""
+def run_scenario(config: RunConfig, verbose: bool = False,
+                 netem: NetemSettings | None = None) -> dict[str, Any]:
+    """Run ``config`` with ``num_clients`` simulated SuperNodes; write and return the summary.
+
+    With ``netem.enabled`` the rounds run on the network emulator's virtual clock.
+    """
     # Imported here so that `python -m simulations --help` stays fast.
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
@@ -29,6 +34,13 @@ def run_scenario(config: RunConfig, verbose: bool = False) -> dict[str, Any]:
     from server.app import prepare_run_dir, run_server
 
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
+    if config.server.engine == "local":
+        from server.local_grid import LocalGrid
+
+        if not verbose:
+            logging.getLogger("flwr").setLevel(logging.WARNING)
+        return run_server(LocalGrid(client_app, config.train.num_clients, seed=config.train.seed),
+                          config)
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if not verbose:
@@ -36,11 +48,18 @@ def run_scenario(config: RunConfig, verbose: bool = False) -> dict[str, Any]:
 
     outcome: dict[str, Any] = {}
     server_app = ServerApp()
+    extra: dict[str, Any] = {}
+    if netem is not None and netem.enabled:
+        from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
+
+        netem = for_run(netem, config)
+        client_app = wrap_client_app(client_app)
+        extra["strategy_factory"] = strategy_factory(netem)
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         del context  # the scenario's RunConfig replaces the (empty) simulation run config
-        outcome["summary"] = run_server(grid, config)
+        outcome["summary"] = run_server(grid, config, **extra)
 
     run_simulation(server_app=server_app, client_app=client_app,
                    num_supernodes=config.train.num_clients,

@@ -177,3 +177,12 @@ def test_strided_sample_positions() -> None:
     assert torch.equal(strided_sample(x, 10, offset=13), torch.arange(3, 100, 10).float())
     assert strided_sample(x, 7, offset=5).numel() == 7
     assert strided_sample(torch.arange(5.0), 5, offset=3).numel() == 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300_000), p=st.sampled_from([0.0, 1e-4, 0.01, 0.5, 1.0]),
+       start=st.integers(0, 9), seed=st.integers(0, 2**31))
+def test_nonzero_flat_equals_torch_nonzero(n: int, p: float, start: int, seed: int) -> None:
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < p
+    for m in (mask, mask[start:]):  # offset views take the plain path, aligned ones the words
+        assert torch.equal(selection.nonzero_flat(m), torch.nonzero(m).view(-1))

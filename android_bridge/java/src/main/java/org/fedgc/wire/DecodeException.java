@@ -1,0 +1,61 @@
+package org.fedgc.wire;
+
+/**
+ * Bytes handed to {@link WireCodec#decode} are not a valid version-1 message.
+ *
+ * <p>{@link #reason()} says which rule of WIRE_FORMAT.md section 6 failed (stable, for code);
+ * the message names the bad value (for people). Decoding either returns a complete update or
+ * throws this; nothing partial is ever returned.
+ */
+public final class DecodeException extends Exception {
+    private static final long serialVersionUID = 1L;
+
+    /** Why a message was rejected, one constant per rule of the specification. */
+    public enum Reason {
+        /** A field, name or section runs past the end (or the input is under 22 bytes). */
+        TRUNCATED,
+        /** The first four bytes are not "FGCU". */
+        BAD_MAGIC,
+        /** The version byte is not 1. */
+        UNSUPPORTED_VERSION,
+        /** The flags byte is not 0. */
+        UNSUPPORTED_FLAGS,
+        /** Bytes remain between the last tensor record and the checksum. */
+        TRAILING,
+        /** The stored CRC-32 differs from the computed one. */
+        BAD_CHECKSUM,
+        /** A tensor name is not valid (strict) UTF-8. */
+        BAD_UTF8,
+        /** Two tensors have the same name. */
+        DUPLICATE_NAME,
+        /** A dim above 2^62, a numel above 2^62, or above the caller's maxNumel. */
+        TOO_LARGE,
+        /** A tensor claims more entries than its shape has. */
+        COUNT_ABOVE_NUMEL,
+        /** The index_coding byte is not 0..3. */
+        UNKNOWN_CODING,
+        /** The value_dtype byte is not 0..2. */
+        UNKNOWN_DTYPE,
+        /** An index section whose length, parameter, padding or number of codes is wrong. */
+        BAD_INDEX_SECTION,
+        /** An index not above its predecessor (repeated or unsorted). */
+        INDEX_NOT_INCREASING,
+        /** An index or gap at or above the tensor's numel. */
+        INDEX_OUT_OF_RANGE,
+        /** A NaN or infinite value. */
+        NON_FINITE_VALUE
+    }
+
+    private final Reason reason;
+
+    /** A rejection for {@code reason} with a message naming the bad value. */
+    public DecodeException(Reason reason, String message) {
+        super(message);
+        this.reason = reason;
+    }
+
+    /** Which rule failed. */
+    public Reason reason() {
+        return reason;
+    }
+}

@@ -1,0 +1,47 @@
+package org.fedgc.wire;
+
+import java.io.BufferedReader;
+import java.io.InputStreamReader;
+import java.io.PrintStream;
+import java.nio.charset.StandardCharsets;
+
+/**
+ * A line protocol over stdin/stdout that lets the Python tests drive the Java codec.
+ *
+ * <pre>
+ * codec CODING HEX   ->  OK HEX2           (HEX2 = encode(decode(HEX), CODING))
+ *                    ->  REJECT REASON     (decode threw DecodeException)
+ * half BITS32HEX     ->  F16HEX BF16HEX    (HalfFloats.floatToFloat16 / floatToBfloat16)
+ * </pre>
+ */
+public final class WireTool {
+    private WireTool() {
+    }
+
+    public static void main(String[] args) throws Exception {
+        BufferedReader in = new BufferedReader(new InputStreamReader(System.in,
+                StandardCharsets.US_ASCII));
+        PrintStream out = new PrintStream(System.out, false, "US-ASCII");
+        String line;
+        while ((line = in.readLine()) != null) {
+            String[] parts = line.trim().split(" ");
+            if (parts[0].equals("codec")) {
+                byte[] data = WireCodecTest.unhex(parts.length > 2 ? parts[2] : "");
+                try {
+                    SparseUpdate u = WireCodec.decode(data);
+                    out.println("OK " + WireCodecTest.hex(
+                            WireCodec.encode(u, IndexCoding.fromName(parts[1]))));
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("half")) {
+                float f = Float.intBitsToFloat((int) Long.parseLong(parts[1], 16));
+                out.println(String.format("%04x %04x", HalfFloats.floatToFloat16(f) & 0xFFFF,
+                        HalfFloats.floatToBfloat16(f) & 0xFFFF));
+            } else {
+                throw new IllegalArgumentException("unknown command '" + parts[0] + "'");
+            }
+        }
+        out.flush();
+    }
+}

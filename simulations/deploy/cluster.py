@@ -1,0 +1,353 @@
+"""One local Flower deployment: a SuperLink, N SuperNodes behind shaped links, and ``flwr run``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .certs import NodeKeys, TlsFiles, make_node_keys, make_tls
+from .errors import DeployError, ProcessStartError
+from .links import LinkSet, NodeLink, choose_mode
+from .presets import LinkSpec
+from .processes import ManagedProcess, free_port, run_command, wait_for_port
+
+CONNECTION = "fedgc-deploy"
+_BIN = Path(sys.executable).parent
+_CLI_TIMEOUT_S = 60.0
+
+
+def default_node_config(index: int, nodes: int) -> dict[str, int | str]:
+    """Node config of SuperNode ``index``: its partition, as Flower's examples use it."""
+    return {"partition-id": index, "num-partitions": nodes}
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def format_config(config: Mapping[str, object]) -> str:
+    """``k=v`` pairs in the TOML value syntax ``--node-config`` and ``--run-config`` accept."""
+    return " ".join(f"{key}={_toml_value(value)}" for key, value in config.items())
+
+
+@dataclass
+class DeploymentConfig:
+    """What to start.
+
+    Parameters
+    ----------
+    nodes : int
+        Number of SuperNodes.
+    workdir : Path
+        Logs, certificates, keys, the Flower home (``FLWR_HOME``) and the SuperLink database.
+    link : LinkSpec, optional
+        Every SuperNode's link; None for unshaped loopback.
+    shaping : str
+        ``auto`` (best available), ``netem``, ``tbf``, ``proxy`` or ``none``.
+    tls : bool
+        Serve the Fleet and Control APIs over TLS with certificates generated for the run.
+    auth : bool
+        Require SuperNode authentication (implies ``tls``); keys are generated per node.
+    unregistered : frozenset[int]
+        With ``auth``, nodes whose key is *not* registered (to show they are refused).
+    node_config : callable
+        ``(index, nodes) -> dict`` for each node's ``--node-config``.
+    seed : int
+        Seeds the links (jitter and outages).
+    startup_timeout_s : float
+        Bound on each process's readiness.
+    """
+
+    nodes: int
+    workdir: Path
+    link: LinkSpec | None = None
+    shaping: str = "auto"
+    tls: bool = False
+    auth: bool = False
+    unregistered: frozenset[int] = frozenset()
+    node_config: Callable[[int, int], Mapping[str, object]] = default_node_config
+    seed: int = 0
+    startup_timeout_s: float = 90.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
+            raise DeployError(f"nodes={self.nodes!r}, expected an integer in 1..200")
+        if self.auth:
+            self.tls = True
+        bad = [i for i in self.unregistered if not 0 <= i < self.nodes]
+        if bad:
+            raise DeployError(f"unregistered={sorted(bad)} out of range 0..{self.nodes - 1}")
+
+
+@dataclass
+class RunResult:
+    """The outcome of one ``flwr run``."""
+
+    run_id: int
+    status: str
+    log: str
+    seconds: float
+    details: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the run finished as completed."""
+        return self.status == "finished:completed"
+
+
+class Deployment:
+    """Start, drive and stop one local deployment (a context manager).
+
+    ``with Deployment(cfg) as dep: dep.run(app_dir)`` starts the SuperLink, registers node keys,
+    starts the SuperNodes behind their links, runs the app and then tears everything down, even
+    when a step fails.
+    """
+
+    def __init__(self, config: DeploymentConfig) -> None:
+        self.config = config
+        self.workdir = config.workdir.resolve()
+        self.flwr_home = self.workdir / "flwr-home"
+        self.mode = "none"
+        self.mode_detail = ""
+        self.links: LinkSet | None = None
+        self.superlink: ManagedProcess | None = None
+        self.supernodes: dict[int, ManagedProcess] = {}
+        self.node_links: dict[int, NodeLink] = {}
+        self.node_keys: dict[int, NodeKeys] = {}
+        self.tls: TlsFiles | None = None
+        self.superlink_port = 0
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.flwr_home),
+            "PATH": f"{_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            # Child processes print progress as it happens, so readiness can be read in logs.
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> Deployment:
+        try:
+            self.start()
+        except BaseException:
+            with contextlib.suppress(DeployError):
+                self.stop()  # the start failure is the error worth reporting
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the SuperLink, the links and every SuperNode, and wait until each is up."""
+        cfg = self.config
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        requested = cfg.shaping if cfg.link is not None else "none"
+        self.mode, self.mode_detail = choose_mode(requested)
+        print(f"[deploy] link shaping mode: {self.mode} ({self.mode_detail})", flush=True)
+        self.links = LinkSet(cfg.link, self.mode, seed=cfg.seed)
+        if cfg.tls:
+            self.tls = make_tls(self.workdir / "tls", self.links.host_addresses(cfg.nodes))
+        self._start_superlink()
+        self._write_flower_config()
+        if cfg.auth:
+            for index in range(cfg.nodes):
+                self.node_keys[index] = make_node_keys(self.workdir / "keys", f"node{index}")
+                if index not in cfg.unregistered:
+                    self.register_node(index)
+        for index in range(cfg.nodes):
+            self.start_supernode(index)
+        for index in range(cfg.nodes):
+            if index not in cfg.unregistered:
+                self.wait_supernode(index)
+
+    def stop(self) -> None:
+        """Stop every process (SuperNodes first) and tear down the links.
+
+        Every step runs even when an earlier one fails; a process group that survives SIGKILL is
+        reported afterwards as a :class:`DeployError`.
+        """
+        problems = []
+        procs = [*self.supernodes.values(), *([self.superlink] if self.superlink else [])]
+        for proc in procs:
+            try:
+                # Graceful shutdown first, but a wedged process must not hold the run up long.
+                proc.stop(timeout_s=5.0)
+            except ProcessStartError as err:
+                problems.append(str(err))
+        if self.links is not None:
+            self.links.stop()
+        if problems:
+            raise DeployError("; ".join(problems))
+
+    # ---- SuperLink -------------------------------------------------------------------------
+    def _start_superlink(self) -> None:
+        self.superlink_port = free_port()
+        argv = [
+            str(_BIN / "flower-superlink"),
+            "--port", str(self.superlink_port),
+            "--database", str(self.workdir / "superlink.db"),
+            # The venv already holds every dependency; never reach for a package index.
+            "--disable-runtime-dependency-installation",
+        ]
+        if self.tls is not None:
+            argv += ["--ssl-ca-certfile", str(self.tls.ca_cert),
+                     "--ssl-certfile", str(self.tls.server_cert),
+                     "--ssl-keyfile", str(self.tls.server_key)]
+        else:
+            argv.append("--insecure")
+        if self.config.auth:
+            argv.append("--enable-supernode-auth")
+        self.superlink = ManagedProcess("superlink", argv, self.workdir / "logs" / "superlink.log",
+                                        env=self.env)
+        self.superlink.start()
+        self.superlink.wait_for_log(r"Uvicorn running on", self.config.startup_timeout_s)
+        wait_for_port("127.0.0.1", self.superlink_port, self.config.startup_timeout_s)
+
+    def _write_flower_config(self) -> None:
+        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
+                 f'address = "127.0.0.1:{self.superlink_port}"']
+        if self.tls is not None:
+            lines.append(f"root-certificates = {json.dumps(str(self.tls.ca_cert))}")
+        else:
+            lines.append("insecure = true")
+        (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    def flwr(self, *args: str, timeout_s: float = _CLI_TIMEOUT_S) -> str:
+        """Run one ``flwr`` CLI command against this deployment and return its output.
+
+        Raises
+        ------
+        DeployError
+            When the command fails; the message holds its output.
+        """
+        proc = run_command([str(_BIN / "flwr"), *args], env=self.env, timeout_s=timeout_s)
+        if proc.returncode != 0:
+            raise DeployError(
+                f"`flwr {' '.join(args)}` failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+            )
+        return proc.stdout
+
+    def register_node(self, index: int) -> None:
+        """Register node ``index``'s public key with the SuperLink (``flwr supernode register``)."""
+        keys = self.node_keys[index]
+        self.flwr("supernode", "register", str(keys.public_key), CONNECTION,
+                  "--name", f"node{index}")
+
+    # ---- SuperNodes ------------------------------------------------------------------------
+    def start_supernode(self, index: int) -> ManagedProcess:
+        """Start (or restart) SuperNode ``index`` behind its link."""
+        assert self.links is not None
+        link = self.node_links.get(index) or self.links.build(
+            index, "127.0.0.1", self.superlink_port
+        )
+        self.node_links[index] = link
+        existing = self.supernodes.get(index)
+        if existing is not None and existing.running():
+            return existing
+        node_config = dict(self.config.node_config(index, self.config.nodes))
+        argv = [
+            str(_BIN / "flower-supernode"),
+            "--superlink", link.address,
+            # Each SuperNode's own runtime API; inside a namespace it has a loopback of its own.
+            "--port", str(free_port()),
+            "--node-config", format_config(node_config),
+        ]
+        if self.tls is not None:
+            argv += ["--root-certificates", str(self.tls.ca_cert)]
+        else:
+            argv.append("--insecure")
+        if self.config.auth:
+            argv += ["--auth-supernode-private-key", str(self.node_keys[index].private_key)]
+        proc = existing or ManagedProcess(
+            f"supernode{index}", argv, self.workdir / "logs" / f"supernode{index}.log",
+            env=self.env, netns=link.netns,
+        )
+        self.supernodes[index] = proc.start()
+        return proc
+
+    def wait_supernode(self, index: int, timeout_s: float | None = None) -> None:
+        """Block until SuperNode ``index`` has joined the SuperLink (it logs its node id)."""
+        self.supernodes[index].wait_for_log(
+            r"SuperNode ID: \d+", timeout_s or self.config.startup_timeout_s
+        )
+
+    def kill_supernode(self, index: int) -> None:
+        """SIGKILL SuperNode ``index`` and its ClientApp processes (a crash)."""
+        self.supernodes[index].kill()
+
+    # ---- runs ------------------------------------------------------------------------------
+    def submit(self, app_dir: Path, run_config: Mapping[str, object] | None = None) -> int:
+        """Submit ``app_dir`` with ``flwr run`` and return the run id (does not wait)."""
+        args = ["run", str(app_dir), CONNECTION, "--format", "json"]
+        if run_config:
+            args += ["--run-config", format_config(run_config)]
+        out = self.flwr(*args, timeout_s=120.0)
+        match = re.search(r'"run-id":\s*"(\d+)"', out)
+        if match is None:
+            raise DeployError(f"`flwr run` printed no run id:\n{out[-3000:]}")
+        return int(match.group(1))
+
+    def run_status(self, run_id: int) -> dict[str, object]:
+        """The SuperLink's record of ``run_id`` (``flwr list --run-id``)."""
+        out = self.flwr("list", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        data = json.loads(out[out.index("{"):])
+        runs = data.get("runs", [])
+        if not runs:
+            raise DeployError(f"run {run_id} unknown to the SuperLink: {out[-1000:]}")
+        return dict(runs[0])
+
+    def wait_run(self, run_id: int, timeout_s: float, poll_s: float = 2.0) -> RunResult:
+        """Poll ``run_id`` until it finishes or ``timeout_s`` passes, then fetch its log.
+
+        Raises
+        ------
+        DeployError
+            When the run does not finish in time (it is stopped first).
+        """
+        start_s = time.monotonic()
+        while True:
+            status = self.run_status(run_id)
+            if str(status["status"]).startswith("finished"):
+                break
+            if time.monotonic() - start_s > timeout_s:
+                self.flwr("stop", str(run_id), CONNECTION)
+                raise DeployError(
+                    f"run {run_id} still {status['status']!r} after {timeout_s:.0f} s; stopped it"
+                )
+            time.sleep(poll_s)
+        log = self.flwr("log", str(run_id), CONNECTION, "--show")
+        return RunResult(run_id, str(status["status"]), log, time.monotonic() - start_s, status)
+
+    def run(
+        self,
+        app_dir: Path,
+        run_config: Mapping[str, object] | None = None,
+        timeout_s: float = 300.0,
+    ) -> RunResult:
+        """Submit ``app_dir`` and wait for it to finish."""
+        return self.wait_run(self.submit(app_dir, run_config), timeout_s)
+
+    def log_tails(self, names: Iterable[int] | None = None) -> str:
+        """The ends of the SuperLink's and SuperNodes' logs, for error reports."""
+        parts = [f"--- superlink\n{self.superlink.tail() if self.superlink else ''}"]
+        for index in names if names is not None else self.supernodes:
+            parts.append(f"--- supernode{index}\n{self.supernodes[index].tail()}")
+        return "\n".join(parts)
+
+
+def quote_argv(argv: Iterable[str]) -> str:
+    """A shell-quoted command line, for logs."""
+    return " ".join(shlex.quote(a) for a in argv)

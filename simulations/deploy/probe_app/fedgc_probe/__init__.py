@@ -1,0 +1,1 @@
+"""A numpy FedAvg probe app for fedgc's deployment tests."""

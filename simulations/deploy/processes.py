@@ -1,0 +1,239 @@
+"""Child processes in their own process groups: start, wait for readiness, stop within bounds."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .errors import ProcessStartError
+
+_POLL_S = 0.1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Block until a TCP connect to ``host:port`` succeeds, or raise after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise ProcessStartError(
+                    f"nothing accepts connections on {host}:{port} after {timeout_s:.0f} s "
+                    f"({err})"
+                ) from err
+            time.sleep(_POLL_S)
+
+
+class ManagedProcess:
+    """One child process, the leader of its own process group, logging to a file.
+
+    Parameters
+    ----------
+    name : str
+        Short label used in logs and errors.
+    argv : Sequence[str]
+        Command line.
+    log_path : Path
+        stdout and stderr go here (appended, so a restarted process keeps its history).
+    env : Mapping[str, str], optional
+        Full environment of the child; the parent's when omitted.
+    netns : str, optional
+        Run inside this network namespace (``ip netns exec`` replaces itself with the command,
+        so the pid stays the child's).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        netns: str | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        if netns is not None:
+            self.argv = ["ip", "netns", "exec", netns, *self.argv]
+        self.log_path = log_path
+        self.env = dict(env) if env is not None else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    @property
+    def pid(self) -> int:
+        """Process id (also the process group id)."""
+        if self._proc is None:
+            raise ProcessStartError(f"{self.name}: not started")
+        return self._proc.pid
+
+    def start(self) -> ManagedProcess:
+        """Start the process; a process that is already running is left alone."""
+        if self.running():
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        return self
+
+    def running(self) -> bool:
+        """Whether the process has been started and has not exited."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def returncode(self) -> int | None:
+        """Exit status, or None while running (or never started)."""
+        return None if self._proc is None else self._proc.poll()
+
+    def log_text(self, since_start: bool = True) -> str:
+        """The log written by this process (since its latest start by default)."""
+        if not self.log_path.exists():
+            return ""
+        data = self.log_path.read_bytes()
+        if since_start:
+            data = data[self._log_offset:]
+        return data.decode("utf-8", errors="replace")
+
+    def tail(self, chars: int = 2000) -> str:
+        """The end of the log, for error messages."""
+        return self.log_text()[-chars:]
+
+    def wait_for_log(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        """Block until ``pattern`` (a regex) appears in the log since the latest start.
+
+        Raises
+        ------
+        ProcessStartError
+            When the process exits first or ``timeout_s`` passes; the message holds the log tail.
+        """
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            match = regex.search(self.log_text())
+            if match:
+                return match
+            if not self.running():
+                raise ProcessStartError(
+                    f"{self.name} exited with status {self.returncode()} before logging "
+                    f"{pattern!r}; log tail:\n{self.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ProcessStartError(
+                    f"{self.name} did not log {pattern!r} within {timeout_s:.0f} s; "
+                    f"log tail:\n{self.tail()}"
+                )
+            time.sleep(_POLL_S)
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the whole process group (children included)."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: a crash, as in a fault test."""
+        self.signal_group(signal.SIGKILL)
+        if self._proc is not None:
+            self._proc.wait(timeout=10)
+            self._wait_group_gone(10.0)
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM the group, SIGKILL it after ``timeout_s``; return the exit status."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal_group(signal.SIGKILL)
+                self._proc.wait(timeout=10)
+        # Children that outlived their leader (e.g. SuperExec workers) still share the group.
+        self.signal_group(signal.SIGKILL)
+        self._wait_group_gone(timeout_s)
+        return self._proc.returncode
+
+    def group_alive(self) -> bool:
+        """Whether any process of the group still exists (zombies included)."""
+        if self._proc is None:
+            return False
+        try:
+            os.killpg(self._proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if self.group_alive():
+            pids = [
+                entry for entry in os.listdir("/proc")
+                if entry.isdigit() and _pgid_of(int(entry)) == self._proc.pid  # type: ignore[union-attr]
+            ]
+            raise ProcessStartError(
+                f"{self.name}: process group {self.pid} still has pids {pids} after SIGKILL"
+            )
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def run_command(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None,
+    timeout_s: float,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a short command to completion in its own process group, killing it on timeout."""
+    with subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            raise ProcessStartError(
+                f"{' '.join(argv[:3])} ... did not finish within {timeout_s:.0f} s; "
+                f"output tail:\n{out[-2000:]}"
+            ) from None
+        return subprocess.CompletedProcess(list(argv), proc.returncode, out, None)

@@ -1,0 +1,56 @@
+"""Wiring of the emulator into a fedgc run: config keys, the wrapped ClientApp, the strategy.
+
+``python -m simulations run --set netem.enabled=true --set netem.mix=lte:0.5,3g:0.5 ...``:
+the CLI splits the ``netem.*`` keys off with :func:`split_netem`, and the runner wraps the
+ClientApp with :func:`wrap_client_app` and builds :class:`NetemStrategy` instead of DGCStrategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from simulations.netem.mod import netem_mod
+from simulations.netem.settings import PREFIX, NetemSettings
+
+
+def split_netem(values: Mapping[str, object]) -> tuple[dict[str, object], NetemSettings]:
+    """(the other keys, NetemSettings of the ``netem.*`` keys)."""
+    rest = {k: v for k, v in values.items() if not k.startswith(PREFIX)}
+    netem = NetemSettings.from_config({k: v for k, v in values.items() if k.startswith(PREFIX)})
+    return rest, netem
+
+
+def for_run(netem: NetemSettings, config: Any) -> NetemSettings:
+    """``netem`` with the client count and per-round samples taken from a RunConfig."""
+    t = config.train
+    samples = t.local_steps * t.batch_size if t.local_steps > 0 else 0
+    return dataclasses.replace(netem, num_clients=t.num_clients,
+                               local_epochs=float(t.local_epochs), local_samples=samples)
+
+
+def wrap_client_app(app: ClientApp) -> ClientApp:
+    """A ClientApp that runs ``app`` behind :func:`~simulations.netem.mod.netem_mod`."""
+    wrapped = ClientApp(mods=[netem_mod])
+
+    def forward(msg: Message, context: Context) -> Message:
+        return app(msg, context)
+
+    wrapped.train()(forward)
+    wrapped.evaluate()(forward)
+    wrapped.query()(forward)
+    return wrapped
+
+
+def strategy_factory(netem: NetemSettings) -> Callable[..., Any]:
+    """A DGCStrategy-compatible constructor that builds :class:`NetemStrategy` for ``netem``."""
+    from simulations.netem.strategy import NetemStrategy
+
+    def make(**kwargs: Any) -> NetemStrategy:
+        return NetemStrategy(netem=netem, target_accuracy=netem.target_accuracy, **kwargs)
+
+    return make

@@ -1,0 +1,157 @@
+"""NetemStrategy: DGCStrategy with the emulator's round clock (virtual time, deadline, drops).
+
+Each round the strategy tells every sampled client the round's virtual start (``netem.*`` keys in
+the train config); the :mod:`~simulations.netem.mod` on the client charges the exact encoded
+bytes both ways and reports the client's timeline. ``aggregate_train`` then
+
+1. validates every arrived reply (a rejected one is counted and does not count towards K);
+2. closes the round with :class:`~simulations.netem.clock.RoundClock`: the first
+   ``clients_per_round`` valid finishers within the deadline are aggregated;
+3. hands only those (plus the in-time rejected ones, so they are counted) to DGCStrategy, which
+   acknowledges the aggregated updates; every other client is not acknowledged and folds its
+   update back into its residual at its next round (no gradient mass is lost);
+4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
+   and advances the virtual clock to the round's close.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from logging import INFO
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from client import protocol as P
+from server.strategy import DGCStrategy, ReplyRejected
+from simulations.netem.clock import RoundClock, RoundOutcome
+from simulations.netem.mod import timeline_from_reply
+from simulations.netem.settings import ROUND_KEY, ROUND_START_KEY, NetemSettings
+
+
+class NetemStrategy(DGCStrategy):
+    """DGCStrategy whose rounds run on the network emulator's virtual clock.
+
+    Parameters
+    ----------
+    netem : NetemSettings
+        The scenario (links, devices, deadline); sent to every client with each train message.
+    target_accuracy : float (default: 0.0)
+        When > 0, the summary reports the virtual seconds until the global model first reached
+        it (``virtual_seconds_to_target``).
+    **kwargs
+        Everything :class:`server.strategy.DGCStrategy` takes (``clients_per_round``,
+        ``over_selection``, ...).
+    """
+
+    def __init__(self, *args: Any, netem: NetemSettings, target_accuracy: float = 0.0,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(netem, NetemSettings):
+            raise TypeError(f"netem must be NetemSettings, got {type(netem).__name__}")
+        if not (isinstance(target_accuracy, (int, float)) and 0.0 <= target_accuracy <= 1.0):
+            raise ValueError(f"target_accuracy must be in [0, 1], got {target_accuracy!r}")
+        self.netem = netem
+        self.target_accuracy = float(target_accuracy)
+        self.clock = RoundClock(self.clients_per_round, netem.deadline, self.over_selection)
+        self.virtual_now_s = 0.0
+        self.outcomes: dict[int, RoundOutcome] = {}
+
+    def summary(self) -> None:
+        """Log summary configuration of the strategy."""
+        n = self.netem
+        log(INFO, "\t├──> Network emulator: mix %s, %.0f%% intermittent (%s), deadline %s",
+            n.mix, 100 * n.intermittent, n.outage_policy,
+            f"{n.deadline_s:g} s" if n.deadline_s > 0 else "none")
+        super().summary()
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """DGCStrategy's messages, each told the scenario and the round's virtual start."""
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        keys = {**self.netem.to_config(), ROUND_KEY: server_round,
+                ROUND_START_KEY: float(self.virtual_now_s)}
+        for msg in messages:
+            cfg = msg.content.config_records[P.CONFIG]
+            for k, v in keys.items():
+                cfg[k] = v
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Close the round on the virtual clock, then aggregate the first K valid finishers."""
+        start_s = self.virtual_now_s
+        valid: dict[int, Message] = {}
+        rejected: dict[int, tuple[Message, float]] = {}
+        others: list[Message] = []  # errors and replies without a timeline: DGCStrategy decides
+        timelines = []
+        for msg in replies:
+            tl = timeline_from_reply(msg)
+            if tl is None:
+                others.append(msg)
+                continue
+            key = self.node_keys.get(msg.metadata.src_node_id, tl.client_id)
+            if tl.ok:
+                try:
+                    self.validate_reply(msg, server_round)
+                except ReplyRejected:
+                    rejected[key] = (msg, tl.finish_s)
+                    continue
+                valid[key] = msg
+            timelines.append(tl)
+        outcome = self.clock.close(server_round, start_s, timelines)
+        in_time_rejected = [m for m, t in rejected.values() if t <= outcome.end_s]
+        forwarded = [valid[k] for k in outcome.aggregated] + in_time_rejected + others
+        arrays, metrics = super().aggregate_train(server_round, forwarded)
+
+        assert self._round is not None
+        for row in self._round.rows:
+            why = outcome.dropped.get(row.client_key)
+            if why is not None:
+                row.status, row.reason = "dropped", why
+            elif row.client_key in rejected and rejected[row.client_key][1] > outcome.end_s:
+                row.status, row.reason = "dropped", "deadline"
+        record = self._pending_record
+        record.virtual_seconds = outcome.virtual_seconds
+        record.dropped_deadline = outcome.dropped_deadline + sum(
+            t > outcome.end_s for _, t in rejected.values())
+        record.dropped_link = outcome.dropped_link
+        record.dropped_rejected = len(in_time_rejected)
+        self.outcomes[server_round] = outcome
+        self.virtual_now_s = outcome.end_s
+        if metrics is not None:
+            metrics["virtual_seconds"] = outcome.virtual_seconds
+        log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
+            "rejected", server_round, outcome.virtual_seconds, record.dropped_deadline,
+            record.dropped_link, record.dropped_rejected)
+        return arrays, metrics
+
+    def summary_extra(self) -> dict[str, Any]:
+        """The emulator's keys of ``summary.json``."""
+        total = sum(r.virtual_seconds for r in self.rounds)
+        to_target: float | None = None
+        if self.target_accuracy > 0:
+            elapsed = 0.0
+            for r in self.rounds:
+                elapsed += r.virtual_seconds
+                if math.isfinite(r.accuracy) and r.accuracy >= self.target_accuracy:
+                    to_target = elapsed
+                    break
+        return {"virtual_seconds": total, "virtual_seconds_to_target": to_target,
+                "target_accuracy": self.target_accuracy or None,
+                "dropped_deadline": sum(r.dropped_deadline for r in self.rounds),
+                "dropped_link": sum(r.dropped_link for r in self.rounds),
+                "dropped_rejected": sum(r.dropped_rejected for r in self.rounds),
+                "netem": self.netem.to_config()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """DGCStrategy's state plus the virtual clock."""
+        return {**super().state_dict(), "virtual_now_s": self.virtual_now_s}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continue from :meth:`state_dict`, virtual clock included."""
+        super().load_state_dict(state)
+        self.virtual_now_s = float(state.get("virtual_now_s", 0.0))

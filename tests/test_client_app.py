@@ -1,0 +1,112 @@
+"""The ClientApp on real Flower messages: replies, restore of unacknowledged updates, patches."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+import dgc
+from client import protocol as P
+from client.app import app as client_app
+from client.settings import TrainSettings, to_flat
+from client.state import ClientStateStore
+from server.local_grid import LocalGrid
+
+
+def _settings(tmp_path, **kw) -> TrainSettings:
+    return TrainSettings(task="digits", num_clients=3, partition="iid", clients_per_round=3,
+                         density=0.05, warmup="none", state_dir=str(tmp_path / "state"), **kw)
+
+
+def _send(grid: LocalGrid, key: int, settings: TrainSettings, server_round: int, ack: int,
+          arrays: ArrayRecord, **extra) -> Message:
+    node = next(n for n, k in grid.partition_of.items() if k == key)
+    cfg = ConfigRecord({**to_flat(settings), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
+                        P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", **extra})
+    msg = Message(RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg}), dst_node_id=node,
+                  message_type=MessageType.TRAIN)
+    (reply,) = grid.send_and_receive([msg])
+    return reply
+
+
+def _global() -> ArrayRecord:
+    from tasks import get_task
+
+    torch.manual_seed(0)
+    return ArrayRecord(get_task("digits").build_model().state_dict())
+
+
+@pytest.mark.parametrize("method", ["dense", "topk", "dgc"])
+def test_reply_carries_encoded_update_and_metrics(tmp_path, method):
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method=method)
+    reply = _send(grid, 1, s, 1, -1, _global())
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    m = reply.content.metric_records[P.METRICS]
+    assert set(P.REPLY_METRICS) <= set(m)
+    data = P.record_to_bytes(reply.content.array_records[P.UPDATE])
+    update = dgc.decode(data)
+    assert m["uplink_bytes"] == len(data) and m["nnz"] == update.nnz
+    assert m["client_key"] == 1 and update.sequence == 1
+    if method == "dense":
+        assert update.density == 1.0
+    else:
+        assert update.density < 0.2
+    # Only DGC keeps a residual and a pending update between rounds.
+    record = ClientStateStore(s.state_dir).get("1")
+    assert ("pending" in record) == (method == "dgc")
+
+
+def test_unacknowledged_update_is_folded_back_exactly(tmp_path):
+    """(sent + residual) without the ack exceeds the acked case by exactly the pending update."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    first = _send(grid, 0, s, 1, -1, _global())
+    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]))
+    shutil.copytree(tmp_path / "state", tmp_path / "state_b")
+    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+
+    def sent_plus_residual(settings, ack):
+        reply = _send(grid, 0, settings, 2, ack, _global())
+        assert reply.content.metric_records[P.METRICS]["restored"] == (0 if ack == 1 else 1)
+        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE])).to_dense()
+        resid = ClientStateStore(settings.state_dir).get("0")["compressor"]["memory"]["v"]
+        return {k: sent[k].reshape(-1) + resid[k] for k in sent}
+
+    acked = sent_plus_residual(s, 1)
+    lost = sent_plus_residual(s_b, -1)
+    p = pending.to_dense()
+    for k in acked:
+        torch.testing.assert_close(lost[k] - acked[k], p[k].reshape(-1), rtol=0, atol=1e-5)
+    assert any(float(p[k].abs().sum()) > 0 for k in p)
+
+
+def test_patch_for_a_version_the_client_lacks_is_an_error_reply(tmp_path):
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path)
+    patch = dgc.encode(dgc.SparseUpdate({}, 0))
+    reply = _send(grid, 2, s, 1, -1, P.bytes_to_record(patch, P.PATCH),
+                  **{P.DOWNLINK: "patch", P.BASE_VERSION: 7})
+    assert reply.has_error()
+    assert "version 7" in reply.error.reason and "holds version None" in reply.error.reason
+    assert ClientStateStore(s.state_dir).get("2") is None  # nothing was stored
+
+
+def test_missing_state_dir_is_an_error_reply(tmp_path):
+    grid = LocalGrid(client_app, 3)
+    s = dataclasses.replace(_settings(tmp_path), state_dir="")
+    reply = _send(grid, 0, s, 1, -1, _global())
+    assert reply.has_error() and "state_dir" in reply.error.reason
+
+
+def test_query_reports_the_partition_id():
+    grid = LocalGrid(client_app, 3)
+    node = next(iter(grid.get_node_ids()))
+    msg = Message(RecordDict({P.CONFIG: ConfigRecord({})}), dst_node_id=node,
+                  message_type=MessageType.QUERY)
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.content.metric_records[P.METRICS][P.CLIENT_KEY] == grid.partition_of[node]

@@ -1,0 +1,143 @@
+"""The Flower mod on a real ClientApp: exact encoded bytes, virtual times, early replies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+from simulations.netem import LinkConfigError
+from simulations.netem.mod import encoded_nbytes, netem_mod, reply_metrics, timeline_from_reply
+from simulations.netem.settings import NetemSettings, assignment_for
+
+
+@pytest.fixture(autouse=True)
+def task_identity() -> Iterator[None]:
+    # Messages need a run identity; Flower's runtime sets it in a real run.
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def _app(calls: list[int]) -> ClientApp:
+    app = ClientApp(mods=[netem_mod])
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        calls.append(int(context.node_config["partition-id"]))
+        return Message(RecordDict({"update": ArrayRecord({"w": torch.zeros(2000)}),
+                                   "metrics": MetricRecord({"num-examples": 120})}),
+                       reply_to=msg)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"metrics": MetricRecord({"client_key": 3})}), reply_to=msg)
+
+    return app
+
+
+def _message(settings: NetemSettings, round_index: int = 2, start_s: float = 50.0,
+             numel: int = 250_000, message_type: str = MessageType.TRAIN) -> Message:
+    cfg = {**settings.to_config(), "netem.round": round_index, "netem.round_start_s": start_s,
+           "lr": 0.1}
+    return Message(RecordDict({"config": ConfigRecord(cfg),
+                               "arrays": ArrayRecord({"w": torch.ones(numel)})}),
+                   dst_node_id=1, message_type=message_type)
+
+
+def _context(key: int) -> Context:
+    return Context(run_id=1, node_id=100 + key, node_config={"partition-id": key},
+                   state=RecordDict(), run_config={})
+
+
+def test_mod_charges_the_exact_encoded_bytes_both_ways() -> None:
+    settings = NetemSettings(enabled=True, mix="3g:1.0", num_clients=8, seed=3,
+                             local_epochs=2.0)
+    msg = _message(settings)
+    calls: list[int] = []
+    reply = _app(calls)(msg, _context(5))
+    m = reply_metrics(reply)
+    assert calls == [5] and m["ok"] == 1.0 and m["client_key"] == 5
+    assert m["download_bytes"] == encoded_nbytes(msg.content) > 1_000_000
+    assert m["upload_bytes"] == encoded_nbytes(reply.content)  # the record itself included
+    # The same link, asked directly, gives the same times: nothing but the emulator decides.
+    net = assignment_for(settings)[5]
+    down = net.link.transfer(int(m["download_bytes"]), 50.0, "down", round_index=2)
+    compute_s = net.device.compute_seconds(120, 2.0)
+    up = net.link.transfer(int(m["upload_bytes"]), down.end_s + compute_s, "up", round_index=2)
+    assert (m["download_end_s"], m["compute_s"], m["finish_s"]) == (down.end_s, compute_s,
+                                                                    up.end_s)
+    assert reply.content["update"]["w"].numpy().size == 2000  # the client's reply is intact
+    tl = timeline_from_reply(reply)
+    assert tl.ok and tl.client_id == 5 and tl.finish_s == up.end_s
+
+
+def test_unavailable_client_replies_without_training() -> None:
+    settings = NetemSettings(enabled=True, num_clients=4, availability=1e-9)
+    calls: list[int] = []
+    reply = _app(calls)(_message(settings), _context(1))
+    assert calls == []
+    tl = timeline_from_reply(reply)
+    assert not tl.ok and tl.reason == "unavailable" and tl.finish_s == 50.0
+    assert "update" not in reply.content
+
+
+def test_failed_download_replies_without_training() -> None:
+    # Every client is intermittent, mostly down, and a 4 MB download on 3G takes ~17 s.
+    settings = NetemSettings(enabled=True, mix="3g:1.0", num_clients=20, intermittent=1.0,
+                             intermittent_mean_on_s=2.0, intermittent_mean_off_s=20.0,
+                             outage_policy="fail")
+    calls: list[int] = []
+    replies = [_app(calls)(_message(settings, numel=1_000_000), _context(k)) for k in range(20)]
+    reasons = [timeline_from_reply(r).reason for r in replies]
+    assert reasons.count("link_down") == 20 and calls == []
+    assert all(reply_metrics(r)["finish_s"] >= 50.0 for r in replies)
+
+
+def test_mod_is_deterministic_and_depends_on_the_round() -> None:
+    settings = NetemSettings(enabled=True, mix="lte-driving:1.0", num_clients=4, seed=9)
+    a = reply_metrics(_app([])(_message(settings, round_index=4), _context(2)))
+    b = reply_metrics(_app([])(_message(settings, round_index=4), _context(2)))
+    c = reply_metrics(_app([])(_message(settings, round_index=5), _context(2)))
+    assert a == b and a["finish_s"] != c["finish_s"]
+
+
+def test_other_messages_and_disabled_runs_pass_through() -> None:
+    calls: list[int] = []
+    app = _app(calls)
+    q = app(_message(NetemSettings(enabled=True), message_type=MessageType.QUERY), _context(0))
+    assert reply_metrics(q) == {} and "netem" not in q.content
+    off = app(_message(NetemSettings(enabled=False)), _context(0))
+    assert calls == [0] and reply_metrics(off) == {}
+
+
+def test_missing_round_keys_and_bad_settings_are_named() -> None:
+    msg = Message(RecordDict({"config": ConfigRecord({"netem.enabled": True})}),
+                  dst_node_id=1, message_type=MessageType.TRAIN)
+    with pytest.raises(LinkConfigError, match="netem.round"):
+        netem_mod(msg, _context(0), lambda m, c: m)
+    with pytest.raises(LinkConfigError, match="unknown key 'netem.speed'"):
+        NetemSettings.from_config({"netem.speed": 3})
+    with pytest.raises(LinkConfigError, match="netem.mix"):
+        NetemSettings(mix="lte:0.5,5g:0.5")
+    with pytest.raises(LinkConfigError, match="netem.mix"):
+        NetemSettings(mix="lte:0.5,3g:0.4")
+    with pytest.raises(LinkConfigError, match="netem.num_clients must be an integer"):
+        NetemSettings(num_clients="many")
+    assert NetemSettings.from_config(NetemSettings(intermittent=0.2).to_config()) == \
+        NetemSettings(intermittent=0.2)
+    assert NetemSettings.from_config({"netem.deadline_s": "30", "netem.enabled": "true"}) \
+        .deadline == 30.0

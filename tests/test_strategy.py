@@ -1,0 +1,255 @@
+"""DGCStrategy: equals Flower's FedAvg/FedAvgM on dense updates, rejects bad replies untouched."""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections import OrderedDict
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp.strategy import FedAvg, FedAvgM
+
+import dgc
+from client import protocol as P
+from client.app import app as client_app
+from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
+from server.local_grid import LocalGrid
+from server.strategy import DGCStrategy
+
+NUM_NODES = 4
+
+
+def _model(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return OrderedDict([("fc1.weight", torch.randn(40, 30, generator=g)),
+                        ("fc1.bias", torch.randn(40, generator=g)),
+                        ("fc2.weight", torch.randn(10, 40, generator=g))])
+
+
+def _strategy(**kw) -> tuple[DGCStrategy, LocalGrid]:
+    grid = LocalGrid(client_app, NUM_NODES, seed=5)
+    s = DGCStrategy(clients_per_round=kw.pop("clients_per_round", NUM_NODES), **kw)
+    s.register_clients(grid.partition_of)  # what the identification query would learn
+    return s, grid
+
+
+def _reply(msg: Message, content: dict) -> Message:
+    return Message(RecordDict(content), reply_to=msg)
+
+
+def _update_reply(msg: Message, update: SparseUpdate, weight: float = 10.0,
+                  data: bytes | None = None) -> Message:
+    data = dgc.encode(update) if data is None else data
+    return _reply(msg, {P.UPDATE: P.bytes_to_record(data),
+                        P.METRICS: MetricRecord({"num-examples": weight,
+                                                 "train_loss": 1.0})})
+
+
+def _locals(global_model, round_seed: int):
+    g = torch.Generator().manual_seed(round_seed)
+    return [OrderedDict((k, v + 0.1 * torch.randn(v.shape, generator=g))
+                        for k, v in global_model.items()) for _ in range(NUM_NODES)]
+
+
+@pytest.mark.parametrize("server_lr, server_momentum", [(1.0, 0.0), (0.7, 0.9)])
+def test_density_one_equals_flower_fedavg(server_lr, server_momentum):
+    """Same local models, three rounds: DGCStrategy at density 1 == FedAvg (or FedAvgM)."""
+    init = _model()
+    ours, grid = _strategy(server_learning_rate=server_lr, server_momentum=server_momentum,
+                           downlink="dense")
+    if server_momentum == 0.0 and server_lr == 1.0:
+        flower = FedAvg(fraction_evaluate=0.0)
+    else:
+        flower = FedAvgM(fraction_evaluate=0.0, server_learning_rate=server_lr,
+                         server_momentum=server_momentum)
+    config = DGCConfig(density=1.0, momentum_correction=False, warmup="none",
+                       value_dtype="float32")
+    compressors = {k: DGCCompressor(config) for k in range(NUM_NODES)}
+    ours_arrays = ArrayRecord(OrderedDict((k, v.clone()) for k, v in init.items()))
+    flower_arrays = ArrayRecord(OrderedDict((k, v.clone()) for k, v in init.items()))
+    weights = [5.0, 17.0, 3.0, 11.0]
+    for rnd in (1, 2, 3):
+        msgs = list(ours.configure_train(rnd, ours_arrays, ConfigRecord(), grid))
+        flower_msgs = list(flower.configure_train(rnd, flower_arrays, ConfigRecord(), grid))
+        global_now = ours.model
+        locals_ = _locals(global_now, rnd)
+        key_of = {m.metadata.dst_node_id: grid.partition_of[m.metadata.dst_node_id]
+                  for m in msgs}
+        replies = []
+        for m in msgs:
+            k = key_of[m.metadata.dst_node_id]
+            delta = {n: global_now[n] - locals_[k][n] for n in global_now}
+            replies.append(_update_reply(m, compressors[k].compress(delta, sequence=rnd),
+                                         weights[k]))
+        flower_replies = [
+            _reply(m, {"arrays": ArrayRecord(OrderedDict(
+                (n, t.clone()) for n, t in locals_[grid.partition_of[m.metadata.dst_node_id]]
+                .items())), "metrics": MetricRecord(
+                    {"num-examples": weights[grid.partition_of[m.metadata.dst_node_id]]})})
+            for m in flower_msgs]
+        ours_arrays, _ = ours.aggregate_train(rnd, replies)
+        flower_arrays, _ = flower.aggregate_train(rnd, flower_replies)
+        a, b = ours_arrays.to_torch_state_dict(), flower_arrays.to_torch_state_dict()
+        assert list(a) == list(b)
+        for n in a:
+            torch.testing.assert_close(a[n], b[n].float(), rtol=0, atol=2e-6)
+    assert ours.model_version == 3
+    assert all(r.status == "aggregated" for r in ours.client_rows)
+
+
+def _one_round_with(tamper):
+    """Round 1 with three good updates and one tampered; returns strategy and the good average."""
+    init = _model()
+    s, grid = _strategy(downlink="dense")
+    msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
+    config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
+    good, replies = [], []
+    for i, m in enumerate(msgs):
+        g = torch.Generator().manual_seed(i)
+        delta = {n: torch.randn(v.shape, generator=g) for n, v in init.items()}
+        update = DGCCompressor(config).compress(delta, sequence=1)
+        if i == 0:
+            replies.append(tamper(m, update))
+        else:
+            good.append(update)
+            replies.append(_update_reply(m, update))
+    before = OrderedDict((k, v.clone()) for k, v in s.model.items())
+    arrays, _ = s.aggregate_train(1, replies)
+    avg = dgc.aggregate(good, [10.0] * len(good), {k: v.shape for k, v in init.items()})
+    expected = {k: before[k] - avg[k] for k in before}
+    return s, arrays, expected, before
+
+
+def _with_tensor(update: SparseUpdate, name: str, t: SparseTensor) -> SparseUpdate:
+    return SparseUpdate({**update.tensors, name: t}, update.sequence)
+
+
+def _nan_bytes(update: SparseUpdate) -> bytes:
+    """Encoded bytes whose fc1.bias values were overwritten with NaN after encoding.
+
+    The encoder refuses NaN, so only a faulty or hostile sender produces such bytes.
+    """
+    marker = torch.full((40,), 1234.5)
+    data = dgc.encode(_with_tensor(update, "fc1.bias",
+                                   SparseTensor(torch.arange(40), marker, (40,))))
+    pattern = marker.numpy().tobytes()
+    assert data.count(pattern) == 1
+    body = data[:-4].replace(pattern, torch.full((40,), float("nan")).numpy().tobytes())
+    # A consistent checksum, so that the values themselves must be caught.
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+TAMPERS = {
+    "malformed bytes": (lambda m, u: _update_reply(m, u, data=b"\x00garbage" * 7),
+                        "undecodable"),
+    "truncated bytes": (lambda m, u: _update_reply(m, u, data=dgc.encode(u)[:-5]),
+                        "undecodable"),
+    "wrong shape": (lambda m, u: _update_reply(m, _with_tensor(
+        u, "fc1.weight", SparseTensor(torch.tensor([0, 3]), torch.ones(2), (30, 40)))),
+        "shape"),
+    "unknown tensor": (lambda m, u: _update_reply(m, _with_tensor(
+        u, "fc9.weight", SparseTensor(torch.tensor([0]), torch.ones(1), (3,)))), "unknown"),
+    "missing tensor": (lambda m, u: _update_reply(m, SparseUpdate(
+        {k: v for k, v in u.tensors.items() if k != "fc2.weight"}, 1)), "missing"),
+    "NaN values": (lambda m, u: _update_reply(m, u, data=_nan_bytes(u)), "NaN"),
+    "zero weight": (lambda m, u: _update_reply(m, u, weight=0.0), "num-examples"),
+    "stale sequence": (lambda m, u: _update_reply(m, SparseUpdate(u.tensors, 0)), "sequence"),
+    "no metrics": (lambda m, u: _reply(m, {P.UPDATE: P.bytes_to_record(dgc.encode(u))}),
+                   "MetricRecord"),
+    "dense arrays instead of bytes": (lambda m, u: _reply(m, {
+        P.UPDATE: ArrayRecord(_model()), P.METRICS: MetricRecord({"num-examples": 3})}),
+        "byte array"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_bad_reply_is_rejected_with_reason_and_never_touches_the_model(case):
+    tamper, word = TAMPERS[case]
+    s, arrays, expected, _ = _one_round_with(tamper)
+    rows = {r.status for r in s.client_rows}
+    rejected = [r for r in s.client_rows if r.status == "rejected"]
+    assert len(rejected) == 1 and rows == {"rejected", "aggregated"}
+    reason = rejected[0].reason
+    assert word.lower() in reason.lower()
+    assert sum(s.rejections.values()) == 1
+    record = s.rounds[-1] if s.rounds else s._pending_record
+    assert record.clients_rejected == 1 and record.clients_failed == 1
+    assert record.clients_aggregated == NUM_NODES - 1
+    got = arrays.to_torch_state_dict()
+    for k in expected:  # exactly the average of the three good updates
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_all_replies_bad_leaves_the_model_bit_identical():
+    init = _model()
+    s, grid = _strategy(downlink="dense")
+    msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
+    before = OrderedDict((k, v.clone()) for k, v in s.model.items())
+    replies = [_update_reply(m, SparseUpdate({}, 1), data=b"junk") for m in msgs]
+    arrays, metrics = s.aggregate_train(1, replies)
+    assert arrays is None
+    assert s.model_version == 0
+    for k in before:
+        assert torch.equal(s.model[k], before[k])
+    assert metrics["clients_aggregated"] == 0
+
+
+def test_error_and_missing_replies_count_as_failures():
+    init = _model()
+    s, grid = _strategy(downlink="dense")
+    msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
+    update = SparseUpdate.from_dense({k: torch.ones_like(v) for k, v in init.items()},
+                                     sequence=1)
+    from flwr.app import Error
+
+    replies = [_update_reply(msgs[0], update), Message(Error(2, "boom"), reply_to=msgs[1])]
+    s.aggregate_train(1, replies)  # msgs[2], msgs[3]: no reply (timed out)
+    statuses = sorted(r.status for r in s.client_rows)
+    assert statuses == ["aggregated", "error", "timeout", "timeout"]
+    assert s._pending_record.clients_failed == 3
+    assert [r.reason for r in s.client_rows if r.status == "error"] == ["boom"]
+    # Only the aggregated client is acknowledged.
+    acked = {k: v["acked"] for k, v in s.clients.items()}
+    assert sorted(acked.values()) == [-1, -1, -1, 1]
+
+
+def test_sampling_is_seeded_and_ignores_node_ids():
+    a = DGCStrategy(clients_per_round=3, seed=4)
+    keys = list(range(50))
+    assert a.sample(7, keys) == DGCStrategy(clients_per_round=3, seed=4).sample(7, keys[::-1])
+    assert a.sample(7, keys) != a.sample(8, keys)
+    over = DGCStrategy(clients_per_round=10, over_selection=1.3)
+    assert len(over.sample(1, keys)) == 13
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"clients_per_round": 0}, "clients_per_round"),
+    ({"server_momentum": 1.0}, "server_momentum"),
+    ({"server_learning_rate": -1.0}, "server_learning_rate"),
+    ({"downlink": "smart"}, "downlink"),
+    ({"over_selection": 0.5}, "over_selection"),
+])
+def test_constructor_validates(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        DGCStrategy(**kwargs)
+
+
+def test_state_dict_round_trip_and_mismatch():
+    s, grid = _strategy()
+    s.set_model(ArrayRecord(_model()))
+    state = s.state_dict()
+    other = DGCStrategy()
+    other.set_model(ArrayRecord(_model(1)))
+    other.load_state_dict(state)
+    assert all(torch.equal(other.model[k], s.model[k]) for k in s.model)
+    wrong = DGCStrategy()
+    wrong.set_model(ArrayRecord(OrderedDict([("w", torch.zeros(3))])))
+    from server.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="does not match"):
+        wrong.load_state_dict(state)
+    assert list(wrong.model) == ["w"]
+    assert math.isclose(float(wrong.model["w"].sum()), 0.0)
