@@ -122,3 +122,66 @@ def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None) -> dict[str, Any]:
                       "local_epochs": s.local_epochs, "seed": s.seed, "method": s.method},
             "dgc": phone_dgc.to_dict()}
 
+
+
+# -- deployment: `flower-supernode ... --node-config "device-id='phone-a' bridge-address=..."` --
+
+NODE_KEYS = ("bridge-address", "bridge-cert", "bridge-key", "bridge-devices")
+_deployed: dict[tuple[str, ...], tuple[PhoneBridge, ClientApp]] = {}
+
+
+def bridge_from_node_config(node_config: Mapping[str, Any]) -> tuple[PhoneBridge, ClientApp]:
+    """The (started) TLS bridge and bridge ClientApp this node's config describes, one per
+    distinct config in this process.
+
+    Node config keys: ``bridge-address`` (``host:port`` to listen on), ``bridge-cert`` and
+    ``bridge-key`` (PEM files of the server certificate chain and key), ``bridge-devices`` (a
+    JSON file ``{"device id": "token", ...}``), optional ``bridge-timeout-s`` (default 600).
+    """
+    import json
+
+    import grpc
+
+    missing = [k for k in NODE_KEYS if not node_config.get(k)]
+    if missing:
+        raise BridgeError(f"node config lacks {missing}; the bridge ClientApp needs "
+                          f"{list(NODE_KEYS)} (TLS is not optional for phones)")
+    ident = tuple(str(node_config[k]) for k in NODE_KEYS)
+    if ident not in _deployed:
+        address, cert_path, key_path, devices_path = ident
+        try:
+            with open(cert_path, "rb") as f:
+                cert = f.read()
+            with open(key_path, "rb") as f:
+                key = f.read()
+            with open(devices_path) as f:
+                devices = json.load(f)
+        except (OSError, ValueError) as ex:
+            raise BridgeError(f"cannot read the bridge's files: {ex}") from ex
+        if not isinstance(devices, dict):
+            raise BridgeError(f"{devices_path} must hold a JSON object of device id -> token")
+        bridge = PhoneBridge(devices, address, grpc.ssl_server_credentials([(key, cert)]))
+        bridge.start()
+        timeout_s = float(node_config.get("bridge-timeout-s", 600.0))
+        _deployed[ident] = (bridge, make_bridge_app(bridge, timeout_s=timeout_s))
+    return _deployed[ident]
+
+
+#: The ClientApp for deployment (``android_bridge.bridge_app:app``): a supernode whose node config
+#: names its phone (``device-id``) and the bridge it serves (:func:`bridge_from_node_config`).
+app = ClientApp()
+
+
+@app.train()
+def _train(msg: Message, context: Context) -> Message:
+    return bridge_from_node_config(context.node_config)[1](msg, context)
+
+
+@app.evaluate()
+def _evaluate(msg: Message, context: Context) -> Message:
+    return client_module.app(msg, context)
+
+
+@app.query()
+def _query(msg: Message, context: Context) -> Message:
+    return client_module.app(msg, context)

@@ -206,9 +206,19 @@ class ReferencePhone:
         chunk_bytes = int(task.max_chunk_bytes) or 64 * 1024
         metrics_json = json.dumps(metrics, sort_keys=True)
 
+        def delivered() -> int:
+            return int(self.stub.QueryUpload(pb.QueryUploadRequest(
+                session_id=self.session_id, upload_id=upload_id)).received_bytes)
+
         def chunks(start: int, cut: int | None) -> Iterator[pb.UploadChunk]:
             for offset in range(start, len(data), chunk_bytes):
                 if cut is not None and offset >= cut:
+                    # The emulated link drops once what was sent before the cut has arrived, so
+                    # the resumption point is deterministic (a real cut may lose chunks in
+                    # flight; QueryUpload then reports less, and resuming works the same way).
+                    deadline = time.monotonic() + 10.0
+                    while delivered() < offset and time.monotonic() < deadline:
+                        time.sleep(0.005)
                     raise LinkCut(f"link cut after {offset} bytes")
                 yield pb.UploadChunk(session_id=self.session_id, task_id=task.task_id,
                                      upload_id=upload_id, offset=offset,

@@ -78,7 +78,11 @@ class PteEncoder:
         self._value_dtype = VALUE_DTYPES[config.value_dtype]
         self.u = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
         self.v = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
+        # Tensors whose momentum exists (after their first step), as in DGCMemory.u.
+        self.started: set[str] = set()
         self.step = 0
+        self._fresh = torch.ones(1)
+        self._not_fresh = torch.zeros(1)
 
     @classmethod
     def from_export(cls, export_dir: str | Path) -> PteEncoder:
@@ -131,19 +135,23 @@ class PteEncoder:
         for name, g in flat.items():
             shape = self.shapes[name]
             u, v = self.u[name], self.v[name]
+            fresh = self._not_fresh if name in self.started else self._fresh
             if self.is_dense_tensor(shape):
-                values, new_u[name], new_v[name] = self._encode_dense.execute((g, u, v, scale))
+                values, new_u[name], new_v[name] = self._encode_dense.execute(
+                    (g, u, v, scale, fresh))
                 indices = torch.from_numpy(np.arange(g.numel(), dtype=np.int64))
             else:
                 k = num_selected(g.numel(), density)
                 k_like = torch.from_numpy(np.zeros(k, dtype=np.float32))
                 idx, vals, count, new_u[name], new_v[name] = self._encode.execute(
-                    (g, u, v, scale, k_like))
+                    (g, u, v, scale, fresh, k_like))
                 c = int(count)
                 indices, values = idx[:c].clone(), vals[:c].clone()
             out[name] = SparseTensor(indices, values, shape)
         self.u.update(new_u)
         self.v.update(new_v)
+        if self.config.momentum_correction:
+            self.started.update(new_u)
         self.step += 1
         return SparseUpdate(out, self.step if sequence is None else sequence)
 
@@ -165,8 +173,10 @@ class PteEncoder:
             self.v[name] = torch.from_numpy(v)
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the step counter and of ``u`` and ``v`` (flat float32 numpy arrays)."""
-        return {"step": self.step, "u": {k: t.numpy().copy() for k, t in self.u.items()},
+        """Copies of the step counter, of ``u`` (tensors that have one) and of ``v``, as flat
+        float32 numpy arrays."""
+        return {"step": self.step,
+                "u": {k: t.numpy().copy() for k, t in self.u.items() if k in self.started},
                 "v": {k: t.numpy().copy() for k, t in self.v.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -174,9 +184,10 @@ class PteEncoder:
         new: dict[str, dict[str, torch.Tensor]] = {}
         for part in ("u", "v"):
             held = state.get(part)
-            if not isinstance(held, Mapping) or set(held) != set(self.shapes):
-                raise StateError(f"encoder state {part!r} must hold exactly {sorted(self.shapes)}")
-            new[part] = {}
+            if not isinstance(held, Mapping) or not set(held) <= set(self.shapes):
+                raise StateError(f"encoder state {part!r} must map names among "
+                                 f"{sorted(self.shapes)} to arrays")
+            new[part] = {name: torch.zeros(math.prod(s)) for name, s in self.shapes.items()}
             for name, arr in held.items():
                 a = np.asarray(arr, dtype=np.float32).reshape(-1)
                 if a.size != math.prod(self.shapes[name]) or not np.isfinite(a).all():
@@ -187,6 +198,7 @@ class PteEncoder:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"encoder state step must be an integer >= 0, got {step!r}")
         self.u, self.v, self.step = new["u"], new["v"], step
+        self.started = set(state["u"])
 
 
 class PteTrainer:

@@ -76,6 +76,6 @@ public final class DgcConfig {
         }
         double total = Math.sqrt(sum);
         double threshold = clipNorm / Math.sqrt(numWorkers);
-        return total > threshold ? threshold / (total + 1e-6) : 1.0;
+        return total > threshold ? threshold / total : 1.0;
     }
 }

@@ -19,6 +19,8 @@ public final class PteEncoder {
     private DgcConfig config;
     private final Map<String, float[]> u = new LinkedHashMap<>();
     private final Map<String, float[]> v = new LinkedHashMap<>();
+    /** Tensors whose momentum exists (after their first step): fresh = 0 for them. */
+    private final java.util.Set<String> started = new java.util.HashSet<>();
 
     public PteEncoder(ExportManifest manifest) {
         this.manifest = manifest;
@@ -72,12 +74,13 @@ public final class PteEncoder {
             String name = e.getKey();
             float[] g = e.getValue();
             long[] shape = manifest.shapes.get(name);
+            EValue fresh = vec(new float[] {started.contains(name) ? 0f : 1f});
             EValue[] r;
             long[] indices;
             Tensor values;
             if (manifest.dense.get(name)) {
                 r = module.execute("encode_dense", vec(g), vec(u.get(name)), vec(v.get(name)),
-                        scale);
+                        scale, fresh);
                 values = r[0].toTensor();
                 indices = new long[g.length];
                 for (int j = 0; j < g.length; j++) {
@@ -88,7 +91,7 @@ public final class PteEncoder {
             } else {
                 int k = DgcConfig.numSelected(g.length, density);
                 r = module.execute("encode", vec(g), vec(u.get(name)), vec(v.get(name)), scale,
-                        vec(new float[k]));
+                        fresh, vec(new float[k]));
                 int count = (int) r[2].toTensor().getDataAsLongArray()[0];
                 indices = java.util.Arrays.copyOf(r[0].toTensor().getDataAsLongArray(), count);
                 values = r[1].toTensor();
@@ -108,6 +111,7 @@ public final class PteEncoder {
         }
         u.putAll(newU);
         v.putAll(newV);
+        started.addAll(newU.keySet());
         return new SparseUpdate(out, sequence);
     }
 
