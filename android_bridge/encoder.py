@@ -94,7 +94,15 @@ class _StepBase(nn.Module):
         g = grad * scale
         if not self.momentum_correction:
             return u, v + g
-        u = torch.where(fresh > 0, g, self._add_scaled(u * self.momentum, g, self.grad_scale))
+        if self.grad_scale == 1.0:
+            # With no dampening, u = 0 (what the host holds before the first step) gives
+            # 0*m + g = g: the fresh case needs no select pass (ExecuTorch's portable where is
+            # slow). Only the sign of a zero can differ from eager's clone (-0.0 vs +0.0), which
+            # no later value or selection sees.
+            u = torch.add(u * self.momentum, g)
+        else:
+            u = torch.where(fresh > 0, g,
+                            self._add_scaled(u * self.momentum, g, self.grad_scale))
         if self.nesterov:
             v = self._add_scaled(v + g, u, self.momentum)
         else:
