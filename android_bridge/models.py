@@ -63,4 +63,7 @@ def get_model(name: str) -> ModelSpec:
     if name not in DATASETS:
         raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS) + sorted(DATASETS)}")
     task = get_task(name)
+    if not task.train_x.is_floating_point():
+        raise ConfigError(f"model {name!r} takes {task.train_x.dtype} inputs; the exported "
+                          f"training step takes float32 inputs only")
     return ModelSpec(name, task.build_model, tuple(task.input_shape), int(task.num_classes))

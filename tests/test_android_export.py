@@ -174,6 +174,8 @@ def test_restore_folds_update_back_like_dgc(exported):
 def test_export_refuses_sampled_selection_and_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="selection='exact' only, got selection='sampled'"):
         export_encoder(DGCConfig(selection="sampled"))
+    with pytest.raises(ConfigError, match="'shakespeare' takes torch.int64 inputs"):
+        export_all("shakespeare", tmp_path)
     with pytest.raises(ConfigError, match="unknown model 'resnet9000'"):
         export_all("resnet9000", tmp_path)
     with pytest.raises(ConfigError, match="max_numel must be an integer >= 2, got 0"):
