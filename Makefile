@@ -34,6 +34,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/wire.py
 	$(PY) bench/encoder.py
+	$(PY) bench/aggregate.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

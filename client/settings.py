@@ -169,8 +169,14 @@ def describe(cls: type) -> list[tuple[str, str, str, str, str]]:
     hints = get_type_hints(cls)
     rows = []
     for f in fields_of(cls):
-        rows.append((f.metadata["key"], hints[f.name].__name__, repr(f.default),
-                     f.metadata["check"].describe(), f.metadata["doc"]))
+        kind = hints[f.name]
+        accepted = f.metadata["check"].describe()
+        if kind is bool:
+            accepted = "true or false"
+        elif kind is str and accepted == "any":
+            accepted = "text"
+        rows.append((f.metadata["key"], kind.__name__, repr(f.default), accepted,
+                     f.metadata["doc"]))
     return rows
 
 

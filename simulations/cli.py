@@ -25,7 +25,7 @@ DEMO: dict[str, object] = {
     "clients_per_round": 10,
     "partition": "dirichlet",
     "alpha": 0.5,
-    "rounds": 60,
+    "rounds": 100,
     "dgc.density": 0.001,
     "dgc.warmup": "exponential",
     "dgc.warmup_rounds": 4,
@@ -161,8 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m simulations``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "deploy":
-        from simulations.deploy.cli import main as deploy_main  # another helper's package
-
+        try:
+            from simulations.deploy.cli import main as deploy_main  # another package's CLI
+        except ModuleNotFoundError as ex:
+            if ex.name not in ("simulations.deploy", "simulations.deploy.cli"):
+                raise
+            print("python -m simulations deploy: error: simulations.deploy is not installed",
+                  file=sys.stderr)
+            return 2
         return int(deploy_main(argv[1:]) or 0)
     args = _parser().parse_args(argv)
     try:

@@ -1,10 +1,17 @@
-// The fedgc phone app: ExecuTorch runtime for the exported encoder and training step, a gRPC
-// client of android_bridge/proto/fedgc_bridge.proto, and the Java wire codec.
+// The fedgc phone app: a standalone Gradle project (open this folder in Android Studio).
 pluginManagement {
-    repositories { google(); mavenCentral(); gradlePluginPortal() }
+    repositories {
+        google()
+        mavenCentral()
+        gradlePluginPortal()
+    }
 }
 dependencyResolutionManagement {
-    repositories { google(); mavenCentral() }
+    repositoriesMode.set(RepositoriesMode.FAIL_ON_PROJECT_REPOS)
+    repositories {
+        google()
+        mavenCentral()
+    }
 }
 rootProject.name = "fedgc-phone"
 include(":app")
