@@ -74,9 +74,11 @@ def aggregate(
     Notes
     -----
     Per tensor, the indices and weight-scaled float32 values of all updates are concatenated and
-    scattered with one ``index_add_``. Each sum is the same as adding the updates one by one in
-    their order, up to the order float32 additions are carried out in (``index_add_`` may
-    reorder them across threads): results agree within float32 rounding, not bit for bit.
+    scattered with one ``index_add_``; a tensor that every update carries in full (indices
+    exactly ``0..numel-1``) is summed with one matrix-vector product instead. Each sum is the
+    same as adding the updates one by one in their order, up to the order and grouping of the
+    float32 additions (threads, BLAS blocking): results agree within float32 rounding, not
+    bit for bit.
     """
     _check_weights(updates, weights)
     flat_out = _check_out(out, shapes) if out is not None else None
@@ -106,29 +108,39 @@ def aggregate(
         if not parts:
             continue
         numel = int(torch.Size(model_shapes[name]).numel())
+        counts = [int(p[1].numel()) for p in parts]
         indices = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
-        lo, hi = torch.aminmax(indices)
-        if int(lo) < 0 or int(hi) >= numel:
-            bad = next(i for i, idx, _ in parts
-                       if int(idx.min()) < 0 or int(idx.max()) >= numel)
-            raise AggregationError(f"update {bad} tensor {name!r} has indices outside "
-                                   f"[0, {numel})")
-        scatters.append((name, indices, parts))
+        # Every piece carrying exactly 0..numel-1 (a tensor sent dense, e.g. biases and norms)
+        # is summed as one matrix-vector product rather than a scatter.
+        dense = (len(parts) > 1 and all(c == numel for c in counts)
+                 and bool((indices.view(len(parts), numel)
+                           == torch.arange(numel, dtype=torch.int64)).all()))
+        if not dense:
+            lo, hi = torch.aminmax(indices)
+            if int(lo) < 0 or int(hi) >= numel:
+                bad = next(i for i, idx, _ in parts
+                           if int(idx.min()) < 0 or int(idx.max()) >= numel)
+                raise AggregationError(f"update {bad} tensor {name!r} has indices outside "
+                                       f"[0, {numel})")
+        scatters.append((name, numel, indices, parts, counts, dense))
 
     if flat_out is None:
         result = {name: torch.zeros(s, dtype=torch.float32) for name, s in model_shapes.items()}
         flat_out = {name: t.view(-1) for name, t in result.items()}
     else:
         result = {name: out[name] for name in model_shapes}
-    for name, indices, parts in scatters:
+    for name, numel, indices, parts, counts, dense in scatters:
         if len(parts) == 1:
             i, _, v = parts[0]
             flat_out[name].index_add_(0, indices, v.to(torch.float32), alpha=factors64[i])
             continue
         # cat promotes mixed value dtypes to float32 exactly; one conversion, not one per piece
         values = torch.cat([p[2] for p in parts]).to(torch.float32)
-        counts = torch.tensor([p[1].numel() for p in parts], dtype=torch.int64)
-        owners = torch.tensor([p[0] for p in parts], dtype=torch.int64)
-        values.mul_(torch.repeat_interleave(factors[owners], counts))
+        piece_factors = factors[torch.tensor([p[0] for p in parts], dtype=torch.int64)]
+        if dense:
+            flat_out[name].addmv_(values.view(len(parts), numel).t(), piece_factors)
+            continue
+        values.mul_(torch.repeat_interleave(piece_factors,
+                                            torch.tensor(counts, dtype=torch.int64)))
         flat_out[name].index_add_(0, indices, values)
     return result
