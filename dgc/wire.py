@@ -498,7 +498,8 @@ def _decode_tensors_fast(data: memoryview,
     by_dtype: dict[torch.dtype, list[np.ndarray]] = {}
     for r in records:
         if r.coding == _ALL_ID:
-            indices_of.append(torch.arange(r.numel, dtype=torch.int64))
+            # numpy's arange plus from_numpy costs about half of torch.arange for small sizes
+            indices_of.append(torch.from_numpy(np.arange(r.numel, dtype=np.int64)))
         else:
             try:
                 indices_of.append(torch.from_numpy(_decode_indices(data, r)))
