@@ -81,7 +81,7 @@ class PeakMemory(threading.Thread):
         super().__init__(daemon=True)
         self.interval_s = interval_s
         self.peak_bytes = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def tree(self) -> list[int]:
         parent = _children()
@@ -94,13 +94,13 @@ class PeakMemory(threading.Thread):
         return out
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             total = sum(_pss_kb(p) for p in self.tree()) * 1024
             self.peak_bytes = max(self.peak_bytes, total)
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._halt.set()
         self.join()
         return self.peak_bytes
 
@@ -112,9 +112,13 @@ def vanilla_client_app(num_clients: int, seed: int, lr: float, batch_size: int):
     from flwr.clientapp import ClientApp
 
     app = ClientApp()
-    cache: dict = {}
 
     def setup():
+        import tasks
+
+        # Kept on an imported module: this function is shipped to the Ray actors by value, and
+        # a cache held in its closure would not outlive one message.
+        cache = tasks.__dict__.setdefault("_fedgc_bench_cache", {})
         if not cache:
             import torch
 
@@ -166,7 +170,7 @@ def vanilla_strategy(per_round: int, seed: int, times: list[float]):
             if not self.keys:  # identify nodes once, as DGCStrategy does
                 q = [Message(RecordDict({"config": ConfigRecord({"ask": "client_key"})}),
                              dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
-                for r in grid.send_and_receive(q, timeout=600):
+                for r in grid.send_and_receive(q, timeout=3600):
                     self.keys[int(r.content["metrics"]["client_key"])] = r.metadata.src_node_id
             rng = random.Random(seed * 1_000_003 + server_round)
             sampled = rng.sample(sorted(self.keys), min(per_round, len(self.keys)))
@@ -246,7 +250,10 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
     @server.main()
     def main(grid, context) -> None:
         _use_bench_model()
-        run_server(grid, config, strategy_factory=strategy_factory(netem))
+        make = strategy_factory(netem)
+        # 10,000 identification queries take minutes on 2 busy cores: DGCStrategy's default
+        # 120 s probe timeout would leave most nodes unidentified and re-probe every round.
+        run_server(grid, config, strategy_factory=lambda **kw: make(probe_timeout=3600.0, **kw))
 
     run_simulation(server_app=server, client_app=app, num_supernodes=args.clients,
                    backend_config=backend)
@@ -281,6 +288,8 @@ def main() -> None:
         mem.start()
         vanilla = run_vanilla(args, backend)
         peak_vanilla = mem.stop()
+        print(f"vanilla FedAvg wall s per round: {vanilla}; peak memory "
+              f"{peak_vanilla / 2**30:.2f} GiB", flush=True)
         mem = PeakMemory()
         mem.start()
         fedgc = run_fedgc(args, backend, work)
