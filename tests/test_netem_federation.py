@@ -137,6 +137,13 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
                   if m and m["ok"] == 0.0 and m["compute_s"] > 0]
     assert mid_upload, "some uploads must fail after training, mid-transfer"
     assert sum(r.dropped_link for r in strategy.rounds) >= 1
+    assert {r.reason for r in dropped} <= {"link_down", "unavailable", "deadline", "straggler"}
+    for rec in strategy.rounds:  # every sampled client is aggregated or dropped for a reason
+        assert rec.clients_aggregated + rec.dropped_deadline + rec.dropped_link \
+            + rec.dropped_rejected == rec.clients_sampled == 6
+        assert 0 < rec.virtual_seconds <= 40.0 + 1e-9  # closed by the deadline at most
+    clock = sum(r.virtual_seconds for r in strategy.rounds)
+    assert strategy.state_dict()["virtual_now_s"] == pytest.approx(clock)
 
     store = ClientStateStore(config.state_dir)
     seed_of = {k: [] for k in range(num_clients)}

@@ -22,6 +22,8 @@ class DgcEncoder(private val model: ExportedModel) {
     private val module: Module = Module.load(model.encoderPte.absolutePath)
     private val u = HashMap<String, FloatArray>()
     private val v = HashMap<String, FloatArray>()
+    /** Parameters whose momentum exists (after their first step): `fresh` is 0 for them. */
+    private val started = HashSet<String>()
     var settings: DgcSettings = model.dgc
 
     init {
@@ -49,8 +51,12 @@ class DgcEncoder(private val model: ExportedModel) {
         val newV = HashMap<String, FloatArray>()
         for (p in model.parameters) {
             val n = p.numel
+            // fresh = 1 on a parameter's first step: the momentum starts as the gradient itself
+            // (torch.optim.SGD's buffer, as dgc.DGCMemory keeps it).
+            val fresh = floatArrayOf(if (p.name in started) 0f else 1f)
             val inputs = arrayOf(flat(grads.getValue(p.name)), flat(u.getValue(p.name)),
-                flat(v.getValue(p.name)), EValue.from(Tensor.fromBlob(scale, longArrayOf(1))))
+                flat(v.getValue(p.name)), EValue.from(Tensor.fromBlob(scale, longArrayOf(1))),
+                EValue.from(Tensor.fromBlob(fresh, longArrayOf(1))))
             if (isDense(p)) {
                 val r = module.execute("encode_dense", *inputs)
                 newU[p.name] = r[1].toTensor().dataAsFloatArray
@@ -70,6 +76,7 @@ class DgcEncoder(private val model: ExportedModel) {
         }
         u.putAll(newU)
         v.putAll(newV)
+        started.addAll(newU.keys)
         return SparseUpdate(out, sequence)
     }
 
@@ -98,7 +105,7 @@ class DgcEncoder(private val model: ExportedModel) {
         }
         val norm = Math.sqrt(total)
         val threshold = clip / Math.sqrt(settings.numWorkers.toDouble())
-        return if (norm > threshold) threshold / (norm + 1e-6) else 1.0
+        return if (norm > threshold) threshold / norm else 1.0
     }
 
     /** Fold an update that was never aggregated back into the residual v: no gradient mass is lost. */
