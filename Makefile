@@ -34,6 +34,8 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/wire.py
 	$(PY) bench/encoder.py
+	$(PY) bench/aggregate.py
+	$(PY) bench/mobile.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -18,7 +18,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m android_bridge")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write encoder.pte, encoder.pt, train_step.pte, manifest")
-    ex.add_argument("--model", default="mlp-digits", choices=sorted(MODELS))
+    ex.add_argument("--model", default="digits",
+                    help=f"a tasks dataset name (its default model) or one of {sorted(MODELS)}")
     ex.add_argument("--out", required=True, help="output folder (created)")
     ex.add_argument("--config", help="JSON file of DGCConfig fields (selection must be exact)")
     ex.add_argument("--batch-size", type=int, default=16)

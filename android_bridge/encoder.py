@@ -9,7 +9,8 @@ ExecuTorch (``.pte``), TorchScript (``.pt``) and eager mode.
 
 Contract of :class:`SparseStepEncoder` (the ``encode`` method of the exported program)::
 
-    inputs   grad f32[n], u f32[n], v f32[n], scale f32[1], k_like f32[k]   (1 <= k <= n)
+    inputs   grad f32[n], u f32[n], v f32[n], scale f32[1], fresh f32[1], k_like f32[k]
+             (1 <= k <= n; fresh = 1.0 on the tensor's first step, when u does not exist yet)
     outputs  indices i64[k], values VDT[k], count i64[], u_out f32[n], v_out f32[n]
 
 Only the length of ``k_like`` is read (ExecuTorch programs take tensors, and a tensor's length is
@@ -19,10 +20,10 @@ positions in increasing order and ``values[:count]`` their rounded values; the e
 compressor drops) and must be ignored. ``VDT`` is the config's ``value_dtype``.
 
 :class:`DenseStepEncoder` (method ``encode_dense``) is the same step for a tensor the layer policy
-sends dense: ``grad, u, v, scale -> values VDT[n], u_out, v_out`` with no selection and no
+sends dense: ``grad, u, v, scale, fresh -> values VDT[n], u_out, v_out`` with no selection and no
 masking. :class:`SumSquares` (method ``sum_squares``) returns ``sum(grad**2)`` accumulated in
 float64; the host adds these over all tensors, takes the square root and forms the clipping scale
-``threshold / (norm + 1e-6)`` exactly as the eager compressor does (see :func:`clip_scale`).
+``threshold / norm`` exactly as the eager compressor does (see :func:`clip_scale`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,23 @@ def check_exportable(config: DGCConfig) -> None:
                           f"dataclasses.replace(config, selection='exact')")
 
 
+#: DGCConfig fields fixed in the exported graph; the host reads the others (density, warm-up,
+#: layer policy, clipping threshold, finiteness check) at run time.
+BAKED_FIELDS = ("selection", "momentum", "momentum_correction", "nesterov", "dampening",
+                "momentum_masking", "error_feedback", "value_dtype")
+
+
+def check_compatible(exported: DGCConfig, requested: DGCConfig) -> None:
+    """Raise :class:`dgc.ConfigError` when ``requested`` differs from the config the encoder
+    was exported with in a field the graph has baked in (see :data:`BAKED_FIELDS`)."""
+    diff = {f: (getattr(exported, f), getattr(requested, f)) for f in BAKED_FIELDS
+            if getattr(exported, f) != getattr(requested, f)}
+    if diff:
+        detail = ", ".join(f"{f}: exported {a!r}, requested {b!r}" for f, (a, b) in diff.items())
+        raise ConfigError(f"the exported encoder cannot run this config ({detail}); re-export "
+                          f"with the requested config")
+
+
 class _StepBase(nn.Module):
     """Momentum correction and value rounding shared by the sparse and the dense step."""
 
@@ -68,19 +86,43 @@ class _StepBase(nn.Module):
         self.fp16_max = _FP16_MAX
 
     def _accumulate(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
-                    scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Same operations, in the same order, as DGCMemory.accumulate, so the results agree bit
-        # for bit (torch.add with alpha is the fused form the eager in-place ops use).
+        # for bit (torch.add with alpha is the form the eager in-place ops use). The momentum is
+        # torch.optim.SGD's buffer: the first gradient itself on the first step (fresh > 0),
+        # then m*u + (1 - dampening)*g.
         g = grad * scale
         if not self.momentum_correction:
             return u, v + g
-        if self.nesterov:
-            u = torch.add(u, g, alpha=self.grad_scale) * self.momentum
-            v = torch.add(v + u, g, alpha=self.grad_scale)
+        if self.grad_scale == 1.0:
+            # With no dampening, u = 0 (what the host holds before the first step) gives
+            # 0*m + g = g: the fresh case needs no select pass (ExecuTorch's portable where is
+            # slow). Only the sign of a zero can differ from eager's clone (-0.0 vs +0.0), which
+            # no later value or selection sees.
+            u = torch.add(u * self.momentum, g)
         else:
-            u = torch.add(u * self.momentum, g, alpha=self.grad_scale)
+            u = torch.where(fresh > 0, g,
+                            self._add_scaled(u * self.momentum, g, self.grad_scale))
+        if self.nesterov:
+            v = self._add_scaled(v + g, u, self.momentum)
+        else:
             v = v + u
         return u, v
+
+    def _add_scaled(self, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+        """``a + alpha * b`` rounded once, as eager ``torch.add(a, b, alpha=alpha)`` computes it
+        on CPU (a fused multiply-add with ``alpha`` in float32).
+
+        ExecuTorch has no fused multiply-add; in float64 the product of two float32 numbers is
+        exact, so one float64 addition and a rounding to float32 give the fused result except
+        when the float64 sum itself had to round onto a float32 midpoint (double rounding, of
+        the order of 2**-29 per entry). ``alpha`` of 1 or 0.5 needs none of this: the product is
+        exact in float32 already.
+        """
+        if alpha == 1.0 or alpha == 0.5:
+            return torch.add(a, b, alpha=alpha)
+        alpha32 = float(torch.tensor(alpha, dtype=torch.float32))
+        return (a.to(torch.float64) + b.to(torch.float64) * alpha32).to(torch.float32)
 
     def _round(self, values: torch.Tensor) -> torch.Tensor:
         if self.clamp_fp16:
@@ -104,13 +146,13 @@ class SparseStepEncoder(_StepBase):
         super().__init__(config)
 
     def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
-                k_like: torch.Tensor
+                fresh: torch.Tensor, k_like: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         n = grad.shape[0]
         k = k_like.shape[0]
         if not torch.jit.is_scripting():
             torch._check(k <= n)
-        u, v = self._accumulate(grad, u, v, scale)
+        u, v = self._accumulate(grad, u, v, scale, fresh)
         magnitude = v.abs()
         top = torch.topk(magnitude, k, sorted=False).indices
         # select_exact drops entries whose magnitude is zero; here they are moved behind the
@@ -142,9 +184,9 @@ class DenseStepEncoder(_StepBase):
         The compressor's hyperparameters (selection is irrelevant here).
     """
 
-    def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        u, v = self._accumulate(grad, u, v, scale)
+    def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u, v = self._accumulate(grad, u, v, scale, fresh)
         values = self._round(v)
         v = v - values.to(torch.float32)
         if not self.error_feedback:
@@ -178,5 +220,5 @@ def clip_scale(sum_squares: Sequence[float], config: DGCConfig) -> float:
     total = math.sqrt(sum(float(s) for s in sum_squares))
     threshold = config.clip_norm / math.sqrt(config.num_workers)
     if total > threshold:
-        return threshold / (total + 1e-6)
+        return threshold / total
     return 1.0

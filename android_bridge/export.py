@@ -59,14 +59,15 @@ class _ScriptedEncoder(nn.Module):
         self.squares = SumSquares()
 
     def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
-                k_like: torch.Tensor
+                fresh: torch.Tensor, k_like: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.sparse(grad, u, v, scale, k_like)
+        return self.sparse(grad, u, v, scale, fresh, k_like)
 
     @torch.jit.export
     def encode_dense(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor,
-                     scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.dense(grad, u, v, scale)
+                     scale: torch.Tensor, fresh: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.dense(grad, u, v, scale, fresh)
 
     @torch.jit.export
     def sum_squares(self, grad: torch.Tensor) -> torch.Tensor:
@@ -105,12 +106,13 @@ def export_encoder(config: DGCConfig, max_numel: int = DEFAULT_MAX_NUMEL) -> byt
     k_dim = Dim("k", min=1, max=max_numel)
     n = 64
     grad, u, v, scale = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.ones(1)
+    fresh = torch.ones(1)
     flat = {0: n_dim}
     programs = {
-        "encode": export(SparseStepEncoder(config), (grad, u, v, scale, torch.zeros(4)),
-                         dynamic_shapes=(flat, flat, flat, None, {0: k_dim})),
-        "encode_dense": export(DenseStepEncoder(config), (grad, u, v, scale),
-                               dynamic_shapes=(flat, flat, flat, None)),
+        "encode": export(SparseStepEncoder(config), (grad, u, v, scale, fresh, torch.zeros(4)),
+                         dynamic_shapes=(flat, flat, flat, None, None, {0: k_dim})),
+        "encode_dense": export(DenseStepEncoder(config), (grad, u, v, scale, fresh),
+                               dynamic_shapes=(flat, flat, flat, None, None)),
         "sum_squares": export(SumSquares(), (grad,), dynamic_shapes=(flat,)),
     }
     lowered = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
@@ -211,12 +213,13 @@ def export_all(model_name: str, out_dir: str | Path, config: DGCConfig | None = 
             "file": ENCODER_FILE, "sha256": _sha256(encoder), "max_numel": max_numel,
             "methods": {
                 "encode": {"inputs": ["grad f32[n]", "u f32[n]", "v f32[n]", "scale f32[1]",
+                                      "fresh f32[1] (1.0 on the tensor's first step)",
                                       "k_like f32[k], 1 <= k <= n (only its length is read)"],
                            "outputs": ["indices i64[k]", f"values {config.value_dtype}[k]",
                                        "count i64[] (indices[:count], values[:count] are "
                                        "sent, sorted by index)", "u f32[n]", "v f32[n]"]},
                 "encode_dense": {"inputs": ["grad f32[n]", "u f32[n]", "v f32[n]",
-                                            "scale f32[1]"],
+                                            "scale f32[1]", "fresh f32[1]"],
                                  "outputs": [f"values {config.value_dtype}[n]", "u f32[n]",
                                              "v f32[n]"]},
                 "sum_squares": {"inputs": ["grad f32[n]"], "outputs": ["sum of squares f64[]"]},

@@ -54,8 +54,16 @@ MODELS: dict[str, ModelSpec] = {
 
 
 def get_model(name: str) -> ModelSpec:
-    """The registered model ``name``; an unknown name is a :class:`dgc.ConfigError`."""
-    try:
+    """The model ``name``: one registered here, or a ``tasks`` dataset name (its default model,
+    with the parameter names the federation's server uses); unknown is a ``ConfigError``."""
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS)}") from None
+    from tasks import DATASETS, get_task
+
+    if name not in DATASETS:
+        raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS) + sorted(DATASETS)}")
+    task = get_task(name)
+    if not task.train_x.is_floating_point():
+        raise ConfigError(f"model {name!r} takes {task.train_x.dtype} inputs; the exported "
+                          f"training step takes float32 inputs only")
+    return ModelSpec(name, task.build_model, tuple(task.input_shape), int(task.num_classes))

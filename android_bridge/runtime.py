@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from android_bridge.encoder import check_exportable, clip_scale
+from android_bridge.encoder import check_compatible, check_exportable, clip_scale
 from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
 from dgc.config import DGCConfig
 from dgc.errors import StateError
@@ -78,7 +78,11 @@ class PteEncoder:
         self._value_dtype = VALUE_DTYPES[config.value_dtype]
         self.u = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
         self.v = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
+        # Tensors whose momentum exists (after their first step), as in DGCMemory.u.
+        self.started: set[str] = set()
         self.step = 0
+        self._fresh = torch.ones(1)
+        self._not_fresh = torch.zeros(1)
 
     @classmethod
     def from_export(cls, export_dir: str | Path) -> PteEncoder:
@@ -87,6 +91,12 @@ class PteEncoder:
         shapes = {p["name"]: tuple(p["shape"]) for p in manifest["parameters"]}
         return cls(Path(export_dir) / ENCODER_FILE,
                    DGCConfig.from_dict(manifest["dgc_config"]), shapes)
+
+    def reconfigure(self, config: DGCConfig) -> None:
+        """Use ``config``'s run-time fields (density, warm-up, clipping, layer policy) from now
+        on; a change of a field baked into the graph is a :class:`dgc.ConfigError`."""
+        check_compatible(self.config, config)
+        self.config = config
 
     def is_dense_tensor(self, shape: tuple[int, ...]) -> bool:
         """The layer policy of :meth:`dgc.DGCCompressor.is_dense_tensor`."""
@@ -125,19 +135,23 @@ class PteEncoder:
         for name, g in flat.items():
             shape = self.shapes[name]
             u, v = self.u[name], self.v[name]
+            fresh = self._not_fresh if name in self.started else self._fresh
             if self.is_dense_tensor(shape):
-                values, new_u[name], new_v[name] = self._encode_dense.execute((g, u, v, scale))
+                values, new_u[name], new_v[name] = self._encode_dense.execute(
+                    (g, u, v, scale, fresh))
                 indices = torch.from_numpy(np.arange(g.numel(), dtype=np.int64))
             else:
                 k = num_selected(g.numel(), density)
                 k_like = torch.from_numpy(np.zeros(k, dtype=np.float32))
                 idx, vals, count, new_u[name], new_v[name] = self._encode.execute(
-                    (g, u, v, scale, k_like))
+                    (g, u, v, scale, fresh, k_like))
                 c = int(count)
                 indices, values = idx[:c].clone(), vals[:c].clone()
             out[name] = SparseTensor(indices, values, shape)
         self.u.update(new_u)
         self.v.update(new_v)
+        if self.config.momentum_correction:
+            self.started.update(new_u)
         self.step += 1
         return SparseUpdate(out, self.step if sequence is None else sequence)
 
@@ -159,8 +173,10 @@ class PteEncoder:
             self.v[name] = torch.from_numpy(v)
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the step counter and of ``u`` and ``v`` (flat float32 numpy arrays)."""
-        return {"step": self.step, "u": {k: t.numpy().copy() for k, t in self.u.items()},
+        """Copies of the step counter, of ``u`` (tensors that have one) and of ``v``, as flat
+        float32 numpy arrays."""
+        return {"step": self.step,
+                "u": {k: t.numpy().copy() for k, t in self.u.items() if k in self.started},
                 "v": {k: t.numpy().copy() for k, t in self.v.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -168,9 +184,10 @@ class PteEncoder:
         new: dict[str, dict[str, torch.Tensor]] = {}
         for part in ("u", "v"):
             held = state.get(part)
-            if not isinstance(held, Mapping) or set(held) != set(self.shapes):
-                raise StateError(f"encoder state {part!r} must hold exactly {sorted(self.shapes)}")
-            new[part] = {}
+            if not isinstance(held, Mapping) or not set(held) <= set(self.shapes):
+                raise StateError(f"encoder state {part!r} must map names among "
+                                 f"{sorted(self.shapes)} to arrays")
+            new[part] = {name: torch.zeros(math.prod(s)) for name, s in self.shapes.items()}
             for name, arr in held.items():
                 a = np.asarray(arr, dtype=np.float32).reshape(-1)
                 if a.size != math.prod(self.shapes[name]) or not np.isfinite(a).all():
@@ -181,6 +198,7 @@ class PteEncoder:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"encoder state step must be an integer >= 0, got {step!r}")
         self.u, self.v, self.step = new["u"], new["v"], step
+        self.started = set(state["u"])
 
 
 class PteTrainer:
@@ -217,8 +235,17 @@ class PteTrainer:
             torch.zeros(self.batch_shape), torch.zeros(self.batch_shape[0], dtype=torch.int64)))
         self._params = {k.removeprefix(TRAIN_PREFIX): p
                         for k, p in self._module.named_parameters().items()}
-        self._optimizer = get_sgd_optimizer(self._module.named_parameters(),
-                                            self.learning_rate, 0, 0, 0, False)
+        self._get_sgd_optimizer = get_sgd_optimizer
+        self.set_learning_rate(self.learning_rate)
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Use a fresh SGD optimizer with this step size (no momentum is kept, none is used)."""
+        if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
+                and learning_rate > 0):
+            raise StateError(f"learning_rate must be positive and finite, got {learning_rate!r}")
+        self.learning_rate = float(learning_rate)
+        self._optimizer = self._get_sgd_optimizer(self._module.named_parameters(),
+                                                  self.learning_rate, 0, 0, 0, False)
 
     def set_parameters(self, params: Mapping[str, Any]) -> None:
         """Overwrite the program's parameters (all of them, validated first) in place."""

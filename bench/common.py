@@ -7,7 +7,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -32,6 +32,28 @@ def median_wall_cpu_ms(fn: Callable[[], Any], repeats: int = 5,
         wall_ms.append((time.perf_counter() - start_wall) * 1e3)
         cpu_ms.append((time.process_time() - start_cpu) * 1e3)
     return statistics.median(wall_ms), statistics.median(cpu_ms)
+
+
+def interleaved_wall_cpu_ms(ops: Mapping[str, Callable[[], Any]], repeats: int = 5,
+                            warmup: int = 1) -> dict[str, tuple[float, float]]:
+    """Median wall and CPU time (ms) of each operation, the operations run in turns.
+
+    Running them round-robin, rather than one after the other, exposes every operation to the
+    same background load, so their ratios stay meaningful on a shared machine.
+    """
+    for _ in range(warmup):
+        for fn in ops.values():
+            fn()
+    wall_ms: dict[str, list[float]] = {name: [] for name in ops}
+    cpu_ms: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall_ms[name].append((time.perf_counter() - start_wall) * 1e3)
+            cpu_ms[name].append((time.process_time() - start_cpu) * 1e3)
+    return {name: (statistics.median(wall_ms[name]), statistics.median(cpu_ms[name]))
+            for name in ops}
 
 
 def max_rss_mb() -> float:

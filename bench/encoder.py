@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_line, max_rss_mb, median_wall_cpu_ms  # noqa: E402
+from bench.common import interleaved_wall_cpu_ms, machine_line, max_rss_mb  # noqa: E402
 from dgc.compressor import DGCCompressor  # noqa: E402
 from dgc.config import DGCConfig  # noqa: E402
 from dgc.selection import num_selected  # noqa: E402
@@ -139,7 +139,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     assert sum(math.prod(s) for s in resnet50_shapes().values()) == RESNET50_NUMEL
     print(f"# encoder benchmark, density {DENSITY}; {machine_line(args.threads)}")
-    print(f"# median of {args.repeats} runs after one warm-up (wall and process CPU time); memory: "
+    print(f"# median of {args.repeats} runs, operations in turns, after one warm-up (wall and "
+          "process CPU time); memory: "
           "peak RSS (VmHWM) a fresh process adds above its inputs over two calls, compressor "
           "state included")
     if _encode() is None:
@@ -150,9 +151,10 @@ def main() -> None:
         grads = _gradient(shapes_fn())
         numel = sum(g.numel() for g in grads.values())
         ops = _operations(grads)
-        wall_ms, cpu_ms = {}, {}
-        for op, fn in ops.items():
-            wall_ms[op], cpu_ms[op] = median_wall_cpu_ms(fn, repeats=args.repeats)
+        timed = interleaved_wall_cpu_ms(ops, repeats=args.repeats)
+        wall_ms = {op: w for op, (w, _) in timed.items()}
+        cpu_ms = {op: c for op, (_, c) in timed.items()}
+        for op in ops:
             mem = "-" if args.no_memory else f"{_peak_extra_mb(workload, op, args.threads):9.0f}"
             print(f"{workload:24} {op:18} {numel:10d} {wall_ms[op]:9.1f} {cpu_ms[op]:9.1f} "
                   f"{mem:>9}", flush=True)

@@ -8,8 +8,9 @@ One train message, in order:
 3. rebuild the global model: dense arrays, or a patch on the held version;
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
-   sequence), fold it back into the residual with ``DGCCompressor.restore``;
-6. compress ("dense": all of it in fp32; "topk": no residual, no momentum; "dgc": configured),
+   sequence), fold it back into the residual with the compressor's ``restore``;
+6. compress ("dense": all of it in fp32; "topk": no residual, no momentum; "dgc": configured;
+   topk and dgc give small tensors ``dgc.small_density``, :meth:`TrainSettings.compressor`),
    encode with ``dgc.encode``, store the new state and pending update, and reply.
 """
 
@@ -29,7 +30,7 @@ from client import protocol as P
 from client.settings import SettingsError, TrainSettings, fields_of, parse
 from client.state import ClientStateStore
 from client.training import round_seed, train_locally
-from dgc import DGCCompressor, SparseUpdate
+from dgc import SparseUpdate
 
 app = ClientApp()
 
@@ -155,7 +156,7 @@ def train(msg: Message, context: Context) -> Message:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
         new_record: dict[str, Any] = {}
     else:
-        compressor = DGCCompressor(s.dgc_config())
+        compressor = s.compressor()
         if s.method == "dgc" and "compressor" in record:
             compressor.load_state_dict(record["compressor"])
             pending = _pending_update(record)

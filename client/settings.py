@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_type_hints
 
-from dgc import DGCConfig
+from dgc import DGCCompressor, DGCConfig
+from dgc.federated import TwoDensityCompressor
 
 METHODS = ("dense", "topk", "dgc")
 TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare")
@@ -169,8 +170,14 @@ def describe(cls: type) -> list[tuple[str, str, str, str, str]]:
     hints = get_type_hints(cls)
     rows = []
     for f in fields_of(cls):
-        rows.append((f.metadata["key"], hints[f.name].__name__, repr(f.default),
-                     f.metadata["check"].describe(), f.metadata["doc"]))
+        kind = hints[f.name]
+        accepted = f.metadata["check"].describe()
+        if kind is bool:
+            accepted = "true or false"
+        elif kind is str and accepted == "any":
+            accepted = "text"
+        rows.append((f.metadata["key"], kind.__name__, repr(f.default), accepted,
+                     f.metadata["doc"]))
     return rows
 
 
@@ -206,13 +213,13 @@ class TrainSettings:
     seed: int = setting(0, "seed", "seed of partitioning, sampling and local shuffling", Check(0))
     method: str = setting("dgc", "method", "uplink compression: dense fp32, top-k without error "
                           "feedback, or DGC", Check(choices=METHODS))
-    local_epochs: int = setting(1, "local_epochs", "local passes over the client's data (used "
+    local_epochs: int = setting(2, "local_epochs", "local passes over the client's data (used "
                                 "when local_steps is 0)", Check(0))
     local_steps: int = setting(0, "local_steps", "local SGD steps per round; 0 = use "
                                "local_epochs; 1 = FedSGD-style rounds", Check(0))
     batch_size: int = setting(10, "batch_size", "local minibatch size", Check(1))
-    lr: float = setting(0.05, "lr", "client SGD learning rate", Check(0.0, low_open=True))
-    client_momentum: float = setting(0.0, "client_momentum", "client SGD momentum within a "
+    lr: float = setting(0.1, "lr", "client SGD learning rate", Check(0.0, low_open=True))
+    client_momentum: float = setting(0.5, "client_momentum", "client SGD momentum within a "
                                      "round (reset every round)", _momentum())
     weight_decay: float = setting(0.0, "weight_decay", "client SGD weight decay (applied "
                                   "locally, never sent)", Check(0.0))
@@ -223,11 +230,18 @@ class TrainSettings:
                                   _momentum())
     dampening: float = setting(0.0, "dgc.dampening", "u = m*u + (1 - dampening)*g; "
                                "dampening = m keeps the step size of plain SGD", Check(0.0, 1.0))
-    momentum_correction: bool = setting(True, "dgc.momentum_correction", "accumulate the "
-                                        "velocity (True) or the raw pseudo-gradient")
+    momentum_correction: bool = setting(False, "dgc.momentum_correction", "accumulate the "
+                                        "velocity (True) or the raw pseudo-gradient (False: "
+                                        "error feedback only)")
     nesterov: bool = setting(False, "dgc.nesterov", "Nesterov form of momentum correction")
     momentum_masking: bool = setting(True, "dgc.momentum_masking", "zero the momentum at the "
                                      "sent coordinates (momentum factor masking)")
+    small_density: float = setting(0.1, "dgc.small_density", "density of the sparsified "
+                                   "tensors of at most dgc.small_numel entries (an output "
+                                   "layer; topk and dgc); 0 = off, they use dgc.density",
+                                   Check(0.0, 1.0))
+    small_numel: int = setting(10_000, "dgc.small_numel", "size limit, in entries, of a tensor "
+                               "that gets dgc.small_density", Check(1))
     warmup: str = setting("exponential", "dgc.warmup", "density warm-up schedule over the "
                           "first rounds: 4**-(r+1) until it reaches dgc.density",
                           Check(choices=WARMUPS))
@@ -271,6 +285,20 @@ class TrainSettings:
                 momentum_masking=self.momentum_masking, error_feedback=True,
                 clip_norm=self.clip_norm or None, num_workers=self.clients_per_round, **common)
         raise SettingsError(f"method {self.method!r} has no compressor (dense sends fp32)")
+
+
+    def compressor(self) -> DGCCompressor | TwoDensityCompressor:
+        """A fresh compressor of this method: one density, or two when dgc.small_density > 0.
+
+        Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output
+        layer) get ``dgc.small_density``: at ``dgc.density`` alone they would send 2 entries per
+        update (docs/federated_momentum.md). ``topk`` uses the same split, so that it differs
+        from ``dgc`` only in keeping no residual.
+        """
+        config = self.dgc_config()
+        if self.small_density == 0.0:
+            return DGCCompressor(config)
+        return TwoDensityCompressor(config, self.small_density, small_numel=self.small_numel)
 
 
 def known_keys(classes: Sequence[type]) -> list[str]:

@@ -9,7 +9,7 @@ from dgc.config import DGCConfig
 from dgc.errors import AggregationError, ConfigError, DecodeError, DGCError, StateError
 from dgc.memory import DGCMemory
 from dgc.sparse import SparseTensor, SparseUpdate
-from dgc.wire import decode, encode
+from dgc.wire import EncodeError, decode, encode
 
 __all__ = [
     "AggregationError",
@@ -19,6 +19,7 @@ __all__ = [
     "DGCError",
     "DGCMemory",
     "DecodeError",
+    "EncodeError",
     "SparseTensor",
     "SparseUpdate",
     "StateError",

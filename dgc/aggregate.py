@@ -10,41 +10,137 @@ from dgc.errors import AggregationError
 from dgc.sparse import SparseUpdate
 
 
-def aggregate(
-    updates: Sequence[SparseUpdate],
-    weights: Sequence[float],
-    shapes: Mapping[str, Sequence[int]],
-    normalize: bool = True,
-) -> dict[str, torch.Tensor]:
-    """Weighted sum of sparse updates as dense float32 tensors shaped as ``shapes``.
-
-    Entries that several updates carry are summed. With ``normalize`` the sum is divided by the
-    total weight (FedAvg: an update that did not send an entry counts as zero there). Every update
-    is checked against ``shapes`` before anything is summed.
-    """
+def _check_weights(updates: Sequence[SparseUpdate], weights: Sequence[float]) -> None:
     if len(updates) != len(weights):
         raise AggregationError(f"{len(updates)} updates but {len(weights)} weights")
     for w in weights:
         if not (isinstance(w, (int, float)) and w >= 0 and w == w and w != float("inf")):
             raise AggregationError(f"weights must be finite and >= 0, got {w!r}")
+
+
+def _check_out(out: Mapping[str, torch.Tensor],
+               shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+    """Flat views of the caller's buffers, after checking that each one can take the sum."""
+    if not isinstance(out, Mapping):
+        raise AggregationError(f"out must be a dict of tensors by name, got {type(out).__name__}")
+    missing = [name for name in shapes if name not in out]
+    if missing:
+        raise AggregationError(f"out lacks buffers for {missing}")
+    extra = [name for name in out if name not in shapes]
+    if extra:
+        raise AggregationError(f"out has buffers {extra} that the model does not have")
+    flat = {}
+    for name, s in shapes.items():
+        buf = out[name]
+        if not isinstance(buf, torch.Tensor):
+            raise AggregationError(f"out[{name!r}] must be a torch.Tensor, got "
+                                   f"{type(buf).__name__}")
+        if buf.dtype != torch.float32 or tuple(buf.shape) != tuple(s):
+            raise AggregationError(f"out[{name!r}] is {buf.dtype} of shape {tuple(buf.shape)}, "
+                                   f"expected torch.float32 of shape {tuple(s)}")
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise AggregationError(f"out[{name!r}] must be a contiguous CPU tensor")
+        flat[name] = buf.view(-1)
+    return flat
+
+
+def aggregate(
+    updates: Sequence[SparseUpdate],
+    weights: Sequence[float],
+    shapes: Mapping[str, Sequence[int]],
+    normalize: bool = True,
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Weighted sum of sparse updates as dense float32 tensors shaped as ``shapes``.
+
+    Entries that several updates carry are summed. With ``normalize`` the sum is divided by the
+    total weight (FedAvg: an update that did not send an entry counts as zero there). Every update
+    (and every ``out`` buffer) is checked before anything is written.
+
+    Parameters
+    ----------
+    updates, weights
+        One weight (finite, >= 0) per update.
+    shapes
+        The model's tensor shapes by name; the result has exactly these tensors.
+    normalize
+        Divide by the total weight (which must then be positive when there are updates).
+    out
+        Optional float32 contiguous CPU buffers, one per name in ``shapes`` with that shape. The
+        weighted sum is *added* to what they hold (pass zeroed buffers for the plain average;
+        a server reuses them across rounds with ``zero_()`` in between, saving the allocation
+        of a fresh model-sized output). The returned dict holds these same tensors.
+
+    Notes
+    -----
+    Per tensor, the indices and weight-scaled float32 values of all updates are concatenated and
+    scattered with one ``index_add_``; a tensor that every update carries in full (indices
+    exactly ``0..numel-1``) is summed with one matrix-vector product instead. Each sum is the
+    same as adding the updates one by one in their order, up to the order and grouping of the
+    float32 additions (threads, BLAS blocking): results agree within float32 rounding, not
+    bit for bit.
+    """
+    _check_weights(updates, weights)
+    flat_out = _check_out(out, shapes) if out is not None else None
+    # Structural checks (cheap, per piece) first; the index range is checked below on the
+    # concatenation of each tensor's indices, still before anything is written.
+    pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {n: [] for n in shapes}
+    model_shapes = {name: tuple(s) for name, s in shapes.items()}
     for i, u in enumerate(updates):
         for name, t in u.tensors.items():
-            if name not in shapes:
+            expected = model_shapes.get(name)
+            if expected is None:
                 raise AggregationError(f"update {i} carries unknown tensor {name!r}")
-            if tuple(shapes[name]) != t.shape:
+            if expected != t.shape:
                 raise AggregationError(f"update {i} tensor {name!r} has shape {t.shape}, "
-                                       f"the model has {tuple(shapes[name])}")
-            if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
-                raise AggregationError(f"update {i} tensor {name!r} has indices outside "
-                                       f"[0, {t.numel})")
+                                       f"the model has {expected}")
+            if t.indices.numel():
+                pieces[name].append((i, t.indices, t.values))
     total = float(sum(weights))
     if normalize and total <= 0 and updates:
         raise AggregationError("total weight is zero; nothing to average")
     scale = 1.0 / total if normalize and total > 0 else 1.0
-    out = {name: torch.zeros(int(torch.Size(s).numel()), dtype=torch.float32)
-           for name, s in shapes.items()}
-    for u, w in zip(updates, weights, strict=True):
-        factor = float(w) * scale
-        for name, t in u.tensors.items():
-            out[name].index_add_(0, t.indices, t.values.to(torch.float32), alpha=factor)
-    return {name: out[name].view(tuple(s)) for name, s in shapes.items()}
+    factors = torch.tensor([float(w) * scale for w in weights], dtype=torch.float32)
+    factors64 = [float(w) * scale for w in weights]
+
+    scatters = []
+    for name, parts in pieces.items():
+        if not parts:
+            continue
+        numel = int(torch.Size(model_shapes[name]).numel())
+        counts = [int(p[1].numel()) for p in parts]
+        indices = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        # Every piece carrying exactly 0..numel-1 (a tensor sent dense, e.g. biases and norms)
+        # is summed as one matrix-vector product rather than a scatter.
+        dense = (len(parts) > 1 and all(c == numel for c in counts)
+                 and bool((indices.view(len(parts), numel)
+                           == torch.arange(numel, dtype=torch.int64)).all()))
+        if not dense:
+            lo, hi = torch.aminmax(indices)
+            if int(lo) < 0 or int(hi) >= numel:
+                bad = next(i for i, idx, _ in parts
+                           if int(idx.min()) < 0 or int(idx.max()) >= numel)
+                raise AggregationError(f"update {bad} tensor {name!r} has indices outside "
+                                       f"[0, {numel})")
+        scatters.append((name, numel, indices, parts, counts, dense))
+
+    if flat_out is None:
+        result = {name: torch.zeros(s, dtype=torch.float32) for name, s in model_shapes.items()}
+        flat_out = {name: t.view(-1) for name, t in result.items()}
+    else:
+        result = {name: out[name] for name in model_shapes}
+    for name, numel, indices, parts, counts, dense in scatters:
+        if len(parts) == 1:
+            i, _, v = parts[0]
+            flat_out[name].index_add_(0, indices, v.to(torch.float32), alpha=factors64[i])
+            continue
+        # cat promotes mixed value dtypes to float32 exactly; one conversion, not one per piece
+        values = torch.cat([p[2] for p in parts]).to(torch.float32)
+        piece_factors = factors[torch.tensor([p[0] for p in parts], dtype=torch.int64)]
+        if dense:
+            flat_out[name].addmv_(values.view(len(parts), numel).t(), piece_factors)
+            continue
+        values.mul_(torch.repeat_interleave(piece_factors,
+                                            torch.tensor(counts, dtype=torch.int64)))
+        flat_out[name].index_add_(0, indices, values)
+    return result

@@ -18,4 +18,4 @@ class StateError(DGCError, ValueError):
 
 
 class AggregationError(DGCError, ValueError):
-    """Updates handed to :func:`dgc.aggregate` disagree with the model's shapes or with each other."""
+    """Updates handed to :func:`dgc.aggregate` disagree with the model's shapes or each other."""

@@ -34,20 +34,6 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     from server.app import prepare_run_dir, run_server
 
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
-    if config.server.engine == "local":
-        from server.local_grid import LocalGrid
-
-        if not verbose:
-            logging.getLogger("flwr").setLevel(logging.WARNING)
-        return run_server(LocalGrid(client_app, config.train.num_clients, seed=config.train.seed),
-                          config)
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    if not verbose:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
-
-    outcome: dict[str, Any] = {}
-    server_app = ServerApp()
     extra: dict[str, Any] = {}
     if netem is not None and netem.enabled:
         from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
@@ -55,6 +41,20 @@ def run_scenario(config: RunConfig, verbose: bool = False,
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
         extra["strategy_factory"] = strategy_factory(netem)
+    if config.server.engine == "local":
+        from server.local_grid import LocalGrid
+
+        if not verbose:
+            logging.getLogger("flwr").setLevel(logging.WARNING)
+        return run_server(LocalGrid(client_app, config.train.num_clients, seed=config.train.seed),
+                          config, **extra)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    if not verbose:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+
+    outcome: dict[str, Any] = {}
+    server_app = ServerApp()
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:

@@ -35,9 +35,10 @@ CONFIGS = {
                                            clip_norm=2.0, num_workers=4, density=0.01),
     "plain-ef-fp32": DGCConfig(selection="exact", momentum_correction=False,
                                value_dtype="float32", density=0.02, warmup="none"),
+    # dampening 0.3: torch.add(..., alpha=0.7) takes the float64 fused-multiply-add path.
     "no-ef-bf16-nomask": DGCConfig(selection="exact", error_feedback=False,
                                    momentum_masking=False, value_dtype="bfloat16",
-                                   clip_norm=0.5, density=0.005),
+                                   clip_norm=0.5, density=0.005, dampening=0.3),
 }
 
 
@@ -111,16 +112,17 @@ def test_torchscript_matches_eager_modules(exported, tmp_path):
     u, v = torch.zeros(n), torch.zeros(n)
     su, sv = u, v
     scale = torch.tensor([0.75])
-    for _ in range(3):
+    for step in range(3):
         g = torch.randn(n, generator=gen)
-        want = sparse(g, u, v, scale, torch.zeros(30))
-        got = scripted(g, su, sv, scale, torch.zeros(30))
+        fresh = torch.tensor([1.0 if step == 0 else 0.0])
+        want = sparse(g, u, v, scale, fresh, torch.zeros(30))
+        got = scripted(g, su, sv, scale, fresh, torch.zeros(30))
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
         u, v, su, sv = want[3], want[4], got[3], got[4]
     g = torch.randn(50, generator=gen)
-    for a, b in zip(scripted.encode_dense(g, g * 0, g * 0, scale),
-                    dense(g, g * 0, g * 0, scale), strict=True):
+    for a, b in zip(scripted.encode_dense(g, g * 0 + 1, g * 0, scale, torch.zeros(1)),
+                    dense(g, g * 0 + 1, g * 0, scale, torch.zeros(1)), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(scripted.sum_squares(g), g.double().pow(2).sum())
 
@@ -144,7 +146,8 @@ def test_pte_encoder_rejects_bad_gradients_and_keeps_state(exported):
     after = pte.state_dict()
     assert after["step"] == before["step"]
     for part in ("u", "v"):
-        for name in SHAPES:
+        assert set(after[part]) == set(before[part])
+        for name in before[part]:
             np.testing.assert_array_equal(after[part][name], before[part][name])
 
 
@@ -158,13 +161,21 @@ def test_restore_folds_update_back_like_dgc(exported):
     eager.restore(want)
     for name in SHAPES:
         assert torch.equal(pte.v[name], eager.memory.v[name]), name
-    # and the next step still agrees
-    assert_same_update(pte.compress(gradients(1)), eager.compress(gradients(1)))
+    # and the next step still agrees, also in an encoder that continues from the saved state
+    saved = pte.state_dict()
+    assert_same_update(pte.compress(gradients(1)), want1 := eager.compress(gradients(1)))
+    resumed = PteEncoder(path, config, SHAPES)
+    resumed.load_state_dict(saved)
+    assert_same_update(resumed.compress(gradients(1), sequence=want1.sequence), want1)
+    with pytest.raises(StateError, match=r"encoder state 'v' must map names among"):
+        resumed.load_state_dict({"step": 1, "u": {}, "v": {"nope": np.zeros(3)}})
 
 
 def test_export_refuses_sampled_selection_and_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="selection='exact' only, got selection='sampled'"):
         export_encoder(DGCConfig(selection="sampled"))
+    with pytest.raises(ConfigError, match="'shakespeare' takes torch.int64 inputs"):
+        export_all("shakespeare", tmp_path)
     with pytest.raises(ConfigError, match="unknown model 'resnet9000'"):
         export_all("resnet9000", tmp_path)
     with pytest.raises(ConfigError, match="max_numel must be an integer >= 2, got 0"):

@@ -61,10 +61,22 @@ def test_reply_carries_encoded_update_and_metrics(tmp_path, method):
     assert ("pending" in record) == (method == "dgc")
 
 
-def test_unacknowledged_update_is_folded_back_exactly(tmp_path):
-    """(sent + residual) without the ack exceeds the acked case by exactly the pending update."""
+def _residual(settings: TrainSettings, key: str) -> dict[str, torch.Tensor]:
+    """The stored residual of a client, read back through the compressor its settings build."""
+    compressor = settings.compressor()
+    compressor.load_state_dict(ClientStateStore(settings.state_dir).get(key)["compressor"])
+    return compressor.residual()
+
+
+@pytest.mark.parametrize("small_density", [0.0, 0.1])
+def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density):
+    """(sent + residual) without the ack exceeds the acked case by exactly the pending update.
+
+    With ``small_density`` > 0 the state is a TwoDensityCompressor's (the output layer of the
+    digits MLP, 2,000 entries, is a small tensor; the 12,800-entry hidden layer is not).
+    """
     grid = LocalGrid(client_app, 3)
-    s = _settings(tmp_path, method="dgc")
+    s = _settings(tmp_path, method="dgc", small_density=small_density)
     first = _send(grid, 0, s, 1, -1, _global())
     pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]))
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
@@ -74,7 +86,7 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path):
         reply = _send(grid, 0, settings, 2, ack, _global())
         assert reply.content.metric_records[P.METRICS]["restored"] == (0 if ack == 1 else 1)
         sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE])).to_dense()
-        resid = ClientStateStore(settings.state_dir).get("0")["compressor"]["memory"]["v"]
+        resid = _residual(settings, "0")
         return {k: sent[k].reshape(-1) + resid[k] for k in sent}
 
     acked = sent_plus_residual(s, 1)
@@ -83,6 +95,45 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path):
     for k in acked:
         torch.testing.assert_close(lost[k] - acked[k], p[k].reshape(-1), rtol=0, atol=1e-5)
     assert any(float(p[k].abs().sum()) > 0 for k in p)
+
+
+@pytest.mark.parametrize("method", ["topk", "dgc"])
+@pytest.mark.parametrize("small_density, small_nnz", [(0.0, 100), (0.1, 200), (0.5, 1000)])
+def test_small_tensors_get_their_own_density(tmp_path, method, small_density, small_nnz):
+    """dgc.small_density sets the entries of the 10x200 output layer; the hidden layer keeps
+    dgc.density (ceil(0.05 * 12,800) = 640); biases are sent dense."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method=method, small_density=small_density, selection="exact")
+    reply = _send(grid, 1, s, 1, -1, _global())
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]))
+    nnz = {k: int(t.indices.numel()) for k, t in update.tensors.items()}
+    assert nnz == {"net.1.weight": 640, "net.1.bias": 200, "net.3.weight": small_nnz,
+                   "net.3.bias": 10}
+
+
+def test_small_numel_decides_which_tensors_are_small(tmp_path):
+    """With dgc.small_numel above 12,800 the hidden layer, too, gets dgc.small_density."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, small_density=0.1, small_numel=12_800, selection="exact")
+    reply = _send(grid, 1, s, 1, -1, _global())
+    update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]))
+    assert int(update.tensors["net.1.weight"].indices.numel()) == 1280
+    assert int(update.tensors["net.3.weight"].indices.numel()) == 200
+
+
+def test_state_of_the_other_compressor_kind_is_an_error_reply(tmp_path):
+    """A stored single-density state under two-density settings fails loudly, keeps the record."""
+    grid = LocalGrid(client_app, 3)
+    one = _settings(tmp_path, small_density=0.0)
+    assert not _send(grid, 0, one, 1, -1, _global()).has_error()
+    before = ClientStateStore(one.state_dir).get("0")
+    reply = _send(grid, 0, dataclasses.replace(one, small_density=0.1), 2, 1, _global())
+    assert reply.has_error() and "TwoDensityCompressor" in reply.error.reason
+    after = ClientStateStore(one.state_dir).get("0")
+    assert torch.equal(after["pending"], before["pending"])
+    for k, v in before["compressor"]["memory"]["v"].items():
+        assert torch.equal(after["compressor"]["memory"]["v"][k], v)
 
 
 def test_patch_for_a_version_the_client_lacks_is_an_error_reply(tmp_path):

@@ -114,3 +114,91 @@ def test_bad_weights_raise(weights: list, match: str) -> None:
 def test_zero_total_weight_is_fine_without_normalizing() -> None:
     got = aggregate(_client_updates(2), [0.0, 0.0], SHAPES, normalize=False)
     assert all(torch.count_nonzero(t) == 0 for t in got.values())
+
+
+def _per_update_reference(updates: list[SparseUpdate], weights: list[float],
+                          normalize: bool = True) -> dict[str, torch.Tensor]:
+    """The one-``index_add_``-per-update summation the concatenated scatter replaced."""
+    total = float(sum(weights))
+    scale = 1.0 / total if normalize else 1.0
+    out = {n: torch.zeros(int(torch.Size(s).numel())) for n, s in SHAPES.items()}
+    for u, w in zip(updates, weights, strict=True):
+        for n, t in u.tensors.items():
+            out[n].index_add_(0, t.indices, t.values.float(), alpha=float(w) * scale)
+    return {n: out[n].view(s) for n, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_concatenated_scatter_equals_per_update_path(normalize: bool) -> None:
+    # Many overlapping updates (density 0.05 of 3000 entries, 40 clients) of mixed value dtypes.
+    updates = _client_updates(20, "float16") + _client_updates(10, "bfloat16") + \
+        _client_updates(10, "float32")
+    # Updates that lack a tensor or carry nothing of it: each piece must keep its own weight.
+    for i in (3, 11, 25):
+        updates[i] = SparseUpdate({"fc.bias": updates[i].tensors["fc.bias"]})
+    updates[7].tensors["fc.bias"] = SparseTensor(torch.zeros(0, dtype=torch.int64),
+                                                 torch.zeros(0), (50,))
+    weights = [float(1 + (i % 5)) for i in range(len(updates))]
+    got = aggregate(updates, weights, SHAPES, normalize=normalize)
+    expected = _per_update_reference(updates, weights, normalize)
+    for n in SHAPES:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-6)
+        assert torch.count_nonzero(got[n]) == torch.count_nonzero(expected[n])
+
+
+def test_out_accumulates_into_the_callers_buffers() -> None:
+    updates = _client_updates(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    buffers = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    got = aggregate(updates, weights, SHAPES, out=buffers)
+    fresh = aggregate(updates, weights, SHAPES)
+    for n in SHAPES:
+        assert got[n] is buffers[n]
+        assert torch.equal(buffers[n], fresh[n])
+    # Reused without zeroing, the second sum adds to the first.
+    aggregate(updates, weights, SHAPES, out=buffers)
+    for n in SHAPES:
+        torch.testing.assert_close(buffers[n], 2 * fresh[n])
+    # Reused after zero_(), as a server does across rounds: the plain result again.
+    for t in buffers.values():
+        t.zero_()
+    aggregate(updates[:2], weights[:2], SHAPES, out=buffers)
+    for n, t in aggregate(updates[:2], weights[:2], SHAPES).items():
+        assert torch.equal(buffers[n], t)
+
+
+@pytest.mark.parametrize(
+    ("make_out", "match"),
+    [
+        (lambda: {"fc.weight": torch.zeros(50, 60)}, r"lacks buffers for \['fc.bias'\]"),
+        (lambda: {"fc.weight": torch.zeros(50, 60), "fc.bias": torch.zeros(50),
+                  "extra": torch.zeros(1)}, r"buffers \['extra'\]"),
+        (lambda: {"fc.weight": torch.zeros(60, 50), "fc.bias": torch.zeros(50)},
+         r"out\['fc.weight'\].*\(60, 50\).*\(50, 60\)"),
+        (lambda: {"fc.weight": torch.zeros(50, 60, dtype=torch.float64),
+                  "fc.bias": torch.zeros(50)}, r"torch.float64"),
+        (lambda: {"fc.weight": torch.zeros(60, 50).t(), "fc.bias": torch.zeros(50)},
+         "contiguous"),
+        (lambda: {"fc.weight": [0.0] * 3000, "fc.bias": torch.zeros(50)}, "list"),
+        (lambda: [torch.zeros(50, 60), torch.zeros(50)], "dict of tensors"),
+    ],
+    ids=["missing", "extra", "wrong shape", "wrong dtype", "not contiguous", "not a tensor",
+         "not a dict"],
+)
+def test_bad_out_raises_and_writes_nothing(make_out, match: str) -> None:
+    out = make_out()
+    before = ({n: t.clone() for n, t in out.items() if isinstance(t, torch.Tensor)}
+              if isinstance(out, dict) else {})
+    with pytest.raises(AggregationError, match=match):
+        aggregate(_client_updates(2), [1.0, 1.0], SHAPES, out=out)
+    assert all(torch.equal(out[n], t) for n, t in before.items())
+
+
+@pytest.mark.parametrize("bad_index", [[3, 50], [-1, 3]], ids=["too large", "negative"])
+def test_bad_update_leaves_out_untouched(bad_index: list[int]) -> None:
+    buffers = {n: torch.full(s, 7.0) for n, s in SHAPES.items()}
+    # The bad update comes last, after good ones that carry the same tensor.
+    updates = [*_client_updates(3), _bad("fc.bias", bad_index, (50,))]
+    with pytest.raises(AggregationError, match=r"update 3 tensor 'fc\.bias'.*outside \[0, 50\)"):
+        aggregate(updates, [1.0] * 4, SHAPES, out=buffers)
+    assert all(bool((t == 7.0).all()) for t in buffers.values())

@@ -62,7 +62,7 @@ def _run_dgc(steps: list[dict[str, torch.Tensor]], lr: float,
     ("dgc_kw", "sgd_kw"),
     [
         (dict(momentum=0.9), dict(momentum=0.9)),
-        (dict(momentum=0.5, nesterov=True), dict(momentum=0.5, nesterov=True)),
+        (dict(momentum=0.9, nesterov=True), dict(momentum=0.9, nesterov=True)),
         (dict(momentum=0.9, dampening=0.9), dict(momentum=0.9, dampening=0.9)),
         (dict(momentum=0.7, dampening=0.3), dict(momentum=0.7, dampening=0.3)),
         (dict(momentum_correction=False, momentum=0.9), dict()),

@@ -101,7 +101,7 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         "task": "digits", "num_clients": num_clients, "clients_per_round": 4, "rounds": rounds,
         "over_selection": 1.5, "dgc.density": 0.02, "dgc.warmup": "none", "seed": 1,
         "results_dir": str(tmp_path), "run_name": "mass", "checkpoint": False,
-        "downlink": "dense"})
+        "downlink": "dense", "local_epochs": 1})
     # Links down a third of the time with outages ending transfers: many uploads are cut.
     netem = for_run(NetemSettings(enabled=True, mix="3g:0.5,edge:0.5", intermittent=0.8,
                                   intermittent_mean_on_s=1.0, intermittent_mean_off_s=0.5,
@@ -137,6 +137,13 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
                   if m and m["ok"] == 0.0 and m["compute_s"] > 0]
     assert mid_upload, "some uploads must fail after training, mid-transfer"
     assert sum(r.dropped_link for r in strategy.rounds) >= 1
+    assert {r.reason for r in dropped} <= {"link_down", "unavailable", "deadline", "straggler"}
+    for rec in strategy.rounds:  # every sampled client is aggregated or dropped for a reason
+        assert rec.clients_aggregated + rec.dropped_deadline + rec.dropped_link \
+            + rec.dropped_rejected == rec.clients_sampled == 6
+        assert 0 < rec.virtual_seconds <= 40.0 + 1e-9  # closed by the deadline at most
+    clock = sum(r.virtual_seconds for r in strategy.rounds)
+    assert strategy.state_dict()["virtual_now_s"] == pytest.approx(clock)
 
     store = ClientStateStore(config.state_dir)
     seed_of = {k: [] for k in range(num_clients)}
@@ -149,13 +156,13 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         if not grads:
             continue
         record = store.get(str(key))
-        c = dgc.DGCCompressor(config.train.dgc_config())
+        c = config.train.compressor()
         c.load_state_dict(record["compressor"])
         pending = dgc.decode(bytes(record["pending"].numpy().tobytes()))
         acked = strategy.clients[key]["acked"]
         for name in grads[0]:
             total = sum(g[name].reshape(-1).double() for g in grads)
-            kept = c.memory.v[name].double().clone()
+            kept = c.residual()[name].double().clone()
             for u in aggregated[key]:
                 kept += u.tensors[name].to_dense().reshape(-1).double()
             if pending.sequence != acked:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgc import DGCCompressor, DGCConfig
+from dgc import DGCCompressor, DGCConfig, StateError, encode
 from simulations.netem import LinkConfigError
 from simulations.netem.staleness import StalePolicy, apply_stale_policy
 
@@ -103,3 +103,29 @@ def test_stale_policy_on_a_stored_record_folds_back_unacked_pending_first() -> N
     rep = apply_stale_policy_to_record(dropped, 6, -1, StalePolicy("drop", after_rounds=1))
     assert rep.factor == 0.0 and not dropped["compressor"]["memory"]["v"]["w"].any()
     assert rep.discarded_l1 == pytest.approx(float((v + pending_dense).abs().sum()), rel=1e-5)
+
+
+def test_stale_policy_ages_both_parts_of_a_two_density_record() -> None:
+    # fedgc's default client compressor is a TwoDensityCompressor, whose state carries no config:
+    # the policy must rebuild it through the client's own factory and age both parts.
+    from dgc.federated import TwoDensityCompressor
+    from simulations.netem.staleness import apply_stale_policy_to_record
+
+    def make() -> TwoDensityCompressor:
+        return TwoDensityCompressor(DGCConfig(density=0.01, warmup="none"), 0.2, small_numel=500)
+
+    c = make()
+    g = torch.Generator().manual_seed(2)
+    last = c.compress({"big": torch.randn(40, 50, generator=g),
+                       "head": torch.randn(10, 20, generator=g)}, sequence=3)
+    before = {k: t.clone() for k, t in c.residual().items()}
+    acked = {"compressor": c.state_dict(),
+             "pending": torch.frombuffer(bytearray(encode(last)), dtype=torch.uint8)}
+    with pytest.raises(StateError, match="make_compressor"):
+        apply_stale_policy_to_record(dict(acked), 8, 3, StalePolicy("decay", 0.5, 2))
+    rep = apply_stale_policy_to_record(acked, 8, 3, StalePolicy("decay", 0.5, 2), make)
+    assert rep.factor == 0.25
+    aged = make()
+    aged.load_state_dict(acked["compressor"])
+    for name, t in aged.residual().items():
+        assert torch.allclose(t, before[name] * 0.25, atol=1e-7), name

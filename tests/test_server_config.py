@@ -13,6 +13,21 @@ def test_defaults_and_round_trip():
     assert c.with_overrides({"dgc.density": "0.01"}).train.density == 0.01
 
 
+def test_defaults_are_the_researched_federated_settings():
+    """docs/federated_momentum.md, section 5: error feedback only, more local work per round."""
+    t, s = RunConfig().train, RunConfig().server
+    assert (t.lr, t.local_epochs, t.batch_size, t.client_momentum) == (0.1, 2, 10, 0.5)
+    assert (t.momentum_correction, t.dgc_momentum, t.small_density, t.small_numel) == \
+        (False, 0.0, 0.1, 10_000)
+    assert (s.server_lr, s.server_momentum) == (1.0, 0.0)
+    comp = t.compressor()
+    assert type(comp).__name__ == "TwoDensityCompressor" and comp.small_numel == 10_000
+    assert comp.small.config.density == 0.1 and comp.large.config.density == 0.001
+    assert comp.large.config.error_feedback and not comp.large.config.momentum_correction
+    off = RunConfig.from_flat({"dgc.small_density": 0}).train.compressor()
+    assert type(off).__name__ == "DGCCompressor"
+
+
 @pytest.mark.parametrize("values, words", [
     ({"dgc.densty": 0.1}, ["unknown", "dgc.densty", "dgc.density"]),
     ({"dgc.density": 0.0}, ["dgc.density", "(0, 1]"]),
@@ -28,6 +43,10 @@ def test_defaults_and_round_trip():
     ({"local_epochs": 0, "local_steps": 0}, ["local_epochs", "local_steps"]),
     ({"run_name": "../elsewhere"}, ["run_name"]),
     ({"sim.engine": "dask"}, ["sim.engine", "ray"]),
+    ({"dgc.small_density": -0.1}, ["dgc.small_density", "[0, 1]"]),
+    ({"dgc.small_density": 1.5}, ["dgc.small_density", "[0, 1]"]),
+    ({"dgc.small_numel": 0}, ["dgc.small_numel", "[1, inf)"]),
+    ({"dgc.small_numel": 10.5}, ["dgc.small_numel", "integer"]),
 ])
 def test_bad_values_name_key_and_range(values, words):
     with pytest.raises(SettingsError) as info:
@@ -65,6 +84,20 @@ def test_every_key_is_documented():
 def test_topk_drops_residual_and_dgc_keeps_it():
     t = RunConfig.from_flat({"method": "topk"}).train.dgc_config()
     assert not t.error_feedback and not t.momentum_correction
+    # topk splits the densities like dgc, so that the two differ only in the residual.
+    k = RunConfig.from_flat({"method": "topk"}).train.compressor()
+    assert k.small.config.density == 0.1 and not k.small.config.error_feedback
     d = RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5,
                              "dgc.dampening": 0.5}).train.dgc_config()
     assert d.error_feedback and d.momentum == 0.5 and d.dampening == 0.5
+
+
+def test_docs_key_table_matches_the_schema():
+    """docs/federation.md's key table is the schema's (regenerate it from RunConfig.describe)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "federation.md").read_text()
+    rows = [f"| `{key}` | {kind} | `{default}` | {accepted} | {text} |"
+            for key, kind, default, accepted, text in RunConfig.describe()]
+    table = [line for line in doc.splitlines() if line.startswith("| `")]
+    assert table == rows

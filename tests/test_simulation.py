@@ -52,9 +52,30 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     # The dense baseline is the dense fp32 update on the same wire: dense sends exactly that.
     assert m["dense"]["uplink_compression"] == pytest.approx(1.0)
     assert m["dense"]["uplink_bytes"] == m["dense"]["dense_uplink_bytes"]
+    # The methods run the same scenario: their recorded configs differ in method and folder only.
+    per_method = {name: dict(s["config"]) for name, s in m.items()}
+    for cfg in per_method.values():
+        for k in ("method", "run_name", "results_dir", "state_dir"):
+            cfg.pop(k, None)
+    assert per_method["dense"] == per_method["topk"] == per_method["dgc"]
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "final acc" in out and "topk" in out
+
+
+def test_demo_is_the_default_scenario_with_default_client_settings():
+    """`demo` pins the scenario only; local training and compression are the schema defaults."""
+    import argparse
+
+    from server.config import RunConfig
+    from simulations.cli import DEMO, build_config
+
+    c = build_config(argparse.Namespace(config=None, set=[]), DEMO)
+    default = RunConfig().to_flat()
+    for key in ("lr", "local_epochs", "batch_size", "client_momentum", "dgc.momentum",
+                "dgc.momentum_correction", "dgc.small_density", "server_lr", "server_momentum"):
+        assert c.to_flat()[key] == default[key], key
+    assert (c.train.num_clients, c.train.clients_per_round, c.train.density) == (100, 10, 0.001)
 
 
 @pytest.mark.slow

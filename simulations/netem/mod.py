@@ -93,14 +93,17 @@ def _age_residual(config: dict, context: Context, key: int, round_index: int,
     root = context.node_config.get("state-dir") or config.get("state_dir")
     if not root:
         return None
+    from client.app import settings_from
     from client.state import ClientStateStore
 
     store = ClientStateStore(str(root))
     record = store.get(str(key))
     if record is None:
         return None
+    train = settings_from(config)
     report = apply_stale_policy_to_record(record, round_index,
-                                          int(config.get("ack_sequence", -1)), settings.stale)
+                                          int(config.get("ack_sequence", -1)), settings.stale,
+                                          make_compressor=train.compressor)
     if report is not None:
         store.put(str(key), record)
     return report

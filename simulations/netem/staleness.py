@@ -16,15 +16,19 @@ a client sampled in consecutive rounds is 0 rounds away.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import dgc
-from dgc import DGCCompressor, DGCConfig
+from dgc import DGCCompressor, DGCConfig, StateError
+from dgc.federated import TwoDensityCompressor
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
+
+Compressor = DGCCompressor | TwoDensityCompressor
 
 STALE_POLICIES: tuple[str, ...] = ("keep", "decay", "drop")
 
@@ -81,23 +85,34 @@ def _l1(tensors: dict[str, torch.Tensor]) -> float:
     return float(sum(float(t.double().abs().sum()) for t in tensors.values()))
 
 
-def apply_stale_policy(compressor: DGCCompressor, rounds_away: int,
+def apply_stale_policy(compressor: Compressor, rounds_away: int,
                        policy: StalePolicy) -> StaleReport:
-    """Scale (or zero) the compressor's residual and momentum in place, by ``policy``."""
+    """Scale (or zero) the compressor's residual and momentum in place, by ``policy``.
+
+    ``compressor`` is a :class:`~dgc.DGCCompressor` or a compressor made of several (such as
+    :class:`dgc.federated.TwoDensityCompressor`, whose ``parts`` are each aged alike).
+    """
     factor = policy.factor(rounds_away)
-    before = _l1(compressor.memory.v)
+    parts = getattr(compressor, "parts", (compressor,))
+    before = _l1(compressor.residual())
     if factor != 1.0:
-        for part in (compressor.memory.v, compressor.memory.u):
-            for t in part.values():
-                t.mul_(factor)
-    return StaleReport(factor, before, _l1(compressor.memory.v) if factor != 1.0 else before)
+        for part in parts:
+            for state in (part.memory.v, part.memory.u):
+                for t in state.values():
+                    t.mul_(factor)
+    return StaleReport(factor, before, _l1(compressor.residual()) if factor != 1.0 else before)
 
 
 def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_sequence: int,
-                                 policy: StalePolicy) -> StaleReport | None:
+                                 policy: StalePolicy,
+                                 make_compressor: Callable[[], Compressor] | None = None,
+                                 ) -> StaleReport | None:
     """Apply ``policy`` to a client's stored record (``client.app``'s format), in place.
 
-    The record holds ``compressor`` (a ``DGCCompressor.state_dict()``) and ``pending`` (the
+    ``make_compressor`` builds an empty compressor of the client's kind (the client's
+    ``TrainSettings.compressor``); without it the record must hold a plain
+    ``DGCCompressor.state_dict()``, whose config it carries.
+    The record holds ``compressor`` (the compressor's ``state_dict()``) and ``pending`` (the
     encoded last update, a uint8 tensor). The client was last trained in round
     ``pending.sequence``, so it is ``round_index - pending.sequence - 1`` rounds away. When the
     policy changes anything, an unacknowledged pending update is first folded back (as the client
@@ -110,7 +125,12 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     rounds_away = max(0, round_index - pending.sequence - 1)
     if policy.factor(rounds_away) == 1.0:
         return None
-    compressor = DGCCompressor(DGCConfig.from_dict(record["compressor"]["config"]))
+    if make_compressor is not None:
+        compressor = make_compressor()
+    elif "config" in record["compressor"]:
+        compressor = DGCCompressor(DGCConfig.from_dict(record["compressor"]["config"]))
+    else:
+        raise StateError("the stored compressor state carries no config; pass make_compressor")
     compressor.load_state_dict(record["compressor"])
     if pending.sequence != ack_sequence:
         compressor.restore(pending)

@@ -16,6 +16,7 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from logging import INFO
@@ -93,7 +94,9 @@ class NetemStrategy(DGCStrategy):
             if tl is None:
                 others.append(msg)
                 continue
+            # The strategy's own key for the node, so that clock, rows and acks agree.
             key = self.node_keys.get(msg.metadata.src_node_id, tl.client_id)
+            tl = dataclasses.replace(tl, client_id=key)
             if tl.ok:
                 try:
                     self.validate_reply(msg, server_round)

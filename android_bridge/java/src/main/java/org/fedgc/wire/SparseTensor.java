@@ -127,9 +127,9 @@ public final class SparseTensor {
             if (d == 0) {
                 zero = true;
             } else if (!over) {
-                long product = numel * d;
-                over = Math.multiplyHigh(numel, d) != 0 || product < 0 || product > MAX_NUMEL;
-                numel = product;
+                // Exact for positive operands, and needs no Math.multiplyHigh (Android API 31+).
+                over = numel > MAX_NUMEL / d;
+                numel *= d;
             }
         }
         if (zero) {

@@ -432,10 +432,9 @@ public final class WireCodec {
             if (dim == 0) {
                 zero = true;
             } else if (!over) {
-                long product = numel * dim;
-                over = Math.multiplyHigh(numel, dim) != 0 || product < 0
-                        || product > SparseTensor.MAX_NUMEL;
-                numel = product;
+                // Exact for positive operands, and needs no Math.multiplyHigh (Android API 31+).
+                over = numel > SparseTensor.MAX_NUMEL / dim;
+                numel *= dim;
             }
         }
         if (zero) {

@@ -426,6 +426,11 @@ public final class WireCodecTest {
 
     /** Random updates of every coding and dtype decode back to themselves. */
     private static void randomRoundTrips() throws DecodeException {
+        // Golomb-Rice (b = 0, one unary byte) and the bitmap both take 2 bytes: golomb wins.
+        byte[] tie = WireCodec.encode(update("tie", SparseTensor.ofFloat32(new long[] {16},
+                new long[] {0, 1}, new float[] {1, 2})));
+        check(WireCodec.tensorCodings(tie).get("tie") == IndexCoding.GOLOMB,
+                "a golomb/bitmap tie goes to golomb");
         Random rng = new Random(11);
         for (int trial = 0; trial < 200; trial++) {
             Map<String, SparseTensor> tensors = new LinkedHashMap<>();

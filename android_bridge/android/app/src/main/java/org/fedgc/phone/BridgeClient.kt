@@ -1,0 +1,109 @@
+// The phone's side of the fedgc bridge gRPC service (android_bridge/proto/fedgc_bridge.proto).
+package org.fedgc.phone
+
+import com.google.protobuf.ByteString
+import io.grpc.ManagedChannel
+import io.grpc.StatusRuntimeException
+import io.grpc.okhttp.OkHttpChannelBuilder
+import io.grpc.stub.StreamObserver
+import org.fedgc.bridge.v1.AckReply
+import org.fedgc.bridge.v1.AckRequest
+import org.fedgc.bridge.v1.FedgcBridgeGrpc
+import org.fedgc.bridge.v1.FetchTaskReply
+import org.fedgc.bridge.v1.FetchTaskRequest
+import org.fedgc.bridge.v1.QueryUploadRequest
+import org.fedgc.bridge.v1.RegisterRequest
+import org.fedgc.bridge.v1.UploadChunk
+import org.fedgc.bridge.v1.UploadStatus
+import java.security.MessageDigest
+import java.util.concurrent.CountDownLatch
+import java.util.concurrent.TimeUnit
+
+/** The link dropped before an upload completed, after [streams] attempts. */
+class UploadIncomplete(uploadId: String, streams: Int) :
+    java.io.IOException("upload '$uploadId' incomplete after $streams streams")
+
+/**
+ * Register, fetch a task, upload an encoded update in resumable chunks, and ask for the ack.
+ * TLS by default (the bridge refuses unknown devices and bad tokens with UNAUTHENTICATED).
+ */
+class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
+    private val channel: ManagedChannel = OkHttpChannelBuilder.forAddress(host, port).let {
+        if (useTls) it.useTransportSecurity() else it.usePlaintext()
+    }.build()
+    private val blocking = FedgcBridgeGrpc.newBlockingStub(channel)
+    private val async = FedgcBridgeGrpc.newStub(channel)
+    var sessionId: String = ""
+        private set
+    var pollIntervalS: Double = 5.0
+        private set
+
+    fun register(deviceId: String, token: String, manifestSha256: String) {
+        val reply = blocking.register(RegisterRequest.newBuilder().setDeviceId(deviceId)
+            .setToken(token).setManifestSha256(manifestSha256).build())
+        sessionId = reply.sessionId
+        pollIntervalS = reply.pollIntervalS
+    }
+
+    fun fetchTask(heldModelVersion: Long): FetchTaskReply =
+        blocking.fetchTask(FetchTaskRequest.newBuilder().setSessionId(sessionId)
+            .setHeldModelVersion(heldModelVersion).build())
+
+    /**
+     * Send [data] for [task]; after a cut stream, ask QueryUpload where the bridge stands and
+     * continue from that offset (the same upload id and digest in every chunk).
+     * Returns the offset each stream started at.
+     */
+    fun upload(task: FetchTaskReply, uploadId: String, data: ByteArray, metricsJson: String,
+               maxStreams: Int = 8): List<Long> {
+        val digest = MessageDigest.getInstance("SHA-256").digest(data).joinToString("") { "%02x".format(it) }
+        val chunkBytes = if (task.maxChunkBytes > 0) task.maxChunkBytes.toInt() else 64 * 1024
+        val starts = ArrayList<Long>()
+        repeat(maxStreams) {
+            val status = blocking.queryUpload(QueryUploadRequest.newBuilder().setSessionId(sessionId)
+                .setUploadId(uploadId).build())
+            if (status.complete) return starts
+            starts.add(status.receivedBytes)
+            if (stream(task, uploadId, data, digest, metricsJson, status.receivedBytes.toInt(), chunkBytes)) {
+                return starts
+            }
+        }
+        throw UploadIncomplete(uploadId, maxStreams)
+    }
+
+    /** One client stream from [start]; true when the bridge reports the upload complete. */
+    private fun stream(task: FetchTaskReply, uploadId: String, data: ByteArray, digest: String,
+                       metricsJson: String, start: Int, chunkBytes: Int): Boolean {
+        val done = CountDownLatch(1)
+        var result: UploadStatus? = null
+        val responses = object : StreamObserver<UploadStatus> {
+            override fun onNext(value: UploadStatus) { result = value }
+            override fun onError(t: Throwable) { done.countDown() }  // cut link: resume via QueryUpload
+            override fun onCompleted() { done.countDown() }
+        }
+        val requests = async.uploadUpdate(responses)
+        try {
+            var offset = start
+            while (offset < data.size) {
+                val end = minOf(data.size, offset + chunkBytes)
+                requests.onNext(UploadChunk.newBuilder().setSessionId(sessionId).setTaskId(task.taskId)
+                    .setUploadId(uploadId).setOffset(offset.toLong())
+                    .setData(ByteString.copyFrom(data, offset, end - offset))
+                    .setTotalBytes(data.size.toLong()).setSha256(digest).setMetricsJson(metricsJson).build())
+                offset = end
+            }
+            requests.onCompleted()
+        } catch (e: StatusRuntimeException) {
+            requests.onError(e)
+        }
+        done.await(5, TimeUnit.MINUTES)
+        return result?.complete == true
+    }
+
+    fun ack(uploadId: String): AckReply =
+        blocking.ack(AckRequest.newBuilder().setSessionId(sessionId).setUploadId(uploadId).build())
+
+    override fun close() {
+        channel.shutdown().awaitTermination(5, TimeUnit.SECONDS)
+    }
+}

@@ -1,0 +1,124 @@
+// The DGC step on the phone: encoder.pte in the ExecuTorch runtime, residual state on the host.
+package org.fedgc.phone
+
+import org.fedgc.wire.HalfFloats
+import org.fedgc.wire.SparseTensor
+import org.fedgc.wire.SparseUpdate
+import org.fedgc.wire.ValueDtype
+import org.pytorch.executorch.EValue
+import org.pytorch.executorch.Module
+import org.pytorch.executorch.Tensor
+
+/**
+ * What android_bridge.runtime.PteEncoder does in Python, in Kotlin: per tensor, run the exported
+ * `encode` (momentum correction, clipping scale, top-k, masking) or `encode_dense` method with the
+ * state u, v passed in and out, and wrap the result as a wire-format SparseUpdate.
+ *
+ * Host-side logic is only what the graph cannot hold: the density schedule and k
+ * (dgc.selection.num_selected), the global clipping scale from per-tensor sums of squares, the
+ * dense-layer policy, and restore (fold an unaggregated update back into v).
+ */
+class DgcEncoder(private val model: ExportedModel) {
+    private val module: Module = Module.load(model.encoderPte.absolutePath)
+    private val u = HashMap<String, FloatArray>()
+    private val v = HashMap<String, FloatArray>()
+    /** Parameters whose momentum exists (after their first step): `fresh` is 0 for them. */
+    private val started = HashSet<String>()
+    var settings: DgcSettings = model.dgc
+
+    init {
+        for (p in model.parameters) {
+            u[p.name] = FloatArray(p.numel.toInt())
+            v[p.name] = FloatArray(p.numel.toInt())
+        }
+    }
+
+    private fun isDense(p: Parameter) = p.shape.size <= 1 || p.numel < settings.minSparseNumel
+
+    private fun dtype() = ValueDtype.fromName(settings.valueDtype)
+
+    /** Fold [grads] (flat float32 per parameter) into the state and return what to send. */
+    fun compress(grads: Map<String, FloatArray>, epoch: Double, sequence: Long): SparseUpdate {
+        for (p in model.parameters) {
+            val g = grads[p.name] ?: error("gradient of '${p.name}' missing")
+            require(g.size.toLong() == p.numel) { "gradient '${p.name}' has ${g.size} entries, expected ${p.numel}" }
+            require(g.all { it.isFinite() }) { "gradient '${p.name}' contains NaN or Inf; nothing was changed" }
+        }
+        val scale = floatArrayOf(clipScale(grads).toFloat())
+        val density = settings.densityAt(epoch)
+        val out = LinkedHashMap<String, SparseTensor>()
+        val newU = HashMap<String, FloatArray>()
+        val newV = HashMap<String, FloatArray>()
+        for (p in model.parameters) {
+            val n = p.numel
+            // fresh = 1 on a parameter's first step: the momentum starts as the gradient itself
+            // (torch.optim.SGD's buffer, as dgc.DGCMemory keeps it).
+            val fresh = floatArrayOf(if (p.name in started) 0f else 1f)
+            val inputs = arrayOf(flat(grads.getValue(p.name)), flat(u.getValue(p.name)),
+                flat(v.getValue(p.name)), EValue.from(Tensor.fromBlob(scale, longArrayOf(1))),
+                EValue.from(Tensor.fromBlob(fresh, longArrayOf(1))))
+            if (isDense(p)) {
+                val r = module.execute("encode_dense", *inputs)
+                newU[p.name] = r[1].toTensor().dataAsFloatArray
+                newV[p.name] = r[2].toTensor().dataAsFloatArray
+                out[p.name] = tensor(p, LongArray(n.toInt()) { it.toLong() }, r[0].toTensor())
+            } else {
+                val k = minOf(n, maxOf(1L, Math.ceil(n * density).toLong()))
+                // The length of k_like is k: one program serves every warm-up density.
+                val kLike = EValue.from(Tensor.fromBlob(FloatArray(k.toInt()), longArrayOf(k)))
+                val r = module.execute("encode", *inputs, kLike)
+                val count = r[2].toTensor().dataAsLongArray[0].toInt()
+                newU[p.name] = r[3].toTensor().dataAsFloatArray
+                newV[p.name] = r[4].toTensor().dataAsFloatArray
+                val indices = r[0].toTensor().dataAsLongArray.copyOf(count)
+                out[p.name] = tensor(p, indices, r[1].toTensor(), count)
+            }
+        }
+        u.putAll(newU)
+        v.putAll(newV)
+        started.addAll(newU.keys)
+        return SparseUpdate(out, sequence)
+    }
+
+    /** The selected values as the wire dtype's raw bits. */
+    private fun tensor(p: Parameter, indices: LongArray, values: Tensor, count: Int = indices.size): SparseTensor {
+        val d = dtype()
+        if (d == ValueDtype.FLOAT32) {
+            return SparseTensor.ofFloat32(p.shape, indices, values.dataAsFloatArray.copyOf(count))
+        }
+        // The graph already rounded to the 16-bit dtype. If this AAR hands half tensors out only
+        // as float, HalfFloats re-rounds them, which is exact for values that are already 16-bit.
+        val floats = values.dataAsFloatArray.copyOf(count)
+        val bits = ShortArray(count) {
+            if (d == ValueDtype.FLOAT16) HalfFloats.floatToFloat16(floats[it]) else HalfFloats.floatToBfloat16(floats[it])
+        }
+        return SparseTensor.ofBits16(p.shape, indices, d, bits)
+    }
+
+    /** The clipping scale of android_bridge.encoder.clip_scale, from float64 sums of squares. */
+    private fun clipScale(grads: Map<String, FloatArray>): Double {
+        val clip = settings.clipNorm ?: return 1.0
+        var total = 0.0
+        for (p in model.parameters) {
+            val r = module.execute("sum_squares", flat(grads.getValue(p.name)))
+            total += r[0].toTensor().dataAsDoubleArray[0]
+        }
+        val norm = Math.sqrt(total)
+        val threshold = clip / Math.sqrt(settings.numWorkers.toDouble())
+        return if (norm > threshold) threshold / norm else 1.0
+    }
+
+    /** Fold an update that was never aggregated back into the residual v: no gradient mass is lost. */
+    fun restore(update: SparseUpdate) {
+        for ((name, t) in update.tensors()) {
+            val residual = v[name] ?: error("update tensor '$name' is not held by this encoder")
+            require(t.numel() == residual.size.toLong()) { "update tensor '$name' has ${t.numel()} entries, residual ${residual.size}" }
+        }
+        for ((name, t) in update.tensors()) {
+            val residual = v.getValue(name)
+            for (i in 0 until t.nnz()) residual[t.index(i).toInt()] += t.value(i)
+        }
+    }
+
+    private fun flat(a: FloatArray) = EValue.from(Tensor.fromBlob(a, longArrayOf(a.size.toLong())))
+}

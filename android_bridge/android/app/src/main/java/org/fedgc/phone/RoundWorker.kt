@@ -1,0 +1,111 @@
+// One federated round on the phone, as a WorkManager job: fetch, train, DGC-compress, encode, upload.
+package org.fedgc.phone
+
+import android.content.Context
+import androidx.work.Worker
+import androidx.work.WorkerParameters
+import androidx.work.workDataOf
+import org.fedgc.bridge.v1.ModelEncoding
+import org.fedgc.wire.SparseUpdate
+import org.fedgc.wire.WireCodec
+import org.json.JSONObject
+import java.io.File
+import java.security.MessageDigest
+
+/**
+ * The phone's round, step for step the Python reference phone (android_bridge/phone.py):
+ * rebuild the global model from the task's wire-format bytes, train with train_step.pte, form
+ * the pseudo-gradient global - local, fold a never-aggregated previous update back into the
+ * residual, compress with encoder.pte, WireCodec.encode, and upload with resumption.
+ */
+class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, params) {
+
+    override fun doWork(): Result {
+        val deviceId = inputData.getString(KEY_DEVICE_ID) ?: return Result.failure()
+        val token = inputData.getString(KEY_TOKEN) ?: return Result.failure()
+        val model = ExportedModel(File(applicationContext.filesDir, "fedgc_export"))
+        val state = PhoneState.get(model)
+        BridgeClient(BuildConfig.BRIDGE_HOST, BuildConfig.BRIDGE_PORT, BuildConfig.BRIDGE_TLS).use { bridge ->
+            val manifestSha = MessageDigest.getInstance("SHA-256")
+                .digest(model.manifestText.toByteArray()).joinToString("") { "%02x".format(it) }
+            bridge.register(deviceId, token, manifestSha)
+            val task = bridge.fetchTask(state.modelVersion)
+            if (!task.hasTask) return Result.retry()
+
+            val config = JSONObject(task.configJson)
+            val train = config.getJSONObject("train")
+            state.encoder.settings = DgcSettings.fromJson(config.getJSONObject("dgc"))
+            val global = globalModel(model, state, task.encoding, task.baseVersion, task.modelBytes.toByteArray())
+
+            state.trainer.setParameters(global)
+            val losses = state.trainer.train(LocalData.batches(applicationContext,
+                train.getInt("batch_size"), train.getInt("local_steps"),
+                train.getLong("seed") * 1_000_003 + task.serverRound), train.getDouble("lr"))
+            val local = state.trainer.parameters()
+            val pseudoGradient = model.parameters.associate { p ->
+                val g = global.getValue(p.name)
+                val l = local.getValue(p.name)
+                p.name to FloatArray(g.size) { g[it] - l[it] }
+            }
+            val pending = state.pending
+            val restored = pending != null && pending.sequence() != task.ackSequence
+            if (restored) state.encoder.restore(pending!!)
+            val update = state.encoder.compress(pseudoGradient, (task.serverRound - 1).toDouble(), task.sequence)
+            val data = WireCodec.encode(update)
+            state.pending = update
+            state.model = global
+            state.modelVersion = task.modelVersion
+
+            val metrics = JSONObject().put("num-examples", LocalData.size(applicationContext))
+                .put("train_loss", losses.average()).put("restored", if (restored) 1 else 0).toString()
+            val uploadId = "$deviceId-${task.taskId}"
+            val starts = bridge.upload(task, uploadId, data, metrics)
+            val ack = bridge.ack(uploadId)
+            return Result.success(workDataOf("uplink_bytes" to data.size, "streams" to starts.size,
+                "ack_state" to ack.stateValue))
+        }
+    }
+
+    /** The dense global model from a DENSE task, or the held model patched by a SPARSE_PATCH. */
+    private fun globalModel(model: ExportedModel, state: PhoneState, encoding: ModelEncoding,
+                            baseVersion: Long, bytes: ByteArray): Map<String, FloatArray> {
+        val update: SparseUpdate = WireCodec.decode(bytes, model.parameters.maxOf { it.numel })
+        if (encoding == ModelEncoding.SPARSE_PATCH) {
+            val held = state.model
+            check(held != null && state.modelVersion == baseVersion) {
+                "patch on version $baseVersion, phone holds ${state.modelVersion}"
+            }
+            val patched = held.mapValues { it.value.copyOf() }
+            for ((name, t) in update.tensors()) {
+                val flat = patched[name] ?: error("patch carries unknown tensor '$name'")
+                for (i in 0 until t.nnz()) flat[t.index(i).toInt()] = t.value(i)
+            }
+            return patched
+        }
+        return model.parameters.associate { p ->
+            val t = update.tensors()[p.name] ?: error("dense model lacks '${p.name}'")
+            check(t.isDense && t.shape().contentEquals(p.shape)) { "dense model tensor '${p.name}' must carry all of ${p.shape.toList()}" }
+            p.name to t.toDense()
+        }
+    }
+
+    companion object {
+        const val KEY_DEVICE_ID = "device_id"
+        const val KEY_TOKEN = "token"
+    }
+}
+
+/** What survives between rounds in this process: residual state, the pending update, the model. */
+class PhoneState private constructor(model: ExportedModel) {
+    val encoder = DgcEncoder(model)
+    val trainer = LocalTrainer(model, LocalData.batchShape(model))
+    var pending: SparseUpdate? = null
+    var model: Map<String, FloatArray>? = null
+    var modelVersion: Long = -1
+
+    companion object {
+        @Volatile private var instance: PhoneState? = null
+        fun get(model: ExportedModel): PhoneState =
+            instance ?: synchronized(this) { instance ?: PhoneState(model).also { instance = it } }
+    }
+}

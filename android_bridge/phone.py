@@ -1,0 +1,256 @@
+"""A reference phone client in Python: the exported ``.pte`` files and the gRPC stubs, nothing more.
+
+It does what the Android app does (``android_bridge/android/``): register with its device id and
+token over TLS, fetch a task, rebuild the global model from the wire-format bytes, train with
+``train_step.pte`` (ExecuTorch training API and SGD), form the pseudo-gradient
+``global - local``, fold a never-aggregated previous update back into the residual, compress
+with ``encoder.pte``, and upload the ``dgc.encode``-d update in chunks that resume after a cut.
+Torch appears only as the buffer type of the ExecuTorch Python bindings; host arithmetic is
+numpy, as it would be plain Java on the phone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+import dgc
+from android_bridge.proto import fedgc_bridge_pb2 as pb
+from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
+from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
+from dgc.config import DGCConfig
+
+
+class PhoneError(RuntimeError):
+    """The phone cannot run the task it was given (incompatible config or batch layout)."""
+
+
+class LinkCut(ConnectionError):
+    """Raised inside an upload stream to emulate a link that drops mid-transfer."""
+
+
+@dataclass
+class RoundReport:
+    """What one round on the phone did."""
+
+    task_id: str
+    server_round: int
+    upload_id: str
+    uplink_bytes: int
+    resume_offsets: list[int]
+    restored: bool
+    train_loss: float
+    ack_state: int
+
+
+class ReferencePhone:
+    """One phone: its exported files, its local data, its DGC state and its bridge session.
+
+    Parameters
+    ----------
+    export_dir : str or Path
+        Output of ``python -m android_bridge export``.
+    device_id, token : str
+        This phone's identity with the bridge.
+    target : str
+        ``host:port`` of the bridge.
+    x, y : numpy arrays
+        The phone's own training data (float32 inputs, int64 labels).
+    root_certificates : bytes or None
+        PEM of the CA that signed the bridge's certificate; None connects in plaintext (tests).
+    server_name : str or None
+        Host name to check the certificate against when ``target`` is an address.
+    """
+
+    def __init__(self, export_dir: str | Path, device_id: str, token: str, target: str,
+                 x: np.ndarray, y: np.ndarray, root_certificates: bytes | None = None,
+                 server_name: str | None = None) -> None:
+        self.export_dir = Path(export_dir)
+        self.manifest = load_manifest(export_dir)
+        self.device_id, self.token = device_id, token
+        self.x = np.ascontiguousarray(x, dtype=np.float32)
+        self.y = np.ascontiguousarray(y, dtype=np.int64)
+        if len(self.x) != len(self.y) or len(self.x) == 0:
+            raise PhoneError(f"phone data needs as many labels as inputs and at least one "
+                             f"example, got {len(self.x)} inputs and {len(self.y)} labels")
+        if root_certificates is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            self.channel = grpc.secure_channel(
+                target, grpc.ssl_channel_credentials(root_certificates=root_certificates),
+                options=options)
+        self.stub = pb_grpc.FedgcBridgeStub(self.channel)
+        self.encoder = PteEncoder.from_export(export_dir)
+        self.trainer = PteTrainer(export_dir)
+        self.shapes = {p["name"]: tuple(p["shape"]) for p in self.manifest["parameters"]}
+        self.session_id: str | None = None
+        self.model: dict[str, np.ndarray] | None = None
+        self.model_version = -1
+        self.pending: dgc.SparseUpdate | None = None
+        self.poll_interval_s = 0.05
+
+    def close(self) -> None:
+        """Close the gRPC channel."""
+        self.channel.close()
+
+    def register(self) -> None:
+        """Open a session; a refusal raises ``grpc.RpcError`` (UNAUTHENTICATED)."""
+        digest = hashlib.sha256((self.export_dir / "manifest.json").read_bytes()).hexdigest()
+        reply = self.stub.Register(pb.RegisterRequest(device_id=self.device_id,
+                                                      token=self.token, manifest_sha256=digest))
+        self.session_id, self.poll_interval_s = reply.session_id, reply.poll_interval_s
+
+    def wait_for_task(self, timeout_s: float) -> pb.FetchTaskReply:
+        """Poll FetchTask until a task arrives."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            task = self.stub.FetchTask(pb.FetchTaskRequest(
+                session_id=self.session_id, held_model_version=self.model_version))
+            if task.has_task:
+                return task
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no task for device {self.device_id!r} in {timeout_s} s")
+            time.sleep(self.poll_interval_s)
+
+    # -- one round ------------------------------------------------------------------------
+
+    def _global_model(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
+        update = dgc.decode(task.model_bytes)
+        if task.encoding == pb.SPARSE_PATCH:
+            if self.model is None or self.model_version != task.base_version:
+                raise PhoneError(f"patch on version {task.base_version}, phone holds "
+                                 f"{self.model_version}")
+            model = {k: v.copy() for k, v in self.model.items()}
+            for name, t in update.tensors.items():
+                flat = model[name].reshape(-1)
+                flat[t.indices.numpy()] = t.values.float().numpy()
+            return model
+        if set(update.tensors) != set(self.shapes):
+            raise PhoneError(f"model carries tensors {sorted(update.tensors)}, the exported "
+                             f"model has {sorted(self.shapes)}")
+        model = {}
+        for name, shape in self.shapes.items():
+            t = update.tensors[name]
+            if not t.is_dense or tuple(t.shape) != shape:
+                raise PhoneError(f"dense model tensor {name!r} must carry all of {shape}")
+            model[name] = t.values.float().numpy().reshape(shape).copy()
+        return model
+
+    def _batches(self, steps: int, batch_size: int, seed: int) -> Iterator[tuple[Any, Any]]:
+        # Full batches only (the training program has a fixed batch); epochs wrap around.
+        rng = np.random.default_rng(seed)
+        order = np.empty(0, dtype=np.int64)
+        for _ in range(steps):
+            while len(order) < batch_size:
+                order = np.concatenate([order, rng.permutation(len(self.x))])
+            idx, order = order[:batch_size], order[batch_size:]
+            yield self.x[idx], self.y[idx]
+
+    def run_round(self, task: pb.FetchTaskReply, cut_after_bytes: int | None = None,
+                  max_streams: int = 8) -> RoundReport:
+        """Train, compress and upload for ``task``; ``cut_after_bytes`` cuts the first stream
+        after that many bytes to exercise resumption."""
+        config = json.loads(task.config_json)
+        train = config["train"]
+        dgc_config = DGCConfig.from_dict(config["dgc"])
+        self.encoder.reconfigure(dgc_config)
+        batch = self.trainer.batch_shape[0]
+        if int(train["batch_size"]) != batch:
+            raise PhoneError(f"task asks for batch_size {train['batch_size']}, the exported "
+                             f"training step has {batch}")
+        started = time.perf_counter()
+        global_model = self._global_model(task)
+        self.trainer.set_parameters(global_model)
+        self.trainer.set_learning_rate(float(train["lr"]))
+        steps = int(train["local_steps"]) or int(train["local_epochs"]) * math.ceil(
+            len(self.x) / batch)
+        # A per-(run seed, round) shuffle, so reruns train identically.
+        seed = int(train["seed"]) * 1_000_003 + int(task.server_round)
+        losses = self.trainer.train(self._batches(steps, batch, seed))
+        local = self.trainer.parameters()
+        pseudo_gradient = {k: global_model[k] - local[k] for k in self.shapes}
+        restored = self.pending is not None and self.pending.sequence != task.ack_sequence
+        if restored:
+            self.encoder.restore(self.pending)
+        update = self.encoder.compress(pseudo_gradient, epoch=float(task.server_round - 1),
+                                       sequence=int(task.sequence))
+        data = dgc.encode(update)
+        self.pending = update
+        self.model, self.model_version = global_model, int(task.model_version)
+        metrics = {"num-examples": len(self.x), "train_loss": float(np.mean(losses)),
+                   "compute_seconds": time.perf_counter() - started,
+                   "restored": int(restored)}
+        upload_id = f"{self.device_id}-{task.task_id}"
+        starts = self.upload(task, upload_id, data, metrics, cut_after_bytes, max_streams)
+        ack = self.stub.Ack(pb.AckRequest(session_id=self.session_id, upload_id=upload_id))
+        return RoundReport(task.task_id, int(task.server_round), upload_id, len(data), starts,
+                           restored, metrics["train_loss"], ack.state)
+
+    def upload(self, task: pb.FetchTaskReply, upload_id: str, data: bytes,
+               metrics: dict[str, Any], cut_after_bytes: int | None = None,
+               max_streams: int = 8) -> list[int]:
+        """Send ``data`` in chunks, resuming from QueryUpload after a cut; return the offset
+        each stream started at."""
+        digest = hashlib.sha256(data).hexdigest()
+        chunk_bytes = int(task.max_chunk_bytes) or 64 * 1024
+        metrics_json = json.dumps(metrics, sort_keys=True)
+
+        def delivered() -> int:
+            return int(self.stub.QueryUpload(pb.QueryUploadRequest(
+                session_id=self.session_id, upload_id=upload_id)).received_bytes)
+
+        def chunks(start: int, cut: int | None) -> Iterator[pb.UploadChunk]:
+            for offset in range(start, len(data), chunk_bytes):
+                if cut is not None and offset >= cut:
+                    # The emulated link drops once what was sent before the cut has arrived, so
+                    # the resumption point is deterministic (a real cut may lose chunks in
+                    # flight; QueryUpload then reports less, and resuming works the same way).
+                    deadline = time.monotonic() + 10.0
+                    while delivered() < offset and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    raise LinkCut(f"link cut after {offset} bytes")
+                yield pb.UploadChunk(session_id=self.session_id, task_id=task.task_id,
+                                     upload_id=upload_id, offset=offset,
+                                     data=data[offset:offset + chunk_bytes],
+                                     total_bytes=len(data), sha256=digest,
+                                     metrics_json=metrics_json)
+
+        starts: list[int] = []
+        for stream in range(1, max_streams + 1):
+            status = self.stub.QueryUpload(pb.QueryUploadRequest(session_id=self.session_id,
+                                                                 upload_id=upload_id))
+            if status.complete:
+                return starts
+            cut = cut_after_bytes if stream == 1 else None
+            starts.append(int(status.received_bytes))
+            try:
+                status = self.stub.UploadUpdate(chunks(starts[-1], cut))
+            except grpc.RpcError as ex:
+                if ex.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                                     grpc.StatusCode.UNAVAILABLE):
+                    raise
+                continue  # the link dropped: ask where to resume
+            if status.complete:
+                return starts
+        raise ConnectionError(f"upload {upload_id!r} incomplete after {max_streams} streams")
+
+
+def compatible_config(manifest: dict[str, Any], requested: DGCConfig) -> DGCConfig:
+    """``requested`` with ``selection="exact"`` (what the phone runs), checked against the
+    exported config; raises ``dgc.ConfigError`` on a baked-in difference."""
+    from android_bridge.encoder import check_compatible
+
+    config = dataclasses.replace(requested, selection="exact")
+    check_compatible(DGCConfig.from_dict(manifest["dgc_config"]), config)
+    return config

@@ -1,0 +1,264 @@
+"""The phone bridge over loopback gRPC with TLS: auth, tasks, cut and resumed uploads."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import dgc
+from android_bridge.bridge import BridgeError, BridgeTimeout, PhoneBridge, PhoneTask
+from android_bridge.export import export_all
+from android_bridge.phone import ReferencePhone
+from android_bridge.proto import fedgc_bridge_pb2 as pb
+from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
+from android_bridge.runtime import PteEncoder
+from dgc import DGCCompressor, DGCConfig, SparseUpdate
+
+torch.set_num_threads(1)
+
+TOKENS = {"phone-a": "a" * 16 + "-secret-a", "phone-b": "b" * 16 + "-secret-b"}
+# What the federation's TrainSettings produce by default for method "dgc" (dgc.momentum 0).
+EXPORT_CONFIG = DGCConfig(selection="exact", momentum=0.0, density=0.01, warmup_epochs=1)
+BATCH = 10
+
+
+def _certificates(tmp_path_factory):
+    """A CA and a server certificate for localhost / 127.0.0.1, made with `cryptography`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedgc test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    return ca.public_bytes(pem), cert.public_bytes(pem), key_pem
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return _certificates(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export")
+    export_all("digits", out, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    return out
+
+
+@pytest.fixture()
+def bridge(certs):
+    ca, cert, key = certs
+    creds = grpc.ssl_server_credentials([(key, cert)])
+    with PhoneBridge(TOKENS, "127.0.0.1:0", creds, max_chunk_bytes=1024) as b:
+        yield b
+
+
+def _channel(bridge, certs):
+    return grpc.secure_channel(f"localhost:{bridge.port}",
+                               grpc.ssl_channel_credentials(root_certificates=certs[0]))
+
+
+def _data(n=60, seed=0):
+    from tasks import get_task
+
+    task = get_task("digits")
+    idx = np.random.default_rng(seed).permutation(len(task.train_y))[:n]
+    return task.train_x[idx].numpy(), task.train_y[idx].numpy()
+
+
+def _task(device, server_round=1, ack=-1, seed=0):
+    from tasks import get_task
+
+    torch.manual_seed(seed)
+    model = get_task("digits").build_model()
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    config = {"train": {"lr": 0.1, "batch_size": BATCH, "local_steps": 4, "local_epochs": 1,
+                        "seed": 0, "method": "dgc"},
+              "dgc": EXPORT_CONFIG.to_dict()}
+    return PhoneTask(device_id=device, server_round=server_round, model_version=server_round - 1,
+                     sequence=server_round, ack_sequence=ack,
+                     dense_model=dgc.encode(SparseUpdate.from_dense(state, "float32")),
+                     config=config), state
+
+
+def _phone(export_dir, bridge, certs, device="phone-a", token=None):
+    x, y = _data()
+    return ReferencePhone(export_dir, device, token or TOKENS[device],
+                          f"localhost:{bridge.port}", x, y, root_certificates=certs[0])
+
+
+def test_unknown_device_wrong_token_and_bad_session_are_refused(bridge, certs):
+    stub = pb_grpc.FedgcBridgeStub(_channel(bridge, certs))
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.Register(pb.RegisterRequest(device_id="mallory", token="x" * 20))
+    assert ex.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "unknown device 'mallory'" in ex.value.details()
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-b"]))
+    assert ex.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "wrong token for device 'phone-a'" in ex.value.details()
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.FetchTask(pb.FetchTaskRequest(session_id="forged"))
+    assert ex.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "unknown session 'forged'" in ex.value.details()
+    session = stub.Register(pb.RegisterRequest(device_id="phone-a",
+                                               token=TOKENS["phone-a"])).session_id
+    assert not stub.FetchTask(pb.FetchTaskRequest(session_id=session)).has_task
+    with pytest.raises(BridgeError, match="unknown device 'phone-z'"):
+        bridge.submit(_task("phone-z")[0])
+
+
+def test_plaintext_client_cannot_talk_to_the_tls_bridge(bridge):
+    stub = pb_grpc.FedgcBridgeStub(grpc.insecure_channel(f"127.0.0.1:{bridge.port}"))
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-a"]),
+                      timeout=5)
+    assert ex.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_phone_round_with_cut_and_resumed_upload(bridge, certs, export_dir):
+    phone = _phone(export_dir, bridge, certs)
+    phone.register()
+    task, state = _task("phone-a")
+    bridge.submit(task)
+    reports = []
+    fetched = phone.wait_for_task(10)
+    assert fetched.encoding == pb.DENSE and fetched.max_chunk_bytes == 1024
+    thread = threading.Thread(target=lambda: reports.append(
+        phone.run_round(fetched, cut_after_bytes=3 * 1024)))
+    thread.start()
+    result = bridge.wait(task.task_id, timeout_s=60)
+    thread.join(60)
+    (report,) = reports
+    # The first stream stopped at 3 KiB; the second resumed at the offset the bridge reported.
+    assert report.resume_offsets[0] == 0 and report.resume_offsets[1] == 3 * 1024
+    assert len(report.resume_offsets) == 2 and report.uplink_bytes > 3 * 1024
+    assert report.ack_state == pb.DELIVERED
+    assert hashlib.sha256(result.update_bytes).hexdigest() == hashlib.sha256(
+        dgc.encode(phone.pending)).hexdigest()
+    assert result.update.sequence == 1 and result.metrics["num-examples"] == 60
+    # What arrived is what dgc computes from the phone's pseudo-gradient (recomputed here).
+    local = phone.trainer.parameters()
+    pseudo = {k: state[k] - torch.from_numpy(local[k]) for k in state}
+    config = DGCConfig.from_dict(task.config["dgc"])
+    want = DGCCompressor(config).compress(pseudo, epoch=0.0, sequence=1)
+    got = dgc.decode(result.update_bytes)
+    for name, t in want.tensors.items():
+        assert torch.equal(got.tensors[name].indices, t.indices), name
+        assert torch.equal(got.tensors[name].values, t.values), name
+    phone.close()
+
+
+def test_bad_chunks_are_refused_and_change_nothing(bridge, certs):
+    stub = pb_grpc.FedgcBridgeStub(_channel(bridge, certs))
+    session = stub.Register(pb.RegisterRequest(device_id="phone-b",
+                                               token=TOKENS["phone-b"])).session_id
+    task, _ = _task("phone-b")
+    bridge.submit(task)
+    data = b"not a dgc update, but long enough to need three chunks" * 46
+    assert 2048 < len(data) < 2924
+    digest = hashlib.sha256(data).hexdigest()
+
+    def chunk(offset, payload, **kw):
+        fields = dict(session_id=session, task_id=task.task_id, upload_id="u1", offset=offset,
+                      data=payload, total_bytes=len(data), sha256=digest)
+        fields.update(kw)
+        return pb.UploadChunk(**fields)
+
+    assert stub.UploadUpdate(iter([chunk(0, data[:1000])])).received_bytes == 1000
+    cases = [
+        (chunk(1500, data[1500:1600]), grpc.StatusCode.OUT_OF_RANGE, "expected 1000"),
+        (chunk(1000, data[1000:2100]), grpc.StatusCode.INVALID_ARGUMENT,
+         "exceeds max_chunk_bytes 1024"),
+        (chunk(1000, data[1000:1100], total_bytes=5), grpc.StatusCode.INVALID_ARGUMENT,
+         "disagrees with its first chunk"),
+        (chunk(0, b"x", upload_id="u2", task_id="nope"), grpc.StatusCode.FAILED_PRECONDITION,
+         "task 'nope' is not open"),
+        (chunk(0, b"x", upload_id="u3", sha256="XYZ"), grpc.StatusCode.INVALID_ARGUMENT,
+         "sha256 must be 64 lowercase hex digits"),
+    ]
+    for bad, code, text in cases:
+        with pytest.raises(grpc.RpcError) as ex:
+            stub.UploadUpdate(iter([bad]))
+        assert ex.value.code() == code and text in ex.value.details(), ex.value.details()
+        status = stub.QueryUpload(pb.QueryUploadRequest(session_id=session, upload_id="u1"))
+        assert status.received_bytes == 1000 and not status.complete
+    # An overlapping resend keeps only the new tail; the whole upload completes, but it is not
+    # a dgc update, so it is rejected with a reason and the federation gets nothing.
+    status = stub.UploadUpdate(iter([chunk(900, data[900:1900]), chunk(1900, data[1900:])]))
+    assert status.complete and status.received_bytes == len(data)
+    ack = stub.Ack(pb.AckRequest(session_id=session, upload_id="u1"))
+    assert ack.state == pb.REJECTED and "bad magic" in ack.detail, ack.detail
+    with pytest.raises(BridgeTimeout, match="delivered no update"):
+        bridge.wait(task.task_id, timeout_s=0.2)
+
+
+def test_phone_refuses_config_its_export_cannot_run(bridge, certs, export_dir):
+    phone = _phone(export_dir, bridge, certs, device="phone-b")
+    phone.register()
+    task, _ = _task("phone-b")
+    task.config["dgc"]["nesterov"] = True
+    bridge.submit(task)
+    with pytest.raises(dgc.ConfigError, match="nesterov: exported False, requested True"):
+        phone.run_round(phone.wait_for_task(10))
+    # nothing was uploaded, and the phone's DGC state is untouched
+    assert phone.pending is None and phone.encoder.step == 0
+    assert isinstance(phone.encoder, PteEncoder)
+    phone.close()
+
+
+def test_deployed_bridge_from_node_config(certs, tmp_path):
+    import json
+
+    from android_bridge.bridge_app import bridge_from_node_config
+
+    with pytest.raises(BridgeError, match=r"node config lacks \['bridge-cert', 'bridge-key'"):
+        bridge_from_node_config({"bridge-address": "127.0.0.1:0", "bridge-devices": "x"})
+    ca, cert, key = certs
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "key.pem").write_bytes(key)
+    (tmp_path / "devices.json").write_text(json.dumps({"phone-a": TOKENS["phone-a"]}))
+    config = {"bridge-address": "127.0.0.1:0", "bridge-cert": str(tmp_path / "cert.pem"),
+              "bridge-key": str(tmp_path / "key.pem"),
+              "bridge-devices": str(tmp_path / "nope.json")}
+    with pytest.raises(BridgeError, match="cannot read the bridge's files"):
+        bridge_from_node_config(config)
+    config["bridge-devices"] = str(tmp_path / "devices.json")
+    bridge, _ = bridge_from_node_config(config)
+    try:
+        assert bridge_from_node_config(config)[0] is bridge  # one bridge per config
+        stub = pb_grpc.FedgcBridgeStub(grpc.secure_channel(
+            f"localhost:{bridge.port}", grpc.ssl_channel_credentials(root_certificates=ca)))
+        reply = stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-a"]))
+        assert reply.session_id
+    finally:
+        bridge.stop()

@@ -1,0 +1,117 @@
+"""A federation in which two of four clients are phones behind the bridge (TLS, loopback gRPC)."""
+
+from __future__ import annotations
+
+import csv
+import threading
+
+import grpc
+import pytest
+import torch
+
+from android_bridge.bridge import PhoneBridge
+from android_bridge.bridge_app import make_bridge_app
+from android_bridge.export import export_all
+from android_bridge.phone import ReferencePhone
+from client.app import app as client_app
+from client.app import client_key
+
+local_grid = pytest.importorskip("server.local_grid", reason="server.local_grid not on main yet")
+
+from server.app import run_server  # noqa: E402 - after the skip
+from server.config import RunConfig  # noqa: E402
+from tests.test_bridge import BATCH, EXPORT_CONFIG, TOKENS, _certificates  # noqa: E402
+
+torch.set_num_threads(1)
+
+PHONES = {0: "phone-a", 1: "phone-b"}
+SETTINGS = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "partition": "iid",
+            "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
+            "batch_size": BATCH, "lr": 0.1, "rounds": 3, "seed": 0}
+
+
+def _phone_loop(phone: ReferencePhone, stop: threading.Event, reports: list, errors: list,
+                cut_round: int | None) -> None:
+    try:
+        phone.register()
+        while not stop.is_set():
+            try:
+                task = phone.wait_for_task(0.5)
+            except TimeoutError:
+                continue
+            cut = 2048 if task.server_round == cut_round else None
+            reports.append(phone.run_round(task, cut_after_bytes=cut))
+    except Exception as ex:  # reported to the test thread
+        errors.append(ex)
+
+
+@pytest.mark.slow
+def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory):
+    from tasks import get_task
+
+    ca, cert, key = _certificates(tmp_path_factory)
+    export = tmp_path_factory.mktemp("export")
+    export_all("digits", export, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    task = get_task("digits")
+    parts = task.partition(SETTINGS["num_clients"], scheme="iid", alpha=0.5, seed=0)
+    config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path_factory.mktemp("r")),
+                                  "run_name": "phones"})
+    stop = threading.Event()
+    reports: dict[str, list] = {d: [] for d in PHONES.values()}
+    errors: list = []
+    with PhoneBridge(TOKENS, "127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]),
+                     max_chunk_bytes=1024) as bridge:
+        phones, threads = [], []
+        for pid, device in PHONES.items():
+            idx = parts[pid]
+            phone = ReferencePhone(export, device, TOKENS[device], f"localhost:{bridge.port}",
+                                   task.train_x[idx].numpy(), task.train_y[idx].numpy(),
+                                   root_certificates=ca)
+            t = threading.Thread(target=_phone_loop, args=(
+                phone, stop, reports[device], errors, 1 if device == "phone-a" else None))
+            t.start()
+            phones.append(phone)
+            threads.append(t)
+        bridge_app = make_bridge_app(bridge, PHONES, timeout_s=60)
+
+        def mixed(msg, context):
+            app = bridge_app if client_key(context) in PHONES else client_app
+            return app(msg, context)
+
+        def drop_phone_b_in_round_1(reply):
+            metrics = reply.content.metric_records.get("metrics")
+            if metrics and metrics.get("client_key") == 1 and metrics.get("sequence") == 1:
+                return None  # lost on the way back: never aggregated
+            return reply
+
+        grid = local_grid.LocalGrid(mixed, SETTINGS["num_clients"], seed=1,
+                                    intercept=drop_phone_b_in_round_1)
+        try:
+            summary = run_server(grid, config)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            for p in phones:
+                p.close()
+    assert not errors, errors
+    assert summary["rounds"] == 3
+    a, b = reports["phone-a"], reports["phone-b"]
+    assert [r.server_round for r in a] == [1, 2, 3] == [r.server_round for r in b]
+    # phone-a's round-1 upload (warm-up density 0.25, several KiB) was cut at 2 KiB and
+    # resumed there.
+    assert a[0].resume_offsets == [0, 2048] and a[0].uplink_bytes > 2048
+    assert all(len(r.resume_offsets) == 1 for r in a[1:] + b)
+    # phone-b's round-1 reply was dropped: in round 2 it folded that update back.
+    assert [r.restored for r in b] == [False, True, False]
+    assert not any(r.restored for r in a)
+    rows = list(csv.DictReader((config.run_dir / "clients.csv").open()))
+    up = {(int(r["round"]), int(r["client_key"])): int(r["uplink_bytes"]) for r in rows
+          if r["status"] == "aggregated"}
+    for rep in a:
+        assert up[(rep.server_round, 0)] == rep.uplink_bytes
+    assert (1, 1) not in up and up[(2, 1)] == b[1].uplink_bytes
+    assert len(up) == 4 * 3 - 1  # every other client, phone or not, was aggregated every round
+    accuracy = [float(r["accuracy"]) for r in csv.DictReader(
+        (config.run_dir / "rounds.csv").open())]
+    assert accuracy[-1] > accuracy[0]
