@@ -51,7 +51,7 @@ def make_tls(out_dir: Path, hosts: list[str]) -> TlsFiles:
     if not hosts:
         raise ValueError("make_tls: hosts is empty, expected at least one address or name")
     out_dir.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedgc deploy CA")])
