@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from client.settings import SettingsError, coerce
 from simulations.netem.errors import LinkConfigError
 from simulations.netem.link import OUTAGE_POLICIES
 from simulations.netem.presets import DEVICE_PRESETS, LINK_PRESETS
@@ -230,41 +231,14 @@ def parse_fractions(text: str, name: str) -> dict[str, float]:
 
 
 def _coerce(name: str, value: object, kind: object) -> object:
+    # The run config's own conversion (``--set`` strings, TOML values), plus finiteness: a link
+    # number that is Inf or NaN would make every virtual time meaningless.
     kind = {"bool": bool, "int": int, "float": float, "str": str}.get(str(kind), kind)
     key = PREFIX + name
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise LinkConfigError(f"{key} must be a boolean (true/false), got {value!r}")
-    if kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise LinkConfigError(f"{key} must be an integer, got {value!r}")
-    if kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if math.isfinite(value):
-                return float(value)
-        elif isinstance(value, str):
-            try:
-                v = float(value.strip())
-                if math.isfinite(v):
-                    return v
-            except ValueError:
-                pass
+    try:
+        out = coerce(key, value, kind)  # type: ignore[arg-type]
+    except SettingsError as ex:
+        raise LinkConfigError(str(ex)) from ex
+    if kind is float and not math.isfinite(out):
         raise LinkConfigError(f"{key} must be a finite number, got {value!r}")
-    if not isinstance(value, str):
-        raise LinkConfigError(f"{key} must be a string, got {value!r}")
-    return value
+    return out
