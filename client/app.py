@@ -98,6 +98,10 @@ def global_model(content: RecordDict, config: ConfigRecord,
     if kind != "patch":
         raise ClientProtocolError(f"downlink must be 'dense' or 'patch', got {kind!r}")
     base = _int(config, P.BASE_VERSION)
+    target = _int(config, P.MODEL_VERSION)
+    if held is not None and "model" in held and int(held.get("model_version", -1)) == target:
+        # A resumed server re-sends a round this client already received: it holds the target.
+        return {k: v.clone() for k, v in held["model"].items()}
     if held is None or "model" not in held or int(held.get("model_version", -1)) != base:
         have = None if held is None else held.get("model_version")
         raise ClientProtocolError(f"server sent a patch on model version {base}, this client "
@@ -142,6 +146,17 @@ def train(msg: Message, context: Context) -> Message:
                                   f"{len(parts)} partitions (num_clients = {s.num_clients})")
     idx = torch.from_numpy(parts[key])
 
+    reply = record.get("reply")
+    if (s.method == "dgc" and reply is not None and "pending" in record
+            and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
+        # The server re-sent a round this client already answered (a ServerApp resumed from the
+        # checkpoint before it): send the same bytes again instead of training and compressing
+        # a second time, which would fold the pending update back and change the residual.
+        data = bytes(record["pending"].numpy().tobytes())
+        metrics = MetricRecord({**reply, "compute_seconds": time.perf_counter() - started})
+        return Message(RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics}),
+                       reply_to=msg)
+
     global_state = global_model(msg.content, config, record)
     model = task.build_model()
     model.load_state_dict(global_state)
@@ -175,9 +190,7 @@ def train(msg: Message, context: Context) -> Message:
         # Keep the model this client now holds, so the server may send a patch next time.
         new_record["model"] = global_state
         new_record["model_version"] = version
-    store.put(str(key), new_record)
-
-    metrics = MetricRecord({
+    reply_metrics: dict[str, int | float] = {
         "num-examples": local.num_examples,
         "uplink_bytes": len(data),
         "nnz": update.nnz,
@@ -188,7 +201,12 @@ def train(msg: Message, context: Context) -> Message:
         "client_key": key,
         "sequence": server_round,
         "restored": restored,
-    })
+    }
+    if s.method == "dgc":
+        new_record["reply"] = {k: v for k, v in reply_metrics.items() if k != "compute_seconds"}
+    store.put(str(key), new_record)
+
+    metrics = MetricRecord(reply_metrics)
     return Message(RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics}),
                    reply_to=msg)
 

@@ -161,3 +161,58 @@ def test_query_reports_the_partition_id():
                   message_type=MessageType.QUERY)
     (reply,) = grid.send_and_receive([msg])
     assert reply.content.metric_records[P.METRICS][P.CLIENT_KEY] == grid.partition_of[node]
+
+
+def _update_bytes(reply: Message) -> bytes:
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    return P.record_to_bytes(reply.content.array_records[P.UPDATE])
+
+
+def test_a_re_sent_round_gets_the_same_reply_and_leaves_the_state_alone(tmp_path):
+    """A ServerApp resumed from the checkpoint before round 2 sends round 2 again.
+
+    The client already trained round 2 on model version 1: it must answer with the very bytes it
+    sent (retraining would fold its pending update back into the residual and send it twice), and
+    accept the re-sent patch from version 0 to the version 1 it already holds.
+    """
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    _send(grid, 0, s, 1, -1, _global(), **{P.KEEP_MODEL: True})
+    second = _send(grid, 0, s, 2, 1, _global(), **{P.KEEP_MODEL: True, P.MODEL_VERSION: 1})
+    store = ClientStateStore(s.state_dir)
+    before = _residual(s, "0")
+    patch = dgc.encode(dgc.SparseUpdate({}, 0))
+    again = _send(grid, 0, s, 2, 1, P.bytes_to_record(patch, P.PATCH),
+                  **{P.KEEP_MODEL: True, P.MODEL_VERSION: 1, P.DOWNLINK: "patch",
+                     P.BASE_VERSION: 0})
+    assert _update_bytes(again) == _update_bytes(second)
+    m_again, m_first = (r.content.metric_records[P.METRICS] for r in (again, second))
+    assert {k: m_again[k] for k in P.REPLY_METRICS if k != "compute_seconds"} == \
+        {k: m_first[k] for k in P.REPLY_METRICS if k != "compute_seconds"}
+    after = _residual(s, "0")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert int(store.get("0")["reply"]["sequence"]) == 2
+
+
+def test_a_patch_to_the_version_the_client_holds_trains_on_the_held_model(tmp_path):
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    _send(grid, 1, s, 1, -1, _global(), **{P.KEEP_MODEL: True, P.MODEL_VERSION: 4})
+    shutil.copytree(tmp_path / "state", tmp_path / "state_b")
+    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+    patch = dgc.encode(dgc.SparseUpdate({}, 0))
+    # Round 2 on version 4 again: a patch "from 3 to 4" needs nothing the client lacks.
+    via_patch = _send(grid, 1, s, 2, 1, P.bytes_to_record(patch, P.PATCH),
+                      **{P.MODEL_VERSION: 4, P.DOWNLINK: "patch", P.BASE_VERSION: 3})
+    via_dense = _send(grid, 1, s_b, 2, 1, _global(), **{P.MODEL_VERSION: 4})
+    assert _update_bytes(via_patch) == _update_bytes(via_dense)
+
+
+def test_a_round_answered_on_another_model_version_is_trained_again(tmp_path):
+    """Same round number but a different model version is not a re-send: fold back and train."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    _send(grid, 2, s, 1, -1, _global())
+    reply = _send(grid, 2, s, 1, -1, _global(), **{P.MODEL_VERSION: 9})
+    assert _update_bytes(reply)
+    assert reply.content.metric_records[P.METRICS]["restored"] == 1
