@@ -282,7 +282,22 @@ class DGCStrategy(FedAvg):
     def register_clients(self, node_keys: Mapping[int, int]) -> None:
         """Record node id -> client key pairs (what the identification query learns)."""
         for node, key in node_keys.items():
+            self.node_keys.pop(int(node), None)  # re-registering moves the node to the newest
             self.node_keys[int(node)] = int(key)
+
+    def nodes_by_key(self, node_ids: list[int]) -> dict[int, int]:
+        """Client key -> the node to message, among the connected ``node_ids``.
+
+        A SuperNode that crashed and came back has a new node id, while the SuperLink may still
+        list the dead one as online for a while: when several connected nodes carry one key,
+        the most recently identified one wins (``node_keys`` keeps identification order).
+        """
+        online = set(node_ids)
+        node_of: dict[int, int] = {}
+        for node, key in self.node_keys.items():
+            if node in online:
+                node_of[key] = node
+        return node_of
 
     # ------------------------------------------------------------------ configure
     def _identify(self, grid: Grid, node_ids: list[int]) -> None:
@@ -345,10 +360,7 @@ class DGCStrategy(FedAvg):
         node_ids = self._wait_for_nodes(grid, max(self.min_available_nodes,
                                                   self.clients_per_round))
         self._identify(grid, node_ids)
-        node_of: dict[int, int] = {}
-        for n in node_ids:
-            if n in self.node_keys:
-                node_of.setdefault(self.node_keys[n], n)
+        node_of = self.nodes_by_key(node_ids)
         sampled = self.sample(server_round, list(node_of))
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), len(node_ids))
 

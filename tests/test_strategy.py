@@ -225,6 +225,18 @@ def test_sampling_is_seeded_and_ignores_node_ids():
     assert len(over.sample(1, keys)) == 13
 
 
+
+def test_a_restarted_node_is_messaged_under_its_newest_id():
+    """A crashed SuperNode's old id may still be listed online: the newest id of a key wins."""
+    s = DGCStrategy(clients_per_round=2)
+    # Node ids are random: the restarted node (key 0) got a larger id than its dead one.
+    s.register_clients({100: 0, 500: 1})
+    s.register_clients({900: 0})
+    assert s.nodes_by_key([100, 500, 900]) == {0: 900, 1: 500}
+    assert s.nodes_by_key([100, 500]) == {0: 100, 1: 500}  # only the old id is connected
+    s.register_clients({100: 0})  # identified again: newest once more
+    assert s.nodes_by_key([100, 500, 900]) == {0: 100, 1: 500}
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"clients_per_round": 0}, "clients_per_round"),
     ({"server_momentum": 1.0}, "server_momentum"),
