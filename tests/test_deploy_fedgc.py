@@ -119,13 +119,16 @@ def test_serverapp_killed_mid_run_resumes_from_its_checkpoint(
 
     final = torch.load(config.run_dir / "model.pt")
     expected = torch.load(reference / "model.pt")
-    if not all(torch.equal(final[k], expected[k]) for k in expected):
-        errors = [r for r in _rows(config.run_dir / "clients.csv") if r["status"] != "aggregated"]
-        pytest.xfail(
-            "resumed model differs from the uninterrupted one: the ClientApp is not idempotent "
-            "for a round the crashed ServerApp had already sent (it re-folds its pending update "
-            f"or refuses the re-sent patch); non-aggregated replies: {errors}"
-        )
+    errors = [r for r in _rows(config.run_dir / "clients.csv") if r["status"] != "aggregated"]
+    assert errors == [], f"a re-sent round was not answered as before: {errors}"
+    resumed_round = _rows(config.run_dir / "rounds.csv")[1]
+    if int(resumed_round["clients_sampled"]) == 0:
+        # Seen here: each SuperNode starts a flwr-clientapp for the new run's identification
+        # query and that process never replies (the query times out after probe_timeout), so
+        # the resumed round has nobody to sample. A Flower deployment behaviour, still open.
+        pytest.xfail("no SuperNode answered the resumed run's identification query")
+    for k in expected:
+        assert torch.equal(final[k], expected[k]), f"{k} differs from the uninterrupted run"
 
 
 def test_supernode_crash_and_an_intermittent_link_lose_no_update(
