@@ -605,6 +605,9 @@ class DGCStrategy(FedAvg):
             "rounds": [asdict(r) for r in self.rounds],
             "client_rows": [asdict(r) for r in self.client_rows],
             "rejections": dict(self.rejections),
+            # Node ids live as long as their SuperNodes: a ServerApp resumed in the same
+            # deployment messages them without asking again (in simulation they are just stale).
+            "node_keys": {str(n): k for n, k in self.node_keys.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -630,6 +633,7 @@ class DGCStrategy(FedAvg):
         self.rounds = [RoundRecord(**r) for r in state["rounds"]]
         self.client_rows = [ClientRow(**r) for r in state["client_rows"]]
         self.rejections = dict(state["rejections"])
+        self.register_clients({int(n): int(k) for n, k in state.get("node_keys", {}).items()})
 
     # ------------------------------------------------------------------ the loop
     def start(

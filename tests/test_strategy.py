@@ -257,6 +257,8 @@ def test_state_dict_round_trip_and_mismatch():
     other.set_model(ArrayRecord(_model(1)))
     other.load_state_dict(state)
     assert all(torch.equal(other.model[k], s.model[k]) for k in s.model)
+    # A resumed ServerApp knows the nodes' keys without querying them again.
+    assert other.node_keys == s.node_keys and len(s.node_keys) == NUM_NODES
     wrong = DGCStrategy()
     wrong.set_model(ArrayRecord(OrderedDict([("w", torch.zeros(3))])))
     from server.checkpoint import CheckpointError
