@@ -5,6 +5,7 @@ import org.fedgc.wire.HalfFloats
 import org.fedgc.wire.SparseTensor
 import org.fedgc.wire.SparseUpdate
 import org.fedgc.wire.ValueDtype
+import org.pytorch.executorch.DType
 import org.pytorch.executorch.EValue
 import org.pytorch.executorch.Module
 import org.pytorch.executorch.Tensor
@@ -86,8 +87,13 @@ class DgcEncoder(private val model: ExportedModel) {
         if (d == ValueDtype.FLOAT32) {
             return SparseTensor.ofFloat32(p.shape, indices, values.dataAsFloatArray.copyOf(count))
         }
-        // The graph already rounded to the 16-bit dtype. If this AAR hands half tensors out only
-        // as float, HalfFloats re-rounds them, which is exact for values that are already 16-bit.
+        // The graph outputs the values in the wire's 16-bit dtype. ExecuTorch's Tensor_float16
+        // hands out its raw bits (dataAsShortArray): take them as they are. Otherwise (an AAR
+        // without that accessor, or bfloat16) read floats and let HalfFloats re-round them, which
+        // is exact for values that are already 16-bit.
+        if (d == ValueDtype.FLOAT16 && values.dtype() == DType.HALF) {
+            return SparseTensor.ofBits16(p.shape, indices, d, values.dataAsShortArray.copyOf(count))
+        }
         val floats = values.dataAsFloatArray.copyOf(count)
         val bits = ShortArray(count) {
             if (d == ValueDtype.FLOAT16) HalfFloats.floatToFloat16(floats[it]) else HalfFloats.floatToBfloat16(floats[it])
