@@ -90,6 +90,9 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             "num-examples": int(result.metrics.get("num-examples", 0)),
             "uplink_bytes": len(result.update_bytes),
             "nnz": update.nnz,
+            # The phone encoder has no shared-index channel (dgc.shared): the server aggregates
+            # a reply without signs from its top-k update alone.
+            "shared_entries": 0,
             "density": update.density,
             "train_loss": float(result.metrics.get("train_loss", float("nan"))),
             "compute_seconds": time.perf_counter() - started,

@@ -11,7 +11,10 @@ One train message, in order:
    sequence), fold it back into the residual with the compressor's ``restore``;
 6. compress ("dense": all of it in fp32; "topk": no residual, no momentum; "dgc": configured;
    topk and dgc give small tensors ``dgc.small_density``, :meth:`TrainSettings.compressor`),
-   encode with ``dgc.encode``, store the new state and pending update, and reply.
+   encode with ``dgc.encode``;
+7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.shared`), send
+   the residual at those indices as scaled signs too;
+8. store the new state and pending update(s), and reply.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from client.settings import SettingsError, TrainSettings, fields_of, parse
 from client.state import ClientStateStore
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
+from dgc.shared import Masks, decode_mask, decode_signs, encode_signs, take_signs
 
 app = ClientApp()
 
@@ -123,6 +127,42 @@ def _pending_update(record: dict[str, Any]) -> SparseUpdate | None:
     return dgc.decode(bytes(data.numpy().tobytes()))
 
 
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def shared_masks(content: RecordDict,
+                 model: dict[str, torch.Tensor]) -> tuple[bytes, Masks] | None:
+    """The round's shared index sets (with their bytes), or None when the message has none."""
+    record = content.array_records.get(P.SHARED)
+    if record is None:
+        return None
+    try:
+        data = P.record_to_bytes(record, P.SHARED_MASK)
+        _, masks = decode_mask(data, {k: v.numel() for k, v in model.items()})
+    except (ValueError, dgc.DecodeError) as ex:
+        raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
+    return data, masks
+
+
+def _pending_shared(record: dict[str, Any],
+                    model: dict[str, torch.Tensor]) -> SparseUpdate | None:
+    """The signs sent with the pending update, at the indices they were sent for."""
+    if "pending_shared" not in record:
+        return None
+    numels = {k: v.numel() for k, v in model.items()}
+    _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
+    return decode_signs(bytes(record["pending_shared"].numpy().tobytes()), masks,
+                        {k: (v.numel(),) for k, v in model.items()})
+
+
+def _reply_content(data: bytes, shared: bytes | None, metrics: MetricRecord) -> RecordDict:
+    content = RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics})
+    if shared is not None:
+        content[P.SHARED] = P.bytes_to_record(shared, P.SHARED_SIGNS)
+    return content
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on this client's partition and reply with the encoded pseudo-gradient."""
@@ -153,11 +193,13 @@ def train(msg: Message, context: Context) -> Message:
         # checkpoint before it): send the same bytes again instead of training and compressing
         # a second time, which would fold the pending update back and change the residual.
         data = bytes(record["pending"].numpy().tobytes())
+        shared_data = (bytes(record["pending_shared"].numpy().tobytes())
+                       if "pending_shared" in record else None)
         metrics = MetricRecord({**reply, "compute_seconds": time.perf_counter() - started})
-        return Message(RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics}),
-                       reply_to=msg)
+        return Message(_reply_content(data, shared_data, metrics), reply_to=msg)
 
     global_state = global_model(msg.content, config, record)
+    shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
     model = task.build_model()
     model.load_state_dict(global_state)
     local = train_locally(
@@ -167,6 +209,8 @@ def train(msg: Message, context: Context) -> Message:
         seed=round_seed(s.seed, server_round, key))
 
     restored = 0
+    shared_data: bytes | None = None
+    shared_entries = 0
     if s.method == "dense":
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
         new_record: dict[str, Any] = {}
@@ -179,21 +223,32 @@ def train(msg: Message, context: Context) -> Message:
                 # The server never aggregated it (deadline, lost link, rejected): put its mass
                 # back so that nothing this client computed is lost.
                 compressor.restore(pending)
+                pending_signs = _pending_shared(record, global_state)
+                if pending_signs is not None:
+                    compressor.restore(pending_signs)
                 restored = 1
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
+        if shared is not None:
+            signs = take_signs(compressor.residual(), shared[1], server_round)
+            shared_data = encode_signs(signs)
+            shared_entries = signs.nnz
         new_record = {"compressor": compressor.state_dict()} if s.method == "dgc" else {}
     data = dgc.encode(update)
     if s.method == "dgc":
-        new_record["pending"] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        new_record["pending"] = _bytes_tensor(data)
+        if shared_data is not None and shared is not None:
+            new_record["pending_shared"] = _bytes_tensor(shared_data)
+            new_record["pending_mask"] = _bytes_tensor(shared[0])
     if bool(config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_record["model"] = global_state
         new_record["model_version"] = version
     reply_metrics: dict[str, int | float] = {
         "num-examples": local.num_examples,
-        "uplink_bytes": len(data),
+        "uplink_bytes": len(data) + (len(shared_data) if shared_data is not None else 0),
         "nnz": update.nnz,
+        "shared_entries": shared_entries,
         "density": update.density,
         "train_loss": local.train_loss,
         "compute_seconds": time.perf_counter() - started,
@@ -206,8 +261,7 @@ def train(msg: Message, context: Context) -> Message:
         new_record["reply"] = {k: v for k, v in reply_metrics.items() if k != "compute_seconds"}
     store.put(str(key), new_record)
 
-    metrics = MetricRecord(reply_metrics)
-    return Message(RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics}),
+    return Message(_reply_content(data, shared_data, MetricRecord(reply_metrics)),
                    reply_to=msg)
 
 

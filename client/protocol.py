@@ -10,8 +10,14 @@ A train message carries
   (``base_version``). Replacing instead of adding keeps the client's copy bit-identical to the
   server's.
 
+A DGC train message may also carry ``shared`` (ArrayRecord with one byte Array
+``shared_mask``: the round's shared index sets, ``dgc.shared.encode_mask``). The client then
+sends its residual at those indices as scaled signs.
+
 A train reply carries ``update`` (ArrayRecord with one byte Array: the ``dgc.encode``-d
-pseudo-gradient) and ``metrics`` (MetricRecord, keys in :data:`REPLY_METRICS`).
+pseudo-gradient), for a message with index sets ``shared`` (one byte Array ``shared_signs``:
+``dgc.shared.encode_signs``), and ``metrics`` (MetricRecord, keys in
+:data:`REPLY_METRICS`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ CONFIG = "config"
 UPDATE = "update"
 METRICS = "metrics"
 PATCH = "patch"
+SHARED = "shared"  # ArrayRecord of the shared-index channel (dgc.shared), both directions
+SHARED_MASK = "shared_mask"  # its byte Array in a train message
+SHARED_SIGNS = "shared_signs"  # its byte Array in a train reply
 
 # Per-node config keys the server adds to the TrainSettings keys.
 SERVER_ROUND = "server-round"
@@ -37,8 +46,9 @@ BASE_VERSION = "base_version"  # the version a patch applies to
 KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
 
 #: Metrics every train reply carries.
-REPLY_METRICS = ("num-examples", "uplink_bytes", "nnz", "density", "train_loss",
-                 "compute_seconds", "model_version", "client_key", "sequence", "restored")
+REPLY_METRICS = ("num-examples", "uplink_bytes", "nnz", "shared_entries", "density",
+                 "train_loss", "compute_seconds", "model_version", "client_key", "sequence",
+                 "restored")
 
 #: The metric a query reply carries: the client's stable key (its partition id in simulation).
 CLIENT_KEY = "client_key"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -14,6 +15,7 @@ from client import protocol as P
 from client.app import app as client_app
 from client.settings import TrainSettings, to_flat
 from client.state import ClientStateStore
+from dgc.shared import decode_signs, encode_mask
 from server.local_grid import LocalGrid
 
 
@@ -23,12 +25,14 @@ def _settings(tmp_path, **kw) -> TrainSettings:
 
 
 def _send(grid: LocalGrid, key: int, settings: TrainSettings, server_round: int, ack: int,
-          arrays: ArrayRecord, **extra) -> Message:
+          arrays: ArrayRecord, shared: bytes | None = None, **extra) -> Message:
     node = next(n for n, k in grid.partition_of.items() if k == key)
     cfg = ConfigRecord({**to_flat(settings), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
                         P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", **extra})
-    msg = Message(RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg}), dst_node_id=node,
-                  message_type=MessageType.TRAIN)
+    content = RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg})
+    if shared is not None:
+        content[P.SHARED] = P.bytes_to_record(shared, P.SHARED_MASK)
+    msg = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
     (reply,) = grid.send_and_receive([msg])
     return reply
 
@@ -216,3 +220,94 @@ def test_a_round_answered_on_another_model_version_is_trained_again(tmp_path):
     reply = _send(grid, 2, s, 1, -1, _global(), **{P.MODEL_VERSION: 9})
     assert _update_bytes(reply)
     assert reply.content.metric_records[P.METRICS]["restored"] == 1
+
+
+# ---------------------------------------------------------------- the shared sign channel
+
+#: Shared index sets for the digits MLP: 64 of the hidden layer's 12,800, 20 of the 2,000 output.
+_MASKS = {"net.1.weight": np.arange(0, 12_800, 200, dtype=np.int64),
+          "net.3.weight": np.arange(0, 2_000, 100, dtype=np.int64)}
+_NUMELS = {"net.1.weight": 12_800, "net.3.weight": 2_000}
+
+
+def _signs(reply: Message) -> dgc.SparseUpdate:
+    data = P.record_to_bytes(reply.content.array_records[P.SHARED], P.SHARED_SIGNS)
+    return decode_signs(data, _MASKS, {k: (n,) for k, n in _NUMELS.items()})
+
+
+@pytest.mark.parametrize("small_density", [0.0, 0.1])
+def test_shared_signs_leave_the_residual_and_are_counted(tmp_path, small_density):
+    """Same start, same training: with index sets the residual is short by exactly the signs."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc", small_density=small_density)
+    _send(grid, 0, s, 1, -1, _global())
+    shutil.copytree(tmp_path / "state", tmp_path / "state_b")
+    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+    with_mask = _send(grid, 0, s, 2, 1, _global(), shared=encode_mask(_MASKS, _NUMELS, 2))
+    without = _send(grid, 0, s_b, 2, 1, _global())
+    assert P.SHARED not in without.content.array_records
+    m = with_mask.content.metric_records[P.METRICS]
+    signs = _signs(with_mask)
+    update_bytes = len(P.record_to_bytes(with_mask.content.array_records[P.UPDATE]))
+    signs_bytes = len(P.record_to_bytes(with_mask.content.array_records[P.SHARED],
+                                        P.SHARED_SIGNS))
+    assert m["uplink_bytes"] == update_bytes + signs_bytes and m["shared_entries"] == 84
+    # A bit per sign: preamble 17, per tensor name (2 + 12), count and scale 12, the signs
+    # (64 and 20 bits), CRC 4.
+    assert signs.sequence == 2 and signs_bytes == 17 + (26 + 8) + (26 + 3) + 4
+    # The top-k part is the same; the residual differs by exactly what the signs carried.
+    assert P.record_to_bytes(with_mask.content.array_records[P.UPDATE]) == \
+        P.record_to_bytes(without.content.array_records[P.UPDATE])
+    r, r_b = _residual(s, "0"), _residual(s_b, "0")
+    sent = signs.to_dense()
+    for k in r:
+        torch.testing.assert_close(r_b[k] - r[k], sent[k].reshape(-1) if k in sent
+                                   else torch.zeros_like(r[k]), rtol=0, atol=1e-6)
+    assert float(sent["net.1.weight"].abs().sum()) > 0
+
+
+def test_unacknowledged_signs_are_folded_back_with_the_update(tmp_path):
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc", small_density=0.1)
+    first = _send(grid, 0, s, 1, -1, _global(), shared=encode_mask(_MASKS, _NUMELS, 1))
+    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE])).to_dense()
+    pending_signs = _signs(first).to_dense()
+    shutil.copytree(tmp_path / "state", tmp_path / "state_b")
+    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+
+    def sent_plus_residual(settings, ack):
+        reply = _send(grid, 0, settings, 2, ack, _global())
+        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE])).to_dense()
+        resid = _residual(settings, "0")
+        return {k: sent[k].reshape(-1) + resid[k] for k in sent}
+
+    acked, lost = sent_plus_residual(s, 1), sent_plus_residual(s_b, -1)
+    for k in acked:
+        expected = pending[k].reshape(-1)
+        if k in pending_signs:
+            expected = expected + pending_signs[k].reshape(-1)
+        torch.testing.assert_close(lost[k] - acked[k], expected, rtol=0, atol=1e-5)
+
+
+def test_a_re_sent_round_re_sends_the_same_signs(tmp_path):
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    mask = encode_mask(_MASKS, _NUMELS, 1)
+    first = _send(grid, 1, s, 1, -1, _global(), shared=mask)
+    again = _send(grid, 1, s, 1, -1, _global(), shared=mask)
+    for key, name in ((P.UPDATE, P.UPDATE), (P.SHARED, P.SHARED_SIGNS)):
+        assert P.record_to_bytes(first.content.array_records[key], name) == \
+            P.record_to_bytes(again.content.array_records[key], name)
+
+
+def test_a_bad_index_set_is_an_error_reply_that_changes_nothing(tmp_path):
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    _send(grid, 2, s, 1, -1, _global())
+    before = ClientStateStore(s.state_dir).get("2")
+    wrong_model = encode_mask({"net.1.weight": np.array([1, 2])}, {"net.1.weight": 999}, 2)
+    for bad in (wrong_model, b"FGCM not a mask"):
+        reply = _send(grid, 2, s, 2, 1, _global(), shared=bad)
+        assert reply.has_error() and "bad shared index set" in reply.error.reason
+    after = ClientStateStore(s.state_dir).get("2")
+    assert torch.equal(after["pending"], before["pending"])
