@@ -102,6 +102,12 @@ def run_server(grid: Grid, config: RunConfig,
         on_round=round_done,
         fraction_evaluate=s.fraction_evaluate,
         min_available_nodes=t.clients_per_round,
+        # The sign channel needs a residual to send from: DGC only.
+        shared_density=t.shared_density if t.method == "dgc" else 0.0,
+        shared_small_density=t.shared_small_density,
+        shared_small_numel=t.small_numel,
+        shared_momentum=t.shared_momentum,
+        min_sparse_numel=t.min_sparse_numel,
     )
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
     result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,

@@ -6,6 +6,8 @@ Per round (``configure_train`` then ``aggregate_train``):
    simulation run, partition ids do not), and sample them with a seeded generator;
 2. send each the dense global model, or a patch on the version it holds, whichever is smaller,
    with ``ack_sequence``: the sequence of its last update that was aggregated;
+   With ``shared_density > 0`` the message also carries the round's shared index sets
+   (:mod:`dgc.shared`), at which every client sends its residual as scaled signs;
 3. decode and validate every reply; a rejected reply is logged with its reason, counted, and
    never touches the model;
 4. aggregate by scatter-add in O(total nonzeros), weighted by ``num-examples``, and apply the
@@ -42,6 +44,7 @@ from flwr.supercore import log
 import dgc
 from client import protocol as P
 from dgc import DecodeError, SparseTensor, SparseUpdate
+from dgc.shared import Masks, SharedIndexPlanner, decode_signs, encode_mask
 from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -105,6 +108,8 @@ class _RoundState:
     downlink: dict[int, tuple[str, int]]  # client key -> (kind, bytes)
     version_sent: int
     rows: list[ClientRow] = field(default_factory=list)
+    masks: Masks = field(default_factory=dict)  # the shared index sets sent this round
+    signs: dict[int, SparseUpdate] = field(default_factory=dict)  # client key -> its signs
 
 
 class ReplyRejected(ValueError):
@@ -157,6 +162,19 @@ class DGCStrategy(FedAvg):
         Minimum number of connected nodes before a round starts.
     weighted_by_key : str (default: "num-examples")
         The reply metric that weighs each update.
+    shared_density : float (default: 0.0)
+        Shared-index sign channel (:mod:`dgc.shared`): the fraction of each sparsified tensor
+        in the round's shared index set, at which every client sends its residual as scaled
+        signs (1 bit per entry). 0 turns it off (FedAvg-equal behaviour for dense replies).
+    shared_small_density : float (default: 0.0)
+        The same fraction for sparsified tensors of at most ``shared_small_numel`` entries;
+        0 uses ``shared_density``.
+    shared_small_numel : int (default: 10000)
+        Size limit of those small tensors.
+    shared_momentum : float (default: 0.9)
+        Factor of the moving average of aggregates that ranks the shared indices.
+    min_sparse_numel : int (default: 1024)
+        Tensors smaller than this, and 1-D ones, are sent dense by clients and get no shared set.
     """
 
     # pylint: disable=too-many-arguments,too-many-locals
@@ -177,6 +195,11 @@ class DGCStrategy(FedAvg):
         min_evaluate_nodes: int = 2,
         min_available_nodes: int = 2,
         weighted_by_key: str = "num-examples",
+        shared_density: float = 0.0,
+        shared_small_density: float = 0.0,
+        shared_small_numel: int = 10_000,
+        shared_momentum: float = 0.9,
+        min_sparse_numel: int = 1024,
     ) -> None:
         super().__init__(
             fraction_train=1.0,
@@ -217,6 +240,14 @@ class DGCStrategy(FedAvg):
         self.resume = resume
         self.on_round = on_round
         self.probe_timeout = probe_timeout
+        if not (isinstance(shared_density, (int, float)) and 0.0 <= shared_density <= 1.0):
+            raise ValueError(f"shared_density must be in [0, 1], got {shared_density!r}")
+        self.shared_density = float(shared_density)
+        self.shared_small_density = shared_small_density
+        self.shared_small_numel = shared_small_numel
+        self.shared_momentum = shared_momentum
+        self.min_sparse_numel = min_sparse_numel
+        self.shared_planner: SharedIndexPlanner | None = None
 
         self.model: OrderedDict[str, torch.Tensor] | None = None  # the global model, float32
         self.model_version = 0  # aggregations applied so far
@@ -243,6 +274,9 @@ class DGCStrategy(FedAvg):
         log(INFO, "\t│\t├── Server learning rate: %s", self.server_learning_rate)
         log(INFO, "\t│\t├── Server momentum: %s", self.server_momentum)
         log(INFO, "\t│\t├── Downlink: %s (history %d)", self.downlink, self.downlink_history)
+        log(INFO, "\t│\t├── Shared sign channel: %s", "off" if not self.shared_density else
+            f"density {self.shared_density:g} (small tensors {self.shared_small_density:g}), "
+            f"momentum {self.shared_momentum:g}")
         log(INFO, "\t│\t├── Sampling seed: %d", self.seed)
         log(INFO, "\t│\t└── Checkpoints: %s%s", self.checkpoint_dir or "off",
             " (resume)" if self.resume else "")
@@ -259,6 +293,12 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.model = model
         self._measure_dense()
+        if self.shared_density > 0 and self.shared_planner is None:
+            self.shared_planner = SharedIndexPlanner(
+                {n: tuple(t.shape) for n, t in model.items()
+                 if t.dim() > 1 and t.numel() >= self.min_sparse_numel},
+                self.shared_density, self.shared_small_density, self.shared_small_numel,
+                self.shared_momentum)
 
     def _measure_dense(self) -> None:
         assert self.model is not None
@@ -369,6 +409,13 @@ class DGCStrategy(FedAvg):
         patches: dict[int, bytes | None] = {}
         state = _RoundState(server_round, sampled, {k: node_of[k] for k in sampled}, {},
                             self.model_version)
+        shared_record, shared_nbytes = None, 0
+        if self.shared_planner is not None:
+            state.masks = self.shared_planner.plan()
+            if state.masks:
+                data = encode_mask(state.masks, {n: self.model[n].numel() for n in state.masks},
+                                   server_round)
+                shared_record, shared_nbytes = P.bytes_to_record(data, P.SHARED_MASK), len(data)
         messages = []
         for key in sampled:
             info = self.clients.get(key, {})
@@ -388,16 +435,24 @@ class DGCStrategy(FedAvg):
             cfg[P.KEEP_MODEL] = self.downlink == "auto"
             if kind == "patch":
                 cfg[P.BASE_VERSION] = held
-            state.downlink[key] = (kind, nbytes)
-            messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}),
-                                    dst_node_id=node_of[key], message_type=MessageType.TRAIN))
+            content = RecordDict({P.ARRAYS: record, P.CONFIG: cfg})
+            if shared_record is not None:
+                content[P.SHARED] = shared_record
+            state.downlink[key] = (kind, nbytes + shared_nbytes)
+            messages.append(Message(content, dst_node_id=node_of[key],
+                                    message_type=MessageType.TRAIN))
         self._round = state
         return messages
 
     # ------------------------------------------------------------------ validate
     def validate_reply(self, msg: Message, server_round: int) -> tuple[int, SparseUpdate,
                                                                        MetricRecord, int]:
-        """(client key, update, metrics, uplink bytes) of a valid reply; ReplyRejected if not."""
+        """(client key, update, metrics, uplink bytes) of a valid reply; ReplyRejected if not.
+
+        A reply to a message with shared index sets may carry the client's signs (a client
+        without the channel, such as the phone encoder, sends none); they are decoded against
+        the sets sent and kept in the round state for :meth:`aggregate_train`.
+        """
         assert self._round is not None
         content = msg.content
         metrics = content.metric_records.get(P.METRICS)
@@ -437,7 +492,25 @@ class DGCStrategy(FedAvg):
                 raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
             if not torch.isfinite(t.values).all():
                 raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
-        return self.node_keys.get(msg.metadata.src_node_id, -1), update, metrics, len(data)
+        key = self.node_keys.get(msg.metadata.src_node_id, -1)
+        nbytes = len(data)
+        shared = content.array_records.get(P.SHARED)
+        self._round.signs.pop(key, None)
+        if shared is not None:
+            if not self._round.masks:
+                raise ReplyRejected("shared signs in reply to a round without shared index sets")
+            try:
+                signs_data = P.record_to_bytes(shared, P.SHARED_SIGNS)
+                signs = decode_signs(signs_data, self._round.masks,
+                                     {n: t.shape for n, t in update.tensors.items()})
+            except (ValueError, DecodeError) as ex:
+                raise ReplyRejected(f"undecodable shared signs: {ex}") from ex
+            if signs.sequence != server_round:
+                raise ReplyRejected(f"shared signs sequence {signs.sequence} is not the round "
+                                    f"{server_round}")
+            self._round.signs[key] = signs
+            nbytes += len(signs_data)
+        return key, update, metrics, nbytes
 
     # ------------------------------------------------------------------ aggregate
     def aggregate_train(
@@ -506,8 +579,12 @@ class DGCStrategy(FedAvg):
         if chosen:
             keys = sorted(chosen)  # a fixed summation order makes the sum reproducible
             try:
-                applied = self._apply([valid[k][0] for k in keys],
-                                      [float(rows[k].num_examples) for k in keys])
+                # A client's signs (dgc.shared) are one more sparse update with its weight.
+                signed = [k for k in keys if k in state.signs]
+                updates = [valid[k][0] for k in keys] + [state.signs[k] for k in signed]
+                applied = self._apply(updates,
+                                      [float(rows[k].num_examples) for k in keys + signed],
+                                      total_weight=sum(float(rows[k].num_examples) for k in keys))
             except dgc.AggregationError as ex:
                 log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s",
                     server_round, ex)
@@ -544,9 +621,17 @@ class DGCStrategy(FedAvg):
     def _count_rejection(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
-    def _apply(self, updates: list[SparseUpdate], weights: list[float]) -> bool:
+    def _apply(self, updates: list[SparseUpdate], weights: list[float],
+               total_weight: float | None = None) -> bool:
+        """Apply the weighted average of ``updates``: divided by ``total_weight`` (default: the
+        sum of ``weights``; the shared signs add updates but no clients)."""
         assert self.model is not None
-        avg = dgc.aggregate(updates, weights, self.shapes, normalize=True)
+        total = float(sum(weights)) if total_weight is None else float(total_weight)
+        if total <= 0:
+            raise dgc.AggregationError("total weight is zero; nothing to average")
+        # w * (1 / total), the very factors dgc.aggregate's own normalization computes.
+        scale = 1.0 / total
+        avg = dgc.aggregate(updates, [w * scale for w in weights], self.shapes, normalize=False)
         if self.server_momentum > 0.0:
             if self.momentum_buffer is None:
                 self.momentum_buffer = {k: torch.zeros_like(v) for k, v in self.model.items()}
@@ -564,6 +649,8 @@ class DGCStrategy(FedAvg):
             self.history = self.history[-self.downlink_history:]
         self.model = new
         self.model_version += 1
+        if self.shared_planner is not None:
+            self.shared_planner.observe(avg)
         return True
 
     def _round_record(self, server_round: int, rows: list[ClientRow], uplink: int) -> RoundRecord:
@@ -608,6 +695,8 @@ class DGCStrategy(FedAvg):
             # Node ids live as long as their SuperNodes: a ServerApp resumed in the same
             # deployment messages them without asking again (in simulation they are just stale).
             "node_keys": {str(n): k for n, k in self.node_keys.items()},
+            "shared_planner": (None if self.shared_planner is None
+                               else self.shared_planner.state_dict()),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -634,6 +723,9 @@ class DGCStrategy(FedAvg):
         self.client_rows = [ClientRow(**r) for r in state["client_rows"]]
         self.rejections = dict(state["rejections"])
         self.register_clients({int(n): int(k) for n, k in state.get("node_keys", {}).items()})
+        planner_state = state.get("shared_planner")
+        if self.shared_planner is not None and planner_state is not None:
+            self.shared_planner.load_state_dict(planner_state)
 
     # ------------------------------------------------------------------ the loop
     def start(

@@ -16,6 +16,7 @@ import dgc
 from client import protocol as P
 from client.app import app as client_app
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
+from dgc.shared import decode_mask, encode_signs, take_signs
 from server.local_grid import LocalGrid
 from server.strategy import DGCStrategy
 
@@ -267,3 +268,112 @@ def test_state_dict_round_trip_and_mismatch():
         wrong.load_state_dict(state)
     assert list(wrong.model) == ["w"]
     assert math.isclose(float(wrong.model["w"].sum()), 0.0)
+
+
+# ---------------------------------------------------------------- the shared sign channel
+
+def _shared_rounds(tamper_signs=None):
+    """Round 1 plain, round 2 with index sets; returns the strategy, round-2 replies' parts
+    and the model before round 2. ``tamper_signs(data) -> bytes | None`` alters client 0's
+    signs (None: it sends none)."""
+    init = _model()
+    s, grid = _strategy(downlink="dense", shared_density=0.1, min_sparse_numel=100)
+    config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
+    compressors = [DGCCompressor(config) for _ in range(NUM_NODES)]
+    arrays = ArrayRecord(init)
+    parts = []
+    for rnd in (1, 2):
+        msgs = list(s.configure_train(rnd, arrays, ConfigRecord(), grid))
+        masks = None
+        if rnd == 2:
+            assert all(P.SHARED in m.content.array_records for m in msgs)
+            data = P.record_to_bytes(msgs[0].content.array_records[P.SHARED], P.SHARED_MASK)
+            _, masks = decode_mask(data, {"fc1.weight": 1200, "fc2.weight": 400})
+            assert len(masks["fc1.weight"]) == 120 and len(masks["fc2.weight"]) == 40
+        else:
+            assert not any(P.SHARED in m.content.array_records for m in msgs)
+        before = OrderedDict((k, v.clone()) for k, v in s.model.items())
+        replies = []
+        for m in msgs:
+            k = grid.partition_of[m.metadata.dst_node_id]
+            g = torch.Generator().manual_seed(10 * rnd + k)
+            update = compressors[k].compress({n: torch.randn(v.shape, generator=g)
+                                              for n, v in init.items()}, sequence=rnd)
+            reply = _update_reply(m, update, weight=float(k + 1))
+            signs = None
+            if masks is not None:
+                signs = take_signs(compressors[k].residual(), masks, rnd)
+                signs_data = encode_signs(signs)
+                if k == 0 and tamper_signs is not None:
+                    signs_data = tamper_signs(signs_data)
+                if signs_data is not None:
+                    reply.content[P.SHARED] = P.bytes_to_record(signs_data, P.SHARED_SIGNS)
+            replies.append(reply)
+            parts.append((rnd, k, update, signs))
+        arrays, _ = s.aggregate_train(rnd, replies)
+    return s, [p for p in parts if p[0] == 2], before
+
+
+def _expected(parts, before, skip_signs_of=(), skip_update_of=()):
+    shapes = {k: v.shape for k, v in before.items()}
+    updates, weights = [], []
+    for _, k, update, signs in parts:
+        if k in skip_update_of:
+            continue
+        updates.append(update)
+        weights.append(float(k + 1))
+        if k not in skip_signs_of:
+            updates.append(SparseUpdate({n: SparseTensor(t.indices, t.values, shapes[n])
+                                         for n, t in signs.tensors.items()}, 2))
+            weights.append(float(k + 1))
+    total = sum(float(k + 1) for _, k, _, _ in parts if k not in skip_update_of)
+    avg = dgc.aggregate(updates, [w / total for w in weights], shapes, normalize=False)
+    return {k: before[k] - avg[k] for k in before}
+
+
+def test_shared_signs_are_aggregated_with_the_updates():
+    s, parts, before = _shared_rounds()
+    expected = _expected(parts, before)
+    for k in expected:
+        torch.testing.assert_close(s.model[k], expected[k], rtol=0, atol=1e-6)
+    # Counted uplink includes the signs; each message's downlink includes the index sets.
+    rows = [r for r in s.client_rows if r.round == 2]
+    assert all(r.status == "aggregated" for r in rows)
+    sizes = {k: len(dgc.encode(u)) + len(encode_signs(signs)) for _, k, u, signs in parts}
+    assert {r.client_key: r.uplink_bytes for r in rows} == sizes
+
+
+def test_a_reply_without_signs_is_aggregated_from_its_update_alone():
+    s, parts, before = _shared_rounds(tamper_signs=lambda data: None)
+    expected = _expected(parts, before, skip_signs_of=(0,))
+    for k in expected:
+        torch.testing.assert_close(s.model[k], expected[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("tamper, word", [
+    (lambda d: d[:-1], "CRC32"),
+    (lambda d: d[:20] + bytes([d[20] ^ 0xFF]) + d[21:], "undecodable shared signs"),
+    (lambda d: b"FGCM" + d[4:], "magic"),
+])
+def test_bad_signs_reject_the_whole_reply(tamper, word):
+    s, parts, before = _shared_rounds(tamper_signs=tamper)
+    rejected = [r for r in s.client_rows if r.status == "rejected"]
+    assert len(rejected) == 1 and word.lower() in rejected[0].reason.lower()
+    assert rejected[0].reason.startswith("undecodable shared signs")
+    expected = _expected(parts, before, skip_update_of=(0,))
+    for k in expected:
+        torch.testing.assert_close(s.model[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_shared_planner_state_survives_a_checkpoint():
+    s, _, _ = _shared_rounds()
+    other = DGCStrategy(shared_density=0.1, min_sparse_numel=100)
+    other.set_model(ArrayRecord(_model(3)))
+    other.load_state_dict(s.state_dict())
+    assert {k: v.tolist() for k, v in other.shared_planner.plan().items()} == \
+        {k: v.tolist() for k, v in s.shared_planner.plan().items()}
+
+
+def test_shared_density_is_validated():
+    with pytest.raises(ValueError, match="shared_density"):
+        DGCStrategy(shared_density=1.5)
