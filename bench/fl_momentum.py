@@ -78,6 +78,14 @@ class RunConfig:
     stale_momentum_decay: float = -1.0  # < 0: no stale policy; >= 0 factor per missed round
     stale_momentum_decay_m: bool = False  # decay the momentum by m per missed round
     stale_residual_decay: float = 1.0
+    lookahead: float = 0.0           # local training starts from global - lookahead * residual
+    shared_density: float = 0.0      # > 0: every client also sends its residual at one shared
+    # index set of this density per sparsified tensor, chosen by the server (values only)
+    shared_source: str = "aggregate"  # aggregate | momentum | random: how the server picks it
+    shared_beta: float = 0.9         # EMA factor of shared_source=momentum
+    shared_tensors: str = "fc1.weight"  # comma-separated tensors that get a shared index set
+    shared_head_density: float = 0.0  # > 0: shared density of fc2.weight (else shared_density)
+    shared_bits: int = 16            # 16: fp16 values; 1: scaled signs (one fp16 scale per client)
     # server
     server_lr: float = 1.0
     server_momentum: float = 0.0
@@ -194,10 +202,10 @@ def local_train(params: dict[str, torch.Tensor], xs: list[torch.Tensor], ys: lis
     xb = torch.stack([x[idx[k]] for k, x in enumerate(xs)])          # [C, S, B, 784]
     yb = torch.stack([y[idx[k]] for k, y in enumerate(ys)])          # [C, S, B]
     onehot = torch.nn.functional.one_hot(yb, 10).float()
-    w1 = params["fc1.weight"].expand(c, -1, -1).clone()
-    b1 = params["fc1.bias"].expand(c, -1).clone()
-    w2 = params["fc2.weight"].expand(c, -1, -1).clone()
-    b2 = params["fc2.bias"].expand(c, -1).clone()
+    # A per-client start (stacked [C, ...]) or the one global model for every client.
+    w1, b1, w2, b2 = (params[n].clone() if params[n].dim() == len(SHAPES[n]) + 1
+                      else params[n].expand(c, *SHAPES[n]).clone()
+                      for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
     mom = cfg.client_momentum
     bufs = [torch.zeros_like(t) for t in (w1, b1, w2, b2)] if mom > 0 else None
     for s in range(steps):
@@ -273,6 +281,32 @@ def _indicator(update: dgc.SparseUpdate) -> dgc.SparseUpdate:
                              for n, t in update.tensors.items()}, update.sequence)
 
 
+def next_masks(cfg: RunConfig, agg: dict[str, torch.Tensor], ema: dict[str, torch.Tensor],
+               r: int) -> dict[str, torch.Tensor]:
+    """The shared index sets of the next round, one per tensor in ``cfg.shared_tensors``."""
+    out = {}
+    for n in cfg.shared_tensors.split(","):
+        flat = agg[n].reshape(-1)
+        d = cfg.shared_head_density if n == "fc2.weight" and cfg.shared_head_density > 0 \
+            else cfg.shared_density
+        k = max(1, round(d * flat.numel()))
+        if cfg.shared_source == "random":
+            gen = torch.Generator().manual_seed(cfg.seed * 7919 + r)
+            out[n] = torch.randperm(flat.numel(), generator=gen)[:k].sort().values
+            continue
+        if cfg.shared_source == "momentum":
+            ema[n] = flat.clone() if n not in ema else ema[n].mul_(cfg.shared_beta).add_(flat)
+            flat = ema[n]
+        out[n] = torch.topk(flat.abs(), k).indices.sort().values
+    return out
+
+
+def _residual(comp, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A compressor's residual for one tensor, shaped like the parameter (zeros before use)."""
+    v = comp.residual().get(name)
+    return torch.zeros_like(like) if v is None else v.view(like.shape)
+
+
 def warmup_densities(spec: str, density: float) -> tuple[float, ...]:
     """Densities per round from ``"0.25,0.01x47"`` or ``"geom100"`` (see RunConfig)."""
     if spec.startswith("geom"):
@@ -335,11 +369,19 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
     dense_bytes_per_update = 4 * sum(math.prod(s) for s in SHAPES.values())
     uplink = dense_uplink = nnz = 0
     curve = []
+    ema: dict[str, torch.Tensor] = {}
+    masks: dict[str, torch.Tensor] = {}
     for r in range(cfg.rounds):
         chosen = sorted(sample_rng.choice(cfg.num_clients, cfg.clients_per_round, replace=False)
                         .tolist())
         gens = [torch.Generator().manual_seed(cfg.seed * 1_000_000 + r * 1000 + k) for k in chosen]
-        local = local_train(params, [cx[k] for k in chosen], [cy[k] for k in chosen], cfg, gens)
+        start = params
+        if cfg.lookahead and cfg.method == "dgc":
+            # Each client trains from the model it would hold had its residual been applied.
+            start = {n: torch.stack([params[n] - cfg.lookahead
+                                     * _residual(compressors[k], n, params[n]) for k in chosen])
+                     for n in SHAPES}
+        local = local_train(start, [cx[k] for k in chosen], [cy[k] for k in chosen], cfg, gens)
         weights = [float(len(parts[k])) for k in chosen]
         if cfg.method == "dense":
             total = sum(weights)
@@ -352,12 +394,29 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
                 comp = compressors[k]
                 if stale is not None and last_seen[k] >= 0:
                     stale.apply(comp, r - last_seen[k] - 1)
-                grads = {n: params[n] - local[n][i] for n in SHAPES}
+                grads = {n: start[n][i] - local[n][i] if start is not params
+                         else params[n] - local[n][i] for n in SHAPES}
                 upd = comp.compress(grads, epoch=r / cfg.rounds_per_epoch)
                 uplink += update_bytes(upd)
                 nnz += upd.nnz
                 updates.append(upd)
             agg = dgc.aggregate(updates, weights, SHAPES)
+            if masks:
+                total = sum(weights)
+                for n, m in masks.items():
+                    acc = torch.zeros(m.numel())
+                    for i, k in enumerate(chosen):
+                        v = compressors[k].residual()[n]
+                        vm = v[m]
+                        if cfg.shared_bits == 1:
+                            scale = vm.abs().mean().to(torch.float16).to(torch.float32)
+                            sent = torch.sign(vm) * scale
+                        else:
+                            sent = vm.to(torch.float16).to(torch.float32)
+                        v.index_put_((m,), vm - sent)
+                        acc.add_(sent, alpha=weights[i])
+                    uplink += len(chosen) * (math.ceil(cfg.shared_bits * m.numel() / 8) + 10)
+                    agg[n] = agg[n].reshape(-1).index_add(0, m, acc / total).view(SHAPES[n])
             if cfg.contributor_average:
                 total = sum(weights)
                 share = dgc.aggregate([_indicator(u) for u in updates], weights, SHAPES,
@@ -367,6 +426,8 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
             last_seen[k] = r
         dense_uplink += dense_bytes_per_update * len(chosen)
         server.step(params, agg)
+        if cfg.shared_density > 0 and cfg.method == "dgc":
+            masks = next_masks(cfg, agg, ema, r)
         # Every round near the end: a single round's accuracy swings by a point or more under
         # label skew, so the tail mean is reported next to the final value.
         if (r + 1) % cfg.eval_every == 0 or r + 1 > cfg.rounds - TAIL_ROUNDS:
