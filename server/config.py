@@ -47,8 +47,9 @@ class ServerSettings:
                                     Check(1.0, 10.0))
     server_lr: float = setting(1.0, "server_lr", "server learning rate: global -= server_lr "
                                "* momentum buffer", Check(0.0, low_open=True))
-    server_momentum: float = setting(0.0, "server_momentum", "server momentum (FedAvgM "
-                                     "convention: buf = m*buf + avg)", Check(0.0, 1.0,
+    server_momentum: float = setting(0.0, "server_momentum", "server momentum of dense and "
+                                     "topk runs (FedAvgM convention: buf = m*buf + avg); dgc "
+                                     "runs use dgc.server_momentum", Check(0.0, 1.0,
                                                                              high_open=True))
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
