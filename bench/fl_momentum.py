@@ -41,6 +41,7 @@ from dgc.federated import (  # noqa: E402
     StaleStatePolicy,
     TwoDensityCompressor,
 )
+from dgc.shared import SharedIndexPlanner, encode_signs, take_signs  # noqa: E402
 
 METHODS = ("dense", "topk", "dgc")
 TAIL_ROUNDS = 10
@@ -85,7 +86,7 @@ class RunConfig:
     shared_beta: float = 0.9         # EMA factor of shared_source=momentum
     shared_tensors: str = "fc1.weight"  # comma-separated tensors that get a shared index set
     shared_head_density: float = 0.0  # > 0: shared density of fc2.weight (else shared_density)
-    shared_bits: int = 16            # 16: fp16 values; 1: scaled signs (one fp16 scale per client)
+    shared_bits: int = 16            # 16: fp16 values; 1: scaled signs (dgc.shared)
     # server
     server_lr: float = 1.0
     server_momentum: float = 0.0
@@ -281,8 +282,8 @@ def _indicator(update: dgc.SparseUpdate) -> dgc.SparseUpdate:
                              for n, t in update.tensors.items()}, update.sequence)
 
 
-def next_masks(cfg: RunConfig, agg: dict[str, torch.Tensor], ema: dict[str, torch.Tensor],
-               r: int) -> dict[str, torch.Tensor]:
+def next_masks(cfg: RunConfig, agg: dict[str, torch.Tensor],
+               planners: dict[str, SharedIndexPlanner], r: int) -> dict[str, torch.Tensor]:
     """The shared index sets of the next round, one per tensor in ``cfg.shared_tensors``."""
     out = {}
     for n in cfg.shared_tensors.split(","):
@@ -294,10 +295,13 @@ def next_masks(cfg: RunConfig, agg: dict[str, torch.Tensor], ema: dict[str, torc
             gen = torch.Generator().manual_seed(cfg.seed * 7919 + r)
             out[n] = torch.randperm(flat.numel(), generator=gen)[:k].sort().values
             continue
-        if cfg.shared_source == "momentum":
-            ema[n] = flat.clone() if n not in ema else ema[n].mul_(cfg.shared_beta).add_(flat)
-            flat = ema[n]
-        out[n] = torch.topk(flat.abs(), k).indices.sort().values
+        # "aggregate" ranks by the last aggregate alone: dgc.shared's planner at momentum 0.
+        if n not in planners:
+            planners[n] = SharedIndexPlanner(
+                {n: SHAPES[n]}, d, momentum=cfg.shared_beta
+                if cfg.shared_source == "momentum" else 0.0)
+        planners[n].observe({n: agg[n]})
+        out[n] = torch.from_numpy(planners[n].plan()[n])
     return out
 
 
@@ -369,7 +373,7 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
     dense_bytes_per_update = 4 * sum(math.prod(s) for s in SHAPES.values())
     uplink = dense_uplink = nnz = 0
     curve = []
-    ema: dict[str, torch.Tensor] = {}
+    planners: dict[str, SharedIndexPlanner] = {}
     masks: dict[str, torch.Tensor] = {}
     for r in range(cfg.rounds):
         chosen = sorted(sample_rng.choice(cfg.num_clients, cfg.clients_per_round, replace=False)
@@ -401,21 +405,27 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
                 nnz += upd.nnz
                 updates.append(upd)
             agg = dgc.aggregate(updates, weights, SHAPES)
-            if masks:
+            if masks and cfg.shared_bits == 1:
+                # The library's channel: dgc.shared.take_signs, bytes as encode_signs writes them.
+                total = sum(weights)
+                np_masks = {n: m.numpy() for n, m in masks.items()}
+                for i, k in enumerate(chosen):
+                    signs = take_signs(compressors[k].residual(), np_masks, r + 1)
+                    uplink += len(encode_signs(signs))
+                    for n, t in signs.tensors.items():
+                        agg[n] = agg[n].reshape(-1).index_add(
+                            0, t.indices, t.values, alpha=weights[i] / total).view(SHAPES[n])
+            elif masks:
                 total = sum(weights)
                 for n, m in masks.items():
                     acc = torch.zeros(m.numel())
                     for i, k in enumerate(chosen):
                         v = compressors[k].residual()[n]
                         vm = v[m]
-                        if cfg.shared_bits == 1:
-                            scale = vm.abs().mean().to(torch.float16).to(torch.float32)
-                            sent = torch.sign(vm) * scale
-                        else:
-                            sent = vm.to(torch.float16).to(torch.float32)
+                        sent = vm.to(torch.float16).to(torch.float32)
                         v.index_put_((m,), vm - sent)
                         acc.add_(sent, alpha=weights[i])
-                    uplink += len(chosen) * (math.ceil(cfg.shared_bits * m.numel() / 8) + 10)
+                    uplink += len(chosen) * (2 * m.numel() + 10)
                     agg[n] = agg[n].reshape(-1).index_add(0, m, acc / total).view(SHAPES[n])
             if cfg.contributor_average:
                 total = sum(weights)
@@ -427,7 +437,7 @@ def run(cfg: RunConfig, verbose: bool = False) -> dict:
         dense_uplink += dense_bytes_per_update * len(chosen)
         server.step(params, agg)
         if cfg.shared_density > 0 and cfg.method == "dgc":
-            masks = next_masks(cfg, agg, ema, r)
+            masks = next_masks(cfg, agg, planners, r)
         # Every round near the end: a single round's accuracy swings by a point or more under
         # label skew, so the tail mean is reported next to the final value.
         if (r + 1) % cfg.eval_every == 0 or r + 1 > cfg.rounds - TAIL_ROUNDS:
@@ -477,6 +487,13 @@ DAMP = dict(NAIVE, dampening=0.9)
 FEDSGD10 = dict(num_clients=10, clients_per_round=10, rounds=1000, local_steps=1,
                 rounds_per_epoch=40.0, eval_every=50)
 FEDSGD100 = dict(FEDSGD10, num_clients=100, rounds=2000)
+
+#: The client settings of the earlier default (docs/federated_momentum.md, section 2).
+DENSE_CLIENT = dict(client_lr=0.1, local_epochs=2, client_momentum=0.5)
+CHOSEN_CLIENT = dict(EF, **DENSE_CLIENT, head_density=0.1)
+#: The shared-index sign channel as fedgc ships it (dgc.shared_density = 0.03 on both weights).
+SHARED = dict(shared_bits=1, shared_source="momentum", shared_density=0.03,
+              shared_tensors="fc1.weight,fc2.weight")
 
 SWEEPS: dict[str, list[dict]] = {
     # the notes' baselines (step 1)
@@ -567,6 +584,23 @@ SWEEPS: dict[str, list[dict]] = {
                 dict(P100, **NAIVE, rowwise=True, stale_momentum_decay=0.0)],
     "rowwise_contrast": [dict(P100, **EF, density=0.0013), dict(P100, method="topk", rowwise=True),
                          dict(P100, **NAIVE, rowwise=True), dict(P100, **DAMP, rowwise=True)],
+    # the shared-index sign channel (dgc.shared) on top of the previous default, and contrasts
+    "shared": [dict(P100, **CHOSEN_CLIENT, **SHARED, server_momentum=0.5),
+               dict(P100, **CHOSEN_CLIENT, **SHARED),
+               dict(P100, **CHOSEN_CLIENT, server_momentum=0.5),
+               dict(P100, method="dense", **DENSE_CLIENT),
+               dict(P100, method="dense", **DENSE_CLIENT, server_momentum=0.5),
+               dict(P100, method="topk", **DENSE_CLIENT, head_density=0.1)],
+    "shared_variants": [dict(P100, **CHOSEN_CLIENT, **dict(SHARED, shared_source=src))
+                        for src in ("aggregate", "random")]
+    + [dict(P100, **CHOSEN_CLIENT, **dict(SHARED, shared_bits=16, shared_density=0.003,
+                                          shared_source=src))
+       for src in ("aggregate", "random")]
+    + [dict(P100, **CHOSEN_CLIENT, **dict(SHARED, shared_density=d)) for d in (0.01, 0.05)]
+    + [dict(P100, **CHOSEN_CLIENT, **dict(SHARED, shared_beta=b)) for b in (0.5, 0.99)]
+    + [dict(P100, **CHOSEN_CLIENT, **dict(SHARED, shared_density=0.06), density=0.0003),
+       dict(P100, **CHOSEN_CLIENT, **SHARED, server_momentum=0.9, server_lr=0.3),
+       dict(P100, **CHOSEN_CLIENT, lookahead=1.0)],
     # (f) FedSGD: one local step per round, the paper's datacenter setting
     "fedsgd": [dict(FEDSGD10, method="dense", server_momentum=0.9),
                dict(FEDSGD10, method="dense"),
