@@ -129,3 +129,28 @@ def test_stale_policy_ages_both_parts_of_a_two_density_record() -> None:
     aged.load_state_dict(acked["compressor"])
     for name, t in aged.residual().items():
         assert torch.allclose(t, before[name] * 0.25, atol=1e-7), name
+
+
+def test_stale_policy_folds_back_unacked_shared_signs_too() -> None:
+    """A record with the shared sign channel's pending signs: folded back with the update."""
+    import numpy as np
+
+    from dgc.shared import encode_mask, encode_signs, take_signs
+    from simulations.netem.staleness import apply_stale_policy_to_record
+
+    c = DGCCompressor(DGCConfig(density=0.1, warmup="none"))
+    g = torch.Generator().manual_seed(4)
+    last = c.compress({"w": torch.randn(40, 50, generator=g)}, sequence=3)
+    mask = {"w": np.arange(0, 2000, 40, dtype=np.int64)}
+    signs = take_signs(c.residual(), mask, 3)
+    v = c.memory.v["w"].clone()
+    record = {**_record(c, last),
+              "pending_shared": torch.frombuffer(bytearray(encode_signs(signs)),
+                                                 dtype=torch.uint8),
+              "pending_mask": torch.frombuffer(bytearray(encode_mask(mask, {"w": 2000}, 3)),
+                                               dtype=torch.uint8)}
+    apply_stale_policy_to_record(record, 8, -1, StalePolicy("decay", 0.5, 2))
+    expected = (v + last.tensors["w"].to_dense().reshape(-1).float()
+                + signs.tensors["w"].to_dense().reshape(-1)) * 0.25
+    assert torch.allclose(record["compressor"]["memory"]["v"]["w"], expected, atol=1e-6)
+    assert not {"pending", "pending_shared", "pending_mask"} & set(record)

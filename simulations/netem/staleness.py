@@ -25,6 +25,7 @@ import torch
 import dgc
 from dgc import DGCCompressor, DGCConfig, StateError
 from dgc.federated import TwoDensityCompressor
+from dgc.shared import decode_mask, decode_signs
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
 
@@ -113,7 +114,8 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     ``TrainSettings.compressor``); without it the record must hold a plain
     ``DGCCompressor.state_dict()``, whose config it carries.
     The record holds ``compressor`` (the compressor's ``state_dict()``) and ``pending`` (the
-    encoded last update, a uint8 tensor). The client was last trained in round
+    encoded last update, a uint8 tensor; with the shared sign channel also ``pending_shared``
+    and ``pending_mask``). The client was last trained in round
     ``pending.sequence``, so it is ``round_index - pending.sequence - 1`` rounds away. When the
     policy changes anything, an unacknowledged pending update is first folded back (as the client
     would do), then residual and momentum are scaled, and ``pending`` is removed so that the
@@ -134,7 +136,14 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     compressor.load_state_dict(record["compressor"])
     if pending.sequence != ack_sequence:
         compressor.restore(pending)
+        if "pending_shared" in record:
+            # The signs sent with it (dgc.shared) were not aggregated either.
+            numels = {n: v.numel() for n, v in compressor.residual().items()}
+            _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
+            compressor.restore(decode_signs(bytes(record["pending_shared"].numpy().tobytes()),
+                                            masks, {n: (k,) for n, k in numels.items()}))
     report = apply_stale_policy(compressor, rounds_away, policy)
     record["compressor"] = compressor.state_dict()
-    del record["pending"]
+    for key in ("pending", "pending_shared", "pending_mask"):
+        record.pop(key, None)
     return report
