@@ -26,6 +26,7 @@ import dgc
 from client import protocol as P
 from client.settings import to_flat
 from client.state import ClientStateStore
+from dgc.shared import decode_mask, decode_signs
 from server.config import RunConfig
 from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
 from simulations.netem.mod import reply_metrics
@@ -41,6 +42,7 @@ class InProcessGrid(Grid):
                                           node_config={"partition-id": k}, state=RecordDict(),
                                           run_config={}) for k in range(num_nodes)}
         self.replies: list[Message] = []
+        self.masks: dict[int, bytes] = {}  # round -> the shared index sets sent (dgc.shared)
         self._run = Run.create_empty(1)
 
     def set_run(self, run: Run) -> None:
@@ -67,6 +69,10 @@ class InProcessGrid(Grid):
         out = []
         for msg in messages:
             node = msg.metadata.dst_node_id
+            if P.SHARED in msg.content.array_records:
+                rnd = int(msg.content.config_records[P.CONFIG][P.SERVER_ROUND])
+                self.masks[rnd] = P.record_to_bytes(msg.content.array_records[P.SHARED],
+                                                    P.SHARED_MASK)
             reply = self.app(msg, self.contexts[node])
             assert reply.metadata.src_node_id == node  # a reply comes from its destination
             out.append(reply)
@@ -82,8 +88,10 @@ def task_identity() -> Iterator[None]:
     TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
-def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, monkeypatch
-                                                                     ) -> None:
+@pytest.mark.parametrize("shared_density", [0.0, 0.05])
+def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, monkeypatch,
+                                                                     shared_density) -> None:
+    """With ``shared_density`` > 0 the signs of the shared channel count as sent too."""
     torch.set_num_threads(1)
     computed: dict[int, list[dict[str, torch.Tensor]]] = defaultdict(list)
     real_train = client_app_module.train_locally
@@ -101,7 +109,7 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         "task": "digits", "num_clients": num_clients, "clients_per_round": 4, "rounds": rounds,
         "over_selection": 1.5, "dgc.density": 0.02, "dgc.warmup": "none", "seed": 1,
         "results_dir": str(tmp_path), "run_name": "mass", "checkpoint": False,
-        "downlink": "dense", "local_epochs": 1})
+        "downlink": "dense", "local_epochs": 1, "dgc.shared_density": shared_density})
     # Links down a third of the time with outages ending transfers: many uploads are cut.
     netem = for_run(NetemSettings(enabled=True, mix="3g:0.5,edge:0.5", intermittent=0.8,
                                   intermittent_mean_on_s=1.0, intermittent_mean_off_s=0.5,
@@ -113,7 +121,8 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     torch.manual_seed(0)
     model = task.build_model()
     strategy = strategy_factory(netem)(clients_per_round=4, over_selection=1.5, seed=1,
-                                       downlink="dense", min_available_nodes=4)
+                                       downlink="dense", min_available_nodes=4,
+                                       shared_density=shared_density)
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
     strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=rounds,
                    train_config=train_config)
@@ -121,14 +130,22 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     # Which updates were aggregated, per client key.
     aggregated = defaultdict(list)
     sent = {}
+    shapes = {k: (v.numel(),) for k, v in model.state_dict().items()}
+    numels = {k: v[0] for k, v in shapes.items()}
     for msg in grid.replies:
         if P.UPDATE in msg.content.array_records:
             key = strategy.node_keys[msg.metadata.src_node_id]
             update = dgc.decode(P.record_to_bytes(msg.content.array_records[P.UPDATE]))
-            sent[(key, update.sequence)] = update
+            sent[(key, update.sequence)] = [update]
+            if P.SHARED in msg.content.array_records:
+                _, masks = decode_mask(grid.masks[update.sequence], numels)
+                sent[(key, update.sequence)].append(decode_signs(P.record_to_bytes(
+                    msg.content.array_records[P.SHARED], P.SHARED_SIGNS), masks, shapes))
     for row in strategy.client_rows:
         if row.status == "aggregated":
-            aggregated[row.client_key].append(sent[(row.client_key, row.round)])
+            aggregated[row.client_key].extend(sent[(row.client_key, row.round)])
+    signed = sum(len(v) == 2 for v in sent.values())
+    assert (signed > 0) == (shared_density > 0)
 
     rows = strategy.client_rows
     dropped = [r for r in rows if r.status == "dropped"]
@@ -158,15 +175,21 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         record = store.get(str(key))
         c = config.train.compressor()
         c.load_state_dict(record["compressor"])
-        pending = dgc.decode(bytes(record["pending"].numpy().tobytes()))
+        pending = [dgc.decode(bytes(record["pending"].numpy().tobytes()))]
+        if "pending_shared" in record:
+            _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
+            pending.append(decode_signs(bytes(record["pending_shared"].numpy().tobytes()),
+                                        masks, shapes))
         acked = strategy.clients[key]["acked"]
         for name in grads[0]:
             total = sum(g[name].reshape(-1).double() for g in grads)
             kept = c.residual()[name].double().clone()
             for u in aggregated[key]:
-                kept += u.tensors[name].to_dense().reshape(-1).double()
-            if pending.sequence != acked:
-                kept += pending.tensors[name].to_dense().reshape(-1).double()
+                if name in u.tensors:
+                    kept += u.tensors[name].to_dense().reshape(-1).double()
+            for p in pending:
+                if p.sequence != acked and name in p.tensors:
+                    kept += p.tensors[name].to_dense().reshape(-1).double()
             assert torch.allclose(kept, total, atol=1e-5), (key, name)
         checked += 1
     assert checked >= 7
