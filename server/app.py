@@ -102,6 +102,8 @@ def run_server(grid: Grid, config: RunConfig,
         on_round=round_done,
         fraction_evaluate=s.fraction_evaluate,
         min_available_nodes=t.clients_per_round,
+        # Node identification happens in round 1, with Ray's start-up: give it the round's time.
+        probe_timeout=s.round_timeout_s,
         # The sign channel needs a residual to send from: DGC only.
         shared_density=t.shared_density if t.method == "dgc" else 0.0,
         shared_small_density=t.shared_small_density,
