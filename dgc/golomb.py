@@ -274,3 +274,103 @@ def raw_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarra
             raise IndexCodingError(f"raw index {int(indices[-1])} out of range for {numel} "
                                    f"entries")
     return indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Golomb-Rice, many sections at once
+# ---------------------------------------------------------------------------------------------
+
+def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                       counts: np.ndarray, numels: np.ndarray,
+                       offsets: np.ndarray) -> np.ndarray | None:
+    """The indices of many Golomb-Rice sections of one message, or None if any is not canonical.
+
+    Section ``s`` lies at ``message[starts[s]:starts[s] + lengths[s]]`` and codes ``counts[s]``
+    indices of a tensor of ``numels[s]`` entries; its indices come back shifted by
+    ``offsets[s]`` (the tensor's place in a flat vector of all the tensors), all sections'
+    concatenated in order. ``message`` must be padded with 8 zero bytes after its end.
+
+    A DGC update has one section per large tensor (about a hundred of ~500 indices for
+    ResNet-50), so decoding them one by one costs mostly numpy call overhead: here every step is
+    one numpy pass over all the sections. The checks are those of :func:`golomb_decode`; on any
+    failure (or a Rice parameter above 56, or sizes near the int64 limits) the result is None and
+    the caller decodes the sections one by one, which names the error.
+    """
+    starts, lengths, counts = (a.astype(np.int64) for a in (starts, lengths, counts))
+    numels, offsets = numels.astype(np.int64), offsets.astype(np.int64)
+    nonempty = counts > 0
+    if not nonempty.all():  # sections of no index: only the parameter byte and no unary part
+        if not bool(np.all(lengths[~nonempty] == 1)) or int(message[starts[~nonempty]].max(
+                initial=0)) > MAX_RICE_PARAMETER:
+            return None
+        starts, lengths, counts, numels, offsets = (
+            a[nonempty] for a in (starts, lengths, counts, numels, offsets))
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    # Bounds that keep every product and sum below in int64: each index needs a unary bit, and
+    # the flat positions stay below 2**62.
+    if (np.any(lengths < 2) or np.any(counts > 8 * lengths)
+            or int(offsets[-1]) + int(numels[-1]) > MAX_NUMEL
+            or float(np.max(counts.astype(np.float64) * numels)) >= 2.0 ** 62):
+        return None
+    rice = message[starts].astype(np.int64)
+    if int(rice.max()) > 56:  # remainders then no longer fit the 8-byte window read below
+        return None
+    remainder_bytes = (counts * rice + 7) >> 3
+    unary_starts = starts + 1 + remainder_bytes
+    unary_lengths = lengths - 1 - remainder_bytes
+    if np.any(unary_lengths <= 0) or np.any(counts > 8 * unary_lengths):
+        return None
+    if not message[unary_starts + unary_lengths - 1].all():  # canonical: no zero last byte
+        return None
+    used_bits = counts * rice
+    padding = message[starts + remainder_bytes] >> (used_bits & 7).astype(np.uint8)
+    if np.any(padding[(used_bits & 7) != 0]):
+        return None
+
+    # Unary parts, concatenated: the ones end the codes; each section must hold counts[s].
+    unary_ends = np.cumsum(unary_lengths)
+    unary_firsts = unary_ends - unary_lengths
+    gather = np.arange(int(unary_ends[-1]), dtype=np.int64)
+    gather += np.repeat(unary_starts - unary_firsts, unary_lengths)
+    ones = np.unpackbits(message[gather], bitorder="little").view(bool).nonzero()[0]
+    section_bit_starts = 8 * unary_firsts
+    if ones.size != total or not np.array_equal(
+            np.diff(np.searchsorted(ones, section_bit_starts), append=ones.size), counts):
+        return None
+    count_ends = np.cumsum(counts)
+    firsts = count_ends - counts  # position of each section's first index in the result
+    quotients = np.empty(total, dtype=np.int64)
+    np.subtract(ones[1:], ones[:-1], out=quotients[1:])
+    quotients[firsts] = ones[firsts] - section_bit_starts + 1
+    quotients -= 1
+    if np.any(np.maximum.reduceat(quotients, firsts) > (numels - 1) >> rice):
+        return None
+
+    # Remainders: rice bits each, packed from byte 1 of each section; read each through the
+    # little-endian 8-byte word at its first byte, as _read_fixed_width does.
+    rice_each = np.repeat(rice, counts)
+    bit_starts = np.arange(total, dtype=np.int64)
+    bit_starts *= rice_each
+    bit_starts += np.repeat(8 * (starts + 1) - firsts * rice, counts)
+    words = np.ndarray((message.size - 7,), dtype="<i8", buffer=message, strides=(1,))
+    gaps = np.take(words, bit_starts >> 3)
+    gaps >>= bit_starts & 7  # an arithmetic shift: the sign bits are masked off just below
+    gaps &= np.repeat((1 << rice) - 1, counts)
+    gaps |= quotients << rice_each
+    if np.any(np.maximum.reduceat(gaps, firsts) >= numels):
+        return None
+    # Each section's indices are its gaps' running sum (gaps + 1, minus one); its last index
+    # must stay below numel. Every term is below numel, so no sum can wrap.
+    gaps += 1
+    sums = np.add.reduceat(gaps, firsts)
+    if np.any(sums > numels):
+        return None
+    # One running sum over all sections: the first term of each section is shifted so that the
+    # sum restarts at that section's offset (minus one, for the gaps' extra one).
+    previous_end = np.empty_like(offsets)
+    previous_end[0] = 1
+    previous_end[1:] = (offsets + sums)[:-1]
+    gaps[firsts] += offsets - previous_end
+    return np.cumsum(gaps, out=gaps)
