@@ -280,24 +280,29 @@ def raw_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarra
 # Golomb-Rice, many sections at once
 # ---------------------------------------------------------------------------------------------
 
+#: Indices decoded per batch by :func:`golomb_decode_many`: its temporaries (int64 arrays of
+#: this many entries) then stay in cache and below glibc's mmap threshold (128 KiB by default);
+#: bigger ones are mapped and unmapped on every call, and the page faults cost more than the
+#: arithmetic.
+BATCH_INDICES = 12288
+
+
 def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                        counts: np.ndarray, numels: np.ndarray,
                        offsets: np.ndarray) -> np.ndarray | None:
     """The indices of many Golomb-Rice sections of one message, or None if any is not canonical.
 
-    Section ``s`` lies at ``message[starts[s]:starts[s] + lengths[s]]`` and codes ``counts[s]``
-    indices of a tensor of ``numels[s]`` entries; its indices come back shifted by
-    ``offsets[s]`` (the tensor's place in a flat vector of all the tensors), all sections'
-    concatenated in order. ``message`` must be padded with 8 zero bytes after its end.
+    Section ``s`` lies at ``message[starts[s]:starts[s] + lengths[s]]`` (``message``: a uint8
+    array; the others: int64 arrays) and codes ``counts[s]`` indices of a tensor of
+    ``numels[s]`` entries; its indices come back shifted by ``offsets[s]`` (the tensor's place
+    in a flat vector of all the tensors, increasing with ``s``), all sections' concatenated.
 
-    A DGC update has one section per large tensor (about a hundred of ~500 indices for
-    ResNet-50), so decoding them one by one costs mostly numpy call overhead: here every step is
-    one numpy pass over all the sections. The checks are those of :func:`golomb_decode`; on any
-    failure (or a Rice parameter above 56, or sizes near the int64 limits) the result is None and
-    the caller decodes the sections one by one, which names the error.
+    A DGC update has one section per large tensor (53 of ~500 indices for ResNet-50), so
+    decoding them one by one costs mostly numpy call overhead: here each step is one numpy pass
+    over a batch of sections. The checks are those of :func:`golomb_decode`; on any failure (or
+    a Rice parameter above 56, or a section too long for the int64 bounds below) the result is
+    None and the caller decodes the sections one by one, which names the error.
     """
-    starts, lengths, counts = (a.astype(np.int64) for a in (starts, lengths, counts))
-    numels, offsets = numels.astype(np.int64), offsets.astype(np.int64)
     nonempty = counts > 0
     if not nonempty.all():  # sections of no index: only the parameter byte and no unary part
         if not bool(np.all(lengths[~nonempty] == 1)) or int(message[starts[~nonempty]].max(
@@ -305,72 +310,108 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
             return None
         starts, lengths, counts, numels, offsets = (
             a[nonempty] for a in (starts, lengths, counts, numels, offsets))
-    total = int(counts.sum())
-    if total == 0:
+    if counts.size == 0:
         return np.empty(0, dtype=np.int64)
-    # Bounds that keep every product and sum below in int64: each index needs a unary bit, and
-    # the flat positions stay below 2**62.
-    if (np.any(lengths < 2) or np.any(counts > 8 * lengths)
-            or int(offsets[-1]) + int(numels[-1]) > MAX_NUMEL
-            or float(np.max(counts.astype(np.float64) * numels)) >= 2.0 ** 62):
-        return None
-    rice = message[starts].astype(np.int64)
-    if int(rice.max()) > 56:  # remainders then no longer fit the 8-byte window read below
-        return None
-    remainder_bytes = (counts * rice + 7) >> 3
-    unary_starts = starts + 1 + remainder_bytes
+    # The sections, back to back in 8-byte words with 16 zero bytes after them, so that every
+    # remainder can be read from two aligned words.
+    section_ends = np.cumsum(lengths)
+    packed = np.zeros((int(section_ends[-1]) + 23) // 8 * 8, dtype=np.uint8)
+    packed[:int(section_ends[-1])] = np.concatenate(
+        [message[a:a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)])
+    starts = section_ends - lengths
+
+    rice = packed[starts].astype(np.int64)
+    remainder_bytes = (counts * rice + 7) >> 3  # no overflow: counts <= numel <= 2**62 ...
     unary_lengths = lengths - 1 - remainder_bytes
-    if np.any(unary_lengths <= 0) or np.any(counts > 8 * unary_lengths):
-        return None
-    if not message[unary_starts + unary_lengths - 1].all():  # canonical: no zero last byte
-        return None
-    used_bits = counts * rice
-    padding = message[starts + remainder_bytes] >> (used_bits & 7).astype(np.uint8)
-    if np.any(padding[(used_bits & 7) != 0]):
+    unary_starts = starts + 1 + remainder_bytes
+    # ... and a section with 2**(58 - rice) unary bytes or more (never in practice) is left to
+    # golomb_decode: below that, each section's sum of gaps (unary zeros shifted by rice, plus
+    # one remainder below 2**rice per unary one) stays under 2**62, so no sum can wrap.
+    padding_bits = ((counts * rice) & 7).astype(np.uint8)
+    if (int(rice.max()) > 56 or np.any(unary_lengths <= 0) or np.any(counts > 8 * unary_lengths)
+            or np.any(unary_lengths >= np.left_shift(1, 58 - rice))
+            or int(offsets[-1]) + int(numels[-1]) > MAX_NUMEL
+            or not packed[unary_starts + unary_lengths - 1].all()  # canonical: no zero last byte
+            # the padding bits are the high bits of the last remainder byte
+            or np.any(np.where(padding_bits, packed[unary_starts - 1] >> padding_bits, 0))):
         return None
 
-    # Unary parts, concatenated: the ones end the codes; each section must hold counts[s].
-    unary_ends = np.cumsum(unary_lengths)
-    unary_firsts = unary_ends - unary_lengths
-    gather = np.arange(int(unary_ends[-1]), dtype=np.int64)
-    gather += np.repeat(unary_starts - unary_firsts, unary_lengths)
-    ones = np.unpackbits(message[gather], bitorder="little").view(bool).nonzero()[0]
-    section_bit_starts = 8 * unary_firsts
-    if ones.size != total or not np.array_equal(
-            np.diff(np.searchsorted(ones, section_bit_starts), append=ones.size), counts):
-        return None
     count_ends = np.cumsum(counts)
-    firsts = count_ends - counts  # position of each section's first index in the result
-    quotients = np.empty(total, dtype=np.int64)
-    np.subtract(ones[1:], ones[:-1], out=quotients[1:])
-    quotients[firsts] = ones[firsts] - section_bit_starts + 1
-    quotients -= 1
-    if np.any(np.maximum.reduceat(quotients, firsts) > (numels - 1) >> rice):
-        return None
+    out = np.empty(int(count_ends[-1]), dtype=np.int64)
+    first = 0
+    while first < counts.size:
+        # The next sections holding at most BATCH_INDICES indices (at least one section).
+        done = int(count_ends[first - 1]) if first else 0
+        last = max(first + 1, int(np.searchsorted(count_ends, done + BATCH_INDICES, "right")))
+        batch = slice(first, last)
+        if not _decode_batch(packed, starts[batch], unary_starts[batch], unary_lengths[batch],
+                             counts[batch], numels[batch], offsets[batch], rice[batch],
+                             out[done:int(count_ends[last - 1])]):
+            return None
+        first = last
+    return out
 
-    # Remainders: rice bits each, packed from byte 1 of each section; read each through the
-    # little-endian 8-byte word at its first byte, as _read_fixed_width does.
-    rice_each = np.repeat(rice, counts)
-    bit_starts = np.arange(total, dtype=np.int64)
-    bit_starts *= rice_each
-    bit_starts += np.repeat(8 * (starts + 1) - firsts * rice, counts)
-    words = np.ndarray((message.size - 7,), dtype="<i8", buffer=message, strides=(1,))
-    gaps = np.take(words, bit_starts >> 3)
-    gaps >>= bit_starts & 7  # an arithmetic shift: the sign bits are masked off just below
-    gaps &= np.repeat((1 << rice) - 1, counts)
-    gaps |= quotients << rice_each
-    if np.any(np.maximum.reduceat(gaps, firsts) >= numels):
-        return None
-    # Each section's indices are its gaps' running sum (gaps + 1, minus one); its last index
-    # must stay below numel. Every term is below numel, so no sum can wrap.
-    gaps += 1
+
+def _decode_batch(packed: np.ndarray, starts: np.ndarray, unary_starts: np.ndarray,
+                  unary_lengths: np.ndarray, counts: np.ndarray, numels: np.ndarray,
+                  offsets: np.ndarray, rice: np.ndarray, out: np.ndarray) -> bool:
+    """Decode a batch of checked sections into ``out``; False if one is not canonical."""
+    total = out.size
+    # Unary parts, concatenated: the ones end the codes; each section must hold counts[s].
+    unary = np.concatenate([packed[a:a + n] for a, n in zip(unary_starts.tolist(),
+                                                             unary_lengths.tolist(), strict=True)])
+    ones = np.unpackbits(unary, bitorder="little").view(bool).nonzero()[0]
+    section_bit_starts = 8 * (np.cumsum(unary_lengths) - unary_lengths)
+    if ones.size != total or not np.array_equal(
+            np.diff(np.searchsorted(ones, section_bit_starts), append=total), counts):
+        return False
+    firsts = np.cumsum(counts) - counts  # where each section's indices start in out
+    # gap + 1 = (quotient << rice) + remainder + 1, and quotient + 1 is the distance between
+    # consecutive ones (from the section's start for its first one).
+    steps = np.empty(total, dtype=np.int64)
+    np.subtract(ones[1:], ones[:-1], out=steps[1:])
+    steps[firsts] = ones[firsts] - section_bit_starts + 1
+    if bool(np.all(rice == rice[0])):  # the usual case: a scalar broadcasts faster than arrays
+        rice_each, mask_each = int(rice[0]), (1 << int(rice[0])) - 1
+    else:
+        rice_each, mask_each = np.repeat(rice, counts), np.repeat((1 << rice) - 1, counts)
+
+    # Remainders: rice bits each, packed from byte 1 of each section; the bit where each starts
+    # is a running sum of rice that jumps to the next section's start at its first remainder.
+    bit_at = np.empty(total, dtype=np.int64)
+    bit_at[:] = rice_each
+    section_first_bits = 8 * (starts + 1)
+    bit_at[firsts] = section_first_bits
+    bit_at[firsts[1:]] -= section_first_bits[:-1] + (counts[:-1] - 1) * rice[:-1]
+    np.cumsum(bit_at, out=bit_at)
+    # Read through the two aligned 8-byte words around the first bit (numpy gathers unaligned
+    # words several times slower); a shift by 64 gives 0 in numpy.
+    words = packed.view("<u8")
+    word_at = ones  # no longer needed: reuse its memory
+    np.right_shift(bit_at, 6, out=word_at)
+    shift = np.bitwise_and(bit_at, 63, out=bit_at).view(np.uint64)
+    low = np.take(words, word_at)
+    low >>= shift
+    word_at += 1
+    high = np.take(words, word_at)
+    np.subtract(np.uint64(64), shift, out=shift)
+    high <<= shift
+    low |= high
+    gaps = low.view(np.int64)
+    gaps &= mask_each
+    gaps -= mask_each
+    steps <<= rice_each
+    gaps += steps
+    # Each section's indices are the running sum of its gaps + 1, minus one: its last index,
+    # the sum minus one, must stay below numel (and with it every gap).
     sums = np.add.reduceat(gaps, firsts)
     if np.any(sums > numels):
-        return None
-    # One running sum over all sections: the first term of each section is shifted so that the
-    # sum restarts at that section's offset (minus one, for the gaps' extra one).
+        return False
+    # One running sum over the batch: the first term of each section is shifted so that the sum
+    # restarts at that section's offset (minus one, for the extra ones).
     previous_end = np.empty_like(offsets)
     previous_end[0] = 1
     previous_end[1:] = (offsets + sums)[:-1]
     gaps[firsts] += offsets - previous_end
-    return np.cumsum(gaps, out=gaps)
+    np.cumsum(gaps, out=out)
+    return True

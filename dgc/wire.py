@@ -558,9 +558,7 @@ def _decode_packed(data: memoryview, h: _Headers) -> PackedTensors | None:
     dtype = _DTYPES_BY_ID[dtype_ids.pop()] if dtype_ids else torch.float32
     wire_dtype, view_dtype, exponent_mask = _RAW_BITS[dtype]
     value_size = view_dtype.itemsize
-    # 8 zero bytes after the end let the batched Golomb decoder read whole words anywhere.
-    whole = np.zeros(len(data) + 8, dtype=np.uint8)
-    whole[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    whole = np.frombuffer(data, dtype=np.uint8)
     dense = tuple(c == _ALL_ID for c in h.codings)
     layout = _layout(tuple(h.names), tuple(h.shapes), dense)
     sparse = [k for k, d in enumerate(dense) if not d]

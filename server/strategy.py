@@ -41,7 +41,7 @@ from flwr.supercore import log
 
 import dgc
 from client import protocol as P
-from dgc import DecodeError, SparseTensor, SparseUpdate
+from dgc import DecodeError, SparseTensor, SparseUpdate, TensorLayout
 from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -233,6 +233,8 @@ class DGCStrategy(FedAvg):
         self._dense_update_nbytes = 0
         self._dense_model_nbytes = 0
         self._max_numel = 0
+        self._checked_layouts: set[TensorLayout] = set()  # update layouts that match the model
+        self._aggregate_out: dict[str, torch.Tensor] | None = None  # reused across rounds
 
     # ------------------------------------------------------------------ settings / model
     def summary(self) -> None:
@@ -266,6 +268,7 @@ class DGCStrategy(FedAvg):
         # Flower ArrayRecord: the baselines of the compression ratios.
         self._dense_update_nbytes = encoded_size(SparseUpdate.from_dense(self.model, "float32"))
         self._max_numel = max((t.numel() for t in self.model.values()), default=0)
+        self._checked_layouts = set()  # checked against the previous model's shapes
         self._dense_model_nbytes = P.record_nbytes(self.model_arrays())
 
     def model_arrays(self) -> ArrayRecord:
@@ -424,20 +427,35 @@ class DGCStrategy(FedAvg):
             raise ReplyRejected(f"update sequence {update.sequence} is not the round "
                                 f"{server_round}")
         shapes = self.shapes
-        missing = sorted(set(shapes) - set(update.tensors))
-        extra = sorted(set(update.tensors) - set(shapes))
+        if update.packed is not None:
+            # Straight from decode, whose checks cover indices and values: only the names and
+            # shapes are left, once per layout (replies of one round share theirs).
+            layout = update.packed.layout
+            if layout not in self._checked_layouts:
+                self._check_tensors(dict(zip(layout.names, layout.shapes, strict=True)), shapes)
+                self._checked_layouts.add(layout)
+        else:
+            self._check_tensors({name: t.shape for name, t in update.tensors.items()}, shapes)
+            for name, t in update.tensors.items():
+                if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
+                    raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
+                if not torch.isfinite(t.values).all():
+                    raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
+        return self.node_keys.get(msg.metadata.src_node_id, -1), update, metrics, len(data)
+
+    @staticmethod
+    def _check_tensors(sent: Mapping[str, tuple[int, ...]],
+                       shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """ReplyRejected unless the update's tensors are the model's, by name and shape."""
+        missing = sorted(set(shapes) - set(sent))
+        extra = sorted(set(sent) - set(shapes))
         if missing or extra:
             raise ReplyRejected(f"tensor names differ from the model: missing {missing}, "
                                 f"unknown {extra}")
-        for name, t in update.tensors.items():
-            if t.shape != shapes[name]:
-                raise ReplyRejected(f"tensor {name!r} has shape {t.shape}, the model has "
+        for name, shape in sent.items():
+            if shape != shapes[name]:
+                raise ReplyRejected(f"tensor {name!r} has shape {shape}, the model has "
                                     f"{shapes[name]}")
-            if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
-                raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
-            if not torch.isfinite(t.values).all():
-                raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
-        return self.node_keys.get(msg.metadata.src_node_id, -1), update, metrics, len(data)
 
     # ------------------------------------------------------------------ aggregate
     def aggregate_train(
@@ -546,7 +564,16 @@ class DGCStrategy(FedAvg):
 
     def _apply(self, updates: list[SparseUpdate], weights: list[float]) -> bool:
         assert self.model is not None
-        avg = dgc.aggregate(updates, weights, self.shapes, normalize=True)
+        shapes = self.shapes
+        if self._aggregate_out is None or {k: tuple(v.shape) for k, v in
+                                           self._aggregate_out.items()} != shapes:
+            # One block reused every round: no model-sized allocation per round, and decoded
+            # updates are scattered into it in one call each.
+            self._aggregate_out = dgc.aggregate_buffers(shapes)
+        else:
+            for buf in self._aggregate_out.values():
+                buf.zero_()
+        avg = dgc.aggregate(updates, weights, shapes, normalize=True, out=self._aggregate_out)
         if self.server_momentum > 0.0:
             if self.momentum_buffer is None:
                 self.momentum_buffer = {k: torch.zeros_like(v) for k, v in self.model.items()}
