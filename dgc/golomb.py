@@ -280,13 +280,6 @@ def raw_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarra
 # Golomb-Rice, many sections at once
 # ---------------------------------------------------------------------------------------------
 
-#: Indices decoded per batch by :func:`golomb_decode_many`: its temporaries (int64 arrays of
-#: this many entries) then stay in cache and below glibc's mmap threshold (128 KiB by default);
-#: bigger ones are mapped and unmapped on every call, and the page faults cost more than the
-#: arithmetic.
-BATCH_INDICES = 12288
-
-
 def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                        counts: np.ndarray, numels: np.ndarray,
                        offsets: np.ndarray) -> np.ndarray | None:
@@ -299,7 +292,7 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
 
     A DGC update has one section per large tensor (53 of ~500 indices for ResNet-50), so
     decoding them one by one costs mostly numpy call overhead: here each step is one numpy pass
-    over a batch of sections. The checks are those of :func:`golomb_decode`; on any failure (or
+    over all the sections. The checks are those of :func:`golomb_decode`; on any failure (or
     a Rice parameter above 56, or a section too long for the int64 bounds below) the result is
     None and the caller decodes the sections one by one, which names the error.
     """
@@ -336,26 +329,17 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
             or np.any(np.where(padding_bits, packed[unary_starts - 1] >> padding_bits, 0))):
         return None
 
-    count_ends = np.cumsum(counts)
-    out = np.empty(int(count_ends[-1]), dtype=np.int64)
-    first = 0
-    while first < counts.size:
-        # The next sections holding at most BATCH_INDICES indices (at least one section).
-        done = int(count_ends[first - 1]) if first else 0
-        last = max(first + 1, int(np.searchsorted(count_ends, done + BATCH_INDICES, "right")))
-        batch = slice(first, last)
-        if not _decode_batch(packed, starts[batch], unary_starts[batch], unary_lengths[batch],
-                             counts[batch], numels[batch], offsets[batch], rice[batch],
-                             out[done:int(count_ends[last - 1])]):
-            return None
-        first = last
+    out = np.empty(int(counts.sum()), dtype=np.int64)
+    if not _decode_sections(packed, starts, unary_starts, unary_lengths, counts, numels,
+                            offsets, rice, out):
+        return None
     return out
 
 
-def _decode_batch(packed: np.ndarray, starts: np.ndarray, unary_starts: np.ndarray,
-                  unary_lengths: np.ndarray, counts: np.ndarray, numels: np.ndarray,
-                  offsets: np.ndarray, rice: np.ndarray, out: np.ndarray) -> bool:
-    """Decode a batch of checked sections into ``out``; False if one is not canonical."""
+def _decode_sections(packed: np.ndarray, starts: np.ndarray, unary_starts: np.ndarray,
+                     unary_lengths: np.ndarray, counts: np.ndarray, numels: np.ndarray,
+                     offsets: np.ndarray, rice: np.ndarray, out: np.ndarray) -> bool:
+    """Decode sections whose framing is checked into ``out``; False if one is not canonical."""
     total = out.size
     # Unary parts, concatenated: the ones end the codes; each section must hold counts[s].
     unary = np.concatenate([packed[a:a + n] for a, n in zip(unary_starts.tolist(),
@@ -407,7 +391,7 @@ def _decode_batch(packed: np.ndarray, starts: np.ndarray, unary_starts: np.ndarr
     sums = np.add.reduceat(gaps, firsts)
     if np.any(sums > numels):
         return False
-    # One running sum over the batch: the first term of each section is shifted so that the sum
+    # One running sum over all sections: the first term of each section is shifted so that the sum
     # restarts at that section's offset (minus one, for the extra ones).
     previous_end = np.empty_like(offsets)
     previous_end[0] = 1
