@@ -99,8 +99,9 @@ def aggregate(
     -----
     Updates straight from :func:`dgc.decode` (``update.packed`` set) are summed from their flat
     arrays: one scatter per update for all its sparse tensors, and one running sum per update
-    for all its dense ones. This is fastest into buffers from :func:`aggregate_buffers` (or
-    with no ``out``); other ``out`` buffers get the sum through a temporary flat block.
+    for all its dense ones (scattered once at the end). This is fastest into buffers from
+    :func:`aggregate_buffers` (or with no ``out``); other ``out`` buffers get the sum through a
+    temporary flat block.
 
     Otherwise, per tensor, the indices and weight-scaled float32 values of all updates are
     concatenated and scattered with one ``index_add_``; a tensor that every update carries in
@@ -263,7 +264,10 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
             if plan.sparse_shifts is not None:  # the update's tensor order is not the model's
                 counts = [packed.counts[k] for k in plan.sparse_tensors]
                 indices = indices + torch.from_numpy(np.repeat(plan.sparse_shifts, counts))
-            block.index_add_(0, indices, packed.sparse_values.to(torch.float32), alpha=factor)
+            # scatter_add_ of pre-scaled values: same sums as index_add_(alpha=...), about a
+            # third faster on CPU (torch 2.x) for these scattered single-entry writes.
+            values = packed.sparse_values.to(torch.float32, copy=True).mul_(factor)
+            block.scatter_add_(0, indices, values)
         if packed.dense_values.numel():
             dense_sum = dense_sums.get(id(plan))
             if dense_sum is None:
@@ -272,7 +276,7 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
             dense_sum.add_(packed.dense_values, alpha=factor)
     plan_of = {id(plan): plan for plan in plans.values()}
     for key, dense_sum in dense_sums.items():
-        block.index_add_(0, plan_of[key].dense_positions, dense_sum)
+        block.scatter_add_(0, plan_of[key].dense_positions, dense_sum)
 
     views = {name: block[model_offsets[name]:model_offsets[name] + math.prod(s)].view(tuple(s))
              for name, s in shapes.items()}
