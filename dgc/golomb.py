@@ -360,14 +360,11 @@ def _decode_sections(packed: np.ndarray, starts: np.ndarray, unary_starts: np.nd
     else:
         rice_each, mask_each = np.repeat(rice, counts), np.repeat((1 << rice) - 1, counts)
 
-    # Remainders: rice bits each, packed from byte 1 of each section; the bit where each starts
-    # is a running sum of rice that jumps to the next section's start at its first remainder.
-    bit_at = np.empty(total, dtype=np.int64)
-    bit_at[:] = rice_each
-    section_first_bits = 8 * (starts + 1)
-    bit_at[firsts] = section_first_bits
-    bit_at[firsts[1:]] -= section_first_bits[:-1] + (counts[:-1] - 1) * rice[:-1]
-    np.cumsum(bit_at, out=bit_at)
+    # Remainders: rice bits each, packed from byte 1 of each section; the j-th of a section
+    # starts at bit 8 * (start + 1) + j * rice.
+    bit_at = np.arange(total, dtype=np.int64)
+    bit_at *= rice_each
+    bit_at += np.repeat(8 * (starts + 1) - firsts * rice, counts)
     # Read through the two aligned 8-byte words around the first bit (numpy gathers unaligned
     # words several times slower); a shift by 64 gives 0 in numpy.
     words = packed.view("<u8")
