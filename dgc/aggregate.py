@@ -260,7 +260,7 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
         plan = plans[id(packed.layout)]
         factor = float(w) * scale
         if packed.sparse_indices.numel():
-            indices = packed.sparse_indices
+            indices = packed.sparse_indices.to(torch.int64)  # scatter_add_ takes int64 only
             if plan.sparse_shifts is not None:  # the update's tensor order is not the model's
                 counts = [packed.counts[k] for k in plan.sparse_tensors]
                 indices = indices + torch.from_numpy(np.repeat(plan.sparse_shifts, counts))

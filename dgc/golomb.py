@@ -288,7 +288,8 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
     Section ``s`` lies at ``message[starts[s]:starts[s] + lengths[s]]`` (``message``: a uint8
     array; the others: int64 arrays) and codes ``counts[s]`` indices of a tensor of
     ``numels[s]`` entries; its indices come back shifted by ``offsets[s]`` (the tensor's place
-    in a flat vector of all the tensors, increasing with ``s``), all sections' concatenated.
+    in a flat vector of all the tensors, increasing with ``s``), all sections' concatenated, as
+    int32 if every position fits (below ``2**31``) and int64 otherwise.
 
     A DGC update has one section per large tensor (53 of ~500 indices for ResNet-50), so
     decoding them one by one costs mostly numpy call overhead: here each step is one numpy pass
@@ -304,7 +305,7 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
         starts, lengths, counts, numels, offsets = (
             a[nonempty] for a in (starts, lengths, counts, numels, offsets))
     if counts.size == 0:
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.int32)
     # The sections, back to back in 8-byte words with 16 zero bytes after them, so that every
     # remainder can be read from two aligned words.
     section_ends = np.cumsum(lengths)
@@ -329,7 +330,10 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
             or np.any(np.where(padding_bits, packed[unary_starts - 1] >> padding_bits, 0))):
         return None
 
-    out = np.empty(int(counts.sum()), dtype=np.int64)
+    # int32 where the positions fit: half the memory a server keeps per decoded update (and
+    # fresh pages cost page faults).
+    small = int(offsets[-1]) + int(numels[-1]) <= np.iinfo(np.int32).max
+    out = np.empty(int(counts.sum()), dtype=np.int32 if small else np.int64)
     if not _decode_sections(packed, starts, unary_starts, unary_lengths, counts, numels,
                             offsets, rice, out):
         return None

@@ -97,9 +97,10 @@ class PackedTensors:
     """Every tensor of an update in a few flat arrays: the form :func:`dgc.decode` produces.
 
     ``sparse_indices`` are the positions, in the layout's flat vector, of the entries of the
-    tensors that are not dense, tensor after tensor (so they increase); ``sparse_values`` are
-    their values. ``dense_values`` are the dense tensors' entries, tensor after tensor.
-    ``counts[k]`` is the number of entries tensor ``k`` carries. All values share one dtype.
+    tensors that are not dense, tensor after tensor (so they increase), int32 when they fit and
+    int64 otherwise; ``sparse_values`` are their values. ``dense_values`` are the dense tensors'
+    entries, tensor after tensor. ``counts[k]`` is the number of entries tensor ``k`` carries.
+    All values share one dtype.
     """
 
     layout: TensorLayout
@@ -120,7 +121,7 @@ class PackedTensors:
                 values = self.dense_values[dense_at:dense_at + count]
                 dense_at += count
             else:
-                indices = self.sparse_indices[sparse_at:sparse_at + count] - offset
+                indices = self.sparse_indices[sparse_at:sparse_at + count].to(torch.int64) - offset
                 values = self.sparse_values[sparse_at:sparse_at + count]
                 sparse_at += count
             tensors[name] = SparseTensor(indices, values, shape)

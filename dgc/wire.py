@@ -578,7 +578,7 @@ def _decode_packed(data: memoryview, h: _Headers) -> PackedTensors | None:
                               + layout.offsets[k])
             except golomb.IndexCodingError:
                 return None
-        indices = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+        indices = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int32)
 
     def values_of(tensors: list[int]) -> np.ndarray:
         """The raw value bits of these tensors, concatenated (a copy that torch then owns)."""
