@@ -582,11 +582,11 @@ def _decode_packed(data: memoryview, h: _Headers) -> PackedTensors | None:
 
     def values_of(tensors: list[int]) -> np.ndarray:
         """The raw value bits of these tensors, concatenated (a copy that torch then owns)."""
-        if not tensors:
-            return np.empty(0, dtype=wire_dtype)
-        raw = np.concatenate([whole[h.value_starts[k]:h.value_starts[k]
-                                    + h.counts[k] * value_size] for k in tensors])
-        return raw.view(wire_dtype)
+        starts, counts = h.value_starts, h.counts
+        # bytearray.join of memoryview slices: about half the cost of numpy slices + concatenate
+        joined = bytearray().join([data[starts[k]:starts[k] + counts[k] * value_size]
+                                   for k in tensors])
+        return np.frombuffer(joined, dtype=wire_dtype)
 
     sparse_values = values_of(sparse)
     dense_values = values_of([k for k, d in enumerate(dense) if d])
