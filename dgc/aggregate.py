@@ -254,10 +254,11 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
         block = torch.zeros(total_numel, dtype=torch.float32)
     # Indices and shapes were checked by decode against the layout, and the layout against the
     # model above: every position is inside its tensor's range of the block.
-    dense_sums: dict[int, torch.Tensor] = {}
+    dense_sums: dict[int, torch.Tensor] = {}  # per layout: its dense tensors' weighted sum
     for u, w in zip(updates, weights, strict=True):
         packed = u.packed
-        plan = plans[id(packed.layout)]
+        key = id(packed.layout)
+        plan = plans[key]
         factor = float(w) * scale
         if packed.sparse_indices.numel():
             indices = packed.sparse_indices.to(torch.int64)  # scatter_add_ takes int64 only
@@ -269,14 +270,13 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
             values = packed.sparse_values.to(torch.float32, copy=True).mul_(factor)
             block.scatter_add_(0, indices, values)
         if packed.dense_values.numel():
-            dense_sum = dense_sums.get(id(plan))
+            dense_sum = dense_sums.get(key)
             if dense_sum is None:
-                dense_sum = dense_sums[id(plan)] = torch.zeros(packed.dense_values.numel(),
-                                                              dtype=torch.float32)
+                dense_sum = dense_sums[key] = torch.zeros(packed.dense_values.numel(),
+                                                         dtype=torch.float32)
             dense_sum.add_(packed.dense_values, alpha=factor)
-    plan_of = {id(plan): plan for plan in plans.values()}
     for key, dense_sum in dense_sums.items():
-        block.scatter_add_(0, plan_of[key].dense_positions, dense_sum)
+        block.scatter_add_(0, plans[key].dense_positions, dense_sum)
 
     views = {name: block[model_offsets[name]:model_offsets[name] + math.prod(s)].view(tuple(s))
              for name, s in shapes.items()}
