@@ -291,7 +291,7 @@ def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndar
     in a flat vector of all the tensors, increasing with ``s``), all sections' concatenated, as
     int32 if every position fits (below ``2**31``) and int64 otherwise.
 
-    A DGC update has one section per large tensor (53 of ~500 indices for ResNet-50), so
+    A DGC update has one section per large tensor (54 of 5 to 2,400 indices for ResNet-50), so
     decoding them one by one costs mostly numpy call overhead: here each step is one numpy pass
     over all the sections. The checks are those of :func:`golomb_decode`; on any failure (or
     a Rice parameter above 56, or a section too long for the int64 bounds below) the result is
