@@ -3,12 +3,12 @@
 Pure PyTorch and numpy; imports nothing of Flower.
 """
 
-from dgc.aggregate import aggregate
+from dgc.aggregate import aggregate, aggregate_buffers
 from dgc.compressor import DGCCompressor
 from dgc.config import DGCConfig
 from dgc.errors import AggregationError, ConfigError, DecodeError, DGCError, StateError
 from dgc.memory import DGCMemory
-from dgc.sparse import SparseTensor, SparseUpdate
+from dgc.sparse import PackedTensors, SparseTensor, SparseUpdate, TensorLayout
 from dgc.wire import EncodeError, decode, encode
 
 __all__ = [
@@ -20,10 +20,13 @@ __all__ = [
     "DGCMemory",
     "DecodeError",
     "EncodeError",
+    "PackedTensors",
     "SparseTensor",
     "SparseUpdate",
     "StateError",
+    "TensorLayout",
     "aggregate",
+    "aggregate_buffers",
     "decode",
     "encode",
 ]

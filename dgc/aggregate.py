@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dgc.errors import AggregationError
-from dgc.sparse import SparseUpdate
+from dgc.sparse import SparseUpdate, TensorLayout
+
+
+def aggregate_buffers(shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+    """Zeroed float32 buffers for ``aggregate(..., out=...)``, views of one flat block.
+
+    With the buffers laid out back to back in the model's order, :func:`aggregate` scatters a
+    decoded update's entries of all tensors in one call instead of one call per tensor.
+    """
+    offsets, total = _flat_offsets(shapes)
+    block = torch.zeros(total, dtype=torch.float32)
+    return {name: block[offsets[name]:offsets[name] + math.prod(s)].view(tuple(s))
+            for name, s in shapes.items()}
+
+
+def _flat_offsets(shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, int], int]:
+    """Where each tensor starts in the model flattened tensor after tensor, and the total."""
+    offsets, total = {}, 0
+    for name, s in shapes.items():
+        offsets[name] = total
+        total += math.prod(s)
+    return offsets, total
 
 
 def _check_weights(updates: Sequence[SparseUpdate], weights: Sequence[float]) -> None:
@@ -73,15 +97,23 @@ def aggregate(
 
     Notes
     -----
-    Per tensor, the indices and weight-scaled float32 values of all updates are concatenated and
-    scattered with one ``index_add_``; a tensor that every update carries in full (indices
-    exactly ``0..numel-1``) is summed with one matrix-vector product instead. Each sum is the
-    same as adding the updates one by one in their order, up to the order and grouping of the
-    float32 additions (threads, BLAS blocking): results agree within float32 rounding, not
-    bit for bit.
+    Updates straight from :func:`dgc.decode` (``update.packed`` set) are summed from their flat
+    arrays: one scatter per update for all its sparse tensors, and one running sum per update
+    for all its dense ones (scattered once at the end). This is fastest into buffers from
+    :func:`aggregate_buffers` (or with no ``out``); other ``out`` buffers get the sum through a
+    temporary flat block.
+
+    Otherwise, per tensor, the indices and weight-scaled float32 values of all updates are
+    concatenated and scattered with one ``index_add_``; a tensor that every update carries in
+    full (indices exactly ``0..numel-1``) is summed with one matrix-vector product instead.
+    Either way each sum is the same as adding the updates one by one in their order, up to the
+    order and grouping of the float32 additions (threads, BLAS blocking): results agree within
+    float32 rounding, not bit for bit.
     """
     _check_weights(updates, weights)
     flat_out = _check_out(out, shapes) if out is not None else None
+    if updates and all(getattr(u, "packed", None) is not None for u in updates):
+        return _aggregate_packed(updates, weights, shapes, normalize, out)
     # Structural checks (cheap, per piece) first; the index range is checked below on the
     # concatenation of each tensor's indices, still before anything is written.
     pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {n: [] for n in shapes}
@@ -144,3 +176,113 @@ def aggregate(
                                             torch.tensor(counts, dtype=torch.int64)))
         flat_out[name].index_add_(0, indices, values)
     return result
+
+
+@dataclass
+class _LayoutPlan:
+    """Where the tensors of one update layout go in the model's flat block."""
+
+    sparse_shifts: np.ndarray | None  # per sparse tensor, model offset minus layout offset
+    sparse_tensors: list[int]  # layout positions of the sparse tensors
+    dense_positions: torch.Tensor  # model flat position of every dense entry, in layout order
+
+
+def _plan(layout: TensorLayout, update: int, shapes: Mapping[str, Sequence[int]],
+          model_offsets: Mapping[str, int]) -> _LayoutPlan:
+    """Check a layout against the model (the errors the per-tensor path raises) and place it."""
+    sparse_tensors, shifts, dense_starts, dense_sizes = [], [], [], []
+    for k, (name, shape, dense, offset) in enumerate(zip(layout.names, layout.shapes,
+                                                         layout.dense, layout.offsets,
+                                                         strict=True)):
+        expected = shapes.get(name)
+        if expected is None:
+            raise AggregationError(f"update {update} carries unknown tensor {name!r}")
+        if tuple(expected) != shape:
+            raise AggregationError(f"update {update} tensor {name!r} has shape {shape}, "
+                                   f"the model has {tuple(expected)}")
+        if dense:
+            dense_starts.append(model_offsets[name])
+            dense_sizes.append(math.prod(shape))
+        else:
+            sparse_tensors.append(k)
+            shifts.append(model_offsets[name] - offset)
+    sizes = np.array(dense_sizes, dtype=np.int64)
+    positions = np.arange(int(sizes.sum()), dtype=np.int64)
+    positions += np.repeat(np.array(dense_starts, dtype=np.int64) - (np.cumsum(sizes) - sizes),
+                           sizes)
+    sparse_shifts = np.array(shifts, dtype=np.int64)
+    return _LayoutPlan(sparse_shifts if sparse_shifts.any() else None, sparse_tensors,
+                       torch.from_numpy(positions))
+
+
+def _flat_block(out: Mapping[str, torch.Tensor], offsets: Mapping[str, int],
+                total: int) -> torch.Tensor | None:
+    """One flat tensor over all of ``out`` if its buffers lie back to back in model order."""
+    if not offsets:
+        return None
+    first = out[next(iter(offsets))]
+    storage = first.untyped_storage()
+    for name, offset in offsets.items():
+        buf = out[name]
+        if (buf.untyped_storage().data_ptr() != storage.data_ptr()
+                or buf.data_ptr() != first.data_ptr() + 4 * offset):
+            return None
+    if storage.nbytes() < 4 * (first.storage_offset() + total):
+        return None
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,), (1,))
+
+
+def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
+                      shapes: Mapping[str, Sequence[int]], normalize: bool,
+                      out: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """:func:`aggregate` of decoded updates, from their packed arrays (see its Notes)."""
+    model_offsets, total_numel = _flat_offsets(shapes)
+    # Decoded updates of one structure share their layout object: check and place it once.
+    plans: dict[int, _LayoutPlan] = {}
+    for i, u in enumerate(updates):
+        layout = u.packed.layout
+        if id(layout) not in plans:
+            plans[id(layout)] = _plan(layout, i, shapes, model_offsets)
+    total = float(sum(weights))
+    if normalize and total <= 0:
+        raise AggregationError("total weight is zero; nothing to average")
+    scale = 1.0 / total if normalize else 1.0
+
+    block = _flat_block(out, model_offsets, total_numel) if out is not None else None
+    into_out = block is not None
+    if block is None:
+        block = torch.zeros(total_numel, dtype=torch.float32)
+    # Indices and shapes were checked by decode against the layout, and the layout against the
+    # model above: every position is inside its tensor's range of the block.
+    dense_sums: dict[int, torch.Tensor] = {}  # per layout: its dense tensors' weighted sum
+    for u, w in zip(updates, weights, strict=True):
+        packed = u.packed
+        key = id(packed.layout)
+        plan = plans[key]
+        factor = float(w) * scale
+        if packed.sparse_indices.numel():
+            indices = packed.sparse_indices.to(torch.int64)  # scatter_add_ takes int64 only
+            if plan.sparse_shifts is not None:  # the update's tensor order is not the model's
+                counts = [packed.counts[k] for k in plan.sparse_tensors]
+                indices = indices + torch.from_numpy(np.repeat(plan.sparse_shifts, counts))
+            # scatter_add_ of pre-scaled values: same sums as index_add_(alpha=...), about a
+            # third faster on CPU (torch 2.x) for these scattered single-entry writes.
+            values = packed.sparse_values.to(torch.float32, copy=True).mul_(factor)
+            block.scatter_add_(0, indices, values)
+        if packed.dense_values.numel():
+            dense_sum = dense_sums.get(key)
+            if dense_sum is None:
+                dense_sum = dense_sums[key] = torch.zeros(packed.dense_values.numel(),
+                                                         dtype=torch.float32)
+            dense_sum.add_(packed.dense_values, alpha=factor)
+    for key, dense_sum in dense_sums.items():
+        block.scatter_add_(0, plans[key].dense_positions, dense_sum)
+
+    views = {name: block[model_offsets[name]:model_offsets[name] + math.prod(s)].view(tuple(s))
+             for name, s in shapes.items()}
+    if out is None:
+        return views
+    if not into_out:  # out is not one block: add the sum in
+        for name, view in views.items():
+            out[name].add_(view)
+    return {name: out[name] for name in shapes}

@@ -274,3 +274,129 @@ def raw_decode(section: memoryview | bytes, count: int, numel: int) -> np.ndarra
             raise IndexCodingError(f"raw index {int(indices[-1])} out of range for {numel} "
                                    f"entries")
     return indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Golomb-Rice, many sections at once
+# ---------------------------------------------------------------------------------------------
+
+def golomb_decode_many(message: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                       counts: np.ndarray, numels: np.ndarray,
+                       offsets: np.ndarray) -> np.ndarray | None:
+    """The indices of many Golomb-Rice sections of one message, or None if any is not canonical.
+
+    Section ``s`` lies at ``message[starts[s]:starts[s] + lengths[s]]`` (``message``: a uint8
+    array; the others: int64 arrays) and codes ``counts[s]`` indices of a tensor of
+    ``numels[s]`` entries; its indices come back shifted by ``offsets[s]`` (the tensor's place
+    in a flat vector of all the tensors, increasing with ``s``), all sections' concatenated, as
+    int32 if every position fits (below ``2**31``) and int64 otherwise.
+
+    A DGC update has one section per large tensor (54 of 5 to 2,400 indices for ResNet-50), so
+    decoding them one by one costs mostly numpy call overhead: here each step is one numpy pass
+    over all the sections. The checks are those of :func:`golomb_decode`; on any failure (or
+    a Rice parameter above 56, or a section too long for the int64 bounds below) the result is
+    None and the caller decodes the sections one by one, which names the error.
+    """
+    nonempty = counts > 0
+    if not nonempty.all():  # sections of no index: only the parameter byte and no unary part
+        if not bool(np.all(lengths[~nonempty] == 1)) or int(message[starts[~nonempty]].max(
+                initial=0)) > MAX_RICE_PARAMETER:
+            return None
+        starts, lengths, counts, numels, offsets = (
+            a[nonempty] for a in (starts, lengths, counts, numels, offsets))
+    if counts.size == 0:
+        return np.empty(0, dtype=np.int32)
+    # The sections, back to back in 8-byte words with 16 zero bytes after them, so that every
+    # remainder can be read from two aligned words.
+    section_ends = np.cumsum(lengths)
+    packed = np.zeros((int(section_ends[-1]) + 23) // 8 * 8, dtype=np.uint8)
+    packed[:int(section_ends[-1])] = np.concatenate(
+        [message[a:a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)])
+    starts = section_ends - lengths
+
+    rice = packed[starts].astype(np.int64)
+    remainder_bytes = (counts * rice + 7) >> 3  # no overflow: counts <= numel <= 2**62 ...
+    unary_lengths = lengths - 1 - remainder_bytes
+    unary_starts = starts + 1 + remainder_bytes
+    # ... and a section with 2**(58 - rice) unary bytes or more (never in practice) is left to
+    # golomb_decode: below that, each section's sum of gaps (unary zeros shifted by rice, plus
+    # one remainder below 2**rice per unary one) stays under 2**62, so no sum can wrap.
+    padding_bits = ((counts * rice) & 7).astype(np.uint8)
+    if (int(rice.max()) > 56 or np.any(unary_lengths <= 0) or np.any(counts > 8 * unary_lengths)
+            or np.any(unary_lengths >= np.left_shift(1, 58 - rice))
+            or int(offsets[-1]) + int(numels[-1]) > MAX_NUMEL
+            or not packed[unary_starts + unary_lengths - 1].all()  # canonical: no zero last byte
+            # the padding bits are the high bits of the last remainder byte
+            or np.any(np.where(padding_bits, packed[unary_starts - 1] >> padding_bits, 0))):
+        return None
+
+    # int32 where the positions fit: half the memory a server keeps per decoded update (and
+    # fresh pages cost page faults).
+    small = int(offsets[-1]) + int(numels[-1]) <= np.iinfo(np.int32).max
+    out = np.empty(int(counts.sum()), dtype=np.int32 if small else np.int64)
+    if not _decode_sections(packed, starts, unary_starts, unary_lengths, counts, numels,
+                            offsets, rice, out):
+        return None
+    return out
+
+
+def _decode_sections(packed: np.ndarray, starts: np.ndarray, unary_starts: np.ndarray,
+                     unary_lengths: np.ndarray, counts: np.ndarray, numels: np.ndarray,
+                     offsets: np.ndarray, rice: np.ndarray, out: np.ndarray) -> bool:
+    """Decode sections whose framing is checked into ``out``; False if one is not canonical."""
+    total = out.size
+    # Unary parts, concatenated: the ones end the codes; each section must hold counts[s].
+    unary = np.concatenate([packed[a:a + n] for a, n in zip(unary_starts.tolist(),
+                                                             unary_lengths.tolist(), strict=True)])
+    ones = np.unpackbits(unary, bitorder="little").view(bool).nonzero()[0]
+    section_bit_starts = 8 * (np.cumsum(unary_lengths) - unary_lengths)
+    if ones.size != total or not np.array_equal(
+            np.diff(np.searchsorted(ones, section_bit_starts), append=total), counts):
+        return False
+    firsts = np.cumsum(counts) - counts  # where each section's indices start in out
+    # gap + 1 = (quotient << rice) + remainder + 1, and quotient + 1 is the distance between
+    # consecutive ones (from the section's start for its first one).
+    steps = np.empty(total, dtype=np.int64)
+    np.subtract(ones[1:], ones[:-1], out=steps[1:])
+    steps[firsts] = ones[firsts] - section_bit_starts + 1
+    if bool(np.all(rice == rice[0])):  # the usual case: a scalar broadcasts faster than arrays
+        rice_each, mask_each = int(rice[0]), (1 << int(rice[0])) - 1
+    else:
+        rice_each, mask_each = np.repeat(rice, counts), np.repeat((1 << rice) - 1, counts)
+
+    # Remainders: rice bits each, packed from byte 1 of each section; the j-th of a section
+    # starts at bit 8 * (start + 1) + j * rice.
+    bit_at = np.arange(total, dtype=np.int64)
+    bit_at *= rice_each
+    bit_at += np.repeat(8 * (starts + 1) - firsts * rice, counts)
+    # Read through the two aligned 8-byte words around the first bit (numpy gathers unaligned
+    # words several times slower); a shift by 64 gives 0 in numpy.
+    words = packed.view("<u8")
+    word_at = ones  # no longer needed: reuse its memory
+    np.right_shift(bit_at, 6, out=word_at)
+    shift = np.bitwise_and(bit_at, 63, out=bit_at).view(np.uint64)
+    low = np.take(words, word_at)
+    low >>= shift
+    word_at += 1
+    high = np.take(words, word_at)
+    np.subtract(np.uint64(64), shift, out=shift)
+    high <<= shift
+    low |= high
+    gaps = low.view(np.int64)
+    gaps &= mask_each
+    gaps -= mask_each
+    steps <<= rice_each
+    gaps += steps
+    # Each section's indices are the running sum of its gaps + 1, minus one: its last index,
+    # the sum minus one, must stay below numel (and with it every gap).
+    sums = np.add.reduceat(gaps, firsts)
+    if np.any(sums > numels):
+        return False
+    # One running sum over all sections: the first term of each section is shifted so that the sum
+    # restarts at that section's offset (minus one, for the extra ones).
+    previous_end = np.empty_like(offsets)
+    previous_end[0] = 1
+    previous_end[1:] = (offsets + sums)[:-1]
+    gaps[firsts] += offsets - previous_end
+    np.cumsum(gaps, out=out)
+    return True

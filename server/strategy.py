@@ -43,7 +43,7 @@ from flwr.supercore import log
 
 import dgc
 from client import protocol as P
-from dgc import DecodeError, SparseTensor, SparseUpdate
+from dgc import DecodeError, SparseTensor, SparseUpdate, TensorLayout
 from dgc.shared import Masks, SharedIndexPlanner, decode_signs, encode_mask
 from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -264,6 +264,8 @@ class DGCStrategy(FedAvg):
         self._dense_update_nbytes = 0
         self._dense_model_nbytes = 0
         self._max_numel = 0
+        self._checked_layouts: set[TensorLayout] = set()  # update layouts that match the model
+        self._aggregate_out: dict[str, torch.Tensor] | None = None  # reused across rounds
 
     # ------------------------------------------------------------------ settings / model
     def summary(self) -> None:
@@ -306,6 +308,7 @@ class DGCStrategy(FedAvg):
         # Flower ArrayRecord: the baselines of the compression ratios.
         self._dense_update_nbytes = encoded_size(SparseUpdate.from_dense(self.model, "float32"))
         self._max_numel = max((t.numel() for t in self.model.values()), default=0)
+        self._checked_layouts = set()  # checked against the previous model's shapes
         self._dense_model_nbytes = P.record_nbytes(self.model_arrays())
 
     def model_arrays(self) -> ArrayRecord:
@@ -479,19 +482,20 @@ class DGCStrategy(FedAvg):
             raise ReplyRejected(f"update sequence {update.sequence} is not the round "
                                 f"{server_round}")
         shapes = self.shapes
-        missing = sorted(set(shapes) - set(update.tensors))
-        extra = sorted(set(update.tensors) - set(shapes))
-        if missing or extra:
-            raise ReplyRejected(f"tensor names differ from the model: missing {missing}, "
-                                f"unknown {extra}")
-        for name, t in update.tensors.items():
-            if t.shape != shapes[name]:
-                raise ReplyRejected(f"tensor {name!r} has shape {t.shape}, the model has "
-                                    f"{shapes[name]}")
-            if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
-                raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
-            if not torch.isfinite(t.values).all():
-                raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
+        if update.packed is not None:
+            # Straight from decode, whose checks cover indices and values: only the names and
+            # shapes are left, once per layout (replies of one round share theirs).
+            layout = update.packed.layout
+            if layout not in self._checked_layouts:
+                self._check_tensors(dict(zip(layout.names, layout.shapes, strict=True)), shapes)
+                self._checked_layouts.add(layout)
+        else:
+            self._check_tensors({name: t.shape for name, t in update.tensors.items()}, shapes)
+            for name, t in update.tensors.items():
+                if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
+                    raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
+                if not torch.isfinite(t.values).all():
+                    raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
         key = self.node_keys.get(msg.metadata.src_node_id, -1)
         nbytes = len(data)
         shared = content.array_records.get(P.SHARED)
@@ -502,7 +506,7 @@ class DGCStrategy(FedAvg):
             try:
                 signs_data = P.record_to_bytes(shared, P.SHARED_SIGNS)
                 signs = decode_signs(signs_data, self._round.masks,
-                                     {n: t.shape for n, t in update.tensors.items()})
+                                     {n: shapes[n] for n in self._round.masks})
             except (ValueError, DecodeError) as ex:
                 raise ReplyRejected(f"undecodable shared signs: {ex}") from ex
             if signs.sequence != server_round:
@@ -511,6 +515,20 @@ class DGCStrategy(FedAvg):
             self._round.signs[key] = signs
             nbytes += len(signs_data)
         return key, update, metrics, nbytes
+
+    @staticmethod
+    def _check_tensors(sent: Mapping[str, tuple[int, ...]],
+                       shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """ReplyRejected unless the update's tensors are the model's, by name and shape."""
+        missing = sorted(set(shapes) - set(sent))
+        extra = sorted(set(sent) - set(shapes))
+        if missing or extra:
+            raise ReplyRejected(f"tensor names differ from the model: missing {missing}, "
+                                f"unknown {extra}")
+        for name, shape in sent.items():
+            if shape != shapes[name]:
+                raise ReplyRejected(f"tensor {name!r} has shape {shape}, the model has "
+                                    f"{shapes[name]}")
 
     # ------------------------------------------------------------------ aggregate
     def aggregate_train(
@@ -626,12 +644,28 @@ class DGCStrategy(FedAvg):
         """Apply the weighted average of ``updates``: divided by ``total_weight`` (default: the
         sum of ``weights``; the shared signs add updates but no clients)."""
         assert self.model is not None
+        shapes = self.shapes
         total = float(sum(weights)) if total_weight is None else float(total_weight)
         if total <= 0:
             raise dgc.AggregationError("total weight is zero; nothing to average")
-        # w * (1 / total), the very factors dgc.aggregate's own normalization computes.
+        if self._aggregate_out is None or {k: tuple(v.shape) for k, v in
+                                           self._aggregate_out.items()} != shapes:
+            # One block reused every round: no model-sized allocation per round, and decoded
+            # updates are scattered into it in one call each.
+            self._aggregate_out = dgc.aggregate_buffers(shapes)
+        else:
+            for buf in self._aggregate_out.values():
+                buf.zero_()
+        # w * (1 / total): the very factors dgc.aggregate's own normalization computes. Decoded
+        # updates and signs go in separate calls, so that the decoded ones keep the packed path.
         scale = 1.0 / total
-        avg = dgc.aggregate(updates, [w * scale for w in weights], self.shapes, normalize=False)
+        packed = [i for i, u in enumerate(updates) if u.packed is not None]
+        others = [i for i, u in enumerate(updates) if u.packed is None]
+        avg = self._aggregate_out
+        for group in (packed, others):
+            if group:
+                dgc.aggregate([updates[i] for i in group], [weights[i] * scale for i in group],
+                              shapes, normalize=False, out=avg)
         if self.server_momentum > 0.0:
             if self.momentum_buffer is None:
                 self.momentum_buffer = {k: torch.zeros_like(v) for k, v in self.model.items()}

@@ -202,3 +202,35 @@ def test_bad_update_leaves_out_untouched(bad_index: list[int]) -> None:
     with pytest.raises(AggregationError, match=r"update 3 tensor 'fc\.bias'.*outside \[0, 50\)"):
         aggregate(updates, [1.0] * 4, SHAPES, out=buffers)
     assert all(bool((t == 7.0).all()) for t in buffers.values())
+
+
+def test_decoded_updates_aggregate_like_their_per_tensor_form() -> None:
+    from dgc import aggregate_buffers, decode, encode
+
+    updates = _client_updates(5)
+    weights = [3.0, 1.0, 2.0, 5.0, 4.0]
+    expected = aggregate(updates, weights, SHAPES)
+    decoded = [decode(encode(u)) for u in updates]
+    assert all(u.packed is not None for u in decoded)
+    block = aggregate_buffers(SHAPES)
+    separate = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    reordered = dict(reversed(SHAPES.items()))  # the updates' order is not the model's
+    for out, shapes in [(None, SHAPES), (block, SHAPES), (separate, SHAPES), (None, reordered)]:
+        got = aggregate(decoded, weights, shapes, out=out)
+        for n in SHAPES:
+            torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-6)
+        if out is not None:
+            assert all(got[n] is out[n] for n in SHAPES)
+    assert all(u.packed is not None for u in decoded)  # summing did not materialize them
+
+
+def test_decoded_updates_are_checked_against_the_model() -> None:
+    from dgc import decode, encode
+
+    decoded = [decode(encode(u)) for u in _client_updates(2)]
+    with pytest.raises(AggregationError, match="update 0 carries unknown tensor 'fc.bias'"):
+        aggregate(decoded, [1.0, 1.0], {"fc.weight": (50, 60)})
+    with pytest.raises(AggregationError, match=r"update 0 tensor 'fc.bias' has shape \(50,\)"):
+        aggregate(decoded, [1.0, 1.0], {"fc.weight": (50, 60), "fc.bias": (5, 10)})
+    with pytest.raises(AggregationError, match="total weight is zero"):
+        aggregate(decoded, [0.0, 0.0], SHAPES)

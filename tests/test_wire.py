@@ -490,3 +490,93 @@ def test_compressor_updates_round_trip_and_take_the_expected_codings(value_dtype
         assert codings["fc.bias"] == "all"
         if epoch == 5.0:
             assert codings["conv.weight"] == codings["fc.weight"] == "golomb"
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed decoding (the server's fast path) against the reference per-tensor decoder
+# ---------------------------------------------------------------------------------------------
+
+def reference_decode(data: bytes) -> SparseUpdate:
+    """What decode returns through the step-by-step reader and decoder only."""
+    from dgc import wire
+
+    view = memoryview(data)
+    sequence, records = wire._read_structure(view, None)
+    return SparseUpdate(wire._decode_tensors(view, records), sequence)
+
+
+def model_like_update(dtype: torch.dtype, seed: int) -> SparseUpdate:
+    """Sparse large tensors, dense small ones, an empty selection: what a DGC client sends."""
+    tensors = {}
+    for k, (shape, count) in enumerate([((64, 3, 3, 3), 9), ((64,), 64), ((128, 64), 40),
+                                        ((128,), 128), ((10, 128), 0), ((10,), 10),
+                                        ((300, 7), 2100)]):
+        numel = math.prod(shape)
+        tensors[f"layer{k}"] = random_tensor(numel, count, dtype, seed + k, shape)
+    return SparseUpdate(tensors, seed)
+
+
+@pytest.mark.parametrize("coding", CODINGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_decode_equals_the_reference_decoder(coding: str, dtype: torch.dtype) -> None:
+    data = encode(model_like_update(dtype, 3), index_coding=coding)
+    update = decode(data)
+    assert update.packed is not None
+    assert update.nnz == sum(t.nnz for t in reference_decode(data).tensors.values())
+    assert update.numel == sum(t.numel for t in reference_decode(data).tensors.values())
+    assert_same(reference_decode(data), update)
+    assert update.packed is None  # reading tensors made the dict the update's content
+
+
+def test_messages_of_one_structure_share_their_layout() -> None:
+    a = decode(encode(model_like_update(torch.float16, 1)))
+    b = decode(encode(model_like_update(torch.float16, 2)))
+    assert a.packed is not None and b.packed is not None
+    assert a.packed.layout is b.packed.layout
+    assert a.packed.layout.offsets[1] == 64 * 27
+
+
+def test_mixed_value_dtypes_decode_through_the_reference_path() -> None:
+    update = model_like_update(torch.float16, 4)
+    update.tensors["layer1"] = random_tensor(64, 64, torch.float32, 9, (64,))
+    data = encode(update)
+    decoded = decode(data)
+    assert decoded.packed is None
+    assert_same(update, decoded)
+
+
+def test_golomb_decode_many_equals_section_by_section() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        message, expected = bytearray(rng.integers(0, 256, 3).astype(np.uint8).tobytes()), []
+        columns: list[list[int]] = [[], [], [], [], []]  # starts, lengths, counts, numels, offsets
+        offset = 0
+        for _ in range(int(rng.integers(1, 7))):
+            numel = int(rng.integers(1, 4000))
+            indices = np.sort(rng.choice(numel, int(rng.integers(0, min(numel, 300) + 1)),
+                                         replace=False)).astype(np.int64)
+            rice = None if rng.random() < 0.7 else int(rng.integers(0, 12))
+            section = gr.golomb_encode(indices, numel, rice)
+            message += rng.integers(0, 256, int(rng.integers(0, 4))).astype(np.uint8).tobytes()
+            for column, value in zip(columns, [len(message), len(section), indices.size, numel,
+                                               offset], strict=True):
+                column.append(value)
+            message += section
+            expected.append(indices + offset)
+            offset += numel
+        args = [np.frombuffer(bytes(message), dtype=np.uint8),
+                *(np.array(c, dtype=np.int64) for c in columns)]
+        assert np.array_equal(gr.golomb_decode_many(*args), np.concatenate(expected)), trial
+        # One flipped bit: None, or exactly what section-by-section decoding gives.
+        at = int(rng.integers(0, len(message)))
+        message[at] ^= 1 << int(rng.integers(0, 8))
+        args[0] = np.frombuffer(bytes(message), dtype=np.uint8)
+        try:
+            reference = np.concatenate([
+                gr.golomb_decode(bytes(message[s:s + n]), c, m) + o
+                for s, n, c, m, o in zip(*columns, strict=True)])
+        except gr.IndexCodingError:
+            reference = None
+        got = gr.golomb_decode_many(*args)
+        assert got is None if reference is None else got is None or np.array_equal(got,
+                                                                                   reference)
