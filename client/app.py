@@ -98,14 +98,16 @@ def global_model(content: RecordDict, config: ConfigRecord,
     if kind != "patch":
         raise ClientProtocolError(f"downlink must be 'dense' or 'patch', got {kind!r}")
     base = _int(config, P.BASE_VERSION)
+    bases = [int(v) for v in config.get(P.BASE_VERSIONS, [base])]  # type: ignore[union-attr]
     target = _int(config, P.MODEL_VERSION)
     if held is not None and "model" in held and int(held.get("model_version", -1)) == target:
         # A resumed server re-sends a round this client already received: it holds the target.
         return {k: v.clone() for k, v in held["model"].items()}
-    if held is None or "model" not in held or int(held.get("model_version", -1)) != base:
+    if held is None or "model" not in held or int(held.get("model_version", -1)) not in bases:
         have = None if held is None else held.get("model_version")
-        raise ClientProtocolError(f"server sent a patch on model version {base}, this client "
-                                  f"holds version {have}")
+        on = f"version {bases[0]}" if len(bases) == 1 else f"any of versions {bases}"
+        raise ClientProtocolError(f"server sent a patch on model {on}, this client holds "
+                                  f"version {have}")
     patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH))
     model = {k: v.clone() for k, v in held["model"].items()}
     for name, t in patch.tensors.items():
