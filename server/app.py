@@ -96,6 +96,8 @@ def run_server(grid: Grid, config: RunConfig,
         server_momentum=s.server_momentum,
         downlink=s.downlink,
         downlink_history=s.downlink_history,
+        # Dense FedAvg is the baseline: it always broadcasts the exact model.
+        downlink_density=s.downlink_density if t.method != "dense" else 1.0,
         seed=t.seed,
         checkpoint_dir=run_dir if s.checkpoint else None,
         resume=s.resume,

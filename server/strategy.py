@@ -4,8 +4,11 @@ Per round (``configure_train`` then ``aggregate_train``):
 
 1. identify clients by a stable key (a query message once per node: node ids change with every
    simulation run, partition ids do not), and sample them with a seeded generator;
-2. send each the dense global model, or a patch on the version it holds, whichever is smaller,
-   with ``ack_sequence``: the sequence of its last update that was aggregated;
+2. send each the dense broadcast model, or a patch valid on every version it may hold,
+   whichever is smaller, with ``ack_sequence``: the sequence of its last update that was
+   aggregated. The broadcast model is the global model itself, or, with ``downlink_density <
+   1``, a copy that follows it by the largest entries of their difference each round (a
+   compressed broadcast with server-side error feedback);
 3. decode and validate every reply; a rejected reply is logged with its reason, counted, and
    never touches the model;
 4. aggregate by scatter-add in O(total nonzeros), weighted by ``num-examples``, and apply the
@@ -138,6 +141,14 @@ class DGCStrategy(FedAvg):
         the dense model.
     downlink_history : int (default: 1)
         Past global versions kept to build patches (each costs one model of server memory).
+    downlink_density : float (default: 1.0)
+        1: clients are sent the global model exactly. Below 1: the server keeps a *broadcast
+        model* that clients hold and train from; after each aggregation it copies into it the
+        ``ceil(downlink_density * n)`` entries of the global model, over all tensors of two or
+        more dims (n entries in all), where the two differ most (one-dimensional tensors are
+        copied whole). What is not sent stays in the difference and is sent in later rounds
+        (error feedback on the server, as in DoubleSqueeze, Tang et al. 2019). The broadcast
+        model then changes in few entries per round, so patches stay small.
     seed : int (default: 0)
         Seed of client sampling (per round: ``Random(seed * 1000003 + round)``).
     checkpoint_dir : str or Path, optional (default: None)
@@ -168,6 +179,7 @@ class DGCStrategy(FedAvg):
         server_momentum: float = 0.0,
         downlink: str = "auto",
         downlink_history: int = 1,
+        downlink_density: float = 1.0,
         seed: int = 0,
         checkpoint_dir: str | Path | None = None,
         resume: bool = False,
@@ -210,8 +222,12 @@ class DGCStrategy(FedAvg):
         self.over_selection = float(over_selection)
         self.server_learning_rate = float(server_learning_rate)
         self.server_momentum = float(server_momentum)
+        if isinstance(downlink_density, bool) or not isinstance(downlink_density, (int, float)) \
+                or not 0.0 < downlink_density <= 1.0:
+            raise ValueError(f"downlink_density must be in (0, 1], got {downlink_density!r}")
         self.downlink = downlink
         self.downlink_history = downlink_history
+        self.downlink_density = float(downlink_density)
         self.seed = int(seed)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.resume = resume
@@ -219,16 +235,23 @@ class DGCStrategy(FedAvg):
         self.probe_timeout = probe_timeout
 
         self.model: OrderedDict[str, torch.Tensor] | None = None  # the global model, float32
-        self.model_version = 0  # aggregations applied so far
+        # What clients hold, with downlink_density < 1 (None: they hold self.model).
+        self.broadcast: OrderedDict[str, torch.Tensor] | None = None
+        self.model_version = 0  # aggregations applied so far = version of the broadcast model
         self.completed_rounds = 0
         self.momentum_buffer: dict[str, torch.Tensor] | None = None
-        self.history: list[tuple[int, dict[str, torch.Tensor]]] = []  # (version, model), oldest 1st
-        self.clients: dict[int, dict[str, int]] = {}  # key -> {"acked": seq, "version": v}
+        # (version, broadcast model), oldest first
+        self.history: list[tuple[int, dict[str, torch.Tensor]]] = []
+        # key -> {"acked": seq, "versions": [versions the client may hold]}
+        self.clients: dict[int, dict[str, Any]] = {}
         self.node_keys: dict[int, int] = {}  # node id -> client key (this process only)
         self.rounds: list[RoundRecord] = []
         self.client_rows: list[ClientRow] = []
         self.rejections: dict[str, int] = {}
         self._round: _RoundState | None = None
+        # Clients known to have processed this round's message although their reply is not
+        # among those aggregate_train was given (the network emulator's late replies).
+        self._processed: set[int] = set()
         self._pending_record = RoundRecord(0)
         self._dense_update_nbytes = 0
         self._dense_model_nbytes = 0
@@ -242,7 +265,8 @@ class DGCStrategy(FedAvg):
             self.clients_per_round, self.over_selection)
         log(INFO, "\t│\t├── Server learning rate: %s", self.server_learning_rate)
         log(INFO, "\t│\t├── Server momentum: %s", self.server_momentum)
-        log(INFO, "\t│\t├── Downlink: %s (history %d)", self.downlink, self.downlink_history)
+        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g)", self.downlink,
+            self.downlink_history, self.downlink_density)
         log(INFO, "\t│\t├── Sampling seed: %d", self.seed)
         log(INFO, "\t│\t└── Checkpoints: %s%s", self.checkpoint_dir or "off",
             " (resume)" if self.resume else "")
@@ -258,6 +282,7 @@ class DGCStrategy(FedAvg):
                                  f"trains floating-point tensors only")
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.model = model
+        self.broadcast = self._copy(model) if self.downlink_density < 1.0 else None
         self._measure_dense()
 
     def _measure_dense(self) -> None:
@@ -272,6 +297,16 @@ class DGCStrategy(FedAvg):
         """The global model as an ArrayRecord (one numpy Array per tensor)."""
         assert self.model is not None
         return ArrayRecord(OrderedDict((k, v.clone()) for k, v in self.model.items()))
+
+    @property
+    def sent_model(self) -> OrderedDict[str, torch.Tensor]:
+        """The model clients are sent and hold: the broadcast model, or the global model."""
+        assert self.model is not None
+        return self.broadcast if self.broadcast is not None else self.model
+
+    @staticmethod
+    def _copy(model: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict((k, v.clone()) for k, v in model.items())
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -335,20 +370,34 @@ class DGCStrategy(FedAvg):
         rng = random.Random(self.seed * 1_000_003 + server_round)
         return rng.sample(sorted(keys), want)
 
-    def _patch(self, base_version: int) -> bytes | None:
-        assert self.model is not None
-        if base_version == self.model_version:
-            base = self.model  # the client already holds it: the patch is empty
-        else:
-            base = next((m for v, m in self.history if v == base_version), None)
-        if base is None:
+    def _patch(self, base_versions: tuple[int, ...]) -> bytes | None:
+        """A patch that turns any of ``base_versions`` into the current sent model.
+
+        It carries the entries that differ, in any of the bases, from the current model: on each
+        base, an entry outside that set already equals the current one, so replacing the set
+        gives the same bits whichever base the client holds. None when a base is not kept.
+        """
+        current = self.sent_model
+        bases = []
+        for version in base_versions:
+            if version == self.model_version:
+                bases.append(current)  # the client already holds it: nothing to add
+                continue
+            base = next((m for v, m in self.history if v == version), None)
+            if base is None:
+                return None
+            bases.append(base)
+        if not bases:
             return None
         tensors = {}
-        for name, t in self.model.items():
-            flat, old = t.view(-1), base[name].view(-1)
+        for name, t in current.items():
+            bits = t.view(-1).view(torch.int32)
             # bitwise comparison, so a replaced entry reproduces the server's value exactly
-            idx = torch.nonzero(flat.view(torch.int32) != old.view(torch.int32)).view(-1)
-            tensors[name] = SparseTensor(idx, flat[idx].clone(), tuple(t.shape))
+            changed = torch.zeros_like(bits, dtype=torch.bool)
+            for base in bases:
+                changed |= bits != base[name].view(-1).view(torch.int32)
+            idx = torch.nonzero(changed).view(-1)
+            tensors[name] = SparseTensor(idx, t.view(-1)[idx].clone(), tuple(t.shape))
         return dgc.encode(SparseUpdate(tensors, self.model_version))
 
     def configure_train(
@@ -364,17 +413,17 @@ class DGCStrategy(FedAvg):
         sampled = self.sample(server_round, list(node_of))
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), len(node_ids))
 
-        dense_record = self.model_arrays()
+        dense_record = ArrayRecord(self._copy(self.sent_model))
         dense_nbytes = P.record_nbytes(dense_record)
-        patches: dict[int, bytes | None] = {}
+        patches: dict[tuple[int, ...], bytes | None] = {}
         state = _RoundState(server_round, sampled, {k: node_of[k] for k in sampled}, {},
                             self.model_version)
         messages = []
         for key in sampled:
             info = self.clients.get(key, {})
-            held = info.get("version", -1)
+            held = tuple(sorted(info.get("versions", ())))
             record, kind, nbytes = dense_record, "dense", dense_nbytes
-            if self.downlink == "auto" and held >= 0:
+            if self.downlink == "auto" and held:
                 if held not in patches:
                     patches[held] = self._patch(held)
                 patch = patches[held]
@@ -387,7 +436,8 @@ class DGCStrategy(FedAvg):
             cfg[P.DOWNLINK] = kind
             cfg[P.KEEP_MODEL] = self.downlink == "auto"
             if kind == "patch":
-                cfg[P.BASE_VERSION] = held
+                cfg[P.BASE_VERSION] = held[-1]
+                cfg[P.BASE_VERSIONS] = list(held)
             state.downlink[key] = (kind, nbytes)
             messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}),
                                     dst_node_id=node_of[key], message_type=MessageType.TRAIN))
@@ -514,16 +564,22 @@ class DGCStrategy(FedAvg):
             if not applied:
                 for k in chosen:
                     rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
-        # Bookkeeping the next round's messages rely on.
+        # Bookkeeping the next round's messages rely on: the versions each client may hold.
         for key, row in rows.items():
-            info = self.clients.setdefault(key, {"acked": -1, "version": -1})
+            info = self.clients.setdefault(key, {"acked": -1, "versions": []})
             if row.status == "aggregated":
                 info["acked"] = server_round
-            if row.status in ("aggregated", "surplus", "rejected") and self.downlink == "auto":
+            if self.downlink != "auto" or row.status == "error":
+                info["versions"] = []  # dense next time
+            elif row.status in ("aggregated", "surplus", "rejected") \
+                    or key in self._processed:
                 # It answered with content, so it processed the message and holds what we sent.
-                info["version"] = state.version_sent
-            else:
-                info["version"] = -1  # unknown: the client may or may not hold what we sent
+                info["versions"] = [state.version_sent]
+            elif info["versions"]:
+                # No answer: it holds what it held, or what we sent if the message reached it.
+                info["versions"] = sorted(set(info["versions"]) | {state.version_sent})
+            # else: it held nothing we know of and may not have received the model: dense.
+        self._processed = set()
 
         ordered = [rows[k] for k in state.sampled]
         self.client_rows.extend(ordered)
@@ -560,11 +616,37 @@ class DGCStrategy(FedAvg):
         if self.server_momentum > 0.0:
             self.momentum_buffer = step
         if self.downlink_history > 0:
-            self.history.append((self.model_version, self.model))
+            self.history.append((self.model_version, self.sent_model))
             self.history = self.history[-self.downlink_history:]
         self.model = new
+        if self.broadcast is not None:
+            self.broadcast = self._follow(self.broadcast, new)
         self.model_version += 1
         return True
+
+    def _follow(self, broadcast: Mapping[str, torch.Tensor],
+                model: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+        """The next broadcast model: ``broadcast`` with its entries that differ most from
+        ``model`` replaced by the model's (one-dimensional tensors whole)."""
+        out = self._copy(broadcast)
+        matrices = [k for k, v in model.items() if v.dim() > 1]
+        for k, v in model.items():
+            if v.dim() <= 1:
+                out[k].copy_(v)
+        if not matrices:
+            return out
+        diff = torch.cat([(model[k] - broadcast[k]).abs().view(-1) for k in matrices])
+        count = min(diff.numel(), math.ceil(self.downlink_density * diff.numel()))
+        # Ties are broken by position (stable sort), so the selection is reproducible.
+        chosen = torch.sort(diff, descending=True, stable=True).indices[:count]
+        chosen = chosen[diff[chosen] > 0]
+        start = 0
+        for k in matrices:
+            n = model[k].numel()
+            local = chosen[(chosen >= start) & (chosen < start + n)] - start
+            out[k].view(-1)[local] = model[k].view(-1)[local]
+            start += n
+        return out
 
     def _round_record(self, server_round: int, rows: list[ClientRow], uplink: int) -> RoundRecord:
         assert self._round is not None and self.model is not None
@@ -599,6 +681,7 @@ class DGCStrategy(FedAvg):
             "model": dict(self.model),
             "model_names": list(self.model),
             "model_version": self.model_version,
+            "broadcast": None if self.broadcast is None else dict(self.broadcast),
             "momentum_buffer": self.momentum_buffer,
             "history": [[v, dict(m)] for v, m in self.history],
             "clients": {str(k): dict(v) for k, v in self.clients.items()},
@@ -624,12 +707,19 @@ class DGCStrategy(FedAvg):
                                       f"model {ours}")
         self.model = OrderedDict((k, model[k].to(torch.float32).contiguous())
                                  for k in state["model_names"])
+        broadcast = state.get("broadcast")
+        if (broadcast is None) != (self.downlink_density == 1.0):
+            raise CheckpointError(f"checkpoint was written with downlink_density "
+                                  f"{'1' if broadcast is None else '< 1'}, the run has "
+                                  f"{self.downlink_density:g}: clients hold the other model")
+        self.broadcast = None if broadcast is None else OrderedDict(
+            (k, broadcast[k].to(torch.float32).contiguous()) for k in state["model_names"])
         self._measure_dense()
         self.completed_rounds = int(state["completed_rounds"])
         self.model_version = int(state["model_version"])
         self.momentum_buffer = state["momentum_buffer"]
         self.history = [(int(v), OrderedDict(m)) for v, m in state["history"]]
-        self.clients = {int(k): dict(v) for k, v in state["clients"].items()}
+        self.clients = {int(k): _client_info(v) for k, v in state["clients"].items()}
         self.rounds = [RoundRecord(**r) for r in state["rounds"]]
         self.client_rows = [ClientRow(**r) for r in state["client_rows"]]
         self.rejections = dict(state["rejections"])
@@ -705,6 +795,15 @@ class DGCStrategy(FedAvg):
                 self.on_round(record)
         result.arrays = self.model_arrays()
         return result
+
+
+def _client_info(info: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpointed client entry; older checkpoints kept one ``version`` (-1: unknown)."""
+    if "versions" in info:
+        versions = [int(v) for v in info["versions"]]
+    else:
+        versions = [int(info["version"])] if int(info.get("version", -1)) >= 0 else []
+    return {"acked": int(info["acked"]), "versions": versions}
 
 
 def _payload_nbytes(msg: Message) -> int:

@@ -111,3 +111,89 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert by[(2, lost)]["restored"] == "1"
     others = [k for k in range(3) if k != lost]
     assert all(by[(2, k)]["restored"] == "0" for k in others)
+
+
+def _sent_versions(state) -> dict[int, dict[str, torch.Tensor]]:
+    """The models clients may hold, by version, from a checkpoint: history and current."""
+    models = {int(v): m for v, m in state["history"]}
+    models[int(state["model_version"])] = state["broadcast"] or state["model"]
+    return models
+
+
+def _every_client_holds_what_the_server_sent(c: RunConfig) -> int:
+    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
+    models = _sent_versions(state)
+    store = ClientStateStore(c.state_dir)
+    checked = 0
+    for key in store.keys():
+        record = store.get(key)
+        if "model" not in record:
+            continue
+        version = int(record["model_version"])
+        assert version in models, f"client {key} holds version {version}, not kept"
+        for name, t in models[version].items():
+            assert torch.equal(record["model"][name], t), (key, version, name)
+        if version in state["clients"][key]["versions"]:
+            checked += 1
+    return checked
+
+
+def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
+    """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
+    are lost (the server then sends patches valid on either version the client may hold)."""
+    lost = []
+
+    def drop_some(reply):
+        metrics = reply.content.metric_records["metrics"]
+        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
+                and len(lost) < 4:
+            lost.append(int(metrics["client_key"]))
+            return None
+        return reply
+
+    c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
+                downlink_density=0.01)
+    summary = run_server(LocalGrid(client_app, 6, intercept=drop_some), c)
+    exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6)
+    exact_summary = run_server(LocalGrid(client_app, 6), exact)
+    rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
+    assert lost and all(r["status"] != "error" for r in rows)  # no patch was refused
+    assert sum(r["downlink"] == "patch" for r in rows) > 0
+    assert _every_client_holds_what_the_server_sent(c) >= 3
+    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
+    # The broadcast model lags the global model (what was not sent waits on the server).
+    assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
+    assert summary["downlink_bytes"] < exact_summary["downlink_bytes"]
+
+
+def test_compressed_broadcast_resumes_exactly(tmp_path):
+    extra = {"downlink_density": 0.01, "downlink_history": 4}
+    whole = _config(tmp_path, run_name="whole", rounds=4, **extra)
+    run_server(LocalGrid(client_app, 6, seed=1), whole)
+    part = _config(tmp_path, run_name="part", rounds=2, **extra)
+    run_server(LocalGrid(client_app, 6, seed=2), part)
+    resumed = _config(tmp_path, run_name="part", rounds=4, resume=True, **extra)
+    run_server(LocalGrid(client_app, 6, seed=3), resumed)
+    a, b = _model(whole.run_dir), _model(resumed.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = list(csv.DictReader((whole.run_dir / "rounds.csv").open()))
+    rows_b = list(csv.DictReader((resumed.run_dir / "rounds.csv").open()))
+    assert [r["downlink_bytes"] for r in rows_a] == [r["downlink_bytes"] for r in rows_b]
+    # Switching the broadcast off on resume would leave clients holding the other model.
+    switched = _config(tmp_path, run_name="part", rounds=5, resume=True)
+    with pytest.raises(Exception, match="downlink_density"):
+        run_server(LocalGrid(client_app, 6, seed=4), switched)
+
+
+def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
+    plain = _config(tmp_path, run_name="plain", rounds=3, method="dense")
+    run_server(LocalGrid(client_app, 6), plain)
+    asked = _config(tmp_path, run_name="asked", rounds=3, method="dense", downlink_density=0.01)
+    run_server(LocalGrid(client_app, 6), asked)
+    a, b = _model(plain.run_dir), _model(asked.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = list(csv.DictReader((plain.run_dir / "rounds.csv").open()))
+    rows_b = list(csv.DictReader((asked.run_dir / "rounds.csv").open()))
+    for col in ("accuracy", "uplink_bytes", "downlink_bytes"):
+        assert [r[col] for r in rows_a] == [r[col] for r in rows_b]
+    assert torch.load(asked.run_dir / "checkpoint.pt", weights_only=True)["broadcast"] is None
