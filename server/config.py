@@ -53,9 +53,10 @@ class ServerSettings:
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
                             Check(choices=DOWNLINKS))
-    downlink_history: int = setting(1, "downlink_history", "past global versions the server "
-                                    "keeps to build patches (memory: one model each)",
-                                    Check(0, 100))
+    downlink_history: int = setting(1, "downlink_history", "the most versions a patch may "
+                                    "span; a client holding an older version gets the dense "
+                                    "model (memory: one int32 per parameter, whatever the "
+                                    "value)", Check(0))
     downlink_density: float = setting(1.0, "downlink_density", "1: clients are sent the "
                                       "global model exactly; below 1 (topk and dgc runs): a "
                                       "compressed broadcast, each round the server copies "

@@ -140,7 +140,9 @@ class DGCStrategy(FedAvg):
         that version and the encoded patch is smaller than the dense model; "dense" always sends
         the dense model.
     downlink_history : int (default: 1)
-        Past global versions kept to build patches (each costs one model of server memory).
+        The most versions a patch may span: a client that holds an older version gets the
+        dense model. The server keeps, per entry, the version at which it last changed (one
+        int32 per parameter whatever this value), not past models.
     downlink_density : float (default: 1.0)
         1: clients are sent the global model exactly. Below 1: the server keeps a *broadcast
         model* that clients hold and train from; after each aggregation it copies into it the
@@ -240,8 +242,9 @@ class DGCStrategy(FedAvg):
         self.model_version = 0  # aggregations applied so far = version of the broadcast model
         self.completed_rounds = 0
         self.momentum_buffer: dict[str, torch.Tensor] | None = None
-        # (version, broadcast model), oldest first
-        self.history: list[tuple[int, dict[str, torch.Tensor]]] = []
+        # Per entry of the sent model, the version at which it last changed (patches are built
+        # from it: an entry that changed after the oldest version a client may hold).
+        self.changed_at: dict[str, torch.Tensor] = {}
         # key -> {"acked": seq, "versions": [versions the client may hold]}
         self.clients: dict[int, dict[str, Any]] = {}
         self.node_keys: dict[int, int] = {}  # node id -> client key (this process only)
@@ -283,6 +286,7 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.model = model
         self.broadcast = self._copy(model) if self.downlink_density < 1.0 else None
+        self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
         self._measure_dense()
 
     def _measure_dense(self) -> None:
@@ -373,30 +377,19 @@ class DGCStrategy(FedAvg):
     def _patch(self, base_versions: tuple[int, ...]) -> bytes | None:
         """A patch that turns any of ``base_versions`` into the current sent model.
 
-        It carries the entries that differ, in any of the bases, from the current model: on each
-        base, an entry outside that set already equals the current one, so replacing the set
-        gives the same bits whichever base the client holds. None when a base is not kept.
+        It carries, with their current values, the entries that changed after the oldest base:
+        on each base an entry outside that set already holds the current bits, so replacing the
+        set gives the same model whichever base the client holds. None when a base is more
+        than ``downlink_history`` versions old (or newer than the model).
         """
-        current = self.sent_model
-        bases = []
-        for version in base_versions:
-            if version == self.model_version:
-                bases.append(current)  # the client already holds it: nothing to add
-                continue
-            base = next((m for v, m in self.history if v == version), None)
-            if base is None:
-                return None
-            bases.append(base)
-        if not bases:
+        if not base_versions or any(
+                not self.model_version - self.downlink_history <= v <= self.model_version
+                for v in base_versions):
             return None
+        oldest = min(base_versions)
         tensors = {}
-        for name, t in current.items():
-            bits = t.view(-1).view(torch.int32)
-            # bitwise comparison, so a replaced entry reproduces the server's value exactly
-            changed = torch.zeros_like(bits, dtype=torch.bool)
-            for base in bases:
-                changed |= bits != base[name].view(-1).view(torch.int32)
-            idx = torch.nonzero(changed).view(-1)
+        for name, t in self.sent_model.items():
+            idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
             tensors[name] = SparseTensor(idx, t.view(-1)[idx].clone(), tuple(t.shape))
         return dgc.encode(SparseUpdate(tensors, self.model_version))
 
@@ -615,13 +608,15 @@ class DGCStrategy(FedAvg):
             return False
         if self.server_momentum > 0.0:
             self.momentum_buffer = step
-        if self.downlink_history > 0:
-            self.history.append((self.model_version, self.sent_model))
-            self.history = self.history[-self.downlink_history:]
+        before = self.sent_model
         self.model = new
         if self.broadcast is not None:
             self.broadcast = self._follow(self.broadcast, new)
         self.model_version += 1
+        for name, t in self.sent_model.items():
+            # bitwise comparison, so a replaced entry reproduces the server's value exactly
+            changed = t.view(torch.int32) != before[name].view(torch.int32)
+            self.changed_at[name][changed] = self.model_version
         return True
 
     def _follow(self, broadcast: Mapping[str, torch.Tensor],
@@ -683,7 +678,7 @@ class DGCStrategy(FedAvg):
             "model_version": self.model_version,
             "broadcast": None if self.broadcast is None else dict(self.broadcast),
             "momentum_buffer": self.momentum_buffer,
-            "history": [[v, dict(m)] for v, m in self.history],
+            "changed_at": dict(self.changed_at),
             "clients": {str(k): dict(v) for k, v in self.clients.items()},
             "rounds": [asdict(r) for r in self.rounds],
             "client_rows": [asdict(r) for r in self.client_rows],
@@ -718,7 +713,12 @@ class DGCStrategy(FedAvg):
         self.completed_rounds = int(state["completed_rounds"])
         self.model_version = int(state["model_version"])
         self.momentum_buffer = state["momentum_buffer"]
-        self.history = [(int(v), OrderedDict(m)) for v, m in state["history"]]
+        if "changed_at" in state:
+            self.changed_at = {k: state["changed_at"][k].to(torch.int32).contiguous()
+                               for k in state["model_names"]}
+        else:  # an older checkpoint (past models instead): patches only from now on
+            self.changed_at = {k: torch.full(v.shape, self.model_version, dtype=torch.int32)
+                               for k, v in self.model.items()}
         self.clients = {int(k): _client_info(v) for k, v in state["clients"].items()}
         self.rounds = [RoundRecord(**r) for r in state["rounds"]]
         self.client_rows = [ClientRow(**r) for r in state["client_rows"]]

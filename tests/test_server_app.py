@@ -14,6 +14,7 @@ from server.app import RunFolderError, run_server
 from server.config import RunConfig
 from server.local_grid import LocalGrid
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
+from server.strategy import DGCStrategy
 
 BASE = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition": "iid",
         "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3}
@@ -71,25 +72,59 @@ def test_results_schema_and_accuracy_rises(tmp_path):
     assert sum(int(r["uplink_bytes"]) for r in clients) == summary["uplink_bytes"]
 
 
+class RecordingStrategy(DGCStrategy):
+    """DGCStrategy that keeps a copy of every model version it sent (what clients may hold)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.sent_versions: dict[int, dict[str, torch.Tensor]] = {}
+
+    def configure_train(self, server_round, arrays, config, grid):
+        messages = super().configure_train(server_round, arrays, config, grid)
+        self.sent_versions[self.model_version] = {k: v.clone()
+                                                  for k, v in self.sent_model.items()}
+        return messages
+
+
+def _run_recording(c: RunConfig, grid: LocalGrid) -> tuple[dict, RecordingStrategy]:
+    made = []
+
+    def factory(**kw):
+        made.append(RecordingStrategy(**kw))
+        return made[0]
+
+    return run_server(grid, c, strategy_factory=factory), made[0]
+
+
+def _every_client_holds_what_the_server_sent(c: RunConfig, strategy: RecordingStrategy) -> int:
+    """Check every stored client model against the version the server sent; return how many
+    of them are among the versions the server believes the client may hold."""
+    store = ClientStateStore(c.state_dir)
+    checked = 0
+    for key in store.keys():
+        record = store.get(key)
+        if "model" not in record:
+            continue
+        version = int(record["model_version"])
+        for name, t in strategy.sent_versions[version].items():
+            assert torch.equal(record["model"][name], t), (key, version, name)
+        if version in strategy.clients[int(key)]["versions"]:
+            checked += 1
+    return checked
+
+
 def test_patches_keep_client_models_bit_identical_to_the_server(tmp_path):
     # All clients every round, so each holds the previous version and gets patches.
     c = _config(tmp_path, run_name="patch", rounds=4, num_clients=3, clients_per_round=3,
                 **{"dgc.density": 0.001, "dgc.warmup": "none"})
-    summary = run_server(LocalGrid(client_app, 3), c)
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 3))
     rows = list(csv.DictReader((c.run_dir / "rounds.csv").open()))
     assert [int(r["patches_sent"]) for r in rows] == [0, 3, 3, 3]
     assert summary["downlink_bytes"] < summary["dense_downlink_bytes"]
-    # Every client rebuilt version 3 from patches; the server's final model is version 4, so
-    # compare against the model the server held before its last step: rebuild it from the
-    # store of a client and check it against the checkpointed history.
-    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
-    (version, held_by_server), = state["history"]
-    store = ClientStateStore(c.state_dir)
-    for key in store.keys():
-        record = store.get(key)
-        assert record["model_version"] == version == 3
-        for name, t in held_by_server.items():
-            assert torch.equal(record["model"][name], t)
+    # Every client rebuilt version 3 from patches (the server's final model is version 4).
+    assert _every_client_holds_what_the_server_sent(c, strategy) == 3
+    assert all(int(r["model_version"]) == 3 for r in
+               map(ClientStateStore(c.state_dir).get, ClientStateStore(c.state_dir).keys()))
 
 
 def test_unacknowledged_update_is_restored_next_round(tmp_path):
@@ -113,31 +148,6 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert all(by[(2, k)]["restored"] == "0" for k in others)
 
 
-def _sent_versions(state) -> dict[int, dict[str, torch.Tensor]]:
-    """The models clients may hold, by version, from a checkpoint: history and current."""
-    models = {int(v): m for v, m in state["history"]}
-    models[int(state["model_version"])] = state["broadcast"] or state["model"]
-    return models
-
-
-def _every_client_holds_what_the_server_sent(c: RunConfig) -> int:
-    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
-    models = _sent_versions(state)
-    store = ClientStateStore(c.state_dir)
-    checked = 0
-    for key in store.keys():
-        record = store.get(key)
-        if "model" not in record:
-            continue
-        version = int(record["model_version"])
-        assert version in models, f"client {key} holds version {version}, not kept"
-        for name, t in models[version].items():
-            assert torch.equal(record["model"][name], t), (key, version, name)
-        if version in state["clients"][key]["versions"]:
-            checked += 1
-    return checked
-
-
 def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
     """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
     are lost (the server then sends patches valid on either version the client may hold)."""
@@ -153,13 +163,14 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
 
     c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
                 downlink_density=0.01)
-    summary = run_server(LocalGrid(client_app, 6, intercept=drop_some), c)
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
     exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6)
     exact_summary = run_server(LocalGrid(client_app, 6), exact)
     rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
     assert lost and all(r["status"] != "error" for r in rows)  # no patch was refused
     assert sum(r["downlink"] == "patch" for r in rows) > 0
-    assert _every_client_holds_what_the_server_sent(c) >= 3
+    assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
+    assert any(len(info["versions"]) > 1 for info in strategy.clients.values())
     state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
     # The broadcast model lags the global model (what was not sent waits on the server).
     assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
