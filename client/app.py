@@ -17,6 +17,7 @@ One train message, in order:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -86,9 +87,24 @@ def _int(config: ConfigRecord, key: str) -> int:
     return int(config[key])  # type: ignore[arg-type]
 
 
-def global_model(content: RecordDict, config: ConfigRecord,
-                 held: dict[str, Any] | None) -> dict[str, torch.Tensor]:
-    """The global model of this message, from dense arrays or a patch on the held version."""
+def initial_model(task: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Version 0 of the global model, built as the server builds it (``server.app.run_server``:
+    ``torch.manual_seed(seed)`` then ``task.build_model()``), without moving this process's
+    random stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {k: v.detach().to(torch.float32).clone()
+                for k, v in task.build_model().state_dict().items()}
+
+
+def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any] | None,
+                 initial: Callable[[], dict[str, torch.Tensor]] | None = None,
+                 ) -> dict[str, torch.Tensor]:
+    """The global model of this message, from dense arrays or a patch on the held version.
+
+    ``initial`` builds version 0 (:func:`initial_model`): a client that holds no model yet may
+    be sent a patch on version 0 when the run has ``clients_build_initial_model``.
+    """
     arrays = content.array_records.get(P.ARRAYS)
     if arrays is None:
         raise ClientProtocolError(f"train message has no {P.ARRAYS!r} ArrayRecord")
@@ -103,6 +119,8 @@ def global_model(content: RecordDict, config: ConfigRecord,
     if held is not None and "model" in held and int(held.get("model_version", -1)) == target:
         # A resumed server re-sends a round this client already received: it holds the target.
         return {k: v.clone() for k, v in held["model"].items()}
+    if (held is None or "model" not in held) and 0 in bases and initial is not None:
+        held = {"model": initial(), "model_version": 0}
     if held is None or "model" not in held or int(held.get("model_version", -1)) not in bases:
         have = None if held is None else held.get("model_version")
         on = f"version {bases[0]}" if len(bases) == 1 else f"any of versions {bases}"
@@ -159,7 +177,8 @@ def train(msg: Message, context: Context) -> Message:
         return Message(RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics}),
                        reply_to=msg)
 
-    global_state = global_model(msg.content, config, record)
+    global_state = global_model(msg.content, config, record,
+                                initial=lambda: initial_model(task, s.seed))
     model = task.build_model()
     model.load_state_dict(global_state)
     local = train_locally(

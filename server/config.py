@@ -65,6 +65,10 @@ class ServerSettings:
                                       "hold (error feedback on the server; 1-D tensors whole); "
                                       "dense runs always get the exact model",
                                       Check(0.0, 1.0, low_open=True))
+    clients_build_initial_model: bool = setting(
+        False, "clients_build_initial_model", "clients build version 0 of the model from the "
+        "run's seed as the server does (the app ships the initial model), so a first contact "
+        "gets a patch on version 0 instead of the dense model")
     round_timeout_s: float = setting(600.0, "round_timeout_s", "seconds to wait for train "
                                      "replies; a later reply counts as failed (round 1 includes "
                                      "Ray start-up)", Check(0.0, low_open=True))

@@ -151,6 +151,10 @@ class DGCStrategy(FedAvg):
         copied whole). What is not sent stays in the difference and is sent in later rounds
         (error feedback on the server, as in DoubleSqueeze, Tang et al. 2019). The broadcast
         model then changes in few entries per round, so patches stay small.
+    clients_build_initial_model : bool (default: False)
+        Clients build version 0 of the model themselves (the app ships it: the same seeded
+        ``task.build_model()`` as the server's), so a client's first message may be a patch on
+        version 0 instead of the dense model.
     seed : int (default: 0)
         Seed of client sampling (per round: ``Random(seed * 1000003 + round)``).
     checkpoint_dir : str or Path, optional (default: None)
@@ -182,6 +186,7 @@ class DGCStrategy(FedAvg):
         downlink: str = "auto",
         downlink_history: int = 1,
         downlink_density: float = 1.0,
+        clients_build_initial_model: bool = False,
         seed: int = 0,
         checkpoint_dir: str | Path | None = None,
         resume: bool = False,
@@ -230,6 +235,8 @@ class DGCStrategy(FedAvg):
         self.downlink = downlink
         self.downlink_history = downlink_history
         self.downlink_density = float(downlink_density)
+        # What the server assumes a client it never heard from holds.
+        self.initial_versions = [0] if clients_build_initial_model else []
         self.seed = int(seed)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.resume = resume
@@ -268,8 +275,9 @@ class DGCStrategy(FedAvg):
             self.clients_per_round, self.over_selection)
         log(INFO, "\t│\t├── Server learning rate: %s", self.server_learning_rate)
         log(INFO, "\t│\t├── Server momentum: %s", self.server_momentum)
-        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g)", self.downlink,
-            self.downlink_history, self.downlink_density)
+        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g%s)", self.downlink,
+            self.downlink_history, self.downlink_density,
+            ", clients build version 0" if self.initial_versions else "")
         log(INFO, "\t│\t├── Sampling seed: %d", self.seed)
         log(INFO, "\t│\t└── Checkpoints: %s%s", self.checkpoint_dir or "off",
             " (resume)" if self.resume else "")
@@ -414,7 +422,7 @@ class DGCStrategy(FedAvg):
         messages = []
         for key in sampled:
             info = self.clients.get(key, {})
-            held = tuple(sorted(info.get("versions", ())))
+            held = tuple(sorted(info.get("versions", self.initial_versions)))
             record, kind, nbytes = dense_record, "dense", dense_nbytes
             if self.downlink == "auto" and held:
                 if held not in patches:
@@ -559,7 +567,8 @@ class DGCStrategy(FedAvg):
                     rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
         # Bookkeeping the next round's messages rely on: the versions each client may hold.
         for key, row in rows.items():
-            info = self.clients.setdefault(key, {"acked": -1, "versions": []})
+            info = self.clients.setdefault(key, {"acked": -1,
+                                                 "versions": list(self.initial_versions)})
             if row.status == "aggregated":
                 info["acked"] = server_round
             if self.downlink != "auto" or row.status == "error":

@@ -208,3 +208,21 @@ def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
     for col in ("accuracy", "uplink_bytes", "downlink_bytes"):
         assert [r[col] for r in rows_a] == [r[col] for r in rows_b]
     assert torch.load(asked.run_dir / "checkpoint.pt", weights_only=True)["broadcast"] is None
+
+
+def test_clients_that_build_the_initial_model_get_patches_from_the_start(tmp_path):
+    """clients_build_initial_model: first contacts get a patch on version 0, which the client
+    builds bit for bit as the server did; training is unchanged."""
+    plain = _config(tmp_path, run_name="plain", rounds=3)
+    run_server(LocalGrid(client_app, 6), plain)
+    c = _config(tmp_path, run_name="v0", rounds=3, downlink_history=10,
+                clients_build_initial_model=True)
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 6))
+    rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
+    assert all(r["downlink"] == "patch" and r["status"] != "error" for r in rows)
+    first = [r for r in rows if r["round"] == "1"]
+    assert all(int(r["downlink_bytes"]) < 200 for r in first)  # an empty patch on version 0
+    assert _every_client_holds_what_the_server_sent(c, strategy) == len(
+        ClientStateStore(c.state_dir).keys())
+    a, b = _model(plain.run_dir), _model(c.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
