@@ -136,9 +136,10 @@ class DGCStrategy(FedAvg):
     server_momentum : float (default: 0.0)
         Server momentum, in the convention of Flower's FedAvgM and ``torch.optim.SGD``.
     downlink : {"auto", "dense"} (default: "auto")
-        "auto" sends a client a patch on the global version it holds when the server still keeps
-        that version and the encoded patch is smaller than the dense model; "dense" always sends
-        the dense model.
+        "auto" sends a client a patch valid on every version it may hold (what it held and, when
+        its reply did not arrive, what it was last sent) when none is more than
+        ``downlink_history`` versions old and the encoded patch is smaller than the dense
+        model; "dense" always sends the dense model.
     downlink_history : int (default: 1)
         The most versions a patch may span: a client that holds an older version gets the
         dense model. The server keeps, per entry, the version at which it last changed (one
