@@ -20,6 +20,7 @@ One train message, in order:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -90,9 +91,24 @@ def _int(config: ConfigRecord, key: str) -> int:
     return int(config[key])  # type: ignore[arg-type]
 
 
-def global_model(content: RecordDict, config: ConfigRecord,
-                 held: dict[str, Any] | None) -> dict[str, torch.Tensor]:
-    """The global model of this message, from dense arrays or a patch on the held version."""
+def initial_model(task: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Version 0 of the global model, built as the server builds it (``server.app.run_server``:
+    ``torch.manual_seed(seed)`` then ``task.build_model()``), without moving this process's
+    random stream."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {k: v.detach().to(torch.float32).clone()
+                for k, v in task.build_model().state_dict().items()}
+
+
+def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any] | None,
+                 initial: Callable[[], dict[str, torch.Tensor]] | None = None,
+                 ) -> dict[str, torch.Tensor]:
+    """The global model of this message, from dense arrays or a patch on the held version.
+
+    ``initial`` builds version 0 (:func:`initial_model`): a client that holds no model yet may
+    be sent a patch on version 0 when the run has ``clients_build_initial_model``.
+    """
     arrays = content.array_records.get(P.ARRAYS)
     if arrays is None:
         raise ClientProtocolError(f"train message has no {P.ARRAYS!r} ArrayRecord")
@@ -102,14 +118,18 @@ def global_model(content: RecordDict, config: ConfigRecord,
     if kind != "patch":
         raise ClientProtocolError(f"downlink must be 'dense' or 'patch', got {kind!r}")
     base = _int(config, P.BASE_VERSION)
+    bases = [int(v) for v in config.get(P.BASE_VERSIONS, [base])]  # type: ignore[union-attr]
     target = _int(config, P.MODEL_VERSION)
     if held is not None and "model" in held and int(held.get("model_version", -1)) == target:
         # A resumed server re-sends a round this client already received: it holds the target.
         return {k: v.clone() for k, v in held["model"].items()}
-    if held is None or "model" not in held or int(held.get("model_version", -1)) != base:
+    if (held is None or "model" not in held) and 0 in bases and initial is not None:
+        held = {"model": initial(), "model_version": 0}
+    if held is None or "model" not in held or int(held.get("model_version", -1)) not in bases:
         have = None if held is None else held.get("model_version")
-        raise ClientProtocolError(f"server sent a patch on model version {base}, this client "
-                                  f"holds version {have}")
+        on = f"version {bases[0]}" if len(bases) == 1 else f"any of versions {bases}"
+        raise ClientProtocolError(f"server sent a patch on model {on}, this client holds "
+                                  f"version {have}")
     patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH))
     model = {k: v.clone() for k, v in held["model"].items()}
     for name, t in patch.tensors.items():
@@ -198,7 +218,8 @@ def train(msg: Message, context: Context) -> Message:
         metrics = MetricRecord({**reply, "compute_seconds": time.perf_counter() - started})
         return Message(_reply_content(data, shared_data, metrics), reply_to=msg)
 
-    global_state = global_model(msg.content, config, record)
+    global_state = global_model(msg.content, config, record,
+                                initial=lambda: initial_model(task, s.seed))
     shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
     model = task.build_model()
     model.load_state_dict(global_state)

@@ -7,8 +7,9 @@ A train message carries
 - ``arrays`` (ArrayRecord): either the dense global model (one numpy Array per tensor, what
   Flower's FedAvg sends), or one byte Array named ``patch``: a ``dgc.encode``-d update whose
   fp32 values *replace* the entries of the model version the client already holds
-  (``base_version``). Replacing instead of adding keeps the client's copy bit-identical to the
-  server's.
+  (``base_version``, or any of ``base_versions``: the server may not know which of them the
+  client holds, and the patch carries every entry that differs in any of them). Replacing
+  instead of adding keeps the client's copy bit-identical to the server's.
 
 A DGC train message may also carry ``shared`` (ArrayRecord with one byte Array
 ``shared_mask``: the round's shared index sets, ``dgc.shared.encode_mask``). The client then
@@ -42,7 +43,8 @@ SERVER_ROUND = "server-round"
 ACK_SEQUENCE = "ack_sequence"  # sequence of this client's last update that was aggregated; -1 none
 MODEL_VERSION = "model_version"  # version of the model in this message
 DOWNLINK = "downlink"  # "dense" or "patch"
-BASE_VERSION = "base_version"  # the version a patch applies to
+BASE_VERSION = "base_version"  # the version a patch applies to (the newest of BASE_VERSIONS)
+BASE_VERSIONS = "base_versions"  # every version the patch applies to (the client may hold any)
 KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
 
 #: Metrics every train reply carries.

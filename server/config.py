@@ -54,9 +54,22 @@ class ServerSettings:
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
                             Check(choices=DOWNLINKS))
-    downlink_history: int = setting(1, "downlink_history", "past global versions the server "
-                                    "keeps to build patches (memory: one model each)",
-                                    Check(0, 100))
+    downlink_history: int = setting(1, "downlink_history", "the most versions a patch may "
+                                    "span; a client holding an older version gets the dense "
+                                    "model (memory: one int32 per parameter, whatever the "
+                                    "value)", Check(0))
+    downlink_density: float = setting(1.0, "downlink_density", "1: clients are sent the "
+                                      "global model exactly; below 1 (topk and dgc runs): a "
+                                      "compressed broadcast, each round the server copies "
+                                      "this fraction of the matrix entries of the global "
+                                      "model, those that differ most, into the model clients "
+                                      "hold (error feedback on the server; 1-D tensors whole); "
+                                      "dense runs always get the exact model",
+                                      Check(0.0, 1.0, low_open=True))
+    clients_build_initial_model: bool = setting(
+        False, "clients_build_initial_model", "clients build version 0 of the model from the "
+        "run's seed as the server does (the app ships the initial model), so a first contact "
+        "gets a patch on version 0 instead of the dense model")
     round_timeout_s: float = setting(600.0, "round_timeout_s", "seconds to wait for train "
                                      "replies; a later reply counts as failed (round 1 includes "
                                      "Ray start-up)", Check(0.0, low_open=True))

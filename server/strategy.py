@@ -4,10 +4,13 @@ Per round (``configure_train`` then ``aggregate_train``):
 
 1. identify clients by a stable key (a query message once per node: node ids change with every
    simulation run, partition ids do not), and sample them with a seeded generator;
-2. send each the dense global model, or a patch on the version it holds, whichever is smaller,
-   with ``ack_sequence``: the sequence of its last update that was aggregated;
-   With ``shared_density > 0`` the message also carries the round's shared index sets
-   (:mod:`dgc.shared`), at which every client sends its residual as scaled signs;
+2. send each the dense broadcast model, or a patch valid on every version it may hold,
+   whichever is smaller, with ``ack_sequence``: the sequence of its last update that was
+   aggregated. The broadcast model is the global model itself, or, with ``downlink_density <
+   1``, a copy that follows it by the largest entries of their difference each round (a
+   compressed broadcast with server-side error feedback). With ``shared_density > 0`` the
+   message also carries the round's shared index sets (:mod:`dgc.shared`), at which every
+   client sends its residual as scaled signs;
 3. decode and validate every reply; a rejected reply is logged with its reason, counted, and
    never touches the model;
 4. aggregate by scatter-add in O(total nonzeros), weighted by ``num-examples``, and apply the
@@ -138,11 +141,26 @@ class DGCStrategy(FedAvg):
     server_momentum : float (default: 0.0)
         Server momentum, in the convention of Flower's FedAvgM and ``torch.optim.SGD``.
     downlink : {"auto", "dense"} (default: "auto")
-        "auto" sends a client a patch on the global version it holds when the server still keeps
-        that version and the encoded patch is smaller than the dense model; "dense" always sends
-        the dense model.
+        "auto" sends a client a patch valid on every version it may hold (what it held and, when
+        its reply did not arrive, what it was last sent) when none is more than
+        ``downlink_history`` versions old and the encoded patch is smaller than the dense
+        model; "dense" always sends the dense model.
     downlink_history : int (default: 1)
-        Past global versions kept to build patches (each costs one model of server memory).
+        The most versions a patch may span: a client that holds an older version gets the
+        dense model. The server keeps, per entry, the version at which it last changed (one
+        int32 per parameter whatever this value), not past models.
+    downlink_density : float (default: 1.0)
+        1: clients are sent the global model exactly. Below 1: the server keeps a *broadcast
+        model* that clients hold and train from; after each aggregation it copies into it the
+        ``ceil(downlink_density * n)`` entries of the global model, over all tensors of two or
+        more dims (n entries in all), where the two differ most (one-dimensional tensors are
+        copied whole). What is not sent stays in the difference and is sent in later rounds
+        (error feedback on the server, as in DoubleSqueeze, Tang et al. 2019). The broadcast
+        model then changes in few entries per round, so patches stay small.
+    clients_build_initial_model : bool (default: False)
+        Clients build version 0 of the model themselves (the app ships it: the same seeded
+        ``task.build_model()`` as the server's), so a client's first message may be a patch on
+        version 0 instead of the dense model.
     seed : int (default: 0)
         Seed of client sampling (per round: ``Random(seed * 1000003 + round)``).
     checkpoint_dir : str or Path, optional (default: None)
@@ -186,6 +204,8 @@ class DGCStrategy(FedAvg):
         server_momentum: float = 0.0,
         downlink: str = "auto",
         downlink_history: int = 1,
+        downlink_density: float = 1.0,
+        clients_build_initial_model: bool = False,
         seed: int = 0,
         checkpoint_dir: str | Path | None = None,
         resume: bool = False,
@@ -233,8 +253,14 @@ class DGCStrategy(FedAvg):
         self.over_selection = float(over_selection)
         self.server_learning_rate = float(server_learning_rate)
         self.server_momentum = float(server_momentum)
+        if isinstance(downlink_density, bool) or not isinstance(downlink_density, (int, float)) \
+                or not 0.0 < downlink_density <= 1.0:
+            raise ValueError(f"downlink_density must be in (0, 1], got {downlink_density!r}")
         self.downlink = downlink
         self.downlink_history = downlink_history
+        self.downlink_density = float(downlink_density)
+        # What the server assumes a client it never heard from holds.
+        self.initial_versions = [0] if clients_build_initial_model else []
         self.seed = int(seed)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.resume = resume
@@ -250,16 +276,24 @@ class DGCStrategy(FedAvg):
         self.shared_planner: SharedIndexPlanner | None = None
 
         self.model: OrderedDict[str, torch.Tensor] | None = None  # the global model, float32
-        self.model_version = 0  # aggregations applied so far
+        # What clients hold, with downlink_density < 1 (None: they hold self.model).
+        self.broadcast: OrderedDict[str, torch.Tensor] | None = None
+        self.model_version = 0  # aggregations applied so far = version of the broadcast model
         self.completed_rounds = 0
         self.momentum_buffer: dict[str, torch.Tensor] | None = None
-        self.history: list[tuple[int, dict[str, torch.Tensor]]] = []  # (version, model), oldest 1st
-        self.clients: dict[int, dict[str, int]] = {}  # key -> {"acked": seq, "version": v}
+        # Per entry of the sent model, the version at which it last changed (patches are built
+        # from it: an entry that changed after the oldest version a client may hold).
+        self.changed_at: dict[str, torch.Tensor] = {}
+        # key -> {"acked": seq, "versions": [versions the client may hold]}
+        self.clients: dict[int, dict[str, Any]] = {}
         self.node_keys: dict[int, int] = {}  # node id -> client key (this process only)
         self.rounds: list[RoundRecord] = []
         self.client_rows: list[ClientRow] = []
         self.rejections: dict[str, int] = {}
         self._round: _RoundState | None = None
+        # Clients known to have processed this round's message although their reply is not
+        # among those aggregate_train was given (the network emulator's late replies).
+        self._processed: set[int] = set()
         self._pending_record = RoundRecord(0)
         self._dense_update_nbytes = 0
         self._dense_model_nbytes = 0
@@ -275,7 +309,9 @@ class DGCStrategy(FedAvg):
             self.clients_per_round, self.over_selection)
         log(INFO, "\t│\t├── Server learning rate: %s", self.server_learning_rate)
         log(INFO, "\t│\t├── Server momentum: %s", self.server_momentum)
-        log(INFO, "\t│\t├── Downlink: %s (history %d)", self.downlink, self.downlink_history)
+        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g%s)", self.downlink,
+            self.downlink_history, self.downlink_density,
+            ", clients build version 0" if self.initial_versions else "")
         log(INFO, "\t│\t├── Shared sign channel: %s", "off" if not self.shared_density else
             f"density {self.shared_density:g} (small tensors {self.shared_small_density:g}), "
             f"momentum {self.shared_momentum:g}")
@@ -294,6 +330,8 @@ class DGCStrategy(FedAvg):
                                  f"trains floating-point tensors only")
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.model = model
+        self.broadcast = self._copy(model) if self.downlink_density < 1.0 else None
+        self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
         self._measure_dense()
         if self.shared_density > 0 and self.shared_planner is None:
             self.shared_planner = SharedIndexPlanner(
@@ -315,6 +353,16 @@ class DGCStrategy(FedAvg):
         """The global model as an ArrayRecord (one numpy Array per tensor)."""
         assert self.model is not None
         return ArrayRecord(OrderedDict((k, v.clone()) for k, v in self.model.items()))
+
+    @property
+    def sent_model(self) -> OrderedDict[str, torch.Tensor]:
+        """The model clients are sent and hold: the broadcast model, or the global model."""
+        assert self.model is not None
+        return self.broadcast if self.broadcast is not None else self.model
+
+    @staticmethod
+    def _copy(model: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+        return OrderedDict((k, v.clone()) for k, v in model.items())
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -378,20 +426,23 @@ class DGCStrategy(FedAvg):
         rng = random.Random(self.seed * 1_000_003 + server_round)
         return rng.sample(sorted(keys), want)
 
-    def _patch(self, base_version: int) -> bytes | None:
-        assert self.model is not None
-        if base_version == self.model_version:
-            base = self.model  # the client already holds it: the patch is empty
-        else:
-            base = next((m for v, m in self.history if v == base_version), None)
-        if base is None:
+    def _patch(self, base_versions: tuple[int, ...]) -> bytes | None:
+        """A patch that turns any of ``base_versions`` into the current sent model.
+
+        It carries, with their current values, the entries that changed after the oldest base:
+        on each base an entry outside that set already holds the current bits, so replacing the
+        set gives the same model whichever base the client holds. None when a base is more
+        than ``downlink_history`` versions old (or newer than the model).
+        """
+        if not base_versions or any(
+                not self.model_version - self.downlink_history <= v <= self.model_version
+                for v in base_versions):
             return None
+        oldest = min(base_versions)
         tensors = {}
-        for name, t in self.model.items():
-            flat, old = t.view(-1), base[name].view(-1)
-            # bitwise comparison, so a replaced entry reproduces the server's value exactly
-            idx = torch.nonzero(flat.view(torch.int32) != old.view(torch.int32)).view(-1)
-            tensors[name] = SparseTensor(idx, flat[idx].clone(), tuple(t.shape))
+        for name, t in self.sent_model.items():
+            idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
+            tensors[name] = SparseTensor(idx, t.view(-1)[idx].clone(), tuple(t.shape))
         return dgc.encode(SparseUpdate(tensors, self.model_version))
 
     def configure_train(
@@ -407,9 +458,9 @@ class DGCStrategy(FedAvg):
         sampled = self.sample(server_round, list(node_of))
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), len(node_ids))
 
-        dense_record = self.model_arrays()
+        dense_record = ArrayRecord(self._copy(self.sent_model))
         dense_nbytes = P.record_nbytes(dense_record)
-        patches: dict[int, bytes | None] = {}
+        patches: dict[tuple[int, ...], bytes | None] = {}
         state = _RoundState(server_round, sampled, {k: node_of[k] for k in sampled}, {},
                             self.model_version)
         shared_record, shared_nbytes = None, 0
@@ -422,9 +473,9 @@ class DGCStrategy(FedAvg):
         messages = []
         for key in sampled:
             info = self.clients.get(key, {})
-            held = info.get("version", -1)
+            held = tuple(sorted(info.get("versions", self.initial_versions)))
             record, kind, nbytes = dense_record, "dense", dense_nbytes
-            if self.downlink == "auto" and held >= 0:
+            if self.downlink == "auto" and held:
                 if held not in patches:
                     patches[held] = self._patch(held)
                 patch = patches[held]
@@ -437,7 +488,8 @@ class DGCStrategy(FedAvg):
             cfg[P.DOWNLINK] = kind
             cfg[P.KEEP_MODEL] = self.downlink == "auto"
             if kind == "patch":
-                cfg[P.BASE_VERSION] = held
+                cfg[P.BASE_VERSION] = held[-1]
+                cfg[P.BASE_VERSIONS] = list(held)
             content = RecordDict({P.ARRAYS: record, P.CONFIG: cfg})
             if shared_record is not None:
                 content[P.SHARED] = shared_record
@@ -609,16 +661,23 @@ class DGCStrategy(FedAvg):
             if not applied:
                 for k in chosen:
                     rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
-        # Bookkeeping the next round's messages rely on.
+        # Bookkeeping the next round's messages rely on: the versions each client may hold.
         for key, row in rows.items():
-            info = self.clients.setdefault(key, {"acked": -1, "version": -1})
+            info = self.clients.setdefault(key, {"acked": -1,
+                                                 "versions": list(self.initial_versions)})
             if row.status == "aggregated":
                 info["acked"] = server_round
-            if row.status in ("aggregated", "surplus", "rejected") and self.downlink == "auto":
+            if self.downlink != "auto" or row.status == "error":
+                info["versions"] = []  # dense next time
+            elif row.status in ("aggregated", "surplus", "rejected") \
+                    or key in self._processed:
                 # It answered with content, so it processed the message and holds what we sent.
-                info["version"] = state.version_sent
-            else:
-                info["version"] = -1  # unknown: the client may or may not hold what we sent
+                info["versions"] = [state.version_sent]
+            elif info["versions"]:
+                # No answer: it holds what it held, or what we sent if the message reached it.
+                info["versions"] = sorted(set(info["versions"]) | {state.version_sent})
+            # else: it held nothing we know of and may not have received the model: dense.
+        self._processed = set()
 
         ordered = [rows[k] for k in state.sampled]
         self.client_rows.extend(ordered)
@@ -678,14 +737,42 @@ class DGCStrategy(FedAvg):
             return False
         if self.server_momentum > 0.0:
             self.momentum_buffer = step
-        if self.downlink_history > 0:
-            self.history.append((self.model_version, self.model))
-            self.history = self.history[-self.downlink_history:]
+        before = self.sent_model
         self.model = new
+        if self.broadcast is not None:
+            self.broadcast = self._follow(self.broadcast, new)
         self.model_version += 1
+        for name, t in self.sent_model.items():
+            # bitwise comparison, so a replaced entry reproduces the server's value exactly
+            changed = t.view(torch.int32) != before[name].view(torch.int32)
+            self.changed_at[name][changed] = self.model_version
         if self.shared_planner is not None:
             self.shared_planner.observe(avg)
         return True
+
+    def _follow(self, broadcast: Mapping[str, torch.Tensor],
+                model: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
+        """The next broadcast model: ``broadcast`` with its entries that differ most from
+        ``model`` replaced by the model's (one-dimensional tensors whole)."""
+        out = self._copy(broadcast)
+        matrices = [k for k, v in model.items() if v.dim() > 1]
+        for k, v in model.items():
+            if v.dim() <= 1:
+                out[k].copy_(v)
+        if not matrices:
+            return out
+        diff = torch.cat([(model[k] - broadcast[k]).abs().view(-1) for k in matrices])
+        count = min(diff.numel(), math.ceil(self.downlink_density * diff.numel()))
+        # Ties are broken by position (stable sort), so the selection is reproducible.
+        chosen = torch.sort(diff, descending=True, stable=True).indices[:count]
+        chosen = chosen[diff[chosen] > 0]
+        start = 0
+        for k in matrices:
+            n = model[k].numel()
+            local = chosen[(chosen >= start) & (chosen < start + n)] - start
+            out[k].view(-1)[local] = model[k].view(-1)[local]
+            start += n
+        return out
 
     def _round_record(self, server_round: int, rows: list[ClientRow], uplink: int) -> RoundRecord:
         assert self._round is not None and self.model is not None
@@ -720,8 +807,9 @@ class DGCStrategy(FedAvg):
             "model": dict(self.model),
             "model_names": list(self.model),
             "model_version": self.model_version,
+            "broadcast": None if self.broadcast is None else dict(self.broadcast),
             "momentum_buffer": self.momentum_buffer,
-            "history": [[v, dict(m)] for v, m in self.history],
+            "changed_at": dict(self.changed_at),
             "clients": {str(k): dict(v) for k, v in self.clients.items()},
             "rounds": [asdict(r) for r in self.rounds],
             "client_rows": [asdict(r) for r in self.client_rows],
@@ -747,12 +835,24 @@ class DGCStrategy(FedAvg):
                                       f"model {ours}")
         self.model = OrderedDict((k, model[k].to(torch.float32).contiguous())
                                  for k in state["model_names"])
+        broadcast = state.get("broadcast")
+        if (broadcast is None) != (self.downlink_density == 1.0):
+            raise CheckpointError(f"checkpoint was written with downlink_density "
+                                  f"{'1' if broadcast is None else '< 1'}, the run has "
+                                  f"{self.downlink_density:g}: clients hold the other model")
+        self.broadcast = None if broadcast is None else OrderedDict(
+            (k, broadcast[k].to(torch.float32).contiguous()) for k in state["model_names"])
         self._measure_dense()
         self.completed_rounds = int(state["completed_rounds"])
         self.model_version = int(state["model_version"])
         self.momentum_buffer = state["momentum_buffer"]
-        self.history = [(int(v), OrderedDict(m)) for v, m in state["history"]]
-        self.clients = {int(k): dict(v) for k, v in state["clients"].items()}
+        if "changed_at" in state:
+            self.changed_at = {k: state["changed_at"][k].to(torch.int32).contiguous()
+                               for k in state["model_names"]}
+        else:  # an older checkpoint (past models instead): patches only from now on
+            self.changed_at = {k: torch.full(v.shape, self.model_version, dtype=torch.int32)
+                               for k, v in self.model.items()}
+        self.clients = {int(k): _client_info(v) for k, v in state["clients"].items()}
         self.rounds = [RoundRecord(**r) for r in state["rounds"]]
         self.client_rows = [ClientRow(**r) for r in state["client_rows"]]
         self.rejections = dict(state["rejections"])
@@ -831,6 +931,15 @@ class DGCStrategy(FedAvg):
                 self.on_round(record)
         result.arrays = self.model_arrays()
         return result
+
+
+def _client_info(info: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpointed client entry; older checkpoints kept one ``version`` (-1: unknown)."""
+    if "versions" in info:
+        versions = [int(v) for v in info["versions"]]
+    else:
+        versions = [int(info["version"])] if int(info.get("version", -1)) >= 0 else []
+    return {"acked": int(info["acked"]), "versions": versions}
 
 
 def _payload_nbytes(msg: Message) -> int:

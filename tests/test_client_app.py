@@ -311,3 +311,28 @@ def test_a_bad_index_set_is_an_error_reply_that_changes_nothing(tmp_path):
         assert reply.has_error() and "bad shared index set" in reply.error.reason
     after = ClientStateStore(s.state_dir).get("2")
     assert torch.equal(after["pending"], before["pending"])
+
+
+def test_a_patch_on_several_versions_applies_to_any_of_them(tmp_path):
+    """The server may not know which of two versions a client holds: a patch names both."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    held = _global()
+    _send(grid, 1, s, 1, -1, held, **{P.KEEP_MODEL: True, P.MODEL_VERSION: 4})
+    target = {k: v.clone() for k, v in held.to_torch_state_dict().items()}
+    name = next(iter(target))
+    target[name].view(-1)[:3] += 1.0
+    patch = dgc.encode(dgc.SparseUpdate({name: dgc.SparseTensor(
+        torch.arange(3), target[name].view(-1)[:3].clone(), tuple(target[name].shape))}, 6))
+    reply = _send(grid, 1, s, 2, 1, P.bytes_to_record(patch, P.PATCH),
+                  **{P.MODEL_VERSION: 6, P.DOWNLINK: "patch", P.BASE_VERSION: 5,
+                     P.BASE_VERSIONS: [4, 5], P.KEEP_MODEL: True})
+    assert not reply.has_error()
+    record = ClientStateStore(s.state_dir).get("1")
+    assert record["model_version"] == 6
+    assert all(torch.equal(record["model"][k], target[k]) for k in target)
+    lacking = _send(grid, 1, s, 3, 1, P.bytes_to_record(patch, P.PATCH),
+                    **{P.MODEL_VERSION: 8, P.DOWNLINK: "patch", P.BASE_VERSION: 7,
+                       P.BASE_VERSIONS: [2, 7]})
+    assert lacking.has_error()
+    assert "any of versions [2, 7]" in lacking.error.reason

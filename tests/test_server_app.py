@@ -14,6 +14,7 @@ from server.app import RunFolderError, run_server
 from server.config import RunConfig
 from server.local_grid import LocalGrid
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
+from server.strategy import DGCStrategy
 
 BASE = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition": "iid",
         "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3}
@@ -71,25 +72,59 @@ def test_results_schema_and_accuracy_rises(tmp_path):
     assert sum(int(r["uplink_bytes"]) for r in clients) == summary["uplink_bytes"]
 
 
+class RecordingStrategy(DGCStrategy):
+    """DGCStrategy that keeps a copy of every model version it sent (what clients may hold)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.sent_versions: dict[int, dict[str, torch.Tensor]] = {}
+
+    def configure_train(self, server_round, arrays, config, grid):
+        messages = super().configure_train(server_round, arrays, config, grid)
+        self.sent_versions[self.model_version] = {k: v.clone()
+                                                  for k, v in self.sent_model.items()}
+        return messages
+
+
+def _run_recording(c: RunConfig, grid: LocalGrid) -> tuple[dict, RecordingStrategy]:
+    made = []
+
+    def factory(**kw):
+        made.append(RecordingStrategy(**kw))
+        return made[0]
+
+    return run_server(grid, c, strategy_factory=factory), made[0]
+
+
+def _every_client_holds_what_the_server_sent(c: RunConfig, strategy: RecordingStrategy) -> int:
+    """Check every stored client model against the version the server sent; return how many
+    of them are among the versions the server believes the client may hold."""
+    store = ClientStateStore(c.state_dir)
+    checked = 0
+    for key in store.keys():
+        record = store.get(key)
+        if "model" not in record:
+            continue
+        version = int(record["model_version"])
+        for name, t in strategy.sent_versions[version].items():
+            assert torch.equal(record["model"][name], t), (key, version, name)
+        if version in strategy.clients[int(key)]["versions"]:
+            checked += 1
+    return checked
+
+
 def test_patches_keep_client_models_bit_identical_to_the_server(tmp_path):
     # All clients every round, so each holds the previous version and gets patches.
     c = _config(tmp_path, run_name="patch", rounds=4, num_clients=3, clients_per_round=3,
                 **{"dgc.density": 0.001, "dgc.warmup": "none"})
-    summary = run_server(LocalGrid(client_app, 3), c)
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 3))
     rows = list(csv.DictReader((c.run_dir / "rounds.csv").open()))
     assert [int(r["patches_sent"]) for r in rows] == [0, 3, 3, 3]
     assert summary["downlink_bytes"] < summary["dense_downlink_bytes"]
-    # Every client rebuilt version 3 from patches; the server's final model is version 4, so
-    # compare against the model the server held before its last step: rebuild it from the
-    # store of a client and check it against the checkpointed history.
-    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
-    (version, held_by_server), = state["history"]
-    store = ClientStateStore(c.state_dir)
-    for key in store.keys():
-        record = store.get(key)
-        assert record["model_version"] == version == 3
-        for name, t in held_by_server.items():
-            assert torch.equal(record["model"][name], t)
+    # Every client rebuilt version 3 from patches (the server's final model is version 4).
+    assert _every_client_holds_what_the_server_sent(c, strategy) == 3
+    assert all(int(r["model_version"]) == 3 for r in
+               map(ClientStateStore(c.state_dir).get, ClientStateStore(c.state_dir).keys()))
 
 
 def test_unacknowledged_update_is_restored_next_round(tmp_path):
@@ -111,3 +146,83 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert by[(2, lost)]["restored"] == "1"
     others = [k for k in range(3) if k != lost]
     assert all(by[(2, k)]["restored"] == "0" for k in others)
+
+
+def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
+    """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
+    are lost (the server then sends patches valid on either version the client may hold)."""
+    lost = []
+
+    def drop_some(reply):
+        metrics = reply.content.metric_records["metrics"]
+        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
+                and len(lost) < 4:
+            lost.append(int(metrics["client_key"]))
+            return None
+        return reply
+
+    c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
+                downlink_density=0.01)
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
+    exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6)
+    exact_summary = run_server(LocalGrid(client_app, 6), exact)
+    rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
+    assert lost and all(r["status"] != "error" for r in rows)  # no patch was refused
+    assert sum(r["downlink"] == "patch" for r in rows) > 0
+    assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
+    assert any(len(info["versions"]) > 1 for info in strategy.clients.values())
+    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
+    # The broadcast model lags the global model (what was not sent waits on the server).
+    assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
+    assert summary["downlink_bytes"] < exact_summary["downlink_bytes"]
+
+
+def test_compressed_broadcast_resumes_exactly(tmp_path):
+    extra = {"downlink_density": 0.01, "downlink_history": 4}
+    whole = _config(tmp_path, run_name="whole", rounds=4, **extra)
+    run_server(LocalGrid(client_app, 6, seed=1), whole)
+    part = _config(tmp_path, run_name="part", rounds=2, **extra)
+    run_server(LocalGrid(client_app, 6, seed=2), part)
+    resumed = _config(tmp_path, run_name="part", rounds=4, resume=True, **extra)
+    run_server(LocalGrid(client_app, 6, seed=3), resumed)
+    a, b = _model(whole.run_dir), _model(resumed.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = list(csv.DictReader((whole.run_dir / "rounds.csv").open()))
+    rows_b = list(csv.DictReader((resumed.run_dir / "rounds.csv").open()))
+    assert [r["downlink_bytes"] for r in rows_a] == [r["downlink_bytes"] for r in rows_b]
+    # Switching the broadcast off on resume would leave clients holding the other model.
+    switched = _config(tmp_path, run_name="part", rounds=5, resume=True)
+    with pytest.raises(Exception, match="downlink_density"):
+        run_server(LocalGrid(client_app, 6, seed=4), switched)
+
+
+def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
+    plain = _config(tmp_path, run_name="plain", rounds=3, method="dense")
+    run_server(LocalGrid(client_app, 6), plain)
+    asked = _config(tmp_path, run_name="asked", rounds=3, method="dense", downlink_density=0.01)
+    run_server(LocalGrid(client_app, 6), asked)
+    a, b = _model(plain.run_dir), _model(asked.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = list(csv.DictReader((plain.run_dir / "rounds.csv").open()))
+    rows_b = list(csv.DictReader((asked.run_dir / "rounds.csv").open()))
+    for col in ("accuracy", "uplink_bytes", "downlink_bytes"):
+        assert [r[col] for r in rows_a] == [r[col] for r in rows_b]
+    assert torch.load(asked.run_dir / "checkpoint.pt", weights_only=True)["broadcast"] is None
+
+
+def test_clients_that_build_the_initial_model_get_patches_from_the_start(tmp_path):
+    """clients_build_initial_model: first contacts get a patch on version 0, which the client
+    builds bit for bit as the server did; training is unchanged."""
+    plain = _config(tmp_path, run_name="plain", rounds=3)
+    run_server(LocalGrid(client_app, 6), plain)
+    c = _config(tmp_path, run_name="v0", rounds=3, downlink_history=10,
+                clients_build_initial_model=True)
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 6))
+    rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
+    assert all(r["downlink"] == "patch" and r["status"] != "error" for r in rows)
+    first = [r for r in rows if r["round"] == "1"]
+    assert all(int(r["downlink_bytes"]) < 200 for r in first)  # an empty patch on version 0
+    assert _every_client_holds_what_the_server_sent(c, strategy) == len(
+        ClientStateStore(c.state_dir).keys())
+    a, b = _model(plain.run_dir), _model(c.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -101,3 +101,9 @@ def test_docs_key_table_matches_the_schema():
             for key, kind, default, accepted, text in RunConfig.describe()]
     table = [line for line in doc.splitlines() if line.startswith("| `")]
     assert table == rows
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -0.1, 1.5])
+def test_downlink_density_out_of_range_is_named(value):
+    with pytest.raises(SettingsError, match=r"downlink_density.*\(0, 1\]"):
+        RunConfig.from_flat({"downlink_density": value})

@@ -377,3 +377,32 @@ def test_shared_planner_state_survives_a_checkpoint():
 def test_shared_density_is_validated():
     with pytest.raises(ValueError, match="shared_density"):
         DGCStrategy(shared_density=1.5)
+
+
+def test_compressed_broadcast_follows_the_model_by_its_largest_differences():
+    """_follow copies ceil(q * n) matrix entries (the largest differences) and 1-D tensors
+    whole; repeated, it reaches the model exactly: nothing the server holds back is lost."""
+    s = DGCStrategy(clients_per_round=2, downlink_density=0.05)
+    broadcast = _model(0)
+    model = _model(1)
+    matrices = sum(v.numel() for v in model.values() if v.dim() > 1)
+    step = s._follow(broadcast, model)
+    changed = sum(int((step[k] != broadcast[k]).sum()) for k in model if model[k].dim() > 1)
+    assert changed == math.ceil(0.05 * matrices)
+    assert torch.equal(step["fc1.bias"], model["fc1.bias"])
+    diff = torch.cat([(model[k] - broadcast[k]).abs().view(-1) for k in model
+                      if model[k].dim() > 1])
+    threshold = diff.sort(descending=True).values[changed - 1]
+    for k in ("fc1.weight", "fc2.weight"):
+        moved = step[k] != broadcast[k]
+        assert torch.equal(step[k][moved], model[k][moved])  # replaced exactly, bit for bit
+        assert bool(((model[k] - broadcast[k]).abs()[moved] >= threshold).all())
+    for _ in range(math.ceil(1 / 0.05)):
+        step = s._follow(step, model)
+    assert all(torch.equal(step[k], model[k]) for k in model)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, 1.01, True, "0.1"])
+def test_downlink_density_must_be_in_zero_one(bad):
+    with pytest.raises(ValueError, match="downlink_density must be in \\(0, 1\\]"):
+        DGCStrategy(downlink_density=bad)

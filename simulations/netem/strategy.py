@@ -89,6 +89,7 @@ class NetemStrategy(DGCStrategy):
         rejected: dict[int, tuple[Message, float]] = {}
         others: list[Message] = []  # errors and replies without a timeline: DGCStrategy decides
         timelines = []
+        computed: set[int] = set()
         for msg in replies:
             tl = timeline_from_reply(msg)
             if tl is None:
@@ -97,6 +98,8 @@ class NetemStrategy(DGCStrategy):
             # The strategy's own key for the node, so that clock, rows and acks agree.
             key = self.node_keys.get(msg.metadata.src_node_id, tl.client_id)
             tl = dataclasses.replace(tl, client_id=key)
+            if P.UPDATE in msg.content.array_records:
+                computed.add(key)
             if tl.ok:
                 try:
                     self.validate_reply(msg, server_round)
@@ -106,6 +109,10 @@ class NetemStrategy(DGCStrategy):
                 valid[key] = msg
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
+        # A client that replied with an update (even too late, or cut on the uplink) trained on
+        # the model sent this round, so it holds that version: the download completed, which
+        # the server's side of the transfer knows. Later patches may build on it.
+        self._processed = computed
         in_time_rejected = [m for m, t in rejected.values() if t <= outcome.end_s]
         forwarded = [valid[k] for k in outcome.aggregated] + in_time_rejected + others
         arrays, metrics = super().aggregate_train(server_round, forwarded)
