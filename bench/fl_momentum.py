@@ -694,7 +694,9 @@ PLOT_CURVES = {
     "top-k, no error feedback": dict(P100, method="topk"),
     "DGC, m=0.9 on pseudo-gradients (naive)": dict(P100, **NAIVE),
     "error feedback only": dict(P100, **EF),
-    "chosen default": CHOSEN,
+    "previous default (error feedback, output layer 0.1)": CHOSEN,
+    "default: + sign channel 3% + server momentum 0.5": dict(P100, **CHOSEN_CLIENT, **SHARED,
+                                                             server_momentum=0.5),
 }
 
 
