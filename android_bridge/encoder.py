@@ -109,6 +109,33 @@ class _StepBase(nn.Module):
             v = v + u
         return u, v
 
+    def _finish(self, top: torch.Tensor, magnitude: torch.Tensor, u: torch.Tensor,
+                v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drop zero magnitudes, sort by index, round, and take the sent values out of the
+        state (momentum masking, error feedback), given the flat positions ``top`` of the top-k."""
+        n = v.shape[0]
+        k = top.shape[0]
+        # select_exact drops entries whose magnitude is zero; here they are moved behind the
+        # selected ones by offsetting their key by n, and a second (small) top-k sorts the keys
+        # ascending. ExecuTorch has no sort kernel for int64; topk(largest=False) is the sort.
+        valid = magnitude[top] > 0
+        count = valid.sum()
+        key = torch.where(valid, top, top + n)
+        key = torch.topk(key, k, largest=False, sorted=True).values
+        valid = key < n
+        indices = torch.where(valid, key, key - n)
+        picked = v[indices]
+        values = self._round(picked)
+        sent = torch.where(valid, values.to(torch.float32), torch.zeros_like(picked))
+        v = v.index_put((indices,), picked - sent)
+        if self.momentum_masking:
+            u = u.index_put((indices,), torch.where(valid, torch.zeros_like(sent), u[indices]))
+        if not self.error_feedback:
+            v = torch.zeros_like(v)
+        return indices, values, count, u, v
+
+
     def _add_scaled(self, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
         """``a + alpha * b`` rounded once, as eager ``torch.add(a, b, alpha=alpha)`` computes it
         on CPU (a fused multiply-add with ``alpha`` in float32).
@@ -155,24 +182,64 @@ class SparseStepEncoder(_StepBase):
         u, v = self._accumulate(grad, u, v, scale, fresh)
         magnitude = v.abs()
         top = torch.topk(magnitude, k, sorted=False).indices
-        # select_exact drops entries whose magnitude is zero; here they are moved behind the
-        # selected ones by offsetting their key by n, and a second (small) top-k sorts the keys
-        # ascending. ExecuTorch has no sort kernel for int64; topk(largest=False) is the sort.
-        valid = magnitude[top] > 0
-        count = valid.sum()
-        key = torch.where(valid, top, top + n)
-        key = torch.topk(key, k, largest=False, sorted=True).values
-        valid = key < n
-        indices = torch.where(valid, key, key - n)
-        picked = v[indices]
-        values = self._round(picked)
-        sent = torch.where(valid, values.to(torch.float32), torch.zeros_like(picked))
-        v = v.index_put((indices,), picked - sent)
-        if self.momentum_masking:
-            u = u.index_put((indices,), torch.where(valid, torch.zeros_like(sent), u[indices]))
-        if not self.error_feedback:
-            v = torch.zeros_like(v)
-        return indices, values, count, u, v
+        return self._finish(top, magnitude, u, v)
+
+
+#: Entries per block of :class:`BlockSparseStepEncoder`; its tensors are padded to a multiple.
+BLOCK = 32
+
+
+class BlockSparseStepEncoder(_StepBase):
+    """:class:`SparseStepEncoder` with a top-k that reads the whole tensor once, not ``k`` times.
+
+    ExecuTorch's topk over all ``n`` magnitudes costs more than the rest of the step. Here the
+    magnitudes are viewed as ``n / BLOCK`` blocks: the ``k`` blocks with the largest maxima hold
+    every entry of the exact top-k (each of them holds an entry at least as large as the k-th
+    block maximum, and no other block holds a larger one), so top-k over their ``k * BLOCK``
+    entries gives the exact set. Only ties can tell the two apart: when the smallest selected
+    magnitude is non-zero and equals an entry left out (among the candidates, or the maximum of a
+    block left out), the step falls back to topk over the whole tensor, which resolves ties as the
+    eager compressor's ``torch.topk`` does (checked in the tests). Zero magnitudes are dropped
+    anyway, so ties at zero need no fallback.
+
+    Contract (method ``encode_blocked``): as ``encode``, except that ``grad``, ``u`` and ``v``
+    have a length ``n`` that is a multiple of :data:`BLOCK` (the host pads with zeros, which
+    stay zero and are never sent) and ``1 <= k <= n / BLOCK``; the host uses ``encode`` for a
+    larger ``k`` (dense warm-up densities).
+    """
+
+    def __init__(self, config: DGCConfig) -> None:
+        check_exportable(config)
+        super().__init__(config)
+
+    def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                fresh: torch.Tensor, k_like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = k_like.shape[0]
+        u, v = self._accumulate(grad, u, v, scale, fresh)
+        magnitude = v.abs()
+        blocks = magnitude.view(-1, BLOCK)
+        block_max = blocks.amax(dim=1)
+        torch._check(k <= blocks.shape[0])
+        best = torch.topk(block_max, k, sorted=False)
+        candidates = blocks.index_select(0, best.indices).view(-1)
+        top = torch.topk(candidates, k, sorted=False)
+        chosen = best.indices[top.indices // BLOCK] * BLOCK + top.indices % BLOCK
+        smallest = top.values.min()
+        tie_inside = (candidates == smallest).sum() > (top.values == smallest).sum()
+        block_floor = best.values.min()
+        tie_outside = (block_floor == smallest) & (
+            (block_max == block_floor).sum() > (best.values == block_floor).sum())
+        tie = (tie_inside | tie_outside) & (smallest > 0)
+        top = torch.cond(tie, _topk_of_all, _keep_chosen, (magnitude, chosen))
+        return self._finish(top, magnitude, u, v)
+
+def _topk_of_all(magnitude: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return torch.topk(magnitude, chosen.shape[0], sorted=False).indices
+
+
+def _keep_chosen(magnitude: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return chosen.clone()
 
 
 class DenseStepEncoder(_StepBase):

@@ -27,6 +27,9 @@ torch.set_num_threads(1)
 SHAPES = {"w1": (64, 50), "w2": (40, 30), "w3": (7000,), "bias": (50,), "small": (10, 10)}
 # w3 is 1-D, hence dense by the layer policy; make one long 2-D tensor too.
 SHAPES["w4"] = (100, 70)
+# w5: few distinct values, so the k-th largest magnitude is tied: encode_blocked must fall back
+# to topk over the whole tensor to pick the tied entries eager torch.topk picks.
+SHAPES["w5"] = (50, 64)
 MAX_NUMEL = 8192
 
 CONFIGS = {
@@ -53,6 +56,7 @@ def gradients(step: int, seed: int = 0) -> dict[str, torch.Tensor]:
     mask = torch.zeros(math.prod(SHAPES["w2"]))
     mask[torch.randperm(mask.numel(), generator=gen)[:20]] = 1.0
     out["w2"] = out["w2"] * mask.view(SHAPES["w2"])
+    out["w5"] = torch.randint(-3, 4, SHAPES["w5"], generator=gen).float() * 0.25
     return out
 
 
