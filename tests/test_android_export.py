@@ -105,6 +105,24 @@ def test_pte_encoder_matches_dgc_bit_for_bit(exported):
     assert dropped_zeros  # the zero-heavy tensor exercised the zero-dropping path
 
 
+def test_sum_squares_agrees_with_float64(exported):
+    """The split float32 sum of squares, and its float64 fallback for huge entries, agree with
+    eager float64 to the last bits of a float64 sum."""
+    from executorch.runtime import Runtime
+
+    _, path = exported
+    method = Runtime.get().load_program(path).load_method("sum_squares")
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(MAX_NUMEL, generator=gen) * 3, torch.randn(777, generator=gen) * 1e-20,
+             torch.tensor([1e30, -2.5, 0.0]), torch.tensor([3.0e19, 1.0]),
+             torch.tensor([float(2**62), 1.0])]
+    for g in cases:
+        want = float(g.double().pow(2).sum())
+        got = float(method.execute((g,))[0])
+        # products under float32's normal range may each lose up to 2**-126 (documented)
+        assert abs(got - want) <= 1e-13 * want + 3 * g.numel() * 2.0**-126, (g[:3], got, want)
+
+
 def test_torchscript_matches_eager_modules(exported, tmp_path):
     config, _ = exported
     path = tmp_path / "encoder.pt"
