@@ -263,8 +263,6 @@ class DenseStepEncoder(_StepBase):
 
 #: Veltkamp's splitting constant for float32 (2**12 + 1): ``hi`` keeps 12 significant bits.
 _SPLIT = 4097.0
-#: Below this magnitude no product in the split sum of squares overflows float32.
-_SPLIT_LIMIT = 2.0**62
 
 
 class SumSquares(nn.Module):
@@ -274,8 +272,9 @@ class SumSquares(nn.Module):
     float32 to float64 on a portable kernel at ~20 ns an entry, so the squares are formed in
     float32 instead, exactly, by XNNPACK: each entry is split (Veltkamp) into ``hi + lo`` of 12
     significant bits each, and ``hi*hi``, ``hi*lo``, ``lo*lo`` are exact float32 products whose
-    float64 sums give ``sum(g**2)`` up to the float64 rounding of the sums. Entries of magnitude
-    2**62 or more (whose products would overflow) take the float64 path. Products under float32's
+    float64 sums give ``sum(g**2)`` up to the float64 rounding of the sums. When a product
+    overflows (entries of magnitude about 2**64 or more) the sum is not finite and the float64
+    path runs instead. Products under float32's
     normal range lose at most 2**-126 each (below 1e-31 in all at 2**21 entries). TorchScript
     keeps the float64 path.
 
@@ -288,8 +287,10 @@ class SumSquares(nn.Module):
 
     def forward(self, grad: torch.Tensor) -> torch.Tensor:
         if not torch.jit.is_scripting():
-            return torch.cond(grad.abs().amax() < _SPLIT_LIMIT, _split_sum_squares,
-                              _float64_sum_squares, (grad,))
+            split = _split_sum_squares(grad)
+            # An entry whose split products overflow makes the sum Inf or NaN.
+            return torch.cond(torch.isfinite(split), _keep_sum, _float64_sum_squares_of,
+                              (split, grad))
         # TorchScript (encoder.pt) runs on PyTorch's kernels, where float64 is fast.
         return _float64_sum_squares(grad)
 
@@ -304,6 +305,14 @@ def _split_sum_squares(grad: torch.Tensor) -> torch.Tensor:
 
 def _float64_sum_squares(grad: torch.Tensor) -> torch.Tensor:
     return grad.to(torch.float64).pow(2).sum()
+
+
+def _keep_sum(split: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return split.clone()
+
+
+def _float64_sum_squares_of(split: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return _float64_sum_squares(grad)
 
 
 def clip_scale(sum_squares: Sequence[float], config: DGCConfig) -> float:

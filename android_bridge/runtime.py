@@ -85,6 +85,7 @@ class PteEncoder:
         self._u_full = {n: torch.zeros(p) for n, p in self._padded_numel.items()}
         self._v_full = {n: torch.zeros(p) for n, p in self._padded_numel.items()}
         self._grad_full: dict[str, torch.Tensor] = {}
+        self._spares: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.u: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         for name in self.shapes:
@@ -100,6 +101,15 @@ class PteEncoder:
         if self._encode_blocked is None or self.is_dense_tensor(shape):
             return numel
         return -(-numel // BLOCK) * BLOCK
+
+    def _spare(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded scratch buffers for the next state of ``name`` (the state before the current
+        one, reused: fresh buffers cost page faults every step)."""
+        spare = self._spares.get(name)
+        if spare is None:
+            full = self._padded_numel[name]
+            spare = self._spares[name] = (torch.empty(full), torch.empty(full))
+        return spare
 
     def _keep(self, name: str, u: torch.Tensor, v: torch.Tensor) -> None:
         """Hold ``u`` and ``v`` (length n or padded) as the state of ``name``."""
@@ -178,8 +188,13 @@ class PteEncoder:
                     if padded is None:
                         padded = self._grad_full[name] = torch.zeros(u.numel())
                     padded[:numel] = g
-                    idx, vals, count, u_out, v_out = self._encode_blocked.execute(
-                        (padded, u, v, scale, fresh, k_like))
+                    # Outputs not cloned: they live in the method's memory until its next call
+                    # and are copied out at once.
+                    idx, vals, count, u_new, v_new = self._encode_blocked._method(
+                        (padded, u, v, scale, fresh, k_like), clone_outputs=False)
+                    u_out, v_out = self._spare(name)
+                    u_out.copy_(u_new)
+                    v_out.copy_(v_new)
                 else:
                     idx, vals, count, u_out, v_out = self._encode.execute(
                         (g, u[:numel], v[:numel], scale, fresh, k_like))
@@ -188,7 +203,11 @@ class PteEncoder:
             out[name] = SparseTensor(indices, values, shape)
             new_state[name] = (u_out, v_out)
         for name, (u_out, v_out) in new_state.items():
+            replaced = self._u_full[name], self._v_full[name]
             self._keep(name, u_out, v_out)
+            spare = self._spares.get(name)
+            if spare is not None and spare[0] is u_out:
+                self._spares[name] = replaced
         if self.config.momentum_correction:
             self.started.update(new_state)
         self.step += 1
