@@ -6,7 +6,8 @@ median over a few repetitions of one compression step: eager ``dgc.DGCCompressor
 their ratio (target: .pte <= 1.5x eager). The two are timed alternately, call for call, so that
 load from other processes falls on both; the ratio is the median of the per-pair ratios. Only
 ratios measured in one run compare: the absolute times depend on the machine and its load.
-Usage: ``python bench/mobile.py [--repeats N]``.
+Usage: ``python bench/mobile.py [--repeats N]`` from the repository root, with this checkout
+first on ``PYTHONPATH`` when another one is installed in the environment.
 """
 
 from __future__ import annotations
@@ -49,7 +50,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
+    # One thread on both sides: ExecuTorch's pool (XNNPACK) otherwise takes every core, and
+    # waking its threads between calls costs milliseconds on a loaded machine.
     torch.set_num_threads(1)
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    _unsafe_reset_threadpool(1)
     plain = DGCConfig(selection="exact", warmup="none", density=0.001)
     # With clipping the .pte also runs sum_squares (float64 accumulation, see
     # android_bridge.encoder.SumSquares), which XNNPACK cannot take whole.
