@@ -109,6 +109,33 @@ class _StepBase(nn.Module):
             v = v + u
         return u, v
 
+    def _finish(self, top: torch.Tensor, magnitude: torch.Tensor, u: torch.Tensor,
+                v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drop zero magnitudes, sort by index, round, and take the sent values out of the
+        state (momentum masking, error feedback), given the flat positions ``top`` of the top-k."""
+        n = v.shape[0]
+        k = top.shape[0]
+        # select_exact drops entries whose magnitude is zero; here they are moved behind the
+        # selected ones by offsetting their key by n, and a second (small) top-k sorts the keys
+        # ascending. ExecuTorch has no sort kernel for int64; topk(largest=False) is the sort.
+        valid = magnitude[top] > 0
+        count = valid.sum()
+        key = torch.where(valid, top, top + n)
+        key = torch.topk(key, k, largest=False, sorted=True).values
+        valid = key < n
+        indices = torch.where(valid, key, key - n)
+        picked = v[indices]
+        values = self._round(picked)
+        sent = torch.where(valid, values.to(torch.float32), torch.zeros_like(picked))
+        v = v.index_put((indices,), picked - sent)
+        if self.momentum_masking:
+            u = u.index_put((indices,), torch.where(valid, torch.zeros_like(sent), u[indices]))
+        if not self.error_feedback:
+            v = torch.zeros_like(v)
+        return indices, values, count, u, v
+
+
     def _add_scaled(self, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
         """``a + alpha * b`` rounded once, as eager ``torch.add(a, b, alpha=alpha)`` computes it
         on CPU (a fused multiply-add with ``alpha`` in float32).
@@ -155,24 +182,64 @@ class SparseStepEncoder(_StepBase):
         u, v = self._accumulate(grad, u, v, scale, fresh)
         magnitude = v.abs()
         top = torch.topk(magnitude, k, sorted=False).indices
-        # select_exact drops entries whose magnitude is zero; here they are moved behind the
-        # selected ones by offsetting their key by n, and a second (small) top-k sorts the keys
-        # ascending. ExecuTorch has no sort kernel for int64; topk(largest=False) is the sort.
-        valid = magnitude[top] > 0
-        count = valid.sum()
-        key = torch.where(valid, top, top + n)
-        key = torch.topk(key, k, largest=False, sorted=True).values
-        valid = key < n
-        indices = torch.where(valid, key, key - n)
-        picked = v[indices]
-        values = self._round(picked)
-        sent = torch.where(valid, values.to(torch.float32), torch.zeros_like(picked))
-        v = v.index_put((indices,), picked - sent)
-        if self.momentum_masking:
-            u = u.index_put((indices,), torch.where(valid, torch.zeros_like(sent), u[indices]))
-        if not self.error_feedback:
-            v = torch.zeros_like(v)
-        return indices, values, count, u, v
+        return self._finish(top, magnitude, u, v)
+
+
+#: Entries per block of :class:`BlockSparseStepEncoder`; its tensors are padded to a multiple.
+BLOCK = 32
+
+
+class BlockSparseStepEncoder(_StepBase):
+    """:class:`SparseStepEncoder` with a top-k that reads the whole tensor once, not ``k`` times.
+
+    ExecuTorch's topk over all ``n`` magnitudes costs more than the rest of the step. Here the
+    magnitudes are viewed as ``n / BLOCK`` blocks: the ``k`` blocks with the largest maxima hold
+    every entry of the exact top-k (each of them holds an entry at least as large as the k-th
+    block maximum, and no other block holds a larger one), so top-k over their ``k * BLOCK``
+    entries gives the exact set. Only ties can tell the two apart: when the smallest selected
+    magnitude is non-zero and equals an entry left out (among the candidates, or the maximum of a
+    block left out), the step falls back to topk over the whole tensor, which resolves ties as the
+    eager compressor's ``torch.topk`` does (checked in the tests). Zero magnitudes are dropped
+    anyway, so ties at zero need no fallback.
+
+    Contract (method ``encode_blocked``): as ``encode``, except that ``grad``, ``u`` and ``v``
+    have a length ``n`` that is a multiple of :data:`BLOCK` (the host pads with zeros, which
+    stay zero and are never sent) and ``1 <= k <= n / BLOCK``; the host uses ``encode`` for a
+    larger ``k`` (dense warm-up densities).
+    """
+
+    def __init__(self, config: DGCConfig) -> None:
+        check_exportable(config)
+        super().__init__(config)
+
+    def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
+                fresh: torch.Tensor, k_like: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = k_like.shape[0]
+        u, v = self._accumulate(grad, u, v, scale, fresh)
+        magnitude = v.abs()
+        blocks = magnitude.view(-1, BLOCK)
+        block_max = blocks.amax(dim=1)
+        torch._check(k <= blocks.shape[0])
+        best = torch.topk(block_max, k, sorted=False)
+        candidates = blocks.index_select(0, best.indices).view(-1)
+        top = torch.topk(candidates, k, sorted=False)
+        chosen = best.indices[top.indices // BLOCK] * BLOCK + top.indices % BLOCK
+        smallest = top.values.min()
+        tie_inside = (candidates == smallest).sum() > (top.values == smallest).sum()
+        block_floor = best.values.min()
+        tie_outside = (block_floor == smallest) & (
+            (block_max == block_floor).sum() > (best.values == block_floor).sum())
+        tie = (tie_inside | tie_outside) & (smallest > 0)
+        top = torch.cond(tie, _topk_of_all, _keep_chosen, (magnitude, chosen))
+        return self._finish(top, magnitude, u, v)
+
+def _topk_of_all(magnitude: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return torch.topk(magnitude, chosen.shape[0], sorted=False).indices
+
+
+def _keep_chosen(magnitude: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return chosen.clone()
 
 
 class DenseStepEncoder(_StepBase):
@@ -194,18 +261,58 @@ class DenseStepEncoder(_StepBase):
         return values, u, v
 
 
+#: Veltkamp's splitting constant for float32 (2**12 + 1): ``hi`` keeps 12 significant bits.
+_SPLIT = 4097.0
+
+
 class SumSquares(nn.Module):
     """``sum(grad ** 2)`` of one flat float32 tensor, accumulated in float64 (shape ``[]``).
 
+    Eager torch squares in float64, where the square of a float32 is exact. ExecuTorch converts
+    float32 to float64 on a portable kernel at ~20 ns an entry, so the squares are formed in
+    float32 instead, exactly, by XNNPACK: each entry is split (Veltkamp) into ``hi + lo`` of 12
+    significant bits each, and ``hi*hi``, ``hi*lo``, ``lo*lo`` are exact float32 products whose
+    float64 sums give ``sum(g**2)`` up to the float64 rounding of the sums. When a product
+    overflows (entries of magnitude about 2**64 or more) the sum is not finite and the float64
+    path runs instead. Products under float32's
+    normal range lose at most 2**-126 each (below 1e-31 in all at 2**21 entries). TorchScript
+    keeps the float64 path.
+
     ExecuTorch sums in a different order than eager torch, so the float64 result differs in its
-    last bits (measured: ~3e-13 relative at 1e6 floats). The clipping scale is rounded to
-    float32 before use, which absorbs that difference unless the scale falls within ~2e-13 of a
+    last bits (measured: ~1e-13 relative at 1e6 floats). The clipping scale is rounded to
+    float32 before use, which absorbs that difference unless the scale falls within ~1e-13 of a
     float32 rounding boundary (a chance of a few in 1e6 per clipped step); then one gradient
     scale, and with it the step, differs in the last bit of float32.
     """
 
     def forward(self, grad: torch.Tensor) -> torch.Tensor:
-        return grad.to(torch.float64).pow(2).sum()
+        if not torch.jit.is_scripting():
+            split = _split_sum_squares(grad)
+            # An entry whose split products overflow makes the sum Inf or NaN.
+            return torch.cond(torch.isfinite(split), _keep_sum, _float64_sum_squares_of,
+                              (split, grad))
+        # TorchScript (encoder.pt) runs on PyTorch's kernels, where float64 is fast.
+        return _float64_sum_squares(grad)
+
+
+def _split_sum_squares(grad: torch.Tensor) -> torch.Tensor:
+    scaled = grad * _SPLIT
+    hi = scaled - (scaled - grad)
+    lo = grad - hi
+    return ((hi * hi).sum(dtype=torch.float64) + 2.0 * (hi * lo).sum(dtype=torch.float64)
+            + (lo * lo).sum(dtype=torch.float64))
+
+
+def _float64_sum_squares(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to(torch.float64).pow(2).sum()
+
+
+def _keep_sum(split: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return split.clone()
+
+
+def _float64_sum_squares_of(split: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return _float64_sum_squares(grad)
 
 
 def clip_scale(sum_squares: Sequence[float], config: DGCConfig) -> float:

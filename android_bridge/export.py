@@ -4,9 +4,11 @@
 
 ``encoder.pte``
     ExecuTorch program (XNNPACK partitioner, dynamic length) with methods ``encode``,
-    ``encode_dense`` and ``sum_squares``; the contract is in :mod:`android_bridge.encoder`.
+    ``encode_blocked``, ``encode_dense`` and ``sum_squares``; the contract is in
+    :mod:`android_bridge.encoder`.
 ``encoder.pt``
-    The same three methods as a TorchScript module (``forward`` is ``encode``).
+    ``encode``, ``encode_dense`` and ``sum_squares`` as a TorchScript module (``forward`` is
+    ``encode``).
 ``train_step.pte``
     The model's joint forward/backward graph (ExecuTorch training API); the host runs it with
     ``executorch.extension.training`` and applies that runtime's SGD optimizer.
@@ -29,6 +31,8 @@ import torch
 from torch import nn
 
 from android_bridge.encoder import (
+    BLOCK,
+    BlockSparseStepEncoder,
     DenseStepEncoder,
     SparseStepEncoder,
     SumSquares,
@@ -94,29 +98,45 @@ def _check_max_numel(max_numel: int) -> None:
 
 
 def export_encoder(config: DGCConfig, max_numel: int = DEFAULT_MAX_NUMEL) -> bytes:
-    """The ExecuTorch program (bytes of a ``.pte``) with ``encode``, ``encode_dense`` and
-    ``sum_squares`` for flat tensors of 1 to ``max_numel`` entries."""
+    """The ExecuTorch program (bytes of a ``.pte``) with ``encode``, ``encode_blocked``,
+    ``encode_dense`` and ``sum_squares`` for flat tensors of 1 to ``max_numel`` entries
+    (``encode_blocked``: padded to a multiple of :data:`android_bridge.encoder.BLOCK`)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
     from torch.export import Dim, export
 
     check_exportable(config)
     _check_max_numel(max_numel)
     n_dim = Dim("numel", min=1, max=max_numel)
     k_dim = Dim("k", min=1, max=max_numel)
+    max_blocks = -(-max_numel // BLOCK)
+    blocks = Dim("blocks", min=1, max=max_blocks)
     n = 64
     grad, u, v, scale = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.ones(1)
     fresh = torch.ones(1)
     flat = {0: n_dim}
+    padded = {0: BLOCK * blocks}
     programs = {
         "encode": export(SparseStepEncoder(config), (grad, u, v, scale, fresh, torch.zeros(4)),
                          dynamic_shapes=(flat, flat, flat, None, None, {0: k_dim})),
+        "encode_blocked": export(
+            BlockSparseStepEncoder(config),
+            (torch.randn(n * BLOCK), torch.zeros(n * BLOCK), torch.zeros(n * BLOCK), scale, fresh,
+             torch.zeros(4)),
+            dynamic_shapes=(padded, padded, padded, None, None,
+                            {0: Dim("k_blocked", min=1, max=max_blocks)})),
         "encode_dense": export(DenseStepEncoder(config), (grad, u, v, scale, fresh),
                                dynamic_shapes=(flat, flat, flat, None, None)),
         "sum_squares": export(SumSquares(), (grad,), dynamic_shapes=(flat,)),
     }
     lowered = to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()])
-    return lowered.to_executorch().buffer
+    # Inputs are not planned: the runtime reads the caller's buffers instead of copying them in.
+    # The reinplace pass lets index_put write into the step's own buffer instead of a copy.
+    backend = ExecutorchBackendConfig(
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+        run_reinplace_pass=True)
+    return lowered.to_executorch(backend).buffer
 
 
 def export_torchscript(config: DGCConfig, path: str | Path) -> None:
@@ -218,6 +238,12 @@ def export_all(model_name: str, out_dir: str | Path, config: DGCConfig | None = 
                            "outputs": ["indices i64[k]", f"values {config.value_dtype}[k]",
                                        "count i64[] (indices[:count], values[:count] are "
                                        "sent, sorted by index)", "u f32[n]", "v f32[n]"]},
+                "encode_blocked": {"block": BLOCK,
+                                   "inputs": ["grad f32[n], n a multiple of block (zero padded)",
+                                              "u f32[n]", "v f32[n]", "scale f32[1]",
+                                              "fresh f32[1]",
+                                              "k_like f32[k], 1 <= k <= n / block"],
+                                   "outputs": ["as encode"]},
                 "encode_dense": {"inputs": ["grad f32[n]", "u f32[n]", "v f32[n]",
                                             "scale f32[1]", "fresh f32[1]"],
                                  "outputs": [f"values {config.value_dtype}[n]", "u f32[n]",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from android_bridge.encoder import check_compatible, check_exportable, clip_scale
+from android_bridge.encoder import BLOCK, check_compatible, check_exportable, clip_scale
 from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
 from dgc.config import DGCConfig
 from dgc.errors import StateError
@@ -73,16 +73,54 @@ class PteEncoder:
         if missing:
             raise StateError(f"{str(pte_path)!r} lacks encoder methods {sorted(missing)}")
         self._encode = program.load_method("encode")
+        # Programs exported before encode_blocked existed still run, with full topk.
+        self._encode_blocked = (program.load_method("encode_blocked")
+                                if "encode_blocked" in program.method_names else None)
         self._encode_dense = program.load_method("encode_dense")
         self._sum_squares = program.load_method("sum_squares")
         self._value_dtype = VALUE_DTYPES[config.value_dtype]
-        self.u = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
-        self.v = {n: torch.zeros(math.prod(s)) for n, s in self.shapes.items()}
+        # Sparse tensors keep their state zero-padded to a multiple of BLOCK for encode_blocked;
+        # self.u and self.v hold length-n views of it. Dense tensors are never padded.
+        self._padded_numel = {n: self._padded_length(s) for n, s in self.shapes.items()}
+        self._u_full = {n: torch.zeros(p) for n, p in self._padded_numel.items()}
+        self._v_full = {n: torch.zeros(p) for n, p in self._padded_numel.items()}
+        self._grad_full: dict[str, torch.Tensor] = {}
+        self._spares: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.u: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        for name in self.shapes:
+            self._keep(name, self._u_full[name], self._v_full[name])
         # Tensors whose momentum exists (after their first step), as in DGCMemory.u.
         self.started: set[str] = set()
         self.step = 0
         self._fresh = torch.ones(1)
         self._not_fresh = torch.zeros(1)
+
+    def _padded_length(self, shape: tuple[int, ...]) -> int:
+        numel = math.prod(shape)
+        if self._encode_blocked is None or self.is_dense_tensor(shape):
+            return numel
+        return -(-numel // BLOCK) * BLOCK
+
+    def _spare(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded scratch buffers for the next state of ``name`` (the state before the current
+        one, reused: fresh buffers cost page faults every step)."""
+        spare = self._spares.get(name)
+        if spare is None:
+            full = self._padded_numel[name]
+            spare = self._spares[name] = (torch.empty(full), torch.empty(full))
+        return spare
+
+    def _keep(self, name: str, u: torch.Tensor, v: torch.Tensor) -> None:
+        """Hold ``u`` and ``v`` (length n or padded) as the state of ``name``."""
+        full = self._padded_numel[name]
+        numel = math.prod(self.shapes[name])
+        if u.numel() != full:
+            u = torch.cat([u, torch.zeros(full - u.numel())])
+        if v.numel() != full:
+            v = torch.cat([v, torch.zeros(full - v.numel())])
+        self._u_full[name], self._v_full[name] = u, v
+        self.u[name], self.v[name] = u[:numel], v[:numel]
 
     @classmethod
     def from_export(cls, export_dir: str | Path) -> PteEncoder:
@@ -130,28 +168,48 @@ class PteEncoder:
                    if self.config.clip_norm is not None else [])
         scale = torch.tensor([clip_scale(squares, self.config)], dtype=torch.float32)
         out: dict[str, SparseTensor] = {}
-        new_u: dict[str, torch.Tensor] = {}
-        new_v: dict[str, torch.Tensor] = {}
+        new_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, g in flat.items():
             shape = self.shapes[name]
-            u, v = self.u[name], self.v[name]
+            u, v = self._u_full[name], self._v_full[name]
             fresh = self._not_fresh if name in self.started else self._fresh
             if self.is_dense_tensor(shape):
-                values, new_u[name], new_v[name] = self._encode_dense.execute(
-                    (g, u, v, scale, fresh))
+                numel = g.numel()
+                values, u_out, v_out = self._encode_dense.execute(
+                    (g, u[:numel], v[:numel], scale, fresh))
                 indices = torch.from_numpy(np.arange(g.numel(), dtype=np.int64))
             else:
-                k = num_selected(g.numel(), density)
+                numel = g.numel()
+                k = num_selected(numel, density)
                 k_like = torch.from_numpy(np.zeros(k, dtype=np.float32))
-                idx, vals, count, new_u[name], new_v[name] = self._encode.execute(
-                    (g, u, v, scale, fresh, k_like))
+                if (self._encode_blocked is not None and u.numel() % BLOCK == 0
+                        and k <= u.numel() // BLOCK):
+                    padded = self._grad_full.get(name)
+                    if padded is None:
+                        padded = self._grad_full[name] = torch.zeros(u.numel())
+                    padded[:numel] = g
+                    # Outputs not cloned: they live in the method's memory until its next call
+                    # and are copied out at once.
+                    idx, vals, count, u_new, v_new = self._encode_blocked._method(
+                        (padded, u, v, scale, fresh, k_like), clone_outputs=False)
+                    u_out, v_out = self._spare(name)
+                    u_out.copy_(u_new)
+                    v_out.copy_(v_new)
+                else:
+                    idx, vals, count, u_out, v_out = self._encode.execute(
+                        (g, u[:numel], v[:numel], scale, fresh, k_like))
                 c = int(count)
                 indices, values = idx[:c].clone(), vals[:c].clone()
             out[name] = SparseTensor(indices, values, shape)
-        self.u.update(new_u)
-        self.v.update(new_v)
+            new_state[name] = (u_out, v_out)
+        for name, (u_out, v_out) in new_state.items():
+            replaced = self._u_full[name], self._v_full[name]
+            self._keep(name, u_out, v_out)
+            spare = self._spares.get(name)
+            if spare is not None and spare[0] is u_out:
+                self._spares[name] = replaced
         if self.config.momentum_correction:
-            self.started.update(new_u)
+            self.started.update(new_state)
         self.step += 1
         return SparseUpdate(out, self.step if sequence is None else sequence)
 
@@ -168,9 +226,9 @@ class PteEncoder:
             if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= n):
                 raise StateError(f"restore indices for {name!r} fall outside [0, {n})")
         for name, t in update.tensors.items():
-            v = self.v[name].numpy().copy()
+            v = self._v_full[name].numpy().copy()
             np.add.at(v, t.indices.numpy(), t.values.to(torch.float32).numpy())
-            self.v[name] = torch.from_numpy(v)
+            self._keep(name, self._u_full[name], torch.from_numpy(v))
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the step counter, of ``u`` (tensors that have one) and of ``v``, as flat
@@ -197,7 +255,9 @@ class PteEncoder:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"encoder state step must be an integer >= 0, got {step!r}")
-        self.u, self.v, self.step = new["u"], new["v"], step
+        for name in self.shapes:
+            self._keep(name, new["u"][name], new["v"][name])
+        self.step = step
         self.started = set(state["u"])
 
 

@@ -27,6 +27,9 @@ torch.set_num_threads(1)
 SHAPES = {"w1": (64, 50), "w2": (40, 30), "w3": (7000,), "bias": (50,), "small": (10, 10)}
 # w3 is 1-D, hence dense by the layer policy; make one long 2-D tensor too.
 SHAPES["w4"] = (100, 70)
+# w5: few distinct values, so the k-th largest magnitude is tied: encode_blocked must fall back
+# to topk over the whole tensor to pick the tied entries eager torch.topk picks.
+SHAPES["w5"] = (50, 64)
 MAX_NUMEL = 8192
 
 CONFIGS = {
@@ -53,6 +56,7 @@ def gradients(step: int, seed: int = 0) -> dict[str, torch.Tensor]:
     mask = torch.zeros(math.prod(SHAPES["w2"]))
     mask[torch.randperm(mask.numel(), generator=gen)[:20]] = 1.0
     out["w2"] = out["w2"] * mask.view(SHAPES["w2"])
+    out["w5"] = torch.randint(-3, 4, SHAPES["w5"], generator=gen).float() * 0.25
     return out
 
 
@@ -99,6 +103,24 @@ def test_pte_encoder_matches_dgc_bit_for_bit(exported):
         dropped_zeros |= want.tensors["w2"].nnz < k_w2
     assert selected_any
     assert dropped_zeros  # the zero-heavy tensor exercised the zero-dropping path
+
+
+def test_sum_squares_agrees_with_float64(exported):
+    """The split float32 sum of squares, and its float64 fallback for huge entries, agree with
+    eager float64 to the last bits of a float64 sum."""
+    from executorch.runtime import Runtime
+
+    _, path = exported
+    method = Runtime.get().load_program(path).load_method("sum_squares")
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(MAX_NUMEL, generator=gen) * 3, torch.randn(777, generator=gen) * 1e-20,
+             torch.tensor([1e30, -2.5, 0.0]), torch.tensor([3.0e19, 1.0]),
+             torch.tensor([float(2**62), 1.0])]
+    for g in cases:
+        want = float(g.double().pow(2).sum())
+        got = float(method.execute((g,))[0])
+        # products under float32's normal range may each lose up to 2**-126 (documented)
+        assert abs(got - want) <= 1e-13 * want + 3 * g.numel() * 2.0**-126, (g[:3], got, want)
 
 
 def test_torchscript_matches_eager_modules(exported, tmp_path):
