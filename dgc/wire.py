@@ -601,7 +601,8 @@ class _Template:
             return None  # ran past the buffer: the reference reader names it
         if pos != end:
             return None
-        counts, codings, dtype_ids, index_lengths = (list(c) for c in zip(*tails, strict=True))
+        counts, codings, dtype_ids, index_lengths = (
+            (list(c) for c in zip(*tails, strict=True)) if tails else ([], [], [], []))
         if (tuple(codings) != self.codings or tuple(dtype_ids) != self.dtype_ids
                 or any(map(operator.gt, counts, self.numels))
                 or [counts[k] for k in self.dense] != self.dense_numels
