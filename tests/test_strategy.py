@@ -377,3 +377,19 @@ def test_shared_planner_state_survives_a_checkpoint():
 def test_shared_density_is_validated():
     with pytest.raises(ValueError, match="shared_density"):
         DGCStrategy(shared_density=1.5)
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_decoding_the_round_at_once_rejects_and_aggregates_as_one_by_one(case, monkeypatch):
+    tamper, _ = TAMPERS[case]
+    s, arrays, _, _ = _one_round_with(tamper)
+    assert arrays is not None
+    batched = [(r.status, r.reason) for r in s.client_rows]
+    # Without the pre-pass, validate_reply decodes each reply itself.
+    monkeypatch.setattr(DGCStrategy, "_decode_replies", lambda self, replies, sampled: {})
+    s1, arrays1, _, _ = _one_round_with(tamper)
+    assert [(r.status, r.reason) for r in s1.client_rows] == batched
+    assert s1.rejections == s.rejections
+    got, want = arrays.to_torch_state_dict(), arrays1.to_torch_state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k])
