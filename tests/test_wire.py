@@ -555,7 +555,8 @@ def test_golomb_decode_many_equals_section_by_section() -> None:
             numel = int(rng.integers(1, 4000))
             indices = np.sort(rng.choice(numel, int(rng.integers(0, min(numel, 300) + 1)),
                                          replace=False)).astype(np.int64)
-            rice = None if rng.random() < 0.7 else int(rng.integers(0, 12))
+            # forced Rice parameters: small ones, and wide ones (remainders over 4 bytes)
+            rice = None if rng.random() < 0.7 else int(rng.choice([*range(12), 25, 26, 40]))
             section = gr.golomb_encode(indices, numel, rice)
             message += rng.integers(0, 256, int(rng.integers(0, 4))).astype(np.uint8).tobytes()
             for column, value in zip(columns, [len(message), len(section), indices.size, numel,
