@@ -9,7 +9,7 @@ from dgc.config import DGCConfig
 from dgc.errors import AggregationError, ConfigError, DecodeError, DGCError, StateError
 from dgc.memory import DGCMemory
 from dgc.sparse import PackedTensors, SparseTensor, SparseUpdate, TensorLayout
-from dgc.wire import EncodeError, decode, encode
+from dgc.wire import EncodeError, decode, decode_many, encode
 
 __all__ = [
     "AggregationError",
@@ -28,6 +28,7 @@ __all__ = [
     "aggregate",
     "aggregate_buffers",
     "decode",
+    "decode_many",
     "encode",
 ]
 

@@ -359,7 +359,73 @@ def _decode_sections(packed: np.ndarray, starts: np.ndarray, unary_starts: np.nd
     steps = np.empty(total, dtype=np.int64)
     np.subtract(ones[1:], ones[:-1], out=steps[1:])
     steps[firsts] = ones[firsts] - section_bit_starts + 1
-    if bool(np.all(rice == rice[0])):  # the usual case: a scalar broadcasts faster than arrays
+    uniform = bool(np.all(rice == rice[0]))
+    if int(rice.max()) <= _NARROW_RICE:
+        gaps = _narrow_gaps(packed, starts, counts, firsts, rice, uniform, steps)
+    else:
+        gaps = _wide_gaps(packed, starts, counts, firsts, rice, uniform, steps, ones)
+    # Each section's indices are the running sum of its gaps + 1, minus one: its last index,
+    # the sum minus one, must stay below numel (and with it every gap).
+    sums = np.add.reduceat(gaps, firsts)
+    if np.any(sums > numels):
+        return False
+    # One running sum over all sections: the first term of each section is shifted so that the sum
+    # restarts at that section's offset (minus one, for the extra ones).
+    previous_end = np.empty_like(offsets)
+    previous_end[0] = 1
+    previous_end[1:] = (offsets + sums)[:-1]
+    gaps[firsts] += offsets - previous_end
+    np.cumsum(gaps, out=out)
+    return True
+
+
+#: Rice parameters up to this one have every remainder inside the 4 bytes from its first byte.
+_NARROW_RICE = 25
+
+
+def _narrow_gaps(packed: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                 firsts: np.ndarray, rice: np.ndarray, uniform: bool,
+                 steps: np.ndarray) -> np.ndarray:
+    """gap + 1 of every index when no Rice parameter exceeds ``_NARROW_RICE`` (the usual case).
+
+    ``steps`` (quotient + 1 per index, consumed) gives the unary part. A remainder of at most 25
+    bits starting at bit ``k`` lies in the little-endian 4-byte word at byte ``k // 8``: one
+    gather through an unaligned 4-byte view of ``packed``, about a third cheaper than two
+    aligned 8-byte gathers, and a third of the passes over the indices.
+    """
+    if uniform:  # a scalar broadcasts faster than arrays
+        rice_each: np.ndarray | int = int(rice[0])
+        mask_each: np.ndarray | np.uint32 = np.uint32((1 << int(rice[0])) - 1)
+    else:
+        rice_each = np.repeat(rice, counts)
+        mask_each = np.repeat(((1 << rice) - 1).astype(np.uint32), counts)
+    # The j-th remainder of section s starts at bit 8 * (starts[s] + 1) + j * rice[s]: a running
+    # sum of rice per index, restarted at each section's first remainder.
+    first_bits = 8 * (starts + 1)
+    bit_at = np.repeat(rice, counts)
+    bit_at[firsts[0]] = first_bits[0]
+    bit_at[firsts[1:]] = first_bits[1:] - (first_bits[:-1] + (counts[:-1] - 1) * rice[:-1])
+    np.cumsum(bit_at, out=bit_at)
+    words = np.ndarray((packed.size - 3,), dtype="<u4", buffer=packed, strides=(1,))
+    shift = np.empty(bit_at.size, dtype=np.uint32)
+    np.bitwise_and(bit_at, 7, out=shift, casting="unsafe")
+    np.right_shift(bit_at, 3, out=bit_at)
+    remainders = np.take(words, bit_at)
+    remainders >>= shift
+    remainders &= mask_each
+    # gap + 1 = (quotient << rice) + remainder + 1 = (steps << rice) + remainder - mask
+    steps <<= rice_each
+    steps += remainders
+    steps -= mask_each
+    return steps
+
+
+def _wide_gaps(packed: np.ndarray, starts: np.ndarray, counts: np.ndarray, firsts: np.ndarray,
+               rice: np.ndarray, uniform: bool, steps: np.ndarray,
+               ones: np.ndarray) -> np.ndarray:
+    """gap + 1 of every index for any Rice parameter up to 56 (``ones`` is reused as scratch)."""
+    total = steps.size
+    if uniform:  # a scalar broadcasts faster than arrays
         rice_each, mask_each = int(rice[0]), (1 << int(rice[0])) - 1
     else:
         rice_each, mask_each = np.repeat(rice, counts), np.repeat((1 << rice) - 1, counts)
@@ -370,9 +436,9 @@ def _decode_sections(packed: np.ndarray, starts: np.ndarray, unary_starts: np.nd
     bit_at *= rice_each
     bit_at += np.repeat(8 * (starts + 1) - firsts * rice, counts)
     # Read through the two aligned 8-byte words around the first bit (numpy gathers unaligned
-    # words several times slower); a shift by 64 gives 0 in numpy.
+    # 8-byte words several times slower); a shift by 64 gives 0 in numpy.
     words = packed.view("<u8")
-    word_at = ones  # no longer needed: reuse its memory
+    word_at = ones
     np.right_shift(bit_at, 6, out=word_at)
     shift = np.bitwise_and(bit_at, 63, out=bit_at).view(np.uint64)
     low = np.take(words, word_at)
@@ -387,16 +453,4 @@ def _decode_sections(packed: np.ndarray, starts: np.ndarray, unary_starts: np.nd
     gaps -= mask_each
     steps <<= rice_each
     gaps += steps
-    # Each section's indices are the running sum of its gaps + 1, minus one: its last index,
-    # the sum minus one, must stay below numel (and with it every gap).
-    sums = np.add.reduceat(gaps, firsts)
-    if np.any(sums > numels):
-        return False
-    # One running sum over all sections: the first term of each section is shifted so that the sum
-    # restarts at that section's offset (minus one, for the extra ones).
-    previous_end = np.empty_like(offsets)
-    previous_end[0] = 1
-    previous_end[1:] = (offsets + sums)[:-1]
-    gaps[firsts] += offsets - previous_end
-    np.cumsum(gaps, out=out)
-    return True
+    return gaps

@@ -500,13 +500,19 @@ class DGCStrategy(FedAvg):
         return messages
 
     # ------------------------------------------------------------------ validate
-    def validate_reply(self, msg: Message, server_round: int) -> tuple[int, SparseUpdate,
-                                                                       MetricRecord, int]:
+    def validate_reply(self, msg: Message, server_round: int,
+                       decoded: SparseUpdate | DecodeError | None = None,
+                       ) -> tuple[int, SparseUpdate, MetricRecord, int]:
         """(client key, update, metrics, uplink bytes) of a valid reply; ReplyRejected if not.
 
         A reply to a message with shared index sets may carry the client's signs (a client
         without the channel, such as the phone encoder, sends none); they are decoded against
         the sets sent and kept in the round state for :meth:`aggregate_train`.
+
+        ``decoded``, if given, is what ``dgc.decode_many`` gave for this reply's update bytes
+        (with this strategy's ``max_numel``): it stands in for decoding them here, so that
+        :meth:`aggregate_train` can decode a round's replies in one call. The checks and their
+        order are the same either way.
         """
         assert self._round is not None
         content = msg.content
@@ -526,8 +532,11 @@ class DGCStrategy(FedAvg):
             raise ReplyRejected(f"{self.weighted_by_key} must be a finite number > 0, got "
                                 f"{weight!r}")
         try:
+            if isinstance(decoded, DecodeError):
+                raise decoded
             # max_numel: a forged header cannot make the server allocate more than the model.
-            update = dgc.decode(data, max_numel=self._max_numel)
+            update = decoded if decoded is not None else dgc.decode(data,
+                                                                    max_numel=self._max_numel)
         except DecodeError as ex:
             raise ReplyRejected(f"undecodable update ({len(data)} bytes): {ex}") from ex
         if update.sequence != server_round:
@@ -594,6 +603,7 @@ class DGCStrategy(FedAvg):
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for "
                                f"that round")
         replies = list(replies)
+        decoded = self._decode_replies(replies, state.sampled)
         rows: dict[int, ClientRow] = {}
         valid: dict[int, tuple[SparseUpdate, MetricRecord]] = {}
         uplink = 0
@@ -614,7 +624,8 @@ class DGCStrategy(FedAvg):
                 log(INFO, "\t> Received error in reply from node %d: %s", node, row.reason)
                 continue
             try:
-                _, update, metrics, nbytes = self.validate_reply(msg, server_round)
+                _, update, metrics, nbytes = self.validate_reply(msg, server_round,
+                                                                 decoded.get(id(msg)))
             except ReplyRejected as ex:
                 row.status, row.reason = "rejected", str(ex)
                 nbytes = _payload_nbytes(msg)
@@ -694,6 +705,34 @@ class DGCStrategy(FedAvg):
             record.clients_aggregated, record.clients_rejected, record.clients_failed,
             record.uplink_bytes)
         return (self.model_arrays() if applied else None), metrics
+
+    def _decode_replies(self, replies: list[Message],
+                        sampled: Iterable[int]) -> dict[int, SparseUpdate | DecodeError]:
+        """The decoded update bytes of the replies that will be validated, by ``id(msg)``.
+
+        One ``dgc.decode_many`` call: the replies of a round share their structure, so that the
+        headers of all but the first are read against it (a few times faster than one
+        ``dgc.decode`` each). Replies it skips (errors, duplicates, no update bytes) are left to
+        :meth:`validate_reply`, which rejects them with its own reason.
+        """
+        wanted = set(sampled)
+        ids, messages = [], []
+        for msg in replies:
+            key = self.node_keys.get(msg.metadata.src_node_id, -1)
+            if key not in wanted:
+                continue
+            wanted.discard(key)  # a duplicate is ignored by aggregate_train: do not decode it
+            if msg.has_error():
+                continue
+            arrays = msg.content.array_records.get(P.UPDATE)
+            if arrays is None:
+                continue
+            try:
+                messages.append(P.record_to_bytes(arrays, P.UPDATE))
+            except ValueError:
+                continue
+            ids.append(id(msg))
+        return dict(zip(ids, dgc.decode_many(messages, max_numel=self._max_numel), strict=True))
 
     def _count_rejection(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1

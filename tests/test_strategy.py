@@ -406,3 +406,19 @@ def test_compressed_broadcast_follows_the_model_by_its_largest_differences():
 def test_downlink_density_must_be_in_zero_one(bad):
     with pytest.raises(ValueError, match="downlink_density must be in \\(0, 1\\]"):
         DGCStrategy(downlink_density=bad)
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_decoding_the_round_at_once_rejects_and_aggregates_as_one_by_one(case, monkeypatch):
+    tamper, _ = TAMPERS[case]
+    s, arrays, _, _ = _one_round_with(tamper)
+    assert arrays is not None
+    batched = [(r.status, r.reason) for r in s.client_rows]
+    # Without the pre-pass, validate_reply decodes each reply itself.
+    monkeypatch.setattr(DGCStrategy, "_decode_replies", lambda self, replies, sampled: {})
+    s1, arrays1, _, _ = _one_round_with(tamper)
+    assert [(r.status, r.reason) for r in s1.client_rows] == batched
+    assert s1.rejections == s.rejections
+    got, want = arrays.to_torch_state_dict(), arrays1.to_torch_state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k])

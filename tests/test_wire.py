@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dgc import DecodeError, SparseTensor, SparseUpdate, decode, encode
+from dgc import DecodeError, SparseTensor, SparseUpdate, decode, decode_many, encode
 from dgc import golomb as gr
 from dgc.wire import EncodeError, encoded_size, index_bits, tensor_codings
 
@@ -555,7 +555,8 @@ def test_golomb_decode_many_equals_section_by_section() -> None:
             numel = int(rng.integers(1, 4000))
             indices = np.sort(rng.choice(numel, int(rng.integers(0, min(numel, 300) + 1)),
                                          replace=False)).astype(np.int64)
-            rice = None if rng.random() < 0.7 else int(rng.integers(0, 12))
+            # forced Rice parameters: small ones, and wide ones (remainders over 4 bytes)
+            rice = None if rng.random() < 0.7 else int(rng.choice([*range(12), 25, 26, 40]))
             section = gr.golomb_encode(indices, numel, rice)
             message += rng.integers(0, 256, int(rng.integers(0, 4))).astype(np.uint8).tobytes()
             for column, value in zip(columns, [len(message), len(section), indices.size, numel,
@@ -580,3 +581,93 @@ def test_golomb_decode_many_equals_section_by_section() -> None:
         got = gr.golomb_decode_many(*args)
         assert got is None if reference is None else got is None or np.array_equal(got,
                                                                                    reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_many: a round's replies at once, each with its own result or error
+# ---------------------------------------------------------------------------------------------
+
+def decode_result(data: object, max_numel: int | None = None) -> SparseUpdate | str:
+    """What decode gives: the update, or its DecodeError message."""
+    try:
+        return decode(data, max_numel=max_numel)  # type: ignore[arg-type]
+    except DecodeError as e:
+        return str(e)
+
+
+def assert_same_results(got: list[SparseUpdate | DecodeError], messages: list[object],
+                        max_numel: int | None = None) -> None:
+    assert len(got) == len(messages)
+    for result, data in zip(got, messages, strict=True):
+        want = decode_result(data, max_numel)
+        if isinstance(want, str):
+            assert isinstance(result, DecodeError) and str(result) == want
+        else:
+            assert isinstance(result, SparseUpdate)
+            assert (result.packed is None) == (want.packed is None)
+            assert_same(want, result)
+
+
+def test_decode_many_equals_decode_on_the_golden_vectors() -> None:
+    stored = json.loads((GOLDEN_DIR / "wire_v1.json").read_text(encoding="utf-8"))["cases"]
+    messages = [bytes.fromhex(case["hex"]) for case in stored]
+    assert_same_results(decode_many(messages), messages)
+    assert_same_results(decode_many(messages + messages), messages + messages)
+
+
+def test_decode_many_shares_one_layout_across_a_round() -> None:
+    messages = [encode(model_like_update(torch.float16, seed)) for seed in range(6)]
+    got = decode_many(messages)
+    layouts = {id(u.packed.layout) if isinstance(u, SparseUpdate) and u.packed else None
+               for u in got}
+    assert len(layouts) == 1 and None not in layouts
+    assert_same_results(got, messages)
+
+
+def test_decode_many_rejects_only_the_corrupt_message() -> None:
+    messages: list[object] = [encode(model_like_update(torch.float16, seed)) for seed in range(5)]
+    good = messages[2]
+    assert isinstance(good, bytes)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x10
+    messages[2] = bytes(flipped)  # bad checksum
+    # Past the checksum: a Golomb section's Rice parameter above the format's maximum.
+    inner = bytearray(encode(model_like_update(torch.float16, 7)))
+    section_at = inner.index(b"layer2") + len(b"layer2") + 1 + 2 * 8 + 8 + 2 + 8
+    inner[section_at] = 63
+    body = bytes(inner[:-4])
+    messages.insert(4, body + struct.pack("<I", zlib.crc32(body)))
+    messages.insert(1, good[:-9])  # truncated
+    messages.append("not bytes")
+    got = decode_many(messages)  # type: ignore[arg-type]
+    assert_same_results(got, messages)
+    errors = [i for i, r in enumerate(got) if isinstance(r, DecodeError)]
+    assert errors == [1, 3, 5, 7]
+    assert "bad checksum" in str(got[3])
+    assert "(golomb indices): Rice parameter 63" in str(got[5])
+
+
+@pytest.mark.parametrize("case", sorted(REJECTIONS))
+def test_decode_many_names_each_rejection_like_decode(case: str) -> None:
+    data, _ = REJECTIONS[case]
+    valid = message([GOOD])
+    messages = [valid, data, valid, data]
+    assert_same_results(decode_many(messages), messages)
+
+
+def test_decode_many_takes_messages_of_different_structures() -> None:
+    messages = [encode(model_like_update(dtype, seed), index_coding=coding)
+                for seed, (coding, dtype) in enumerate((c, d) for c in CODINGS for d in DTYPES)]
+    mixed = model_like_update(torch.float16, 4)
+    mixed.tensors["layer1"] = random_tensor(64, 64, torch.float32, 9, (64,))
+    messages += [encode(mixed), encode(SparseUpdate({}, 3)), messages[0], messages[-1]]
+    assert_same_results(decode_many(messages), messages)
+
+
+def test_decode_many_applies_max_numel() -> None:
+    messages = [encode(model_like_update(torch.float16, seed)) for seed in range(3)]
+    assert_same_results(decode_many(messages, max_numel=2100), messages, max_numel=2100)
+    got = decode_many(messages, max_numel=2099)
+    assert all(isinstance(r, DecodeError) and "above max_numel=2099" in str(r) for r in got)
+    with pytest.raises(ValueError, match="max_numel"):
+        decode_many(messages, max_numel=-1)

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dgc import DecodeError, SparseTensor, SparseUpdate, decode, encode
+from dgc import DecodeError, SparseTensor, SparseUpdate, decode, decode_many, encode
 
 RAW_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
@@ -174,3 +174,24 @@ def test_random_mutations_of_random_updates_never_escape(data) -> None:
         pos = data.draw(st.integers(0, len(message) - 1))
         message[pos] = data.draw(st.integers(0, 255))
     decode_or_reject(with_fixed_crc(message))
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_decode_many_after_a_valid_message_decodes_every_mutation_like_decode(which: int) -> None:
+    # The valid message first makes decode_many read the mutated one against its headers: a
+    # mutation must be accepted or refused exactly as decode does, with the same reason.
+    data = _reference_messages()[which]
+    for pos in range(len(data) - 4):
+        for xor in (0x01, 0x02, 0x10, 0x80, 0xFF):
+            mutated = bytearray(data)
+            mutated[pos] ^= xor
+            fixed = with_fixed_crc(mutated)
+            first, got = decode_many([data, fixed])
+            assert isinstance(first, SparseUpdate)
+            try:
+                want = decode(fixed)
+            except DecodeError as e:
+                assert isinstance(got, DecodeError) and str(got) == str(e), (pos, xor)
+                continue
+            assert isinstance(got, SparseUpdate), (pos, xor)
+            assert_same(want, got)
