@@ -9,7 +9,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,28 +42,11 @@ def _netns_names() -> set[str]:
     return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
 
 
-@pytest.fixture
-def deployment_factory(tmp_path: Path) -> Iterator[Callable[..., Deployment]]:
-    started: list[Deployment] = []
-
-    def make(**kwargs: object) -> Deployment:
-        dep = Deployment(DeploymentConfig(workdir=tmp_path / f"dep{len(started)}", **kwargs))
-        started.append(dep)
-        dep.start()
-        return dep
-
-    yield make
-    for dep in started:  # runs on failure too
-        dep.stop()
-    for dep in started:
-        assert dep.leftover_pids() == [], "processes of the deployment outlived stop()"
-
-
 def test_probe_app_runs_over_shaped_links_and_everything_is_cleaned_up(
-    deployment_factory: Callable[..., Deployment],
+    deployment: Callable[..., Deployment],
 ) -> None:
     netns_before = _netns_names()
-    dep = deployment_factory(nodes=2, link=preset("lte"), shaping="auto")
+    dep = deployment(nodes=2, link=preset("lte"), shaping="auto")
     assert dep.mode in ("netem", "tbf", "proxy")
     result = dep.run(PROBE_APP, timeout_s=180)
     assert result.ok, dep.log_tails()
@@ -79,9 +62,9 @@ def test_probe_app_runs_over_shaped_links_and_everything_is_cleaned_up(
 
 
 def test_tls_with_node_auth_refuses_an_unregistered_node_and_serves_a_registered_one(
-    deployment_factory: Callable[..., Deployment],
+    deployment: Callable[..., Deployment],
 ) -> None:
-    dep = deployment_factory(nodes=2, auth=True, unregistered=frozenset({1}))
+    dep = deployment(nodes=2, auth=True, unregistered=frozenset({1}))
     assert dep.tls is not None
 
     # The SuperLink speaks TLS with the run's own CA, and only TLS.
