@@ -32,6 +32,7 @@ from flwr.app import (
     ConfigRecord,
     Message,
     MessageType,
+    Metadata,
     MetricRecord,
     RecordDict,
 )
@@ -105,6 +106,17 @@ class _RoundState:
     downlink: dict[int, tuple[str, int]]  # client key -> (kind, bytes)
     version_sent: int
     rows: list[ClientRow] = field(default_factory=list)
+    # Client key -> its train message's metadata (not the message: no model held past the round).
+    sent: dict[int, Metadata] = field(default_factory=dict)
+
+    def key_of_reply(self, msg: Message) -> int | None:
+        """The client key whose train message ``msg`` answers (None when it answers none).
+
+        The grid gives each message its id when it pushes it, so this is read at reply time.
+        """
+        wanted = msg.metadata.reply_to_message_id
+        return next((key for key, sent in self.sent.items()
+                     if wanted and sent.message_id == wanted), None)
 
 
 class ReplyRejected(ValueError):
@@ -389,8 +401,10 @@ class DGCStrategy(FedAvg):
             if kind == "patch":
                 cfg[P.BASE_VERSION] = held
             state.downlink[key] = (kind, nbytes)
-            messages.append(Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}),
-                                    dst_node_id=node_of[key], message_type=MessageType.TRAIN))
+            message = Message(RecordDict({P.ARRAYS: record, P.CONFIG: cfg}),
+                              dst_node_id=node_of[key], message_type=MessageType.TRAIN)
+            state.sent[key] = message.metadata
+            messages.append(message)
         self._round = state
         return messages
 
@@ -458,6 +472,13 @@ class DGCStrategy(FedAvg):
         for msg in replies:
             node = msg.metadata.src_node_id
             key = self.node_keys.get(node, -1)
+            if msg.has_error():
+                # An error may come from the SuperLink itself, in place of a node it declared
+                # offline (missed heartbeats), under its own node id: the message the error
+                # answers names the client.
+                answered = state.key_of_reply(msg)
+                if answered is not None:
+                    key, node = answered, state.node_of[answered]
             if key not in sampled or key in rows:
                 self._count_rejection("reply from a node that was not sampled or replied twice")
                 log(WARNING, "\t> Ignored reply from node %d (client %d): not sampled in round "
