@@ -133,9 +133,13 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     # A round deadline beyond the SuperLink's heartbeat patience (2 x 30 s): round 2 then ends
     # when the SuperLink declares the crashed node offline and answers its message with an
     # error, so round 3 starts without the dead node id and waits for the restarted node. With
-    # a shorter deadline round 3 could still see the dead id online and send it round 3.
+    # a shorter deadline round 3 could still see the dead id online and send it round 3. No
+    # longer than that: a round whose reply the link loses lasts the whole deadline.
+    deadline_s = 120.0
+    # Four rounds: the link may also lose the restarted node's round-3 reply (Flower's SuperNode
+    # does not resend a reply whose push a reset broke; see docs/deploy.md, findings).
     config = deploy_run_config(
-        {**BASE, "rounds": 3, "round_timeout_s": 240.0, "results_dir": str(tmp_path / "r"),
+        {**BASE, "rounds": 4, "round_timeout_s": deadline_s, "results_dir": str(tmp_path / "r"),
          "run_name": "faults"}, 2
     )
     run_id = submit_fedgc(dep, config)
@@ -145,8 +149,9 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     # that (whichever node id it has by then) is a later round's: round 2.
     _wait_for(lambda: _stored_round(store, 1) >= 1, 400, "client 1 to store its round-1 reply")
     seen = len(node.log_text(since_start=False))
-    _wait_for(lambda: "Receiving: train message" in node.log_text(since_start=False)[seen:], 180,
-              "node 1 to receive its round-2 train message")
+    # Round 1 may last its whole deadline (a reply lost on the link).
+    _wait_for(lambda: "Receiving: train message" in node.log_text(since_start=False)[seen:],
+              deadline_s + 120, "node 1 to receive its round-2 train message")
     crashed_id = dep.node_id(1)
     dep.kill_supernode(1)  # mid-round: its ClientApp is starting or training
     assert not node.group_alive()
@@ -158,17 +163,25 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     dep.start_supernode(1)
     dep.wait_supernode(1, timeout_s=120)
 
-    run = finish_fedgc(dep, config, run_id, 600)
+    run = finish_fedgc(dep, config, run_id, 3 * deadline_s + 360)
     assert run.result.ok, run.result.log[-3000:]
     clients = _rows(config.run_dir / "clients.csv")
     status = {(int(r["round"]), int(r["client_key"])): r["status"] for r in clients}
     reason = {(int(r["round"]), int(r["client_key"])): r["reason"] for r in clients}
     # The crashed node's round-2 update never arrived; the SuperLink ended its wait.
     assert status[(2, 1)] == "error" and "Node Unavailable" in reason[(2, 1)]
-    assert status[(3, 1)] == "aggregated"  # the restarted node is served again
+    # The restarted node is served again.
+    assert "aggregated" in (status.get((3, 1)), status.get((4, 1))), status
     aggregated = Counter((int(r["round"]), int(r["client_key"])) for r in clients
                          if r["status"] == "aggregated")
     assert max(aggregated.values()) == 1  # no update applied twice
+    # A client folds back only an update the server never aggregated (else its mass would be
+    # applied twice): the client's previous sampled round must not be aggregated.
+    for row in clients:
+        if row["status"] == "aggregated" and int(row["restored"]):
+            key, r = int(row["client_key"]), int(row["round"])
+            before = [rr for (rr, k) in status if k == key and rr < r]
+            assert before and status[(max(before), key)] != "aggregated", row
     assert run.summary["clients_aggregated"] == sum(aggregated.values())
     stats = [nl.proxy.stats for nl in dep.node_links.values() if nl.proxy is not None]
     assert sum(s.outages for s in stats) >= 1
