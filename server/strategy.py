@@ -37,6 +37,7 @@ from flwr.app import (
     ConfigRecord,
     Message,
     MessageType,
+    Metadata,
     MetricRecord,
     RecordDict,
 )
@@ -113,6 +114,17 @@ class _RoundState:
     rows: list[ClientRow] = field(default_factory=list)
     masks: Masks = field(default_factory=dict)  # the shared index sets sent this round
     signs: dict[int, SparseUpdate] = field(default_factory=dict)  # client key -> its signs
+    # Client key -> its train message's metadata (not the message: no model held past the round).
+    sent: dict[int, Metadata] = field(default_factory=dict)
+
+    def key_of_reply(self, msg: Message) -> int | None:
+        """The client key whose train message ``msg`` answers (None when it answers none).
+
+        The grid gives each message its id when it pushes it, so this is read at reply time.
+        """
+        wanted = msg.metadata.reply_to_message_id
+        return next((key for key, sent in self.sent.items()
+                     if wanted and sent.message_id == wanted), None)
 
 
 class ReplyRejected(ValueError):
@@ -494,8 +506,10 @@ class DGCStrategy(FedAvg):
             if shared_record is not None:
                 content[P.SHARED] = shared_record
             state.downlink[key] = (kind, nbytes + shared_nbytes)
-            messages.append(Message(content, dst_node_id=node_of[key],
-                                    message_type=MessageType.TRAIN))
+            message = Message(content, dst_node_id=node_of[key],
+                              message_type=MessageType.TRAIN)
+            state.sent[key] = message.metadata
+            messages.append(message)
         self._round = state
         return messages
 
@@ -611,6 +625,13 @@ class DGCStrategy(FedAvg):
         for msg in replies:
             node = msg.metadata.src_node_id
             key = self.node_keys.get(node, -1)
+            if msg.has_error():
+                # An error may come from the SuperLink itself, in place of a node it declared
+                # offline (missed heartbeats), under its own node id: the message the error
+                # answers names the client.
+                answered = state.key_of_reply(msg)
+                if answered is not None:
+                    key, node = answered, state.node_of[answered]
             if key not in sampled or key in rows:
                 self._count_rejection("reply from a node that was not sampled or replied twice")
                 log(WARNING, "\t> Ignored reply from node %d (client %d): not sampled in round "

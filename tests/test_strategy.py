@@ -217,6 +217,30 @@ def test_error_and_missing_replies_count_as_failures():
     assert sorted(acked.values()) == [-1, -1, -1, 1]
 
 
+def test_the_superlinks_error_for_an_offline_node_counts_for_that_client():
+    """The SuperLink answers a message to a node it declared offline itself, under its own id."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.server.superlink.linkstate.utils import (
+        create_message_error_unavailable_res_message,
+    )
+
+    init = _model()
+    s, grid = _strategy(downlink="dense")
+    msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
+    grid.push_messages(msgs)  # gives each message its id, as on the deployment engine
+    update = SparseUpdate.from_dense({k: torch.ones_like(v) for k, v in init.items()},
+                                     sequence=1)
+    offline = create_message_error_unavailable_res_message(msgs[1].metadata, "node_unavail")
+    assert offline.metadata.src_node_id == SUPERLINK_NODE_ID != msgs[1].metadata.dst_node_id
+    s.aggregate_train(1, [_update_reply(msgs[0], update), offline])
+    rows = {r.node_id: r for r in s.client_rows}
+    assert rows[msgs[1].metadata.dst_node_id].status == "error"
+    assert "Node Unavailable" in rows[msgs[1].metadata.dst_node_id].reason
+    assert sorted(r.status for r in s.client_rows) == ["aggregated", "error", "timeout",
+                                                       "timeout"]
+    assert s.rejections == {}  # not mistaken for a reply from a node that was not sampled
+
+
 def test_sampling_is_seeded_and_ignores_node_ids():
     a = DGCStrategy(clients_per_round=3, seed=4)
     keys = list(range(50))
