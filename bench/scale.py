@@ -253,7 +253,8 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
         make = strategy_factory(netem)
         # 10,000 identification queries take minutes on 2 busy cores: DGCStrategy's default
         # 120 s probe timeout would leave most nodes unidentified and re-probe every round.
-        run_server(grid, config, strategy_factory=lambda **kw: make(probe_timeout=3600.0, **kw))
+        run_server(grid, config,
+                   strategy_factory=lambda **kw: make(**{**kw, "probe_timeout": 3600.0}))
 
     run_simulation(server_app=server, client_app=app, num_supernodes=args.clients,
                    backend_config=backend)
