@@ -32,10 +32,10 @@ from flwr.clientapp import ClientApp
 import dgc
 from client import protocol as P
 from client.settings import SettingsError, TrainSettings, fields_of, parse
-from client.state import ClientStateStore
+from client.state import ClientStateStore, fold_back_pending, stored_bytes
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
-from dgc.shared import Masks, decode_mask, decode_signs, encode_signs, take_signs
+from dgc.shared import Masks, decode_mask, encode_signs, take_signs
 
 app = ClientApp()
 
@@ -140,13 +140,6 @@ def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any]
     return model
 
 
-def _pending_update(record: dict[str, Any]) -> SparseUpdate | None:
-    data = record.get("pending")
-    if data is None:
-        return None
-    return dgc.decode(bytes(data.numpy().tobytes()))
-
-
 def _bytes_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
@@ -163,17 +156,6 @@ def shared_masks(content: RecordDict,
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
     return data, masks
-
-
-def _pending_shared(record: dict[str, Any],
-                    model: dict[str, torch.Tensor]) -> SparseUpdate | None:
-    """The signs sent with the pending update, at the indices they were sent for."""
-    if "pending_shared" not in record:
-        return None
-    numels = {k: v.numel() for k, v in model.items()}
-    _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
-    return decode_signs(bytes(record["pending_shared"].numpy().tobytes()), masks,
-                        {k: (v.numel(),) for k, v in model.items()})
 
 
 def _reply_content(data: bytes, shared: bytes | None, metrics: MetricRecord) -> RecordDict:
@@ -212,8 +194,8 @@ def train(msg: Message, context: Context) -> Message:
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
         # a second time, which would fold the pending update back and change the residual.
-        data = bytes(record["pending"].numpy().tobytes())
-        shared_data = (bytes(record["pending_shared"].numpy().tobytes())
+        data = stored_bytes(record, "pending")
+        shared_data = (stored_bytes(record, "pending_shared")
                        if "pending_shared" in record else None)
         metrics = MetricRecord({**reply, "compute_seconds": time.perf_counter() - started})
         return Message(_reply_content(data, shared_data, metrics), reply_to=msg)
@@ -239,15 +221,10 @@ def train(msg: Message, context: Context) -> Message:
         compressor = s.compressor()
         if s.method == "dgc" and "compressor" in record:
             compressor.load_state_dict(record["compressor"])
-            pending = _pending_update(record)
-            if pending is not None and pending.sequence != ack:
-                # The server never aggregated it (deadline, lost link, rejected): put its mass
-                # back so that nothing this client computed is lost.
-                compressor.restore(pending)
-                pending_signs = _pending_shared(record, global_state)
-                if pending_signs is not None:
-                    compressor.restore(pending_signs)
-                restored = 1
+            # An update the server never aggregated (deadline, lost link, rejected) goes back
+            # into the residual, so that nothing this client computed is lost.
+            restored = int(fold_back_pending(compressor, record, ack,
+                                             {k: v.numel() for k, v in global_state.items()}))
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
         if shared is not None:

@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+import dgc
+from dgc.shared import decode_mask, decode_signs
+
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -88,3 +91,31 @@ class ClientStateStore:
     def keys(self) -> list[str]:
         """Client keys that have a record, sorted."""
         return sorted(p.stem for p in self.root.glob("*.pt"))
+
+
+def stored_bytes(record: dict[str, Any], key: str) -> bytes:
+    """The bytes a record keeps as a uint8 tensor (``pending``, ``pending_shared``, ...)."""
+    return bytes(record[key].numpy().tobytes())
+
+
+def fold_back_pending(compressor: Any, record: dict[str, Any], ack_sequence: int,
+                      numels: dict[str, int]) -> bool:
+    """Restore a record's last update into ``compressor`` unless the server aggregated it.
+
+    The record (``client.app``'s format) keeps the update it sent as ``pending`` (wire bytes)
+    and, with the shared sign channel, the signs sent beside it (``pending_shared``) with the
+    index sets they answer (``pending_mask``). When the update's sequence is not
+    ``ack_sequence`` both go back into the residual, so nothing the client computed is lost.
+    ``numels`` gives each tensor's size. Returns whether anything was restored.
+    """
+    if record.get("pending") is None:
+        return False
+    pending = dgc.decode(stored_bytes(record, "pending"))
+    if pending.sequence == ack_sequence:
+        return False
+    compressor.restore(pending)
+    if "pending_shared" in record:
+        _, masks = decode_mask(stored_bytes(record, "pending_mask"), numels)
+        compressor.restore(decode_signs(stored_bytes(record, "pending_shared"), masks,
+                                        {name: (n,) for name, n in numels.items()}))
+    return True

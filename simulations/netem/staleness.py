@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 import dgc
+from client.state import fold_back_pending
 from dgc import DGCCompressor, DGCConfig, StateError
 from dgc.federated import TwoDensityCompressor
-from dgc.shared import decode_mask, decode_signs
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
 
@@ -134,14 +134,8 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     else:
         raise StateError("the stored compressor state carries no config; pass make_compressor")
     compressor.load_state_dict(record["compressor"])
-    if pending.sequence != ack_sequence:
-        compressor.restore(pending)
-        if "pending_shared" in record:
-            # The signs sent with it (dgc.shared) were not aggregated either.
-            numels = {n: v.numel() for n, v in compressor.residual().items()}
-            _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
-            compressor.restore(decode_signs(bytes(record["pending_shared"].numpy().tobytes()),
-                                            masks, {n: (k,) for n, k in numels.items()}))
+    fold_back_pending(compressor, record, ack_sequence,
+                      {n: v.numel() for n, v in compressor.residual().items()})
     report = apply_stale_policy(compressor, rounds_away, policy)
     record["compressor"] = compressor.state_dict()
     for key in ("pending", "pending_shared", "pending_mask"):
