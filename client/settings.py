@@ -242,21 +242,6 @@ class TrainSettings:
                                    Check(0.0, 1.0))
     small_numel: int = setting(10_000, "dgc.small_numel", "size limit, in entries, of a tensor "
                                "that gets dgc.small_density", Check(1))
-    shared_density: float = setting(0.03, "dgc.shared_density", "shared-index sign channel "
-                                    "(dgc only): fraction of each sparsified tensor at which "
-                                    "every client of a round sends its residual as scaled signs, "
-                                    "1 bit per entry, at indices the server picks; 0 = off",
-                                    Check(0.0, 1.0))
-    shared_small_density: float = setting(0.0, "dgc.shared_small_density", "the same for "
-                                          "tensors of at most dgc.small_numel entries; 0 = "
-                                          "dgc.shared_density", Check(0.0, 1.0))
-    shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
-                                     "of aggregates by which the server ranks shared indices",
-                                     _momentum())
-    dgc_server_momentum: float = setting(0.5, "dgc.server_momentum", "server momentum of "
-                                         "dgc runs (replaces server_momentum there): DGC's "
-                                         "momentum applied once per round to the aggregate, "
-                                         "where it is never stale", _momentum())
     warmup: str = setting("exponential", "dgc.warmup", "density warm-up schedule over the "
                           "first rounds: 4**-(r+1) until it reaches dgc.density",
                           Check(choices=WARMUPS))

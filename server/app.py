@@ -93,7 +93,7 @@ def run_server(grid: Grid, config: RunConfig,
         clients_per_round=t.clients_per_round,
         over_selection=s.over_selection,
         server_learning_rate=s.server_lr,
-        server_momentum=t.dgc_server_momentum if t.method == "dgc" else s.server_momentum,
+        server_momentum=s.dgc_server_momentum if t.method == "dgc" else s.server_momentum,
         downlink=s.downlink,
         downlink_history=s.downlink_history,
         # Dense FedAvg is the baseline: it always broadcasts the exact model.
@@ -108,10 +108,10 @@ def run_server(grid: Grid, config: RunConfig,
         # Node identification happens in round 1, with Ray's start-up: give it the round's time.
         probe_timeout=s.round_timeout_s,
         # The sign channel needs a residual to send from: DGC only.
-        shared_density=t.shared_density if t.method == "dgc" else 0.0,
-        shared_small_density=t.shared_small_density,
+        shared_density=s.shared_density if t.method == "dgc" else 0.0,
+        shared_small_density=s.shared_small_density,
         shared_small_numel=t.small_numel,
-        shared_momentum=t.shared_momentum,
+        shared_momentum=s.shared_momentum,
         min_sparse_numel=t.min_sparse_numel,
     )
     train_config = ConfigRecord(to_flat(config.client_train_settings()))

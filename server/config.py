@@ -51,6 +51,21 @@ class ServerSettings:
                                      "topk runs (FedAvgM convention: buf = m*buf + avg); dgc "
                                      "runs use dgc.server_momentum", Check(0.0, 1.0,
                                                                              high_open=True))
+    shared_density: float = setting(0.03, "dgc.shared_density", "shared-index sign channel "
+                                    "(dgc only): fraction of each sparsified tensor at which "
+                                    "every client of a round sends its residual as scaled signs, "
+                                    "1 bit per entry, at indices the server picks; 0 = off",
+                                    Check(0.0, 1.0))
+    shared_small_density: float = setting(0.0, "dgc.shared_small_density", "the same for "
+                                          "tensors of at most dgc.small_numel entries; 0 = "
+                                          "dgc.shared_density", Check(0.0, 1.0))
+    shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
+                                     "of aggregates by which the server ranks shared indices",
+                                     Check(0.0, 1.0, high_open=True))
+    dgc_server_momentum: float = setting(0.5, "dgc.server_momentum", "server momentum of "
+                                         "dgc runs (replaces server_momentum there): DGC's "
+                                         "momentum applied once per round to the aggregate, "
+                                         "where it is never stale", Check(0.0, 1.0, high_open=True))
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
                             Check(choices=DOWNLINKS))

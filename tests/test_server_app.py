@@ -226,3 +226,24 @@ def test_clients_that_build_the_initial_model_get_patches_from_the_start(tmp_pat
         ClientStateStore(c.state_dir).keys())
     a, b = _model(plain.run_dir), _model(c.run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Built(Exception):
+    """Raised by the spy factory below once it has the strategy's arguments."""
+
+
+@pytest.mark.parametrize("method, momentum, shared", [("dense", 0.2, 0.0), ("topk", 0.2, 0.0),
+                                                       ("dgc", 0.5, 0.03)])
+def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_momentum(tmp_path, method, momentum,
+                                                                      shared):
+    """Dense stays the FedAvg baseline (here with server_momentum 0.2); dgc uses its own keys."""
+    seen: dict = {}
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        raise _Built
+
+    c = _config(tmp_path, method=method, server_momentum=0.2)
+    with pytest.raises(_Built):
+        run_server(LocalGrid(client_app, 2), c, strategy_factory=spy)
+    assert seen["server_momentum"] == momentum and seen["shared_density"] == shared

@@ -20,6 +20,9 @@ def test_defaults_are_the_researched_federated_settings():
     assert (t.momentum_correction, t.dgc_momentum, t.small_density, t.small_numel) == \
         (False, 0.0, 0.1, 10_000)
     assert (s.server_lr, s.server_momentum) == (1.0, 0.0)
+    # Section 6: the shared sign channel and server momentum, for dgc runs only.
+    assert (s.shared_density, s.shared_small_density, s.shared_momentum,
+            s.dgc_server_momentum) == (0.03, 0.0, 0.9, 0.5)
     comp = t.compressor()
     assert type(comp).__name__ == "TwoDensityCompressor" and comp.small_numel == 10_000
     assert comp.small.config.density == 0.1 and comp.large.config.density == 0.001
@@ -47,6 +50,10 @@ def test_defaults_are_the_researched_federated_settings():
     ({"dgc.small_density": 1.5}, ["dgc.small_density", "[0, 1]"]),
     ({"dgc.small_numel": 0}, ["dgc.small_numel", "[1, inf)"]),
     ({"dgc.small_numel": 10.5}, ["dgc.small_numel", "integer"]),
+    ({"dgc.shared_density": 1.5}, ["dgc.shared_density", "[0, 1]"]),
+    ({"dgc.shared_small_density": -0.5}, ["dgc.shared_small_density", "[0, 1]"]),
+    ({"dgc.shared_momentum": 1.0}, ["dgc.shared_momentum", "[0, 1)"]),
+    ({"dgc.server_momentum": -0.1}, ["dgc.server_momentum", "[0, 1)"]),
 ])
 def test_bad_values_name_key_and_range(values, words):
     with pytest.raises(SettingsError) as info:
