@@ -189,7 +189,7 @@ class SparseStepEncoder(_StepBase):
 BLOCK = 32
 
 
-class BlockSparseStepEncoder(_StepBase):
+class BlockSparseStepEncoder(SparseStepEncoder):
     """:class:`SparseStepEncoder` with a top-k that reads the whole tensor once, not ``k`` times.
 
     ExecuTorch's topk over all ``n`` magnitudes costs more than the rest of the step. Here the
@@ -207,10 +207,6 @@ class BlockSparseStepEncoder(_StepBase):
     stay zero and are never sent) and ``1 <= k <= n / BLOCK``; the host uses ``encode`` for a
     larger ``k`` (dense warm-up densities).
     """
-
-    def __init__(self, config: DGCConfig) -> None:
-        check_exportable(config)
-        super().__init__(config)
 
     def forward(self, grad: torch.Tensor, u: torch.Tensor, v: torch.Tensor, scale: torch.Tensor,
                 fresh: torch.Tensor, k_like: torch.Tensor
