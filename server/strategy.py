@@ -132,6 +132,13 @@ class ReplyRejected(ValueError):
 
 
 # pylint: disable=too-many-instance-attributes
+def _float16_grid(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to the nearest float16 values, in float32 (values beyond float16's range
+    unrounded)."""
+    rounded = t.to(torch.float16).to(torch.float32)
+    return torch.where(torch.isfinite(rounded), rounded, t)
+
+
 class DGCStrategy(FedAvg):
     """Federated Averaging of Deep Gradient Compression updates (Lin et al., ICLR 2018).
 
@@ -168,7 +175,9 @@ class DGCStrategy(FedAvg):
         more dims (n entries in all), where the two differ most (one-dimensional tensors are
         copied whole). What is not sent stays in the difference and is sent in later rounds
         (error feedback on the server, as in DoubleSqueeze, Tang et al. 2019). The broadcast
-        model then changes in few entries per round, so patches stay small.
+        model then changes in few entries per round, so patches stay small. The copied matrix
+        entries are rounded to float16, so patches carry them in two bytes (the rounding stays
+        in the difference, like any entry not sent).
     clients_build_initial_model : bool (default: False)
         Clients build version 0 of the model themselves (the app ships it: the same seeded
         ``task.build_model()`` as the server's), so a client's first message may be a patch on
@@ -454,7 +463,13 @@ class DGCStrategy(FedAvg):
         tensors = {}
         for name, t in self.sent_model.items():
             idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
-            tensors[name] = SparseTensor(idx, t.view(-1)[idx].clone(), tuple(t.shape))
+            values = t.view(-1)[idx].clone()
+            half = values.to(torch.float16)
+            if torch.equal(half.to(torch.float32), values):
+                # Entries the compressed broadcast wrote (see _follow) are float16 values: half
+                # the bytes, and the client's float32 copy of them is still bit for bit.
+                values = half
+            tensors[name] = SparseTensor(idx, values, tuple(t.shape))
         return dgc.encode(SparseUpdate(tensors, self.model_version))
 
     def configure_train(
@@ -812,8 +827,15 @@ class DGCStrategy(FedAvg):
 
     def _follow(self, broadcast: Mapping[str, torch.Tensor],
                 model: Mapping[str, torch.Tensor]) -> OrderedDict[str, torch.Tensor]:
-        """The next broadcast model: ``broadcast`` with its entries that differ most from
-        ``model`` replaced by the model's (one-dimensional tensors whole)."""
+        """The next broadcast model: ``broadcast`` with its matrix entries that differ most
+        from ``model`` rounded to float16 replaced by those rounded values (one-dimensional
+        tensors are copied whole, unrounded).
+
+        The rounding halves the value bytes of every patch; what it drops (at most half a
+        float16 step) stays in ``model - broadcast`` like any entry not sent, and is sent when
+        the model moves on (error feedback on the server). Ranking by the rounded difference
+        never spends a slot on an entry whose rounded value the clients already hold.
+        """
         out = self._copy(broadcast)
         matrices = [k for k, v in model.items() if v.dim() > 1]
         for k, v in model.items():
@@ -821,7 +843,8 @@ class DGCStrategy(FedAvg):
                 out[k].copy_(v)
         if not matrices:
             return out
-        diff = torch.cat([(model[k] - broadcast[k]).abs().view(-1) for k in matrices])
+        target = {k: _float16_grid(model[k]) for k in matrices}
+        diff = torch.cat([(target[k] - broadcast[k]).abs().view(-1) for k in matrices])
         count = min(diff.numel(), math.ceil(self.downlink_density * diff.numel()))
         # Ties are broken by position (stable sort), so the selection is reproducible.
         chosen = torch.sort(diff, descending=True, stable=True).indices[:count]
@@ -830,7 +853,7 @@ class DGCStrategy(FedAvg):
         for k in matrices:
             n = model[k].numel()
             local = chosen[(chosen >= start) & (chosen < start + n)] - start
-            out[k].view(-1)[local] = model[k].view(-1)[local]
+            out[k].view(-1)[local] = target[k].view(-1)[local]
             start += n
         return out
 

@@ -403,9 +403,14 @@ def test_shared_density_is_validated():
         DGCStrategy(shared_density=1.5)
 
 
+def _half(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).to(torch.float32)
+
+
 def test_compressed_broadcast_follows_the_model_by_its_largest_differences():
-    """_follow copies ceil(q * n) matrix entries (the largest differences) and 1-D tensors
-    whole; repeated, it reaches the model exactly: nothing the server holds back is lost."""
+    """_follow copies ceil(q * n) matrix entries (the largest differences, rounded to float16)
+    and 1-D tensors whole; repeated, it reaches the model up to that rounding: nothing the
+    server holds back is lost."""
     s = DGCStrategy(clients_per_round=2, downlink_density=0.05)
     broadcast = _model(0)
     model = _model(1)
@@ -414,16 +419,55 @@ def test_compressed_broadcast_follows_the_model_by_its_largest_differences():
     changed = sum(int((step[k] != broadcast[k]).sum()) for k in model if model[k].dim() > 1)
     assert changed == math.ceil(0.05 * matrices)
     assert torch.equal(step["fc1.bias"], model["fc1.bias"])
-    diff = torch.cat([(model[k] - broadcast[k]).abs().view(-1) for k in model
+    diff = torch.cat([(_half(model[k]) - broadcast[k]).abs().view(-1) for k in model
                       if model[k].dim() > 1])
     threshold = diff.sort(descending=True).values[changed - 1]
     for k in ("fc1.weight", "fc2.weight"):
         moved = step[k] != broadcast[k]
-        assert torch.equal(step[k][moved], model[k][moved])  # replaced exactly, bit for bit
-        assert bool(((model[k] - broadcast[k]).abs()[moved] >= threshold).all())
+        assert torch.equal(step[k][moved], _half(model[k][moved]))  # the float16 value
+        assert bool(((_half(model[k]) - broadcast[k]).abs()[moved] >= threshold).all())
     for _ in range(math.ceil(1 / 0.05)):
         step = s._follow(step, model)
-    assert all(torch.equal(step[k], model[k]) for k in model)
+    assert all(torch.equal(step[k], _half(model[k]) if model[k].dim() > 1 else model[k])
+               for k in model)
+
+
+def test_compressed_broadcast_copies_values_beyond_float16_unrounded():
+    s = DGCStrategy(clients_per_round=2, downlink_density=1e-6)
+    broadcast = {"w": torch.zeros(4, 4)}
+    model = {"w": torch.zeros(4, 4)}
+    model["w"][1, 2] = 1e6  # float16 overflows above 65504
+    assert s._follow(broadcast, model)["w"][1, 2] == 1e6
+
+
+def test_patches_carry_broadcast_values_in_float16_and_stay_exact():
+    """A patch of the compressed broadcast sends its matrix entries as float16 (they are float16
+    values), its 1-D tensors as float32, and applying it gives the broadcast bit for bit."""
+    start, target = _model(0), _model(1)
+    for density in (0.05, 1.0):
+        s = DGCStrategy(clients_per_round=2, downlink_density=density, downlink_history=4)
+        s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+        step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - target[k]).view(-1),
+                                             tuple(v.shape)) for k, v in start.items()}, 1)
+        s._apply([step], [1.0])  # the global model becomes target
+        data = s._patch((0,))
+        patch = dgc.decode(data)
+        held = {k: v.clone() for k, v in start.items()}
+        for n, t in patch.tensors.items():
+            held[n].view(-1)[t.indices] = t.values.to(torch.float32)
+        assert all(torch.equal(held[k], s.sent_model[k]) for k in held)
+        dtypes = {n: t.values.dtype for n, t in patch.tensors.items()}
+        if density == 1.0:  # the exact broadcast: float32 values
+            assert set(dtypes.values()) == {torch.float32}
+            continue
+        assert dtypes == {"fc1.weight": torch.float16, "fc1.bias": torch.float32,
+                          "fc2.weight": torch.float16}
+        as_float32 = dgc.encode(SparseUpdate(
+            {n: SparseTensor(t.indices, t.values.to(torch.float32), t.shape)
+             for n, t in patch.tensors.items()}, patch.sequence))
+        matrix_entries = sum(t.indices.numel() for n, t in patch.tensors.items()
+                             if n.endswith("weight"))
+        assert len(data) == len(as_float32) - 2 * matrix_entries
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -1.0, 1.01, True, "0.1"])
