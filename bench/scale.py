@@ -295,7 +295,9 @@ def main() -> None:
         mem.start()
         fedgc = run_fedgc(args, backend, work)
         peak_fedgc = mem.stop()
-        disk = sum(f.stat().st_size for f in (work / "fedgc" / "client_state").glob("*.pt"))
+        from client.state import ClientStateStore
+
+        disk = ClientStateStore(work / "fedgc" / "client_state").nbytes()
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -70,11 +70,24 @@ def client_key(context: Context) -> int:
 
 def settings_from(config: ConfigRecord) -> TrainSettings:
     """The TrainSettings keys of a message config (other keys are per-node or Flower's)."""
+    values = {k: v for k, v in config.items() if k in _TRAIN_KEYS}
     try:
-        return parse(TrainSettings, {k: v for k, v in config.items() if k in _TRAIN_KEYS},
-                     strict=False)
+        # Every message of a run carries the same settings: parse them once per process. The
+        # key holds each value's type too, since 1, 1.0 and True are equal but parse apart.
+        key = tuple(sorted((k, type(v).__name__, v) for k, v in values.items()))
+        hash(key)
+    except TypeError:  # an unhashable value (a list): parse it every time
+        key = None
+    try:
+        return _parse_settings(key) if key is not None else parse(TrainSettings, values,
+                                                                  strict=False)
     except SettingsError as ex:
         raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
+@lru_cache(maxsize=16)
+def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
+    return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
 def _store(settings: TrainSettings, context: Context) -> ClientStateStore:
@@ -114,7 +127,8 @@ def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any]
         raise ClientProtocolError(f"train message has no {P.ARRAYS!r} ArrayRecord")
     kind = str(config.get(P.DOWNLINK, "dense"))
     if kind == "dense":
-        return {k: v.clone() for k, v in arrays.to_torch_state_dict().items()}
+        # to_torch_state_dict deserializes each array into new memory: no copy needed.
+        return dict(arrays.to_torch_state_dict())
     if kind != "patch":
         raise ClientProtocolError(f"downlink must be 'dense' or 'patch', got {kind!r}")
     base = _int(config, P.BASE_VERSION)

@@ -29,6 +29,16 @@ _FP16_MAX = float(torch.finfo(torch.float16).max)
 STATE_VERSION = 1
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry of the floating-point tensor ``t`` is finite.
+
+    A NaN or Inf entry makes the sum non-finite, so a finite sum proves every entry finite. The
+    sum is one read pass, several times cheaper than ``isfinite().all()``; only a sum that
+    overflowed on huge finite entries needs the exact check.
+    """
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
 class DGCCompressor:
     """Compresses successive gradients (or pseudo-gradients) of one worker.
 
@@ -139,12 +149,7 @@ class DGCCompressor:
                 raise StateError(f"gradient {name!r} must be a floating-point tensor, "
                                  f"got {type(g).__name__}")
             f = g.detach().reshape(-1).to(torch.float32)
-            # A NaN or Inf entry makes the sum non-finite; a finite sum proves every entry finite.
-            # The sum is one read pass, several times cheaper than isfinite().all(); only a sum
-            # that overflowed on huge finite entries needs the exact check.
-            if self.config.check_finite and not math.isfinite(float(f.sum())) and not bool(
-                torch.isfinite(f).all()
-            ):
+            if self.config.check_finite and not all_finite(f):
                 raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was changed")
             held = self.memory.v.get(name)
             if held is not None and held.numel() != f.numel():

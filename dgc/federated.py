@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dgc.compressor import DGCCompressor
+from dgc.compressor import DGCCompressor, all_finite
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError, StateError
 from dgc.sparse import SparseTensor, SparseUpdate
@@ -220,7 +220,7 @@ class TwoDensityCompressor:
             if known is not None and known != tuple(t.shape):
                 raise StateError(f"tensor {name!r} has shape {tuple(t.shape)}, the residual "
                                  f"holds {known}")
-            if self.config.check_finite and not torch.isfinite(t).all():
+            if self.config.check_finite and not all_finite(t):
                 raise StateError(f"gradient {name!r} holds NaN or Inf")
         large = {k: t for k, t in grads.items() if t.numel() > self.small_numel}
         small = {k: t for k, t in grads.items() if t.numel() <= self.small_numel}

@@ -116,6 +116,9 @@ class _RoundState:
     signs: dict[int, SparseUpdate] = field(default_factory=dict)  # client key -> its signs
     # Client key -> its train message's metadata (not the message: no model held past the round).
     sent: dict[int, Metadata] = field(default_factory=dict)
+    # id(reply) -> (reply, validate_reply's result or its ReplyRejected, the reply's signs): each
+    # reply is decoded and validated once per round, however many times it is asked about.
+    validated: dict[int, tuple[Message, Any, SparseUpdate | None]] = field(default_factory=dict)
 
     def key_of_reply(self, msg: Message) -> int | None:
         """The client key whose train message ``msg`` answers (None when it answers none).
@@ -606,6 +609,54 @@ class DGCStrategy(FedAvg):
             nbytes += len(signs_data)
         return key, update, metrics, nbytes
 
+    def validate_replies(self, replies: Iterable[Message], server_round: int,
+                         ) -> list[tuple[int, SparseUpdate, MetricRecord, int] | ReplyRejected]:
+        """:meth:`validate_reply` of each reply, in order: its result or its ReplyRejected.
+
+        The update bytes of the round's replies are decoded in one ``dgc.decode_many`` call, and
+        every result is remembered for the round: :meth:`aggregate_train` reuses it for the same
+        reply instead of decoding and checking it (and its signs) a second time. A subclass that
+        must know which replies are valid before it aggregates (the network emulator) calls this.
+        """
+        replies = list(replies)
+        assert self._round is not None
+        decoded = self._decode_replies(replies, self._round.sampled)
+        out: list[tuple[int, SparseUpdate, MetricRecord, int] | ReplyRejected] = []
+        for msg in replies:
+            try:
+                out.append(self._validate_once(msg, server_round, decoded.get(id(msg))))
+            except ReplyRejected as ex:
+                out.append(ex)
+        return out
+
+    def _validate_once(self, msg: Message, server_round: int,
+                       decoded: SparseUpdate | DecodeError | None,
+                       ) -> tuple[int, SparseUpdate, MetricRecord, int]:
+        """:meth:`validate_reply`, or its remembered result for this very reply this round.
+
+        A remembered valid reply puts its signs back into the round state (another reply from
+        the same node may have been validated since), so that what is aggregated is always the
+        update and signs of one reply.
+        """
+        state = self._round
+        assert state is not None
+        memo = state.validated.get(id(msg))
+        if memo is not None and memo[0] is msg:
+            outcome, signs = memo[1], memo[2]
+            if isinstance(outcome, ReplyRejected):
+                raise ReplyRejected(str(outcome))
+            state.signs.pop(outcome[0], None)
+            if signs is not None:
+                state.signs[outcome[0]] = signs
+            return outcome
+        try:
+            outcome = self.validate_reply(msg, server_round, decoded)
+        except ReplyRejected as ex:
+            state.validated[id(msg)] = (msg, ex, None)
+            raise
+        state.validated[id(msg)] = (msg, outcome, state.signs.get(outcome[0]))
+        return outcome
+
     @staticmethod
     def _check_tensors(sent: Mapping[str, tuple[int, ...]],
                        shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -660,7 +711,7 @@ class DGCStrategy(FedAvg):
                 log(INFO, "\t> Received error in reply from node %d: %s", node, row.reason)
                 continue
             try:
-                _, update, metrics, nbytes = self.validate_reply(msg, server_round,
+                _, update, metrics, nbytes = self._validate_once(msg, server_round,
                                                                  decoded.get(id(msg)))
             except ReplyRejected as ex:
                 row.status, row.reason = "rejected", str(ex)
@@ -725,6 +776,7 @@ class DGCStrategy(FedAvg):
                 info["versions"] = sorted(set(info["versions"]) | {state.version_sent})
             # else: it held nothing we know of and may not have received the model: dense.
         self._processed = set()
+        state.validated.clear()  # no reply is held past its round
 
         ordered = [rows[k] for k in state.sampled]
         self.client_rows.extend(ordered)
@@ -752,9 +804,14 @@ class DGCStrategy(FedAvg):
         :meth:`validate_reply`, which rejects them with its own reason.
         """
         wanted = set(sampled)
+        validated = self._round.validated if self._round is not None else {}
         ids, messages = [], []
         for msg in replies:
+            memo = validated.get(id(msg))
             key = self.node_keys.get(msg.metadata.src_node_id, -1)
+            if memo is not None and memo[0] is msg:
+                wanted.discard(key)  # validated this round already: nothing to decode
+                continue
             if key not in wanted:
                 continue
             wanted.discard(key)  # a duplicate is ignored by aggregate_train: do not decode it

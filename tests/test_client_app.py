@@ -336,3 +336,18 @@ def test_a_patch_on_several_versions_applies_to_any_of_them(tmp_path):
                        P.BASE_VERSIONS: [2, 7]})
     assert lacking.has_error()
     assert "any of versions [2, 7]" in lacking.error.reason
+
+
+def test_settings_are_parsed_once_and_their_types_still_checked():
+    """settings_from caches by key, value *and type*: True for an integer key stays an error
+    after the same key was parsed as 1, and a changed value gives new settings."""
+    from client.app import ClientProtocolError, settings_from
+
+    flat = to_flat(TrainSettings(task="digits", num_clients=3))
+    first = settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 1}))
+    assert first.batch_size == 1
+    # Per-node keys do not take part: the next round's message gets the same object.
+    assert settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 2})) is first
+    assert settings_from(ConfigRecord({**flat, "batch_size": 2})).batch_size == 2
+    with pytest.raises(ClientProtocolError, match="batch_size"):
+        settings_from(ConfigRecord({**flat, "batch_size": True}))

@@ -15,7 +15,7 @@ def test_round_trip_and_replace(tmp_path):
     assert got["version"] == 4 and torch.equal(got["v"], torch.ones(2))
     assert store.keys() == ["7"]
     # No temporary files are left behind by the atomic writes.
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["7.pt"]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["7.state"]
     store.delete("7")
     assert store.get("7") is None and store.keys() == []
 
@@ -80,3 +80,148 @@ def test_compressor_state_round_trips_through_the_store(tmp_path, small_density)
     for name, t in pending.tensors.items():
         diff = loaded.residual()[name] - before[name]
         torch.testing.assert_close(diff, t.to_dense().reshape(-1).float(), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the record format
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return type(a) is type(b) and a == b
+
+
+def _rich_record() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "compressor": {"two_density": True, "shapes": {"w": [30, 40]},
+                       "large": {"version": 1, "step": 7,
+                                 "config": {"clip_norm": None, "lr": 0.1, "inf": float("inf"),
+                                            "nan": float("nan"), "warmup": "exponential",
+                                            "pair": (1, 2.5), "flag": True},
+                                 "memory": {"u": {}, "v": {"w": torch.randn(1200, generator=g),
+                                                           "b": torch.randn(30, generator=g)}}}},
+        "pending": torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=g),
+        "model": {"w": torch.randn(30, 40, generator=g).t(),  # not contiguous
+                  "half": torch.randn(5, generator=g).half(),
+                  "bf16": torch.randn(3, generator=g).bfloat16(),
+                  "f64": torch.tensor(2.5, dtype=torch.float64),  # 0-dim
+                  "i64": torch.arange(-3, 3), "i32": torch.arange(4, dtype=torch.int32),
+                  "mask": torch.tensor([True, False, True]), "empty": torch.empty(0, 7)},
+        "model_version": 3, "reply": {"num-examples": 6, "density": 0.001, "client_key": 12},
+        "list": [1, "two", None, [3.0]], "big": 2**70, "text": "é",
+    }
+
+
+def test_record_round_trips_exactly(tmp_path):
+    store = ClientStateStore(tmp_path)
+    record = _rich_record()
+    store.put("12", record)
+    got = store.get("12")
+    assert _same(record, got)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["12.state"]
+    # The tensors read back are ordinary, writable tensors.
+    got["compressor"]["large"]["memory"]["v"]["w"].add_(1.0)
+    assert torch.equal(store.get("12")["compressor"]["large"]["memory"]["v"]["w"],
+                       record["compressor"]["large"]["memory"]["v"]["w"])
+
+
+def test_a_client_record_continues_the_compressor_bit_for_bit(tmp_path):
+    """The record client.app writes (compressor state + pending bytes) survives unchanged."""
+    import dgc
+    from client.settings import TrainSettings
+
+    settings = TrainSettings(density=0.01, small_density=0.1, warmup="none",
+                             selection="exact", min_sparse_numel=100)
+    c = settings.compressor()
+    update = c.compress(_grads(0), sequence=1)
+    store = ClientStateStore(tmp_path)
+    data = dgc.encode(update)
+    store.put("4", {"compressor": c.state_dict(),
+                    "pending": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+    record = store.get("4")
+    assert bytes(record["pending"].numpy().tobytes()) == data
+    loaded = settings.compressor()
+    loaded.load_state_dict(record["compressor"])
+    assert dgc.encode(loaded.compress(_grads(1), sequence=2)) == \
+        dgc.encode(c.compress(_grads(1), sequence=2))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "truncate_header", "flip_data", "flip_header",
+                                    "append", "magic", "empty"])
+def test_damaged_record_is_a_specific_error_and_nothing_else_is_lost(tmp_path, damage):
+    store = ClientStateStore(tmp_path)
+    store.put("1", _rich_record())
+    store.put("2", _rich_record())
+    path = tmp_path / "2.state"
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-100]
+    elif damage == "truncate_header":
+        data = data[:10]
+    elif damage == "flip_data":
+        data[len(data) // 2] ^= 0x10
+    elif damage == "flip_header":
+        data[30] ^= 0x01
+    elif damage == "append":
+        data += b"\0"
+    elif damage == "magic":
+        data[:4] = b"PK\x03\x04"
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    expected = {"truncate": "truncated", "truncate_header": "truncated", "flip_data": "CRC32",
+                "flip_header": "CRC32|truncated|too long", "append": "too long",
+                "magic": "not a client state record", "empty": "truncated"}[damage]
+    with pytest.raises(StateStoreError, match=expected) as err:
+        store.get("2")
+    assert "2.state" in str(err.value)
+    assert _same(store.get("1"), _rich_record())
+    # A new write replaces the damaged record.
+    store.put("2", {"v": torch.ones(2)})
+    assert torch.equal(store.get("2")["v"], torch.ones(2))
+
+
+@pytest.mark.parametrize("bad", [{"x": object()}, {1: torch.ones(1)}, {"$t": 0},
+                                 {"x": torch.ones(2, dtype=torch.complex64)}, {"x": b"raw"}])
+def test_unstorable_record_is_refused_and_the_old_one_kept(tmp_path, bad):
+    store = ClientStateStore(tmp_path)
+    store.put("5", {"v": torch.zeros(3)})
+    with pytest.raises(StateStoreError, match="cannot store"):
+        store.put("5", bad)
+    assert torch.equal(store.get("5")["v"], torch.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5.state"]  # no temporary file left
+
+
+def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, monkeypatch):
+    store = ClientStateStore(tmp_path)
+    store.put("6", {"v": torch.zeros(3)})
+
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("client.state.os.replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        store.put("6", {"v": torch.ones(3)})
+    monkeypatch.undo()
+    assert torch.equal(store.get("6")["v"], torch.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["6.state"]
+
+
+def test_legacy_torch_save_records_are_read_and_replaced(tmp_path):
+    """A folder written by an earlier version (``<key>.pt``) is read; the next write moves the
+    record to the current format."""
+    torch.save({"v": torch.arange(4.0), "version": 2}, tmp_path / "9.pt")
+    store = ClientStateStore(tmp_path)
+    assert store.keys() == ["9"]
+    assert torch.equal(store.get("9")["v"], torch.arange(4.0))
+    store.put("9", {"v": torch.ones(1)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["9.state"]
+    assert torch.equal(store.get("9")["v"], torch.ones(1))
+    store.delete("9")
+    assert store.keys() == [] and store.get("9") is None

@@ -193,3 +193,51 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
             assert torch.allclose(kept, total, atol=1e-5), (key, name)
         checked += 1
     assert checked >= 7
+
+
+def test_each_reply_is_decoded_and_validated_once_per_round(tmp_path, monkeypatch) -> None:
+    """NetemStrategy validates replies to close the round; DGCStrategy reuses those results
+    (update and signs) instead of decoding and checking the forwarded replies again."""
+    from server.strategy import DGCStrategy
+
+    validated: list[int] = []
+    decoded: list[int] = []
+    real_validate, real_decode_many = DGCStrategy.validate_reply, dgc.decode_many
+
+    def counting_validate(self, msg, server_round, decoded_update=None):
+        validated.append(id(msg))
+        return real_validate(self, msg, server_round, decoded_update)
+
+    def counting_decode_many(blobs, **kwargs):
+        decoded.append(len(blobs))
+        return real_decode_many(blobs, **kwargs)
+
+    monkeypatch.setattr(DGCStrategy, "validate_reply", counting_validate)
+    monkeypatch.setattr(dgc, "decode_many", counting_decode_many)
+    config = RunConfig.from_flat({
+        "task": "digits", "num_clients": 6, "clients_per_round": 4, "rounds": 3,
+        "over_selection": 1.5, "dgc.density": 0.02, "dgc.warmup": "none", "seed": 1,
+        "results_dir": str(tmp_path), "run_name": "once", "checkpoint": False,
+        "downlink": "dense", "local_epochs": 1, "dgc.shared_density": 0.05})
+    netem = for_run(NetemSettings(enabled=True, mix="lte:1.0", seed=2), config)
+    grid = InProcessGrid(wrap_client_app(client_app_module.app), 6)
+    from tasks import get_task
+
+    torch.manual_seed(0)
+    model = get_task("digits").build_model()
+    strategy = strategy_factory(netem)(clients_per_round=4, over_selection=1.5, seed=1,
+                                       downlink="dense", min_available_nodes=4,
+                                       shared_density=0.05)
+    strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=3,
+                   train_config=ConfigRecord(to_flat(config.client_train_settings())))
+    updates = [m for m in grid.replies if P.UPDATE in m.content.array_records]
+    assert len(updates) == 18  # 6 sampled per round, no drops on this link
+    assert sorted(validated) == sorted(map(id, updates))  # each once
+    assert [n for n in decoded if n] == [6, 6, 6]  # one batch per round, nothing twice
+    assert all(r.clients_aggregated == 4 for r in strategy.rounds)
+    # Uplink counted with the signs of each reply (they were decoded once, in the batch).
+    signs = {id(m): len(P.record_to_bytes(m.content.array_records[P.SHARED], P.SHARED_SIGNS))
+             for m in updates if P.SHARED in m.content.array_records}
+    assert len(signs) == 12  # rounds 2 and 3 carry index sets
+    aggregated = [r for r in strategy.client_rows if r.status == "aggregated" and r.round > 1]
+    assert aggregated and all(r.uplink_bytes > min(signs.values()) for r in aggregated)

@@ -141,3 +141,43 @@ def test_missing_round_keys_and_bad_settings_are_named() -> None:
         NetemSettings(intermittent=0.2)
     assert NetemSettings.from_config({"netem.deadline_s": "30", "netem.enabled": "true"}) \
         .deadline == 30.0
+
+
+def _contents() -> Iterator[RecordDict]:
+    """Record dicts around the protobuf length-prefix boundaries, with every record kind."""
+    from flwr.app import Array
+
+    from client import protocol as P
+
+    for n in (0, 1, 127, 128, 16383, 16384, 2**21 - 3, 2**21 + 3):
+        yield RecordDict({"update": P.bytes_to_record(bytes(n))})
+        yield RecordDict({"": ArrayRecord({"": Array(dtype="", shape=(), stype="",
+                                                     data=bytes(n))}),
+                          "m": MetricRecord({"a": 1.0, "b": [1, 2]}),
+                          "c": ConfigRecord({"x": "y" * n, "é": b"z" * (n % 300)})})
+    yield RecordDict()
+    yield RecordDict({"empty": ArrayRecord()})
+    torch.manual_seed(0)
+    yield RecordDict({"arrays": ArrayRecord(torch.nn.Linear(300, 200).state_dict()),
+                      "config": ConfigRecord({"server-round": 3, "lr": 0.05, "ok": True})})
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        records = {}
+        for j in range(int(torch.randint(0, 4, (1,), generator=gen))):
+            arrays = {}
+            for q in range(int(torch.randint(0, 4, (1,), generator=gen))):
+                shape = tuple(int(d) for d in torch.randint(0, 300, (q,), generator=gen))
+                n = int(torch.randint(0, 40_000, (1,), generator=gen))
+                arrays[f"t{'é' * q}{q}"] = Array(dtype="float32", shape=shape,
+                                                 stype="numpy.ndarray", data=bytes(n))
+            records[f"a{j}"] = ArrayRecord(arrays)
+        records["metrics"] = MetricRecord({"x": float(j)})
+        yield RecordDict(records)
+
+
+def test_encoded_nbytes_is_what_protobuf_serialises():
+    """The fast measure (array bytes not copied) equals Flower's serialised size exactly."""
+    from flwr.common.serde import recorddict_to_proto
+
+    for content in _contents():
+        assert encoded_nbytes(content) == recorddict_to_proto(content).ByteSize()

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import math
 
-from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
+from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
 from simulations.netem.errors import LinkConfigError
@@ -49,9 +50,52 @@ _FIELDS = ("ok", "reason", "client_key", "finish_s", "download_end_s", "compute_
            "outage_s", "stale_factor", "stale_discarded_l1")
 
 
+def _varint_nbytes(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def _field_nbytes(payload: int) -> int:
+    """A length-delimited protobuf field (field number < 16: one tag byte) of ``payload`` bytes."""
+    return 1 + _varint_nbytes(payload) + payload
+
+
+def _str_nbytes(text: str) -> int:
+    n = len(text.encode("utf-8"))
+    return _field_nbytes(n) if n else 0  # proto3 leaves an empty string out
+
+
+def _array_record_nbytes(record: ArrayRecord) -> int:
+    """``array_record_to_proto(record).ByteSize()`` without copying the arrays' bytes.
+
+    ``flwr.proto.ArrayRecord``: repeated ``Item {string key = 1; Array value = 2}`` (field 1),
+    ``Array {string dtype = 1; repeated int32 shape = 2; string stype = 3; bytes data = 4}``.
+    Everything but ``data`` is measured by protobuf itself on a copy without the bytes.
+    """
+    total = 0
+    for key, array in record.items():
+        meta = ProtoArray(dtype=array.dtype, shape=array.shape, stype=array.stype).ByteSize()
+        n = len(array.data)
+        value = meta + (_field_nbytes(n) if n else 0)
+        total += _field_nbytes(_str_nbytes(key) + _field_nbytes(value))
+    return total
+
+
 def encoded_nbytes(content: RecordDict) -> int:
-    """Bytes of ``content`` as Flower serialises it (protobuf ``RecordDict``)."""
-    return int(recorddict_to_proto(content).ByteSize())
+    """Bytes of ``content`` as Flower serialises it (``recorddict_to_proto(content).ByteSize()``).
+
+    Computed without serialising the arrays: a dense model message is a few MB, and copying it
+    into a protobuf just to measure it cost each emulated client several milliseconds. The other
+    records are small and measured by protobuf; the array records by the same wire rules
+    (``tests/test_netem_mod.py`` checks both ways agree).
+    """
+    total = 0
+    for key, record in content.items():
+        if isinstance(record, ArrayRecord):
+            item = _str_nbytes(key) + _field_nbytes(_array_record_nbytes(record))
+        else:
+            item = recorddict_to_proto(RecordDict({key: record})).items[0].ByteSize()
+        total += _field_nbytes(item)
+    return total
 
 
 def client_key(context: Context) -> int:

@@ -90,6 +90,7 @@ class NetemStrategy(DGCStrategy):
         others: list[Message] = []  # errors and replies without a timeline: DGCStrategy decides
         timelines = []
         computed: set[int] = set()
+        arrived = []
         for msg in replies:
             tl = timeline_from_reply(msg)
             if tl is None:
@@ -97,16 +98,18 @@ class NetemStrategy(DGCStrategy):
                 continue
             # The strategy's own key for the node, so that clock, rows and acks agree.
             key = self.node_keys.get(msg.metadata.src_node_id, tl.client_id)
-            tl = dataclasses.replace(tl, client_id=key)
+            arrived.append((msg, dataclasses.replace(tl, client_id=key)))
             if P.UPDATE in msg.content.array_records:
                 computed.add(key)
+        # Validated together (one decode pass), and remembered: DGCStrategy.aggregate_train
+        # reuses these results for the replies forwarded to it.
+        checks = iter(self.validate_replies([m for m, tl in arrived if tl.ok], server_round))
+        for msg, tl in arrived:
             if tl.ok:
-                try:
-                    self.validate_reply(msg, server_round)
-                except ReplyRejected:
-                    rejected[key] = (msg, tl.finish_s)
+                if isinstance(next(checks), ReplyRejected):
+                    rejected[tl.client_id] = (msg, tl.finish_s)
                     continue
-                valid[key] = msg
+                valid[tl.client_id] = msg
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
         # A client that replied with an update (even too late, or cut on the uplink) trained on
