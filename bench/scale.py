@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN = (1200,)  # 784*1200 + 1200 + 1200*10 + 10 = 954,010 parameters
+VANILLA_LR, VANILLA_BATCH = 0.05, 10  # local settings of both runs (one epoch, no momentum)
 
 
 def _task(name: str):
@@ -213,7 +214,8 @@ def run_vanilla(args, backend: dict) -> list[float]:
                        train_config=ConfigRecord({}), evaluate_fn=evaluate, timeout=3600)
 
     run_simulation(server_app=server,
-                   client_app=vanilla_client_app(args.clients, args.seed, 0.05, 10),
+                   client_app=vanilla_client_app(args.clients, args.seed, VANILLA_LR,
+                                                 VANILLA_BATCH),
                    num_supernodes=args.clients, backend_config=backend)
     return [e - s for s, e in zip(times, ends, strict=True)]
 
@@ -233,6 +235,8 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
         "task": "fashion-mnist", "num_clients": args.clients, "clients_per_round": args.per_round,
         "partition": "iid", "rounds": args.rounds, "seed": args.seed, "method": "dgc",
         "dgc.density": 0.001, "downlink": "dense", "checkpoint": False, "progress": True,
+        # The local settings of the vanilla ClientApp (run_vanilla): one epoch of plain SGD.
+        "local_epochs": 1, "lr": VANILLA_LR, "batch_size": VANILLA_BATCH, "client_momentum": 0.0,
         "results_dir": str(results), "run_name": "fedgc", "overwrite": True,
         "round_timeout_s": 3600.0})
     netem = for_run(NetemSettings(enabled=True, mix="lte:0.5,3g:0.5", seed=args.seed), config)
