@@ -469,8 +469,9 @@ class DGCStrategy(FedAvg):
             values = t.view(-1)[idx].clone()
             half = values.to(torch.float16)
             if torch.equal(half.to(torch.float32), values):
-                # Entries the compressed broadcast wrote (see _follow) are float16 values: half
-                # the bytes, and the client's float32 copy of them is still bit for bit.
+                # Values float16 holds exactly (every matrix entry the compressed broadcast
+                # wrote, see _follow) travel in half the bytes; the client's float32 copy of
+                # them is still bit for bit.
                 values = half
             tensors[name] = SparseTensor(idx, values, tuple(t.shape))
         return dgc.encode(SparseUpdate(tensors, self.model_version))
