@@ -525,8 +525,10 @@ class DGCStrategy(FedAvg):
             if shared_record is not None:
                 content[P.SHARED] = shared_record
             state.downlink[key] = (kind, nbytes + shared_nbytes)
+            # The round as group id, as Flower's own strategies set it: SuperNodes log it
+            # ("[RUN r, ROUND n]") with every message they receive.
             message = Message(content, dst_node_id=node_of[key],
-                              message_type=MessageType.TRAIN)
+                              message_type=MessageType.TRAIN, group_id=str(server_round))
             state.sent[key] = message.metadata
             messages.append(message)
         self._round = state
