@@ -19,6 +19,7 @@ One train message, in order:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -51,6 +52,23 @@ def _task(name: str) -> Any:
     from tasks import get_task  # imported lazily: the Ray actor pays for it once
 
     return get_task(name)
+
+
+_models = threading.local()
+
+
+def _model(task: Any, name: str) -> torch.nn.Module:
+    """This thread's model for task ``name``, built once and reused by every message.
+
+    Each message loads the whole state dict into it, so nothing of the previous client remains
+    (train_locally makes a fresh optimizer and clears the gradients). Building a model per
+    message spent a few ms on a random initialisation that the load then overwrote.
+    """
+    cache = _models.__dict__.setdefault("by_task", {})
+    model = cache.get(name)
+    if model is None:
+        model = cache[name] = task.build_model()
+    return model
 
 
 @lru_cache(maxsize=8)
@@ -217,7 +235,7 @@ def train(msg: Message, context: Context) -> Message:
     global_state = global_model(msg.content, config, record,
                                 initial=lambda: initial_model(task, s.seed))
     shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
-    model = task.build_model()
+    model = _model(task, s.task)
     model.load_state_dict(global_state)
     local = train_locally(
         model, task.train_x[idx], task.train_y[idx], task.loss_fn, lr=s.lr,
@@ -287,7 +305,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
     key = client_key(context)
     idx = torch.from_numpy(parts[key])
-    model = task.build_model()
+    model = _model(task, s.task)
     model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())
     model.eval()
     with torch.no_grad():

@@ -351,3 +351,24 @@ def test_settings_are_parsed_once_and_their_types_still_checked():
     assert settings_from(ConfigRecord({**flat, "batch_size": 2})).batch_size == 2
     with pytest.raises(ClientProtocolError, match="batch_size"):
         settings_from(ConfigRecord({**flat, "batch_size": True}))
+
+
+def test_reused_model_carries_nothing_between_clients(tmp_path):
+    """The process keeps one model per task; a client's reply is the same whether another
+    client trained (or evaluated) on that model just before it or the model was fresh."""
+    import client.app as app_module
+
+    s = _settings(tmp_path, method="dgc")
+    app_module._models.__dict__.pop("by_task", None)
+    alone = _send(LocalGrid(client_app, 3), 2, s, 1, -1, _global())
+    assert app_module._models.by_task["digits"] is not None  # the model was kept
+
+    s2 = dataclasses.replace(s, state_dir=str(tmp_path / "state2"))
+    grid = LocalGrid(client_app, 3)
+    # Another client first, from a different global model, so that its weights and gradients
+    # are left behind in the kept model.
+    other = ArrayRecord({k: v + 0.5 for k, v in _global().to_torch_state_dict().items()})
+    assert not _send(grid, 0, s2, 1, -1, other).has_error()
+    after = _send(grid, 2, s2, 1, -1, _global())
+    assert (P.record_to_bytes(after.content.array_records[P.UPDATE])
+            == P.record_to_bytes(alone.content.array_records[P.UPDATE]))
