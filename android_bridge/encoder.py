@@ -47,6 +47,9 @@ def check_exportable(config: DGCConfig) -> None:
     The exported graph implements exact top-k; the sampled threshold estimate uses data-dependent
     slicing and output sizes that ExecuTorch cannot plan memory for, so it is not exported.
     """
+    if config.ternary:
+        raise ConfigError("the exported encoder sends values in value_dtype, not ternary; "
+                          "export with ternary=False (phones cannot send ternary updates)")
     if config.selection != "exact":
         raise ConfigError(f"the exported encoder implements selection='exact' only, got "
                           f"selection={config.selection!r}; export with "
@@ -56,7 +59,7 @@ def check_exportable(config: DGCConfig) -> None:
 #: DGCConfig fields fixed in the exported graph; the host reads the others (density, warm-up,
 #: layer policy, clipping threshold, finiteness check) at run time.
 BAKED_FIELDS = ("selection", "momentum", "momentum_correction", "nesterov", "dampening",
-                "momentum_masking", "error_feedback", "value_dtype")
+                "momentum_masking", "error_feedback", "value_dtype", "ternary")
 
 
 def check_compatible(exported: DGCConfig, requested: DGCConfig) -> None:

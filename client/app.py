@@ -264,7 +264,7 @@ def train(msg: Message, context: Context) -> Message:
             shared_data = encode_signs(signs)
             shared_entries = signs.nnz
         new_record = {"compressor": compressor.state_dict()} if s.method == "dgc" else {}
-    data = dgc.encode(update)
+    data = dgc.encode(update, sign_coding=s.ternary)
     if s.method == "dgc":
         new_record["pending"] = _bytes_tensor(data)
         if shared_data is not None and shared is not None:

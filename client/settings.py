@@ -251,6 +251,9 @@ class TrainSettings:
                              Check(choices=SELECTIONS))
     value_dtype: str = setting("float16", "dgc.value_dtype", "precision of sent values",
                                Check(choices=VALUE_DTYPES))
+    ternary: bool = setting(False, "dgc.ternary", "send sparsified tensors' entries as "
+                            "sign * mean magnitude, one bit each on the wire (sparse ternary "
+                            "compression; not for phones)")
     min_sparse_numel: int = setting(1024, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and every 1-D tensor) are sent dense", Check(1))
     clip_norm: float = setting(0.0, "dgc.clip_norm", "local gradient clipping threshold "
@@ -270,6 +273,7 @@ class TrainSettings:
         """The compressor configuration of this method (None-like for dense: density 1)."""
         common = dict(
             density=self.density, selection=self.selection, value_dtype=self.value_dtype,
+            ternary=self.ternary,
             min_sparse_numel=self.min_sparse_numel,
             warmup="exponential" if self.warmup == "exponential" and self.warmup_rounds else "none",
             warmup_epochs=max(self.warmup_rounds, 0),

@@ -91,6 +91,8 @@ class DGCCompressor:
                                          c.min_count_ratio, c.max_adaptations, self.step)
                 mask = c.momentum_masking
             values = self._round(v[idx])
+            if c.ternary and not self.is_dense_tensor(shape):
+                values = self._ternary(v[idx], values)
             self.memory.mark_sent(name, idx, values, mask)
             if not c.error_feedback:
                 self.memory.clear_residual(name)
@@ -181,3 +183,14 @@ class DGCCompressor:
         if self._value_dtype == torch.float16:
             values = values.clamp(-_FP16_MAX, _FP16_MAX)
         return values.to(self._value_dtype)
+
+    def _ternary(self, selected: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+        """``sign(v) * mean(|v|)`` over the selected entries, the mean in the value dtype; the
+        rounded values themselves when that mean rounds to zero (nothing would be sent)."""
+        if not selected.numel():
+            return rounded
+        scale = self._round(selected.abs().mean(dtype=torch.float64).to(torch.float32)
+                            .reshape(1))
+        if not bool(scale[0] > 0):
+            return rounded
+        return torch.where(selected < 0, -scale, scale)

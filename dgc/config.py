@@ -14,7 +14,7 @@ from dgc.sparse import VALUE_DTYPES
 SELECTIONS = ("exact", "sampled")
 WARMUP_SCHEDULES = ("exponential", "list", "none")
 _BOOL_FIELDS = ("momentum_correction", "nesterov", "momentum_masking", "error_feedback",
-                "check_finite")
+                "ternary", "check_finite")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,12 @@ class DGCConfig:
         dense: sparsifying them saves little and indices would cost more than the values.
     value_dtype : {"float32", "float16", "bfloat16"}, default "float16"
         Precision of the sent values. Rounding error stays in the residual, so nothing is lost.
+    ternary : bool, default False
+        Send each sparsified tensor's selected entries as ``sign(v) * mean(|v|)`` (one scale per
+        tensor, in ``value_dtype``), as sparse ternary compression does (Sattler et al., 2019);
+        :func:`dgc.encode` with ``sign_coding=True`` then carries them in one bit each. What the
+        scale does not carry stays in the residual (error feedback). Not in the paper's DGC;
+        tensors sent dense keep their values.
     check_finite : bool, default True
         Reject a gradient that contains NaN or Inf before any state changes.
 
@@ -104,6 +110,7 @@ class DGCConfig:
     dense_epochs: int = 0
     min_sparse_numel: int = 1024
     value_dtype: str = "float16"
+    ternary: bool = False
     check_finite: bool = True
 
     def __post_init__(self) -> None:

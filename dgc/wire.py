@@ -9,7 +9,11 @@ Layout (all integers little-endian; ``docs/wire.md`` has the byte-by-byte specif
                | index section (index_bytes) | values (count * value size)
 
 Index codings: 0 all (count == numel, no index bytes), 1 raw uint32, 2 bitmap, 3 Golomb-Rice on
-gaps. Value dtypes: 0 float32, 1 float16, 2 bfloat16, carried as their raw bits.
+gaps. Value dtypes: 0 float32, 1 float16, 2 bfloat16, carried as their raw bits. A value dtype
+with the high bit set (``SIGN_CODED``: 128, 129, 130) marks a sign-coded tensor, whose values are
+all ``+scale`` or ``-scale``: its value section is the scale (raw bits of the base dtype) and one
+sign bit per value (``size + ceil(count / 8)`` bytes), what ternary DGC sends (``encode(...,
+sign_coding=True)``).
 
 :func:`decode` first walks the headers (so truncated or trailing input is named as such and no
 payload is touched before its length is known to be present), then checks the CRC, then decodes
@@ -43,6 +47,8 @@ _CODING_NAMES = {v: k for k, v in INDEX_CODINGS.items()}
 #: Value dtype ids and their raw-bit representation on the wire.
 VALUE_DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPES_BY_ID = {v: k for k, v in VALUE_DTYPE_IDS.items()}
+#: Set in the value dtype byte of a sign-coded tensor (values +-scale; ``docs/wire.md`` 5).
+SIGN_CODED = 0x80
 _RAW_BITS = {  # wire dtype, torch view dtype, exponent mask (all ones = Inf or NaN)
     torch.float32: ("<u4", torch.int32, 0x7F800000),
     torch.float16: ("<u2", torch.int16, 0x7C00),
@@ -145,21 +151,51 @@ def _encode_indices(indices: np.ndarray, numel: int, coding: str, rice_b: int | 
     return golomb.golomb_encode(indices, numel, rice_b)
 
 
-def _value_bytes(values: torch.Tensor) -> bytes:
+def _raw_values(values: torch.Tensor) -> np.ndarray:
     wire_dtype, view_dtype, _ = _RAW_BITS[values.dtype]
     raw = values.detach().cpu().contiguous().view(view_dtype).numpy()
-    return raw.astype(wire_dtype, copy=False).tobytes()
+    return raw.astype(wire_dtype, copy=False)
 
 
-def _tensor_header(name: str, t: SparseTensor, coding: str, index_bytes: int) -> bytes:
+def _sign_scale(raw: np.ndarray) -> int | None:
+    """The common magnitude (raw bits) of values that are all +-scale with scale > 0, when a
+    sign-coded section (scale, then a bit per value) is smaller than the plain one; else None."""
+    size = raw.dtype.itemsize
+    if size + (raw.size + 7) // 8 >= raw.size * size:  # one value (or two float32s)
+        return None
+    magnitude = raw & ((1 << (8 * size - 1)) - 1)
+    scale = int(magnitude[0])
+    if scale == 0 or not bool(np.all(magnitude == scale)):
+        return None
+    return scale
+
+
+def _values_section(values: torch.Tensor, sign_coding: bool) -> tuple[int, bytes]:
+    """(value dtype id, value section) of one tensor: sign-coded when asked and possible."""
+    raw = _raw_values(values)
+    dtype_id = VALUE_DTYPE_IDS[values.dtype]
+    scale = _sign_scale(raw) if sign_coding else None
+    if scale is None:
+        return dtype_id, raw.tobytes()
+    signs = np.packbits((raw >> (8 * raw.dtype.itemsize - 1)).astype(np.uint8),
+                        bitorder="little")
+    return dtype_id | SIGN_CODED, np.array(scale, dtype=raw.dtype).tobytes() + signs.tobytes()
+
+
+def _values_nbytes(dtype: torch.dtype, count: int, signed: bool) -> int:
+    size = _RAW_BITS[dtype][1].itemsize
+    return size + (count + 7) // 8 if signed else count * size
+
+
+def _tensor_header(name: str, t: SparseTensor, coding: str, index_bytes: int,
+                   dtype_id: int) -> bytes:
     name_utf8 = name.encode("utf-8")
     if len(name_utf8) > 0xFFFF:
         raise EncodeError(f"tensor name of {len(name_utf8)} utf-8 bytes; the format allows 65535")
     return b"".join([
         _NAME_LEN.pack(len(name_utf8)), name_utf8, _NDIM.pack(len(t.shape)),
         *(_DIM.pack(d) for d in t.shape),
-        _TENSOR_TAIL.pack(t.nnz, INDEX_CODINGS[coding], VALUE_DTYPE_IDS[t.values.dtype],
-                          index_bytes),
+        _TENSOR_TAIL.pack(t.nnz, INDEX_CODINGS[coding], dtype_id, index_bytes),
     ])
 
 
@@ -175,7 +211,7 @@ def _check_update(update: SparseUpdate) -> None:
             raise EncodeError(f"tensor names must be str, got {name!r}")
 
 
-def encode(update: SparseUpdate, index_coding: str = "auto") -> bytes:
+def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool = False) -> bytes:
     """The wire bytes of ``update``.
 
     Parameters
@@ -185,6 +221,10 @@ def encode(update: SparseUpdate, index_coding: str = "auto") -> bytes:
     index_coding
         ``"auto"`` (per tensor the smallest of the codings that can carry it), or one of
         ``"all"``, ``"raw"``, ``"bitmap"``, ``"golomb"`` for every tensor.
+    sign_coding
+        Send a tensor whose values are all ``+scale`` or ``-scale`` (ternary DGC) as the scale
+        and one sign bit per value, when that is smaller; the decoded values are the same bits.
+        Off by default: decoders that predate it (the phones' Java codec) reject such tensors.
 
     Raises
     ------
@@ -199,23 +239,26 @@ def encode(update: SparseUpdate, index_coding: str = "auto") -> bytes:
         indices = _check_tensor(name, t)
         coding, rice_b = _choose_coding(indices, t.numel, index_coding, name)
         index_section = _encode_indices(indices, t.numel, coding, rice_b)
-        parts += [_tensor_header(name, t, coding, len(index_section)), index_section,
-                  _value_bytes(t.values)]
+        dtype_id, value_section = _values_section(t.values, sign_coding)
+        parts += [_tensor_header(name, t, coding, len(index_section), dtype_id), index_section,
+                  value_section]
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def encoded_size(update: SparseUpdate, index_coding: str = "auto") -> int:
-    """``len(encode(update, index_coding))``, computed without building the bytes."""
+def encoded_size(update: SparseUpdate, index_coding: str = "auto",
+                 sign_coding: bool = False) -> int:
+    """``len(encode(update, index_coding, sign_coding))``, computed without building the bytes."""
     _check_update(update)
     total = EMPTY_MESSAGE_BYTES
     for name, t in update.tensors.items():
         indices = _check_tensor(name, t)
         coding, _ = _choose_coding(indices, t.numel, index_coding, name)
         index_bytes = 0 if coding == "all" else _index_sizes(indices, t.numel)[0][coding]
+        signed = sign_coding and _sign_scale(_raw_values(t.values)) is not None
         total += (_NAME_LEN.size + len(name.encode("utf-8")) + _NDIM.size
                   + _DIM.size * len(t.shape) + _TENSOR_TAIL.size + index_bytes
-                  + t.nnz * t.values.element_size())
+                  + _values_nbytes(t.values.dtype, t.nnz, signed))
     return total
 
 
@@ -253,6 +296,7 @@ class _TensorRecord:
     index_start: int
     index_bytes: int
     values_start: int
+    signed: bool = False  # sign-coded values: scale, then one sign bit each
 
 
 def _read(fmt: struct.Struct, data: memoryview, pos: int, end: int, what: str) -> tuple:
@@ -303,19 +347,21 @@ def _read_record(data: memoryview, pos: int, end: int, k: int, max_numel: int | 
     if coding not in _CODING_NAMES:
         raise DecodeError(f"tensor {name!r} has unknown index coding id {coding}; known: "
                           f"{sorted(_CODING_NAMES)}")
-    if dtype_id not in _DTYPES_BY_ID:
+    signed = bool(dtype_id & SIGN_CODED)
+    if dtype_id & ~SIGN_CODED not in _DTYPES_BY_ID:
         raise DecodeError(f"tensor {name!r} has unknown value dtype id {dtype_id}; known: "
-                          f"{sorted(_DTYPES_BY_ID)}")
+                          f"{sorted(_DTYPES_BY_ID)} and, sign-coded, "
+                          f"{sorted(i | SIGN_CODED for i in _DTYPES_BY_ID)}")
     if coding == INDEX_CODINGS["all"] and (count != numel or index_bytes != 0):
         raise DecodeError(f"tensor {name!r}: coding 'all' needs count == numel and no index "
                           f"bytes, got count {count}, numel {numel}, {index_bytes} index bytes")
-    dtype = _DTYPES_BY_ID[dtype_id]
-    value_bytes = count * _RAW_BITS[dtype][1].itemsize
+    dtype = _DTYPES_BY_ID[dtype_id & ~SIGN_CODED]
+    value_bytes = _values_nbytes(dtype, count, signed)
     if pos + index_bytes + value_bytes > end:
         raise DecodeError(f"truncated input: tensor {name!r} needs {index_bytes} index bytes and "
                           f"{value_bytes} value bytes at offset {pos}, only {end - pos} left")
     record = _TensorRecord(name, tuple(shape), numel, count, coding, dtype, pos, index_bytes,
-                           pos + index_bytes)
+                           pos + index_bytes, signed)
     return record, pos + index_bytes + value_bytes
 
 
@@ -403,8 +449,31 @@ def _decode_indices(data: memoryview, r: _TensorRecord) -> np.ndarray:
         raise DecodeError(f"tensor {r.name!r} ({name} indices): {e}") from e
 
 
+def _decode_signs(data: memoryview, r: _TensorRecord) -> np.ndarray:
+    """The raw bits of a sign-coded tensor's values: +-scale, checked and canonical."""
+    wire_dtype, view_dtype, exponent_mask = _RAW_BITS[r.dtype]
+    size = view_dtype.itemsize
+    sign_bit = 1 << (8 * size - 1)
+    scale = int(np.frombuffer(data, dtype=wire_dtype, count=1, offset=r.values_start)[0])
+    if scale & exponent_mask == exponent_mask:
+        raise DecodeError(f"tensor {r.name!r}: sign-coded scale is NaN or Inf (raw bits "
+                          f"0x{scale:x}); only finite values are valid")
+    if scale & sign_bit or scale == 0:
+        raise DecodeError(f"tensor {r.name!r}: sign-coded scale must be above zero, got raw bits "
+                          f"0x{scale:x}")
+    packed = np.frombuffer(data, dtype=np.uint8, count=(r.count + 7) // 8,
+                           offset=r.values_start + size)
+    if r.count % 8 and int(packed[-1]) >> (r.count % 8):
+        raise DecodeError(f"tensor {r.name!r}: nonzero padding after the last sign bit")
+    negative = np.unpackbits(packed, count=r.count, bitorder="little").astype(wire_dtype)
+    return negative * np.array(sign_bit, dtype=wire_dtype) | np.array(scale, dtype=wire_dtype)
+
+
 def _decode_values(data: memoryview, r: _TensorRecord) -> torch.Tensor:
     wire_dtype, view_dtype, exponent_mask = _RAW_BITS[r.dtype]
+    if r.signed:
+        signed_bits = _decode_signs(data, r).astype(wire_dtype.replace("u", "i"))
+        return torch.from_numpy(signed_bits).view(r.dtype)
     raw = np.frombuffer(data, dtype=wire_dtype, count=r.count, offset=r.values_start)
     non_finite = (raw & exponent_mask) == exponent_mask
     if non_finite.any():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from android_bridge.encoder import DenseStepEncoder, SparseStepEncoder
+from android_bridge.encoder import DenseStepEncoder, SparseStepEncoder, check_compatible
 from android_bridge.export import (
     TrainingStep,
     export_all,
@@ -196,6 +196,11 @@ def test_restore_folds_update_back_like_dgc(exported):
 def test_export_refuses_sampled_selection_and_bad_arguments(tmp_path):
     with pytest.raises(ConfigError, match="selection='exact' only, got selection='sampled'"):
         export_encoder(DGCConfig(selection="sampled"))
+    with pytest.raises(ConfigError, match="not ternary"):
+        export_encoder(DGCConfig(selection="exact", ternary=True))
+    # A phone's encoder refuses a run that asks for ternary values (a baked field).
+    with pytest.raises(ConfigError, match="ternary: exported False, requested True"):
+        check_compatible(DGCConfig(selection="exact"), DGCConfig(selection="exact", ternary=True))
     with pytest.raises(ConfigError, match="'shakespeare' takes torch.int64 inputs"):
         export_all("shakespeare", tmp_path)
     with pytest.raises(ConfigError, match="unknown model 'resnet9000'"):

@@ -372,3 +372,32 @@ def test_reused_model_carries_nothing_between_clients(tmp_path):
     after = _send(grid, 2, s2, 1, -1, _global())
     assert (P.record_to_bytes(after.content.array_records[P.UPDATE])
             == P.record_to_bytes(alone.content.array_records[P.UPDATE]))
+
+
+def test_ternary_client_sends_sign_coded_values(tmp_path):
+    """dgc.ternary: each sparsified tensor goes as +-scale, sign-coded (one bit per value)."""
+    replies = {}
+    for ternary in (False, True):
+        s = dataclasses.replace(_settings(tmp_path / str(ternary), method="dgc"),
+                                ternary=ternary)
+        reply = _send(LocalGrid(client_app, 3), 1, s, 1, -1, _global())
+        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+        replies[ternary] = P.record_to_bytes(reply.content.array_records[P.UPDATE])
+    plain, ternary = dgc.decode(replies[False]), dgc.decode(replies[True])
+    sparse = [n for n, t in ternary.tensors.items() if t.nnz < t.numel]
+    assert sparse
+    for name in sparse:
+        magnitudes = ternary.tensors[name].values.abs().unique()
+        assert magnitudes.numel() == 1 and float(magnitudes[0]) > 0
+    # The same entries are selected (same data, same residual), in fewer bytes.
+    assert all(torch.equal(plain.tensors[n].indices, ternary.tensors[n].indices) for n in sparse)
+    assert len(replies[True]) < len(replies[False])
+    assert _sign_coded(replies[True]) == set(sparse) and not _sign_coded(replies[False])
+
+
+def _sign_coded(data: bytes) -> set[str]:
+    """Names of the tensors a message carries sign-coded (value dtype byte >= SIGN_CODED)."""
+    from dgc.wire import _read_structure
+
+    _, records = _read_structure(memoryview(data), None)
+    return {r.name for r in records if r.signed}

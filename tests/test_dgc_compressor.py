@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -180,6 +181,33 @@ def test_rounding_error_stays_in_the_residual() -> None:
     error = comp.memory.v["fc.weight"][t.indices]
     assert torch.equal(error, g[t.indices] - t.values.float())
     assert float(error.abs().max()) > 100 * 2e-6 * (float(g.abs().max()) + 1.0)
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
+def test_ternary_sends_signs_times_the_mean_magnitude_and_keeps_the_rest(value_dtype: str) -> None:
+    config = DGCConfig(density=0.05, warmup="none", ternary=True, value_dtype=value_dtype,
+                       momentum=0.9)
+    comp, ref = _run_with_reference(config, steps=6, seed=3)
+    _check_against_reference(comp, ref)  # sent + residual is still every gradient's mass
+    comp = DGCCompressor(config)
+    grads = _grads(7, scale=3.0)
+    update = comp.compress(grads)
+    t = update.tensors["fc.weight"]
+    g = grads["fc.weight"].reshape(-1)[t.indices]
+    scale = g.abs().mean(dtype=torch.float64).to(torch.float32).to(t.values.dtype)
+    assert t.values.dtype == config_dtype(value_dtype)
+    assert torch.equal(t.values.abs(), scale.expand(t.nnz))
+    assert torch.equal(t.values < 0, g < 0)
+    # One step: the residual at the sent entries is the gradient minus +-scale, not zero.
+    assert torch.equal(comp.memory.v["fc.weight"][t.indices], g - t.values.float())
+    # Tensors sent dense keep their values.
+    plain = DGCCompressor(dataclasses.replace(config, ternary=False)).compress(grads)
+    for name in ("fc.bias", "conv.weight"):
+        assert torch.equal(update.tensors[name].values, plain.tensors[name].values)
+
+
+def config_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

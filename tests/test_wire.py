@@ -384,7 +384,66 @@ REJECTIONS = {
                         "lacks its parameter byte"),
     "golomb_codes_for_nothing": (message([tensor_record(b"w", [100], 0, 3, 1, b"\x00\x01", b"")]),
                                  "unary bytes for zero indices"),
+    # Sign-coded (value dtype 128 + base): the scale, then one sign bit per value.
+    "signs_unknown_base": (message([tensor_record(b"w", [4, 4], 2, 1, 0x83, raw_u32(3, 9),
+                                                  f16(1) + b"\x02")]), "unknown value dtype id 131"),
+    "signs_nan_scale": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9),
+                                               f16(float("nan")) + b"\x02")]),
+                        "sign-coded scale is NaN or Inf"),
+    "signs_negative_scale": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9),
+                                                    f16(-1.0) + b"\x02")]),
+                             "sign-coded scale must be above zero"),
+    "signs_zero_scale": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9),
+                                                f16(0.0) + b"\x02")]),
+                         "sign-coded scale must be above zero"),
+    "signs_padding": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9),
+                                             f16(1.0) + b"\x06")]),
+                      "nonzero padding after the last sign bit"),
+    "signs_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9), f16(1.0))]),
+                      "truncated input"),
 }
+
+
+def test_hand_built_sign_coded_message_decodes() -> None:
+    # Scale 1.5 (float16), signs + - : bit 1 set (value 1 negative).
+    data = message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9), f16(1.5) + b"\x02")],
+                   5)
+    t = decode(data).tensors["w"]
+    assert t.values.dtype == torch.float16 and t.values.tolist() == [1.5, -1.5]
+    assert encode(decode(data), "raw", sign_coding=True) == data
+    # Without sign coding the same update takes 2 bytes per value.
+    assert len(encode(decode(data), "raw")) == len(data) + 4 - 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("count", [2, 3, 8, 9, 1000])
+def test_sign_coding_round_trips_bit_for_bit_and_is_smaller(dtype: torch.dtype,
+                                                            count: int) -> None:
+    g = torch.Generator().manual_seed(count)
+    indices = torch.randperm(50_000, generator=g)[:count].sort().values
+    signs = torch.where(torch.rand(count, generator=g) < 0.5, -1.0, 1.0)
+    scale = torch.tensor(0.0123).to(dtype).float()
+    tensors = {"ternary": SparseTensor(indices, (signs * scale).to(dtype), (50, 1000)),
+               "plain": random_tensor(3000, 40, dtype, seed=2)}
+    update = SparseUpdate(tensors, 9)
+    signed, plain = encode(update, sign_coding=True), encode(update)
+    assert encoded_size(update, sign_coding=True) == len(signed)
+    size = torch.finfo(dtype).bits // 8
+    if size + (count + 7) // 8 < count * size:
+        assert len(plain) - len(signed) == count * size - (size + (count + 7) // 8)
+    else:
+        assert signed == plain
+    assert_same(decode(signed), update)
+    (many,) = decode_many([signed])
+    assert_same(many, update)
+
+
+def test_sign_coding_leaves_tensors_of_several_magnitudes_plain() -> None:
+    values = torch.tensor([0.5, -0.5, 0.5, 0.25], dtype=torch.float16)
+    zeros = torch.tensor([0.0, -0.0, 0.0, 0.0], dtype=torch.float16)
+    update = SparseUpdate({"mixed": SparseTensor(torch.arange(4), values, (8,)),
+                           "zeros": SparseTensor(torch.arange(4), zeros, (8,))}, 1)
+    assert encode(update, sign_coding=True) == encode(update)
 
 
 def test_hand_built_golomb_section_is_what_the_encoder_writes() -> None:
