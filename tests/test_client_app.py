@@ -72,15 +72,16 @@ def _residual(settings: TrainSettings, key: str) -> dict[str, torch.Tensor]:
     return compressor.residual()
 
 
-@pytest.mark.parametrize("small_density", [0.0, 0.1])
-def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density):
+@pytest.mark.parametrize("small_density, ternary", [(0.0, False), (0.1, False), (0.1, True)])
+def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, ternary):
     """(sent + residual) without the ack exceeds the acked case by exactly the pending update.
 
     With ``small_density`` > 0 the state is a TwoDensityCompressor's (the output layer of the
-    digits MLP, 2,000 entries, is a small tensor; the 12,800-entry hidden layer is not).
+    digits MLP, 2,000 entries, is a small tensor; the 12,800-entry hidden layer is not). With
+    ``ternary`` the pending update is sign-coded.
     """
     grid = LocalGrid(client_app, 3)
-    s = _settings(tmp_path, method="dgc", small_density=small_density)
+    s = _settings(tmp_path, method="dgc", small_density=small_density, ternary=ternary)
     first = _send(grid, 0, s, 1, -1, _global())
     pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]))
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
