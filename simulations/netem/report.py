@@ -93,6 +93,10 @@ def plot_virtual_time(runs: Mapping[str, str | Path], out: str | Path, title: st
                 title="dropped updates by cause")
     ax_bytes.set(xticks=range(len(names)), xticklabels=names, ylabel="MB", yscale="log",
                  title="bytes by direction")
+    for ax in (ax_drop, ax_bytes):  # run names are long: slanted, they do not overlap
+        ax.tick_params(axis="x", labelrotation=20)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend()
