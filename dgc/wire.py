@@ -224,7 +224,8 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
     sign_coding
         Send a tensor whose values are all ``+scale`` or ``-scale`` (ternary DGC) as the scale
         and one sign bit per value, when that is smaller; the decoded values are the same bits.
-        Off by default: decoders that predate it (the phones' Java codec) reject such tensors.
+        Off by default: decoders that predate it reject such tensors (the Java codec reads
+        them, but phones do not send ternary updates).
 
     Raises
     ------

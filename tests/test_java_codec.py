@@ -45,6 +45,7 @@ PYTHON_REASONS = [
     (r"unknown index coding", "UNKNOWN_CODING"),
     (r"unknown value dtype", "UNKNOWN_DTYPE"),
     (r"is NaN or Inf", "NON_FINITE_VALUE"),
+    (r"sign-coded scale must|padding after the last sign", "BAD_VALUE_SECTION"),
     (r"does not increase", "INDEX_NOT_INCREASING"),
     (r"out of range|a gap exceeds|run past", "INDEX_OUT_OF_RANGE"),
     (r"coding 'all' needs|indices\): ", "BAD_INDEX_SECTION"),
@@ -230,6 +231,35 @@ def test_java_and_python_agree_on_mutated_messages(java_classpath: Path) -> None
     assert accepted > 0
     assert {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "COUNT_ABOVE_NUMEL", "UNKNOWN_CODING",
             "BAD_INDEX_SECTION"} <= seen_reasons, seen_reasons
+
+
+def test_java_decodes_sign_coded_values_as_python_does(java_classpath: Path) -> None:
+    """Ternary DGC's sign-coded tensors (docs/wire.md, section 5): the Java codec decodes them
+    to the same bits (it re-encodes them plain, as Python's encode does by default) and rejects
+    the malformed ones for the same reason."""
+    import tests.test_wire as wire_tests
+
+    messages = []
+    for k, dtype in enumerate(["float16", "float32", "bfloat16"]):
+        comp = DGCCompressor(DGCConfig(density=0.05, value_dtype=dtype, ternary=True,
+                                       warmup="none", min_sparse_numel=64))
+        g = torch.Generator().manual_seed(200 + k)
+        for _ in range(2):
+            grads = {"conv.weight": torch.randn(16, 8, 3, 3, generator=g),
+                     "fc.weight": torch.randn(10, 256, generator=g),
+                     "fc.bias": torch.randn(10, generator=g)}
+            messages.append(encode(comp.compress(grads), sign_coding=True))
+    assert all(len(m) < len(encode(decode(m))) for m in messages)  # really sign-coded
+    rejected = {name: data for name, (data, _) in wire_tests.REJECTIONS.items()
+                if name.startswith("signs_")}
+    answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
+                                        for m in [*messages, *rejected.values()]])
+    for message, answer in zip(messages, answers, strict=False):
+        assert answer == f"OK {encode(decode(message)).hex()}"
+    for (name, data), answer in zip(rejected.items(), answers[len(messages):], strict=True):
+        with pytest.raises(DecodeError) as e:
+            decode(data)
+        assert answer == f"REJECT {python_reason(str(e.value))}", name
 
 
 def test_java_half_float_rounding_matches_torch(java_classpath: Path) -> None:

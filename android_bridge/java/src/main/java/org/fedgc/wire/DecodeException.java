@@ -42,8 +42,11 @@ public final class DecodeException extends Exception {
         INDEX_NOT_INCREASING,
         /** An index or gap at or above the tensor's numel. */
         INDEX_OUT_OF_RANGE,
-        /** A NaN or infinite value. */
-        NON_FINITE_VALUE
+        /** A NaN or infinite value (a sign-coded tensor's scale included). */
+        NON_FINITE_VALUE,
+        /** A sign-coded value section whose scale is zero or negative, or whose padding after
+         *  the last sign bit is not zero. */
+        BAD_VALUE_SECTION
     }
 
     private final Reason reason;

@@ -269,7 +269,12 @@ public final class WireCodec {
         int indexStart;
         int indexBytes;
         int valuesStart;
+        /** Sign-coded values: the scale, then one sign bit per value (value dtype 128 + id). */
+        boolean signed;
     }
+
+    /** Set in the value dtype byte of a sign-coded tensor (docs/wire.md, section 5). */
+    public static final int SIGN_CODED = 0x80;
 
     /** {@code decode(data, Long.MAX_VALUE)}: any numel the format allows (up to 2^62). */
     public static SparseUpdate decode(byte[] data) throws DecodeException {
@@ -289,6 +294,10 @@ public final class WireCodec {
         Map<String, SparseTensor> tensors = new LinkedHashMap<>();
         for (Record r : s.records) {
             long[] indices = decodeIndices(data, r);
+            if (r.signed) {
+                tensors.put(r.name, decodeSigns(data, r, indices));
+                continue;
+            }
             int[] bits32 = null;
             short[] bits16 = null;
             ByteBuffer values = ByteBuffer.wrap(data, r.valuesStart, r.count * r.dtype.sizeBytes)
@@ -311,6 +320,46 @@ public final class WireCodec {
             tensors.put(r.name, SparseTensor.wrap(r.shape, indices, r.dtype, bits32, bits16));
         }
         return new SparseUpdate(tensors, s.sequence);
+    }
+
+    /**
+     * A sign-coded tensor: every value is the scale with its sign bit set or not. Rejects a
+     * scale that is NaN, infinite, zero or negative, and nonzero padding after the last sign.
+     */
+    private static SparseTensor decodeSigns(byte[] data, Record r, long[] indices)
+            throws DecodeException {
+        ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
+        boolean wide = r.dtype == ValueDtype.FLOAT32;
+        int scale = wide ? in.getInt(r.valuesStart) : in.getShort(r.valuesStart) & 0xFFFF;
+        int signBit = wide ? 0x80000000 : 0x8000;
+        if (!r.dtype.isFinite(scale)) {
+            throw new DecodeException(DecodeException.Reason.NON_FINITE_VALUE, "tensor '"
+                    + r.name + "': sign-coded scale is NaN or Inf (raw bits 0x"
+                    + Integer.toHexString(scale) + "); only finite values are valid");
+        }
+        if ((scale & signBit) != 0 || scale == 0) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': sign-coded scale must be above zero, got raw bits 0x"
+                    + Integer.toHexString(scale));
+        }
+        int signs = r.valuesStart + r.dtype.sizeBytes;
+        int tail = r.count % 8;
+        if (tail != 0 && ((data[signs + r.count / 8] & 0xFF) >>> tail) != 0) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': nonzero padding after the last sign bit");
+        }
+        int[] bits32 = wide ? new int[r.count] : null;
+        short[] bits16 = wide ? null : new short[r.count];
+        for (int i = 0; i < r.count; i++) {
+            boolean negative = ((data[signs + (i >>> 3)] >>> (i & 7)) & 1) != 0;
+            int raw = negative ? scale | signBit : scale;
+            if (wide) {
+                bits32[i] = raw;
+            } else {
+                bits16[i] = (short) raw;
+            }
+        }
+        return SparseTensor.wrap(r.shape, indices, r.dtype, bits32, bits16);
     }
 
     /**
@@ -465,10 +514,12 @@ public final class WireCodec {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_CODING, "tensor '" + name
                     + "' has unknown index coding id " + codingId + "; known: [0, 1, 2, 3]");
         }
-        ValueDtype dtype = ValueDtype.fromWireId(dtypeId);
+        boolean signed = (dtypeId & SIGN_CODED) != 0;
+        ValueDtype dtype = ValueDtype.fromWireId(dtypeId & ~SIGN_CODED);
         if (dtype == null) {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_DTYPE, "tensor '" + name
-                    + "' has unknown value dtype id " + dtypeId + "; known: [0, 1, 2]");
+                    + "' has unknown value dtype id " + dtypeId + "; known: [0, 1, 2] and, "
+                    + "sign-coded, [128, 129, 130]");
         }
         if (coding == IndexCoding.ALL && (count != numel || indexBytes != 0)) {
             throw new DecodeException(DecodeException.Reason.BAD_INDEX_SECTION, "tensor '" + name
@@ -476,24 +527,33 @@ public final class WireCodec {
                     + count + ", numel " + numel + ", " + Long.toUnsignedString(indexBytes)
                     + " index bytes");
         }
-        // Compared without forming index_bytes + count * size, which could overflow a long.
+        // Compared without forming index_bytes + count * size, which could overflow a long
+        // (count <= numel <= 2^62, so the sign-coded length count / 8 + ... cannot).
         long left = end - pos;
         if (Long.compareUnsigned(indexBytes, left) > 0
-                || count > (left - indexBytes) / dtype.sizeBytes) {
+                || (signed ? dtype.sizeBytes + (count + 7) / 8 > left - indexBytes
+                           : count > (left - indexBytes) / dtype.sizeBytes)) {
             throw truncated("tensor '" + name + "' needs " + Long.toUnsignedString(indexBytes)
-                    + " index bytes and " + count + " values of " + dtype.sizeBytes
-                    + " bytes at offset " + pos + ", only " + left + " left");
+                    + " index bytes and " + count + (signed ? " sign-coded values" : " values of "
+                    + dtype.sizeBytes + " bytes") + " at offset " + pos + ", only " + left
+                    + " left");
+        }
+        if (count > Integer.MAX_VALUE - 8) {  // sign bits fit, the decoded arrays would not
+            throw new DecodeException(DecodeException.Reason.TOO_LARGE, "tensor '" + name
+                    + "' carries " + count + " sign-coded values, more than a Java array holds");
         }
         r.name = name;
         r.shape = shape;
         r.numel = numel;
-        r.count = (int) count; // count * size <= left < 2^31
+        r.count = (int) count; // plain: count * size <= left < 2^31; sign-coded: checked above
         r.coding = coding;
         r.dtype = dtype;
         r.indexStart = pos;
         r.indexBytes = (int) indexBytes;
         r.valuesStart = pos + (int) indexBytes;
-        return r.valuesStart + r.count * dtype.sizeBytes;
+        r.signed = signed;
+        return r.valuesStart + (signed ? dtype.sizeBytes + (r.count + 7) / 8
+                                       : r.count * dtype.sizeBytes);
     }
 
     private static long[] decodeIndices(byte[] data, Record r) throws DecodeException {
