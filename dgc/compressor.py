@@ -78,7 +78,8 @@ class DGCCompressor:
         for name, g in flat.items():
             shape = tuple(grads[name].shape)
             v = self.memory.accumulate(name, g)
-            if self.is_dense_tensor(shape):
+            sparse = not self.is_dense_tensor(shape)
+            if not sparse:
                 idx = torch.arange(v.numel(), dtype=torch.int64)
                 mask = False  # dense layers keep ordinary momentum, as in the paper
             else:
@@ -90,9 +91,10 @@ class DGCCompressor:
                     idx = select_sampled(magnitude, k, density, c.sample_ratio,
                                          c.min_count_ratio, c.max_adaptations, self.step)
                 mask = c.momentum_masking
-            values = self._round(v[idx])
-            if c.ternary and not self.is_dense_tensor(shape):
-                values = self._ternary(v[idx], values)
+            selected = v[idx]
+            values = self._round(selected)
+            if c.ternary and sparse:
+                values = self._ternary(selected, values)
             self.memory.mark_sent(name, idx, values, mask)
             if not c.error_feedback:
                 self.memory.clear_residual(name)

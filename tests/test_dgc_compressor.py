@@ -183,10 +183,12 @@ def test_rounding_error_stays_in_the_residual() -> None:
     assert float(error.abs().max()) > 100 * 2e-6 * (float(g.abs().max()) + 1.0)
 
 
-@pytest.mark.parametrize("value_dtype", ["float32", "float16", "bfloat16"])
-def test_ternary_sends_signs_times_the_mean_magnitude_and_keeps_the_rest(value_dtype: str) -> None:
+@pytest.mark.parametrize(("value_dtype", "masking"), [("float32", True), ("float16", True),
+                                                     ("bfloat16", True), ("float16", False)])
+def test_ternary_sends_signs_times_the_mean_magnitude_and_keeps_the_rest(value_dtype: str,
+                                                                         masking: bool) -> None:
     config = DGCConfig(density=0.05, warmup="none", ternary=True, value_dtype=value_dtype,
-                       momentum=0.9)
+                       momentum=0.9, momentum_masking=masking)
     comp, ref = _run_with_reference(config, steps=6, seed=3)
     _check_against_reference(comp, ref)  # sent + residual is still every gradient's mass
     comp = DGCCompressor(config)
