@@ -13,7 +13,10 @@ gaps. Value dtypes: 0 float32, 1 float16, 2 bfloat16, carried as their raw bits.
 with the high bit set (``SIGN_CODED``: 128, 129, 130) marks a sign-coded tensor, whose values are
 all ``+scale`` or ``-scale``: its value section is the scale (raw bits of the base dtype) and one
 sign bit per value (``size + ceil(count / 8)`` bytes), what ternary DGC sends (``encode(...,
-sign_coding=True)``).
+sign_coding=True)``). Value dtype 64 (``GRID_CODED``, float32 only) marks a grid-coded tensor,
+whose values are all ``q * scale`` with ``q`` an int8 and ``scale`` a power of two: its value
+section is the scale (float32 bits) and one signed byte per value (``4 + count`` bytes), what a
+server's int8 broadcast sends (``encode(..., grid_coding=True)``).
 
 :func:`decode` first walks the headers (so truncated or trailing input is named as such and no
 payload is touched before its length is known to be present), then checks the CRC, then decodes
@@ -49,6 +52,10 @@ VALUE_DTYPE_IDS: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, t
 _DTYPES_BY_ID = {v: k for k, v in VALUE_DTYPE_IDS.items()}
 #: Set in the value dtype byte of a sign-coded tensor (values +-scale; ``docs/wire.md`` 5).
 SIGN_CODED = 0x80
+#: The value dtype id of a grid-coded tensor (float32 values int8 * power-of-two scale; 5).
+GRID_CODED = 0x40
+#: A grid-coded scale is 2**e with e in [-126, 120]: every int8 multiple is exact and finite.
+_GRID_EXPONENTS = (-126, 120)
 _RAW_BITS = {  # wire dtype, torch view dtype, exponent mask (all ones = Inf or NaN)
     torch.float32: ("<u4", torch.int32, 0x7F800000),
     torch.float16: ("<u2", torch.int16, 0x7C00),
@@ -170,21 +177,53 @@ def _sign_scale(raw: np.ndarray) -> int | None:
     return scale
 
 
-def _values_section(values: torch.Tensor, sign_coding: bool) -> tuple[int, bytes]:
-    """(value dtype id, value section) of one tensor: sign-coded when asked and possible."""
+def _grid_section(values: torch.Tensor) -> bytes | None:
+    """The grid-coded section of float32 values that are all ``q * 2**e`` with int8 ``q`` (the
+    scale, then a signed byte per value), when it is smaller than the plain one; else None.
+
+    The scale is the finest power of two that keeps every ``|q| <= 127``: if the values sit on
+    any power-of-two int8 grid, they sit on that one.
+    """
+    if values.dtype != torch.float32 or values.numel() < 2:
+        return None
+    v = values.detach().cpu().contiguous().numpy()
+    peak = float(np.max(np.abs(v)))
+    exponent = math.frexp(peak)[1] - 7 if peak > 0 else 0  # peak < 2**(exponent + 7)
+    if not _GRID_EXPONENTS[0] <= exponent <= _GRID_EXPONENTS[1]:
+        return None
+    scale = np.float32(math.ldexp(1.0, exponent))
+    q = np.rint(v / scale).astype(np.int8)  # off-grid values are caught below
+    # What a decoder computes, bit for bit (this also turns away -0.0: 0 * scale is +0.0)
+    if not np.array_equal((q.astype(np.float32) * scale).view(np.uint32), v.view(np.uint32)):
+        return None
+    return np.array(scale, dtype="<f4").tobytes() + q.tobytes()
+
+
+def _values_section(values: torch.Tensor, sign_coding: bool,
+                    grid_coding: bool = False) -> tuple[int, bytes]:
+    """(value dtype id, value section) of one tensor: sign- or grid-coded when asked and
+    possible (sign coding first: it is the smaller)."""
     raw = _raw_values(values)
     dtype_id = VALUE_DTYPE_IDS[values.dtype]
     scale = _sign_scale(raw) if sign_coding else None
-    if scale is None:
-        return dtype_id, raw.tobytes()
-    signs = np.packbits((raw >> (8 * raw.dtype.itemsize - 1)).astype(np.uint8),
-                        bitorder="little")
-    return dtype_id | SIGN_CODED, np.array(scale, dtype=raw.dtype).tobytes() + signs.tobytes()
+    if scale is not None:
+        signs = np.packbits((raw >> (8 * raw.dtype.itemsize - 1)).astype(np.uint8),
+                            bitorder="little")
+        return dtype_id | SIGN_CODED, np.array(scale, dtype=raw.dtype).tobytes() + signs.tobytes()
+    grid = _grid_section(values) if grid_coding else None
+    if grid is not None:
+        return GRID_CODED, grid
+    return dtype_id, raw.tobytes()
 
 
-def _values_nbytes(dtype: torch.dtype, count: int, signed: bool) -> int:
+def _values_nbytes(dtype: torch.dtype, count: int, coding: int = 0) -> int:
+    """Bytes of a value section: ``coding`` is 0 (plain), SIGN_CODED or GRID_CODED."""
     size = _RAW_BITS[dtype][1].itemsize
-    return size + (count + 7) // 8 if signed else count * size
+    if coding == SIGN_CODED:
+        return size + (count + 7) // 8
+    if coding == GRID_CODED:
+        return 4 + count
+    return count * size
 
 
 def _tensor_header(name: str, t: SparseTensor, coding: str, index_bytes: int,
@@ -211,7 +250,8 @@ def _check_update(update: SparseUpdate) -> None:
             raise EncodeError(f"tensor names must be str, got {name!r}")
 
 
-def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool = False) -> bytes:
+def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool = False,
+           grid_coding: bool = False) -> bytes:
     """The wire bytes of ``update``.
 
     Parameters
@@ -226,6 +266,11 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
         and one sign bit per value, when that is smaller; the decoded values are the same bits.
         Off by default: decoders that predate it reject such tensors (the Java codec reads
         them, but phones do not send ternary updates).
+    grid_coding
+        Send a float32 tensor whose values are all ``q * 2**e`` with int8 ``q`` (a server's
+        int8 broadcast) as the scale and one signed byte per value, when that is smaller; the
+        decoded values are the same bits. Off by default: decoders that predate it reject such
+        tensors (the Java codec reads them).
 
     Raises
     ------
@@ -240,7 +285,7 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
         indices = _check_tensor(name, t)
         coding, rice_b = _choose_coding(indices, t.numel, index_coding, name)
         index_section = _encode_indices(indices, t.numel, coding, rice_b)
-        dtype_id, value_section = _values_section(t.values, sign_coding)
+        dtype_id, value_section = _values_section(t.values, sign_coding, grid_coding)
         parts += [_tensor_header(name, t, coding, len(index_section), dtype_id), index_section,
                   value_section]
     body = b"".join(parts)
@@ -248,18 +293,23 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
 
 
 def encoded_size(update: SparseUpdate, index_coding: str = "auto",
-                 sign_coding: bool = False) -> int:
-    """``len(encode(update, index_coding, sign_coding))``, computed without building the bytes."""
+                 sign_coding: bool = False, grid_coding: bool = False) -> int:
+    """``len(encode(update, index_coding, sign_coding, grid_coding))``, computed without
+    building the bytes."""
     _check_update(update)
     total = EMPTY_MESSAGE_BYTES
     for name, t in update.tensors.items():
         indices = _check_tensor(name, t)
         coding, _ = _choose_coding(indices, t.numel, index_coding, name)
         index_bytes = 0 if coding == "all" else _index_sizes(indices, t.numel)[0][coding]
-        signed = sign_coding and _sign_scale(_raw_values(t.values)) is not None
+        value_coding = 0
+        if sign_coding and _sign_scale(_raw_values(t.values)) is not None:
+            value_coding = SIGN_CODED
+        elif grid_coding and _grid_section(t.values) is not None:
+            value_coding = GRID_CODED
         total += (_NAME_LEN.size + len(name.encode("utf-8")) + _NDIM.size
                   + _DIM.size * len(t.shape) + _TENSOR_TAIL.size + index_bytes
-                  + _values_nbytes(t.values.dtype, t.nnz, signed))
+                  + _values_nbytes(t.values.dtype, t.nnz, value_coding))
     return total
 
 
@@ -297,7 +347,7 @@ class _TensorRecord:
     index_start: int
     index_bytes: int
     values_start: int
-    signed: bool = False  # sign-coded values: scale, then one sign bit each
+    value_coding: int = 0  # SIGN_CODED: scale, a sign bit each; GRID_CODED: scale, int8 each
 
 
 def _read(fmt: struct.Struct, data: memoryview, pos: int, end: int, what: str) -> tuple:
@@ -348,21 +398,22 @@ def _read_record(data: memoryview, pos: int, end: int, k: int, max_numel: int | 
     if coding not in _CODING_NAMES:
         raise DecodeError(f"tensor {name!r} has unknown index coding id {coding}; known: "
                           f"{sorted(_CODING_NAMES)}")
-    signed = bool(dtype_id & SIGN_CODED)
-    if dtype_id & ~SIGN_CODED not in _DTYPES_BY_ID:
+    value_coding = GRID_CODED if dtype_id == GRID_CODED else dtype_id & SIGN_CODED
+    if dtype_id != GRID_CODED and dtype_id & ~SIGN_CODED not in _DTYPES_BY_ID:
         raise DecodeError(f"tensor {name!r} has unknown value dtype id {dtype_id}; known: "
-                          f"{sorted(_DTYPES_BY_ID)} and, sign-coded, "
-                          f"{sorted(i | SIGN_CODED for i in _DTYPES_BY_ID)}")
+                          f"{sorted(_DTYPES_BY_ID)}, sign-coded "
+                          f"{sorted(i | SIGN_CODED for i in _DTYPES_BY_ID)} and grid-coded "
+                          f"{GRID_CODED}")
     if coding == INDEX_CODINGS["all"] and (count != numel or index_bytes != 0):
         raise DecodeError(f"tensor {name!r}: coding 'all' needs count == numel and no index "
                           f"bytes, got count {count}, numel {numel}, {index_bytes} index bytes")
-    dtype = _DTYPES_BY_ID[dtype_id & ~SIGN_CODED]
-    value_bytes = _values_nbytes(dtype, count, signed)
+    dtype = torch.float32 if value_coding == GRID_CODED else _DTYPES_BY_ID[dtype_id & ~SIGN_CODED]
+    value_bytes = _values_nbytes(dtype, count, value_coding)
     if pos + index_bytes + value_bytes > end:
         raise DecodeError(f"truncated input: tensor {name!r} needs {index_bytes} index bytes and "
                           f"{value_bytes} value bytes at offset {pos}, only {end - pos} left")
     record = _TensorRecord(name, tuple(shape), numel, count, coding, dtype, pos, index_bytes,
-                           pos + index_bytes, signed)
+                           pos + index_bytes, value_coding)
     return record, pos + index_bytes + value_bytes
 
 
@@ -470,9 +521,22 @@ def _decode_signs(data: memoryview, r: _TensorRecord) -> np.ndarray:
     return negative * np.array(sign_bit, dtype=wire_dtype) | np.array(scale, dtype=wire_dtype)
 
 
+def _decode_grid(data: memoryview, r: _TensorRecord) -> torch.Tensor:
+    """The values of a grid-coded tensor, ``q * scale`` (exact), the scale checked."""
+    (scale,) = struct.unpack_from("<f", data, r.values_start)
+    mantissa, exponent = math.frexp(scale) if math.isfinite(scale) else (0.0, 0)
+    if mantissa != 0.5 or not _GRID_EXPONENTS[0] <= exponent - 1 <= _GRID_EXPONENTS[1]:
+        raise DecodeError(f"tensor {r.name!r}: grid-coded scale {scale!r} is not a power of two "
+                          f"2**e with e in [{_GRID_EXPONENTS[0]}, {_GRID_EXPONENTS[1]}]")
+    q = np.frombuffer(data, dtype=np.int8, count=r.count, offset=r.values_start + 4)
+    return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
+
+
 def _decode_values(data: memoryview, r: _TensorRecord) -> torch.Tensor:
     wire_dtype, view_dtype, exponent_mask = _RAW_BITS[r.dtype]
-    if r.signed:
+    if r.value_coding == GRID_CODED:
+        return _decode_grid(data, r)
+    if r.value_coding == SIGN_CODED:
         signed_bits = _decode_signs(data, r).astype(wire_dtype.replace("u", "i"))
         return torch.from_numpy(signed_bits).view(r.dtype)
     raw = np.frombuffer(data, dtype=wire_dtype, count=r.count, offset=r.values_start)

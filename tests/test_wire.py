@@ -304,6 +304,10 @@ def f16(*vals: float) -> bytes:
     return np.array(vals, dtype="<f2").tobytes()
 
 
+def f32(*vals: float) -> bytes:
+    return np.array(vals, dtype="<f4").tobytes()
+
+
 def raw_u32(*idx: int) -> bytes:
     return np.array(idx, dtype="<u4").tobytes()
 
@@ -386,7 +390,8 @@ REJECTIONS = {
                                  "unary bytes for zero indices"),
     # Sign-coded (value dtype 128 + base): the scale, then one sign bit per value.
     "signs_unknown_base": (message([tensor_record(b"w", [4, 4], 2, 1, 0x83, raw_u32(3, 9),
-                                                  f16(1) + b"\x02")]), "unknown value dtype id 131"),
+                                                  f16(1) + b"\x02")]),
+                           "unknown value dtype id 131"),
     "signs_nan_scale": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9),
                                                f16(float("nan")) + b"\x02")]),
                         "sign-coded scale is NaN or Inf"),
@@ -401,6 +406,30 @@ REJECTIONS = {
                       "nonzero padding after the last sign bit"),
     "signs_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9), f16(1.0))]),
                       "truncated input"),
+    # Grid-coded (value dtype 64): a power-of-two float32 scale, then one int8 per value.
+    "grid_scale_not_power_of_two": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                                           f32(0.75) + b"\x01\xff")]),
+                                    "grid-coded scale 0.75 is not a power of two"),
+    "grid_scale_negative": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                                   f32(-0.5) + b"\x01\xff")]),
+                            "grid-coded scale -0.5 is not a power of two"),
+    "grid_scale_zero": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                               f32(0.0) + b"\x01\xff")]),
+                        "grid-coded scale 0.0 is not a power of two"),
+    "grid_scale_nan": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                              f32(float("nan")) + b"\x01\xff")]),
+                       "grid-coded scale nan is not a power of two"),
+    "grid_scale_too_large": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                                    f32(2.0 ** 121) + b"\x01\xff")]),
+                             "is not a power of two 2\\*\\*e with e in \\[-126, 120\\]"),
+    "grid_scale_subnormal": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                                    f32(2.0 ** -127) + b"\x01\xff")]),
+                             "is not a power of two"),
+    "grid_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
+                                            f32(0.5) + b"\x01")]), "truncated input"),
+    "grid_half_base": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
+                                              f32(0.5) + b"\x01\xff")]),
+                       "unknown value dtype id 65"),
 }
 
 
@@ -436,6 +465,62 @@ def test_sign_coding_round_trips_bit_for_bit_and_is_smaller(dtype: torch.dtype,
     assert_same(decode(signed), update)
     (many,) = decode_many([signed])
     assert_same(many, update)
+
+
+def test_hand_built_grid_coded_message_decodes() -> None:
+    # Scale 2**-3 (float32 0x3e000000), q = 1, -1, 127: values 0.125, -0.125, 15.875.
+    data = message([tensor_record(b"w", [4, 4], 3, 1, 0x40, raw_u32(3, 9, 10),
+                                  bytes.fromhex("0000003e") + b"\x01\xff\x7f")], 5)
+    t = decode(data).tensors["w"]
+    assert t.values.dtype == torch.float32 and t.values.tolist() == [0.125, -0.125, 15.875]
+    assert encode(decode(data), "raw", grid_coding=True) == data
+    # Plain, the same update takes 4 bytes per value.
+    assert len(encode(decode(data), "raw")) == len(data) + 12 - 7
+
+
+@pytest.mark.parametrize("exponent", [-126, -20, 0, 5, 120])
+@pytest.mark.parametrize("count", [2, 3, 1000])
+def test_grid_coding_round_trips_bit_for_bit_and_is_smaller(exponent: int, count: int) -> None:
+    g = torch.Generator().manual_seed(count)
+    indices = torch.randperm(50_000, generator=g)[:count].sort().values
+    q = torch.randint(-127, 128, (count,), generator=g).float()
+    values = q * 2.0 ** exponent + 0.0  # +0.0: q = 0 gives +0.0, never -0.0
+    tensors = {"grid": SparseTensor(indices, values, (50, 1000)),
+               "plain": random_tensor(3000, 40, torch.float32, seed=2)}
+    update = SparseUpdate(tensors, 9)
+    gridded, plain = encode(update, grid_coding=True), encode(update)
+    assert encoded_size(update, grid_coding=True) == len(gridded)
+    assert len(plain) - len(gridded) == 4 * count - (4 + count)
+    assert_same(decode(gridded), update)
+    (many,) = decode_many([gridded])
+    assert_same(many, update)
+
+
+def test_grid_coding_leaves_values_off_every_int8_grid_plain() -> None:
+    cases = {
+        "off_grid": [0.5, 0.1],          # 0.1 is no multiple of a power of two that fits
+        "too_wide": [1.0, 2.0 ** -8],    # on the grid 2**-8, but 1.0 needs q = 256
+        "negative_zero": [0.5, -0.0],    # decodes as +0.0
+        "half": [0.5, 0.25],             # grid coding carries float32 values only
+        "one_value": [0.5],              # 4 + 1 bytes is not smaller than 4
+    }
+    for name, vals in cases.items():
+        dtype = torch.float16 if name == "half" else torch.float32
+        update = SparseUpdate({name: SparseTensor(torch.arange(len(vals)),
+                                                  torch.tensor(vals, dtype=dtype), (8,))}, 1)
+        assert encode(update, grid_coding=True) == encode(update), name
+        assert encoded_size(update, grid_coding=True) == len(encode(update)), name
+
+
+def test_grid_coding_picks_the_finest_grid_that_fits() -> None:
+    # Multiples of 2**-4 up to 1.0 sit on 2**-4 with |q| <= 16, but the encoder writes the
+    # finest step that keeps |q| <= 127 (2**-6): any power-of-two int8 grid implies that one.
+    values = torch.tensor([1.0, -0.0625, 0.5], dtype=torch.float32)
+    data = encode(SparseUpdate({"w": SparseTensor(torch.arange(3), values, (4,))}, 0),
+                  "raw", grid_coding=True)
+    section = data[-4 - 7:-4]
+    assert section == bytes.fromhex("0000803c") + bytes([64, 256 - 4, 32])
+    assert decode(data).tensors["w"].values.tolist() == values.tolist()
 
 
 def test_sign_coding_leaves_tensors_of_several_magnitudes_plain() -> None:
