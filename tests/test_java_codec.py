@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dgc import DecodeError, DGCCompressor, DGCConfig, SparseUpdate, decode, encode
+from dgc import DecodeError, DGCCompressor, DGCConfig, SparseTensor, SparseUpdate, decode, encode
 from dgc.wire import EncodeError, tensor_codings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,8 @@ PYTHON_REASONS = [
     (r"unknown index coding", "UNKNOWN_CODING"),
     (r"unknown value dtype", "UNKNOWN_DTYPE"),
     (r"is NaN or Inf", "NON_FINITE_VALUE"),
-    (r"sign-coded scale must|padding after the last sign", "BAD_VALUE_SECTION"),
+    (r"sign-coded scale must|padding after the last sign|grid-coded scale",
+     "BAD_VALUE_SECTION"),
     (r"does not increase", "INDEX_NOT_INCREASING"),
     (r"out of range|a gap exceeds|run past", "INDEX_OUT_OF_RANGE"),
     (r"coding 'all' needs|indices\): ", "BAD_INDEX_SECTION"),
@@ -252,6 +253,38 @@ def test_java_decodes_sign_coded_values_as_python_does(java_classpath: Path) -> 
     assert all(len(m) < len(encode(decode(m))) for m in messages)  # really sign-coded
     rejected = {name: data for name, (data, _) in wire_tests.REJECTIONS.items()
                 if name.startswith("signs_")}
+    answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
+                                        for m in [*messages, *rejected.values()]])
+    for message, answer in zip(messages, answers, strict=False):
+        assert answer == f"OK {encode(decode(message)).hex()}"
+    for (name, data), answer in zip(rejected.items(), answers[len(messages):], strict=True):
+        with pytest.raises(DecodeError) as e:
+            decode(data)
+        assert answer == f"REJECT {python_reason(str(e.value))}", name
+
+
+def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> None:
+    """The int8 broadcast's grid-coded tensors (docs/wire.md, section 5): the Java codec
+    decodes them to the same float32 bits and rejects the malformed ones for the same reason."""
+    import tests.test_wire as wire_tests
+
+    messages = []
+    g = torch.Generator().manual_seed(5)
+    for exponent in (-126, -9, 0, 120):
+        q = torch.randint(-127, 128, (400,), generator=g).float()
+        q[0] = 0.0
+        indices = torch.randperm(3000, generator=g)[:400].sort().values
+        update = SparseUpdate({"w": SparseTensor(indices, q * 2.0 ** exponent + 0.0, (30, 100)),
+                               "b": SparseTensor(torch.arange(3), torch.randn(3, generator=g),
+                                                 (3,))}, exponent + 200)
+        messages.append(encode(update, grid_coding=True))
+    assert all(len(m) < len(encode(decode(m))) for m in messages)  # really grid-coded
+    # The encoder never writes q = -128, but it is a valid int8: both decode it.
+    messages.append(wire_tests.message([wire_tests.tensor_record(
+        b"w", [4, 4], 2, 1, 0x40, wire_tests.raw_u32(3, 9), wire_tests.f32(0.5) + b"\x80\x00")]))
+    assert decode(messages[-1]).tensors["w"].values.tolist() == [-64.0, 0.0]
+    rejected = {name: data for name, (data, _) in wire_tests.REJECTIONS.items()
+                if name.startswith("grid_")}
     answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
                                         for m in [*messages, *rejected.values()]])
     for message, answer in zip(messages, answers, strict=False):

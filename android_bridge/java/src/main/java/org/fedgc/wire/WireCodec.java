@@ -271,10 +271,15 @@ public final class WireCodec {
         int valuesStart;
         /** Sign-coded values: the scale, then one sign bit per value (value dtype 128 + id). */
         boolean signed;
+        /** Grid-coded values: a power-of-two float32 scale, then one int8 per value (id 64). */
+        boolean grid;
     }
 
     /** Set in the value dtype byte of a sign-coded tensor (docs/wire.md, section 5). */
     public static final int SIGN_CODED = 0x80;
+
+    /** The value dtype id of a grid-coded float32 tensor (docs/wire.md, section 5). */
+    public static final int GRID_CODED = 0x40;
 
     /** {@code decode(data, Long.MAX_VALUE)}: any numel the format allows (up to 2^62). */
     public static SparseUpdate decode(byte[] data) throws DecodeException {
@@ -296,6 +301,10 @@ public final class WireCodec {
             long[] indices = decodeIndices(data, r);
             if (r.signed) {
                 tensors.put(r.name, decodeSigns(data, r, indices));
+                continue;
+            }
+            if (r.grid) {
+                tensors.put(r.name, decodeGrid(data, r, indices));
                 continue;
             }
             int[] bits32 = null;
@@ -320,6 +329,29 @@ public final class WireCodec {
             tensors.put(r.name, SparseTensor.wrap(r.shape, indices, r.dtype, bits32, bits16));
         }
         return new SparseUpdate(tensors, s.sequence);
+    }
+
+    /**
+     * A grid-coded tensor: value {@code j} is {@code q_j * scale} (exact in float32), with
+     * {@code q_j} the j-th signed byte. Rejects a scale that is not 2^e, e in [-126, 120].
+     */
+    private static SparseTensor decodeGrid(byte[] data, Record r, long[] indices)
+            throws DecodeException {
+        int scaleBits = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN).getInt(r.valuesStart);
+        int exponent = (scaleBits >>> 23) & 0xFF;  // biased: 2^e has exponent e + 127
+        if ((scaleBits & 0x807FFFFF) != 0 || exponent < 1 || exponent > 127 + 120) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': grid-coded scale " + Float.intBitsToFloat(scaleBits)
+                    + " is not a power of two 2**e with e in [-126, 120]");
+        }
+        float scale = Float.intBitsToFloat(scaleBits);
+        int[] bits32 = new int[r.count];
+        int q = r.valuesStart + 4;
+        for (int i = 0; i < r.count; i++) {
+            // exact: |q| <= 128 and a power-of-two scale; q = 0 gives +0.0f (scale > 0)
+            bits32[i] = Float.floatToRawIntBits(data[q + i] * scale);
+        }
+        return SparseTensor.wrap(r.shape, indices, ValueDtype.FLOAT32, bits32, null);
     }
 
     /**
@@ -514,12 +546,13 @@ public final class WireCodec {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_CODING, "tensor '" + name
                     + "' has unknown index coding id " + codingId + "; known: [0, 1, 2, 3]");
         }
+        boolean grid = dtypeId == GRID_CODED;
         boolean signed = (dtypeId & SIGN_CODED) != 0;
-        ValueDtype dtype = ValueDtype.fromWireId(dtypeId & ~SIGN_CODED);
+        ValueDtype dtype = grid ? ValueDtype.FLOAT32 : ValueDtype.fromWireId(dtypeId & ~SIGN_CODED);
         if (dtype == null) {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_DTYPE, "tensor '" + name
-                    + "' has unknown value dtype id " + dtypeId + "; known: [0, 1, 2] and, "
-                    + "sign-coded, [128, 129, 130]");
+                    + "' has unknown value dtype id " + dtypeId + "; known: [0, 1, 2], "
+                    + "sign-coded [128, 129, 130] and grid-coded 64");
         }
         if (coding == IndexCoding.ALL && (count != numel || indexBytes != 0)) {
             throw new DecodeException(DecodeException.Reason.BAD_INDEX_SECTION, "tensor '" + name
@@ -528,15 +561,16 @@ public final class WireCodec {
                     + " index bytes");
         }
         // Compared without forming index_bytes + count * size, which could overflow a long
-        // (count <= numel <= 2^62, so the sign-coded length count / 8 + ... cannot).
+        // (count <= numel <= 2^62, so the sign- and grid-coded lengths cannot).
         long left = end - pos;
         if (Long.compareUnsigned(indexBytes, left) > 0
                 || (signed ? dtype.sizeBytes + (count + 7) / 8 > left - indexBytes
+                    : grid ? 4 + count > left - indexBytes
                            : count > (left - indexBytes) / dtype.sizeBytes)) {
             throw truncated("tensor '" + name + "' needs " + Long.toUnsignedString(indexBytes)
-                    + " index bytes and " + count + (signed ? " sign-coded values" : " values of "
-                    + dtype.sizeBytes + " bytes") + " at offset " + pos + ", only " + left
-                    + " left");
+                    + " index bytes and " + count + (signed ? " sign-coded values"
+                    : grid ? " grid-coded values" : " values of " + dtype.sizeBytes + " bytes")
+                    + " at offset " + pos + ", only " + left + " left");
         }
         if (count > Integer.MAX_VALUE - 8) {  // sign bits fit, the decoded arrays would not
             throw new DecodeException(DecodeException.Reason.TOO_LARGE, "tensor '" + name
@@ -552,8 +586,9 @@ public final class WireCodec {
         r.indexBytes = (int) indexBytes;
         r.valuesStart = pos + (int) indexBytes;
         r.signed = signed;
+        r.grid = grid;
         return r.valuesStart + (signed ? dtype.sizeBytes + (r.count + 7) / 8
-                                       : r.count * dtype.sizeBytes);
+                                : grid ? 4 + r.count : r.count * dtype.sizeBytes);
     }
 
     private static long[] decodeIndices(byte[] data, Record r) throws DecodeException {
