@@ -28,6 +28,8 @@ from client.settings import (
 )
 
 DOWNLINKS = ("auto", "dense")
+#: The grids a compressed broadcast's matrix entries can be rounded to (``downlink_values``).
+DOWNLINK_VALUES = ("float16", "int8")
 ENGINES = ("ray", "local")
 
 __all__ = ["RunConfig", "SettingsError", "flatten", "load_toml"]
@@ -81,6 +83,12 @@ class ServerSettings:
                                       "hold (error feedback on the server; 1-D tensors whole); "
                                       "dense runs always get the exact model",
                                       Check(0.0, 1.0, low_open=True))
+    downlink_values: str = setting("float16", "downlink_values", "with downlink_density < 1: "
+                                   "the grid the broadcast's matrix entries are rounded to; "
+                                   "float16 (2 bytes per patch value) or int8 (1 byte: per "
+                                   "tensor a power-of-two step whose range is 8x its largest "
+                                   "initial entry, doubled when the model outgrows it)",
+                                   Check(choices=DOWNLINK_VALUES))
     clients_build_initial_model: bool = setting(
         False, "clients_build_initial_model", "clients build version 0 of the model from the "
         "run's seed as the server does (the app ships the initial model), so a first contact "

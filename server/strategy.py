@@ -51,6 +51,7 @@ from dgc import DecodeError, SparseTensor, SparseUpdate, TensorLayout
 from dgc.shared import Masks, SharedIndexPlanner, decode_signs, encode_mask
 from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from server.config import DOWNLINK_VALUES
 
 STRATEGY_STATE_VERSION = 1
 
@@ -135,6 +136,31 @@ class ReplyRejected(ValueError):
 
 
 # pylint: disable=too-many-instance-attributes
+#: The initial int8 grid of a broadcast tensor holds 2**this times its largest initial entry:
+#: weights grow in training, and each doubling of the step re-sends the whole tensor.
+_GRID_HEADROOM_BITS = 3
+
+
+def _grid_exponent(t: torch.Tensor, at_least: int | None = None) -> int | None:
+    """The exponent ``e`` of the finest int8 grid step ``2**e`` (at least ``2**at_least``)
+    that holds every entry of ``t``: ``127 * 2**e >= max |t|``. None for an all-zero tensor
+    when no step is set yet."""
+    peak = float(t.abs().max()) if t.numel() else 0.0
+    if peak == 0.0:
+        return at_least
+    mantissa, exponent = math.frexp(peak / 127.0)  # peak / 127 = mantissa * 2**exponent
+    e = exponent - 1 if mantissa == 0.5 else exponent
+    e = min(max(e, -126), 120)  # the scales the wire's grid coding carries
+    return e if at_least is None else max(e, at_least)
+
+
+def _int8_grid(t: torch.Tensor, exponent: int) -> torch.Tensor:
+    """``t`` rounded to the nearest multiples ``q * 2**exponent``, ``|q| <= 127`` (zeros as
+    +0.0, the only zero the grid coding carries)."""
+    scale = math.ldexp(1.0, exponent)
+    return torch.round(t / scale).clamp_(-127, 127).mul_(scale).add_(0.0)
+
+
 def _float16_grid(t: torch.Tensor) -> torch.Tensor:
     """``t`` rounded to the nearest float16 values, in float32 (values beyond float16's range
     unrounded)."""
@@ -181,6 +207,12 @@ class DGCStrategy(FedAvg):
         model then changes in few entries per round, so patches stay small. The copied matrix
         entries are rounded to float16, so patches carry them in two bytes (the rounding stays
         in the difference, like any entry not sent).
+    downlink_values : {"float16", "int8"} (default: "float16")
+        The grid the compressed broadcast's matrix entries are rounded to (with
+        ``downlink_density < 1``). "int8": per tensor a power-of-two step ``2**e``, the finest
+        with ``127 * 2**e >= max |entry|`` of the global model; patches carry one signed byte
+        per entry (``dgc.encode(grid_coding=True)``). When the global model outgrows the range
+        the step doubles and the whole tensor is sent again on the new grid (rare: it doubles).
     clients_build_initial_model : bool (default: False)
         Clients build version 0 of the model themselves (the app ships it: the same seeded
         ``task.build_model()`` as the server's), so a client's first message may be a patch on
@@ -229,6 +261,7 @@ class DGCStrategy(FedAvg):
         downlink: str = "auto",
         downlink_history: int = 1,
         downlink_density: float = 1.0,
+        downlink_values: str = "float16",
         clients_build_initial_model: bool = False,
         seed: int = 0,
         checkpoint_dir: str | Path | None = None,
@@ -280,9 +313,16 @@ class DGCStrategy(FedAvg):
         if isinstance(downlink_density, bool) or not isinstance(downlink_density, (int, float)) \
                 or not 0.0 < downlink_density <= 1.0:
             raise ValueError(f"downlink_density must be in (0, 1], got {downlink_density!r}")
+        if downlink_values not in DOWNLINK_VALUES:
+            raise ValueError(f"downlink_values must be one of {DOWNLINK_VALUES}, got "
+                             f"{downlink_values!r}")
         self.downlink = downlink
         self.downlink_history = downlink_history
         self.downlink_density = float(downlink_density)
+        self.downlink_values = downlink_values
+        # downlink_values "int8": per matrix, the exponent e of the broadcast's grid step 2**e
+        # (None while the tensor is all zeros: any grid holds it).
+        self.grid_exponents: dict[str, int | None] = {}
         # What the server assumes a client it never heard from holds.
         self.initial_versions = [0] if clients_build_initial_model else []
         self.seed = int(seed)
@@ -333,8 +373,9 @@ class DGCStrategy(FedAvg):
             self.clients_per_round, self.over_selection)
         log(INFO, "\t│\t├── Server learning rate: %s", self.server_learning_rate)
         log(INFO, "\t│\t├── Server momentum: %s", self.server_momentum)
-        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g%s)", self.downlink,
+        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g%s%s)", self.downlink,
             self.downlink_history, self.downlink_density,
+            f", {self.downlink_values} values" if self.downlink_density < 1.0 else "",
             ", clients build version 0" if self.initial_versions else "")
         log(INFO, "\t│\t├── Shared sign channel: %s", "off" if not self.shared_density else
             f"density {self.shared_density:g} (small tensors {self.shared_small_density:g}), "
@@ -355,6 +396,13 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.model = model
         self.broadcast = self._copy(model) if self.downlink_density < 1.0 else None
+        self.grid_exponents = {}
+        if self.downlink_density < 1.0 and self.downlink_values == "int8":
+            for k, v in model.items():
+                if v.dim() > 1:
+                    e = _grid_exponent(v)
+                    self.grid_exponents[k] = (None if e is None
+                                              else min(e + _GRID_HEADROOM_BITS, 120))
         self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
         self._measure_dense()
         if self.shared_density > 0 and self.shared_planner is None:
@@ -468,13 +516,16 @@ class DGCStrategy(FedAvg):
             idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
             values = t.view(-1)[idx].clone()
             half = values.to(torch.float16)
-            if torch.equal(half.to(torch.float32), values):
+            if name in self.grid_exponents:
+                pass  # on the tensor's int8 grid: the encoder's grid coding carries them
+            elif torch.equal(half.to(torch.float32), values):
                 # Values float16 holds exactly (every matrix entry the compressed broadcast
                 # wrote, see _follow) travel in half the bytes; the client's float32 copy of
                 # them is still bit for bit.
                 values = half
             tensors[name] = SparseTensor(idx, values, tuple(t.shape))
-        return dgc.encode(SparseUpdate(tensors, self.model_version))
+        return dgc.encode(SparseUpdate(tensors, self.model_version),
+                          grid_coding=bool(self.grid_exponents))
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -894,7 +945,9 @@ class DGCStrategy(FedAvg):
         The rounding halves the value bytes of every patch; what it drops (at most half a
         float16 step) stays in ``model - broadcast`` like any entry not sent, and is sent when
         the model moves on (error feedback on the server). Ranking by the rounded difference
-        never spends a slot on an entry whose rounded value the clients already hold.
+        never spends a slot on an entry whose rounded value the clients already hold. With
+        ``downlink_values="int8"`` the grid is the tensor's int8 grid instead (a quarter of the
+        float32 bytes); a tensor whose grid step had to double is copied whole, re-rounded.
         """
         out = self._copy(broadcast)
         matrices = [k for k, v in model.items() if v.dim() > 1]
@@ -903,8 +956,18 @@ class DGCStrategy(FedAvg):
                 out[k].copy_(v)
         if not matrices:
             return out
-        target = {k: _float16_grid(model[k]) for k in matrices}
-        diff = torch.cat([(target[k] - broadcast[k]).abs().view(-1) for k in matrices])
+        if self.grid_exponents:
+            target = {}
+            for k in matrices:
+                before = self.grid_exponents[k]
+                e = _grid_exponent(model[k], before)
+                self.grid_exponents[k] = e
+                target[k] = model[k].clone() if e is None else _int8_grid(model[k], e)
+                if before is not None and e != before:
+                    out[k].copy_(target[k])  # a coarser grid: every entry moves onto it
+        else:
+            target = {k: _float16_grid(model[k]) for k in matrices}
+        diff = torch.cat([(target[k] - out[k]).abs().view(-1) for k in matrices])
         count = min(diff.numel(), math.ceil(self.downlink_density * diff.numel()))
         # Ties are broken by position (stable sort), so the selection is reproducible.
         chosen = torch.sort(diff, descending=True, stable=True).indices[:count]
@@ -951,6 +1014,8 @@ class DGCStrategy(FedAvg):
             "model_names": list(self.model),
             "model_version": self.model_version,
             "broadcast": None if self.broadcast is None else dict(self.broadcast),
+            "downlink_values": self.downlink_values,
+            "grid_exponents": dict(self.grid_exponents),
             "momentum_buffer": self.momentum_buffer,
             "changed_at": dict(self.changed_at),
             "clients": {str(k): dict(v) for k, v in self.clients.items()},
@@ -985,6 +1050,11 @@ class DGCStrategy(FedAvg):
                                   f"{self.downlink_density:g}: clients hold the other model")
         self.broadcast = None if broadcast is None else OrderedDict(
             (k, broadcast[k].to(torch.float32).contiguous()) for k in state["model_names"])
+        written = state.get("downlink_values", "float16")
+        if broadcast is not None and written != self.downlink_values:
+            raise CheckpointError(f"checkpoint was written with downlink_values {written}, the "
+                                  f"run has {self.downlink_values}: clients hold the other grid")
+        self.grid_exponents = dict(state.get("grid_exponents", {}))
         self._measure_dense()
         self.completed_rounds = int(state["completed_rounds"])
         self.model_version = int(state["model_version"])

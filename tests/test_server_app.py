@@ -148,9 +148,11 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert all(by[(2, k)]["restored"] == "0" for k in others)
 
 
-def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
+@pytest.mark.parametrize("values", ["float16", "int8"])
+def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values):
     """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
-    are lost (the server then sends patches valid on either version the client may hold)."""
+    are lost (the server then sends patches valid on either version the client may hold), on
+    either grid of downlink_values."""
     lost = []
 
     def drop_some(reply):
@@ -162,7 +164,7 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
         return reply
 
     c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
-                downlink_density=0.01)
+                downlink_density=0.01, downlink_values=values)
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
     exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6)
     exact_summary = run_server(LocalGrid(client_app, 6), exact)
@@ -175,10 +177,16 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path):
     # The broadcast model lags the global model (what was not sent waits on the server).
     assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
     assert summary["downlink_bytes"] < exact_summary["downlink_bytes"]
+    assert bool(state["grid_exponents"]) == (values == "int8")
+    for k, e in state["grid_exponents"].items():  # what changed sits on the tensor's grid
+        start = strategy.sent_versions[0][k]
+        moved = state["broadcast"][k][state["broadcast"][k] != start] / 2.0 ** e
+        assert moved.numel() and torch.equal(moved, moved.round())
 
 
-def test_compressed_broadcast_resumes_exactly(tmp_path):
-    extra = {"downlink_density": 0.01, "downlink_history": 4}
+@pytest.mark.parametrize("values", ["float16", "int8"])
+def test_compressed_broadcast_resumes_exactly(tmp_path, values):
+    extra = {"downlink_density": 0.01, "downlink_history": 4, "downlink_values": values}
     whole = _config(tmp_path, run_name="whole", rounds=4, **extra)
     run_server(LocalGrid(client_app, 6, seed=1), whole)
     part = _config(tmp_path, run_name="part", rounds=2, **extra)
@@ -194,6 +202,11 @@ def test_compressed_broadcast_resumes_exactly(tmp_path):
     switched = _config(tmp_path, run_name="part", rounds=5, resume=True)
     with pytest.raises(Exception, match="downlink_density"):
         run_server(LocalGrid(client_app, 6, seed=4), switched)
+    other_grid = _config(tmp_path, run_name="part", rounds=5, resume=True,
+                         **{**extra, "downlink_values": "int8" if values == "float16"
+                            else "float16"})
+    with pytest.raises(Exception, match="downlink_values"):
+        run_server(LocalGrid(client_app, 6, seed=4), other_grid)
 
 
 def test_dense_runs_always_broadcast_the_exact_model(tmp_path):

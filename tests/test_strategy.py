@@ -17,6 +17,7 @@ from client import protocol as P
 from client.app import app as client_app
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.shared import decode_mask, encode_signs, take_signs
+from server.checkpoint import CheckpointError
 from server.local_grid import LocalGrid
 from server.strategy import DGCStrategy
 
@@ -468,6 +469,114 @@ def test_patches_carry_broadcast_values_in_float16_and_stay_exact():
         matrix_entries = sum(t.indices.numel() for n, t in patch.tensors.items()
                              if n.endswith("weight"))
         assert len(data) == len(as_float32) - 2 * matrix_entries
+
+
+def _on_grid(t: torch.Tensor, exponent: int) -> bool:
+    q = t / 2.0 ** exponent
+    return bool(torch.equal(q, q.round()) and q.abs().max() <= 127)
+
+
+def test_int8_broadcast_follows_the_model_on_a_power_of_two_grid():
+    """downlink_values="int8": each matrix gets the step 2**e, 8x headroom over its largest
+    initial entry; copied entries are the model's rounded to that grid, and repeated follows
+    reach the model up to that rounding."""
+    start, model = _model(0), _model(1)
+    s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8")
+    s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+    for k in ("fc1.weight", "fc2.weight"):
+        e = s.grid_exponents[k]
+        assert 127 * 2.0 ** (e - 4) < float(start[k].abs().max()) <= 127 * 2.0 ** (e - 3)
+    assert "fc1.bias" not in s.grid_exponents
+    exponents = dict(s.grid_exponents)
+    step = s._follow(s.broadcast, model)
+    assert s.grid_exponents == exponents  # the model fits the grid: no step doubled
+    matrices = sum(v.numel() for v in model.values() if v.dim() > 1)
+    changed = sum(int((step[k] != start[k]).sum()) for k in model if model[k].dim() > 1)
+    assert changed == math.ceil(0.05 * matrices)
+    for k, e in exponents.items():
+        moved = step[k] != start[k]
+        assert _on_grid(step[k][moved], e)
+        assert torch.equal(step[k][moved], (model[k][moved] / 2.0 ** e).round() * 2.0 ** e)
+    assert torch.equal(step["fc1.bias"], model["fc1.bias"])
+    for _ in range(math.ceil(1 / 0.05)):
+        step = s._follow(step, model)
+    for k, e in exponents.items():
+        assert torch.equal(step[k], (model[k] / 2.0 ** e).round() * 2.0 ** e + 0.0)
+
+
+def test_int8_grid_step_doubles_when_the_model_outgrows_it_and_moves_the_whole_tensor():
+    start = _model(0)
+    s = DGCStrategy(clients_per_round=2, downlink_density=0.01, downlink_values="int8",
+                    downlink_history=4)
+    s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+    e, e_fc1 = s.grid_exponents["fc2.weight"], s.grid_exponents["fc1.weight"]
+    grown = {k: v.clone() for k, v in start.items()}
+    grown["fc2.weight"][0, 0] = 127 * 2.0 ** e * 1.5  # beyond the grid: the step doubles
+    step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - grown[k]).view(-1),
+                                         tuple(v.shape)) for k, v in start.items()}, 1)
+    s._apply([step], [1.0])
+    assert s.grid_exponents["fc2.weight"] == e + 1
+    assert s.grid_exponents["fc1.weight"] == e_fc1  # fc1 keeps its own step
+    sent = s.sent_model["fc2.weight"]
+    assert _on_grid(sent, e + 1)
+    assert torch.equal(sent, (grown["fc2.weight"] / 2.0 ** (e + 1)).round() * 2.0 ** (e + 1)
+                       + 0.0)
+    # fc1.weight moved in only ceil(0.01 * n) entries at most; fc2.weight whole.
+    patch = dgc.decode(s._patch((0,)))
+    assert patch.tensors["fc2.weight"].nnz == int((sent != start["fc2.weight"]).sum())
+    assert patch.tensors["fc2.weight"].nnz > 0.9 * sent.numel()
+
+
+def test_int8_patches_carry_one_byte_per_matrix_entry_and_stay_exact():
+    start, target = _model(0), _model(1)
+    patches = {}
+    for values in ("float16", "int8"):
+        s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_history=4,
+                        downlink_values=values)
+        s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+        step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - target[k]).view(-1),
+                                             tuple(v.shape)) for k, v in start.items()}, 1)
+        s._apply([step], [1.0])
+        data = s._patch((0,))
+        held = {k: v.clone() for k, v in start.items()}
+        for n, t in dgc.decode(data).tensors.items():
+            held[n].view(-1)[t.indices] = t.values.to(torch.float32)
+        assert all(torch.equal(held[k].view(torch.int32), s.sent_model[k].view(torch.int32))
+                   for k in held)
+        patches[values] = (data, dgc.decode(data))
+    (half, half_patch), (grid, grid_patch) = patches["float16"], patches["int8"]
+    assert dgc.wire.tensor_codings(grid) == dgc.wire.tensor_codings(half)
+    matrix_entries = sum(t.nnz for n, t in grid_patch.tensors.items() if n.endswith("weight"))
+    assert matrix_entries == sum(t.nnz for n, t in half_patch.tensors.items()
+                                 if n.endswith("weight"))
+    index_bytes = {d: sum(dgc.wire.index_bits(t.indices, math.prod(t.shape), "auto") // 8
+                          for t in p.tensors.values()) for d, p in
+                   (("half", half_patch), ("grid", grid_patch))}
+    # The same entries move (ranked on different grids, so not the very same ones): the
+    # values shrink from two bytes to one, plus a 4-byte scale per matrix.
+    assert len(grid) - index_bytes["grid"] == len(half) - index_bytes["half"] \
+        - matrix_entries + 2 * 4
+
+
+def test_int8_broadcast_state_survives_a_checkpoint_and_refuses_the_other_grid():
+    start = _model(0)
+    s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8")
+    s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+    s.grid_exponents["fc2.weight"] += 1  # as after a doubling
+    state = s.state_dict()
+    again = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8")
+    again.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+    again.load_state_dict(state)
+    assert again.grid_exponents == s.grid_exponents
+    other = DGCStrategy(clients_per_round=2, downlink_density=0.05)
+    with pytest.raises(CheckpointError, match="downlink_values int8, the run has float16"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("bad", ["int4", "", None, 8])
+def test_downlink_values_must_be_a_known_grid(bad):
+    with pytest.raises(ValueError, match="downlink_values must be one of"):
+        DGCStrategy(downlink_values=bad)
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -1.0, 1.01, True, "0.1"])
