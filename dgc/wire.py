@@ -13,10 +13,11 @@ gaps. Value dtypes: 0 float32, 1 float16, 2 bfloat16, carried as their raw bits.
 with the high bit set (``SIGN_CODED``: 128, 129, 130) marks a sign-coded tensor, whose values are
 all ``+scale`` or ``-scale``: its value section is the scale (raw bits of the base dtype) and one
 sign bit per value (``size + ceil(count / 8)`` bytes), what ternary DGC sends (``encode(...,
-sign_coding=True)``). Value dtype 64 (``GRID_CODED``, float32 only) marks a grid-coded tensor,
-whose values are all ``q * scale`` with ``q`` an int8 and ``scale`` a power of two: its value
-section is the scale (float32 bits) and one signed byte per value (``4 + count`` bytes), what a
-server's int8 broadcast sends (``encode(..., grid_coding=True)``).
+sign_coding=True)``). Value dtypes 64 and 65 (``GRID_CODED``, ``GRID_RICE_CODED``, float32 only)
+mark a grid-coded tensor, whose values are all ``q * scale`` with ``q`` an int8 and ``scale`` a
+power of two: its value section is the scale (float32 bits) and one signed byte per value
+(``4 + count`` bytes), or the scale and the zigzagged ``q`` as the gaps of a Golomb-Rice
+section; what a server's int8 broadcast sends (``encode(..., grid_coding=True)``).
 
 :func:`decode` first walks the headers (so truncated or trailing input is named as such and no
 payload is touched before its length is known to be present), then checks the CRC, then decodes
@@ -54,6 +55,11 @@ _DTYPES_BY_ID = {v: k for k, v in VALUE_DTYPE_IDS.items()}
 SIGN_CODED = 0x80
 #: The value dtype id of a grid-coded tensor (float32 values int8 * power-of-two scale; 5).
 GRID_CODED = 0x40
+#: The same with the int8s Rice-coded, zigzagged, as the gaps of a Golomb-Rice section (5).
+GRID_RICE_CODED = 0x41
+_GRID_CODINGS = (GRID_CODED, GRID_RICE_CODED)
+#: Head of a Rice-coded grid section: scale, numel of the gap sequence, Golomb-Rice bytes.
+_GRID_RICE_HEAD = struct.Struct("<fQQ")
 #: A grid-coded scale is 2**e with e in [-126, 120]: every int8 multiple is exact and finite.
 _GRID_EXPONENTS = (-126, 120)
 _RAW_BITS = {  # wire dtype, torch view dtype, exponent mask (all ones = Inf or NaN)
@@ -177,12 +183,13 @@ def _sign_scale(raw: np.ndarray) -> int | None:
     return scale
 
 
-def _grid_section(values: torch.Tensor) -> bytes | None:
-    """The grid-coded section of float32 values that are all ``q * 2**e`` with int8 ``q`` (the
-    scale, then a signed byte per value), when it is smaller than the plain one; else None.
+def _grid_values(values: torch.Tensor) -> tuple[float, np.ndarray] | None:
+    """``(scale, q)`` of float32 values that are all ``q * scale`` with int8 ``q`` and a
+    power-of-two scale, at least 2 of them; else None.
 
-    The scale is the finest power of two that keeps every ``|q| <= 127``: if the values sit on
-    any power-of-two int8 grid, they sit on that one.
+    The scale is the coarsest power of two the values sit on (with every ``|q| <= 127``): the
+    finest that keeps ``|q| <= 127`` holds them if any power-of-two int8 grid does, and is then
+    coarsened while every ``q`` is even (small ``q`` for the Rice coding).
     """
     if values.dtype != torch.float32 or values.numel() < 2:
         return None
@@ -196,7 +203,39 @@ def _grid_section(values: torch.Tensor) -> bytes | None:
     # What a decoder computes, bit for bit (this also turns away -0.0: 0 * scale is +0.0)
     if not np.array_equal((q.astype(np.float32) * scale).view(np.uint32), v.view(np.uint32)):
         return None
-    return np.array(scale, dtype="<f4").tobytes() + q.tobytes()
+    nonzero = q[q != 0]
+    if nonzero.size:  # the common trailing zero bits of the q: at most 6
+        low = int(np.bitwise_or.reduce(nonzero.astype(np.int64) & -nonzero.astype(np.int64)))
+        shift = min((low & -low).bit_length() - 1, _GRID_EXPONENTS[1] - exponent)
+        if shift > 0:
+            q = q >> shift
+            scale = np.float32(math.ldexp(1.0, exponent + shift))
+    return float(scale), q
+
+
+def _zigzag_positions(q: np.ndarray) -> np.ndarray:
+    """The increasing sequence whose Golomb gaps are the zigzagged ``q`` (0, -1, 1, -2, ... ->
+    0, 1, 2, 3, ...): ``cumsum(zigzag(q) + 1) - 1``."""
+    q64 = q.astype(np.int64)
+    return np.cumsum(np.where(q64 >= 0, 2 * q64, -2 * q64 - 1) + 1) - 1
+
+
+def _grid_section(values: torch.Tensor) -> tuple[int, bytes] | None:
+    """``(value dtype id, section)`` of grid values: the scale then one signed byte each
+    (GRID_CODED), or, when smaller, the scale and the zigzagged int8s as the gaps of a
+    Golomb-Rice section (GRID_RICE_CODED); None for values off every power-of-two int8 grid."""
+    grid = _grid_values(values)
+    if grid is None:
+        return None
+    scale, q = grid
+    plain = struct.pack("<f", scale) + q.tobytes()
+    positions = _zigzag_positions(q)
+    numel = int(positions[-1]) + 1
+    rice_bytes, b = golomb.golomb_size(positions, numel)
+    if _GRID_RICE_HEAD.size + rice_bytes < len(plain):
+        return GRID_RICE_CODED, (_GRID_RICE_HEAD.pack(scale, numel, rice_bytes)
+                                 + golomb.golomb_encode(positions, numel, b))
+    return GRID_CODED, plain
 
 
 def _values_section(values: torch.Tensor, sign_coding: bool,
@@ -212,12 +251,13 @@ def _values_section(values: torch.Tensor, sign_coding: bool,
         return dtype_id | SIGN_CODED, np.array(scale, dtype=raw.dtype).tobytes() + signs.tobytes()
     grid = _grid_section(values) if grid_coding else None
     if grid is not None:
-        return GRID_CODED, grid
+        return grid
     return dtype_id, raw.tobytes()
 
 
 def _values_nbytes(dtype: torch.dtype, count: int, coding: int = 0) -> int:
-    """Bytes of a value section: ``coding`` is 0 (plain), SIGN_CODED or GRID_CODED."""
+    """Bytes of a value section: ``coding`` is 0 (plain), SIGN_CODED or GRID_CODED (a
+    GRID_RICE_CODED section says its own length)."""
     size = _RAW_BITS[dtype][1].itemsize
     if coding == SIGN_CODED:
         return size + (count + 7) // 8
@@ -268,9 +308,10 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
         them, but phones do not send ternary updates).
     grid_coding
         Send a float32 tensor whose values are all ``q * 2**e`` with int8 ``q`` (a server's
-        int8 broadcast) as the scale and one signed byte per value, when that is smaller; the
-        decoded values are the same bits. Off by default: decoders that predate it reject such
-        tensors (the Java codec reads them).
+        int8 broadcast) as the scale and one signed byte per value, or the ``q`` Rice-coded
+        when that is smaller still, when that is smaller than plain; the decoded values are the
+        same bits. Off by default: decoders that predate it reject such tensors (the Java codec
+        reads them).
 
     Raises
     ------
@@ -302,14 +343,14 @@ def encoded_size(update: SparseUpdate, index_coding: str = "auto",
         indices = _check_tensor(name, t)
         coding, _ = _choose_coding(indices, t.numel, index_coding, name)
         index_bytes = 0 if coding == "all" else _index_sizes(indices, t.numel)[0][coding]
-        value_coding = 0
         if sign_coding and _sign_scale(_raw_values(t.values)) is not None:
-            value_coding = SIGN_CODED
-        elif grid_coding and _grid_section(t.values) is not None:
-            value_coding = GRID_CODED
+            value_bytes = _values_nbytes(t.values.dtype, t.nnz, SIGN_CODED)
+        elif grid_coding and (grid := _grid_section(t.values)) is not None:
+            value_bytes = len(grid[1])
+        else:
+            value_bytes = _values_nbytes(t.values.dtype, t.nnz)
         total += (_NAME_LEN.size + len(name.encode("utf-8")) + _NDIM.size
-                  + _DIM.size * len(t.shape) + _TENSOR_TAIL.size + index_bytes
-                  + _values_nbytes(t.values.dtype, t.nnz, value_coding))
+                  + _DIM.size * len(t.shape) + _TENSOR_TAIL.size + index_bytes + value_bytes)
     return total
 
 
@@ -347,7 +388,9 @@ class _TensorRecord:
     index_start: int
     index_bytes: int
     values_start: int
-    value_coding: int = 0  # SIGN_CODED: scale, a sign bit each; GRID_CODED: scale, int8 each
+    value_coding: int = 0  # SIGN_CODED: scale, a sign bit each; GRID_CODED: scale, int8 each;
+    # GRID_RICE_CODED: scale, then the int8s Rice-coded
+    values_length: int = 0  # bytes of the value section
 
 
 def _read(fmt: struct.Struct, data: memoryview, pos: int, end: int, what: str) -> tuple:
@@ -398,22 +441,32 @@ def _read_record(data: memoryview, pos: int, end: int, k: int, max_numel: int | 
     if coding not in _CODING_NAMES:
         raise DecodeError(f"tensor {name!r} has unknown index coding id {coding}; known: "
                           f"{sorted(_CODING_NAMES)}")
-    value_coding = GRID_CODED if dtype_id == GRID_CODED else dtype_id & SIGN_CODED
-    if dtype_id != GRID_CODED and dtype_id & ~SIGN_CODED not in _DTYPES_BY_ID:
+    value_coding = dtype_id if dtype_id in _GRID_CODINGS else dtype_id & SIGN_CODED
+    if dtype_id not in _GRID_CODINGS and dtype_id & ~SIGN_CODED not in _DTYPES_BY_ID:
         raise DecodeError(f"tensor {name!r} has unknown value dtype id {dtype_id}; known: "
                           f"{sorted(_DTYPES_BY_ID)}, sign-coded "
                           f"{sorted(i | SIGN_CODED for i in _DTYPES_BY_ID)} and grid-coded "
-                          f"{GRID_CODED}")
+                          f"{list(_GRID_CODINGS)}")
     if coding == INDEX_CODINGS["all"] and (count != numel or index_bytes != 0):
         raise DecodeError(f"tensor {name!r}: coding 'all' needs count == numel and no index "
                           f"bytes, got count {count}, numel {numel}, {index_bytes} index bytes")
-    dtype = torch.float32 if value_coding == GRID_CODED else _DTYPES_BY_ID[dtype_id & ~SIGN_CODED]
-    value_bytes = _values_nbytes(dtype, count, value_coding)
+    dtype = (torch.float32 if value_coding in _GRID_CODINGS
+             else _DTYPES_BY_ID[dtype_id & ~SIGN_CODED])
+    if value_coding == GRID_RICE_CODED:
+        head = pos + index_bytes
+        if head + _GRID_RICE_HEAD.size > end:
+            raise DecodeError(f"truncated input: tensor {name!r} needs {index_bytes} index bytes "
+                              f"and a {_GRID_RICE_HEAD.size}-byte grid head at offset {pos}, "
+                              f"only {end - pos} left")
+        _, _, rice_bytes = _GRID_RICE_HEAD.unpack_from(data, head)
+        value_bytes = _GRID_RICE_HEAD.size + rice_bytes
+    else:
+        value_bytes = _values_nbytes(dtype, count, value_coding)
     if pos + index_bytes + value_bytes > end:
         raise DecodeError(f"truncated input: tensor {name!r} needs {index_bytes} index bytes and "
                           f"{value_bytes} value bytes at offset {pos}, only {end - pos} left")
     record = _TensorRecord(name, tuple(shape), numel, count, coding, dtype, pos, index_bytes,
-                           pos + index_bytes, value_coding)
+                           pos + index_bytes, value_coding, value_bytes)
     return record, pos + index_bytes + value_bytes
 
 
@@ -522,19 +575,37 @@ def _decode_signs(data: memoryview, r: _TensorRecord) -> np.ndarray:
 
 
 def _decode_grid(data: memoryview, r: _TensorRecord) -> torch.Tensor:
-    """The values of a grid-coded tensor, ``q * scale`` (exact), the scale checked."""
+    """The values of a grid-coded tensor, ``q * scale`` (exact), the scale and, Rice-coded,
+    the int8s checked."""
     (scale,) = struct.unpack_from("<f", data, r.values_start)
     mantissa, exponent = math.frexp(scale) if math.isfinite(scale) else (0.0, 0)
     if mantissa != 0.5 or not _GRID_EXPONENTS[0] <= exponent - 1 <= _GRID_EXPONENTS[1]:
         raise DecodeError(f"tensor {r.name!r}: grid-coded scale {scale!r} is not a power of two "
                           f"2**e with e in [{_GRID_EXPONENTS[0]}, {_GRID_EXPONENTS[1]}]")
-    q = np.frombuffer(data, dtype=np.int8, count=r.count, offset=r.values_start + 4)
+    if r.value_coding == GRID_CODED:
+        q = np.frombuffer(data, dtype=np.int8, count=r.count, offset=r.values_start + 4)
+        return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
+    _, numel, rice_bytes = _GRID_RICE_HEAD.unpack_from(data, r.values_start)
+    # Each zigzagged int8 is at most 255, so the gap sequence spans at most 256 per value.
+    if numel > min(256 * r.count, golomb.MAX_NUMEL):
+        raise DecodeError(f"tensor {r.name!r}: grid-coded values (Rice) claim a span of {numel}, "
+                          f"above 256 per value")
+    start = r.values_start + _GRID_RICE_HEAD.size
+    try:
+        positions = golomb.golomb_decode(data[start:start + rice_bytes], r.count, numel)
+    except golomb.IndexCodingError as e:
+        raise DecodeError(f"tensor {r.name!r}: grid-coded values (Rice): {e}") from e
+    z = np.diff(positions.astype(np.int64), prepend=-1) - 1
+    if (int(positions[-1]) + 1 if r.count else 0) != numel or (r.count and int(z.max()) > 255):
+        raise DecodeError(f"tensor {r.name!r}: grid-coded values (Rice) are not canonical: a "
+                          f"span other than the gaps' or a value beyond int8")
+    q = (z >> 1) ^ -(z & 1)  # un-zigzag
     return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
 
 
 def _decode_values(data: memoryview, r: _TensorRecord) -> torch.Tensor:
     wire_dtype, view_dtype, exponent_mask = _RAW_BITS[r.dtype]
-    if r.value_coding == GRID_CODED:
+    if r.value_coding in _GRID_CODINGS:
         return _decode_grid(data, r)
     if r.value_coding == SIGN_CODED:
         signed_bits = _decode_signs(data, r).astype(wire_dtype.replace("u", "i"))

@@ -308,6 +308,26 @@ def f32(*vals: float) -> bytes:
     return np.array(vals, dtype="<f4").tobytes()
 
 
+def tensor_value_dtypes(data: bytes) -> dict[str, int]:
+    """How each tensor's values are coded (0 plain, or the sign- or grid-coded id), by name."""
+    from dgc.wire import _read_structure
+
+    _, records = _read_structure(memoryview(data), None)
+    return {r.name: r.value_coding for r in records}
+
+
+def rice_of(positions: list[int], numel: int | None = None) -> tuple[int, bytes]:
+    """(length, bytes) of the Golomb-Rice section of ``positions`` (their last + 1 entries)."""
+    section = gr.golomb_encode(np.array(positions, dtype=np.int64),
+                                   numel or positions[-1] + 1)
+    return len(section), section
+
+
+def rice_grid(scale: float, span: int, nbytes: int, section: bytes) -> bytes:
+    """A Rice-coded grid value section: scale, span, section length, section."""
+    return struct.pack("<fQQ", scale, span, nbytes) + section
+
+
 def raw_u32(*idx: int) -> bytes:
     return np.array(idx, dtype="<u4").tobytes()
 
@@ -427,9 +447,31 @@ REJECTIONS = {
                              "is not a power of two"),
     "grid_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
                                             f32(0.5) + b"\x01")]), "truncated input"),
-    "grid_half_base": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
-                                              f32(0.5) + b"\x01\xff")]),
-                       "unknown value dtype id 65"),
+    "grid_unknown_id": (message([tensor_record(b"w", [4, 4], 2, 1, 0x42, raw_u32(3, 9),
+                                               f32(0.5) + b"\x01\xff")]),
+                        "unknown value dtype id 66"),
+    # Rice-coded grid (value dtype 65): scale, span, Golomb-Rice bytes, then the section.
+    "grid_rice_head_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
+                                                      f32(0.5) + b"\x00" * 8)]),
+                               "truncated input"),
+    "grid_rice_section_missing": (message([tensor_record(
+        b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9), rice_grid(0.5, 3, 5, b"\x00\x03"))]),
+        "truncated input"),
+    "grid_rice_bad_scale": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
+                                                   rice_grid(3.0, 3, *rice_of([0, 2])))]),
+                            "grid-coded scale 3.0 is not a power of two"),
+    "grid_rice_span_too_large": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
+                                                        rice_grid(0.5, 513, *rice_of([0, 2])))]),
+                                 "claim a span of 513, above 256 per value"),
+    "grid_rice_span_not_canonical": (message([tensor_record(
+        b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9), rice_grid(0.5, 5, *rice_of([0, 2], 5)))]),
+        "are not canonical"),
+    "grid_rice_beyond_int8": (message([tensor_record(
+        b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9), rice_grid(0.5, 258, *rice_of([0, 257])))]),
+        "are not canonical"),
+    "grid_rice_bad_section": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
+                                                     rice_grid(0.5, 3, 2, b"\x3f\x01"))]),
+                              "grid-coded values (Rice): Rice parameter 63"),
 }
 
 
@@ -512,15 +554,43 @@ def test_grid_coding_leaves_values_off_every_int8_grid_plain() -> None:
         assert encoded_size(update, grid_coding=True) == len(encode(update)), name
 
 
-def test_grid_coding_picks_the_finest_grid_that_fits() -> None:
-    # Multiples of 2**-4 up to 1.0 sit on 2**-4 with |q| <= 16, but the encoder writes the
-    # finest step that keeps |q| <= 127 (2**-6): any power-of-two int8 grid implies that one.
+def test_grid_coding_picks_the_coarsest_grid_the_values_sit_on() -> None:
+    # Multiples of 2**-4 up to 1.0: the finest step with |q| <= 127 is 2**-6 (q = 64, -4, 32),
+    # but the encoder writes the coarsest they sit on, 2**-4 (q = 16, -1, 8).
     values = torch.tensor([1.0, -0.0625, 0.5], dtype=torch.float32)
     data = encode(SparseUpdate({"w": SparseTensor(torch.arange(3), values, (4,))}, 0),
                   "raw", grid_coding=True)
     section = data[-4 - 7:-4]
-    assert section == bytes.fromhex("0000803c") + bytes([64, 256 - 4, 32])
+    assert section == bytes.fromhex("0000803d") + bytes([16, 256 - 1, 8])
     assert decode(data).tensors["w"].values.tolist() == values.tolist()
+
+
+def test_hand_built_rice_grid_message_decodes() -> None:
+    # q = 0, -1, 1, 2 zigzag to 0, 1, 2, 4: the gaps of positions 0, 2, 5, 10 (span 11).
+    nbytes, section = rice_of([0, 2, 5, 10])
+    data = message([tensor_record(b"w", [4, 4], 4, 1, 0x41, raw_u32(1, 3, 9, 10),
+                                  rice_grid(0.25, 11, nbytes, section))], 2)
+    t = decode(data).tensors["w"]
+    assert t.values.dtype == torch.float32 and t.values.tolist() == [0.0, -0.25, 0.25, 0.5]
+    assert str(t.values[0].item()) == "0.0"  # +0.0
+
+
+@pytest.mark.parametrize("spread", [1, 5, 20])
+def test_rice_grid_coding_round_trips_and_beats_a_byte_per_value(spread: int) -> None:
+    """Grid values that cluster near zero (weights on a grid) take fewer than 8 bits each."""
+    g = torch.Generator().manual_seed(spread)
+    count = 5000
+    q = (torch.randn(count, generator=g) * spread).round().clamp(-127, 127)
+    q[0] = 127  # the peak sets the grid; the rest are small
+    values = q * 2.0 ** -9 + 0.0
+    indices = torch.randperm(80_000, generator=g)[:count].sort().values
+    update = SparseUpdate({"w": SparseTensor(indices, values, (200, 400))}, 4)
+    data, plain = encode(update, grid_coding=True), encode(update)
+    assert encoded_size(update, grid_coding=True) == len(data)
+    assert_same(decode(data), update)
+    value_bits = 8 * (len(data) - (len(plain) - 4 * count)) / count
+    assert value_bits < {1: 3.5, 5: 5.5, 20: 7.5}[spread]
+    assert decode_many([data])[0].tensors["w"].values.tolist() == values.tolist()
 
 
 def test_sign_coding_leaves_tensors_of_several_magnitudes_plain() -> None:
