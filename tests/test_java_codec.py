@@ -45,8 +45,7 @@ PYTHON_REASONS = [
     (r"unknown index coding", "UNKNOWN_CODING"),
     (r"unknown value dtype", "UNKNOWN_DTYPE"),
     (r"is NaN or Inf", "NON_FINITE_VALUE"),
-    (r"sign-coded scale must|padding after the last sign|grid-coded scale",
-     "BAD_VALUE_SECTION"),
+    (r"sign-coded scale must|padding after the last sign|grid-coded", "BAD_VALUE_SECTION"),
     (r"does not increase", "INDEX_NOT_INCREASING"),
     (r"out of range|a gap exceeds|run past", "INDEX_OUT_OF_RANGE"),
     (r"coding 'all' needs|indices\): ", "BAD_INDEX_SECTION"),
@@ -264,8 +263,9 @@ def test_java_decodes_sign_coded_values_as_python_does(java_classpath: Path) -> 
 
 
 def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> None:
-    """The int8 broadcast's grid-coded tensors (docs/wire.md, section 5): the Java codec
-    decodes them to the same float32 bits and rejects the malformed ones for the same reason."""
+    """The int8 broadcast's grid-coded tensors, a byte per value and Rice-coded (docs/wire.md,
+    section 5): the Java codec decodes them to the same float32 bits and rejects the malformed
+    ones for the same reason."""
     import tests.test_wire as wire_tests
 
     messages = []
@@ -274,11 +274,16 @@ def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> 
         q = torch.randint(-127, 128, (400,), generator=g).float()
         q[0] = 0.0
         indices = torch.randperm(3000, generator=g)[:400].sort().values
-        update = SparseUpdate({"w": SparseTensor(indices, q * 2.0 ** exponent + 0.0, (30, 100)),
-                               "b": SparseTensor(torch.arange(3), torch.randn(3, generator=g),
-                                                 (3,))}, exponent + 200)
-        messages.append(encode(update, grid_coding=True))
+        small = (torch.randn(400, generator=g) * 4).round().clamp(-127, 127)
+        small[0] = 127  # Rice-coded: the values cluster near zero
+        for values in (q, small):
+            update = SparseUpdate(
+                {"w": SparseTensor(indices, values * 2.0 ** exponent + 0.0, (30, 100)),
+                 "b": SparseTensor(torch.arange(3), torch.randn(3, generator=g), (3,))},
+                exponent + 200)
+            messages.append(encode(update, grid_coding=True))
     assert all(len(m) < len(encode(decode(m))) for m in messages)  # really grid-coded
+    assert {wire_tests.tensor_value_dtypes(m)["w"] for m in messages} == {0x40, 0x41}
     # The encoder never writes q = -128, but it is a valid int8: both decode it.
     messages.append(wire_tests.message([wire_tests.tensor_record(
         b"w", [4, 4], 2, 1, 0x40, wire_tests.raw_u32(3, 9), wire_tests.f32(0.5) + b"\x80\x00")]))

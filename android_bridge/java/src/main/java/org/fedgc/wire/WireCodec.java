@@ -271,8 +271,11 @@ public final class WireCodec {
         int valuesStart;
         /** Sign-coded values: the scale, then one sign bit per value (value dtype 128 + id). */
         boolean signed;
-        /** Grid-coded values: a power-of-two float32 scale, then one int8 per value (id 64). */
+        /** Grid-coded values: a power-of-two float32 scale, then one int8 per value (id 64),
+         * or the int8s Rice-coded (id 65). */
         boolean grid;
+        boolean gridRice;
+        int valuesLength;
     }
 
     /** Set in the value dtype byte of a sign-coded tensor (docs/wire.md, section 5). */
@@ -280,6 +283,12 @@ public final class WireCodec {
 
     /** The value dtype id of a grid-coded float32 tensor (docs/wire.md, section 5). */
     public static final int GRID_CODED = 0x40;
+
+    /** The value dtype id of a grid-coded tensor whose int8s are Rice-coded (section 5). */
+    public static final int GRID_RICE_CODED = 0x41;
+
+    /** Scale (f32), span (u64) and Golomb-Rice bytes (u64) before a Rice-coded grid section. */
+    private static final int GRID_RICE_HEAD = 20;
 
     /** {@code decode(data, Long.MAX_VALUE)}: any numel the format allows (up to 2^62). */
     public static SparseUpdate decode(byte[] data) throws DecodeException {
@@ -345,13 +354,56 @@ public final class WireCodec {
                     + " is not a power of two 2**e with e in [-126, 120]");
         }
         float scale = Float.intBitsToFloat(scaleBits);
+        int[] q = new int[r.count];
+        if (r.gridRice) {
+            riceGrid(data, r, q);
+        } else {
+            for (int i = 0; i < r.count; i++) {
+                q[i] = data[r.valuesStart + 4 + i];
+            }
+        }
         int[] bits32 = new int[r.count];
-        int q = r.valuesStart + 4;
         for (int i = 0; i < r.count; i++) {
             // exact: |q| <= 128 and a power-of-two scale; q = 0 gives +0.0f (scale > 0)
-            bits32[i] = Float.floatToRawIntBits(data[q + i] * scale);
+            bits32[i] = Float.floatToRawIntBits(q[i] * scale);
         }
         return SparseTensor.wrap(r.shape, indices, ValueDtype.FLOAT32, bits32, null);
+    }
+
+    /**
+     * The int8s of a Rice-coded grid section into {@code q}: the zigzagged values are the gaps
+     * of a Golomb-Rice section over a span of at most 256 per value, which must end exactly at
+     * its last position; each gap at most 255.
+     */
+    private static void riceGrid(byte[] data, Record r, int[] q) throws DecodeException {
+        ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
+        long span = in.getLong(r.valuesStart + 4);
+        if (Long.compareUnsigned(span, Math.min(256L * r.count, SparseTensor.MAX_NUMEL)) > 0) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': grid-coded values (Rice) claim a span of "
+                    + Long.toUnsignedString(span) + ", above 256 per value");
+        }
+        long[] positions;
+        try {
+            positions = IndexSections.golombDecode(data, r.valuesStart + GRID_RICE_HEAD,
+                    r.valuesLength - GRID_RICE_HEAD, r.count, span);
+        } catch (DecodeException e) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': grid-coded values (Rice): " + e.getMessage());
+        }
+        long previous = -1;
+        boolean canonical = (r.count == 0 ? 0 : positions[r.count - 1] + 1) == span;
+        for (int i = 0; i < r.count && canonical; i++) {
+            long z = positions[i] - previous - 1;
+            previous = positions[i];
+            canonical = z <= 255;
+            q[i] = (int) ((z >>> 1) ^ -(z & 1));  // un-zigzag
+        }
+        if (!canonical) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': grid-coded values (Rice) are not canonical: a span other "
+                    + "than the gaps' or a value beyond int8");
+        }
     }
 
     /**
@@ -546,13 +598,14 @@ public final class WireCodec {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_CODING, "tensor '" + name
                     + "' has unknown index coding id " + codingId + "; known: [0, 1, 2, 3]");
         }
-        boolean grid = dtypeId == GRID_CODED;
+        boolean gridRice = dtypeId == GRID_RICE_CODED;
+        boolean grid = dtypeId == GRID_CODED || gridRice;
         boolean signed = (dtypeId & SIGN_CODED) != 0;
         ValueDtype dtype = grid ? ValueDtype.FLOAT32 : ValueDtype.fromWireId(dtypeId & ~SIGN_CODED);
         if (dtype == null) {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_DTYPE, "tensor '" + name
                     + "' has unknown value dtype id " + dtypeId + "; known: [0, 1, 2], "
-                    + "sign-coded [128, 129, 130] and grid-coded 64");
+                    + "sign-coded [128, 129, 130] and grid-coded [64, 65]");
         }
         if (coding == IndexCoding.ALL && (count != numel || indexBytes != 0)) {
             throw new DecodeException(DecodeException.Reason.BAD_INDEX_SECTION, "tensor '" + name
@@ -563,8 +616,15 @@ public final class WireCodec {
         // Compared without forming index_bytes + count * size, which could overflow a long
         // (count <= numel <= 2^62, so the sign- and grid-coded lengths cannot).
         long left = end - pos;
+        long riceBytes = 0;
+        if (gridRice && Long.compareUnsigned(indexBytes, left) <= 0
+                && left - indexBytes >= GRID_RICE_HEAD) {
+            riceBytes = in.getLong(pos + (int) indexBytes + 12);  // `in` is little-endian
+        }
         if (Long.compareUnsigned(indexBytes, left) > 0
                 || (signed ? dtype.sizeBytes + (count + 7) / 8 > left - indexBytes
+                    : gridRice ? left - indexBytes < GRID_RICE_HEAD || Long.compareUnsigned(
+                            riceBytes, left - indexBytes - GRID_RICE_HEAD) > 0
                     : grid ? 4 + count > left - indexBytes
                            : count > (left - indexBytes) / dtype.sizeBytes)) {
             throw truncated("tensor '" + name + "' needs " + Long.toUnsignedString(indexBytes)
@@ -587,8 +647,11 @@ public final class WireCodec {
         r.valuesStart = pos + (int) indexBytes;
         r.signed = signed;
         r.grid = grid;
-        return r.valuesStart + (signed ? dtype.sizeBytes + (r.count + 7) / 8
-                                : grid ? 4 + r.count : r.count * dtype.sizeBytes);
+        r.gridRice = gridRice;
+        r.valuesLength = signed ? dtype.sizeBytes + (r.count + 7) / 8
+                : gridRice ? GRID_RICE_HEAD + (int) riceBytes
+                : grid ? 4 + r.count : r.count * dtype.sizeBytes;
+        return r.valuesStart + r.valuesLength;
     }
 
     private static long[] decodeIndices(byte[] data, Record r) throws DecodeException {
