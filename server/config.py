@@ -85,7 +85,7 @@ class ServerSettings:
                                       Check(0.0, 1.0, low_open=True))
     downlink_values: str = setting("float16", "downlink_values", "with downlink_density < 1: "
                                    "the grid the broadcast's matrix entries are rounded to; "
-                                   "float16 (2 bytes per patch value) or int8 (1 byte: per "
+                                   "float16 (2 bytes per patch value) or int8 (a byte or less: per "
                                    "tensor a power-of-two step whose range is 8x its largest "
                                    "initial entry, doubled when the model outgrows it)",
                                    Check(choices=DOWNLINK_VALUES))

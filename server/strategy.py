@@ -210,8 +210,8 @@ class DGCStrategy(FedAvg):
     downlink_values : {"float16", "int8"} (default: "float16")
         The grid the compressed broadcast's matrix entries are rounded to (with
         ``downlink_density < 1``). "int8": per tensor a power-of-two step ``2**e``, the finest
-        with ``127 * 2**e >= max |entry|`` of the global model; patches carry one signed byte
-        per entry (``dgc.encode(grid_coding=True)``). When the global model outgrows the range
+        with ``127 * 2**e >= 8 * max |entry|`` of the initial model; patches carry one signed
+        byte per entry or fewer bits, Rice-coded (``dgc.encode(grid_coding=True)``). When the global model outgrows the range
         the step doubles and the whole tensor is sent again on the new grid (rare: it doubles).
     clients_build_initial_model : bool (default: False)
         Clients build version 0 of the model themselves (the app ships it: the same seeded

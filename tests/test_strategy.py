@@ -527,7 +527,7 @@ def test_int8_grid_step_doubles_when_the_model_outgrows_it_and_moves_the_whole_t
     assert patch.tensors["fc2.weight"].nnz > 0.9 * sent.numel()
 
 
-def test_int8_patches_carry_one_byte_per_matrix_entry_and_stay_exact():
+def test_int8_patches_carry_a_byte_or_less_per_matrix_entry_and_stay_exact():
     start, target = _model(0), _model(1)
     patches = {}
     for values in ("float16", "int8"):
@@ -552,9 +552,9 @@ def test_int8_patches_carry_one_byte_per_matrix_entry_and_stay_exact():
     index_bytes = {d: sum(dgc.wire.index_bits(t.indices, math.prod(t.shape), "auto") // 8
                           for t in p.tensors.values()) for d, p in
                    (("half", half_patch), ("grid", grid_patch))}
-    # The same entries move (ranked on different grids, so not the very same ones): the
-    # values shrink from two bytes to one, plus a 4-byte scale per matrix.
-    assert len(grid) - index_bytes["grid"] == len(half) - index_bytes["half"] \
+    # As many entries move (ranked on different grids, so not the very same ones): the values
+    # shrink from two bytes to one (plus a 4-byte scale per matrix) or, Rice-coded, less.
+    assert len(grid) - index_bytes["grid"] <= len(half) - index_bytes["half"] \
         - matrix_entries + 2 * 4
 
 
