@@ -9,6 +9,12 @@ a markdown table of
 - encode and decode times of ``auto`` (best of ``--repeats``), and their ratio to a baseline
   measured in the same run: copying the same indices as uint32 and the values as raw bytes.
 
+Then, for the value codings of the int8 broadcast's patches (``grid_coding``; docs/wire.md,
+section 5), a second table: ``k`` weight-like values (normal, on a power-of-two grid whose
+largest value is q = 127, the others spread with standard deviation ``spread`` grid steps) at
+density 0.3, with bits per value as float16, as a byte each and Rice-coded, and the grid
+message's encode and decode times against the float16 message's (measured in the same run).
+
 Run from the repository root::
 
     PYTHONPATH=. python bench/wire.py [--sizes 100000 1000000 25600000] [--repeats 3]
@@ -65,6 +71,30 @@ def measure(numel: int, density: float, repeats: int, seed: int) -> dict[str, fl
     return row
 
 
+def measure_values(count: int, spread: float, repeats: int, seed: int) -> dict[str, float]:
+    numel = round(count / 0.3)
+    rng = np.random.default_rng(seed)
+    indices = torch.from_numpy(np.sort(rng.choice(numel, count, replace=False)).astype(np.int64))
+    q = np.clip(np.rint(rng.standard_normal(count) * spread), -127, 127)
+    q[0] = 127
+    values = torch.from_numpy((q * 2.0 ** -8).astype(np.float32)) + 0.0
+    grid = SparseUpdate({"w": SparseTensor(indices, values, (numel,))})
+    half = SparseUpdate({"w": SparseTensor(indices, values.to(torch.float16), (numel,))})
+    index_bytes = index_bits(indices, numel, "auto") / 8
+    data, half_data = encode(grid, grid_coding=True), encode(half)
+    byte_each = 4 + count  # the int8 section, what the encoder compares the Rice one with
+    return {
+        "k": count, "spread": spread,
+        "float16": 8 * (len(half_data) - index_bytes) / count,
+        "int8": 8 * (len(half_data) - index_bytes - 2 * count + byte_each) / count,
+        "grid": 8 * (len(data) - index_bytes) / count,
+        "encode_ms": 1e3 * best_time_s(lambda: encode(grid, grid_coding=True), repeats),
+        "half_encode_ms": 1e3 * best_time_s(lambda: encode(half), repeats),
+        "decode_ms": 1e3 * best_time_s(lambda: decode(data), repeats),
+        "half_decode_ms": 1e3 * best_time_s(lambda: decode(half_data), repeats),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 25_600_000])
@@ -86,6 +116,19 @@ def main() -> None:
                   f"| {r['auto']:.3f} ({r['chosen']}) | {r['per_nonzero']:.3f} "
                   f"| {r['encode_ms']:.2f} ({r['encode_ms'] / r['copy_ms']:.1f}) "
                   f"| {r['decode_ms']:.2f} ({r['decode_ms'] / r['copy_ms']:.1f}) |",
+                  flush=True)
+
+    print()
+    print("| k | spread (steps) | float16 bits/value | int8 | grid-coded (chosen) "
+          "| encode ms (x float16) | decode ms (x float16) |")
+    print("|---|---|---|---|---|---|---|")
+    for count in (40_000, 400_000):
+        for spread in (5.0, 15.0, 50.0):
+            r = measure_values(count, spread, args.repeats, args.seed)
+            print(f"| {count:,} | {spread:g} | {r['float16']:.2f} | {r['int8']:.2f} "
+                  f"| {r['grid']:.2f} "
+                  f"| {r['encode_ms']:.2f} ({r['encode_ms'] / r['half_encode_ms']:.1f}) "
+                  f"| {r['decode_ms']:.2f} ({r['decode_ms'] / r['half_decode_ms']:.1f}) |",
                   flush=True)
 
 
