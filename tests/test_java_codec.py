@@ -233,11 +233,29 @@ def test_java_and_python_agree_on_mutated_messages(java_classpath: Path) -> None
             "BAD_INDEX_SECTION"} <= seen_reasons, seen_reasons
 
 
+def _java_agrees(java_classpath: Path, messages: list[bytes], rejections: str) -> None:
+    """The Java codec decodes ``messages`` to the bits Python decodes (it re-encodes them
+    plain, as Python's ``encode`` does by default) and rejects the test_wire rejections whose
+    names start with ``rejections`` for the reason Python gives."""
+    import tests.test_wire as wire_tests
+
+    rejected = {name: data for name, (data, _) in wire_tests.REJECTIONS.items()
+                if name.startswith(rejections)}
+    assert rejected
+    answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
+                                        for m in [*messages, *rejected.values()]])
+    for message, answer in zip(messages, answers, strict=False):
+        assert answer == f"OK {encode(decode(message)).hex()}"
+    for (name, data), answer in zip(rejected.items(), answers[len(messages):], strict=True):
+        with pytest.raises(DecodeError) as e:
+            decode(data)
+        assert answer == f"REJECT {python_reason(str(e.value))}", name
+
+
 def test_java_decodes_sign_coded_values_as_python_does(java_classpath: Path) -> None:
     """Ternary DGC's sign-coded tensors (docs/wire.md, section 5): the Java codec decodes them
     to the same bits (it re-encodes them plain, as Python's encode does by default) and rejects
     the malformed ones for the same reason."""
-    import tests.test_wire as wire_tests
 
     messages = []
     for k, dtype in enumerate(["float16", "float32", "bfloat16"]):
@@ -250,16 +268,7 @@ def test_java_decodes_sign_coded_values_as_python_does(java_classpath: Path) -> 
                      "fc.bias": torch.randn(10, generator=g)}
             messages.append(encode(comp.compress(grads), sign_coding=True))
     assert all(len(m) < len(encode(decode(m))) for m in messages)  # really sign-coded
-    rejected = {name: data for name, (data, _) in wire_tests.REJECTIONS.items()
-                if name.startswith("signs_")}
-    answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
-                                        for m in [*messages, *rejected.values()]])
-    for message, answer in zip(messages, answers, strict=False):
-        assert answer == f"OK {encode(decode(message)).hex()}"
-    for (name, data), answer in zip(rejected.items(), answers[len(messages):], strict=True):
-        with pytest.raises(DecodeError) as e:
-            decode(data)
-        assert answer == f"REJECT {python_reason(str(e.value))}", name
+    _java_agrees(java_classpath, messages, "signs_")
 
 
 def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> None:
@@ -288,16 +297,7 @@ def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> 
     messages.append(wire_tests.message([wire_tests.tensor_record(
         b"w", [4, 4], 2, 1, 0x40, wire_tests.raw_u32(3, 9), wire_tests.f32(0.5) + b"\x80\x00")]))
     assert decode(messages[-1]).tensors["w"].values.tolist() == [-64.0, 0.0]
-    rejected = {name: data for name, (data, _) in wire_tests.REJECTIONS.items()
-                if name.startswith("grid_")}
-    answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
-                                        for m in [*messages, *rejected.values()]])
-    for message, answer in zip(messages, answers, strict=False):
-        assert answer == f"OK {encode(decode(message)).hex()}"
-    for (name, data), answer in zip(rejected.items(), answers[len(messages):], strict=True):
-        with pytest.raises(DecodeError) as e:
-            decode(data)
-        assert answer == f"REJECT {python_reason(str(e.value))}", name
+    _java_agrees(java_classpath, messages, "grid_")
 
 
 def test_java_half_float_rounding_matches_torch(java_classpath: Path) -> None:

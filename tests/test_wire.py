@@ -316,6 +316,11 @@ def tensor_value_dtypes(data: bytes) -> dict[str, int]:
     return {r.name: r.value_coding for r in records}
 
 
+def grid_message(dtype_id: int, section: bytes) -> bytes:
+    """A message of one (4, 4) tensor carrying entries 3 and 9 with this value section."""
+    return message([tensor_record(b"w", [4, 4], 2, 1, dtype_id, raw_u32(3, 9), section)])
+
+
 def rice_of(positions: list[int], numel: int | None = None) -> tuple[int, bytes]:
     """(length, bytes) of the Golomb-Rice section of ``positions`` (their last + 1 entries)."""
     section = gr.golomb_encode(np.array(positions, dtype=np.int64),
@@ -427,50 +432,35 @@ REJECTIONS = {
     "signs_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9), f16(1.0))]),
                       "truncated input"),
     # Grid-coded (value dtype 64): a power-of-two float32 scale, then one int8 per value.
-    "grid_scale_not_power_of_two": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                                           f32(0.75) + b"\x01\xff")]),
+    "grid_scale_not_power_of_two": (grid_message(0x40, f32(0.75) + b"\x01\xff"),
                                     "grid-coded scale 0.75 is not a power of two"),
-    "grid_scale_negative": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                                   f32(-0.5) + b"\x01\xff")]),
+    "grid_scale_negative": (grid_message(0x40, f32(-0.5) + b"\x01\xff"),
                             "grid-coded scale -0.5 is not a power of two"),
-    "grid_scale_zero": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                               f32(0.0) + b"\x01\xff")]),
+    "grid_scale_zero": (grid_message(0x40, f32(0.0) + b"\x01\xff"),
                         "grid-coded scale 0.0 is not a power of two"),
-    "grid_scale_nan": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                              f32(float("nan")) + b"\x01\xff")]),
+    "grid_scale_nan": (grid_message(0x40, f32(float("nan")) + b"\x01\xff"),
                        "grid-coded scale nan is not a power of two"),
-    "grid_scale_too_large": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                                    f32(2.0 ** 121) + b"\x01\xff")]),
+    "grid_scale_too_large": (grid_message(0x40, f32(2.0 ** 121) + b"\x01\xff"),
                              "is not a power of two 2\\*\\*e with e in \\[-126, 120\\]"),
-    "grid_scale_subnormal": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                                    f32(2.0 ** -127) + b"\x01\xff")]),
+    "grid_scale_subnormal": (grid_message(0x40, f32(2.0 ** -127) + b"\x01\xff"),
                              "is not a power of two"),
-    "grid_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x40, raw_u32(3, 9),
-                                            f32(0.5) + b"\x01")]), "truncated input"),
-    "grid_unknown_id": (message([tensor_record(b"w", [4, 4], 2, 1, 0x42, raw_u32(3, 9),
-                                               f32(0.5) + b"\x01\xff")]),
+    "grid_missing": (grid_message(0x40, f32(0.5) + b"\x01"), "truncated input"),
+    "grid_unknown_id": (grid_message(0x42, f32(0.5) + b"\x01\xff"),
                         "unknown value dtype id 66"),
     # Rice-coded grid (value dtype 65): scale, span, Golomb-Rice bytes, then the section.
-    "grid_rice_head_missing": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
-                                                      f32(0.5) + b"\x00" * 8)]),
+    "grid_rice_head_missing": (grid_message(0x41, f32(0.5) + b"\x00" * 8),
                                "truncated input"),
-    "grid_rice_section_missing": (message([tensor_record(
-        b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9), rice_grid(0.5, 3, 5, b"\x00\x03"))]),
-        "truncated input"),
-    "grid_rice_bad_scale": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
-                                                   rice_grid(3.0, 3, *rice_of([0, 2])))]),
+    "grid_rice_section_missing": (grid_message(0x41, rice_grid(0.5, 3, 5, b"\x00\x03")),
+                                  "truncated input"),
+    "grid_rice_bad_scale": (grid_message(0x41, rice_grid(3.0, 3, *rice_of([0, 2]))),
                             "grid-coded scale 3.0 is not a power of two"),
-    "grid_rice_span_too_large": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
-                                                        rice_grid(0.5, 513, *rice_of([0, 2])))]),
+    "grid_rice_span_too_large": (grid_message(0x41, rice_grid(0.5, 513, *rice_of([0, 2]))),
                                  "claim a span of 513, above 256 per value"),
-    "grid_rice_span_not_canonical": (message([tensor_record(
-        b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9), rice_grid(0.5, 5, *rice_of([0, 2], 5)))]),
-        "are not canonical"),
-    "grid_rice_beyond_int8": (message([tensor_record(
-        b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9), rice_grid(0.5, 258, *rice_of([0, 257])))]),
-        "are not canonical"),
-    "grid_rice_bad_section": (message([tensor_record(b"w", [4, 4], 2, 1, 0x41, raw_u32(3, 9),
-                                                     rice_grid(0.5, 3, 2, b"\x3f\x01"))]),
+    "grid_rice_span_not_canonical": (grid_message(0x41, rice_grid(0.5, 5, *rice_of([0, 2], 5))),
+                                     "are not canonical"),
+    "grid_rice_beyond_int8": (grid_message(0x41, rice_grid(0.5, 258, *rice_of([0, 257]))),
+                              "are not canonical"),
+    "grid_rice_bad_section": (grid_message(0x41, rice_grid(0.5, 3, 2, b"\x3f\x01")),
                               "grid-coded values (Rice): Rice parameter 63"),
 }
 
