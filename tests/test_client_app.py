@@ -398,7 +398,7 @@ def test_ternary_client_sends_sign_coded_values(tmp_path):
 
 def _sign_coded(data: bytes) -> set[str]:
     """Names of the tensors a message carries sign-coded (value dtype byte >= SIGN_CODED)."""
-    from dgc.wire import _read_structure
+    from dgc.wire import SIGN_CODED
+    from tests.test_wire import tensor_value_dtypes
 
-    _, records = _read_structure(memoryview(data), None)
-    return {r.name for r in records if r.signed}
+    return {name for name, coding in tensor_value_dtypes(data).items() if coding == SIGN_CODED}
