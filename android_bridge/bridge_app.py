@@ -75,6 +75,9 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         if str(config.get(P.DOWNLINK, "dense")) == "patch":
             patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
             base = int(config[P.BASE_VERSION])  # type: ignore[arg-type]
+            if config.get(P.PATCH_ADD):
+                patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
+                                   global_state)
         held[device] = {"model": global_state, "model_version": version}
         dgc_config = s.dgc_config() if s.method != "dense" else None
         task = PhoneTask(
@@ -113,6 +116,18 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         return client_module.app(msg, context)
 
     return app
+
+
+def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any]) -> bytes:
+    """``patch`` with the values of the ``added`` tensors (differences, ``patch_add``) taken
+    from ``model``, the model it produces: a patch whose values replace, the only kind phones
+    apply."""
+    update = dgc.decode(patch)
+    tensors = dict(update.tensors)
+    for name in added:
+        t = tensors[name]
+        tensors[name] = dgc.SparseTensor(t.indices, model[name].reshape(-1)[t.indices], t.shape)
+    return dgc.encode(SparseUpdate(tensors, update.sequence), grid_coding=True)
 
 
 def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None) -> dict[str, Any]:

@@ -36,6 +36,7 @@ from client.settings import SettingsError, TrainSettings, fields_of, parse
 from client.state import ClientStateStore, fold_back_pending, stored_bytes
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
+from dgc.grid import round_initial
 from dgc.shared import Masks, decode_mask, encode_signs, take_signs
 
 app = ClientApp()
@@ -156,19 +157,34 @@ def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any]
         # A resumed server re-sends a round this client already received: it holds the target.
         return {k: v.clone() for k, v in held["model"].items()}
     if (held is None or "model" not in held) and 0 in bases and initial is not None:
-        held = {"model": initial(), "model_version": 0}
+        model = initial()
+        if bool(config.get(P.INITIAL_GRID, False)):
+            model = round_initial(model)  # the server's version 0 of an int8 broadcast
+        held = {"model": model, "model_version": 0}
     if held is None or "model" not in held or int(held.get("model_version", -1)) not in bases:
         have = None if held is None else held.get("model_version")
         on = f"version {bases[0]}" if len(bases) == 1 else f"any of versions {bases}"
         raise ClientProtocolError(f"server sent a patch on model {on}, this client holds "
                                   f"version {have}")
     patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH))
+    added = config.get(P.PATCH_ADD, [])
+    if not isinstance(added, list) or not all(isinstance(n, str) for n in added):
+        raise ClientProtocolError(f"{P.PATCH_ADD} must be a list of tensor names, got "
+                                  f"{added!r}")
+    if added and len(bases) != 1:
+        raise ClientProtocolError(f"a patch that adds differences applies to one version, "
+                                  f"this one to {bases}")
+    if unknown := sorted(set(added) - set(patch.tensors)):
+        raise ClientProtocolError(f"{P.PATCH_ADD} names tensors the patch lacks: {unknown}")
     model = {k: v.clone() for k, v in held["model"].items()}
     for name, t in patch.tensors.items():
         if name not in model or model[name].numel() != t.numel:
             raise ClientProtocolError(f"patch tensor {name!r} does not match the held model")
         flat = model[name].view(-1)
-        flat[t.indices] = t.values.to(flat.dtype)
+        if name in added:
+            flat[t.indices] += t.values.to(flat.dtype)
+        else:
+            flat[t.indices] = t.values.to(flat.dtype)
     return model
 
 

@@ -9,7 +9,9 @@ A train message carries
   fp32 values *replace* the entries of the model version the client already holds
   (``base_version``, or any of ``base_versions``: the server may not know which of them the
   client holds, and the patch carries every entry that differs in any of them). Replacing
-  instead of adding keeps the client's copy bit-identical to the server's.
+  instead of adding keeps the client's copy bit-identical to the server's. The exception is a
+  patch on one base version with ``patch_add``: for the tensors it names the values are
+  differences to *add* (int8-grid broadcasts, where the server checked that the sums are exact).
 
 A DGC train message may also carry ``shared`` (ArrayRecord with one byte Array
 ``shared_mask``: the round's shared index sets, ``dgc.shared.encode_mask``). The client then
@@ -46,6 +48,8 @@ DOWNLINK = "downlink"  # "dense" or "patch"
 BASE_VERSION = "base_version"  # the version a patch applies to (the newest of BASE_VERSIONS)
 BASE_VERSIONS = "base_versions"  # every version the patch applies to (the client may hold any)
 KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
+PATCH_ADD = "patch_add"  # tensors whose patch values are added to the held ones (one base only)
+INITIAL_GRID = "initial_grid"  # version 0 has its matrices on the int8 grid (dgc.grid)
 
 #: Metrics every train reply carries.
 REPLY_METRICS = ("num-examples", "uplink_bytes", "nnz", "shared_entries", "density",

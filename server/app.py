@@ -99,6 +99,7 @@ def run_server(grid: Grid, config: RunConfig,
         # Dense FedAvg is the baseline: it always broadcasts the exact model.
         downlink_density=s.downlink_density if t.method != "dense" else 1.0,
         downlink_values=s.downlink_values,
+        downlink_deltas=s.downlink_deltas,
         clients_build_initial_model=s.clients_build_initial_model,
         seed=t.seed,
         checkpoint_dir=run_dir if s.checkpoint else None,

@@ -89,6 +89,10 @@ class ServerSettings:
                                    "tensor a power-of-two step whose range is 8x its largest "
                                    "initial entry, doubled when the model outgrows it)",
                                    Check(choices=DOWNLINK_VALUES))
+    downlink_deltas: bool = setting(True, "downlink_deltas", "with downlink_values int8: version "
+                                    "0 is broadcast on the grid too, and a patch on the one "
+                                    "version a client is known to hold carries differences "
+                                    "(which the client adds) where those encode smaller")
     clients_build_initial_model: bool = setting(
         False, "clients_build_initial_model", "clients build version 0 of the model from the "
         "run's seed as the server does (the app ships the initial model), so a first contact "

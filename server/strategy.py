@@ -48,12 +48,17 @@ from flwr.supercore import log
 import dgc
 from client import protocol as P
 from dgc import DecodeError, SparseTensor, SparseUpdate, TensorLayout
+from dgc.grid import grid_exponent, initial_exponents, to_int8_grid
 from dgc.shared import Masks, SharedIndexPlanner, decode_signs, encode_mask
 from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from server.config import DOWNLINK_VALUES
 
 STRATEGY_STATE_VERSION = 1
+
+#: The most bytes of past grid values the server keeps for delta patches (``downlink_deltas``);
+#: a patch on a version beyond them carries values.
+DELTA_HISTORY_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -135,32 +140,6 @@ class ReplyRejected(ValueError):
     """A train reply failed validation; the message names the reason."""
 
 
-# pylint: disable=too-many-instance-attributes
-#: The initial int8 grid of a broadcast tensor holds 2**this times its largest initial entry:
-#: weights grow in training, and each doubling of the step re-sends the whole tensor.
-_GRID_HEADROOM_BITS = 3
-
-
-def _grid_exponent(t: torch.Tensor, at_least: int | None = None) -> int | None:
-    """The exponent ``e`` of the finest int8 grid step ``2**e`` (at least ``2**at_least``)
-    that holds every entry of ``t``: ``127 * 2**e >= max |t|``. None for an all-zero tensor
-    when no step is set yet."""
-    peak = float(t.abs().max()) if t.numel() else 0.0
-    if peak == 0.0:
-        return at_least
-    mantissa, exponent = math.frexp(peak / 127.0)  # peak / 127 = mantissa * 2**exponent
-    e = exponent - 1 if mantissa == 0.5 else exponent
-    e = min(max(e, -126), 120)  # the scales the wire's grid coding carries
-    return e if at_least is None else max(e, at_least)
-
-
-def _int8_grid(t: torch.Tensor, exponent: int) -> torch.Tensor:
-    """``t`` rounded to the nearest multiples ``q * 2**exponent``, ``|q| <= 127`` (zeros as
-    +0.0, the only zero the grid coding carries)."""
-    scale = math.ldexp(1.0, exponent)
-    return torch.round(t / scale).clamp_(-127, 127).mul_(scale).add_(0.0)
-
-
 def _float16_grid(t: torch.Tensor) -> torch.Tensor:
     """``t`` rounded to the nearest float16 values, in float32 (values beyond float16's range
     unrounded)."""
@@ -168,6 +147,7 @@ def _float16_grid(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(rounded), rounded, t)
 
 
+# pylint: disable=too-many-instance-attributes
 class DGCStrategy(FedAvg):
     """Federated Averaging of Deep Gradient Compression updates (Lin et al., ICLR 2018).
 
@@ -211,8 +191,17 @@ class DGCStrategy(FedAvg):
         The grid the compressed broadcast's matrix entries are rounded to (with
         ``downlink_density < 1``). "int8": per tensor a power-of-two step ``2**e``, the finest
         with ``127 * 2**e >= 8 * max |entry|`` of the initial model; patches carry one signed
-        byte per entry or fewer bits, Rice-coded (``dgc.encode(grid_coding=True)``). When the global model outgrows the range
-        the step doubles and the whole tensor is sent again on the new grid (rare: it doubles).
+        byte per entry or fewer bits, Rice-coded (``dgc.encode(grid_coding=True)``). When the
+        global model outgrows the range the step doubles and the whole tensor is sent again on
+        the new grid (rare: it doubles).
+    downlink_deltas : bool (default: True)
+        With ``downlink_values="int8"``: version 0 is broadcast on the grid too
+        (:func:`dgc.grid.round_initial`), and a patch to a client whose version the server
+        knows exactly (one base version) carries, per grid tensor where that encodes smaller,
+        the differences from that version (``patch_add``: the client adds them) instead of the
+        values. Differences of grid values are small multiples of the step, so they take fewer
+        Rice-coded bits. The server keeps the changed entries of past versions to compute them
+        (at most ``downlink_history`` versions and :data:`DELTA_HISTORY_BYTES`; checkpointed).
     clients_build_initial_model : bool (default: False)
         Clients build version 0 of the model themselves (the app ships it: the same seeded
         ``task.build_model()`` as the server's), so a client's first message may be a patch on
@@ -262,6 +251,7 @@ class DGCStrategy(FedAvg):
         downlink_history: int = 1,
         downlink_density: float = 1.0,
         downlink_values: str = "float16",
+        downlink_deltas: bool = True,
         clients_build_initial_model: bool = False,
         seed: int = 0,
         checkpoint_dir: str | Path | None = None,
@@ -320,6 +310,14 @@ class DGCStrategy(FedAvg):
         self.downlink_history = downlink_history
         self.downlink_density = float(downlink_density)
         self.downlink_values = downlink_values
+        if not isinstance(downlink_deltas, bool):
+            raise ValueError(f"downlink_deltas must be a bool, got {downlink_deltas!r}")
+        self.downlink_deltas = downlink_deltas
+        # With deltas: per version u, per grid tensor, the entries that changed at u and their
+        # values before (what a patch on an older version subtracts). Oldest first.
+        self._history: OrderedDict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = \
+            OrderedDict()
+        self._history_nbytes = 0
         # downlink_values "int8": per matrix, the exponent e of the broadcast's grid step 2**e
         # (None while the tensor is all zeros: any grid holds it).
         self.grid_exponents: dict[str, int | None] = {}
@@ -398,11 +396,14 @@ class DGCStrategy(FedAvg):
         self.broadcast = self._copy(model) if self.downlink_density < 1.0 else None
         self.grid_exponents = {}
         if self.downlink_density < 1.0 and self.downlink_values == "int8":
-            for k, v in model.items():
-                if v.dim() > 1:
-                    e = _grid_exponent(v)
-                    self.grid_exponents[k] = (None if e is None
-                                              else min(e + _GRID_HEADROOM_BITS, 120))
+            self.grid_exponents = initial_exponents(model)
+            if self.downlink_deltas:
+                # Version 0 on the grid too, so that every version differs from every other by
+                # multiples of the step (clients that build it round it the same way).
+                for k, e in self.grid_exponents.items():
+                    if e is not None:
+                        self.broadcast[k] = to_int8_grid(model[k], e)
+        self._forget_history()
         self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
         self._measure_dense()
         if self.shared_density > 0 and self.shared_planner is None:
@@ -411,6 +412,40 @@ class DGCStrategy(FedAvg):
                  if t.dim() > 1 and t.numel() >= self.min_sparse_numel},
                 self.shared_density, self.shared_small_density, self.shared_small_numel,
                 self.shared_momentum)
+
+    @property
+    def initial_on_grid(self) -> bool:
+        """Whether version 0 of the broadcast is rounded to the int8 grid (deltas on)."""
+        return bool(self.grid_exponents) and self.downlink_deltas
+
+    def _forget_history(self) -> None:
+        self._history = OrderedDict()
+        self._history_nbytes = 0
+
+    def _remember(self, version: int, before: Mapping[str, torch.Tensor]) -> None:
+        """Keep the grid entries that changed at ``version`` with their values ``before``."""
+        changes = {}
+        for name in self.grid_exponents:
+            idx = torch.nonzero(self.changed_at[name].view(-1) == version).view(-1)
+            if idx.numel():
+                changes[name] = (idx, before[name].view(-1)[idx].clone())
+        self._history[version] = changes
+        self._history_nbytes += _history_nbytes(changes)
+        while self._history and (next(iter(self._history)) <= version - self.downlink_history
+                                 or self._history_nbytes > DELTA_HISTORY_BYTES):
+            _, dropped = self._history.popitem(last=False)
+            self._history_nbytes -= _history_nbytes(dropped)
+
+    def _grid_values_at(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The grid tensors of the sent model as they were at ``version``, or None when the
+        kept history does not reach back to it."""
+        if not all(u in self._history for u in range(version + 1, self.model_version + 1)):
+            return None
+        out = {name: self.sent_model[name].clone() for name in self.grid_exponents}
+        for u in range(self.model_version, version, -1):  # newest first: the oldest value wins
+            for name, (idx, old) in self._history[u].items():
+                out[name].view(-1)[idx] = old
+        return out
 
     def _measure_dense(self) -> None:
         assert self.model is not None
@@ -498,26 +533,38 @@ class DGCStrategy(FedAvg):
         rng = random.Random(self.seed * 1_000_003 + server_round)
         return rng.sample(sorted(keys), want)
 
-    def _patch(self, base_versions: tuple[int, ...]) -> bytes | None:
-        """A patch that turns any of ``base_versions`` into the current sent model.
+    def _patch(self, base_versions: tuple[int, ...]) -> tuple[bytes, list[str]] | None:
+        """A patch that turns any of ``base_versions`` into the current sent model, and the
+        tensors whose patch values are differences to add (``patch_add``) rather than values.
 
         It carries, with their current values, the entries that changed after the oldest base:
         on each base an entry outside that set already holds the current bits, so replacing the
         set gives the same model whichever base the client holds. None when a base is more
-        than ``downlink_history`` versions old (or newer than the model).
+        than ``downlink_history`` versions old (or newer than the model). On a single base,
+        with ``downlink_deltas``, a grid tensor carries ``now - base`` instead where that
+        encodes smaller (the differences sit on the grid, and adding them gives ``now`` bit for
+        bit: both are checked).
         """
         if not base_versions or any(
                 not self.model_version - self.downlink_history <= v <= self.model_version
                 for v in base_versions):
             return None
         oldest = min(base_versions)
-        tensors = {}
+        base = (self._grid_values_at(oldest)
+                if self.initial_on_grid and len(base_versions) == 1 else None)
+        tensors, added = {}, []
         for name, t in self.sent_model.items():
             idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
             values = t.view(-1)[idx].clone()
             half = values.to(torch.float16)
             if name in self.grid_exponents:
-                pass  # on the tensor's int8 grid: the encoder's grid coding carries them
+                # on the tensor's int8 grid: the encoder's grid coding carries them
+                if base is not None:
+                    delta = self._delta(name, idx, values, base[name].view(-1)[idx])
+                    if delta is not None:
+                        tensors[name] = delta
+                        added.append(name)
+                        continue
             elif torch.equal(half.to(torch.float32), values):
                 # Values float16 holds exactly (every matrix entry the compressed broadcast
                 # wrote, see _follow) travel in half the bytes; the client's float32 copy of
@@ -525,7 +572,24 @@ class DGCStrategy(FedAvg):
                 values = half
             tensors[name] = SparseTensor(idx, values, tuple(t.shape))
         return dgc.encode(SparseUpdate(tensors, self.model_version),
-                          grid_coding=bool(self.grid_exponents))
+                          grid_coding=bool(self.grid_exponents)), added
+
+    def _delta(self, name: str, idx: torch.Tensor, now: torch.Tensor,
+               then: torch.Tensor) -> SparseTensor | None:
+        """The entries ``idx`` of grid tensor ``name`` as differences ``now - then`` (those
+        that differ), when adding them gives ``now`` bit for bit and they encode smaller."""
+        delta = now - then
+        keep = delta != 0  # an entry that changed and changed back needs nothing added
+        if not torch.equal((then[keep] + delta[keep]).view(torch.int32),
+                           now[keep].view(torch.int32)):
+            return None
+        shape = tuple(self.sent_model[name].shape)
+        added = SparseTensor(idx[keep], delta[keep], shape)
+        if encoded_size(SparseUpdate({name: added}), grid_coding=True) \
+                >= encoded_size(SparseUpdate({name: SparseTensor(idx, now, shape)}),
+                                grid_coding=True):
+            return None
+        return added
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -542,7 +606,7 @@ class DGCStrategy(FedAvg):
 
         dense_record = ArrayRecord(self._copy(self.sent_model))
         dense_nbytes = P.record_nbytes(dense_record)
-        patches: dict[tuple[int, ...], bytes | None] = {}
+        patches: dict[tuple[int, ...], tuple[bytes, list[str]] | None] = {}
         state = _RoundState(server_round, sampled, {k: node_of[k] for k in sampled}, {},
                             self.model_version)
         shared_record, shared_nbytes = None, 0
@@ -556,13 +620,15 @@ class DGCStrategy(FedAvg):
         for key in sampled:
             info = self.clients.get(key, {})
             held = tuple(sorted(info.get("versions", self.initial_versions)))
-            record, kind, nbytes = dense_record, "dense", dense_nbytes
+            record, kind, nbytes, added = dense_record, "dense", dense_nbytes, []
             if self.downlink == "auto" and held:
                 if held not in patches:
                     patches[held] = self._patch(held)
                 patch = patches[held]
-                if patch is not None and len(patch) < dense_nbytes:
-                    record, kind, nbytes = P.bytes_to_record(patch, P.PATCH), "patch", len(patch)
+                if patch is not None and len(patch[0]) < dense_nbytes:
+                    record, kind, nbytes = P.bytes_to_record(patch[0], P.PATCH), "patch", \
+                        len(patch[0])
+                    added = patch[1]
             cfg = ConfigRecord(dict(config))
             cfg[P.SERVER_ROUND] = server_round
             cfg[P.MODEL_VERSION] = self.model_version
@@ -572,6 +638,10 @@ class DGCStrategy(FedAvg):
             if kind == "patch":
                 cfg[P.BASE_VERSION] = held[-1]
                 cfg[P.BASE_VERSIONS] = list(held)
+                if added:
+                    cfg[P.PATCH_ADD] = added
+            if self.initial_on_grid and self.initial_versions:
+                cfg[P.INITIAL_GRID] = True
             content = RecordDict({P.ARRAYS: record, P.CONFIG: cfg})
             if shared_record is not None:
                 content[P.SHARED] = shared_record
@@ -932,6 +1002,8 @@ class DGCStrategy(FedAvg):
             # bitwise comparison, so a replaced entry reproduces the server's value exactly
             changed = t.view(torch.int32) != before[name].view(torch.int32)
             self.changed_at[name][changed] = self.model_version
+        if self.initial_on_grid:
+            self._remember(self.model_version, before)
         if self.shared_planner is not None:
             self.shared_planner.observe(avg)
         return True
@@ -960,9 +1032,9 @@ class DGCStrategy(FedAvg):
             target = {}
             for k in matrices:
                 before = self.grid_exponents[k]
-                e = _grid_exponent(model[k], before)
+                e = grid_exponent(model[k], before)
                 self.grid_exponents[k] = e
-                target[k] = model[k].clone() if e is None else _int8_grid(model[k], e)
+                target[k] = model[k].clone() if e is None else to_int8_grid(model[k], e)
                 if before is not None and e != before:
                     out[k].copy_(target[k])  # a coarser grid: every entry moves onto it
         else:
@@ -1016,6 +1088,9 @@ class DGCStrategy(FedAvg):
             "broadcast": None if self.broadcast is None else dict(self.broadcast),
             "downlink_values": self.downlink_values,
             "grid_exponents": dict(self.grid_exponents),
+            "downlink_deltas": self.downlink_deltas,
+            "delta_history": [[u, {n: [i, v] for n, (i, v) in changes.items()}]
+                              for u, changes in self._history.items()],
             "momentum_buffer": self.momentum_buffer,
             "changed_at": dict(self.changed_at),
             "clients": {str(k): dict(v) for k, v in self.clients.items()},
@@ -1055,6 +1130,16 @@ class DGCStrategy(FedAvg):
             raise CheckpointError(f"checkpoint was written with downlink_values {written}, the "
                                   f"run has {self.downlink_values}: clients hold the other grid")
         self.grid_exponents = dict(state.get("grid_exponents", {}))
+        deltas = bool(state.get("downlink_deltas", False))
+        if self.grid_exponents and deltas != self.downlink_deltas:
+            raise CheckpointError(f"checkpoint was written with downlink_deltas {deltas}, the "
+                                  f"run has {self.downlink_deltas}: version 0 is "
+                                  f"{'' if deltas else 'not '}on the grid there")
+        self._forget_history()
+        for u, changes in state.get("delta_history", []):
+            self._history[int(u)] = {n: (i.to(torch.int64), v.to(torch.float32))
+                                     for n, (i, v) in changes.items()}
+            self._history_nbytes += _history_nbytes(self._history[int(u)])
         self._measure_dense()
         self.completed_rounds = int(state["completed_rounds"])
         self.model_version = int(state["model_version"])
@@ -1144,6 +1229,11 @@ class DGCStrategy(FedAvg):
                 self.on_round(record)
         result.arrays = self.model_arrays()
         return result
+
+
+def _history_nbytes(changes: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(i.numel() * i.element_size() + v.numel() * v.element_size()
+               for i, v in changes.values())
 
 
 def _client_info(info: Mapping[str, Any]) -> dict[str, Any]:
