@@ -339,6 +339,67 @@ def test_a_patch_on_several_versions_applies_to_any_of_them(tmp_path):
     assert "any of versions [2, 7]" in lacking.error.reason
 
 
+def test_a_patch_that_adds_differences_adds_them_and_bad_ones_change_nothing(tmp_path):
+    """patch_add: the named tensors' patch values are added to the held entries; an additive
+    patch on several versions, or naming tensors it lacks, or not a list, is an error reply
+    that leaves the stored record alone."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    held = _global()
+    _send(grid, 1, s, 1, -1, held, **{P.KEEP_MODEL: True, P.MODEL_VERSION: 4})
+    target = {k: v.clone() for k, v in held.to_torch_state_dict().items()}
+    name, other = list(target)[:2]
+    delta = torch.tensor([0.25, -0.5, 0.125])
+    target[name].view(-1)[:3] += delta
+    target[other].view(-1)[:2] = 7.0
+    patch = dgc.encode(dgc.SparseUpdate({
+        name: dgc.SparseTensor(torch.arange(3), delta, tuple(target[name].shape)),
+        other: dgc.SparseTensor(torch.arange(2), torch.full((2,), 7.0),
+                                tuple(target[other].shape))}, 5))
+    record = P.bytes_to_record(patch, P.PATCH)
+    before = ClientStateStore(s.state_dir).get("1")
+    for bad, reason in (({P.PATCH_ADD: [name], P.BASE_VERSIONS: [3, 4]}, "applies to one version"),
+                        ({P.PATCH_ADD: ["nope"]}, "names tensors the patch lacks: ['nope']"),
+                        ({P.PATCH_ADD: name}, "must be a list of tensor names")):
+        reply = _send(grid, 1, s, 2, 1, record, **{P.MODEL_VERSION: 5, P.DOWNLINK: "patch",
+                                                   P.BASE_VERSION: 4, **bad})
+        assert reply.has_error() and reason in reply.error.reason, reply.error.reason
+        after = ClientStateStore(s.state_dir).get("1")
+        assert after["model_version"] == 4 and torch.equal(after["pending"], before["pending"])
+    reply = _send(grid, 1, s, 2, 1, record, **{P.MODEL_VERSION: 5, P.DOWNLINK: "patch",
+                                               P.BASE_VERSION: 4, P.PATCH_ADD: [name],
+                                               P.KEEP_MODEL: True})
+    assert not reply.has_error()
+    stored = ClientStateStore(s.state_dir).get("1")
+    assert stored["model_version"] == 5
+    assert all(torch.equal(stored["model"][k], target[k]) for k in target)
+
+
+def test_a_client_that_builds_version_0_rounds_it_to_the_grid_when_told(tmp_path):
+    """initial_grid: a client building version 0 itself rounds its matrices as the server's
+    int8 broadcast does (dgc.grid.round_initial), so a patch on version 0 lands on the
+    server's model bit for bit."""
+    from client.app import initial_model
+    from dgc.grid import round_initial
+    from tasks import get_task
+
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    built = initial_model(get_task("digits"), s.seed)
+    server_v0 = round_initial(built)
+    assert any(not torch.equal(server_v0[k], built[k]) for k in built)
+    empty = P.bytes_to_record(dgc.encode(dgc.SparseUpdate({}, 1)), P.PATCH)
+    for on_grid, expected in ((False, built), (True, server_v0)):
+        key = int(on_grid)
+        reply = _send(grid, key, s, 1, -1, empty,
+                      **{P.MODEL_VERSION: 1, P.DOWNLINK: "patch", P.BASE_VERSION: 0,
+                         P.KEEP_MODEL: True, P.INITIAL_GRID: on_grid})
+        assert not reply.has_error()
+        stored = ClientStateStore(s.state_dir).get(str(key))["model"]
+        assert all(torch.equal(stored[k].view(torch.int32), expected[k].view(torch.int32))
+                   for k in expected)
+
+
 def test_settings_are_parsed_once_and_their_types_still_checked():
     """settings_from caches by key, value *and type*: True for an integer key stays an error
     after the same key was parsed as 1, and a changed value gives new settings."""

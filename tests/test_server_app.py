@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from client import protocol as P
 from client.app import app as client_app
 from client.state import ClientStateStore
 from server.app import RunFolderError, run_server
@@ -78,9 +79,12 @@ class RecordingStrategy(DGCStrategy):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.sent_versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.additive_patches = 0  # messages whose patch adds differences (patch_add)
 
     def configure_train(self, server_round, arrays, config, grid):
-        messages = super().configure_train(server_round, arrays, config, grid)
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.additive_patches += sum(P.PATCH_ADD in m.content.config_records[P.CONFIG]
+                                     for m in messages)
         self.sent_versions[self.model_version] = {k: v.clone()
                                                   for k, v in self.sent_model.items()}
         return messages
@@ -148,11 +152,12 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert all(by[(2, k)]["restored"] == "0" for k in others)
 
 
-@pytest.mark.parametrize("values", ["float16", "int8"])
-def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values):
+@pytest.mark.parametrize("values, built", [("float16", False), ("int8", False), ("int8", True)])
+def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values, built):
     """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
     are lost (the server then sends patches valid on either version the client may hold), on
-    either grid of downlink_values."""
+    either grid of downlink_values; int8 patches to clients of known version add differences,
+    and clients that build version 0 round it to the grid."""
     lost = []
 
     def drop_some(reply):
@@ -164,8 +169,9 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
         return reply
 
     c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
-                downlink_density=0.01, downlink_values=values)
+                downlink_density=0.01, downlink_values=values, clients_build_initial_model=built)
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
+    assert (strategy.additive_patches > 0) == (values == "int8")
     exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6)
     exact_summary = run_server(LocalGrid(client_app, 6), exact)
     rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))

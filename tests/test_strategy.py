@@ -451,7 +451,7 @@ def test_patches_carry_broadcast_values_in_float16_and_stay_exact():
         step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - target[k]).view(-1),
                                              tuple(v.shape)) for k, v in start.items()}, 1)
         s._apply([step], [1.0])  # the global model becomes target
-        data = s._patch((0,))
+        data = s._patch((0,))[0]
         patch = dgc.decode(data)
         held = {k: v.clone() for k, v in start.items()}
         for n, t in patch.tensors.items():
@@ -481,7 +481,8 @@ def test_int8_broadcast_follows_the_model_on_a_power_of_two_grid():
     initial entry; copied entries are the model's rounded to that grid, and repeated follows
     reach the model up to that rounding."""
     start, model = _model(0), _model(1)
-    s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8")
+    s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8",
+                    downlink_deltas=False)
     s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
     for k in ("fc1.weight", "fc2.weight"):
         e = s.grid_exponents[k]
@@ -507,7 +508,7 @@ def test_int8_broadcast_follows_the_model_on_a_power_of_two_grid():
 def test_int8_grid_step_doubles_when_the_model_outgrows_it_and_moves_the_whole_tensor():
     start = _model(0)
     s = DGCStrategy(clients_per_round=2, downlink_density=0.01, downlink_values="int8",
-                    downlink_history=4)
+                    downlink_history=4, downlink_deltas=False)
     s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
     e, e_fc1 = s.grid_exponents["fc2.weight"], s.grid_exponents["fc1.weight"]
     grown = {k: v.clone() for k, v in start.items()}
@@ -522,7 +523,7 @@ def test_int8_grid_step_doubles_when_the_model_outgrows_it_and_moves_the_whole_t
     assert torch.equal(sent, (grown["fc2.weight"] / 2.0 ** (e + 1)).round() * 2.0 ** (e + 1)
                        + 0.0)
     # fc1.weight moved in only ceil(0.01 * n) entries at most; fc2.weight whole.
-    patch = dgc.decode(s._patch((0,)))
+    patch = dgc.decode(s._patch((0,))[0])
     assert patch.tensors["fc2.weight"].nnz == int((sent != start["fc2.weight"]).sum())
     assert patch.tensors["fc2.weight"].nnz > 0.9 * sent.numel()
 
@@ -532,12 +533,12 @@ def test_int8_patches_carry_a_byte_or_less_per_matrix_entry_and_stay_exact():
     patches = {}
     for values in ("float16", "int8"):
         s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_history=4,
-                        downlink_values=values)
+                        downlink_values=values, downlink_deltas=False)
         s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
         step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - target[k]).view(-1),
                                              tuple(v.shape)) for k, v in start.items()}, 1)
         s._apply([step], [1.0])
-        data = s._patch((0,))
+        data = s._patch((0,))[0]
         held = {k: v.clone() for k, v in start.items()}
         for n, t in dgc.decode(data).tensors.items():
             held[n].view(-1)[t.indices] = t.values.to(torch.float32)
@@ -599,3 +600,116 @@ def test_decoding_the_round_at_once_rejects_and_aggregates_as_one_by_one(case, m
     got, want = arrays.to_torch_state_dict(), arrays1.to_torch_state_dict()
     for k in want:
         assert torch.equal(got[k], want[k])
+
+
+# ---------------------------------------------------------------- int8 deltas (downlink_deltas)
+def _int8_run(rounds: int, history: int = 10, move: float = 0.05, grow_at: int | None = None):
+    """An int8-broadcast strategy after ``rounds`` aggregations of small random moves (the
+    step of fc2.weight doubling at round ``grow_at``), with every version it sent."""
+    start = _model(0)
+    s = DGCStrategy(clients_per_round=2, downlink_density=0.1, downlink_values="int8",
+                    downlink_history=history)
+    s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+    versions = {0: {k: v.clone() for k, v in s.sent_model.items()}}
+    g = torch.Generator().manual_seed(3)
+    for rnd in range(1, rounds + 1):
+        step = {k: move * torch.randn(v.shape, generator=g) for k, v in start.items()}
+        if rnd == grow_at:
+            e = s.grid_exponents["fc2.weight"]
+            step["fc2.weight"][0, 0] = float(s.model["fc2.weight"][0, 0]) - 127 * 2.0 ** e * 1.5
+        s._apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()), v.view(-1),
+                                                tuple(v.shape)) for k, v in step.items()},
+                               rnd)], [1.0])
+        versions[s.model_version] = {k: v.clone() for k, v in s.sent_model.items()}
+    return s, versions
+
+
+def _apply_patch(s: DGCStrategy, held: dict, bases: tuple[int, ...],
+                 version: int | None = None) -> tuple[dict, list[str]]:
+    """What a client holding ``held`` (version ``version``, default the newest base) builds
+    from the patch on ``bases`` (client.app's code)."""
+    from client.app import global_model
+    data, added = s._patch(bases)
+    config = ConfigRecord({P.DOWNLINK: "patch", P.BASE_VERSION: bases[-1],
+                           P.BASE_VERSIONS: list(bases), P.MODEL_VERSION: s.model_version})
+    if added:
+        config[P.PATCH_ADD] = added
+    content = RecordDict({P.ARRAYS: P.bytes_to_record(data, P.PATCH), P.CONFIG: config})
+    record = {"model": {k: v.clone() for k, v in held.items()},
+              "model_version": bases[-1] if version is None else version}
+    return global_model(content, config, record), added
+
+
+def _bits_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32),
+                                                    b[k].view(torch.int32)) for k in a)
+
+
+def test_int8_deltas_put_version_0_on_the_grid_as_clients_build_it():
+    from dgc.grid import round_initial
+    s, versions = _int8_run(0)
+    start = _model(0)
+    assert _bits_equal(versions[0], round_initial(start))  # what a client rounds it to
+    for k, e in s.grid_exponents.items():
+        assert _on_grid(versions[0][k], e) and not torch.equal(versions[0][k], start[k])
+    assert torch.equal(versions[0]["fc1.bias"], start["fc1.bias"])  # 1-D: unrounded
+    assert torch.equal(s.model["fc1.weight"], start["fc1.weight"])  # the global model is not
+
+
+def test_int8_delta_patches_rebuild_every_version_bit_for_bit_and_are_smaller():
+    s, versions = _int8_run(8, grow_at=5)
+    grown = s.grid_exponents["fc2.weight"]
+    assert grown == _int8_run(0)[0].grid_exponents["fc2.weight"] + 1
+    any_added = set()
+    for base in range(0, s.model_version):
+        rebuilt, added = _apply_patch(s, versions[base], (base,))
+        assert _bits_equal(rebuilt, versions[s.model_version]), base
+        any_added |= set(added)
+        assert "fc1.bias" not in added  # float32, not on a grid: values
+        if added:  # smaller than the same entries as values
+            values = dgc.encode(SparseUpdate(
+                {n: SparseTensor(torch.nonzero(s.changed_at[n].view(-1) > base).view(-1),
+                                 t.view(-1)[s.changed_at[n].view(-1) > base], tuple(t.shape))
+                 for n, t in s.sent_model.items()}, s.model_version), grid_coding=True)
+            assert len(s._patch((base,))[0]) < len(values)
+    assert any_added == {"fc1.weight", "fc2.weight"}
+    # From before the doubling, fc2.weight's entry that outgrew the grid moved by more than 127
+    # of the old steps: no int8 grid holds the differences, and that tensor carries values.
+    assert _apply_patch(s, versions[4], (4,))[1] == ["fc1.weight"]
+    assert _apply_patch(s, versions[5], (5,))[1] == ["fc1.weight", "fc2.weight"]
+
+
+def test_int8_patch_on_several_versions_carries_values():
+    s, versions = _int8_run(4)
+    for held in (2, 3):
+        rebuilt, added = _apply_patch(s, versions[held], (2, 3), held)
+        assert added == [] and _bits_equal(rebuilt, versions[4])
+
+
+def test_int8_delta_history_is_bounded_and_survives_a_checkpoint(monkeypatch):
+    s, versions = _int8_run(6, history=3)
+    assert list(s._history) == [4, 5, 6]  # a patch spans at most 3 versions
+    assert s._patch((2,)) is None and s._patch((3,))[1]
+    state = s.state_dict()
+    again = DGCStrategy(clients_per_round=2, downlink_density=0.1, downlink_values="int8",
+                        downlink_history=3)
+    again.set_model(ArrayRecord({k: v.clone() for k, v in _model(0).items()}))
+    again.load_state_dict(state)
+    assert again._patch((3,)) == s._patch((3,))
+    assert _bits_equal(_apply_patch(again, versions[3], (3,))[0], versions[6])
+    # Beyond the byte budget the oldest versions go: patches on them carry values.
+    monkeypatch.setattr("server.strategy.DELTA_HISTORY_BYTES", 1)
+    tight, versions = _int8_run(3)
+    assert list(tight._history) == []
+    rebuilt, added = _apply_patch(tight, versions[1], (1,))
+    assert added == [] and _bits_equal(rebuilt, versions[3])
+    other = DGCStrategy(clients_per_round=2, downlink_density=0.1, downlink_values="int8",
+                        downlink_history=3, downlink_deltas=False)
+    with pytest.raises(CheckpointError, match="downlink_deltas True, the run has False"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_downlink_deltas_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="downlink_deltas must be a bool"):
+        DGCStrategy(downlink_deltas=bad)
