@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/wire.py
 	$(PY) bench/encoder.py
 	$(PY) bench/aggregate.py
+	$(PY) bench/downlink.py
 	$(PY) bench/mobile.py
 
 lint: $(STAMP)
