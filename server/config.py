@@ -93,6 +93,12 @@ class ServerSettings:
                                     "0 is broadcast on the grid too, and a patch on the one "
                                     "version a client is known to hold carries differences "
                                     "(which the client adds) where those encode smaller")
+    downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
+                                        "and server momentum: the broadcast follows the global "
+                                        "model minus this fraction of the step the momentum "
+                                        "buffer already fixes (Nesterov's look-ahead), so that "
+                                        "clients lag it less; 0 = follow the global model",
+                                        Check(0.0, 1.0))
     clients_build_initial_model: bool = setting(
         False, "clients_build_initial_model", "clients build version 0 of the model from the "
         "run's seed as the server does (the app ships the initial model), so a first contact "

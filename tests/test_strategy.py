@@ -713,3 +713,48 @@ def test_int8_delta_history_is_bounded_and_survives_a_checkpoint(monkeypatch):
 def test_downlink_deltas_must_be_a_bool(bad):
     with pytest.raises(ValueError, match="downlink_deltas must be a bool"):
         DGCStrategy(downlink_deltas=bad)
+
+
+# ---------------------------------------------------------------- downlink_lookahead
+def _step(model, seed: int) -> SparseUpdate:
+    g = torch.Generator().manual_seed(seed)
+    return SparseUpdate({k: SparseTensor(torch.arange(v.numel()),
+                                         0.1 * torch.randn(v.numel(), generator=g),
+                                         tuple(v.shape)) for k, v in model.items()}, seed)
+
+
+def test_broadcast_looks_ahead_along_the_server_momentum():
+    """downlink_lookahead a: the broadcast follows G - a * lr * m * buf, not G; G itself is
+    the same either way; without server momentum there is nothing to look ahead along."""
+    start = _model(0)
+    runs = {}
+    for look, momentum in ((0.0, 0.9), (1.0, 0.9), (0.5, 0.9), (1.0, 0.0)):
+        s = DGCStrategy(clients_per_round=2, downlink_density=0.05, server_momentum=momentum,
+                        server_learning_rate=0.7, downlink_lookahead=look)
+        s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+        previous = None
+        for rnd in (1, 2, 3):
+            previous = s._copy(s.broadcast)
+            s._apply([_step(start, rnd)], [1.0])
+        runs[look, momentum] = (s, previous)
+    plain = runs[0.0, 0.9][0]
+    for look in (1.0, 0.5):
+        s, previous = runs[look, 0.9]
+        assert all(torch.equal(s.model[k], plain.model[k]) for k in start)
+        heading = OrderedDict((k, v - look * 0.7 * 0.9 * s.momentum_buffer[k])
+                              for k, v in s.model.items())
+        expected = plain._follow(previous, heading)
+        assert all(torch.equal(s.broadcast[k], expected[k]) for k in start)
+        assert any(not torch.equal(s.broadcast[k], plain.broadcast[k]) for k in start)
+    no_momentum = runs[1.0, 0.0][0]
+    followed = DGCStrategy(clients_per_round=2, downlink_density=0.05, server_learning_rate=0.7)
+    followed.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
+    for rnd in (1, 2, 3):
+        followed._apply([_step(start, rnd)], [1.0])
+    assert all(torch.equal(no_momentum.broadcast[k], followed.broadcast[k]) for k in start)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "1"])
+def test_downlink_lookahead_must_be_in_zero_one(bad):
+    with pytest.raises(ValueError, match="downlink_lookahead must be in"):
+        DGCStrategy(downlink_lookahead=bad)
