@@ -434,11 +434,13 @@ class DGCStrategy(FedAvg):
         self._history = OrderedDict()
         self._history_nbytes = 0
 
-    def _remember(self, version: int, before: Mapping[str, torch.Tensor]) -> None:
-        """Keep the grid entries that changed at ``version`` with their values ``before``."""
+    def _remember(self, version: int, changed: Mapping[str, torch.Tensor],
+                  before: Mapping[str, torch.Tensor]) -> None:
+        """Keep the grid entries that changed at ``version`` (``changed``: a mask per tensor)
+        with their values ``before``."""
         changes = {}
         for name in self.grid_exponents:
-            idx = torch.nonzero(self.changed_at[name].view(-1) == version).view(-1)
+            idx = torch.nonzero(changed[name].view(-1)).view(-1)
             if idx.numel():
                 changes[name] = (idx, before[name].view(-1)[idx].clone())
         self._history[version] = changes
@@ -568,16 +570,15 @@ class DGCStrategy(FedAvg):
         for name, t in self.sent_model.items():
             idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
             values = t.view(-1)[idx].clone()
-            half = values.to(torch.float16)
             if name in self.grid_exponents:
                 # on the tensor's int8 grid: the encoder's grid coding carries them
-                if base is not None:
-                    delta = self._delta(name, idx, values, base[name].view(-1)[idx])
-                    if delta is not None:
-                        tensors[name] = delta
-                        added.append(name)
-                        continue
-            elif torch.equal(half.to(torch.float32), values):
+                delta = None if base is None else self._delta(name, idx, values,
+                                                              base[name].view(-1)[idx])
+                if delta is not None:
+                    tensors[name] = delta
+                    added.append(name)
+                    continue
+            elif torch.equal((half := values.to(torch.float16)).to(torch.float32), values):
                 # Values float16 holds exactly (every matrix entry the compressed broadcast
                 # wrote, see _follow) travel in half the bytes; the client's float32 copy of
                 # them is still bit for bit.
@@ -1010,12 +1011,13 @@ class DGCStrategy(FedAvg):
         if self.broadcast is not None:
             self.broadcast = self._follow(self.broadcast, self._heading(new))
         self.model_version += 1
+        changed = {}
         for name, t in self.sent_model.items():
             # bitwise comparison, so a replaced entry reproduces the server's value exactly
-            changed = t.view(torch.int32) != before[name].view(torch.int32)
-            self.changed_at[name][changed] = self.model_version
+            changed[name] = t.view(torch.int32) != before[name].view(torch.int32)
+            self.changed_at[name][changed[name]] = self.model_version
         if self.initial_on_grid:
-            self._remember(self.model_version, before)
+            self._remember(self.model_version, changed, before)
         if self.shared_planner is not None:
             self.shared_planner.observe(avg)
         return True
@@ -1136,25 +1138,27 @@ class DGCStrategy(FedAvg):
             if ours != theirs:
                 raise CheckpointError(f"checkpoint model {theirs} does not match the run's "
                                       f"model {ours}")
-        self.model = OrderedDict((k, model[k].to(torch.float32).contiguous())
-                                 for k in state["model_names"])
+        # Every refusal comes before the first change, so a refused state changes nothing.
         broadcast = state.get("broadcast")
         if (broadcast is None) != (self.downlink_density == 1.0):
             raise CheckpointError(f"checkpoint was written with downlink_density "
                                   f"{'1' if broadcast is None else '< 1'}, the run has "
                                   f"{self.downlink_density:g}: clients hold the other model")
-        self.broadcast = None if broadcast is None else OrderedDict(
-            (k, broadcast[k].to(torch.float32).contiguous()) for k in state["model_names"])
         written = state.get("downlink_values", "float16")
         if broadcast is not None and written != self.downlink_values:
             raise CheckpointError(f"checkpoint was written with downlink_values {written}, the "
                                   f"run has {self.downlink_values}: clients hold the other grid")
-        self.grid_exponents = dict(state.get("grid_exponents", {}))
+        grid_exponents = dict(state.get("grid_exponents", {}))
         deltas = bool(state.get("downlink_deltas", False))
-        if self.grid_exponents and deltas != self.downlink_deltas:
+        if grid_exponents and deltas != self.downlink_deltas:
             raise CheckpointError(f"checkpoint was written with downlink_deltas {deltas}, the "
                                   f"run has {self.downlink_deltas}: version 0 is "
                                   f"{'' if deltas else 'not '}on the grid there")
+        self.model = OrderedDict((k, model[k].to(torch.float32).contiguous())
+                                 for k in state["model_names"])
+        self.broadcast = None if broadcast is None else OrderedDict(
+            (k, broadcast[k].to(torch.float32).contiguous()) for k in state["model_names"])
+        self.grid_exponents = grid_exponents
         self._forget_history()
         for u, changes in state.get("delta_history", []):
             self._history[int(u)] = {n: (i.to(torch.int64), v.to(torch.float32))

@@ -15,6 +15,7 @@ from flwr.serverapp.strategy import FedAvg, FedAvgM
 import dgc
 from client import protocol as P
 from client.app import app as client_app
+from client.app import global_model
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.shared import decode_mask, encode_signs, take_signs
 from server.checkpoint import CheckpointError
@@ -628,7 +629,6 @@ def _apply_patch(s: DGCStrategy, held: dict, bases: tuple[int, ...],
                  version: int | None = None) -> tuple[dict, list[str]]:
     """What a client holding ``held`` (version ``version``, default the newest base) builds
     from the patch on ``bases`` (client.app's code)."""
-    from client.app import global_model
     data, added = s._patch(bases)
     config = ConfigRecord({P.DOWNLINK: "patch", P.BASE_VERSION: bases[-1],
                            P.BASE_VERSIONS: list(bases), P.MODEL_VERSION: s.model_version})
@@ -705,8 +705,13 @@ def test_int8_delta_history_is_bounded_and_survives_a_checkpoint(monkeypatch):
     assert added == [] and _bits_equal(rebuilt, versions[3])
     other = DGCStrategy(clients_per_round=2, downlink_density=0.1, downlink_values="int8",
                         downlink_history=3, downlink_deltas=False)
+    other.set_model(ArrayRecord({k: v.clone() for k, v in _model(0).items()}))
+    kept = (other._copy(other.model), other._copy(other.broadcast), dict(other.grid_exponents))
     with pytest.raises(CheckpointError, match="downlink_deltas True, the run has False"):
         other.load_state_dict(state)
+    # A refused checkpoint changes nothing.
+    assert _bits_equal(other.model, kept[0]) and _bits_equal(other.broadcast, kept[1])
+    assert other.grid_exponents == kept[2] and other.model_version == 0
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
