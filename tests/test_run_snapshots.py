@@ -1,0 +1,76 @@
+"""Two fixed-seed runs on the in-process engine reproduce their committed results.
+
+The snapshots in ``tests/golden/runs/`` were taken before the redesign of the strategy, the
+settings and the wire code (issue 13), which must change no result: every column of
+``rounds.csv`` and ``clients.csv`` and every key of ``summary.json`` is compared exactly, except
+what measures the machine (wall and compute seconds). ``virtual_seconds`` is compared to 2e-3
+relative: a reply carries its measured compute seconds, and the emulator charges the reply's
+encoded size, so two runs of the same code differ by up to ~1e-3 s in a round.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from simulations.cli import main
+
+GOLDEN = Path(__file__).parent / "golden" / "runs"
+
+COMMON = ["--set", "task=digits", "--set", "sim.engine=local", "--set", "progress=false",
+          "--set", "rounds=6"]
+RUNS = {
+    # DGC with the int8 compressed broadcast (patches of differences, look-ahead).
+    "dgc_int8": ["--set", "num_clients=20", "--set", "clients_per_round=5", "--set", "seed=3",
+                 "--set", "downlink_values=int8", "--set", "downlink_density=0.07"],
+    # The emulator with half the clients intermittent: deadline and link drops, fold-backs.
+    "netem_drop": ["--set", "num_clients=16", "--set", "clients_per_round=4",
+                   "--set", "over_selection=1.5", "--set", "seed=5",
+                   "--set", "dgc.density=0.05", "--set", "netem.enabled=true",
+                   "--set", "netem.mix=3g:0.5,edge:0.5", "--set", "netem.intermittent=0.5",
+                   "--set", "netem.deadline_s=30"],
+}
+MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds"}
+CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
+RUN_FOLDER = {"results_dir", "run_name", "state_dir"}
+
+
+def _same(key: str, got: str | float, want: str | float) -> bool:
+    if key in CLOSE and got is not None and want is not None:
+        g, w = float(got), float(want)
+        return math.isclose(g, w, rel_tol=2e-3) or (math.isnan(g) and math.isnan(w))
+    return str(got) == str(want)
+
+
+def _compare_csv(got: Path, want: Path) -> None:
+    with got.open() as fh:
+        rows = list(csv.DictReader(fh))
+    with want.open() as fh:
+        golden = list(csv.DictReader(fh))
+    assert len(rows) == len(golden)
+    assert list(rows[0]) == list(golden[0]), f"{got.name}: columns changed"
+    for i, (r, g) in enumerate(zip(rows, golden, strict=True)):
+        diff = {k: (r[k], g[k]) for k in g if k not in MACHINE and not _same(k, r[k], g[k])}
+        assert not diff, f"{got.name} row {i + 1}: {diff}"
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_fixed_seed_run_matches_its_snapshot(name: str, tmp_path: Path) -> None:
+    argv = ["run", *COMMON, *RUNS[name], "--set", f"results_dir={tmp_path}",
+            "--set", f"run_name={name}"]
+    assert main(argv) == 0
+    out, golden = tmp_path / name, GOLDEN / name
+    _compare_csv(out / "rounds.csv", golden / "rounds.csv")
+    _compare_csv(out / "clients.csv", golden / "clients.csv")
+    got = json.loads((out / "summary.json").read_text())
+    want = json.loads((golden / "summary.json").read_text())
+    for doc in (got, want):
+        for k in RUN_FOLDER:
+            doc["config"].pop(k, None)
+    diff = {k: (got.get(k), v) for k, v in want.items()
+            if k not in MACHINE and not _same(k, got.get(k), v)}
+    assert not diff, f"summary.json: {diff}"
