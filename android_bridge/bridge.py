@@ -25,6 +25,7 @@ import grpc
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
+from dgc.wire import max_numel_of_message
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 1024
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
@@ -318,7 +319,8 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         try:
             if hashlib.sha256(data).hexdigest() != upload.sha256:
                 raise ValueError("sha256 of the received bytes does not match the declared one")
-            update = dgc.decode(data)
+            update = dgc.decode(data, max_numel=max_numel_of_message(task.dense_model)
+                                if task is not None else 0)
             if task is None or task.task_id in self._results:
                 raise ValueError(f"task {upload.task_id!r} is no longer open")
             if update.sequence != task.sequence:

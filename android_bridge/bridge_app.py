@@ -23,6 +23,7 @@ from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
 from client import app as client_module
 from client import protocol as P
 from dgc import SparseUpdate
+from dgc.wire import max_numel_of
 
 DEVICE_KEY = "device-id"
 
@@ -93,7 +94,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             "num-examples": int(result.metrics.get("num-examples", 0)),
             "uplink_bytes": len(result.update_bytes),
             "nnz": update.nnz,
-            # The phone encoder has no shared-index channel (dgc.shared): the server aggregates
+            # The phone encoder has no shared-index channel (dgc.signs): the server aggregates
             # a reply without signs from its top-k update alone.
             "shared_entries": 0,
             "density": update.density,
@@ -122,7 +123,7 @@ def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any]) -> byte
     """``patch`` with the values of the ``added`` tensors (differences, ``patch_add``) taken
     from ``model``, the model it produces: a patch whose values replace, the only kind phones
     apply."""
-    update = dgc.decode(patch)
+    update = dgc.decode(patch, max_numel=max_numel_of(t.shape for t in model.values()))
     tensors = dict(update.tensors)
     for name in added:
         t = tensors[name]

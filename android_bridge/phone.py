@@ -29,6 +29,7 @@ from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from dgc.config import DGCConfig
+from dgc.wire import max_numel_of
 
 
 class PhoneError(RuntimeError):
@@ -126,7 +127,7 @@ class ReferencePhone:
     # -- one round ------------------------------------------------------------------------
 
     def _global_model(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
-        update = dgc.decode(task.model_bytes)
+        update = dgc.decode(task.model_bytes, max_numel=max_numel_of(self.shapes.values()))
         if task.encoding == pb.SPARSE_PATCH:
             if self.model is None or self.model_version != task.base_version:
                 raise PhoneError(f"patch on version {task.base_version}, phone holds "

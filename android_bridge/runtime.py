@@ -21,6 +21,7 @@ import torch
 
 from android_bridge.encoder import BLOCK, check_compatible, check_exportable, clip_scale
 from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
+from dgc.base import check_factor
 from dgc.config import DGCConfig
 from dgc.errors import StateError
 from dgc.selection import num_selected
@@ -49,6 +50,8 @@ def _as_flat_f32(name: str, value: Any) -> torch.Tensor:
 
 class PteEncoder:
     """Compresses a model's gradients step after step with the exported encoder program.
+
+    Implements :class:`dgc.base.Compressor`, as :class:`dgc.DGCCompressor` does on the host.
 
     Parameters
     ----------
@@ -229,6 +232,17 @@ class PteEncoder:
             v = self._v_full[name].numpy().copy()
             np.add.at(v, t.indices.numpy(), t.values.to(torch.float32).numpy())
             self._keep(name, self._u_full[name], torch.from_numpy(v))
+
+    def residual(self) -> dict[str, torch.Tensor]:
+        """The unsent accumulated values ``v`` (flat views of the encoder's state)."""
+        return dict(self.v)
+
+    def scale_state(self, factor: float) -> None:
+        """Multiply ``v`` and ``u`` by ``factor`` in place (0 clears them)."""
+        factor = check_factor(factor)
+        for state in (self.v, self.u):
+            for t in state.values():
+                t.mul_(factor)
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the step counter, of ``u`` (tensors that have one) and of ``v``, as flat

@@ -142,14 +142,16 @@ def main() -> None:
     wire = [dgc.encode(u) for u in updates]
     nnz = sum(u.nnz for u in updates)
 
-    decoded = [dgc.decode(b) for b in wire]  # what the server aggregates (packed arrays)
+    bound = dgc.wire.max_numel_of(shapes.values())
+    # what the server aggregates (packed arrays)
+    decoded = [dgc.decode(b, max_numel=bound) for b in wire]
 
     # The server's buffer, kept across rounds (allocated and first touched once, up front), laid
     # out as one block so that each update is scattered in one call.
     buffer = dgc.aggregate_buffers(shapes)
 
     def ours(n: int):
-        decoded = dgc.decode_many(wire[:n])
+        decoded = dgc.decode_many(wire[:n], max_numel=bound)
         for t in buffer.values():
             t.zero_()
         return dgc.aggregate(decoded, weights[:n], shapes, out=buffer)
@@ -163,10 +165,10 @@ def main() -> None:
         return dgc.aggregate(decoded[:n], weights[:n], shapes)
 
     def decode_only(n: int):
-        return dgc.decode_many(wire[:n])
+        return dgc.decode_many(wire[:n], max_numel=bound)
 
     def decode_one_by_one(n: int):
-        return [dgc.decode(b) for b in wire[:n]]
+        return [dgc.decode(b, max_numel=bound) for b in wire[:n]]
 
     k = min(args.dense_sample, args.clients)
     half = max(1, k // 2)

@@ -70,7 +70,7 @@ def check_exact(s: DGCStrategy, base: int) -> None:
         raise SystemExit(f"no tensor of the patch on version {base} carried differences")
     held = s._grid_values_at(base)
     assert held is not None
-    update = dgc.decode(data)
+    update = dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL)
     for name in added:
         t = update.tensors[name]
         flat = held[name].view(-1)

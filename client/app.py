@@ -36,8 +36,10 @@ from client.settings import SettingsError, TrainSettings, fields_of, parse
 from client.state import ClientStateStore, fold_back_pending, stored_bytes
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
-from dgc.grid import round_initial
-from dgc.shared import Masks, decode_mask, encode_signs, take_signs
+from dgc.int8_grid import round_initial
+from dgc.signs.client import take_signs
+from dgc.signs.codec import Masks, decode_mask, encode_signs
+from dgc.wire import max_numel_of
 
 app = ClientApp()
 
@@ -166,7 +168,8 @@ def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any]
         on = f"version {bases[0]}" if len(bases) == 1 else f"any of versions {bases}"
         raise ClientProtocolError(f"server sent a patch on model {on}, this client holds "
                                   f"version {have}")
-    patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH))
+    patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH),
+                       max_numel=max_numel_of(t.shape for t in held["model"].values()))
     added = config.get(P.PATCH_ADD, [])
     if not isinstance(added, list) or not all(isinstance(n, str) for n in added):
         raise ClientProtocolError(f"{P.PATCH_ADD} must be a list of tensor names, got "

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, get_type_hints
 
-from dgc import DGCCompressor, DGCConfig
-from dgc.federated import TwoDensityCompressor
+from dgc import Compressor, DGCCompressor, DGCConfig
+from dgc.two_density import TwoDensityCompressor
 
 METHODS = ("dense", "topk", "dgc")
 TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare")
@@ -291,7 +291,7 @@ class TrainSettings:
         raise SettingsError(f"method {self.method!r} has no compressor (dense sends fp32)")
 
 
-    def compressor(self) -> DGCCompressor | TwoDensityCompressor:
+    def compressor(self) -> Compressor:
         """A fresh compressor of this method: one density, or two when dgc.small_density > 0.
 
         Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 import dgc
-from dgc.shared import decode_mask, decode_signs
+from dgc import Compressor
+from dgc.signs.codec import decode_mask, decode_signs
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -287,7 +288,7 @@ def stored_bytes(record: dict[str, Any], key: str) -> bytes:
     return bytes(record[key].numpy().tobytes())
 
 
-def fold_back_pending(compressor: Any, record: dict[str, Any], ack_sequence: int,
+def fold_back_pending(compressor: Compressor, record: dict[str, Any], ack_sequence: int,
                       numels: dict[str, int]) -> bool:
     """Restore a record's last update into ``compressor`` unless the server aggregated it.
 
@@ -299,7 +300,7 @@ def fold_back_pending(compressor: Any, record: dict[str, Any], ack_sequence: int
     """
     if record.get("pending") is None:
         return False
-    pending = dgc.decode(stored_bytes(record, "pending"))
+    pending = dgc.decode(stored_bytes(record, "pending"), max_numel=max(numels.values(), default=0))
     if pending.sequence == ack_sequence:
         return False
     compressor.restore(pending)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dgc.base import check_factor
 from dgc.config import DGCConfig
 from dgc.errors import StateError
 from dgc.memory import DGCMemory
@@ -41,6 +42,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 class DGCCompressor:
     """Compresses successive gradients (or pseudo-gradients) of one worker.
+
+    Implements :class:`dgc.base.Compressor`.
 
     Parameters
     ----------
@@ -126,6 +129,10 @@ class DGCCompressor:
     def residual(self) -> dict[str, torch.Tensor]:
         """The unsent accumulated values (flat), keyed by tensor name."""
         return dict(self.memory.v)
+
+    def scale_state(self, factor: float) -> None:
+        """Multiply the residual and the momentum by ``factor`` in place (0 clears them)."""
+        self.memory.scale(check_factor(factor))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue later: step, config and the memory (copies)."""

@@ -13,6 +13,10 @@ class DecodeError(DGCError, ValueError):
     """Bytes handed to :func:`dgc.decode` are not a valid fedgc sparse update."""
 
 
+class EncodeError(DGCError, ValueError):
+    """An update handed to :func:`dgc.encode` cannot be put on the wire (the message names why)."""
+
+
 class StateError(DGCError, ValueError):
     """A compressor state (or a gradient fed to it) does not match what the compressor holds."""
 

@@ -91,6 +91,12 @@ class DGCMemory:
             raise StateError(f"restore indices for {name!r} fall outside [0, {v.numel()})")
         v.index_add_(0, indices, values.to(v.dtype))
 
+    def scale(self, factor: float) -> None:
+        """Multiply every momentum and residual entry by ``factor``, in place."""
+        for state in (self.v, self.u):
+            for t in state.values():
+                t.mul_(factor)
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of ``u`` and ``v``, keyed by tensor name."""
         return {"u": {k: t.clone() for k, t in self.u.items()},

@@ -48,8 +48,9 @@ from flwr.supercore import log
 import dgc
 from client import protocol as P
 from dgc import DecodeError, SparseTensor, SparseUpdate, TensorLayout
-from dgc.grid import grid_exponent, initial_exponents, to_int8_grid
-from dgc.shared import Masks, SharedIndexPlanner, decode_signs, encode_mask
+from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
+from dgc.signs.codec import Masks, decode_signs, encode_mask
+from dgc.signs.planner import SharedIndexPlanner
 from dgc.wire import encoded_size
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from server.config import DOWNLINK_VALUES

@@ -68,4 +68,4 @@ def test_java_reencodes_updates_of_the_exported_encoder_byte_for_byte(classes, t
     assert out[:-1] == expected
     assert out[-1].startswith("REJECT")
     with pytest.raises(dgc.DecodeError):
-        dgc.decode(bytes(corrupt))
+        dgc.decode(bytes(corrupt), max_numel=dgc.wire.MAX_NUMEL)

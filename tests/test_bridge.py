@@ -171,7 +171,7 @@ def test_phone_round_with_cut_and_resumed_upload(bridge, certs, export_dir):
     pseudo = {k: state[k] - torch.from_numpy(local[k]) for k in state}
     config = DGCConfig.from_dict(task.config["dgc"])
     want = DGCCompressor(config).compress(pseudo, epoch=0.0, sequence=1)
-    got = dgc.decode(result.update_bytes)
+    got = dgc.decode(result.update_bytes, max_numel=dgc.wire.MAX_NUMEL)
     for name, t in want.tensors.items():
         assert torch.equal(got.tensors[name].indices, t.indices), name
         assert torch.equal(got.tensors[name].values, t.values), name
@@ -278,7 +278,8 @@ def test_bridge_turns_an_additive_patch_into_values_for_the_phone():
     assert added == ["fc1.weight", "fc2.weight"]
     data = _as_values(s._patch((2,))[0], added, rebuilt)
     phone = {k: v.clone() for k, v in versions[2].items()}
-    for name, t in dgc.decode(data).tensors.items():  # as ReferencePhone._global_model does
+    # as ReferencePhone._global_model does
+    for name, t in dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL).tensors.items():
         phone[name].view(-1)[t.indices] = t.values.float()
     assert _bits_equal(phone, versions[4])
     codings = tensor_value_dtypes(data)

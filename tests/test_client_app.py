@@ -15,7 +15,7 @@ from client import protocol as P
 from client.app import app as client_app
 from client.settings import TrainSettings, to_flat
 from client.state import ClientStateStore
-from dgc.shared import decode_signs, encode_mask
+from dgc.signs.codec import decode_signs, encode_mask
 from server.local_grid import LocalGrid
 
 
@@ -53,7 +53,7 @@ def test_reply_carries_encoded_update_and_metrics(tmp_path, method):
     m = reply.content.metric_records[P.METRICS]
     assert set(P.REPLY_METRICS) <= set(m)
     data = P.record_to_bytes(reply.content.array_records[P.UPDATE])
-    update = dgc.decode(data)
+    update = dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL)
     assert m["uplink_bytes"] == len(data) and m["nnz"] == update.nnz
     assert m["client_key"] == 1 and update.sequence == 1
     if method == "dense":
@@ -83,14 +83,16 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, t
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, method="dgc", small_density=small_density, ternary=ternary)
     first = _send(grid, 0, s, 1, -1, _global())
-    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]))
+    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]),
+                         max_numel=dgc.wire.MAX_NUMEL)
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
     s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
 
     def sent_plus_residual(settings, ack):
         reply = _send(grid, 0, settings, 2, ack, _global())
         assert reply.content.metric_records[P.METRICS]["restored"] == (0 if ack == 1 else 1)
-        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE])).to_dense()
+        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
         resid = _residual(settings, "0")
         return {k: sent[k].reshape(-1) + resid[k] for k in sent}
 
@@ -111,7 +113,8 @@ def test_small_tensors_get_their_own_density(tmp_path, method, small_density, sm
     s = _settings(tmp_path, method=method, small_density=small_density, selection="exact")
     reply = _send(grid, 1, s, 1, -1, _global())
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-    update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]))
+    update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                        max_numel=dgc.wire.MAX_NUMEL)
     nnz = {k: int(t.indices.numel()) for k, t in update.tensors.items()}
     assert nnz == {"net.1.weight": 640, "net.1.bias": 200, "net.3.weight": small_nnz,
                    "net.3.bias": 10}
@@ -122,7 +125,8 @@ def test_small_numel_decides_which_tensors_are_small(tmp_path):
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, small_density=0.1, small_numel=12_800, selection="exact")
     reply = _send(grid, 1, s, 1, -1, _global())
-    update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]))
+    update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                        max_numel=dgc.wire.MAX_NUMEL)
     assert int(update.tensors["net.1.weight"].indices.numel()) == 1280
     assert int(update.tensors["net.3.weight"].indices.numel()) == 200
 
@@ -271,14 +275,16 @@ def test_unacknowledged_signs_are_folded_back_with_the_update(tmp_path):
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, method="dgc", small_density=0.1)
     first = _send(grid, 0, s, 1, -1, _global(), shared=encode_mask(_MASKS, _NUMELS, 1))
-    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE])).to_dense()
+    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]),
+                         max_numel=dgc.wire.MAX_NUMEL).to_dense()
     pending_signs = _signs(first).to_dense()
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
     s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
 
     def sent_plus_residual(settings, ack):
         reply = _send(grid, 0, settings, 2, ack, _global())
-        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE])).to_dense()
+        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
         resid = _residual(settings, "0")
         return {k: sent[k].reshape(-1) + resid[k] for k in sent}
 
@@ -377,10 +383,10 @@ def test_a_patch_that_adds_differences_adds_them_and_bad_ones_change_nothing(tmp
 
 def test_a_client_that_builds_version_0_rounds_it_to_the_grid_when_told(tmp_path):
     """initial_grid: a client building version 0 itself rounds its matrices as the server's
-    int8 broadcast does (dgc.grid.round_initial), so a patch on version 0 lands on the
+    int8 broadcast does (dgc.int8_grid.round_initial), so a patch on version 0 lands on the
     server's model bit for bit."""
     from client.app import initial_model
-    from dgc.grid import round_initial
+    from dgc.int8_grid import round_initial
     from tasks import get_task
 
     grid = LocalGrid(client_app, 3)
@@ -445,7 +451,7 @@ def test_ternary_client_sends_sign_coded_values(tmp_path):
         reply = _send(LocalGrid(client_app, 3), 1, s, 1, -1, _global())
         assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
         replies[ternary] = P.record_to_bytes(reply.content.array_records[P.UPDATE])
-    plain, ternary = dgc.decode(replies[False]), dgc.decode(replies[True])
+    plain, ternary = (dgc.decode(replies[t], max_numel=dgc.wire.MAX_NUMEL) for t in (False, True))
     sparse = [n for n, t in ternary.tensors.items() if t.nnz < t.numel]
     assert sparse
     for name in sparse:

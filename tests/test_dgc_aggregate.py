@@ -206,11 +206,12 @@ def test_bad_update_leaves_out_untouched(bad_index: list[int]) -> None:
 
 def test_decoded_updates_aggregate_like_their_per_tensor_form() -> None:
     from dgc import aggregate_buffers, decode, encode
+    from dgc.wire import MAX_NUMEL
 
     updates = _client_updates(5)
     weights = [3.0, 1.0, 2.0, 5.0, 4.0]
     expected = aggregate(updates, weights, SHAPES)
-    decoded = [decode(encode(u)) for u in updates]
+    decoded = [decode(encode(u), max_numel=MAX_NUMEL) for u in updates]
     assert all(u.packed is not None for u in decoded)
     block = aggregate_buffers(SHAPES)
     separate = {n: torch.zeros(s) for n, s in SHAPES.items()}
@@ -226,8 +227,9 @@ def test_decoded_updates_aggregate_like_their_per_tensor_form() -> None:
 
 def test_decoded_updates_are_checked_against_the_model() -> None:
     from dgc import decode, encode
+    from dgc.wire import MAX_NUMEL
 
-    decoded = [decode(encode(u)) for u in _client_updates(2)]
+    decoded = [decode(encode(u), max_numel=MAX_NUMEL) for u in _client_updates(2)]
     with pytest.raises(AggregationError, match="update 0 carries unknown tensor 'fc.bias'"):
         aggregate(decoded, [1.0, 1.0], {"fc.weight": (50, 60)})
     with pytest.raises(AggregationError, match=r"update 0 tensor 'fc.bias' has shape \(50,\)"):

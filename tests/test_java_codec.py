@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dgc import DecodeError, DGCCompressor, DGCConfig, SparseTensor, SparseUpdate, decode, encode
-from dgc.wire import EncodeError, tensor_codings
+from dgc.wire import MAX_NUMEL, EncodeError, tensor_codings
 
 ROOT = Path(__file__).resolve().parents[1]
 JAVA_DIR = ROOT / "android_bridge" / "java"
@@ -170,7 +170,7 @@ def test_java_reencodes_compressor_updates_byte_for_byte(java_classpath: Path) -
         assert status == "OK", f"Java rejected a Python {coding} message: {answer}"
         java_bytes = bytes.fromhex(java_hex)
         assert java_bytes == data, f"Java's {coding} encoding differs from Python's"
-        assert_same(update, decode(java_bytes))
+        assert_same(update, decode(java_bytes, max_numel=MAX_NUMEL))
 
 
 def _repair_crc(body: bytes) -> bytes:
@@ -217,7 +217,7 @@ def test_java_and_python_agree_on_mutated_messages(java_classpath: Path) -> None
     for message, answer in zip(messages, answers, strict=True):
         status, _, rest = answer.partition(" ")
         try:
-            expected = encode(decode(message)).hex()
+            expected = encode(decode(message, max_numel=MAX_NUMEL)).hex()
         except DecodeError as e:
             reason = python_reason(str(e))
             assert (status, rest) == ("REJECT", reason), (
@@ -245,10 +245,10 @@ def _java_agrees(java_classpath: Path, messages: list[bytes], rejections: str) -
     answers = run_tool(java_classpath, [f"codec auto {m.hex()}"
                                         for m in [*messages, *rejected.values()]])
     for message, answer in zip(messages, answers, strict=False):
-        assert answer == f"OK {encode(decode(message)).hex()}"
+        assert answer == f"OK {encode(decode(message, max_numel=MAX_NUMEL)).hex()}"
     for (name, data), answer in zip(rejected.items(), answers[len(messages):], strict=True):
         with pytest.raises(DecodeError) as e:
-            decode(data)
+            decode(data, max_numel=MAX_NUMEL)
         assert answer == f"REJECT {python_reason(str(e.value))}", name
 
 
@@ -267,7 +267,8 @@ def test_java_decodes_sign_coded_values_as_python_does(java_classpath: Path) -> 
                      "fc.weight": torch.randn(10, 256, generator=g),
                      "fc.bias": torch.randn(10, generator=g)}
             messages.append(encode(comp.compress(grads), sign_coding=True))
-    assert all(len(m) < len(encode(decode(m))) for m in messages)  # really sign-coded
+    # really sign-coded
+    assert all(len(m) < len(encode(decode(m, max_numel=MAX_NUMEL))) for m in messages)
     _java_agrees(java_classpath, messages, "signs_")
 
 
@@ -291,12 +292,13 @@ def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> 
                  "b": SparseTensor(torch.arange(3), torch.randn(3, generator=g), (3,))},
                 exponent + 200)
             messages.append(encode(update, grid_coding=True))
-    assert all(len(m) < len(encode(decode(m))) for m in messages)  # really grid-coded
+    # really grid-coded
+    assert all(len(m) < len(encode(decode(m, max_numel=MAX_NUMEL))) for m in messages)
     assert {wire_tests.tensor_value_dtypes(m)["w"] for m in messages} == {0x40, 0x41}
     # The encoder never writes q = -128, but it is a valid int8: both decode it.
     messages.append(wire_tests.message([wire_tests.tensor_record(
         b"w", [4, 4], 2, 1, 0x40, wire_tests.raw_u32(3, 9), wire_tests.f32(0.5) + b"\x80\x00")]))
-    assert decode(messages[-1]).tensors["w"].values.tolist() == [-64.0, 0.0]
+    assert decode(messages[-1], max_numel=MAX_NUMEL).tensors["w"].values.tolist() == [-64.0, 0.0]
     _java_agrees(java_classpath, messages, "grid_")
 
 

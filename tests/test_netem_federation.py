@@ -26,7 +26,7 @@ import dgc
 from client import protocol as P
 from client.settings import to_flat
 from client.state import ClientStateStore
-from dgc.shared import decode_mask, decode_signs
+from dgc.signs.codec import decode_mask, decode_signs
 from server.config import RunConfig
 from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
 from simulations.netem.mod import reply_metrics
@@ -42,7 +42,7 @@ class InProcessGrid(Grid):
                                           node_config={"partition-id": k}, state=RecordDict(),
                                           run_config={}) for k in range(num_nodes)}
         self.replies: list[Message] = []
-        self.masks: dict[int, bytes] = {}  # round -> the shared index sets sent (dgc.shared)
+        self.masks: dict[int, bytes] = {}  # round -> the shared index sets sent (dgc.signs)
         self._run = Run.create_empty(1)
 
     def set_run(self, run: Run) -> None:
@@ -135,7 +135,8 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     for msg in grid.replies:
         if P.UPDATE in msg.content.array_records:
             key = strategy.node_keys[msg.metadata.src_node_id]
-            update = dgc.decode(P.record_to_bytes(msg.content.array_records[P.UPDATE]))
+            update = dgc.decode(P.record_to_bytes(msg.content.array_records[P.UPDATE]),
+                                max_numel=dgc.wire.MAX_NUMEL)
             sent[(key, update.sequence)] = [update]
             if P.SHARED in msg.content.array_records:
                 _, masks = decode_mask(grid.masks[update.sequence], numels)
@@ -175,7 +176,8 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         record = store.get(str(key))
         c = config.train.compressor()
         c.load_state_dict(record["compressor"])
-        pending = [dgc.decode(bytes(record["pending"].numpy().tobytes()))]
+        pending = [dgc.decode(bytes(record["pending"].numpy().tobytes()),
+                              max_numel=dgc.wire.MAX_NUMEL)]
         if "pending_shared" in record:
             _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
             pending.append(decode_signs(bytes(record["pending_shared"].numpy().tobytes()),

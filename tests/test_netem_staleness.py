@@ -108,7 +108,7 @@ def test_stale_policy_on_a_stored_record_folds_back_unacked_pending_first() -> N
 def test_stale_policy_ages_both_parts_of_a_two_density_record() -> None:
     # fedgc's default client compressor is a TwoDensityCompressor, whose state carries no config:
     # the policy must rebuild it through the client's own factory and age both parts.
-    from dgc.federated import TwoDensityCompressor
+    from dgc.two_density import TwoDensityCompressor
     from simulations.netem.staleness import apply_stale_policy_to_record
 
     def make() -> TwoDensityCompressor:
@@ -135,7 +135,7 @@ def test_stale_policy_folds_back_unacked_shared_signs_too() -> None:
     """A record with the shared sign channel's pending signs: folded back with the update."""
     import numpy as np
 
-    from dgc.shared import encode_mask, encode_signs, take_signs
+    from dgc.signs import encode_mask, encode_signs, take_signs
     from simulations.netem.staleness import apply_stale_policy_to_record
 
     c = DGCCompressor(DGCConfig(density=0.1, warmup="none"))

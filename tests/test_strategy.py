@@ -17,7 +17,7 @@ from client import protocol as P
 from client.app import app as client_app
 from client.app import global_model
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
-from dgc.shared import decode_mask, encode_signs, take_signs
+from dgc.signs import decode_mask, encode_signs, take_signs
 from server.checkpoint import CheckpointError
 from server.local_grid import LocalGrid
 from server.strategy import DGCStrategy
@@ -453,7 +453,7 @@ def test_patches_carry_broadcast_values_in_float16_and_stay_exact():
                                              tuple(v.shape)) for k, v in start.items()}, 1)
         s._apply([step], [1.0])  # the global model becomes target
         data = s._patch((0,))[0]
-        patch = dgc.decode(data)
+        patch = dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL)
         held = {k: v.clone() for k, v in start.items()}
         for n, t in patch.tensors.items():
             held[n].view(-1)[t.indices] = t.values.to(torch.float32)
@@ -524,7 +524,7 @@ def test_int8_grid_step_doubles_when_the_model_outgrows_it_and_moves_the_whole_t
     assert torch.equal(sent, (grown["fc2.weight"] / 2.0 ** (e + 1)).round() * 2.0 ** (e + 1)
                        + 0.0)
     # fc1.weight moved in only ceil(0.01 * n) entries at most; fc2.weight whole.
-    patch = dgc.decode(s._patch((0,))[0])
+    patch = dgc.decode(s._patch((0,))[0], max_numel=dgc.wire.MAX_NUMEL)
     assert patch.tensors["fc2.weight"].nnz == int((sent != start["fc2.weight"]).sum())
     assert patch.tensors["fc2.weight"].nnz > 0.9 * sent.numel()
 
@@ -541,11 +541,11 @@ def test_int8_patches_carry_a_byte_or_less_per_matrix_entry_and_stay_exact():
         s._apply([step], [1.0])
         data = s._patch((0,))[0]
         held = {k: v.clone() for k, v in start.items()}
-        for n, t in dgc.decode(data).tensors.items():
+        for n, t in dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL).tensors.items():
             held[n].view(-1)[t.indices] = t.values.to(torch.float32)
         assert all(torch.equal(held[k].view(torch.int32), s.sent_model[k].view(torch.int32))
                    for k in held)
-        patches[values] = (data, dgc.decode(data))
+        patches[values] = (data, dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL))
     (half, half_patch), (grid, grid_patch) = patches["float16"], patches["int8"]
     assert dgc.wire.tensor_codings(grid) == dgc.wire.tensor_codings(half)
     matrix_entries = sum(t.nnz for n, t in grid_patch.tensors.items() if n.endswith("weight"))
@@ -646,7 +646,7 @@ def _bits_equal(a: dict, b: dict) -> bool:
 
 
 def test_int8_deltas_put_version_0_on_the_grid_as_clients_build_it():
-    from dgc.grid import round_initial
+    from dgc.int8_grid import round_initial
     s, versions = _int8_run(0)
     start = _model(0)
     assert _bits_equal(versions[0], round_initial(start))  # what a client rounds it to

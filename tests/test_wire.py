@@ -15,7 +15,7 @@ import torch
 
 from dgc import DecodeError, SparseTensor, SparseUpdate, decode, decode_many, encode
 from dgc import golomb as gr
-from dgc.wire import EncodeError, encoded_size, index_bits, tensor_codings
+from dgc.wire import MAX_NUMEL, EncodeError, encoded_size, index_bits, tensor_codings
 
 GOLDEN_DIR = Path(__file__).with_name("golden")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -71,7 +71,7 @@ def edge_tensors(dtype: torch.dtype) -> dict[str, SparseTensor]:
 def test_round_trip_every_coding_and_dtype(coding: str, dtype: torch.dtype) -> None:
     update = SparseUpdate(edge_tensors(dtype), sequence=41)
     data = encode(update, coding)
-    assert_same(update, decode(data))
+    assert_same(update, decode(data, max_numel=MAX_NUMEL))
     assert len(data) == encoded_size(update, coding)
     if coding != "auto":
         assert set(tensor_codings(data).values()) == {coding}
@@ -85,8 +85,8 @@ def test_round_trip_dense_tensors_with_all_coding(dtype: torch.dtype) -> None:
                                      sequence=5)
     data = encode(update, "all")
     assert set(tensor_codings(data).values()) == {"all"}
-    assert_same(update, decode(data))
-    assert decode(data).tensors["scalar"].shape == ()
+    assert_same(update, decode(data, max_numel=MAX_NUMEL))
+    assert decode(data, max_numel=MAX_NUMEL).tensors["scalar"].shape == ()
     # 'auto' sends no index bytes for a dense tensor either.
     assert encode(update, "auto") == data
 
@@ -95,7 +95,7 @@ def test_empty_update_round_trips_for_every_sequence_width() -> None:
     for sequence in (0, 1, 2**32, 2**64 - 1):
         data = encode(SparseUpdate({}, sequence))
         assert len(data) == 22
-        assert_same(SparseUpdate({}, sequence), decode(data))
+        assert_same(SparseUpdate({}, sequence), decode(data, max_numel=MAX_NUMEL))
 
 
 def test_special_values_keep_their_bits() -> None:
@@ -107,7 +107,8 @@ def test_special_values_keep_their_bits() -> None:
     for dtype, vals in values.items():
         t = SparseTensor(torch.tensor([1, 5, 6, 9]), torch.tensor(vals).to(dtype), (10,))
         for coding in CODINGS:
-            assert_same(SparseUpdate({"x": t}), decode(encode(SparseUpdate({"x": t}), coding)))
+            assert_same(SparseUpdate({"x": t}), decode(encode(SparseUpdate({"x": t}), coding),
+                                                       max_numel=MAX_NUMEL))
 
 
 def test_large_numel_beyond_uint32() -> None:
@@ -118,7 +119,7 @@ def test_large_numel_beyond_uint32() -> None:
     data = encode(update)  # 'auto' must neither pick raw nor build a 128 GiB bitmap
     assert tensor_codings(data) == {"huge": "golomb"}
     assert len(data) < 200
-    assert_same(update, decode(data))
+    assert_same(update, decode(data, max_numel=MAX_NUMEL))
     with pytest.raises(EncodeError, match="uint32"):
         encode(update, "raw")
 
@@ -127,21 +128,21 @@ def test_large_dense_like_selection_round_trips() -> None:
     t = random_tensor(200_000, 20_000, torch.bfloat16, seed=4)
     update = SparseUpdate({"w": t})
     for coding in ("golomb", "bitmap", "raw", "auto"):
-        assert_same(update, decode(encode(update, coding)))
+        assert_same(update, decode(encode(update, coding), max_numel=MAX_NUMEL))
 
 
 def test_decode_accepts_bytearray_and_memoryview() -> None:
     update = SparseUpdate(edge_tensors(torch.float16), 3)
     data = encode(update)
-    assert_same(update, decode(bytearray(data)))
-    assert_same(update, decode(memoryview(data)))
+    assert_same(update, decode(bytearray(data), max_numel=MAX_NUMEL))
+    assert_same(update, decode(memoryview(data), max_numel=MAX_NUMEL))
     padded = b"xx" + data + b"yy"
-    assert_same(update, decode(memoryview(padded)[2:-2]))
+    assert_same(update, decode(memoryview(padded)[2:-2], max_numel=MAX_NUMEL))
 
 
 def test_decoded_tensors_are_writable_and_independent_of_the_buffer() -> None:
     buffer = bytearray(encode(SparseUpdate({"x": random_tensor(100, 10, torch.float32, 5)})))
-    decoded = decode(buffer)
+    decoded = decode(buffer, max_numel=MAX_NUMEL)
     before = decoded.tensors["x"].values.clone()
     buffer[:] = bytes(len(buffer))
     assert torch.equal(decoded.tensors["x"].values, before)
@@ -258,7 +259,7 @@ def test_golden_vectors_decode_to_their_recorded_content() -> None:
     dtypes_seen = set()
     for case in stored:
         data = bytes.fromhex(case["hex"])
-        decoded = decode(data)
+        decoded = decode(data, max_numel=MAX_NUMEL)
         assert decoded.sequence == case["sequence"]
         assert list(decoded.tensors) == [t["name"] for t in case["tensors"]]
         for t in case["tensors"]:
@@ -310,9 +311,9 @@ def f32(*vals: float) -> bytes:
 
 def tensor_value_dtypes(data: bytes) -> dict[str, int]:
     """How each tensor's values are coded (0 plain, or the sign- or grid-coded id), by name."""
-    from dgc.wire import _read_structure
+    from dgc.wire.decoder import read_structure
 
-    _, records = _read_structure(memoryview(data), None)
+    _, records = read_structure(memoryview(data), None)
     return {r.name: r.value_coding for r in records}
 
 
@@ -339,7 +340,7 @@ def raw_u32(*idx: int) -> bytes:
 
 def test_hand_built_message_decodes() -> None:
     data = message([tensor_record(b"w", [4, 4], 2, 1, 1, raw_u32(3, 9), f16(1.0, -2.0))], 77)
-    decoded = decode(data)
+    decoded = decode(data, max_numel=MAX_NUMEL)
     assert decoded.sequence == 77
     assert decoded.tensors["w"].indices.tolist() == [3, 9]
     assert decoded.tensors["w"].values.tolist() == [1.0, -2.0]
@@ -469,11 +470,11 @@ def test_hand_built_sign_coded_message_decodes() -> None:
     # Scale 1.5 (float16), signs + - : bit 1 set (value 1 negative).
     data = message([tensor_record(b"w", [4, 4], 2, 1, 0x81, raw_u32(3, 9), f16(1.5) + b"\x02")],
                    5)
-    t = decode(data).tensors["w"]
+    t = decode(data, max_numel=MAX_NUMEL).tensors["w"]
     assert t.values.dtype == torch.float16 and t.values.tolist() == [1.5, -1.5]
-    assert encode(decode(data), "raw", sign_coding=True) == data
+    assert encode(decode(data, max_numel=MAX_NUMEL), "raw", sign_coding=True) == data
     # Without sign coding the same update takes 2 bytes per value.
-    assert len(encode(decode(data), "raw")) == len(data) + 4 - 3
+    assert len(encode(decode(data, max_numel=MAX_NUMEL), "raw")) == len(data) + 4 - 3
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -494,8 +495,8 @@ def test_sign_coding_round_trips_bit_for_bit_and_is_smaller(dtype: torch.dtype,
         assert len(plain) - len(signed) == count * size - (size + (count + 7) // 8)
     else:
         assert signed == plain
-    assert_same(decode(signed), update)
-    (many,) = decode_many([signed])
+    assert_same(decode(signed, max_numel=MAX_NUMEL), update)
+    (many,) = decode_many([signed], max_numel=MAX_NUMEL)
     assert_same(many, update)
 
 
@@ -503,11 +504,11 @@ def test_hand_built_grid_coded_message_decodes() -> None:
     # Scale 2**-3 (float32 0x3e000000), q = 1, -1, 127: values 0.125, -0.125, 15.875.
     data = message([tensor_record(b"w", [4, 4], 3, 1, 0x40, raw_u32(3, 9, 10),
                                   bytes.fromhex("0000003e") + b"\x01\xff\x7f")], 5)
-    t = decode(data).tensors["w"]
+    t = decode(data, max_numel=MAX_NUMEL).tensors["w"]
     assert t.values.dtype == torch.float32 and t.values.tolist() == [0.125, -0.125, 15.875]
-    assert encode(decode(data), "raw", grid_coding=True) == data
+    assert encode(decode(data, max_numel=MAX_NUMEL), "raw", grid_coding=True) == data
     # Plain, the same update takes 4 bytes per value.
-    assert len(encode(decode(data), "raw")) == len(data) + 12 - 7
+    assert len(encode(decode(data, max_numel=MAX_NUMEL), "raw")) == len(data) + 12 - 7
 
 
 @pytest.mark.parametrize("exponent", [-126, -20, 0, 5, 120])
@@ -523,8 +524,8 @@ def test_grid_coding_round_trips_bit_for_bit_and_is_smaller(exponent: int, count
     gridded, plain = encode(update, grid_coding=True), encode(update)
     assert encoded_size(update, grid_coding=True) == len(gridded)
     assert len(plain) - len(gridded) == 4 * count - (4 + count)
-    assert_same(decode(gridded), update)
-    (many,) = decode_many([gridded])
+    assert_same(decode(gridded, max_numel=MAX_NUMEL), update)
+    (many,) = decode_many([gridded], max_numel=MAX_NUMEL)
     assert_same(many, update)
 
 
@@ -552,7 +553,7 @@ def test_grid_coding_picks_the_coarsest_grid_the_values_sit_on() -> None:
                   "raw", grid_coding=True)
     section = data[-4 - 7:-4]
     assert section == bytes.fromhex("0000803d") + bytes([16, 256 - 1, 8])
-    assert decode(data).tensors["w"].values.tolist() == values.tolist()
+    assert decode(data, max_numel=MAX_NUMEL).tensors["w"].values.tolist() == values.tolist()
 
 
 def test_hand_built_rice_grid_message_decodes() -> None:
@@ -560,7 +561,7 @@ def test_hand_built_rice_grid_message_decodes() -> None:
     nbytes, section = rice_of([0, 2, 5, 10])
     data = message([tensor_record(b"w", [4, 4], 4, 1, 0x41, raw_u32(1, 3, 9, 10),
                                   rice_grid(0.25, 11, nbytes, section))], 2)
-    t = decode(data).tensors["w"]
+    t = decode(data, max_numel=MAX_NUMEL).tensors["w"]
     assert t.values.dtype == torch.float32 and t.values.tolist() == [0.0, -0.25, 0.25, 0.5]
     assert str(t.values[0].item()) == "0.0"  # +0.0
 
@@ -577,10 +578,11 @@ def test_rice_grid_coding_round_trips_and_beats_a_byte_per_value(spread: int) ->
     update = SparseUpdate({"w": SparseTensor(indices, values, (200, 400))}, 4)
     data, plain = encode(update, grid_coding=True), encode(update)
     assert encoded_size(update, grid_coding=True) == len(data)
-    assert_same(decode(data), update)
+    assert_same(decode(data, max_numel=MAX_NUMEL), update)
     value_bits = 8 * (len(data) - (len(plain) - 4 * count)) / count
     assert value_bits < {1: 3.5, 5: 5.5, 20: 7.5}[spread]
-    assert decode_many([data])[0].tensors["w"].values.tolist() == values.tolist()
+    assert decode_many([data],
+                       max_numel=MAX_NUMEL)[0].tensors["w"].values.tolist() == values.tolist()
 
 
 def test_sign_coding_leaves_tensors_of_several_magnitudes_plain() -> None:
@@ -593,7 +595,7 @@ def test_sign_coding_leaves_tensors_of_several_magnitudes_plain() -> None:
 
 def test_hand_built_golomb_section_is_what_the_encoder_writes() -> None:
     data = message([tensor_record(b"w", [100], 2, 3, 1, b"\x01\x02\x09", f16(1, 2))])
-    assert decode(data).tensors["w"].indices.tolist() == [0, 6]
+    assert decode(data, max_numel=MAX_NUMEL).tensors["w"].indices.tolist() == [0, 6]
     t = SparseTensor(torch.tensor([0, 6]), torch.tensor([1.0, 2.0]).half(), (100,))
     assert gr.golomb_encode(t.indices.numpy(), 100, 1) == b"\x01\x02\x09"
 
@@ -602,7 +604,7 @@ def test_hand_built_golomb_section_is_what_the_encoder_writes() -> None:
 def test_decode_rejects_with_a_specific_reason(case: str) -> None:
     data, reason = REJECTIONS[case]
     with pytest.raises(DecodeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
-        decode(data)
+        decode(data, max_numel=MAX_NUMEL)
 
 
 def test_max_numel_guards_before_allocating() -> None:
@@ -621,16 +623,16 @@ def test_every_truncation_and_extension_is_named() -> None:
     data = encode(SparseUpdate(edge_tensors(torch.float16), 6))
     for cut in range(len(data)):
         with pytest.raises(DecodeError, match="truncated input"):
-            decode(data[:cut])
+            decode(data[:cut], max_numel=MAX_NUMEL)
     for extra in (b"\x00", b"\x00" * 9, data):
         with pytest.raises(DecodeError, match="trailing or oversized input"):
-            decode(data + extra)
+            decode(data + extra, max_numel=MAX_NUMEL)
 
 
 def test_decode_rejects_non_bytes() -> None:
     for bad in ("FGCU", None, 12, [1, 2]):
         with pytest.raises(DecodeError, match="decode takes bytes"):
-            decode(bad)
+            decode(bad, max_numel=MAX_NUMEL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -686,7 +688,7 @@ def test_compressor_updates_round_trip_and_take_the_expected_codings(value_dtype
         update = comp.compress(grads, epoch=epoch)
         data = encode(update)
         assert len(data) == encoded_size(update)
-        decoded = decode(data)
+        decoded = decode(data, max_numel=MAX_NUMEL)
         assert_same(update, decoded)
         for name, dense in update.to_dense().items():
             assert torch.equal(decoded.to_dense()[name], dense)
@@ -702,11 +704,11 @@ def test_compressor_updates_round_trip_and_take_the_expected_codings(value_dtype
 
 def reference_decode(data: bytes) -> SparseUpdate:
     """What decode returns through the step-by-step reader and decoder only."""
-    from dgc import wire
+    from dgc.wire.decoder import decode_tensors, read_structure
 
     view = memoryview(data)
-    sequence, records = wire._read_structure(view, None)
-    return SparseUpdate(wire._decode_tensors(view, records), sequence)
+    sequence, records = read_structure(view, None)
+    return SparseUpdate(decode_tensors(view, records), sequence)
 
 
 def model_like_update(dtype: torch.dtype, seed: int) -> SparseUpdate:
@@ -724,7 +726,7 @@ def model_like_update(dtype: torch.dtype, seed: int) -> SparseUpdate:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_decode_equals_the_reference_decoder(coding: str, dtype: torch.dtype) -> None:
     data = encode(model_like_update(dtype, 3), index_coding=coding)
-    update = decode(data)
+    update = decode(data, max_numel=MAX_NUMEL)
     assert update.packed is not None
     assert update.nnz == sum(t.nnz for t in reference_decode(data).tensors.values())
     assert update.numel == sum(t.numel for t in reference_decode(data).tensors.values())
@@ -733,8 +735,8 @@ def test_packed_decode_equals_the_reference_decoder(coding: str, dtype: torch.dt
 
 
 def test_messages_of_one_structure_share_their_layout() -> None:
-    a = decode(encode(model_like_update(torch.float16, 1)))
-    b = decode(encode(model_like_update(torch.float16, 2)))
+    a = decode(encode(model_like_update(torch.float16, 1)), max_numel=MAX_NUMEL)
+    b = decode(encode(model_like_update(torch.float16, 2)), max_numel=MAX_NUMEL)
     assert a.packed is not None and b.packed is not None
     assert a.packed.layout is b.packed.layout
     assert a.packed.layout.offsets[1] == 64 * 27
@@ -744,7 +746,7 @@ def test_mixed_value_dtypes_decode_through_the_reference_path() -> None:
     update = model_like_update(torch.float16, 4)
     update.tensors["layer1"] = random_tensor(64, 64, torch.float32, 9, (64,))
     data = encode(update)
-    decoded = decode(data)
+    decoded = decode(data, max_numel=MAX_NUMEL)
     assert decoded.packed is None
     assert_same(update, decoded)
 
@@ -791,7 +793,7 @@ def test_golomb_decode_many_equals_section_by_section() -> None:
 # decode_many: a round's replies at once, each with its own result or error
 # ---------------------------------------------------------------------------------------------
 
-def decode_result(data: object, max_numel: int | None = None) -> SparseUpdate | str:
+def decode_result(data: object, max_numel: int = MAX_NUMEL) -> SparseUpdate | str:
     """What decode gives: the update, or its DecodeError message."""
     try:
         return decode(data, max_numel=max_numel)  # type: ignore[arg-type]
@@ -800,7 +802,7 @@ def decode_result(data: object, max_numel: int | None = None) -> SparseUpdate | 
 
 
 def assert_same_results(got: list[SparseUpdate | DecodeError], messages: list[object],
-                        max_numel: int | None = None) -> None:
+                        max_numel: int = MAX_NUMEL) -> None:
     assert len(got) == len(messages)
     for result, data in zip(got, messages, strict=True):
         want = decode_result(data, max_numel)
@@ -815,13 +817,13 @@ def assert_same_results(got: list[SparseUpdate | DecodeError], messages: list[ob
 def test_decode_many_equals_decode_on_the_golden_vectors() -> None:
     stored = json.loads((GOLDEN_DIR / "wire_v1.json").read_text(encoding="utf-8"))["cases"]
     messages = [bytes.fromhex(case["hex"]) for case in stored]
-    assert_same_results(decode_many(messages), messages)
-    assert_same_results(decode_many(messages + messages), messages + messages)
+    assert_same_results(decode_many(messages, max_numel=MAX_NUMEL), messages)
+    assert_same_results(decode_many(messages + messages, max_numel=MAX_NUMEL), messages + messages)
 
 
 def test_decode_many_shares_one_layout_across_a_round() -> None:
     messages = [encode(model_like_update(torch.float16, seed)) for seed in range(6)]
-    got = decode_many(messages)
+    got = decode_many(messages, max_numel=MAX_NUMEL)
     layouts = {id(u.packed.layout) if isinstance(u, SparseUpdate) and u.packed else None
                for u in got}
     assert len(layouts) == 1 and None not in layouts
@@ -843,7 +845,7 @@ def test_decode_many_rejects_only_the_corrupt_message() -> None:
     messages.insert(4, body + struct.pack("<I", zlib.crc32(body)))
     messages.insert(1, good[:-9])  # truncated
     messages.append("not bytes")
-    got = decode_many(messages)  # type: ignore[arg-type]
+    got = decode_many(messages, max_numel=MAX_NUMEL)  # type: ignore[arg-type]
     assert_same_results(got, messages)
     errors = [i for i, r in enumerate(got) if isinstance(r, DecodeError)]
     assert errors == [1, 3, 5, 7]
@@ -856,7 +858,7 @@ def test_decode_many_names_each_rejection_like_decode(case: str) -> None:
     data, _ = REJECTIONS[case]
     valid = message([GOOD])
     messages = [valid, data, valid, data]
-    assert_same_results(decode_many(messages), messages)
+    assert_same_results(decode_many(messages, max_numel=MAX_NUMEL), messages)
 
 
 def test_decode_many_takes_messages_of_different_structures() -> None:
@@ -865,7 +867,7 @@ def test_decode_many_takes_messages_of_different_structures() -> None:
     mixed = model_like_update(torch.float16, 4)
     mixed.tensors["layer1"] = random_tensor(64, 64, torch.float32, 9, (64,))
     messages += [encode(mixed), encode(SparseUpdate({}, 3)), messages[0], messages[-1]]
-    assert_same_results(decode_many(messages), messages)
+    assert_same_results(decode_many(messages, max_numel=MAX_NUMEL), messages)
 
 
 def test_decode_many_applies_max_numel() -> None:

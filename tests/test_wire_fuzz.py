@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgc import DecodeError, SparseTensor, SparseUpdate, decode, decode_many, encode
+from dgc.wire import MAX_NUMEL
 
 RAW_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
@@ -82,7 +83,7 @@ def assert_valid(update: SparseUpdate) -> None:
 def decode_or_reject(data: bytes) -> SparseUpdate | None:
     """Decode; ``None`` for a DecodeError. Any other exception fails the test."""
     try:
-        update = decode(data)
+        update = decode(data, max_numel=MAX_NUMEL)
     except DecodeError:
         return None
     assert_valid(update)
@@ -103,7 +104,7 @@ def test_random_updates_round_trip(update: SparseUpdate, coding: str) -> None:
     if coding == "raw" and any(t.numel > 2**32 for t in update.tensors.values()):
         coding = "auto"
     data = encode(update, coding)
-    assert_same(update, decode(data))
+    assert_same(update, decode(data, max_numel=MAX_NUMEL))
 
 
 def _reference_messages() -> list[bytes]:
@@ -153,7 +154,7 @@ def test_every_truncation_of_every_reference_message_is_rejected() -> None:
 @given(st.binary(max_size=300))
 def test_random_bytes_are_rejected(data: bytes) -> None:
     with pytest.raises(DecodeError):
-        decode(data)
+        decode(data, max_numel=MAX_NUMEL)
 
 
 @FUZZ
@@ -186,10 +187,10 @@ def test_decode_many_after_a_valid_message_decodes_every_mutation_like_decode(wh
             mutated = bytearray(data)
             mutated[pos] ^= xor
             fixed = with_fixed_crc(mutated)
-            first, got = decode_many([data, fixed])
+            first, got = decode_many([data, fixed], max_numel=MAX_NUMEL)
             assert isinstance(first, SparseUpdate)
             try:
-                want = decode(fixed)
+                want = decode(fixed, max_numel=MAX_NUMEL)
             except DecodeError as e:
                 assert isinstance(got, DecodeError) and str(got) == str(e), (pos, xor)
                 continue

@@ -24,12 +24,10 @@ import torch
 
 import dgc
 from client.state import fold_back_pending
-from dgc import DGCCompressor, DGCConfig, StateError
-from dgc.federated import TwoDensityCompressor
+from dgc import Compressor, DGCCompressor, DGCConfig, StateError
+from dgc.wire import MAX_NUMEL
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
-
-Compressor = DGCCompressor | TwoDensityCompressor
 
 STALE_POLICIES: tuple[str, ...] = ("keep", "decay", "drop")
 
@@ -90,17 +88,12 @@ def apply_stale_policy(compressor: Compressor, rounds_away: int,
                        policy: StalePolicy) -> StaleReport:
     """Scale (or zero) the compressor's residual and momentum in place, by ``policy``.
 
-    ``compressor`` is a :class:`~dgc.DGCCompressor` or a compressor made of several (such as
-    :class:`dgc.federated.TwoDensityCompressor`, whose ``parts`` are each aged alike).
+    ``compressor`` is any :class:`dgc.Compressor` (its ``scale_state`` ages every part alike).
     """
     factor = policy.factor(rounds_away)
-    parts = getattr(compressor, "parts", (compressor,))
     before = _l1(compressor.residual())
     if factor != 1.0:
-        for part in parts:
-            for state in (part.memory.v, part.memory.u):
-                for t in state.values():
-                    t.mul_(factor)
+        compressor.scale_state(factor)
     return StaleReport(factor, before, _l1(compressor.residual()) if factor != 1.0 else before)
 
 
@@ -123,7 +116,8 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     """
     if policy.mode == "keep" or "compressor" not in record or record.get("pending") is None:
         return None
-    pending = dgc.decode(bytes(record["pending"].numpy().tobytes()))
+    # The client's own bytes, from its own store: bounded by the format alone.
+    pending = dgc.decode(bytes(record["pending"].numpy().tobytes()), max_numel=MAX_NUMEL)
     rounds_away = max(0, round_index - pending.sequence - 1)
     if policy.factor(rounds_away) == 1.0:
         return None

@@ -5,7 +5,7 @@ torch versions). Each JSON entry holds the encoder's argument, the exact message
 decoded content (names, shapes, codings, indices, raw value bits) so that a codec in another
 language (the Java one of android_bridge) can test both directions without Python.
 
-Regenerate only on a deliberate format change (bump the version in dgc/wire.py first)::
+Regenerate only on a deliberate format change (bump the version in dgc/wire/layout.py first)::
 
     PYTHONPATH=. python tests/golden/wire_golden.py
 """
@@ -69,10 +69,10 @@ def golden_cases() -> list[tuple[str, object, str]]:
 def case_record(case: str, update, index_coding: str) -> dict:
     """The JSON entry of one case: argument, message hex, and the decoded content."""
     from dgc import decode, encode
-    from dgc.wire import tensor_codings
+    from dgc.wire import MAX_NUMEL, tensor_codings
 
     data = encode(update, index_coding)
-    decoded = decode(data)
+    decoded = decode(data, max_numel=MAX_NUMEL)
     codings = tensor_codings(data)
     tensors = []
     for name, t in decoded.tensors.items():

@@ -1,4 +1,4 @@
-"""Power-of-two int8 grids: what the int8 broadcast (``downlink_values="int8"``) rounds to.
+"""The int8 broadcast grid: power-of-two int8 grids that `downlink_values="int8"` rounds to.
 
 A matrix of the broadcast model holds values ``q * 2**e`` with ``|q| <= 127``, one exponent
 ``e`` per tensor; the wire's grid coding (docs/wire.md, section 5) carries them in a byte or
