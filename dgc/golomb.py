@@ -106,12 +106,6 @@ def golomb_size(indices: np.ndarray, numel: int) -> tuple[int, int]:
     return rice_section_bytes(int(gaps.size), b, unary_bits), b
 
 
-def rice_capacity(section_bytes: int) -> int:
-    """The most codes a Golomb-Rice section of ``section_bytes`` bytes can carry: one parameter
-    byte, then at least one unary bit per code."""
-    return 8 * max(section_bytes - 1, 0)
-
-
 def _pack_bit_positions(positions: np.ndarray, nbits: int) -> bytes:
     """Bytes of an ``nbits``-long LSB-first bit string with ones exactly at ``positions``."""
     nbytes = (nbits + 7) // 8

@@ -128,7 +128,7 @@ def test_decode_signs_rejects_each_defect_with_its_reason():
     masks, sent = _round_trip_inputs()
     data = encode_signs(sent)
     shapes = {"w": (1000,), "head": (200,)}
-    with pytest.raises(DecodeError, match="bad checksum"):
+    with pytest.raises(DecodeError, match="bad checksum: stored CRC32"):
         decode_signs(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:], masks, shapes)
     with pytest.raises(DecodeError, match="truncated input"):
         decode_signs(data[:10], masks, shapes)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dgc.errors import DecodeError, StateError
-from dgc.golomb import IndexCodingError, golomb_decode, golomb_encode, rice_capacity
+from dgc.golomb import IndexCodingError, golomb_decode, golomb_encode
 from dgc.sparse import SparseTensor, SparseUpdate
 from dgc.wire.framing import (
     Preamble,
@@ -68,8 +68,9 @@ def decode_mask(data: bytes | bytearray | memoryview,
                 numels: Mapping[str, int]) -> tuple[int, Masks]:
     """``(sequence, masks)`` from :func:`encode_mask` bytes; every defect is a DecodeError.
 
-    ``numels`` is the bound: every tensor must be one of them, with that size, and its count
-    fit both that size and its section's bytes, checked before any index is decoded.
+    ``numels`` is the bound: every tensor must be one of them, with that size; its count must
+    fit that size, and the Golomb-Rice decoder checks it against the section's bytes before it
+    allocates anything.
     """
     view = as_view(data)
     sequence, count = MASK_PREAMBLE.open(view)
@@ -89,9 +90,6 @@ def decode_mask(data: bytes | bytearray | memoryview,
         if k > numel or pos + nbytes > end:
             raise DecodeError(f"index set of {name!r} claims {k} of {numel} entries in "
                               f"{nbytes} bytes, past the end of the message")
-        if k > rice_capacity(nbytes):
-            raise DecodeError(f"index set of {name!r} claims {k} entries, its {nbytes}-byte "
-                              f"section carries at most {rice_capacity(nbytes)}")
         try:
             masks[name] = golomb_decode(view[pos:pos + nbytes], k, numel)
         except IndexCodingError as ex:

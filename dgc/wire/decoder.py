@@ -169,12 +169,6 @@ def _read_record(data: memoryview, pos: int, end: int, k: int, max_numel: int | 
                               f"only {end - pos} left")
         _, _, rice_bytes = GRID_RICE_HEAD.unpack_from(data, head)
         value_bytes = GRID_RICE_HEAD.size + rice_bytes
-        # The one value section whose length the count does not fix: bound the count by it
-        # here, before an index section of that count ('all': numel entries) is allocated.
-        capacity = golomb.rice_capacity(rice_bytes)
-        if count > capacity:
-            raise DecodeError(f"tensor {name!r} claims {count} grid-coded values (Rice), its "
-                              f"{rice_bytes}-byte section carries at most {capacity}")
     else:
         value_bytes = values_nbytes(dtype, count, value_coding)
     if pos + index_bytes + value_bytes > end:
@@ -239,8 +233,9 @@ def decode_tensors(data: memoryview, records: list[TensorRecord]) -> dict[str, S
     tensors = {}
     for r in records:
         if r.coding == ALL_ID:
-            # Nothing in an 'all' section can be wrong: read the values (which bound the count)
-            # before numel indices are allocated.
+            # An 'all' section allocates numel indices and cannot be wrong: decode the values
+            # first, whose section bounds the count before anything count-sized is allocated
+            # (a Rice-coded grid section's length does not fix its count: its decoder checks).
             values = decode_values(data, r)
             indices = torch.from_numpy(decode_indices(data, r))
         else:

@@ -98,7 +98,7 @@ def check_crc(view: memoryview, end: int) -> None:
     (stored_crc,) = CRC.unpack_from(view, end)
     actual_crc = zlib.crc32(view[:end])
     if stored_crc != actual_crc:
-        raise DecodeError(f"bad checksum: stored 0x{stored_crc:08x}, computed "
+        raise DecodeError(f"bad checksum: stored CRC32 0x{stored_crc:08x}, computed "
                           f"0x{actual_crc:08x}")
 
 
