@@ -19,7 +19,7 @@ from android_bridge.export import (
 )
 from android_bridge.models import get_model
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
-from dgc import ConfigError, DGCCompressor, DGCConfig, StateError
+from dgc import Compressor, ConfigError, DGCCompressor, DGCConfig, StateError
 from dgc.selection import num_selected
 
 torch.set_num_threads(1)
@@ -283,3 +283,18 @@ def test_cli_reports_bad_config(tmp_path, capsys):
     cfg.write_text(json.dumps({"densty": 0.1}))
     assert main(["export", "--out", str(tmp_path / "o"), "--config", str(cfg)]) == 2
     assert "unknown DGCConfig field(s) ['densty']" in capsys.readouterr().err
+
+
+def test_pte_encoder_is_a_compressor_that_ages_and_gives_signs_like_dgc(exported):
+    config, path = exported
+    pte = PteEncoder(path, config, SHAPES)
+    eager = DGCCompressor(config)
+    assert isinstance(pte, Compressor) and isinstance(eager, Compressor)
+    pte.compress(gradients(0))
+    eager.compress(gradients(0))
+    for c in (pte, eager):
+        c.scale_state(0.5)  # a client away for a while (simulations.netem.staleness)
+        c.residual()["w1"][:5] = 0.0  # in place, as the sign channel's take_signs changes it
+    for name in SHAPES:
+        assert torch.equal(pte.residual()[name], eager.residual()[name]), name
+    assert_same_update(pte.compress(gradients(1)), eager.compress(gradients(1)))

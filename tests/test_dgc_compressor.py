@@ -441,3 +441,25 @@ def test_wrong_gradients_raise_and_change_nothing() -> None:
     with pytest.raises(StateError, match="conv.weight"):
         comp.compress(integer)
     _assert_same_state(comp.state_dict(), before, "wrong gradient")
+
+
+def test_every_dgc_compressor_is_a_compressor_and_scale_state_ages_u_and_v():
+    from dgc import Compressor, RowwiseCompressor, TwoDensityCompressor
+
+    cfg = DGCConfig(density=0.05, selection="exact", warmup="none", min_sparse_numel=16)
+    for c in (DGCCompressor(cfg), TwoDensityCompressor(cfg, 0.2), RowwiseCompressor(cfg)):
+        assert isinstance(c, Compressor), type(c).__name__
+    comp = DGCCompressor(cfg)
+    g = torch.Generator().manual_seed(4)
+    comp.compress({"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)})
+    before = comp.memory.state_dict()
+    assert any(u.abs().sum() > 0 for u in before["u"].values())
+    comp.scale_state(0.25)
+    for part in ("u", "v"):
+        for name, t in before[part].items():
+            torch.testing.assert_close(getattr(comp.memory, part)[name], t * 0.25)
+    for bad in (-0.5, math.nan, math.inf, True, "1"):
+        with pytest.raises(StateError, match="finite number >= 0"):
+            comp.scale_state(bad)  # type: ignore[arg-type]
+    comp.scale_state(0.0)
+    assert all(not t.any() for t in comp.residual().values())
