@@ -13,11 +13,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp.strategy import FedAvg, FedAvgM
 
 import dgc
-from client import protocol as P
 from client.app import app as client_app
 from client.app import global_model
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.shared import decode_mask, encode_signs, take_signs
+from fedgc import protocol as P
 from server.checkpoint import CheckpointError
 from server.local_grid import LocalGrid
 from server.strategy import DGCStrategy

@@ -29,6 +29,9 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
+from client.app import settings_from
+from client.state import ClientState, ClientStateStore, StateCorruptError
+from fedgc.protocol import ACK_SEQUENCE
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
 from simulations.netem.errors import LinkConfigError
 from simulations.netem.link import REASON_LINK_DOWN, REASON_OK, TransferResult
@@ -131,25 +134,25 @@ def _early_reply(msg: Message, key: int, reason: str, end_s: float,
 def _age_residual(config: dict, context: Context, key: int, round_index: int,
                   settings: NetemSettings) -> StaleReport | None:
     # The client keeps its residual in client.state.ClientStateStore; the stale policy acts on
-    # that record before the client loads it.
+    # that state before the client loads it.
     if settings.stale_policy == "keep":
         return None
     root = context.node_config.get("state-dir") or config.get("state_dir")
     if not root:
         return None
-    from client.app import settings_from
-    from client.state import ClientStateStore
-
     store = ClientStateStore(str(root))
-    record = store.get(str(key))
-    if record is None:
+    try:
+        state = store.load(str(key))
+    except StateCorruptError:
+        return None  # the client quarantines it and starts again: nothing left to age
+    if state is None:
         return None
-    train = settings_from(config)
+    record = state.to_record()
     report = apply_stale_policy_to_record(record, round_index,
-                                          int(config.get("ack_sequence", -1)), settings.stale,
-                                          make_compressor=train.compressor)
+                                          int(config.get(ACK_SEQUENCE, -1)), settings.stale,
+                                          make_compressor=settings_from(config).compressor)
     if report is not None:
-        store.put(str(key), record)
+        store.save(str(key), ClientState.from_record(record, f"client state {key}"))
     return report
 
 
