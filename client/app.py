@@ -113,8 +113,14 @@ def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
+def state_root(settings: TrainSettings, context: Context) -> str:
+    """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
+    when neither is set."""
+    return str(context.node_config.get("state-dir") or settings.state_dir)
+
+
 def _store(settings: TrainSettings, context: Context) -> ClientStateStore:
-    root = context.node_config.get("state-dir") or settings.state_dir
+    root = state_root(settings, context)
     if not root:
         raise ClientProtocolError("no state_dir in the train config and no 'state-dir' in the "
                                   "node config: the client has nowhere to keep its residual")

@@ -57,8 +57,10 @@ KEEP_MODEL = "keep_model"  # keep the received model so that later messages may 
 PATCH_ADD = "patch_add"  # tensors whose patch values are added to the held ones (one base only)
 INITIAL_GRID = "initial_grid"  # version 0 has its matrices on the int8 grid (dgc.grid)
 
+#: The reply metric of the examples a client trained on (Flower's name; the aggregation weight).
+NUM_EXAMPLES = "num-examples"
 #: Metrics every train reply carries.
-REPLY_METRICS = ("num-examples", "uplink_bytes", "nnz", "shared_entries", "density",
+REPLY_METRICS = (NUM_EXAMPLES, "uplink_bytes", "nnz", "shared_entries", "density",
                  "train_loss", "compute_seconds", "model_version", "client_key", "sequence",
                  "restored")
 #: Metric a train reply carries only when the client found its state record damaged, moved it
@@ -108,7 +110,7 @@ def reply_metrics(*, num_examples: int, uplink_bytes: int, nnz: int, shared_entr
     ``state_quarantined`` adds :data:`STATE_QUARANTINED` (only when true).
     """
     metrics: dict[str, int | float] = {
-        "num-examples": int(num_examples),
+        NUM_EXAMPLES: int(num_examples),
         "uplink_bytes": int(uplink_bytes),
         "nnz": int(nnz),
         "shared_entries": int(shared_entries),

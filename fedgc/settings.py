@@ -97,30 +97,22 @@ def coerce(key: str, value: object, kind: type) -> Any:
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
         raise SettingsError(f"{key} must be a boolean (true/false), got {value!r}")
-    if kind is int:
+    if kind is int or kind is float:
+        noun = "an integer" if kind is int else "a number"
         if isinstance(value, bool):
-            raise SettingsError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
+            raise SettingsError(f"{key} must be {noun}, got {value!r}")
+        if kind is int and isinstance(value, int):
             return value
-        if isinstance(value, float) and value.is_integer():
+        if kind is int and isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise SettingsError(f"{key} must be an integer, got {value!r}")
-    if kind is float:
-        if isinstance(value, bool):
-            raise SettingsError(f"{key} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
+        if kind is float and isinstance(value, (int, float)):
             return float(value)
         if isinstance(value, str):
             try:
-                return float(value.strip())
+                return kind(value.strip())
             except ValueError:
                 pass
-        raise SettingsError(f"{key} must be a number, got {value!r}")
+        raise SettingsError(f"{key} must be {noun}, got {value!r}")
     if kind is str:
         if isinstance(value, str):
             return value
