@@ -1,6 +1,6 @@
 """A Flower ClientApp that serves each train round by handing the task to a phone via the bridge.
 
-The reply is the one ``client.app`` sends (``client.protocol``): an ``update`` ArrayRecord with
+The reply is the one ``client.app`` sends (``fedgc.protocol``): an ``update`` ArrayRecord with
 the phone's ``dgc.encode``-d bytes, unchanged, and the ``metrics`` MetricRecord, so the server
 cannot tell a phone from a simulated client. The phone keeps its own residual; the server's
 ``ack_sequence`` travels with the task so that the phone restores an update that was never
@@ -15,15 +15,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
 from client import app as client_module
-from client import protocol as P
+from client.state import ClientState
 from dgc import SparseUpdate
 from dgc.wire import max_numel_of
+from fedgc import protocol as P
 
 DEVICE_KEY = "device-id"
 
@@ -55,7 +56,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         (the server then leaves the update out and the phone restores it next round).
     """
     app = ClientApp()
-    held: dict[str, dict[str, Any]] = {}  # device -> the model version it was last sent
+    held: dict[str, ClientState] = {}  # device -> the model version it was last sent
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -79,7 +80,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             if config.get(P.PATCH_ADD):
                 patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
                                    global_state)
-        held[device] = {"model": global_state, "model_version": version}
+        held[device] = ClientState(model=global_state, model_version=version)
         dgc_config = s.dgc_config() if s.method != "dense" else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
@@ -90,23 +91,17 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
         update = result.update
-        metrics = MetricRecord({
-            "num-examples": int(result.metrics.get("num-examples", 0)),
-            "uplink_bytes": len(result.update_bytes),
-            "nnz": update.nnz,
+        metrics = P.reply_metrics(
+            num_examples=int(result.metrics.get("num-examples", 0)),
+            uplink_bytes=len(result.update_bytes), nnz=update.nnz,
             # The phone encoder has no shared-index channel (dgc.signs): the server aggregates
             # a reply without signs from its top-k update alone.
-            "shared_entries": 0,
-            "density": update.density,
-            "train_loss": float(result.metrics.get("train_loss", float("nan"))),
-            "compute_seconds": time.perf_counter() - started,
-            "model_version": version,
-            "client_key": key,
-            "sequence": server_round,
-            "restored": int(result.metrics.get("restored", 0)),
-        })
-        return Message(RecordDict({P.UPDATE: P.bytes_to_record(result.update_bytes),
-                                   P.METRICS: metrics}), reply_to=msg)
+            shared_entries=0, density=update.density,
+            train_loss=float(result.metrics.get("train_loss", float("nan"))),
+            compute_seconds=time.perf_counter() - started, model_version=version,
+            client_key=key, sequence=server_round,
+            restored=int(result.metrics.get("restored", 0)))
+        return Message(P.reply_content(result.update_bytes, metrics), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:

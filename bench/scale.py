@@ -226,8 +226,8 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
     from flwr.simulation import run_simulation
 
     import client.app as fedgc_client
+    from fedgc.settings import RunConfig
     from server.app import run_server
-    from server.config import RunConfig
     from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
     from simulations.netem.settings import NetemSettings
 

@@ -3,8 +3,10 @@
 One train message, in order:
 
 1. read the settings and per-node keys from the message's ConfigRecord;
-2. load this client's record from the :class:`client.state.ClientStateStore` (compressor
-   residual and momentum, the pending update, the model version it holds);
+2. load this client's :class:`client.state.ClientState` from the
+   :class:`client.state.ClientStateStore` (compressor residual and momentum, the pending update,
+   the model version it holds); a damaged record is moved aside and the client starts again
+   from the global model, reporting ``state_quarantined`` in its reply;
 3. rebuild the global model: dense arrays, or a patch on the held version;
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
@@ -12,13 +14,14 @@ One train message, in order:
 6. compress ("dense": all of it in fp32; "topk": no residual, no momentum; "dgc": configured;
    topk and dgc give small tensors ``dgc.small_density``, :meth:`TrainSettings.compressor`),
    encode with ``dgc.encode``;
-7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.shared`), send
+7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.signs`), send
    the residual at those indices as scaled signs too;
 8. store the new state and pending update(s), and reply.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,22 +34,22 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import dgc
-from client import protocol as P
-from client.settings import SettingsError, TrainSettings, fields_of, parse
-from client.state import ClientStateStore, fold_back_pending, stored_bytes
+from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
 from dgc.signs.client import take_signs
 from dgc.signs.codec import Masks, decode_mask, encode_signs
-from dgc.wire import max_numel_of
+from fedgc import protocol as P
+from fedgc.settings import SettingsError, TrainSettings, fields_of, parse
 
 app = ClientApp()
+logger = logging.getLogger(__name__)
 
 _TRAIN_KEYS = {f.metadata["key"] for f in fields_of(TrainSettings)}
 
 
-class ClientProtocolError(RuntimeError):
+class ClientProtocolError(P.ProtocolError):
     """A train message the client cannot act on (missing keys, a patch for a version it lacks)."""
 
 
@@ -111,8 +114,14 @@ def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
+def state_root(settings: TrainSettings, context: Context) -> str:
+    """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
+    when neither is set."""
+    return str(context.node_config.get("state-dir") or settings.state_dir)
+
+
 def _store(settings: TrainSettings, context: Context) -> ClientStateStore:
-    root = context.node_config.get("state-dir") or settings.state_dir
+    root = state_root(settings, context)
     if not root:
         raise ClientProtocolError("no state_dir in the train config and no 'state-dir' in the "
                                   "node config: the client has nowhere to keep its residual")
@@ -135,7 +144,7 @@ def initial_model(task: Any, seed: int) -> dict[str, torch.Tensor]:
                 for k, v in task.build_model().state_dict().items()}
 
 
-def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any] | None,
+def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | None,
                  initial: Callable[[], dict[str, torch.Tensor]] | None = None,
                  ) -> dict[str, torch.Tensor]:
     """The global model of this message, from dense arrays or a patch on the held version.
@@ -155,21 +164,18 @@ def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any]
     base = _int(config, P.BASE_VERSION)
     bases = [int(v) for v in config.get(P.BASE_VERSIONS, [base])]  # type: ignore[union-attr]
     target = _int(config, P.MODEL_VERSION)
-    if held is not None and "model" in held and int(held.get("model_version", -1)) == target:
+    model, version = (None, None) if held is None else (held.model, held.model_version)
+    if model is not None and version == target:
         # A resumed server re-sends a round this client already received: it holds the target.
-        return {k: v.clone() for k, v in held["model"].items()}
-    if (held is None or "model" not in held) and 0 in bases and initial is not None:
-        model = initial()
+        return {k: v.clone() for k, v in model.items()}
+    if model is None and 0 in bases and initial is not None:
+        model, version = initial(), 0
         if bool(config.get(P.INITIAL_GRID, False)):
             model = round_initial(model)  # the server's version 0 of an int8 broadcast
-        held = {"model": model, "model_version": 0}
-    if held is None or "model" not in held or int(held.get("model_version", -1)) not in bases:
-        have = None if held is None else held.get("model_version")
+    if model is None or version not in bases:
         on = f"version {bases[0]}" if len(bases) == 1 else f"any of versions {bases}"
         raise ClientProtocolError(f"server sent a patch on model {on}, this client holds "
-                                  f"version {have}")
-    patch = dgc.decode(P.record_to_bytes(arrays, P.PATCH),
-                       max_numel=max_numel_of(t.shape for t in held["model"].values()))
+                                  f"version {None if model is None else version}")
     added = config.get(P.PATCH_ADD, [])
     if not isinstance(added, list) or not all(isinstance(n, str) for n in added):
         raise ClientProtocolError(f"{P.PATCH_ADD} must be a list of tensor names, got "
@@ -177,22 +183,10 @@ def global_model(content: RecordDict, config: ConfigRecord, held: dict[str, Any]
     if added and len(bases) != 1:
         raise ClientProtocolError(f"a patch that adds differences applies to one version, "
                                   f"this one to {bases}")
-    if unknown := sorted(set(added) - set(patch.tensors)):
-        raise ClientProtocolError(f"{P.PATCH_ADD} names tensors the patch lacks: {unknown}")
-    model = {k: v.clone() for k, v in held["model"].items()}
-    for name, t in patch.tensors.items():
-        if name not in model or model[name].numel() != t.numel:
-            raise ClientProtocolError(f"patch tensor {name!r} does not match the held model")
-        flat = model[name].view(-1)
-        if name in added:
-            flat[t.indices] += t.values.to(flat.dtype)
-        else:
-            flat[t.indices] = t.values.to(flat.dtype)
-    return model
-
-
-def _bytes_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    try:
+        return P.apply_patch(model, P.record_to_bytes(arrays, P.PATCH), added)
+    except P.ProtocolError as ex:
+        raise ClientProtocolError(str(ex)) from ex
 
 
 def shared_masks(content: RecordDict,
@@ -209,11 +203,25 @@ def shared_masks(content: RecordDict,
     return data, masks
 
 
-def _reply_content(data: bytes, shared: bytes | None, metrics: MetricRecord) -> RecordDict:
-    content = RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics})
-    if shared is not None:
-        content[P.SHARED] = P.bytes_to_record(shared, P.SHARED_SIGNS)
-    return content
+def _load_state(store: ClientStateStore, key: str) -> ClientState:
+    """This client's state; a damaged record is moved aside and replaced by a fresh state.
+
+    What the lost record held (residual, pending update) is gone: its bytes failed their check,
+    so not even its size can be trusted. The fresh state counts the quarantine, which the next
+    reply reports (``state_quarantined``), and is stored at once so that the count survives a
+    round that fails (a patch on the model the client no longer holds).
+    """
+    try:
+        return store.load(key) or ClientState()
+    except StateCorruptError as ex:
+        if ex.path is None:
+            raise
+        moved = store.quarantine(ex.path)
+        logger.warning("client %s: %s; moved it to %s and continues from the global model "
+                       "with an empty residual (what the record held is lost)", key, ex, moved)
+        state = ClientState(quarantined=1)
+        store.save(key, state)
+        return state
 
 
 @app.train()
@@ -230,7 +238,7 @@ def train(msg: Message, context: Context) -> Message:
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    record = store.get(str(key)) or {}
+    state = _load_state(store, str(key))
 
     task = _task(s.task)
     parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
@@ -239,19 +247,17 @@ def train(msg: Message, context: Context) -> Message:
                                   f"{len(parts)} partitions (num_clients = {s.num_clients})")
     idx = torch.from_numpy(parts[key])
 
-    reply = record.get("reply")
-    if (s.method == "dgc" and reply is not None and "pending" in record
+    reply = state.reply
+    if (s.method == "dgc" and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
         # a second time, which would fold the pending update back and change the residual.
-        data = stored_bytes(record, "pending")
-        shared_data = (stored_bytes(record, "pending_shared")
-                       if "pending_shared" in record else None)
-        metrics = MetricRecord({**reply, "compute_seconds": time.perf_counter() - started})
-        return Message(_reply_content(data, shared_data, metrics), reply_to=msg)
+        metrics = {**reply, "compute_seconds": time.perf_counter() - started}
+        return Message(P.reply_content(state.pending, metrics, state.pending_shared),
+                       reply_to=msg)
 
-    global_state = global_model(msg.content, config, record,
+    global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
     shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
     model = _model(task, s.task)
@@ -265,16 +271,16 @@ def train(msg: Message, context: Context) -> Message:
     restored = 0
     shared_data: bytes | None = None
     shared_entries = 0
+    new_state = ClientState()
     if s.method == "dense":
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
-        new_record: dict[str, Any] = {}
     else:
         compressor = s.compressor()
-        if s.method == "dgc" and "compressor" in record:
-            compressor.load_state_dict(record["compressor"])
+        if s.method == "dgc" and state.compressor is not None:
+            compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
-            restored = int(fold_back_pending(compressor, record, ack,
+            restored = int(fold_back_pending(compressor, state, ack,
                                              {k: v.numel() for k, v in global_state.items()}))
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
@@ -282,36 +288,30 @@ def train(msg: Message, context: Context) -> Message:
             signs = take_signs(compressor.residual(), shared[1], server_round)
             shared_data = encode_signs(signs)
             shared_entries = signs.nnz
-        new_record = {"compressor": compressor.state_dict()} if s.method == "dgc" else {}
+        if s.method == "dgc":
+            new_state.compressor = compressor.state_dict()
     data = dgc.encode(update, sign_coding=s.ternary)
     if s.method == "dgc":
-        new_record["pending"] = _bytes_tensor(data)
+        new_state.pending = data
         if shared_data is not None and shared is not None:
-            new_record["pending_shared"] = _bytes_tensor(shared_data)
-            new_record["pending_mask"] = _bytes_tensor(shared[0])
+            new_state.pending_shared = shared_data
+            new_state.pending_mask = shared[0]
     if bool(config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
-        new_record["model"] = global_state
-        new_record["model_version"] = version
-    reply_metrics: dict[str, int | float] = {
-        "num-examples": local.num_examples,
-        "uplink_bytes": len(data) + (len(shared_data) if shared_data is not None else 0),
-        "nnz": update.nnz,
-        "shared_entries": shared_entries,
-        "density": update.density,
-        "train_loss": local.train_loss,
-        "compute_seconds": time.perf_counter() - started,
-        "model_version": version,
-        "client_key": key,
-        "sequence": server_round,
-        "restored": restored,
-    }
+        new_state.model = global_state
+        new_state.model_version = version
+    metrics = P.reply_metrics(
+        num_examples=local.num_examples,
+        uplink_bytes=len(data) + (len(shared_data) if shared_data is not None else 0),
+        nnz=update.nnz, shared_entries=shared_entries, density=update.density,
+        train_loss=local.train_loss, compute_seconds=time.perf_counter() - started,
+        model_version=version, client_key=key, sequence=server_round, restored=restored,
+        state_quarantined=state.quarantined > 0)
     if s.method == "dgc":
-        new_record["reply"] = {k: v for k, v in reply_metrics.items() if k != "compute_seconds"}
-    store.put(str(key), new_record)
+        new_state.reply = {k: v for k, v in metrics.items() if k != "compute_seconds"}
+    store.save(str(key), new_state)
 
-    return Message(_reply_content(data, shared_data, MetricRecord(reply_metrics)),
-                   reply_to=msg)
+    return Message(P.reply_content(data, metrics, shared_data), reply_to=msg)
 
 
 @app.evaluate()

@@ -1,4 +1,4 @@
-"""ClientStateStore: per-client state (compressor residual, pending update, held model) off-heap.
+"""The client's state between rounds: the typed :class:`ClientState` and the store that keeps it.
 
 Flower's ``context.state`` lives in the simulation driver's memory for every node, and Flower
 updates it even for a client whose reply timed out; thousands of dense residuals would neither fit
@@ -11,18 +11,24 @@ record's dicts, lists and numbers, then every tensor's raw bytes, then a CRC32. 
 its ~4 MB record every time it trains, and ``torch.save`` (a zip archive of pickles) spent about as
 long on that as the training did; this format is one ``writev`` of the tensors' own memory, and a
 read is one ``readinto`` with the tensors left in place in that buffer.
+
+What a record holds is the :class:`ClientState` dataclass, versioned by its ``state_version`` key
+(:data:`STATE_VERSION`); records written before the key existed are version 1, with the same
+fields. A damaged record raises :class:`StateCorruptError`, which the client answers by moving
+the file aside (:meth:`ClientStateStore.quarantine`) and starting again from the global model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import re
 import struct
-import tempfile
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,7 @@ import torch
 import dgc
 from dgc import Compressor
 from dgc.signs.codec import decode_mask, decode_signs
+from fedgc.files import atomic_write_bytes
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -57,6 +64,19 @@ _DTYPE_OF = {name: dtype for dtype, name in _DTYPES.items()}
 
 class StateStoreError(RuntimeError):
     """A client state record could not be read or written."""
+
+
+class StateCorruptError(StateStoreError):
+    """A client state file is damaged (truncated, failed its CRC, malformed): its content is
+    lost. ``path`` is the file."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class StateVersionError(StateStoreError):
+    """A client state record of a version this code does not read (written by a newer fedgc)."""
 
 
 def _aligned(n: int) -> int:
@@ -134,22 +154,22 @@ def decode_record(data: bytearray, where: str = "record") -> dict[str, Any]:
     ``where``. The returned tensors share ``data``'s memory (no copy)."""
     view = memoryview(data)
     if len(view) < _PRELUDE.size + _CRC.size:
-        raise StateStoreError(f"{where} is truncated: {len(view)} bytes, shorter than any record")
+        raise StateCorruptError(f"{where} is truncated: {len(view)} bytes, shorter than any record")
     magic, version, header_nbytes, data_nbytes = _PRELUDE.unpack_from(view, 0)
     if magic != RECORD_MAGIC:
-        raise StateStoreError(f"{where} is not a client state record: magic {bytes(magic)!r}, "
+        raise StateCorruptError(f"{where} is not a client state record: magic {bytes(magic)!r}, "
                               f"expected {RECORD_MAGIC!r}")
     if version != RECORD_VERSION:
-        raise StateStoreError(f"{where} has record version {version}, this store reads "
-                              f"{RECORD_VERSION}")
+        raise StateVersionError(f"{where} has record format version {version}, this store "
+                                f"reads {RECORD_VERSION}")
     start = _aligned(_PRELUDE.size + header_nbytes)
     expected = start + data_nbytes + _CRC.size
     if len(view) != expected:
-        raise StateStoreError(f"{where} is {'truncated' if len(view) < expected else 'too long'}"
+        raise StateCorruptError(f"{where} is {'truncated' if len(view) < expected else 'too long'}"
                               f": {len(view)} bytes, its header says {expected}")
     (crc,) = _CRC.unpack_from(view, len(view) - _CRC.size)
     if zlib.crc32(view[:len(view) - _CRC.size]) != crc:
-        raise StateStoreError(f"{where} is corrupt: CRC32 mismatch")
+        raise StateCorruptError(f"{where} is corrupt: CRC32 mismatch")
     try:
         header = json.loads(bytes(view[_PRELUDE.size:_PRELUDE.size + header_nbytes]))
         specs = header["tensors"]
@@ -170,9 +190,9 @@ def decode_record(data: bytearray, where: str = "record") -> dict[str, Any]:
                                                 offset=start + offset).view(shape))
         record = _unskeleton(header["record"], tensors)
     except (ValueError, KeyError, TypeError, IndexError) as ex:
-        raise StateStoreError(f"{where} has a malformed header: {ex}") from ex
+        raise StateCorruptError(f"{where} has a malformed header: {ex}") from ex
     if not isinstance(record, dict):
-        raise StateStoreError(f"{where} holds {type(record).__name__}, expected a dict")
+        raise StateCorruptError(f"{where} holds {type(record).__name__}, expected a dict")
     return record
 
 
@@ -202,9 +222,10 @@ class ClientStateStore:
     -----
     Records are dicts (string keys) of dicts, lists, tuples, CPU tensors, numbers, strings and
     None, in the format of :func:`encode_record`; reading one runs no code. A write goes to a
-    temporary file in the same folder and is moved into place with ``os.replace``, so a crash
-    leaves either the old or the new record, never a torn one; a damaged file (truncated,
-    corrupted: the CRC32 covers every byte) raises :class:`StateStoreError` naming it. A record
+    temporary file in the same folder, fsync-ed and moved into place with ``os.replace``
+    (:func:`fedgc.files.atomic_write`), so a crash leaves either the old or the new record, never
+    a torn one; a damaged file (truncated, corrupted: the CRC32 covers every byte) raises
+    :class:`StateCorruptError` naming it. A record
     of an earlier version (``<key>.pt``, ``torch.save``) is still read, and replaced by the next
     write.
     """
@@ -230,7 +251,11 @@ class ClientStateStore:
             return self._get_legacy(key)
         if got != len(data):
             raise StateStoreError(f"client state {path} changed while it was read")
-        return decode_record(data, f"client state {path}")
+        try:
+            return decode_record(data, f"client state {path}")
+        except StateCorruptError as ex:
+            ex.path = path
+            raise
 
     def _get_legacy(self, key: str) -> dict[str, Any] | None:
         path = self._path(key, LEGACY_SUFFIX)
@@ -241,10 +266,10 @@ class ClientStateStore:
         try:
             record = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as ex:  # torch raises several types for a damaged file
-            raise StateStoreError(f"client state {path} is unreadable: {ex}") from ex
+            raise StateCorruptError(f"client state {path} is unreadable: {ex}", path) from ex
         if not isinstance(record, dict):
-            raise StateStoreError(f"client state {path} holds {type(record).__name__}, "
-                                  f"expected a dict")
+            raise StateCorruptError(f"client state {path} holds {type(record).__name__}, "
+                                    f"expected a dict", path)
         return record
 
     def put(self, key: str, record: dict[str, Any]) -> None:
@@ -254,18 +279,42 @@ class ClientStateStore:
                                   f"{type(record).__name__}")
         path = self._path(key)
         parts = encode_record(record)  # before the temporary file: a bad record leaves none
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb", buffering=0) as fh:
-                for part in parts:
-                    view = memoryview(part)
-                    while view.nbytes:  # a raw write may be short
-                        view = view[fh.write(view):]
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, parts)
         self._path(key, LEGACY_SUFFIX).unlink(missing_ok=True)
+
+    def load(self, key: str) -> ClientState | None:
+        """The :class:`ClientState` stored under ``key``, or None when the client has none yet.
+
+        A damaged file raises :class:`StateCorruptError`; a record of an unknown version
+        :class:`StateVersionError`.
+        """
+        record = self.get(key)
+        return None if record is None else ClientState.from_record(record, f"client state {key}")
+
+    def save(self, key: str, state: ClientState) -> None:
+        """Store ``state`` under ``key`` (atomically, see :meth:`put`)."""
+        self.put(key, state.to_record())
+
+    def quarantine(self, path: Path) -> Path:
+        """Move a damaged record file aside, to ``<name>.corrupt-<n>`` (the first free n).
+
+        The file is kept for inspection, out of the store's way: :meth:`get` then finds no
+        record, and :meth:`keys` and :meth:`nbytes` no longer count it. Returns the new path.
+        """
+        path = Path(path)
+        if path.parent != self.root:
+            raise StateStoreError(f"{path} is not a record of the store in {self.root}")
+        n = 1
+        while True:
+            target = path.with_name(f"{path.name}.corrupt-{n}")
+            try:
+                # os.link refuses an existing target, so two processes cannot pick the same n.
+                os.link(path, target)
+            except FileExistsError:
+                n += 1
+                continue
+            path.unlink()
+            return target
 
     def delete(self, key: str) -> None:
         """Forget the record of ``key`` (no error when there is none)."""
@@ -283,29 +332,116 @@ class ClientStateStore:
                    for p in self.root.glob(f"*{s}") if not p.name.startswith("."))
 
 
-def stored_bytes(record: dict[str, Any], key: str) -> bytes:
-    """The bytes a record keeps as a uint8 tensor (``pending``, ``pending_shared``, ...)."""
-    return bytes(record[key].numpy().tobytes())
+#: Version of the :class:`ClientState` record this code writes. 1: the untyped dict of the first
+#: releases (no ``state_version`` key, the same fields but ``quarantined``); 2: this one.
+STATE_VERSION = 2
+_READS = (1, 2)
 
 
-def fold_back_pending(compressor: Compressor, record: dict[str, Any], ack_sequence: int,
-                      numels: dict[str, int]) -> bool:
-    """Restore a record's last update into ``compressor`` unless the server aggregated it.
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
-    The record (``client.app``'s format) keeps the update it sent as ``pending`` (wire bytes)
-    and, with the shared sign channel, the signs sent beside it (``pending_shared``) with the
-    index sets they answer (``pending_mask``). When the update's sequence is not
-    ``ack_sequence`` both go back into the residual, so nothing the client computed is lost.
-    ``numels`` gives each tensor's size. Returns whether anything was restored.
+
+@dataclass
+class ClientState:
+    """What a client keeps between rounds (one record per client key in the store).
+
+    Parameters
+    ----------
+    compressor : dict or None
+        The compressor's ``state_dict()``: residual and momentum (``dgc`` runs only).
+    pending : bytes or None
+        The ``dgc.encode``-d update last sent. The next round folds it back into the residual
+        unless the server acknowledged its sequence (``ack_sequence``).
+    pending_shared, pending_mask : bytes or None
+        With the shared sign channel: the signs sent beside ``pending``, and the index sets
+        (``dgc.signs.codec.encode_mask``) they answer; folded back with it.
+    reply : dict or None
+        The last reply's metrics without ``compute_seconds``: a round the server re-sends (after
+        a resume) is answered with the same bytes instead of being trained again.
+    model : dict or None
+        The global model version the client holds (with ``keep_model``), so that the server may
+        send a patch on it; ``model_version`` is its version.
+    model_version : int or None
+        Version of ``model``.
+    quarantined : int
+        Damaged records moved aside since the last reply (reported once, as the reply metric
+        ``state_quarantined``).
     """
-    if record.get("pending") is None:
+
+    compressor: dict[str, Any] | None = None
+    pending: bytes | None = None
+    pending_shared: bytes | None = None
+    pending_mask: bytes | None = None
+    reply: dict[str, int | float] | None = None
+    model: dict[str, torch.Tensor] | None = None
+    model_version: int | None = None
+    quarantined: int = 0
+
+    _BYTES = ("pending", "pending_shared", "pending_mask")
+
+    def to_record(self) -> dict[str, Any]:
+        """The store's record of this state (version :data:`STATE_VERSION`; None fields left out;
+        byte fields as uint8 tensors)."""
+        record: dict[str, Any] = {"state_version": STATE_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or (f.name == "quarantined" and not value):
+                continue
+            record[f.name] = _bytes_tensor(value) if f.name in self._BYTES else value
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], where: str = "record") -> ClientState:
+        """The state of a record of any version this code reads; another version is a
+        :class:`StateVersionError`, an unknown field or a wrong type a :class:`StateCorruptError`,
+        each naming ``where``."""
+        values = dict(record)
+        version = values.pop("state_version", 1)
+        if version not in _READS:
+            raise StateVersionError(f"{where} has client state version {version!r}; this fedgc "
+                                    f"reads versions {list(_READS)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if version == 1:
+            known.discard("quarantined")
+        if unknown := sorted(set(values) - known):
+            raise StateCorruptError(f"{where} (version {version}) holds unknown fields {unknown}")
+        for name in cls._BYTES:
+            if name in values:
+                t = values[name]
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+                    raise StateCorruptError(f"{where}: {name} must be a uint8 tensor, got "
+                                            f"{type(t).__name__}")
+                values[name] = bytes(t.numpy().tobytes())
+        for name, kind in (("compressor", dict), ("reply", dict), ("model", dict),
+                           ("model_version", int), ("quarantined", int)):
+            if name in values and not isinstance(values[name], kind):
+                raise StateCorruptError(f"{where}: {name} must be a {kind.__name__}, got "
+                                        f"{type(values[name]).__name__}")
+        return cls(**values)
+
+
+def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, Any],
+                      ack_sequence: int, numels: dict[str, int]) -> bool:
+    """Restore a state's last update into ``compressor`` unless the server aggregated it.
+
+    The state keeps the update it sent as ``pending`` (wire bytes) and, with the shared sign
+    channel, the signs sent beside it (``pending_shared``) with the index sets they answer
+    (``pending_mask``). When the update's sequence is not ``ack_sequence`` both go back into the
+    residual, so nothing the client computed is lost. ``numels`` gives each tensor's size.
+    Returns whether anything was restored. ``state`` may be a store record (the emulator's stale
+    policy works on those).
+    """
+    if not isinstance(state, ClientState):
+        state = ClientState.from_record(state)
+    if state.pending is None:
         return False
-    pending = dgc.decode(stored_bytes(record, "pending"), max_numel=max(numels.values(), default=0))
+    pending = dgc.decode(state.pending, max_numel=max(numels.values(), default=0))
     if pending.sequence == ack_sequence:
         return False
     compressor.restore(pending)
-    if "pending_shared" in record:
-        _, masks = decode_mask(stored_bytes(record, "pending_mask"), numels)
-        compressor.restore(decode_signs(stored_bytes(record, "pending_shared"), masks,
+    if state.pending_shared is not None and state.pending_mask is not None:
+        _, masks = decode_mask(state.pending_mask, numels)
+        compressor.restore(decode_signs(state.pending_shared, masks,
                                         {name: (n,) for name, n in numels.items()}))
     return True

@@ -4,17 +4,93 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dgc.errors import ConfigError
 from dgc.sparse import VALUE_DTYPES
 
+#: Top-k threshold selections (see :class:`DGCConfig`'s ``selection``).
 SELECTIONS = ("exact", "sampled")
+#: Density warm-up schedules (see :class:`DGCConfig`'s ``warmup``).
 WARMUP_SCHEDULES = ("exponential", "list", "none")
-_BOOL_FIELDS = ("momentum_correction", "nesterov", "momentum_masking", "error_feedback",
-                "ternary", "check_finite")
+
+
+@dataclass(frozen=True)
+class Check:
+    """Accepted values of one setting: a numeric interval or a set of choices.
+
+    Defined here, next to the fields it guards, so that :class:`DGCConfig` and the run-config
+    keys built on its fields (``fedgc.settings``) share one range per hyperparameter.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """Human-readable accepted range, e.g. ``(0, 1]`` or ``one of ['a', 'b']``."""
+        if self.choices:
+            return f"one of {list(self.choices)}"
+        if self.low is None and self.high is None:
+            return "any"
+        lo = "-inf" if self.low is None else _num(self.low)
+        hi = "inf" if self.high is None else _num(self.high)
+        left = "(" if self.low_open or self.low is None else "["
+        right = ")" if self.high_open or self.high is None else "]"
+        return f"{left}{lo}, {hi}{right}"
+
+    def accepts(self, value: object) -> bool:
+        """Whether ``value`` (already of the setting's type) is in range; NaN and Inf never are."""
+        if self.choices:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        if self.high is not None and (value > self.high or
+                                      (self.high_open and value == self.high)):
+            return False
+        return True
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+_KINDS = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_value(name: str, value: object, kind: type, check: Check) -> None:
+    """Raise :class:`ConfigError` naming ``name`` unless ``value`` is a ``kind`` that ``check``
+    accepts (an int is a float; a bool is neither)."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok or not check.accepts(value):
+        accepted = check.describe()
+        where = "" if accepted == "any" or check.choices else f" in {accepted}"
+        what = accepted if check.choices else f"{_KINDS.get(kind, kind.__name__)}{where}"
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "float | None": float}
+
+
+def _field(default: Any, check: Check | None = None, *, optional: bool = False) -> Any:
+    # The value's type comes from the field's annotation (_TYPES).
+    return dataclasses.field(default=default, metadata={"check": check or Check(),
+                                                        "optional": optional})
 
 
 @dataclass(frozen=True)
@@ -91,27 +167,32 @@ class DGCConfig:
     sent (paper, Sec. 3).
     """
 
-    density: float = 0.001
-    selection: str = "sampled"
-    sample_ratio: float = 0.01
-    min_count_ratio: float = 0.5
-    max_adaptations: int = 2
-    momentum: float = 0.9
-    momentum_correction: bool = True
-    nesterov: bool = False
-    dampening: float = 0.0
-    momentum_masking: bool = True
-    error_feedback: bool = True
-    clip_norm: float | None = None
-    num_workers: int = 1
-    warmup: str = "exponential"
-    warmup_epochs: int = 4
+    # Tuned hyperparameters (the paper's values as defaults).
+    density: float = _field(0.001, Check(0.0, 1.0, low_open=True))
+    selection: str = _field("sampled", Check(choices=SELECTIONS))
+    sample_ratio: float = _field(0.01, Check(0.0, 1.0, low_open=True))
+    min_count_ratio: float = _field(0.5, Check(0.0, 1.0, low_open=True))
+    max_adaptations: int = _field(2, Check(0))
+    momentum: float = _field(0.9, Check(0.0, 1.0, high_open=True))
+    # Switches.
+    momentum_correction: bool = _field(True)
+    nesterov: bool = _field(False)
+    dampening: float = _field(0.0, Check(0.0, 1.0))
+    momentum_masking: bool = _field(True)
+    error_feedback: bool = _field(True)
+    # None = no clipping; a threshold must be a positive finite number.
+    clip_norm: float | None = _field(None, Check(0.0, low_open=True), optional=True)
+    num_workers: int = _field(1, Check(1))
+    # Schedule.
+    warmup: str = _field("exponential", Check(choices=WARMUP_SCHEDULES))
+    warmup_epochs: int = _field(4, Check(0))
     warmup_densities: tuple[float, ...] = ()
-    dense_epochs: int = 0
-    min_sparse_numel: int = 1024
-    value_dtype: str = "float16"
-    ternary: bool = False
-    check_finite: bool = True
+    dense_epochs: int = _field(0, Check(0))
+    # Wire.
+    min_sparse_numel: int = _field(1024, Check(1))
+    value_dtype: str = _field("float16", Check(choices=tuple(VALUE_DTYPES)))
+    ternary: bool = _field(False)
+    check_finite: bool = _field(True)
 
     def __post_init__(self) -> None:
         densities = self.warmup_densities
@@ -120,37 +201,27 @@ class DGCConfig:
                               f"got {densities!r}")
         densities = tuple(densities)
         for i, d in enumerate(densities):
-            _check_fraction(f"warmup_densities[{i}]", d)
+            check_value(f"warmup_densities[{i}]", d, float, Check(0.0, 1.0, low_open=True))
         object.__setattr__(self, "warmup_densities", tuple(float(d) for d in densities))
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        _check_fraction("density", self.density)
-        _check_choice("selection", self.selection, SELECTIONS)
-        _check_fraction("sample_ratio", self.sample_ratio)
-        _check_fraction("min_count_ratio", self.min_count_ratio)
-        _check_int("max_adaptations", self.max_adaptations, 0)
-        if not (_is_number(self.momentum) and 0.0 <= self.momentum < 1.0):
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if not (_is_number(self.dampening) and 0.0 <= self.dampening <= 1.0):
-            raise ConfigError(f"dampening must be in [0, 1], got {self.dampening!r}")
-        if self.clip_norm is not None and not (
-            _is_number(self.clip_norm) and math.isfinite(self.clip_norm) and self.clip_norm > 0
-        ):
-            raise ConfigError(f"clip_norm must be a positive finite number or None, "
-                              f"got {self.clip_norm!r}")
-        _check_int("num_workers", self.num_workers, 1)
-        _check_choice("warmup", self.warmup, WARMUP_SCHEDULES)
-        _check_int("warmup_epochs", self.warmup_epochs, 0)
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                value = getattr(self, f.name)
+                if not (f.metadata["optional"] and value is None):
+                    check_value(f.name, value, _TYPES[str(f.type)], f.metadata["check"])
         if self.warmup == "list" and not self.warmup_densities:
             raise ConfigError("warmup='list' needs a non-empty warmup_densities")
         if self.warmup != "list" and self.warmup_densities:
             # Silently ignoring the list would run a schedule the user did not ask for.
             raise ConfigError(f"warmup_densities is only used with warmup='list', but warmup is "
                               f"{self.warmup!r}")
-        _check_int("dense_epochs", self.dense_epochs, 0)
-        _check_int("min_sparse_numel", self.min_sparse_numel, 1)
-        _check_choice("value_dtype", self.value_dtype, tuple(VALUE_DTYPES))
+
+    @classmethod
+    def check(cls, name: str) -> Check:
+        """The accepted values of field ``name`` (what run-config keys of it derive from)."""
+        for f in dataclasses.fields(cls):
+            if f.name == name and "check" in f.metadata:
+                return f.metadata["check"]
+        raise ConfigError(f"DGCConfig has no checked field {name!r}")
 
     def density_at(self, epoch: float) -> float:
         """Density to send in (possibly fractional) ``epoch``, warm-up included."""
@@ -185,20 +256,3 @@ class DGCConfig:
         return cls(**kwargs)
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_fraction(name: str, value: object) -> None:
-    if not _is_number(value) or not 0.0 < value <= 1.0:
-        raise ConfigError(f"{name} must be a number in (0, 1], got {value!r}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")

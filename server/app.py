@@ -1,7 +1,7 @@
 """The Flower ServerApp: read the run config, build task and DGCStrategy, run, write results.
 
 ``app`` reads ``context.run_config`` (``[tool.flwr.app.config]`` under ``flwr run .``);
-:func:`run_server` is the same main with a :class:`server.config.RunConfig` in hand, which is what
+:func:`run_server` is the same main with a :class:`fedgc.settings.RunConfig` in hand, which is what
 ``python -m simulations`` calls inside ``flwr.simulation.run_simulation``.
 """
 
@@ -18,9 +18,8 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from client.settings import to_flat
+from fedgc.settings import RunConfig, SettingsError, to_flat
 from server.checkpoint import CHECKPOINT_FILE
-from server.config import RunConfig, SettingsError
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy, RoundRecord
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fedgc.files import atomic_write
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -23,16 +24,8 @@ def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) ->
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = d / CHECKPOINT_FILE
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"checkpoint_version": CHECKPOINT_VERSION, **state}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: torch.save(
+        {"checkpoint_version": CHECKPOINT_VERSION, **state}, fh))
     return path
 
 

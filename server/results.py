@@ -9,13 +9,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from fedgc.files import atomic_write_text
 from server.strategy import ClientRow, RoundRecord
 
 ROUND_COLUMNS = ("round", "accuracy", "loss", "uplink_bytes", "downlink_bytes",
@@ -25,15 +24,7 @@ SUMMARY_KEYS = ("method", "final_accuracy", "rounds", "uplink_bytes", "downlink_
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, text)
 
 
 def _csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:

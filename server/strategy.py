@@ -46,14 +46,14 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 import dgc
-from client import protocol as P
 from dgc import DecodeError, SparseTensor, SparseUpdate, TensorLayout
 from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
 from dgc.signs.codec import Masks, decode_signs, encode_mask
 from dgc.signs.planner import SharedIndexPlanner
 from dgc.wire import encoded_size
+from fedgc import protocol as P
+from fedgc.settings import DOWNLINK_VALUES
 from server.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from server.config import DOWNLINK_VALUES
 
 STRATEGY_STATE_VERSION = 1
 

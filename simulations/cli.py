@@ -9,12 +9,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedgc.settings import (
+    METHODS,
+    RunConfig,
+    ServerSettings,
+    SettingsError,
+    TrainSettings,
+    key_table,
+    load_toml,
+)
 from server.app import RunFolderError
-from server.config import RunConfig, SettingsError, load_toml
 from server.results import write_json
 from simulations.netem.errors import NetemError
-
-METHODS = ("dense", "topk", "dgc")
 
 #: The default comparison (``make demo``): 100 clients, 10 per round, Dirichlet(0.5) label skew,
 #: density 0.001 after a 4-round warm-up, on the MNIST 5k subset, 200 rounds (the horizon of
@@ -129,9 +135,12 @@ def cmd_compare(config: RunConfig, verbose: bool,
 
 
 def cmd_keys() -> None:
-    """Print every configuration key with its type, default and accepted range."""
-    for key, kind, default, accepted, doc in RunConfig.describe():
-        print(f"{key:<26} {kind:<5} {default:<14} {accepted:<32} {doc}")
+    """Print every configuration key with the part that owns it, type, default and range."""
+    from simulations.netem.settings import NetemSettings
+
+    for row in key_table([ServerSettings, TrainSettings, NetemSettings]):
+        print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
+              f"{row.accepted:<32} {row.doc}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from server.config import RunConfig
+from fedgc.settings import RunConfig
 from simulations.netem.settings import NetemSettings
 
 

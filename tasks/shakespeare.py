@@ -193,11 +193,22 @@ def _check_int(name: str, value: object, minimum: int, allow_none: bool = False)
         )
 
 
-def build_shakespeare_task(
-    model: str,
+@dataclass(frozen=True)
+class ShakespeareData:
+    """The plays as tensors: what :func:`tasks.task.get_task` wraps in a ``Task``."""
+
+    num_classes: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    natural_clients: list[np.ndarray]
+    info: dict
+
+
+def build_shakespeare_data(
     data_dir: Path | None,
     seed: int,
-    model_options: dict | None,
     *,
     seq_len: int = 80,
     min_chars: int = 1000,
@@ -205,7 +216,7 @@ def build_shakespeare_task(
     stride: int = 1,
     max_samples_per_client: int | None = 200,
     max_test_samples: int | None = 10000,
-):
+) -> ShakespeareData:
     """Next-character prediction on the plays, one natural client per role (like LEAF).
 
     Each role with at least ``min_chars`` characters becomes a client. Its text is split by
@@ -216,8 +227,6 @@ def build_shakespeare_task(
     reduced to ``max_test_samples`` by a seeded random choice. The defaults give 635 clients,
     127k training and 10k test samples: small enough for CPU rounds.
     """
-    from tasks.task import Task
-
     _check_int("seq_len", seq_len, 1)
     _check_int("min_chars", min_chars, 1)
     _check_int("stride", stride, 1)
@@ -261,16 +270,13 @@ def build_shakespeare_task(
     if max_test_samples is not None and len(all_test_y) > max_test_samples:
         keep = np.sort(rng.choice(len(all_test_y), max_test_samples, replace=False))
         all_test_x, all_test_y = all_test_x[keep], all_test_y[keep]
-    return Task(
-        "shakespeare",
-        model,
+    return ShakespeareData(
         len(vocab),
         torch.from_numpy(np.concatenate(train_x)),
         torch.from_numpy(np.concatenate(train_y)),
         torch.from_numpy(np.ascontiguousarray(all_test_x)),
         torch.from_numpy(all_test_y),
         natural_clients=clients,
-        model_options=model_options,
         info={
             "vocabulary": vocab,
             "client_ids": names,

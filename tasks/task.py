@@ -15,7 +15,7 @@ from tasks import images
 from tasks.errors import DataError
 from tasks.models import MODELS, build_model
 from tasks.partition import SCHEMES, partition
-from tasks.shakespeare import build_shakespeare_task
+from tasks.shakespeare import build_shakespeare_data
 
 
 class Task:
@@ -171,6 +171,8 @@ class _DatasetSpec:
     models: tuple[str, ...]
     build: Callable[..., Task]
     description: str
+    # The function whose keyword-only parameters are the dataset's options (default: build).
+    options: Callable[..., object] | None = None
 
 
 def _image_task(
@@ -217,6 +219,13 @@ def _fashion(model: str, data_dir: Path | None, seed: int, model_options: dict |
     return _image_task("fashion-mnist", images.load_fashion_mnist(data_dir), model, model_options)
 
 
+def _shakespeare(model: str, data_dir: Path | None, seed: int, model_options: dict | None,
+                 **options: object) -> Task:
+    d = build_shakespeare_data(data_dir, seed, **options)  # type: ignore[arg-type]
+    return Task("shakespeare", model, d.num_classes, d.train_x, d.train_y, d.test_x, d.test_y,
+                natural_clients=d.natural_clients, model_options=model_options, info=d.info)
+
+
 def _mnist(model: str, data_dir: Path | None, seed: int, model_options: dict | None) -> Task:
     return _image_task("mnist", images.load_mnist(data_dir), model, model_options)
 
@@ -238,8 +247,9 @@ _SPECS: dict[str, _DatasetSpec] = {
     "shakespeare": _DatasetSpec(
         "lstm",
         ("lstm",),
-        build_shakespeare_task,
+        _shakespeare,
         "next character of Shakespeare's plays, one client per role",
+        build_shakespeare_data,
     ),
     "mnist": _DatasetSpec("mlp", ("mlp", "cnn"), _mnist, "full MNIST idx files from data_dir"),
     "cifar10": _DatasetSpec(
@@ -280,7 +290,7 @@ def get_task(
         Keyword arguments for the model constructor, e.g. ``{"hidden": 64}`` for the LSTM.
     **options
         Dataset options: ``test_fraction`` for mnist5k/digits; for shakespeare see
-        :func:`tasks.shakespeare.build_shakespeare_task`.
+        :func:`tasks.shakespeare.build_shakespeare_data`.
 
     Raises
     ------
@@ -303,8 +313,9 @@ def get_task(
         raise DataError(f"model_options must be a dict or None, got {model_options!r}")
     accepted = [
         param.name
-        for param in inspect.signature(spec.build).parameters.values()
+        for param in inspect.signature(spec.options or spec.build).parameters.values()
         if param.name not in ("model", "data_dir", "seed", "model_options")
+        and param.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     unknown = [key for key in options if key not in accepted]
     if unknown:

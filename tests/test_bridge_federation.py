@@ -18,8 +18,8 @@ from client.app import client_key
 
 local_grid = pytest.importorskip("server.local_grid", reason="server.local_grid not on main yet")
 
+from fedgc.settings import RunConfig  # noqa: E402
 from server.app import run_server  # noqa: E402 - after the skip
-from server.config import RunConfig  # noqa: E402
 from tests.test_bridge import BATCH, EXPORT_CONFIG, TOKENS, _certificates  # noqa: E402
 
 torch.set_num_threads(1)

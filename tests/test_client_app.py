@@ -11,11 +11,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 import dgc
-from client import protocol as P
 from client.app import app as client_app
-from client.settings import TrainSettings, to_flat
 from client.state import ClientStateStore
 from dgc.signs.codec import decode_signs, encode_mask
+from fedgc import protocol as P
+from fedgc.settings import TrainSettings, to_flat
 from server.local_grid import LocalGrid
 
 

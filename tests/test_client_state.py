@@ -53,7 +53,7 @@ def _grads(seed: int) -> dict[str, torch.Tensor]:
 def test_compressor_state_round_trips_through_the_store(tmp_path, small_density):
     """What client.app stores continues bit-identically, and restore() works after the trip."""
     import dgc
-    from client.settings import TrainSettings
+    from fedgc.settings import TrainSettings
 
     settings = TrainSettings(density=0.01, small_density=small_density, warmup="none",
                              selection="exact", min_sparse_numel=100)
@@ -134,7 +134,7 @@ def test_record_round_trips_exactly(tmp_path):
 def test_a_client_record_continues_the_compressor_bit_for_bit(tmp_path):
     """The record client.app writes (compressor state + pending bytes) survives unchanged."""
     import dgc
-    from client.settings import TrainSettings
+    from fedgc.settings import TrainSettings
 
     settings = TrainSettings(density=0.01, small_density=0.1, warmup="none",
                              selection="exact", min_sparse_numel=100)
@@ -205,7 +205,7 @@ def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, mo
     def crash(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr("client.state.os.replace", crash)
+    monkeypatch.setattr("fedgc.files.os.replace", crash)
     with pytest.raises(OSError, match="disk full"):
         store.put("6", {"v": torch.ones(3)})
     monkeypatch.undo()

@@ -126,9 +126,9 @@ def test_serverapp_killed_mid_run_resumes_from_its_checkpoint(
 def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     deployment: Callable[..., Deployment], tmp_path: Path
 ) -> None:
-    # Outages every ~8 s that reset every connection of node links (policy "drop").
+    # Outages every ~8 s that reset every connection of node links (policy "fail").
     link = preset("lte").with_overrides(mean_online_s=8.0, mean_offline_s=1.0,
-                                        outage_policy="drop")
+                                        outage_policy="fail")
     dep = deployment(nodes=2, link=link, seed=5, restart_on_exit=True)
     # A round deadline beyond the SuperLink's heartbeat patience (2 x 30 s): round 2 then ends
     # when the SuperLink declares the crashed node offline and answers its message with an

@@ -23,11 +23,10 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import client.app as client_app_module
 import dgc
-from client import protocol as P
-from client.settings import to_flat
 from client.state import ClientStateStore
 from dgc.signs.codec import decode_mask, decode_signs
-from server.config import RunConfig
+from fedgc import protocol as P
+from fedgc.settings import RunConfig, to_flat
 from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
 from simulations.netem.mod import reply_metrics
 from simulations.netem.settings import NetemSettings

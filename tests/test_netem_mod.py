@@ -18,6 +18,7 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedgc.settings import SettingsError
 from simulations.netem import LinkConfigError
 from simulations.netem.mod import encoded_nbytes, netem_mod, reply_metrics, timeline_from_reply
 from simulations.netem.settings import NetemSettings, assignment_for
@@ -129,13 +130,13 @@ def test_missing_round_keys_and_bad_settings_are_named() -> None:
                   dst_node_id=1, message_type=MessageType.TRAIN)
     with pytest.raises(LinkConfigError, match="netem.round"):
         netem_mod(msg, _context(0), lambda m, c: m)
-    with pytest.raises(LinkConfigError, match="unknown key 'netem.speed'"):
+    with pytest.raises(SettingsError, match="unknown key 'netem.speed'"):
         NetemSettings.from_config({"netem.speed": 3})
-    with pytest.raises(LinkConfigError, match="netem.mix"):
+    with pytest.raises(SettingsError, match="netem.mix"):
         NetemSettings(mix="lte:0.5,5g:0.5")
-    with pytest.raises(LinkConfigError, match="netem.mix"):
+    with pytest.raises(SettingsError, match="netem.mix"):
         NetemSettings(mix="lte:0.5,3g:0.4")
-    with pytest.raises(LinkConfigError, match="netem.num_clients must be an integer"):
+    with pytest.raises(SettingsError, match="netem.num_clients must be an integer"):
         NetemSettings(num_clients="many")
     assert NetemSettings.from_config(NetemSettings(intermittent=0.2).to_config()) == \
         NetemSettings(intermittent=0.2)
@@ -147,7 +148,7 @@ def _contents() -> Iterator[RecordDict]:
     """Record dicts around the protobuf length-prefix boundaries, with every record kind."""
     from flwr.app import Array
 
-    from client import protocol as P
+    from fedgc import protocol as P
 
     for n in (0, 1, 127, 128, 16383, 16384, 2**21 - 3, 2**21 + 3):
         yield RecordDict({"update": P.bytes_to_record(bytes(n))})

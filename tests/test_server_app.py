@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from client import protocol as P
 from client.app import app as client_app
 from client.state import ClientStateStore
+from fedgc import protocol as P
+from fedgc.settings import RunConfig
 from server.app import RunFolderError, run_server
-from server.config import RunConfig
 from server.local_grid import LocalGrid
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
 from server.strategy import DGCStrategy

@@ -2,7 +2,7 @@
 
 import pytest
 
-from server.config import RunConfig, SettingsError, flatten, load_toml
+from fedgc.settings import RunConfig, SettingsError, flatten, load_toml
 
 
 def test_defaults_and_round_trip():

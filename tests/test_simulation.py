@@ -67,7 +67,7 @@ def test_demo_is_the_default_scenario_with_default_client_settings():
     """`demo` pins the scenario only; local training and compression are the schema defaults."""
     import argparse
 
-    from server.config import RunConfig
+    from fedgc.settings import RunConfig
     from simulations.cli import DEMO, build_config
 
     c = build_config(argparse.Namespace(config=None, set=[]), DEMO)

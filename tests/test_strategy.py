@@ -13,11 +13,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp.strategy import FedAvg, FedAvgM
 
 import dgc
-from client import protocol as P
 from client.app import app as client_app
 from client.app import global_model
+from client.state import ClientState
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.signs import decode_mask, encode_signs, take_signs
+from fedgc import protocol as P
 from server.checkpoint import CheckpointError
 from server.local_grid import LocalGrid
 from server.strategy import DGCStrategy
@@ -635,8 +636,8 @@ def _apply_patch(s: DGCStrategy, held: dict, bases: tuple[int, ...],
     if added:
         config[P.PATCH_ADD] = added
     content = RecordDict({P.ARRAYS: P.bytes_to_record(data, P.PATCH), P.CONFIG: config})
-    record = {"model": {k: v.clone() for k, v in held.items()},
-              "model_version": bases[-1] if version is None else version}
+    record = ClientState(model={k: v.clone() for k, v in held.items()},
+                         model_version=bases[-1] if version is None else version)
     return global_model(content, config, record), added
 
 

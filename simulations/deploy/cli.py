@@ -148,7 +148,7 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from server.config import SettingsError, load_toml
+    from fedgc.settings import SettingsError, load_toml
     from simulations.cli import parse_sets as parse_run_sets
     from simulations.cli import summary_table
     from simulations.plots import plot_run

@@ -2,7 +2,7 @@
 
 The repository's ``pyproject.toml`` is the package's, so a deployment builds its own small app
 folder: a ``pyproject.toml`` whose ``[tool.flwr.app.config]`` holds every key of the run's
-:class:`server.config.RunConfig` (already validated and resolved), and two shim modules that
+:class:`fedgc.settings.RunConfig` (already validated and resolved), and two shim modules that
 re-export ``server.app:app`` and ``client.app:app``. The SuperLink's and SuperNodes' app processes
 import the real packages from the repository, which :func:`repo_root` puts on their
 ``PYTHONPATH``.

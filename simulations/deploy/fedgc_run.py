@@ -16,7 +16,7 @@ from .fedgc_app import write_app
 
 
 def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
-    """The :class:`server.config.RunConfig` of a deployment of ``nodes`` SuperNodes.
+    """The :class:`fedgc.settings.RunConfig` of a deployment of ``nodes`` SuperNodes.
 
     One SuperNode is one client (its partition id is its index), so ``num_clients`` is ``nodes``;
     ``clients_per_round`` defaults to all of them. Paths become absolute, because the ServerApp
@@ -27,7 +27,7 @@ def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
     DeployError
         When ``num_clients`` is set to something else than ``nodes``, or a key is invalid.
     """
-    from server.config import RunConfig, SettingsError
+    from fedgc.settings import RunConfig, SettingsError
 
     values = dict(base)
     if "num_clients" in values and int(str(values["num_clients"])) != nodes:

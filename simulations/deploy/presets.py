@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from simulations.netem.link import OUTAGE_POLICIES
 from simulations.netem.presets import LINK_PRESETS, LinkProfile
 from simulations.netem.throughput import Trace
 
 from .errors import LinkError
-
-OUTAGE_POLICIES = ("drop", "resume")
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,8 @@ class LinkSpec:
         means the link never goes down.
     outage_policy : str
         ``"resume"``: an outage pauses the bytes and the connection survives (a stall);
-        ``"drop"``: an outage resets every connection and refuses new ones until it ends.
+        ``"fail"``: an outage resets every connection and refuses new ones until it ends
+        (:data:`simulations.netem.link.OUTAGE_POLICIES`).
     """
 
     name: str
@@ -50,7 +50,7 @@ class LinkSpec:
     up_mbps: float
     mean_online_s: float = math.inf
     mean_offline_s: float = 0.0
-    outage_policy: str = "drop"
+    outage_policy: str = "fail"
 
     def __post_init__(self) -> None:
         if self.outage_policy not in OUTAGE_POLICIES:

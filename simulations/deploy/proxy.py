@@ -6,7 +6,7 @@ proxy shapes the rate itself), then travels one way in ``rtt_ms / 2`` plus a hal
 Delivery times never decrease within a connection, so TCP's byte order is kept.
 
 Outages follow a two-state on/off chain with exponential sojourn times (seeded). Under the
-``"drop"`` policy going offline aborts every open connection (a reset, as when a phone loses its
+``"fail"`` policy going offline aborts every open connection (a reset, as when a phone loses its
 radio bearer) and refuses new ones until the link is back, which is what a SuperNode sees on an
 intermittent link; under ``"resume"`` the bytes wait and the connections survive (a stall).
 """
@@ -248,7 +248,7 @@ class LinkProxy:
         return max(0.0, self.spec.rtt_ms / 2.0 + jitter_ms) / 1000.0
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self._online and self.spec.outage_policy == "drop":
+        if not self._online and self.spec.outage_policy == "fail":
             self.stats.refused_offline += 1
             writer.transport.abort()
             return

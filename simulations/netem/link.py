@@ -26,6 +26,11 @@ from simulations.netem.throughput import ConstantRate, Throughput
 
 Direction = Literal["down", "up"]
 DIRECTIONS: tuple[str, ...] = ("down", "up")
+#: What an outage does to a transfer in flight, in the emulator and on shaped real links
+#: (``simulations.deploy``) alike. ``"resume"``: the bytes pause while the link is down and
+#: continue after (a stall; on a real link the connections survive). ``"fail"``: the transfer is
+#: lost when the first outage begins (on a real link every open connection is reset and new ones
+#: are refused until the link is back, as when a phone loses its radio bearer).
 OUTAGE_POLICIES: tuple[str, ...] = ("resume", "fail")
 REASON_OK = "ok"
 REASON_LINK_DOWN = "link_down"

@@ -29,6 +29,9 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
+from client.app import client_key, settings_from, state_root
+from client.state import ClientState, ClientStateStore, StateCorruptError
+from fedgc.protocol import ACK_SEQUENCE, NUM_EXAMPLES
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
 from simulations.netem.errors import LinkConfigError
 from simulations.netem.link import REASON_LINK_DOWN, REASON_OK, TransferResult
@@ -98,14 +101,6 @@ def encoded_nbytes(content: RecordDict) -> int:
     return total
 
 
-def client_key(context: Context) -> int:
-    """The client's id in the scenario: ``client-key`` or ``partition-id``, else the node id."""
-    for k in ("client-key", "partition-id"):
-        if k in context.node_config:
-            return int(context.node_config[k])  # type: ignore[arg-type]
-    return int(context.node_id)
-
-
 def _netem_config(msg: Message) -> dict | None:
     for record in msg.content.config_records.values():
         if PREFIX + "enabled" in record:
@@ -131,25 +126,26 @@ def _early_reply(msg: Message, key: int, reason: str, end_s: float,
 def _age_residual(config: dict, context: Context, key: int, round_index: int,
                   settings: NetemSettings) -> StaleReport | None:
     # The client keeps its residual in client.state.ClientStateStore; the stale policy acts on
-    # that record before the client loads it.
+    # that state before the client loads it.
     if settings.stale_policy == "keep":
         return None
-    root = context.node_config.get("state-dir") or config.get("state_dir")
+    train = settings_from(config)
+    root = state_root(train, context)
     if not root:
         return None
-    from client.app import settings_from
-    from client.state import ClientStateStore
-
-    store = ClientStateStore(str(root))
-    record = store.get(str(key))
-    if record is None:
+    store = ClientStateStore(root)
+    try:
+        state = store.load(str(key))
+    except StateCorruptError:
+        return None  # the client quarantines it and starts again: nothing left to age
+    if state is None:
         return None
-    train = settings_from(config)
+    record = state.to_record()
     report = apply_stale_policy_to_record(record, round_index,
-                                          int(config.get("ack_sequence", -1)), settings.stale,
+                                          int(config.get(ACK_SEQUENCE, -1)), settings.stale,
                                           make_compressor=train.compressor)
     if report is not None:
-        store.put(str(key), record)
+        store.save(str(key), ClientState.from_record(record, f"client state {key}"))
     return report
 
 
@@ -184,8 +180,8 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         return reply
     samples = 0
     for record in reply.content.metric_records.values():
-        if "num-examples" in record:
-            samples = int(record["num-examples"])  # type: ignore[arg-type]
+        if NUM_EXAMPLES in record:
+            samples = int(record[NUM_EXAMPLES])  # type: ignore[arg-type]
             break
     if settings.local_samples > 0:
         compute_s = net.device.compute_seconds(settings.local_samples)

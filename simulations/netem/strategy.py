@@ -26,7 +26,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from client import protocol as P
+from fedgc import protocol as P
 from server.strategy import DGCStrategy, ReplyRejected
 from simulations.netem.clock import RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply

@@ -1,0 +1,162 @@
+"""The message contract between DGCStrategy, the ClientApp and the phone bridge.
+
+Record keys, the reply metrics and their one builder, record <-> bytes, and patch application.
+A train message carries
+
+- ``config`` (ConfigRecord): the :class:`fedgc.settings.TrainSettings` keys plus the per-node
+  keys below;
+- ``arrays`` (ArrayRecord): either the dense global model (one numpy Array per tensor, what
+  Flower's FedAvg sends), or one byte Array named ``patch``: a ``dgc.encode``-d update whose
+  fp32 values *replace* the entries of the model version the client already holds
+  (``base_version``, or any of ``base_versions``: the server may not know which of them the
+  client holds, and the patch carries every entry that differs in any of them). Replacing
+  instead of adding keeps the client's copy bit-identical to the server's. The exception is a
+  patch on one base version with ``patch_add``: for the tensors it names the values are
+  differences to *add* (int8-grid broadcasts, where the server checked that the sums are exact).
+
+A DGC train message may also carry ``shared`` (ArrayRecord with one byte Array
+``shared_mask``: the round's shared index sets, ``dgc.signs.codec.encode_mask``). The client then
+sends its residual at those indices as scaled signs.
+
+A train reply carries ``update`` (ArrayRecord with one byte Array: the ``dgc.encode``-d
+pseudo-gradient), for a message with index sets ``shared`` (one byte Array ``shared_signs``:
+``dgc.signs.codec.encode_signs``), and ``metrics`` (MetricRecord, keys in
+:data:`REPLY_METRICS`, built by :func:`reply_metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+import dgc
+from dgc.wire import max_numel_of
+
+#: stype of a byte Array that holds ``dgc.encode`` output.
+WIRE_STYPE = "fedgc.dgc.wire"
+
+# Record keys.
+ARRAYS = "arrays"
+CONFIG = "config"
+UPDATE = "update"
+METRICS = "metrics"
+PATCH = "patch"
+SHARED = "shared"  # ArrayRecord of the shared-index channel (dgc.signs), both directions
+SHARED_MASK = "shared_mask"  # its byte Array in a train message
+SHARED_SIGNS = "shared_signs"  # its byte Array in a train reply
+
+# Per-node config keys the server adds to the TrainSettings keys.
+SERVER_ROUND = "server-round"
+ACK_SEQUENCE = "ack_sequence"  # sequence of this client's last update that was aggregated; -1 none
+MODEL_VERSION = "model_version"  # version of the model in this message
+DOWNLINK = "downlink"  # "dense" or "patch"
+BASE_VERSION = "base_version"  # the version a patch applies to (the newest of BASE_VERSIONS)
+BASE_VERSIONS = "base_versions"  # every version the patch applies to (the client may hold any)
+KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
+PATCH_ADD = "patch_add"  # tensors whose patch values are added to the held ones (one base only)
+INITIAL_GRID = "initial_grid"  # version 0 has its matrices on the int8 grid (dgc.int8_grid)
+
+#: The reply metric of the examples a client trained on (Flower's name; the aggregation weight).
+NUM_EXAMPLES = "num-examples"
+#: Metrics every train reply carries.
+REPLY_METRICS = (NUM_EXAMPLES, "uplink_bytes", "nnz", "shared_entries", "density",
+                 "train_loss", "compute_seconds", "model_version", "client_key", "sequence",
+                 "restored")
+#: Metric a train reply carries only when the client found its state record damaged, moved it
+#: aside (``<key>.state.corrupt-<n>``) and trained from the global model with an empty residual:
+#: 1. What the lost residual and pending update held cannot be known (the record failed its
+#: CRC, so no number read from it can be trusted); the metric marks the round in which that
+#: mass left the federation. Left out of every other reply, so that a reply's size (which the
+#: network emulator charges) is unchanged.
+STATE_QUARANTINED = "state_quarantined"
+
+#: The metric a query reply carries: the client's stable key (its partition id in simulation).
+CLIENT_KEY = "client_key"
+
+
+def bytes_to_record(data: bytes, name: str = UPDATE) -> ArrayRecord:
+    """Wrap encoded bytes as an ArrayRecord with one uint8 Array (Flower carries it unchanged)."""
+    return ArrayRecord({name: Array(dtype="uint8", shape=(len(data),), stype=WIRE_STYPE,
+                                    data=bytes(data))})
+
+
+def record_to_bytes(record: ArrayRecord, name: str = UPDATE) -> bytes:
+    """The bytes of :func:`bytes_to_record`; a ValueError names what is missing or wrong."""
+    if name not in record:
+        raise ValueError(f"ArrayRecord lacks the byte array {name!r}; it holds {list(record)}")
+    arr = record[name]
+    if arr.stype != WIRE_STYPE:
+        raise ValueError(f"array {name!r} has stype {arr.stype!r}, expected {WIRE_STYPE!r}")
+    return bytes(arr.data)
+
+
+def record_nbytes(record: ArrayRecord) -> int:
+    """Payload bytes of an ArrayRecord as sent: the serialized data of every Array."""
+    return sum(len(a.data) for a in record.values())
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the contract (a missing key, a patch that does not fit)."""
+
+
+def reply_metrics(*, num_examples: int, uplink_bytes: int, nnz: int, shared_entries: int,
+                  density: float, train_loss: float, compute_seconds: float,
+                  model_version: int, client_key: int, sequence: int, restored: int,
+                  state_quarantined: bool = False) -> dict[str, int | float]:
+    """The metrics of a train reply (:data:`REPLY_METRICS`, in that order), typed as sent.
+
+    ``restored`` is 1 when the client folded an unaggregated update back into its residual;
+    ``state_quarantined`` adds :data:`STATE_QUARANTINED` (only when true).
+    """
+    metrics: dict[str, int | float] = {
+        NUM_EXAMPLES: int(num_examples),
+        "uplink_bytes": int(uplink_bytes),
+        "nnz": int(nnz),
+        "shared_entries": int(shared_entries),
+        "density": float(density),
+        "train_loss": float(train_loss),
+        "compute_seconds": float(compute_seconds),
+        "model_version": int(model_version),
+        "client_key": int(client_key),
+        "sequence": int(sequence),
+        "restored": int(restored),
+    }
+    if state_quarantined:
+        metrics[STATE_QUARANTINED] = 1
+    return metrics
+
+
+def reply_content(update: bytes, metrics: Mapping[str, int | float],
+                  shared_signs: bytes | None = None) -> RecordDict:
+    """The content of a train reply: the encoded update, the metrics, the signs if any."""
+    content = RecordDict({UPDATE: bytes_to_record(update), METRICS: MetricRecord(dict(metrics))})
+    if shared_signs is not None:
+        content[SHARED] = bytes_to_record(shared_signs, SHARED_SIGNS)
+    return content
+
+
+def apply_patch(model: Mapping[str, torch.Tensor], patch: bytes,
+                added: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """The model a patch makes of ``model`` (which is left unchanged).
+
+    ``patch`` is ``dgc.encode`` output whose values replace the entries at its indices, except
+    in the tensors named in ``added`` (``patch_add``), whose values are differences to add.
+    A patch tensor the model lacks, of another size, or an ``added`` name the patch lacks is a
+    :class:`ProtocolError` (``dgc.DecodeError`` for bytes that do not decode).
+    """
+    update = dgc.decode(patch, max_numel=max_numel_of(t.shape for t in model.values()))
+    if unknown := sorted(set(added) - set(update.tensors)):
+        raise ProtocolError(f"{PATCH_ADD} names tensors the patch lacks: {unknown}")
+    for name, t in update.tensors.items():
+        if name not in model or model[name].numel() != t.numel:
+            raise ProtocolError(f"patch tensor {name!r} does not match the held model")
+    out = {k: v.clone() for k, v in model.items()}
+    for name, t in update.tensors.items():
+        flat = out[name].view(-1)
+        if name in added:
+            flat[t.indices] += t.values.to(flat.dtype)
+        else:
+            flat[t.indices] = t.values.to(flat.dtype)
+    return out

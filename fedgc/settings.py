@@ -1,0 +1,526 @@
+"""The settings engine: every run-config key of fedgc, its owner, default and accepted range.
+
+A schema is a frozen dataclass whose fields carry their external key (``dgc.density``), a
+docstring and an accepted range (a :class:`dgc.config.Check`) in field metadata, so that parsing,
+validation, error messages, ``python -m simulations keys`` and the documentation table all come
+from one place. Values are validated once, when a schema object is built; every bad value is a
+:class:`SettingsError` that names the key and the accepted range.
+
+Each key belongs to one part of fedgc, named by its prefix where it has one:
+
+- ``client``: what a client needs to train a round (:class:`TrainSettings`, sent in every train
+  message);
+- ``server``: rounds, server optimizer, downlink, checkpoints, results (:class:`ServerSettings`);
+- ``dgc``: compression, on either side (``dgc.*``); the ranges of the keys that configure
+  :class:`dgc.DGCConfig` are that class's own (:meth:`dgc.DGCConfig.check`);
+- ``sim``: the simulation engine (``sim.*``);
+- ``netem``: the network emulator (``netem.*``, ``simulations.netem.settings.NetemSettings``,
+  built on this engine).
+
+:class:`RunConfig` is the server's and clients' keys together (what ``flwr run`` reads); the
+emulator's keys are split off by the simulation CLI. Keys are flat and dotted, so one dict
+serves a Flower run config (``[tool.flwr.app.config]``, ``flwr run --run-config``), a TOML file
+(``[dgc]`` tables flatten) and ``--set key=value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar, get_type_hints
+
+from dgc import Compressor, DGCCompressor, DGCConfig
+from dgc.config import SELECTIONS, WARMUP_SCHEDULES, Check
+from dgc.two_density import TwoDensityCompressor
+from dgc.sparse import VALUE_DTYPES as _VALUE_DTYPES
+from tasks.partition import SCHEMES
+
+#: Uplink compression methods: dense fp32, top-k without error feedback, DGC.
+METHODS = ("dense", "topk", "dgc")
+#: Tasks a run may name (those whose data ships with the package; ``tasks.DATASETS`` has more).
+TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare")
+#: How the training set is split into clients (``tasks.partition``).
+PARTITIONS = SCHEMES
+#: Warm-up schedules a run key may name: DGCConfig's, but "list", whose per-round densities
+#: have no run key.
+WARMUPS = tuple(w for w in WARMUP_SCHEDULES if w != "list")
+#: Precisions of sent values (``dgc.sparse``).
+VALUE_DTYPES = tuple(_VALUE_DTYPES)
+#: What clients are sent: "auto" (a patch when smaller) or always the dense model.
+DOWNLINKS = ("auto", "dense")
+#: The grids a compressed broadcast's matrix entries can be rounded to (``downlink_values``).
+DOWNLINK_VALUES = ("float16", "int8")
+#: Simulation engines: Flower's Ray backend, or every client in this process.
+ENGINES = ("ray", "local")
+#: The parts of fedgc that own keys (see the module docstring).
+PARTS = ("client", "server", "dgc", "sim", "netem")
+
+__all__ = ["DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "PARTITIONS", "PARTS",
+           "SELECTIONS", "TASKS", "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig",
+           "ServerSettings", "SettingsError", "TrainSettings", "describe", "fields_of", "flatten",
+           "key_table", "load_toml", "parse", "setting", "to_flat", "validate"]
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """A configuration key is unknown, or its value is outside the accepted range."""
+
+
+def setting(default: Any, key: str, doc: str, check: Check | None = None) -> Any:
+    """A dataclass field with its external key, documentation and accepted range.
+
+    A schema class names the part that owns its keys in a ``PART`` class attribute; a dotted
+    key's prefix (``dgc.``, ``sim.``, ``netem.``) names it instead.
+    """
+    return dataclasses.field(default=default,
+                             metadata={"key": key, "doc": doc, "check": check or Check()})
+
+
+def fields_of(cls: type) -> list[dataclasses.Field]:
+    """The schema fields of a settings class (those declared with :func:`setting`)."""
+    return [f for f in dataclasses.fields(cls) if "key" in f.metadata]
+
+
+def coerce(key: str, value: object, kind: type) -> Any:
+    """Convert ``value`` (typed, or a ``--set`` string) to ``kind``, naming ``key`` on error."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise SettingsError(f"{key} must be a boolean (true/false), got {value!r}")
+    if kind is int or kind is float:
+        noun = "an integer" if kind is int else "a number"
+        if isinstance(value, bool):
+            raise SettingsError(f"{key} must be {noun}, got {value!r}")
+        if kind is int and isinstance(value, int):
+            return value
+        if kind is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        if kind is float and isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return kind(value.strip())
+            except ValueError:
+                pass
+        raise SettingsError(f"{key} must be {noun}, got {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise SettingsError(f"{key} must be a string, got {value!r}")
+    raise SettingsError(f"{key}: unsupported setting type {kind!r}")
+
+
+def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) -> T:
+    """Build ``cls`` from external keys; with ``strict`` an unknown key is an error."""
+    hints = get_type_hints(cls)
+    by_key = {f.metadata["key"]: f for f in fields_of(cls)}
+    if strict:
+        unknown = sorted(set(values) - set(by_key))
+        if unknown:
+            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
+                                f"{sorted(by_key)}")
+    kwargs: dict[str, Any] = {}
+    for key, f in by_key.items():
+        if key in values:
+            kwargs[f.name] = coerce(key, values[key], hints[f.name])
+    return cls(**kwargs)
+
+
+def validate(obj: object) -> None:
+    """Check every schema field of ``obj`` against its accepted range."""
+    hints = get_type_hints(type(obj))
+    for f in fields_of(type(obj)):
+        key, check = f.metadata["key"], f.metadata["check"]
+        value = getattr(obj, f.name)
+        kind = hints[f.name]
+        if kind in (int, float) and (isinstance(value, bool) or
+                                     not isinstance(value, (int, float))):
+            raise SettingsError(f"{key} must be a number, got {value!r}")
+        if kind is int and not isinstance(value, int):
+            raise SettingsError(f"{key} must be an integer, got {value!r}")
+        if not check.accepts(value):
+            raise SettingsError(f"{key} = {value!r} is outside the accepted range "
+                                f"{check.describe()}")
+
+
+def to_flat(obj: object) -> dict[str, bool | int | float | str]:
+    """External-key form of a settings object (what travels in a Flower ConfigRecord)."""
+    return {f.metadata["key"]: getattr(obj, f.name) for f in fields_of(type(obj))}
+
+
+def part_of(cls: type, key: str) -> str:
+    """The part of fedgc that owns ``key`` of schema ``cls`` (one of :data:`PARTS`)."""
+    prefix, dot, _ = key.partition(".")
+    part = prefix if dot else getattr(cls, "PART", "")
+    if part not in PARTS:
+        raise SettingsError(f"key {key!r} of {cls.__name__} names no part of {list(PARTS)}")
+    return part
+
+
+class KeyInfo(NamedTuple):
+    """One key as ``python -m simulations keys`` lists it."""
+
+    key: str
+    part: str
+    kind: str
+    default: str
+    accepted: str
+    doc: str
+
+
+def key_table(classes: Sequence[type]) -> list[KeyInfo]:
+    """Every key of the given schema classes with its part, sorted by key."""
+    rows = []
+    for cls in classes:
+        for key, kind, default, accepted, doc in describe(cls):
+            rows.append(KeyInfo(key, part_of(cls, key), kind, default, accepted, doc))
+    return sorted(rows)
+
+
+def describe(cls: type) -> list[tuple[str, str, str, str, str]]:
+    """(key, type, default, accepted range, doc) for every key of ``cls``, for docs and --help."""
+    hints = get_type_hints(cls)
+    rows = []
+    for f in fields_of(cls):
+        kind = hints[f.name]
+        accepted = f.metadata["check"].describe()
+        if kind is bool:
+            accepted = "true or false"
+        elif kind is str and accepted == "any":
+            accepted = "text"
+        rows.append((f.metadata["key"], kind.__name__, repr(f.default), accepted,
+                     f.metadata["doc"]))
+    return rows
+
+
+def _momentum() -> Check:
+    return Check(0.0, 1.0, high_open=True)
+
+
+def _dgc(name: str) -> Check:
+    """The range of DGCConfig's field ``name``: a run key that sets it accepts the same."""
+    return DGCConfig.check(name)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a client needs to train one round: data, local optimizer, compression method.
+
+    The server sends these keys in every train message (so ``run_simulation`` and ``flwr run``
+    behave the same); a client never trusts its own defaults for them.
+
+    Parameters
+    ----------
+    Every field is documented in its ``setting(...)`` declaration below; ``describe(TrainSettings)``
+    renders the table in ``docs/federation.md``.
+    """
+
+    PART = "client"
+
+    task: str = setting("mnist5k", "task", "dataset and model (tasks.get_task)", Check(
+        choices=TASKS))
+    num_clients: int = setting(100, "num_clients", "number of data partitions (= clients)",
+                               Check(1))
+    partition: str = setting("dirichlet", "partition", "how the training set is split",
+                             Check(choices=PARTITIONS))
+    alpha: float = setting(0.5, "alpha", "Dirichlet concentration (smaller = more label skew)",
+                           Check(0.0, low_open=True))
+    seed: int = setting(0, "seed", "seed of partitioning, sampling and local shuffling", Check(0))
+    method: str = setting("dgc", "method", "uplink compression: dense fp32, top-k without error "
+                          "feedback, or DGC", Check(choices=METHODS))
+    local_epochs: int = setting(2, "local_epochs", "local passes over the client's data (used "
+                                "when local_steps is 0)", Check(0))
+    local_steps: int = setting(0, "local_steps", "local SGD steps per round; 0 = use "
+                               "local_epochs; 1 = FedSGD-style rounds", Check(0))
+    batch_size: int = setting(10, "batch_size", "local minibatch size", Check(1))
+    lr: float = setting(0.1, "lr", "client SGD learning rate", Check(0.0, low_open=True))
+    client_momentum: float = setting(0.5, "client_momentum", "client SGD momentum within a "
+                                     "round (reset every round)", _momentum())
+    weight_decay: float = setting(0.0, "weight_decay", "client SGD weight decay (applied "
+                                  "locally, never sent)", Check(0.0))
+    density: float = setting(0.001, "dgc.density", "fraction of each sparsified tensor sent "
+                             "per round after warm-up (topk and dgc)", _dgc("density"))
+    dgc_momentum: float = setting(0.0, "dgc.momentum", "momentum m of DGC's momentum "
+                                  "correction on the pseudo-gradient; 0 = residual only",
+                                  _dgc("momentum"))
+    dampening: float = setting(0.0, "dgc.dampening", "u = m*u + (1 - dampening)*g; "
+                               "dampening = m keeps the step size of plain SGD", _dgc("dampening"))
+    momentum_correction: bool = setting(False, "dgc.momentum_correction", "accumulate the "
+                                        "velocity (True) or the raw pseudo-gradient (False: "
+                                        "error feedback only)")
+    nesterov: bool = setting(False, "dgc.nesterov", "Nesterov form of momentum correction")
+    momentum_masking: bool = setting(True, "dgc.momentum_masking", "zero the momentum at the "
+                                     "sent coordinates (momentum factor masking)")
+    small_density: float = setting(0.1, "dgc.small_density", "density of the sparsified "
+                                   "tensors of at most dgc.small_numel entries (an output "
+                                   "layer; topk and dgc); 0 = off, they use dgc.density",
+                                   Check(0.0, 1.0))
+    small_numel: int = setting(10_000, "dgc.small_numel", "size limit, in entries, of a tensor "
+                               "that gets dgc.small_density", Check(1))
+    warmup: str = setting("exponential", "dgc.warmup", "density warm-up schedule over the "
+                          "first rounds: 4**-(r+1) until it reaches dgc.density",
+                          Check(choices=WARMUPS))
+    warmup_rounds: int = setting(4, "dgc.warmup_rounds", "rounds the warm-up lasts (the "
+                                 "paper's warm-up epochs, counted in server rounds)",
+                                 _dgc("warmup_epochs"))
+    selection: str = setting("sampled", "dgc.selection", "top-k threshold: exact or sampled",
+                             _dgc("selection"))
+    value_dtype: str = setting("float16", "dgc.value_dtype", "precision of sent values",
+                               _dgc("value_dtype"))
+    ternary: bool = setting(False, "dgc.ternary", "send sparsified tensors' entries as "
+                            "sign * mean magnitude, one bit each on the wire (sparse ternary "
+                            "compression; not for phones)")
+    min_sparse_numel: int = setting(1024, "dgc.min_sparse_numel", "tensors smaller than this "
+                                    "(and every 1-D tensor) are sent dense",
+                                    _dgc("min_sparse_numel"))
+    clip_norm: float = setting(0.0, "dgc.clip_norm", "local gradient clipping threshold "
+                               "(scaled by clients_per_round**-0.5); 0 = off",
+                               # DGCConfig's range, plus 0 for off (clip_norm=None there).
+                               dataclasses.replace(_dgc("clip_norm"), low_open=False))
+    clients_per_round: int = setting(10, "clients_per_round", "clients whose updates are "
+                                     "aggregated per round", Check(1))
+    state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
+                             "pending update, held model); empty = <results>/<run>/client_state")
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.local_epochs == 0 and self.local_steps == 0:
+            raise SettingsError("local_epochs and local_steps are both 0: set local_epochs >= 1 "
+                                "or local_steps >= 1")
+
+    def dgc_config(self) -> DGCConfig:
+        # The run keys of DGCConfig's fields were validated against its own ranges (_dgc); the
+        # renames are the run's vocabulary: rounds are the paper's epochs, 0 turns clipping off.
+        """The compressor configuration of this method (None-like for dense: density 1)."""
+        common = dict(
+            density=self.density, selection=self.selection, value_dtype=self.value_dtype,
+            ternary=self.ternary,
+            min_sparse_numel=self.min_sparse_numel,
+            warmup="exponential" if self.warmup == "exponential" and self.warmup_rounds else "none",
+            warmup_epochs=max(self.warmup_rounds, 0),
+        )
+        if self.method == "topk":
+            # Same bytes as DGC, but nothing is remembered between rounds: the contrast case.
+            return DGCConfig(momentum=0.0, momentum_correction=False, momentum_masking=False,
+                             error_feedback=False, **common)
+        if self.method == "dgc":
+            return DGCConfig(
+                momentum=self.dgc_momentum, momentum_correction=self.momentum_correction,
+                nesterov=self.nesterov, dampening=self.dampening,
+                momentum_masking=self.momentum_masking, error_feedback=True,
+                clip_norm=self.clip_norm or None, num_workers=self.clients_per_round, **common)
+        raise SettingsError(f"method {self.method!r} has no compressor (dense sends fp32)")
+
+    def compressor(self) -> Compressor:
+        """A fresh compressor of this method: one density, or two when dgc.small_density > 0.
+
+        Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output
+        layer) get ``dgc.small_density``: at ``dgc.density`` alone they would send 2 entries per
+        update (docs/federated_momentum.md). ``topk`` uses the same split, so that it differs
+        from ``dgc`` only in keeping no residual.
+        """
+        config = self.dgc_config()
+        if self.small_density == 0.0:
+            return DGCCompressor(config)
+        return TwoDensityCompressor(config, self.small_density, small_numel=self.small_numel)
+
+
+def known_keys(classes: Sequence[type]) -> list[str]:
+    """Every external key of the given schema classes, sorted."""
+    return sorted(f.metadata["key"] for cls in classes for f in fields_of(cls))
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server, results and simulation-engine keys (the clients' keys are in TrainSettings)."""
+
+    PART = "server"
+
+    run_name: str = setting("default", "run_name", "results go to <results_dir>/<run_name>/")
+    results_dir: str = setting("results", "results_dir", "parent folder of run folders")
+    rounds: int = setting(100, "rounds", "server rounds to run (in total, when resuming)",
+                          Check(1))
+    over_selection: float = setting(1.0, "over_selection", "sample ceil(clients_per_round * "
+                                    "over_selection) clients, aggregate the first "
+                                    "clients_per_round valid replies (straggler defence)",
+                                    Check(1.0, 10.0))
+    server_lr: float = setting(1.0, "server_lr", "server learning rate: global -= server_lr "
+                               "* momentum buffer", Check(0.0, low_open=True))
+    server_momentum: float = setting(0.0, "server_momentum", "server momentum of dense and "
+                                     "topk runs (FedAvgM convention: buf = m*buf + avg); dgc "
+                                     "runs use dgc.server_momentum", Check(0.0, 1.0,
+                                                                             high_open=True))
+    shared_density: float = setting(0.03, "dgc.shared_density", "shared-index sign channel "
+                                    "(dgc only): fraction of each sparsified tensor at which "
+                                    "every client of a round sends its residual as scaled signs, "
+                                    "1 bit per entry, at indices the server picks; 0 = off",
+                                    Check(0.0, 1.0))
+    shared_small_density: float = setting(0.0, "dgc.shared_small_density", "the same for "
+                                          "tensors of at most dgc.small_numel entries; 0 = "
+                                          "dgc.shared_density", Check(0.0, 1.0))
+    shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
+                                     "of aggregates by which the server ranks shared indices",
+                                     Check(0.0, 1.0, high_open=True))
+    dgc_server_momentum: float = setting(0.5, "dgc.server_momentum", "server momentum of "
+                                         "dgc runs (replaces server_momentum there): DGC's "
+                                         "momentum applied once per round to the aggregate, "
+                                         "where it is never stale", Check(0.0, 1.0, high_open=True))
+    downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
+                            "when the client holds a recent version and the patch is smaller",
+                            Check(choices=DOWNLINKS))
+    downlink_history: int = setting(1, "downlink_history", "the most versions a patch may "
+                                    "span; a client holding an older version gets the dense "
+                                    "model (memory: one int32 per parameter, whatever the "
+                                    "value)", Check(0))
+    downlink_density: float = setting(1.0, "downlink_density", "1: clients are sent the "
+                                      "global model exactly; below 1 (topk and dgc runs): a "
+                                      "compressed broadcast, each round the server copies "
+                                      "this fraction of the matrix entries of the global "
+                                      "model, those that differ most, into the model clients "
+                                      "hold (error feedback on the server; 1-D tensors whole); "
+                                      "dense runs always get the exact model",
+                                      Check(0.0, 1.0, low_open=True))
+    downlink_values: str = setting("float16", "downlink_values", "with downlink_density < 1: "
+                                   "the grid the broadcast's matrix entries are rounded to; "
+                                   "float16 (2 bytes per patch value) or int8 (a byte or less: per "
+                                   "tensor a power-of-two step whose range is 8x its largest "
+                                   "initial entry, doubled when the model outgrows it)",
+                                   Check(choices=DOWNLINK_VALUES))
+    downlink_deltas: bool = setting(True, "downlink_deltas", "with downlink_values int8: version "
+                                    "0 is broadcast on the grid too, and a patch on the one "
+                                    "version a client is known to hold carries differences "
+                                    "(which the client adds) where those encode smaller")
+    downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
+                                        "and server momentum: the broadcast follows the global "
+                                        "model minus this fraction of the step the momentum "
+                                        "buffer already fixes (Nesterov's look-ahead), so that "
+                                        "clients lag it less; 0 = follow the global model",
+                                        Check(0.0, 1.0))
+    clients_build_initial_model: bool = setting(
+        False, "clients_build_initial_model", "clients build version 0 of the model from the "
+        "run's seed as the server does (the app ships the initial model), so a first contact "
+        "gets a patch on version 0 instead of the dense model")
+    round_timeout_s: float = setting(600.0, "round_timeout_s", "seconds to wait for train "
+                                     "replies; a later reply counts as failed (round 1 includes "
+                                     "Ray start-up)", Check(0.0, low_open=True))
+    fraction_evaluate: float = setting(0.0, "fraction_evaluate", "fraction of clients for "
+                                       "federated evaluation (centralized evaluation runs every "
+                                       "round regardless)", Check(0.0, 1.0))
+    checkpoint: bool = setting(True, "checkpoint", "write model + strategy state atomically "
+                               "after every round")
+    resume: bool = setting(False, "resume", "continue from the run folder's checkpoint")
+    overwrite: bool = setting(False, "overwrite", "replace an earlier run in the same folder "
+                              "(its checkpoint, results and client state)")
+    progress: bool = setting(True, "progress", "print one line per round")
+    engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
+                          "local: server.local_grid.LocalGrid, every client in this process "
+                          "one after another (tests, debugging)", Check(choices=ENGINES))
+    cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
+                                     "actor (fractional allowed)", Check(0.0, low_open=True))
+    num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if "/" in self.run_name or self.run_name in ("", ".", ".."):
+            raise SettingsError(f"run_name = {self.run_name!r} must be a plain folder name")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole configuration of a run: ``server`` keys and the clients' ``train`` keys.
+
+    Parameters
+    ----------
+    server : ServerSettings
+        Rounds, server optimizer, downlink, checkpointing, results and Ray resources.
+    train : TrainSettings
+        Task, partition, local training and compression; sent to every client.
+    """
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+
+    def __post_init__(self) -> None:
+        t = self.train
+        if t.clients_per_round > t.num_clients:
+            raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
+                                f"num_clients = {t.num_clients}")
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, object]) -> RunConfig:
+        """Parse flat dotted keys; an unknown key names itself and lists the known ones."""
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
+                                f"{cls.keys()}")
+        server_keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
+        return cls(
+            server=parse(ServerSettings, {k: v for k, v in values.items() if k in server_keys}),
+            train=parse(TrainSettings, {k: v for k, v in values.items() if k not in server_keys}),
+        )
+
+    @staticmethod
+    def keys() -> list[str]:
+        """Every accepted key, sorted."""
+        return known_keys([ServerSettings, TrainSettings])
+
+    def to_flat(self) -> dict[str, bool | int | float | str]:
+        """All keys with their values (what ``summary.json`` records as the run's config)."""
+        return {**to_flat(self.server), **to_flat(self.train)}
+
+    def with_overrides(self, values: Mapping[str, object]) -> RunConfig:
+        """A copy with some keys replaced (validated like :meth:`from_flat`)."""
+        return RunConfig.from_flat({**self.to_flat(), **values})
+
+    @property
+    def run_dir(self) -> Path:
+        """``<results_dir>/<run_name>``."""
+        return Path(self.server.results_dir) / self.server.run_name
+
+    @property
+    def state_dir(self) -> Path:
+        """Where clients keep their state (``state_dir`` or ``<run_dir>/client_state``)."""
+        return Path(self.train.state_dir) if self.train.state_dir else self.run_dir / "client_state"
+
+    def client_train_settings(self) -> TrainSettings:
+        """TrainSettings with ``state_dir`` resolved to an absolute path (clients run elsewhere)."""
+        return dataclasses.replace(self.train, state_dir=str(self.state_dir.resolve()))
+
+    @staticmethod
+    def describe() -> list[tuple[str, str, str, str, str]]:
+        """(key, type, default, accepted range, doc) of every key."""
+        return sorted(describe(ServerSettings) + describe(TrainSettings))
+
+
+def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"dgc": {"density": 0.01}}`` -> ``{"dgc.density": 0.01}`` (TOML tables to keys)."""
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Flat keys of a TOML scenario file; a missing or malformed file names itself."""
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            return flatten(tomllib.load(fh))
+    except FileNotFoundError as ex:
+        raise SettingsError(f"config file {p} does not exist") from ex
+    except tomllib.TOMLDecodeError as ex:
+        raise SettingsError(f"config file {p} is not valid TOML: {ex}") from ex

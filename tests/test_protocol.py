@@ -1,0 +1,54 @@
+"""fedgc.protocol: the one reply-metrics builder and patch application."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dgc
+from fedgc import protocol as P
+
+_METRICS = dict(num_examples=12, uplink_bytes=300, nnz=7, shared_entries=0, density=0.25,
+                train_loss=0.5, compute_seconds=0.1, model_version=3, client_key=4,
+                sequence=5, restored=1)
+
+
+def test_reply_metrics_are_the_contracts_keys_typed_as_sent():
+    m = P.reply_metrics(**_METRICS)
+    assert tuple(m) == P.REPLY_METRICS and P.STATE_QUARANTINED not in m
+    assert all(isinstance(m[k], float) for k in ("density", "train_loss", "compute_seconds"))
+    assert all(isinstance(v, int) for k, v in m.items()
+               if k not in ("density", "train_loss", "compute_seconds"))
+    assert P.reply_metrics(**_METRICS, state_quarantined=True)[P.STATE_QUARANTINED] == 1
+    content = P.reply_content(b"abc", m, shared_signs=b"de")
+    assert P.record_to_bytes(content.array_records[P.UPDATE]) == b"abc"
+    assert P.record_to_bytes(content.array_records[P.SHARED], P.SHARED_SIGNS) == b"de"
+    assert dict(content.metric_records[P.METRICS]) == m
+
+
+def _patch(values: dict[str, tuple[list[int], list[float], int]]) -> bytes:
+    tensors = {name: dgc.SparseTensor(torch.tensor(idx), torch.tensor(vals), (n,))
+               for name, (idx, vals, n) in values.items()}
+    return dgc.encode(dgc.SparseUpdate(tensors, 1))
+
+
+def test_a_patch_replaces_or_adds_and_leaves_the_held_model_alone():
+    held = {"a": torch.zeros(4), "b": torch.ones(3)}
+    data = _patch({"a": ([1, 3], [2.0, -1.0], 4), "b": ([0], [0.5], 3)})
+    out = P.apply_patch(held, data)
+    assert out["a"].tolist() == [0.0, 2.0, 0.0, -1.0] and out["b"].tolist() == [0.5, 1.0, 1.0]
+    added = P.apply_patch(held, data, ["b"])
+    assert added["b"].tolist() == [1.5, 1.0, 1.0]
+    assert held["a"].tolist() == [0.0] * 4 and held["b"].tolist() == [1.0] * 3
+
+
+@pytest.mark.parametrize(("values", "added", "match"), [
+    ({"c": ([0], [1.0], 2)}, [], "patch tensor 'c' does not match"),
+    ({"a": ([0], [1.0], 5)}, [], "patch tensor 'a' does not match"),
+    ({"a": ([0], [1.0], 4)}, ["b"], r"names tensors the patch lacks: \['b'\]"),
+])
+def test_a_patch_that_does_not_fit_is_a_protocol_error(values, added, match):
+    held = {"a": torch.zeros(4), "b": torch.ones(3)}
+    with pytest.raises(P.ProtocolError, match=match):
+        P.apply_patch(held, _patch(values), added)
+    assert held["a"].tolist() == [0.0] * 4

@@ -1,0 +1,88 @@
+"""fedgc.settings: one engine for every run key (netem's too); dgc.* ranges from DGCConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+from dgc import DGCConfig
+from dgc.errors import ConfigError
+from fedgc.settings import (
+    ServerSettings,
+    SettingsError,
+    TrainSettings,
+    fields_of,
+    key_table,
+    setting,
+)
+from simulations.cli import main
+from simulations.netem.settings import NetemSettings
+
+#: Run keys that set a DGCConfig field of the same range (the name on DGCConfig's side).
+DGC_FIELDS = {"dgc.density": "density", "dgc.momentum": "momentum",
+              "dgc.dampening": "dampening", "dgc.warmup_rounds": "warmup_epochs",
+              "dgc.selection": "selection", "dgc.value_dtype": "value_dtype",
+              "dgc.min_sparse_numel": "min_sparse_numel"}
+
+
+def test_keys_lists_every_key_with_its_part(capsys):
+    assert main(["keys"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0]: line.split()[1] for line in lines}
+    netem = {f.metadata["key"] for f in fields_of(NetemSettings)}
+    assert len(netem) == 17 and all(listed[k] == "netem" for k in netem)
+    assert listed["dgc.density"] == "dgc" and listed["sim.engine"] == "sim"
+    assert listed["lr"] == "client" and listed["rounds"] == "server"
+    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
+             for f in fields_of(cls)}
+    assert set(listed) == every
+
+
+def test_a_key_of_no_known_part_is_refused():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Orphan:
+        x: int = setting(1, "x", "a key no part owns")
+
+    with pytest.raises(SettingsError, match="names no part"):
+        key_table([Orphan])
+
+
+@pytest.mark.parametrize(("key", "name"), sorted(DGC_FIELDS.items()))
+def test_dgc_keys_take_their_range_from_dgc_config(key, name):
+    check = next(f.metadata["check"] for f in fields_of(TrainSettings)
+                 if f.metadata["key"] == key)
+    assert check == DGCConfig.check(name)
+
+
+def test_clip_norm_is_dgc_configs_range_plus_zero_for_off():
+    check = next(f.metadata["check"] for f in fields_of(TrainSettings)
+                 if f.metadata["key"] == "dgc.clip_norm")
+    assert check.accepts(0.0) and not DGCConfig.check("clip_norm").accepts(0.0)
+    assert TrainSettings(clip_norm=0.0).dgc_config().clip_norm is None
+    with pytest.raises(SettingsError, match=r"dgc.clip_norm = -1.0 .*\[0, inf\)"):
+        TrainSettings(clip_norm=-1.0)
+    with pytest.raises(ConfigError, match="clip_norm must be a number in \\(0, inf\\)"):
+        DGCConfig(clip_norm=0.0)
+
+
+@pytest.mark.parametrize(("values", "match"), [
+    ({"intermittent": 1.5}, r"netem.intermittent = 1.5 is outside the accepted range \[0, 1\]"),
+    ({"deadline_s": float("inf")}, r"netem.deadline_s = inf"),
+    ({"outage_policy": "drop"}, r"netem.outage_policy .*one of \['resume', 'fail'\]"),
+    ({"stale_decay": 0.0}, r"netem.stale_decay = 0.0 .*\(0, 1\]"),
+    ({"seed": "x"}, "netem.seed must be an integer, got 'x'"),
+    ({"device_mix": "midrange:0.5"}, "netem.device_mix must be fractions"),
+])
+def test_netem_values_are_settings_errors_naming_key_and_range(values, match):
+    with pytest.raises(SettingsError, match=match):
+        NetemSettings(**values)
+    with pytest.raises(SettingsError, match=match):
+        NetemSettings.from_config({f"netem.{k}": v for k, v in values.items()})
+
+
+def test_netem_strings_convert_like_every_key():
+    s = NetemSettings.from_config({"netem.enabled": "true", "netem.seed": "4",
+                                   "netem.deadline_s": "30"})
+    assert s.enabled is True and s.seed == 4 and s.deadline == 30.0
+    assert NetemSettings(seed="4") == NetemSettings(seed=4)  # type: ignore[arg-type]
