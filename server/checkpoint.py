@@ -51,3 +51,34 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise CheckpointError(f"checkpoint {path} is not a version-{CHECKPOINT_VERSION} fedgc "
                               f"checkpoint")
     return state
+
+
+#: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts of the same
+#: version are upgraded by :func:`migrate_strategy_state`).
+STRATEGY_STATE_VERSION = 1
+
+
+def migrate_strategy_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in the current layout; CheckpointError for another strategy state version.
+
+    Older checkpoints kept one ``version`` per client (-1: unknown) instead of ``versions``,
+    and past models instead of ``changed_at`` (then every entry counts as changed at the
+    checkpoint's version: patches only from then on).
+    """
+    if state.get("strategy_state_version") != STRATEGY_STATE_VERSION:
+        raise CheckpointError(f"strategy state version {state.get('strategy_state_version')}"
+                              f" is not {STRATEGY_STATE_VERSION}")
+    state = dict(state)
+    clients = {}
+    for key, info in state["clients"].items():
+        if "versions" in info:
+            versions = [int(v) for v in info["versions"]]
+        else:
+            versions = [int(info["version"])] if int(info.get("version", -1)) >= 0 else []
+        clients[key] = {"acked": int(info["acked"]), "versions": versions}
+    state["clients"] = clients
+    if "changed_at" not in state:
+        version = int(state["model_version"])
+        state["changed_at"] = {k: torch.full(tuple(v.shape), version, dtype=torch.int32)
+                               for k, v in state["model"].items()}
+    return state

@@ -112,7 +112,7 @@ def _every_client_holds_what_the_server_sent(c: RunConfig, strategy: RecordingSt
         version = int(record["model_version"])
         for name, t in strategy.sent_versions[version].items():
             assert torch.equal(record["model"][name], t), (key, version, name)
-        if version in strategy.clients[int(key)]["versions"]:
+        if version in strategy.registry.clients[int(key)].versions:
             checked += 1
     return checked
 
@@ -178,7 +178,7 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
     assert lost and all(r["status"] != "error" for r in rows)  # no patch was refused
     assert sum(r["downlink"] == "patch" for r in rows) > 0
     assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
-    assert any(len(info["versions"]) > 1 for info in strategy.clients.values())
+    assert any(len(info.versions) > 1 for info in strategy.registry.clients.values())
     state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
     # The broadcast model lags the global model (what was not sent waits on the server).
     assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])

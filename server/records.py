@@ -1,0 +1,121 @@
+"""Round records: what happened to each sampled client (``clients.csv``) and to each round
+(``rounds.csv``), and the rejection counts of the run."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class ClientRow:
+    """What happened to one sampled client in one round (one line of ``clients.csv``)."""
+
+    round: int
+    client_key: int
+    node_id: int
+    status: str  # aggregated | rejected | error | timeout | surplus (| dropped, by netem)
+    reason: str = ""
+    downlink: str = ""
+    downlink_bytes: int = 0
+    uplink_bytes: int = 0
+    nnz: int = 0
+    density: float = 0.0
+    compression_ratio: float = 0.0
+    num_examples: int = 0
+    train_loss: float = float("nan")
+    compute_seconds: float = 0.0
+    restored: int = 0
+
+
+@dataclass
+class RoundRecord:
+    """One round's totals (one line of ``rounds.csv``). Accuracy is a fraction in [0, 1]."""
+
+    round: int
+    accuracy: float = float("nan")
+    loss: float = float("nan")
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    dense_uplink_bytes: int = 0
+    dense_downlink_bytes: int = 0
+    clients_sampled: int = 0
+    clients_aggregated: int = 0
+    clients_failed: int = 0
+    clients_rejected: int = 0
+    patches_sent: int = 0
+    nnz: int = 0
+    train_loss: float = float("nan")
+    compute_seconds_max: float = 0.0
+    wall_seconds: float = 0.0
+    model_version: int = 0
+    # Filled by the network emulator (simulations.netem.strategy.NetemStrategy); 0 without it.
+    virtual_seconds: float = 0.0
+    dropped_deadline: int = 0
+    dropped_link: int = 0
+    dropped_rejected: int = 0
+
+
+def round_record(server_round: int, rows: list[ClientRow], uplink_bytes: int,
+                 dense_update_nbytes: int, dense_model_nbytes: int,
+                 model_version: int) -> RoundRecord:
+    """The totals of one round's ``rows`` (accuracy and loss are filled after evaluation).
+
+    ``dense_update_nbytes`` and ``dense_model_nbytes`` are what a dense float32 update and the
+    dense model cost: the baselines of the compression ratios.
+    """
+    aggregated = [r for r in rows if r.status == "aggregated"]
+    arrived = [r for r in rows if r.status in ("aggregated", "surplus", "rejected")]
+    weight = sum(r.num_examples for r in aggregated)
+    return RoundRecord(
+        round=server_round,
+        uplink_bytes=uplink_bytes,
+        downlink_bytes=sum(r.downlink_bytes for r in rows),
+        dense_uplink_bytes=dense_update_nbytes * len(arrived),
+        dense_downlink_bytes=dense_model_nbytes * len(rows),
+        clients_sampled=len(rows),
+        clients_aggregated=len(aggregated),
+        clients_failed=sum(r.status in ("error", "timeout", "rejected") for r in rows),
+        clients_rejected=sum(r.status == "rejected" for r in rows),
+        patches_sent=sum(r.downlink == "patch" for r in rows),
+        nnz=sum(r.nnz for r in aggregated),
+        train_loss=(sum(r.train_loss * r.num_examples for r in aggregated) / weight
+                    if weight else float("nan")),
+        compute_seconds_max=max((r.compute_seconds for r in arrived), default=0.0),
+        model_version=model_version,
+    )
+
+
+class RunRecords:
+    """The records of a run so far: finished rounds, client rows and rejection counts."""
+
+    def __init__(self) -> None:
+        self.rounds: list[RoundRecord] = []
+        self.client_rows: list[ClientRow] = []
+        # reason (up to its first colon) -> how many replies were refused for it
+        self.rejections: dict[str, int] = {}
+
+    def count_rejection(self, reason: str) -> None:
+        """Count one refused reply under ``reason``."""
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The records as plain data (the checkpoint's ``rounds``, ``client_rows``, ...)."""
+        return {"rounds": [asdict(r) for r in self.rounds],
+                "client_rows": [asdict(r) for r in self.client_rows],
+                "rejections": dict(self.rejections)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        self.rounds = [RoundRecord(**r) for r in state["rounds"]]
+        self.client_rows = [ClientRow(**r) for r in state["client_rows"]]
+        self.rejections = dict(state["rejections"])
+
+
+def train_metrics(record: RoundRecord) -> dict[str, int | float]:
+    """The round's MetricRecord entries (what Flower's ``Result`` keeps per round)."""
+    return {"uplink_bytes": record.uplink_bytes, "downlink_bytes": record.downlink_bytes,
+            "clients_aggregated": record.clients_aggregated,
+            "clients_failed": record.clients_failed, "nnz": record.nnz,
+            "train_loss": record.train_loss if math.isfinite(record.train_loss) else 0.0}
