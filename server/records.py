@@ -7,6 +7,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from server.replies import CheckedReply
+
 
 @dataclass
 class ClientRow:
@@ -55,6 +57,20 @@ class RoundRecord:
     dropped_deadline: int = 0
     dropped_link: int = 0
     dropped_rejected: int = 0
+
+
+def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int],
+               dense_update_nbytes: int) -> ClientRow:
+    """The row of a sampled client's checked reply (status "valid" until the strategy decides
+    between aggregated and surplus); ``downlink``: (kind, bytes) of what it was sent."""
+    row = ClientRow(server_round, reply.client_key, reply.node_id, reply.status, reply.reason,
+                    downlink[0], downlink[1], reply.uplink_bytes)
+    if reply.update is not None:
+        row.nnz, row.density = reply.update.nnz, reply.update.density
+        row.compression_ratio = dense_update_nbytes / reply.uplink_bytes
+        row.num_examples, row.train_loss = reply.num_examples, reply.train_loss
+        row.compute_seconds, row.restored = reply.compute_seconds, reply.restored
+    return row
 
 
 def round_record(server_round: int, rows: list[ClientRow], uplink_bytes: int,

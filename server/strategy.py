@@ -15,7 +15,6 @@ One round, each step in its own module:
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,14 +46,21 @@ from server.aggregation import SparseAverage
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
     CheckpointError,
-    load_checkpoint,
     migrate_strategy_state,
     save_checkpoint,
 )
 from server.config import RunConfig, ServerSettings
 from server.downlink import Downlink
+from server.loop import run_rounds
 from server.optimizer import ServerOptimizer
-from server.records import ClientRow, RoundRecord, RunRecords, round_record, train_metrics
+from server.records import (
+    ClientRow,
+    RoundRecord,
+    RunRecords,
+    client_row,
+    round_record,
+    train_metrics,
+)
 from server.registry import ClientRegistry, RoundOutcome
 from server.replies import CheckedReply, ReplyChecker, ReplyRejected
 
@@ -73,6 +79,17 @@ class _Round:
     masks: Masks = field(default_factory=dict)  # the shared index sets sent
     # Client key -> its train message's metadata (not the message: no model held past the round).
     sent: dict[int, Metadata] = field(default_factory=dict)
+
+    def sender(self, msg: Message, registry: ClientRegistry) -> tuple[int, int]:
+        """(client key, node id) of a reply (key -1: none of ours)."""
+        if msg.has_error():
+            # An error may come from the SuperLink itself, in place of a node it declared
+            # offline, under its own node id: the message it answers names the client.
+            wanted = msg.metadata.reply_to_message_id
+            for key, sent in self.sent.items():
+                if wanted and sent.message_id == wanted:
+                    return key, self.node_of[key]
+        return registry.key_of(msg.metadata.src_node_id), msg.metadata.src_node_id
 
 
 class DGCStrategy(FedAvg):
@@ -345,20 +362,9 @@ class DGCStrategy(FedAvg):
         aggregates (the network emulator) calls this, then :meth:`aggregate_checked`.
         """
         state = self._current(server_round)
-
-        def key_of(msg: Message) -> tuple[int, int]:
-            if msg.has_error():
-                # An error may come from the SuperLink itself, in place of a node it declared
-                # offline, under its own node id: the message it answers names the client.
-                wanted = msg.metadata.reply_to_message_id
-                for key, sent in state.sent.items():
-                    if wanted and sent.message_id == wanted:
-                        return key, state.node_of[key]
-            node = msg.metadata.src_node_id
-            return self.registry.key_of(node), node
-
-        return self.checker.check_round(server_round, replies, key_of, state.sampled,
-                                        state.masks)
+        return self.checker.check_round(server_round, replies,
+                                        lambda msg: state.sender(msg, self.registry),
+                                        state.sampled, state.masks)
 
     def aggregate_checked(self, server_round: int, checked: Iterable[CheckedReply],
                           processed: Iterable[int] = ()
@@ -381,24 +387,17 @@ class DGCStrategy(FedAvg):
                 log(WARNING, "\t> Ignored reply from node %d (client %d): not sampled in round "
                     "%d or a duplicate", node, key, server_round)
                 continue
-            kind, down = state.downlink[key]
-            row = rows[key] = ClientRow(server_round, key, node, c.status, c.reason, kind, down)
-            if c.status == "error":
-                log(INFO, "\t> Received error in reply from node %d: %s", node, c.reason)
-                continue
-            row.uplink_bytes = c.uplink_bytes
+            rows[key] = client_row(server_round, c, state.downlink[key],
+                                   self._dense_update_nbytes)
             uplink += c.uplink_bytes
-            if c.status == "rejected":
+            if c.status == "valid":
+                valid[key] = c
+            elif c.status == "rejected":
                 self.records.count_rejection(c.reason.split(":")[0])
                 log(WARNING, "\t> Rejected reply from node %d (client %d): %s", node, key,
                     c.reason)
-                continue
-            assert c.update is not None
-            row.nnz, row.density = c.update.nnz, c.update.density
-            row.compression_ratio = self._dense_update_nbytes / c.uplink_bytes
-            row.num_examples, row.train_loss = c.num_examples, c.train_loss
-            row.compute_seconds, row.restored = c.compute_seconds, c.restored
-            valid[key] = c
+            else:
+                log(INFO, "\t> Received error in reply from node %d: %s", node, c.reason)
         for key in state.sampled:
             if key not in rows:
                 kind, down = state.downlink[key]
@@ -494,68 +493,28 @@ class DGCStrategy(FedAvg):
         if self.shared_planner is not None and state.get("shared_planner") is not None:
             self.shared_planner.load_state_dict(state["shared_planner"])
 
+    def keep_round(self, record: RoundRecord) -> None:
+        """Keep a finished, evaluated round: records, checkpoint, then ``on_round``."""
+        self.rounds.append(record)
+        self.completed_rounds = record.round
+        if self.checkpoint_dir is not None:
+            save_checkpoint(self.checkpoint_dir, self.state_dict())
+        if self.on_round is not None:
+            self.on_round(record)
+
     # ------------------------------------------------------------------ the loop
     # Flower 1.42's Strategy.start always runs rounds 1..num_rounds from ``initial_arrays`` and
-    # has no hook after a round: resuming after round k and a checkpoint per round need this loop.
+    # has no hook after a round: resuming after round k and a checkpoint per round need a loop
+    # of our own (server.loop).
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
               timeout: float = 3600, train_config: ConfigRecord | None = None,
               evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
               ) -> Result:
-        """Run rounds ``completed_rounds + 1 .. num_rounds`` (Flower's loop, plus checkpoints).
+        """Run rounds ``completed_rounds + 1 .. num_rounds`` (:func:`server.loop.run_rounds`).
 
         ``evaluate_fn`` is expected to return a MetricRecord with ``accuracy`` (a fraction) and
         ``loss``; they fill :class:`RoundRecord`.
         """
-        log(INFO, "Starting %s strategy:", self.__class__.__name__)
-        self.summary()
-        train_config = ConfigRecord() if train_config is None else train_config
-        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
-        self.set_model(initial_arrays)
-        if self.resume and self.checkpoint_dir is not None:
-            saved = load_checkpoint(self.checkpoint_dir)
-            if saved is not None:
-                self.load_state_dict(saved)
-                log(INFO, "Resumed from %s after round %d", self.checkpoint_dir,
-                    self.completed_rounds)
-        result = Result()
-        for r in self.rounds:
-            result.evaluate_metrics_serverapp[r.round] = MetricRecord(
-                {"accuracy": r.accuracy, "loss": r.loss})
-        if evaluate_fn and self.completed_rounds == 0:
-            res = evaluate_fn(0, self.model_arrays())
-            if res is not None:
-                result.evaluate_metrics_serverapp[0] = res
-        for current_round in range(self.completed_rounds + 1, num_rounds + 1):
-            log(INFO, "")
-            log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
-            started = time.time()
-            replies = grid.send_and_receive(
-                messages=self.configure_train(current_round, self.model_arrays(),
-                                              train_config, grid), timeout=timeout)
-            _, train_metrics_ = self.aggregate_train(current_round, replies)
-            if train_metrics_ is not None:
-                result.train_metrics_clientapp[current_round] = train_metrics_
-            if self.fraction_evaluate > 0:
-                eval_replies = grid.send_and_receive(
-                    messages=self.configure_evaluate(current_round, self.model_arrays(),
-                                                     evaluate_config, grid), timeout=timeout)
-                agg = self.aggregate_evaluate(current_round, eval_replies)
-                if agg is not None:
-                    result.evaluate_metrics_clientapp[current_round] = agg
-            record = self.round_record
-            if evaluate_fn:
-                res = evaluate_fn(current_round, self.model_arrays())
-                if res is not None:
-                    result.evaluate_metrics_serverapp[current_round] = res
-                    record.accuracy = float(res.get("accuracy", float("nan")))  # type: ignore
-                    record.loss = float(res.get("loss", float("nan")))  # type: ignore
-            record.wall_seconds = time.time() - started
-            self.rounds.append(record)
-            self.completed_rounds = current_round
-            if self.checkpoint_dir is not None:
-                save_checkpoint(self.checkpoint_dir, self.state_dict())
-            if self.on_round is not None:
-                self.on_round(record)
-        result.arrays = self.model_arrays()
-        return result
+        return run_rounds(self, grid, initial_arrays, num_rounds, timeout, train_config,
+                          evaluate_config, evaluate_fn)
