@@ -48,6 +48,50 @@ class CheckedReply:
     restored: int = 0
 
 
+@dataclass(frozen=True)
+class ReplyNumbers:
+    """The reply metrics the server uses, checked as data."""
+
+    num_examples: int
+    train_loss: float  # NaN: not reported
+    compute_seconds: float
+    restored: int
+
+
+def _number(metrics: MetricRecord, key: str, default: float) -> float:
+    """``metrics[key]`` (``default`` when absent) as a float; ReplyRejected unless it is a
+    single int or float (a MetricRecord value may also be a list)."""
+    value = metrics.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ReplyRejected(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def reply_numbers(metrics: MetricRecord, weighted_by_key: str = "num-examples") -> ReplyNumbers:
+    """The metrics of a reply that the server reads, or ReplyRejected naming the first bad one.
+
+    ``weighted_by_key`` (the update's weight) must be a whole number >= 1: a fraction would be
+    truncated, and its update's mass lost, while the client is told it was aggregated.
+    ``restored`` (updates the client folded back) a whole number >= 0, ``compute_seconds`` a
+    finite number >= 0, ``train_loss`` a finite number or NaN (not reported). Other metrics are
+    not read.
+    """
+    weight = metrics.get(weighted_by_key)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+            or not math.isfinite(weight) or weight < 1 or weight != int(weight):
+        raise ReplyRejected(f"{weighted_by_key} must be a whole number >= 1, got {weight!r}")
+    loss = _number(metrics, "train_loss", float("nan"))
+    if math.isinf(loss):
+        raise ReplyRejected(f"train_loss must be finite (or NaN: not reported), got {loss!r}")
+    seconds = _number(metrics, "compute_seconds", 0.0)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ReplyRejected(f"compute_seconds must be a finite number >= 0, got {seconds!r}")
+    restored = _number(metrics, "restored", 0)
+    if not (math.isfinite(restored) and restored >= 0 and restored.is_integer()):
+        raise ReplyRejected(f"restored must be a whole number >= 0, got {restored!r}")
+    return ReplyNumbers(int(weight), loss, seconds, int(restored))
+
+
 def payload_nbytes(msg: Message) -> int:
     """The bytes of a reply's array records (what a rejected reply cost the uplink)."""
     return sum(P.record_nbytes(r) for r in msg.content.array_records.values())
@@ -142,21 +186,19 @@ class ReplyChecker:
         it stands in for decoding them here. The checks and their order are the same either way.
         """
         try:
-            update, metrics, nbytes, signs = self._validate(msg, server_round, masks, decoded)
+            update, numbers, nbytes, signs = self._validate(msg, server_round, masks, decoded)
         except ReplyRejected as ex:
             return CheckedReply(msg, key, node, "rejected", str(ex),
                                 uplink_bytes=payload_nbytes(msg))
-        return CheckedReply(
-            msg, key, node, "valid", uplink_bytes=nbytes, update=update, signs=signs,
-            num_examples=int(metrics[self.weighted_by_key]),  # type: ignore[arg-type]
-            train_loss=float(metrics.get("train_loss", float("nan"))),  # type: ignore
-            compute_seconds=float(metrics.get("compute_seconds", 0.0)),  # type: ignore
-            restored=int(metrics.get("restored", 0)))  # type: ignore[arg-type]
+        return CheckedReply(msg, key, node, "valid", uplink_bytes=nbytes, update=update,
+                            signs=signs, num_examples=numbers.num_examples,
+                            train_loss=numbers.train_loss,
+                            compute_seconds=numbers.compute_seconds, restored=numbers.restored)
 
     def _validate(self, msg: Message, server_round: int, masks: Masks,
                   decoded: SparseUpdate | DecodeError | None,
-                  ) -> tuple[SparseUpdate, MetricRecord, int, SparseUpdate | None]:
-        """(update, metrics, uplink bytes, signs) of a valid reply; ReplyRejected if not.
+                  ) -> tuple[SparseUpdate, ReplyNumbers, int, SparseUpdate | None]:
+        """(update, its metrics, uplink bytes, signs) of a valid reply; ReplyRejected if not.
 
         A reply to a message with shared index sets may carry the client's signs (a client
         without the channel, such as the phone encoder, sends none); they are decoded against
@@ -173,11 +215,7 @@ class ReplyChecker:
             data = P.record_to_bytes(arrays, P.UPDATE)
         except ValueError as ex:
             raise ReplyRejected(str(ex)) from ex
-        weight = metrics.get(self.weighted_by_key)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                or not math.isfinite(weight) or weight <= 0:
-            raise ReplyRejected(f"{self.weighted_by_key} must be a finite number > 0, got "
-                                f"{weight!r}")
+        numbers = reply_numbers(metrics, self.weighted_by_key)
         try:
             if isinstance(decoded, DecodeError):
                 raise decoded
@@ -217,4 +255,4 @@ class ReplyChecker:
                 raise ReplyRejected(f"shared signs sequence {signs.sequence} is not the round "
                                     f"{server_round}")
             nbytes += len(signs_data)
-        return update, metrics, nbytes, signs
+        return update, numbers, nbytes, signs

@@ -148,6 +148,28 @@ def _nan_bytes(update: SparseUpdate) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
+def _metrics_reply(msg: Message, update: SparseUpdate, **metrics) -> Message:
+    """A reply with a good update and these metrics (``num_examples`` is ``num-examples``)."""
+    values = {"num-examples": metrics.pop("num_examples", 10), "train_loss": 1.0, **metrics}
+    return _reply(msg, {P.UPDATE: P.bytes_to_record(dgc.encode(update)),
+                        P.METRICS: MetricRecord(values)})
+
+
+#: Metrics a client may send that are not data the server can use (issue 14, items 2 and 12):
+#: each must be a rejection naming the field, never an exception out of the strategy.
+BAD_METRICS = {
+    "restored inf": ({"restored": float("inf")}, "restored"),
+    "restored NaN": ({"restored": float("nan")}, "restored"),
+    "restored list": ({"restored": [1, 2]}, "restored"),
+    "restored fraction": ({"restored": 0.5}, "restored"),
+    "fractional weight": ({"num_examples": 0.5}, "num-examples"),
+    "weight list": ({"num_examples": [3, 4]}, "num-examples"),
+    "train_loss list": ({"train_loss": [1.0]}, "train_loss"),
+    "train_loss inf": ({"train_loss": float("-inf")}, "train_loss"),
+    "negative compute_seconds": ({"compute_seconds": -1.0}, "compute_seconds"),
+    "compute_seconds NaN": ({"compute_seconds": float("nan")}, "compute_seconds"),
+}
+
 TAMPERS = {
     "malformed bytes": (lambda m, u: _update_reply(m, u, data=b"\x00garbage" * 7),
                         "undecodable"),
@@ -169,6 +191,29 @@ TAMPERS = {
         P.UPDATE: ArrayRecord(_model()), P.METRICS: MetricRecord({"num-examples": 3})}),
         "byte array"),
 }
+
+
+@pytest.mark.parametrize("case", sorted(BAD_METRICS))
+def test_bad_metrics_reject_the_reply_and_keep_its_mass_with_the_client(case):
+    metrics, word = BAD_METRICS[case]
+    s, arrays, expected, _ = _one_round_with(lambda m, u: _metrics_reply(m, u, **metrics))
+    rejected = [r for r in s.client_rows if r.status == "rejected"]
+    assert len(rejected) == 1 and rejected[0].reason.startswith(word)
+    assert sum(s.rejections.values()) == 1
+    # Not acknowledged: the client folds its update back into its residual next round.
+    assert s.registry.acked(rejected[0].client_key) == -1
+    assert sorted(s.registry.acked(r.client_key) for r in s.client_rows) == [-1, 1, 1, 1]
+    got = arrays.to_torch_state_dict()
+    for k in expected:  # exactly the average of the three good updates
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_unreported_train_loss_is_accepted_as_nan():
+    """The phone bridge reports NaN for a phone that sent no loss: not a reason to reject."""
+    s, arrays, expected, _ = _one_round_with(
+        lambda m, u: _metrics_reply(m, u, train_loss=float("nan"), restored=2.0))
+    assert {r.status for r in s.client_rows} == {"aggregated"}
+    assert sorted(r.restored for r in s.client_rows) == [0, 0, 0, 2]
 
 
 @pytest.mark.parametrize("case", sorted(TAMPERS))
