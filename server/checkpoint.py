@@ -1,7 +1,14 @@
-"""Atomic checkpoints of the global model and the strategy state (write tmp + ``os.replace``)."""
+"""Checkpoints of the strategy state: sealed with a SHA-256 digest, written atomically (tmp +
+``os.replace``), and migrated from older layouts on load.
+
+File layout: :data:`MAGIC`, one format byte, the 32-byte SHA-256 digest of the payload, then the
+payload (``torch.save`` of the state). A file without the magic is an older, unsealed checkpoint
+(``torch.save`` alone) and is still read; any damage to a sealed one is refused.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tempfile
@@ -12,6 +19,10 @@ import torch
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
+#: The first bytes of a sealed checkpoint, then :data:`SEAL_FORMAT` and the digest.
+MAGIC = b"FGCK"
+SEAL_FORMAT = 1
+_HEADER = len(MAGIC) + 1 + hashlib.sha256().digest_size
 
 
 class CheckpointError(RuntimeError):
@@ -26,7 +37,7 @@ def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) ->
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", suffix=".tmp", dir=d)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save({"checkpoint_version": CHECKPOINT_VERSION, **state}, fh)
+            fh.write(seal({"checkpoint_version": CHECKPOINT_VERSION, **state}))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -36,6 +47,30 @@ def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) ->
     return path
 
 
+def seal(state: dict[str, Any]) -> bytes:
+    """The bytes of a sealed checkpoint of ``state``."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    return MAGIC + bytes([SEAL_FORMAT]) + hashlib.sha256(payload).digest() + payload
+
+
+def unseal(data: bytes, path: Path) -> bytes:
+    """The payload of a sealed checkpoint (``data`` itself for an older, unsealed one), or
+    CheckpointError naming ``path`` when the file is damaged."""
+    if not data.startswith(MAGIC):
+        return data
+    if len(data) < _HEADER or data[len(MAGIC)] != SEAL_FORMAT:
+        raise CheckpointError(f"checkpoint {path} is damaged or of an unknown format (format "
+                              f"byte {data[len(MAGIC):len(MAGIC) + 1]!r}, expected "
+                              f"{SEAL_FORMAT}); restore it or start a new run")
+    payload = data[_HEADER:]
+    if hashlib.sha256(payload).digest() != data[len(MAGIC) + 1:_HEADER]:
+        raise CheckpointError(f"checkpoint {path} is damaged (SHA-256 mismatch over "
+                              f"{len(payload)} bytes); restore it or start a new run")
+    return payload
+
+
 def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The state saved in ``directory``, or None when there is no checkpoint yet."""
     path = Path(directory) / CHECKPOINT_FILE
@@ -43,8 +78,9 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    payload = unseal(data, path)
     try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
+        state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as ex:  # torch raises several types for a damaged file
         raise CheckpointError(f"checkpoint {path} is unreadable: {ex}") from ex
     if not isinstance(state, dict) or state.get("checkpoint_version") != CHECKPOINT_VERSION:

@@ -12,6 +12,7 @@ from client import protocol as P
 from client.app import app as client_app
 from client.state import ClientStateStore
 from server.app import RunFolderError, run_server
+from server.checkpoint import load_checkpoint
 from server.config import RunConfig
 from server.local_grid import LocalGrid
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
@@ -179,7 +180,7 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
     assert sum(r["downlink"] == "patch" for r in rows) > 0
     assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
     assert any(len(info.versions) > 1 for info in strategy.registry.clients.values())
-    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
+    state = load_checkpoint(c.run_dir)
     # The broadcast model lags the global model (what was not sent waits on the server).
     assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
     assert summary["downlink_bytes"] < exact_summary["downlink_bytes"]
@@ -226,7 +227,7 @@ def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
     rows_b = list(csv.DictReader((asked.run_dir / "rounds.csv").open()))
     for col in ("accuracy", "uplink_bytes", "downlink_bytes"):
         assert [r[col] for r in rows_a] == [r[col] for r in rows_b]
-    assert torch.load(asked.run_dir / "checkpoint.pt", weights_only=True)["broadcast"] is None
+    assert load_checkpoint(asked.run_dir)["broadcast"] is None
 
 
 def test_clients_that_build_the_initial_model_get_patches_from_the_start(tmp_path):

@@ -1,0 +1,81 @@
+"""Checkpoints: sealed with a digest (a damaged one is refused, never loaded), older unsealed
+ones still read, and a resume that changes the run's configuration refused by key."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord
+
+from dgc import SparseTensor, SparseUpdate
+from server.checkpoint import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
+from server.strategy import DGCStrategy
+
+
+def _strategy() -> DGCStrategy:
+    g = torch.Generator().manual_seed(0)
+    model = OrderedDict([("fc1.weight", torch.randn(40, 30, generator=g)),
+                         ("fc1.bias", torch.randn(40, generator=g)),
+                         ("fc2.weight", torch.randn(10, 40, generator=g))])
+    s = DGCStrategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
+                    downlink_values="int8")
+    s.set_model(ArrayRecord(model))
+    for rnd in (1, 2):
+        s.apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()),
+                                               0.01 * torch.randn(v.numel(), generator=g),
+                                               tuple(v.shape)) for k, v in model.items()},
+                              rnd)], [1.0])
+    return s
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and \
+        a["model_version"] == b["model_version"]
+
+
+def test_every_single_bit_flip_of_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    state = _strategy().state_dict()
+    save_checkpoint(tmp_path, state)
+    path = tmp_path / CHECKPOINT_FILE
+    good = path.read_bytes()
+    assert _same_state(load_checkpoint(tmp_path), {"checkpoint_version": 1, **state})
+    rng = random.Random(7)
+    # The header (magic, format byte, digest) and the payload, 200 flips in all.
+    bits = rng.sample(range(37 * 8), 40) + rng.sample(range(37 * 8, len(good) * 8), 160)
+    refused = 0
+    for bit in bits:
+        damaged = bytearray(good)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError, match=str(path)):
+            load_checkpoint(tmp_path)
+        refused += 1
+    assert refused == 200
+    path.write_bytes(good[:-1])  # a torn file
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_unsealed_checkpoint_of_an_earlier_version_still_loads(tmp_path: Path) -> None:
+    s = _strategy()
+    torch.save({"checkpoint_version": CHECKPOINT_VERSION, **s.state_dict()},
+               tmp_path / CHECKPOINT_FILE)
+    again = DGCStrategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
+                        downlink_values="int8")
+    again.set_model(ArrayRecord(OrderedDict((k, torch.zeros_like(v))
+                                            for k, v in s.model.items())))
+    again.load_state_dict(load_checkpoint(tmp_path))
+    assert again.model_version == 2
+    assert all(torch.equal(again.sent_model[k], s.sent_model[k]) for k in s.model)
+    assert all(torch.equal(again.optimizer.buffer[k], s.optimizer.buffer[k]) for k in s.model)
