@@ -12,6 +12,7 @@ import hashlib
 import io
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,32 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise CheckpointError(f"checkpoint {path} is not a version-{CHECKPOINT_VERSION} fedgc "
                               f"checkpoint")
     return state
+
+
+#: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
+#: what it computes. Every other key must be the checkpoint's (``check_run_config``).
+RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "round_timeout_s",
+                            "fraction_evaluate", "results_dir", "run_name", "sim.engine",
+                            "sim.cpus_per_client", "sim.num_cpus"})
+
+
+def check_run_config(written: Mapping[str, object] | None,
+                     current: Mapping[str, object] | None) -> None:
+    """CheckpointError naming every key outside :data:`RESUMABLE_KEYS` whose value differs
+    between the checkpointed run (``written``) and the resuming one (``current``).
+
+    Keys only one side knows (added or retired between fedgc versions) are not compared; a
+    checkpoint of a version that stored no configuration is not checked.
+    """
+    if written is None or current is None:
+        return
+    changed = sorted(k for k in set(written) & set(current) - RESUMABLE_KEYS
+                     if written[k] != current[k])
+    if changed:
+        what = ", ".join(f"{k} = {written[k]!r} (now {current[k]!r})" for k in changed)
+        raise CheckpointError(f"the checkpoint was written by a run with {what}; resume it with "
+                              f"the same values (only {sorted(RESUMABLE_KEYS)} may change) or "
+                              f"start a new run")
 
 
 #: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts of the same

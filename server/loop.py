@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from logging import INFO
+from logging import INFO, WARNING
 from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
@@ -13,7 +13,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
-from server.checkpoint import load_checkpoint
+from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
 
 if TYPE_CHECKING:
     from server.strategy import DGCStrategy
@@ -36,12 +36,21 @@ def run_rounds(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
     train_config = ConfigRecord() if train_config is None else train_config
     evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
     strategy.set_model(initial_arrays)
-    if strategy.resume and strategy.checkpoint_dir is not None:
+    if strategy.resume:
+        # A resume that found nothing would run from round 1 over the clients' old residuals.
+        if strategy.checkpoint_dir is None:
+            raise CheckpointError("resume=true needs checkpoints (checkpoint=true): there is "
+                                  "nothing to resume from")
         saved = load_checkpoint(strategy.checkpoint_dir)
-        if saved is not None:
-            strategy.load_state_dict(saved)
-            log(INFO, "Resumed from %s after round %d", strategy.checkpoint_dir,
-                strategy.completed_rounds)
+        if saved is None:
+            raise CheckpointError(f"resume=true, but {strategy.checkpoint_dir} holds no "
+                                  f"{CHECKPOINT_FILE}; run without resume to start a new run")
+        if saved.get("run_config") is None:
+            log(WARNING, "The checkpoint in %s stores no run configuration (an earlier fedgc): "
+                "resuming without checking it", strategy.checkpoint_dir)
+        strategy.load_state_dict(saved)
+        log(INFO, "Resumed from %s after round %d", strategy.checkpoint_dir,
+            strategy.completed_rounds)
     result = Result()
     for r in strategy.rounds:
         result.evaluate_metrics_serverapp[r.round] = MetricRecord(

@@ -46,6 +46,7 @@ from server.aggregation import SparseAverage
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
     CheckpointError,
+    check_run_config,
     migrate_strategy_state,
     save_checkpoint,
 )
@@ -134,7 +135,11 @@ class DGCStrategy(FedAvg):
     checkpoint_dir : str or Path, optional (default: None)
         Where to write ``checkpoint.pt`` after every round. None: no checkpoints.
     resume : bool (default: False)
-        Continue from ``checkpoint_dir``'s checkpoint in :meth:`start`, if there is one.
+        Continue from ``checkpoint_dir``'s checkpoint in :meth:`start` (an error without one).
+    run_config : mapping, optional (default: None)
+        The run's configuration keys (``RunConfig.to_flat()``), kept with every checkpoint: a
+        resume that changes one that matters is refused, naming it
+        (:func:`server.checkpoint.check_run_config`).
     on_round : callable, optional (default: None)
         Called with each finished :class:`RoundRecord` (progress display, results files).
     probe_timeout : float (default: 120.0)
@@ -159,7 +164,8 @@ class DGCStrategy(FedAvg):
                  min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
                  weighted_by_key: str = "num-examples", shared_density: float = 0.0,
                  shared_small_density: float = 0.0, shared_small_numel: int = 10_000,
-                 shared_momentum: float = 0.9, min_sparse_numel: int = 1024) -> None:
+                 shared_momentum: float = 0.9, min_sparse_numel: int = 1024,
+                 run_config: Mapping[str, bool | int | float | str] | None = None) -> None:
         super().__init__(fraction_train=1.0, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=clients_per_round, min_evaluate_nodes=min_evaluate_nodes,
                          min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
@@ -178,6 +184,7 @@ class DGCStrategy(FedAvg):
         self.downlink_lookahead = float(downlink_lookahead)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.resume, self.on_round, self.probe_timeout = resume, on_round, probe_timeout
+        self.run_config = None if run_config is None else dict(run_config)
         self.shared = (float(shared_density), shared_small_density, shared_small_numel,
                        shared_momentum, min_sparse_numel)
         self.registry = ClientRegistry(seed, [0] if clients_build_initial_model else [])
@@ -219,7 +226,8 @@ class DGCStrategy(FedAvg):
             # The sign channel needs a residual to send from: DGC only.
             shared_density=s.shared_density if t.method == "dgc" else 0.0,
             shared_small_density=s.shared_small_density, shared_small_numel=t.small_numel,
-            shared_momentum=s.shared_momentum, min_sparse_numel=t.min_sparse_numel)
+            shared_momentum=s.shared_momentum, min_sparse_numel=t.min_sparse_numel,
+            run_config=config.to_flat())
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
@@ -468,16 +476,18 @@ class DGCStrategy(FedAvg):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the run: model, optimizer, clients, records."""
         return {"strategy_state_version": STRATEGY_STATE_VERSION,
-                "completed_rounds": self.completed_rounds, **self.downlink.state_dict(),
+                "completed_rounds": self.completed_rounds, "run_config": self.run_config,
+                **self.downlink.state_dict(),
                 **self.optimizer.state_dict(), **self.registry.state_dict(),
                 **self.records.state_dict(),
                 "shared_planner": (None if self.shared_planner is None
                                    else self.shared_planner.state_dict())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; a refused state (another model, another
+        """Continue from :meth:`state_dict`; a refused state (another configuration, model or
         downlink) raises CheckpointError and changes nothing."""
         state = migrate_strategy_state(dict(state))
+        check_run_config(state.get("run_config"), self.run_config)
         if self.model is not None:
             theirs = {k: tuple(v.shape) for k, v in state["model"].items()}
             if self.shapes != theirs:

@@ -15,7 +15,9 @@ from dgc import SparseTensor, SparseUpdate
 from server.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_VERSION,
+    RESUMABLE_KEYS,
     CheckpointError,
+    check_run_config,
     load_checkpoint,
     save_checkpoint,
 )
@@ -79,3 +81,24 @@ def test_an_unsealed_checkpoint_of_an_earlier_version_still_loads(tmp_path: Path
     assert again.model_version == 2
     assert all(torch.equal(again.sent_model[k], s.sent_model[k]) for k in s.model)
     assert all(torch.equal(again.optimizer.buffer[k], s.optimizer.buffer[k]) for k in s.model)
+
+
+def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed() -> None:
+    from server.config import RunConfig
+
+    written = RunConfig.from_flat({"rounds": 5, "seed": 2}).to_flat()
+    assert RESUMABLE_KEYS <= set(written)  # every exempt key is a real key
+    check_run_config(written, {**written, "rounds": 9, "progress": False, "run_name": "moved"})
+    check_run_config(written, {**written, "a.key.from.a.later.version": 1})
+    check_run_config(None, written)  # a checkpoint of an earlier fedgc: nothing to compare
+    with pytest.raises(CheckpointError, match=r"dgc.density = 0.001 \(now 0.02\), seed = 2 "
+                                              r"\(now 3\)"):
+        check_run_config(written, {**written, "seed": 3, "dgc.density": 0.02})
+    s = _strategy()
+    s.run_config = written
+    state = s.state_dict()
+    other = _strategy()
+    other.run_config = {**written, "lr": 0.5}
+    with pytest.raises(CheckpointError, match="lr = "):
+        other.load_state_dict(state)
+    assert other.model_version == 2 and other.registry.clients == {}  # refused: unchanged

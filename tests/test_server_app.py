@@ -12,7 +12,7 @@ from client import protocol as P
 from client.app import app as client_app
 from client.state import ClientStateStore
 from server.app import RunFolderError, run_server
-from server.checkpoint import load_checkpoint
+from server.checkpoint import CheckpointError, load_checkpoint
 from server.config import RunConfig
 from server.local_grid import LocalGrid
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
@@ -35,6 +35,14 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     run_server(LocalGrid(client_app, 6, seed=1), whole)
     part = _config(tmp_path, run_name="part", rounds=2)
     run_server(LocalGrid(client_app, 6, seed=2), part)
+    written = (part.run_dir / "rounds.csv").read_text()
+    # A resume that changes what the run computes is refused, naming the key, and changes
+    # nothing on disk (issue 14, item 6).
+    for key, value in (("seed", 1), ("dgc.density", 0.02), ("num_clients", 5), ("lr", 0.2)):
+        changed = _config(tmp_path, run_name="part", rounds=5, resume=True, **{key: value})
+        with pytest.raises(CheckpointError, match=f"{key} = "):
+            run_server(LocalGrid(client_app, 6, seed=3), changed)
+        assert (part.run_dir / "rounds.csv").read_text() == written
     # A new process would see new node ids: a grid with another seed stands for it.
     resumed = _config(tmp_path, run_name="part", rounds=5, resume=True)
     summary = run_server(LocalGrid(client_app, 6, seed=3), resumed)
@@ -46,6 +54,14 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     assert [r["accuracy"] for r in rows_a] == [r["accuracy"] for r in rows_b]
     assert [r["uplink_bytes"] for r in rows_a] == [r["uplink_bytes"] for r in rows_b]
     assert summary["rounds"] == 5
+
+
+def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    for extra in ({}, {"checkpoint": False}):
+        c = _config(tmp_path, run_name="nothing", rounds=2, resume=True, **extra)
+        with pytest.raises(CheckpointError, match="resume=true"):
+            run_server(LocalGrid(client_app, 6), c)
+        assert not (c.run_dir / "rounds.csv").exists()
 
 
 def test_run_folder_is_not_clobbered(tmp_path):
