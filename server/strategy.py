@@ -51,6 +51,7 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.config import RunConfig, ServerSettings
+from server.defences import Bounds
 from server.downlink import Downlink
 from server.loop import run_rounds
 from server.optimizer import ServerOptimizer
@@ -136,6 +137,9 @@ class DGCStrategy(FedAvg):
         Where to write ``checkpoint.pt`` after every round. None: no checkpoints.
     resume : bool (default: False)
         Continue from ``checkpoint_dir``'s checkpoint in :meth:`start` (an error without one).
+    max_weight_ratio, max_norm_ratio : float (default: 4.0, 10.0)
+        A client's weight is capped at, and its update clipped to, this times the round's
+        median (:class:`server.defences.Bounds`; 0 turns a bound off).
     run_config : mapping, optional (default: None)
         The run's configuration keys (``RunConfig.to_flat()``), kept with every checkpoint: a
         resume that changes one that matters is refused, naming it
@@ -165,6 +169,7 @@ class DGCStrategy(FedAvg):
                  weighted_by_key: str = "num-examples", shared_density: float = 0.0,
                  shared_small_density: float = 0.0, shared_small_numel: int = 10_000,
                  shared_momentum: float = 0.9, min_sparse_numel: int = 1024,
+                 max_weight_ratio: float = 4.0, max_norm_ratio: float = 10.0,
                  run_config: Mapping[str, bool | int | float | str] | None = None) -> None:
         super().__init__(fraction_train=1.0, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=clients_per_round, min_evaluate_nodes=min_evaluate_nodes,
@@ -192,6 +197,7 @@ class DGCStrategy(FedAvg):
                                  downlink_deltas)
         self.optimizer = ServerOptimizer(server_learning_rate, server_momentum)
         self.checker = ReplyChecker(weighted_by_key)
+        self.bounds = Bounds(max_weight_ratio, max_norm_ratio)
         self.records = RunRecords()
         self.shared_planner: SharedIndexPlanner | None = None
         self.completed_rounds = 0
@@ -416,7 +422,8 @@ class DGCStrategy(FedAvg):
         chosen = [k for k in state.sampled if k in valid][: self.clients_per_round]
         for k in valid:
             rows[k].status = "aggregated" if k in chosen else "surplus"
-        applied = bool(chosen) and self._aggregate(server_round, [valid[k] for k in chosen])
+        applied = bool(chosen) and self._aggregate(server_round, [valid[k] for k in chosen],
+                                                   list(valid.values()), rows)
         if chosen and not applied:
             for k in chosen:
                 rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
@@ -438,15 +445,21 @@ class DGCStrategy(FedAvg):
         """Extension point: amend the round's record and client rows before they are kept
         (the network emulator marks its drops and virtual time). Does nothing here."""
 
-    def _aggregate(self, server_round: int, chosen: list[CheckedReply]) -> bool:
-        """Apply the weighted average of ``chosen`` (and their signs); whether it was finite."""
+    def _aggregate(self, server_round: int, chosen: list[CheckedReply],
+                   valid: list[CheckedReply], rows: Mapping[int, ClientRow]) -> bool:
+        """Apply the weighted average of ``chosen`` (and their signs) within the bounds, noting
+        a bounded client in its row; whether it was finite."""
         chosen = sorted(chosen, key=lambda c: c.client_key)  # a fixed order: a reproducible sum
+        weights, factors, notes = self.bounds.apply(chosen, valid)
+        for key, note in notes.items():
+            rows[key].reason = note
+            log(WARNING, "\t> Client %d: %s", key, note)
         # A client's signs (dgc.shared) are one more sparse update with its weight.
-        signed = [c for c in chosen if c.signs is not None]
+        signed = [i for i, c in enumerate(chosen) if c.signs is not None]
+        scaled = [w * f for w, f in zip(weights, factors, strict=True)]
         try:
-            return self.apply([c.update for c in chosen] + [c.signs for c in signed],
-                              [float(c.num_examples) for c in chosen + signed],
-                              total_weight=sum(float(c.num_examples) for c in chosen))
+            return self.apply([c.update for c in chosen] + [chosen[i].signs for i in signed],
+                              scaled + [scaled[i] for i in signed], total_weight=sum(weights))
         except dgc.AggregationError as ex:
             log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s", server_round, ex)
             return False

@@ -106,10 +106,10 @@ def test_density_one_equals_flower_fedavg(server_lr, server_momentum):
     assert all(r.status == "aggregated" for r in ours.client_rows)
 
 
-def _one_round_with(tamper):
+def _one_round_with(tamper, **kw):
     """Round 1 with three good updates and one tampered; returns strategy and the good average."""
     init = _model()
-    s, grid = _strategy(downlink="dense")
+    s, grid = _strategy(downlink="dense", **kw)
     msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
     config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
     good, replies = [], []
@@ -349,12 +349,85 @@ def test_state_dict_round_trip_and_mismatch():
     assert math.isclose(float(wrong.model["w"].sum()), 0.0)
 
 
+# ---------------------------------------------------------------- bounds (issue 14, item 4)
+def _hostile_round(tamper, **kw):
+    """Round 1 with three good replies (weight 10) and one tampered, and the updates sent."""
+    init = _model()
+    s, grid = _strategy(downlink="dense", **kw)
+    msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
+    config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
+    updates, replies = [], []
+    for i, m in enumerate(msgs):
+        g = torch.Generator().manual_seed(i)
+        update = DGCCompressor(config).compress(
+            {n: torch.randn(v.shape, generator=g) for n, v in init.items()}, sequence=1)
+        replies.append(tamper(m, update) if i == 0 else _update_reply(m, update))
+        updates.append(update)
+    before = copy_model(s.model)
+    arrays = s.aggregate_train(1, replies)[0].to_torch_state_dict()
+    return s, arrays, before, updates
+
+
+def _moved(arrays, before) -> float:
+    return math.sqrt(sum(float((arrays[k] - before[k]).double().square().sum()) for k in before))
+
+
+def test_a_claim_of_a_trillion_examples_is_capped_at_four_times_the_median():
+    s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e12))
+    hostile = [r for r in s.client_rows if r.num_examples == 10**12]
+    assert len(hostile) == 1 and hostile[0].status == "aggregated"
+    assert hostile[0].reason == "weight 1000000000000 capped at 40"
+    weights = [40.0, 10.0, 10.0, 10.0]
+    keys = sorted(r.client_key for r in s.client_rows)
+    order = {r.client_key: i for i, r in enumerate(s.client_rows)}
+    avg = dgc.aggregate([updates[order[k]] for k in keys], [weights[order[k]] for k in keys],
+                        {k: v.shape for k, v in before.items()})
+    for k in before:
+        torch.testing.assert_close(arrays[k], before[k] - avg[k], rtol=0, atol=1e-6)
+
+
+def test_huge_values_are_clipped_to_ten_times_the_median_norm():
+    from server.defences import update_norm
+
+    def huge(m, u):
+        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30, t.shape)
+                                              for n, t in u.tensors.items()}, u.sequence))
+
+    s, arrays, before, updates = _hostile_round(huge)
+    norms = sorted(update_norm(u) for u in updates[1:])
+    bound = 10 * norms[1]  # the median of the four is between the good ones' two largest
+    # The three good updates (weight 10 each) and the hostile one at most at the bound.
+    assert _moved(arrays, before) <= 1.001 * (bound + sum(norms)) * 10 / 40
+    clipped = [r for r in s.client_rows if r.reason.startswith("update norm")]
+    assert len(clipped) == 1 and "clipped to" in clipped[0].reason
+    assert clipped[0].status == "aggregated"
+
+
+def test_a_sign_scale_of_3e38_is_clipped_with_its_update():
+    s, parts, before = _shared_rounds(scale_signs=3e38)
+    rows = [r for r in s.client_rows if r.round == 2]
+    assert [r.reason.startswith("update norm") for r in sorted(rows, key=lambda r: r.client_key)
+            ] == [True, False, False, False]
+    assert all(r.status == "aggregated" for r in rows)  # not a non-finite aggregate thrown away
+    moved = math.sqrt(sum(float((s.model[k] - before[k]).double().square().sum())
+                          for k in before))
+    assert math.isfinite(moved) and moved < 100
+
+
+def test_bounds_off_aggregate_the_claims_as_sent():
+    s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e3),
+                                                max_weight_ratio=0, max_norm_ratio=0)
+    assert all(r.reason == "" for r in s.client_rows)
+    assert _moved(arrays, before) > 0.5 * _moved(
+        {k: before[k] - updates[0].to_dense()[k] for k in before}, before)
+
+
 # ---------------------------------------------------------------- the shared sign channel
 
-def _shared_rounds(tamper_signs=None):
+def _shared_rounds(tamper_signs=None, scale_signs=None):
     """Round 1 plain, round 2 with index sets; returns the strategy, round-2 replies' parts
     and the model before round 2. ``tamper_signs(data) -> bytes | None`` alters client 0's
-    signs (None: it sends none)."""
+    signs (None: it sends none); client 0 sends its signs at scale ``scale_signs``."""
     init = _model()
     s, grid = _strategy(downlink="dense", shared_density=0.1, min_sparse_numel=100)
     config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
@@ -382,6 +455,10 @@ def _shared_rounds(tamper_signs=None):
             signs = None
             if masks is not None:
                 signs = take_signs(compressors[k].residual(), masks, rnd)
+                if k == 0 and scale_signs is not None:
+                    signs = SparseUpdate({n: SparseTensor(t.indices, torch.sign(t.values)
+                                                          * scale_signs, t.shape)
+                                          for n, t in signs.tensors.items()}, signs.sequence)
                 signs_data = encode_signs(signs)
                 if k == 0 and tamper_signs is not None:
                     signs_data = tamper_signs(signs_data)
