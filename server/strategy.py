@@ -42,7 +42,7 @@ from client.settings import TrainSettings
 from dgc import SparseUpdate
 from dgc.shared import Masks, SharedIndexPlanner, encode_mask
 from dgc.wire import encoded_size
-from server.aggregation import SparseAverage
+from server.aggregation import ROBUST, SparseAverage, robust_average
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
     CheckpointError,
@@ -140,6 +140,13 @@ class DGCStrategy(FedAvg):
     max_weight_ratio, max_norm_ratio : float (default: 4.0, 10.0)
         A client's weight is capped at, and its update clipped to, this times the round's
         median (:class:`server.defences.Bounds`; 0 turns a bound off).
+    aggregation : {"mean", "trimmed_mean", "median"} (default: "mean")
+        "mean": the weighted mean (FedAvg). The others, for users who want them: the
+        coordinate-wise trimmed mean (``trim_fraction`` of the clients cut at each end) or
+        median, unweighted (:func:`server.aggregation.robust_average`). A sparse update's
+        unsent entries count as zeros, so at low density these move the model far less.
+    trim_fraction : float (default: 0.1)
+        The fraction of a round's clients the trimmed mean cuts at each end, in [0, 0.5).
     run_config : mapping, optional (default: None)
         The run's configuration keys (``RunConfig.to_flat()``), kept with every checkpoint: a
         resume that changes one that matters is refused, naming it
@@ -170,6 +177,7 @@ class DGCStrategy(FedAvg):
                  shared_small_density: float = 0.0, shared_small_numel: int = 10_000,
                  shared_momentum: float = 0.9, min_sparse_numel: int = 1024,
                  max_weight_ratio: float = 4.0, max_norm_ratio: float = 10.0,
+                 aggregation: str = "mean", trim_fraction: float = 0.1,
                  run_config: Mapping[str, bool | int | float | str] | None = None) -> None:
         super().__init__(fraction_train=1.0, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=clients_per_round, min_evaluate_nodes=min_evaluate_nodes,
@@ -198,6 +206,13 @@ class DGCStrategy(FedAvg):
         self.optimizer = ServerOptimizer(server_learning_rate, server_momentum)
         self.checker = ReplyChecker(weighted_by_key)
         self.bounds = Bounds(max_weight_ratio, max_norm_ratio)
+        # Not run config keys yet: checked here until the settings engine has them.
+        if aggregation not in ("mean", *ROBUST):
+            raise ValueError(f"aggregation must be one of {('mean', *ROBUST)}, got "
+                             f"{aggregation!r}")
+        if not (isinstance(trim_fraction, (int, float)) and 0 <= trim_fraction < 0.5):
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
+        self.aggregation, self.trim_fraction = aggregation, float(trim_fraction)
         self.records = RunRecords()
         self.shared_planner: SharedIndexPlanner | None = None
         self.completed_rounds = 0
@@ -308,9 +323,13 @@ class DGCStrategy(FedAvg):
               total_weight: float | None = None) -> bool:
         """One server step on the weighted average of ``updates`` (divided by ``total_weight``,
         default the sum of ``weights``); False, the model unchanged, if it is not finite."""
-        assert self.model is not None
         total = float(sum(weights)) if total_weight is None else float(total_weight)
-        avg = self._average(updates, weights, total, self.shapes)
+        return self.step(self._average(updates, weights, total, self.shapes))
+
+    def step(self, avg: Mapping[str, torch.Tensor]) -> bool:
+        """One server step on the round's aggregate ``avg``; False, the model unchanged, if it
+        is not finite."""
+        assert self.model is not None
         new = self.optimizer.step(self.model, avg)
         if new is None:
             return False
@@ -457,6 +476,10 @@ class DGCStrategy(FedAvg):
         # A client's signs (dgc.shared) are one more sparse update with its weight.
         signed = [i for i, c in enumerate(chosen) if c.signs is not None]
         scaled = [w * f for w, f in zip(weights, factors, strict=True)]
+        if self.aggregation in ROBUST:
+            return self.step(robust_average(
+                [[c.update] + ([c.signs] if c.signs is not None else []) for c in chosen],
+                factors, self.aggregation, self.trim_fraction, self.shapes))
         try:
             return self.apply([c.update for c in chosen] + [chosen[i].signs for i in signed],
                               scaled + [scaled[i] for i in signed], total_weight=sum(weights))

@@ -414,6 +414,20 @@ def test_a_sign_scale_of_3e38_is_clipped_with_its_update():
     assert math.isfinite(moved) and moved < 100
 
 
+@pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
+def test_robust_aggregation_runs_in_the_strategy(aggregation):
+    def hostile(m, u):
+        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30,
+                                                              t.shape)
+                                              for n, t in u.tensors.items()}, 1), weight=1e12)
+
+    s, arrays, before, updates = _hostile_round(hostile, aggregation=aggregation,
+                                                trim_fraction=0.25, max_norm_ratio=0)
+    assert all(r.status == "aggregated" for r in s.client_rows)
+    assert _moved(arrays, before) < max(_moved({k: before[k] - u.to_dense()[k] for k in before},
+                                               before) for u in updates[1:])
+
+
 def test_bounds_off_aggregate_the_claims_as_sent():
     s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e3),
                                                 max_weight_ratio=0, max_norm_ratio=0)
