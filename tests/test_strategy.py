@@ -107,26 +107,24 @@ def test_density_one_equals_flower_fedavg(server_lr, server_momentum):
 
 
 def _one_round_with(tamper, **kw):
-    """Round 1 with three good updates and one tampered; returns strategy and the good average."""
+    """Round 1 with three good updates (weight 10) and one tampered; returns the strategy, the
+    aggregate, the model that averaging the good ones gives, the model before and the updates
+    (the tampered one's as sent to ``tamper``)."""
     init = _model()
     s, grid = _strategy(downlink="dense", **kw)
     msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
     config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
-    good, replies = [], []
+    updates, replies = [], []
     for i, m in enumerate(msgs):
         g = torch.Generator().manual_seed(i)
         delta = {n: torch.randn(v.shape, generator=g) for n, v in init.items()}
-        update = DGCCompressor(config).compress(delta, sequence=1)
-        if i == 0:
-            replies.append(tamper(m, update))
-        else:
-            good.append(update)
-            replies.append(_update_reply(m, update))
+        updates.append(DGCCompressor(config).compress(delta, sequence=1))
+        replies.append(tamper(m, updates[i]) if i == 0 else _update_reply(m, updates[i]))
     before = OrderedDict((k, v.clone()) for k, v in s.model.items())
     arrays, _ = s.aggregate_train(1, replies)
-    avg = dgc.aggregate(good, [10.0] * len(good), {k: v.shape for k, v in init.items()})
+    avg = dgc.aggregate(updates[1:], [10.0] * 3, {k: v.shape for k, v in init.items()})
     expected = {k: before[k] - avg[k] for k in before}
-    return s, arrays, expected, before
+    return s, arrays, expected, before, updates
 
 
 def _with_tensor(update: SparseUpdate, name: str, t: SparseTensor) -> SparseUpdate:
@@ -196,7 +194,7 @@ TAMPERS = {
 @pytest.mark.parametrize("case", sorted(BAD_METRICS))
 def test_bad_metrics_reject_the_reply_and_keep_its_mass_with_the_client(case):
     metrics, word = BAD_METRICS[case]
-    s, arrays, expected, _ = _one_round_with(lambda m, u: _metrics_reply(m, u, **metrics))
+    s, arrays, expected, _, _ = _one_round_with(lambda m, u: _metrics_reply(m, u, **metrics))
     rejected = [r for r in s.client_rows if r.status == "rejected"]
     assert len(rejected) == 1 and rejected[0].reason.startswith(word)
     assert sum(s.rejections.values()) == 1
@@ -210,7 +208,7 @@ def test_bad_metrics_reject_the_reply_and_keep_its_mass_with_the_client(case):
 
 def test_unreported_train_loss_is_accepted_as_nan():
     """The phone bridge reports NaN for a phone that sent no loss: not a reason to reject."""
-    s, arrays, expected, _ = _one_round_with(
+    s, arrays, expected, _, _ = _one_round_with(
         lambda m, u: _metrics_reply(m, u, train_loss=float("nan"), restored=2.0))
     assert {r.status for r in s.client_rows} == {"aggregated"}
     assert sorted(r.restored for r in s.client_rows) == [0, 0, 0, 2]
@@ -219,7 +217,7 @@ def test_unreported_train_loss_is_accepted_as_nan():
 @pytest.mark.parametrize("case", sorted(TAMPERS))
 def test_bad_reply_is_rejected_with_reason_and_never_touches_the_model(case):
     tamper, word = TAMPERS[case]
-    s, arrays, expected, _ = _one_round_with(tamper)
+    s, arrays, expected, _, _ = _one_round_with(tamper)
     rows = {r.status for r in s.client_rows}
     rejected = [r for r in s.client_rows if r.status == "rejected"]
     assert len(rejected) == 1 and rows == {"rejected", "aggregated"}
@@ -351,21 +349,9 @@ def test_state_dict_round_trip_and_mismatch():
 
 # ---------------------------------------------------------------- bounds (issue 14, item 4)
 def _hostile_round(tamper, **kw):
-    """Round 1 with three good replies (weight 10) and one tampered, and the updates sent."""
-    init = _model()
-    s, grid = _strategy(downlink="dense", **kw)
-    msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
-    config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
-    updates, replies = [], []
-    for i, m in enumerate(msgs):
-        g = torch.Generator().manual_seed(i)
-        update = DGCCompressor(config).compress(
-            {n: torch.randn(v.shape, generator=g) for n, v in init.items()}, sequence=1)
-        replies.append(tamper(m, update) if i == 0 else _update_reply(m, update))
-        updates.append(update)
-    before = copy_model(s.model)
-    arrays = s.aggregate_train(1, replies)[0].to_torch_state_dict()
-    return s, arrays, before, updates
+    """:func:`_one_round_with`'s round: strategy, new model, model before, the four updates."""
+    s, arrays, _, before, updates = _one_round_with(tamper, **kw)
+    return s, arrays.to_torch_state_dict(), before, updates
 
 
 def _moved(arrays, before) -> float:
@@ -736,12 +722,12 @@ def test_downlink_density_must_be_in_zero_one(bad):
 @pytest.mark.parametrize("case", sorted(TAMPERS))
 def test_decoding_the_round_at_once_rejects_and_aggregates_as_one_by_one(case, monkeypatch):
     tamper, _ = TAMPERS[case]
-    s, arrays, _, _ = _one_round_with(tamper)
+    s, arrays, _, _, _ = _one_round_with(tamper)
     assert arrays is not None
     batched = [(r.status, r.reason) for r in s.client_rows]
     # Without the pre-pass, validate_reply decodes each reply itself.
     monkeypatch.setattr(ReplyChecker, "_decode", lambda self, replies: {})
-    s1, arrays1, _, _ = _one_round_with(tamper)
+    s1, arrays1, _, _, _ = _one_round_with(tamper)
     assert [(r.status, r.reason) for r in s1.client_rows] == batched
     assert s1.rejections == s.rejections
     got, want = arrays.to_torch_state_dict(), arrays1.to_torch_state_dict()
