@@ -11,6 +11,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
+import dgc
 from dgc import SparseTensor, SparseUpdate
 from server.checkpoint import (
     CHECKPOINT_FILE,
@@ -102,3 +103,20 @@ def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed()
     with pytest.raises(CheckpointError, match="lr = "):
         other.load_state_dict(state)
     assert other.model_version == 2 and other.registry.clients == {}  # refused: unchanged
+
+
+def test_a_checkpoint_of_the_older_layout_is_migrated() -> None:
+    """Older checkpoints kept one ``version`` per client and no ``changed_at``."""
+    s = _strategy()
+    state = s.state_dict()
+    state["clients"] = {"3": {"acked": 2, "version": 2}, "4": {"acked": -1, "version": -1}}
+    del state["changed_at"]
+    again = _strategy()
+    again.load_state_dict(state)
+    assert again.registry.held(3) == (2,) and again.registry.held(4) == ()
+    assert again.registry.acked(3) == 2
+    # Every entry counts as changed at the checkpoint's version: patches from then on.
+    assert all(bool((t == 2).all()) for t in again.downlink.changed_at.values())
+    assert dgc.decode(again.downlink.patch((2,))[0]).nnz == 0
+    assert dgc.decode(again.downlink.patch((1, 2))[0]).nnz == sum(
+        t.numel() for t in again.sent_model.values())
