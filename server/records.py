@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from logging import INFO, WARNING
 from typing import Any
+
+from flwr.supercore import log
 
 from server.replies import CheckedReply
 
@@ -71,6 +74,74 @@ def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int]
         row.num_examples, row.train_loss = reply.num_examples, reply.train_loss
         row.compute_seconds, row.restored = reply.compute_seconds, reply.restored
     return row
+
+
+class RoundRows:
+    """One round's client rows, filled as its checked replies are taken in.
+
+    Parameters
+    ----------
+    server_round : int
+        The round.
+    sampled : list of int
+        The sampled client keys, in sampling order (the order of the rows).
+    node_of, downlink : mappings
+        Per client key its node id, and (kind, bytes) of what it was sent.
+    dense_update_nbytes : int
+        What a dense float32 update costs: the baseline of the compression ratio.
+    records : RunRecords
+        Where refused replies are counted.
+    """
+
+    def __init__(self, server_round: int, sampled: list[int], node_of: dict[int, int],
+                 downlink: dict[int, tuple[str, int]], dense_update_nbytes: int,
+                 records: RunRecords) -> None:
+        self.server_round, self.sampled = server_round, sampled
+        self.node_of, self.downlink = node_of, downlink
+        self.dense_update_nbytes, self.records = dense_update_nbytes, records
+        self.rows: dict[int, ClientRow] = {}
+        self.valid: dict[int, CheckedReply] = {}  # by client key, in arrival order
+        self.uplink_bytes = 0
+
+    def take(self, reply: CheckedReply) -> None:
+        """Add a checked reply's row; a reply that is not one sampled client's first is only
+        counted."""
+        key, node = reply.client_key, reply.node_id
+        if reply.status == "ignored" or key in self.rows:
+            self.records.count_rejection("reply from a node that was not sampled or replied "
+                                         "twice")
+            log(WARNING, "\t> Ignored reply from node %d (client %d): not sampled in round %d "
+                "or a duplicate", node, key, self.server_round)
+            return
+        self.rows[key] = client_row(self.server_round, reply, self.downlink[key],
+                                    self.dense_update_nbytes)
+        self.uplink_bytes += reply.uplink_bytes
+        if reply.status == "valid":
+            self.valid[key] = reply
+        elif reply.status == "rejected":
+            self.records.count_rejection(reply.reason.split(":")[0])
+            log(WARNING, "\t> Rejected reply from node %d (client %d): %s", node, key,
+                reply.reason)
+        else:
+            log(INFO, "\t> Received error in reply from node %d: %s", node, reply.reason)
+
+    def close(self, clients_per_round: int) -> list[int]:
+        """Rows for the sampled clients that did not reply (timed out), and the keys of the
+        first ``clients_per_round`` valid replies in sampling order (deterministic, unlike
+        arrival order), marked aggregated; the other valid ones are surplus."""
+        for key in self.sampled:
+            if key not in self.rows:
+                kind, down = self.downlink[key]
+                self.rows[key] = ClientRow(self.server_round, key, self.node_of[key], "timeout",
+                                           "no reply before the round timeout", kind, down)
+        chosen = [k for k in self.sampled if k in self.valid][:clients_per_round]
+        for k in self.valid:
+            self.rows[k].status = "aggregated" if k in chosen else "surplus"
+        return chosen
+
+    def ordered(self) -> list[ClientRow]:
+        """The rows in sampling order."""
+        return [self.rows[k] for k in self.sampled]
 
 
 def round_record(server_round: int, rows: list[ClientRow], uplink_bytes: int,

@@ -58,8 +58,8 @@ from server.optimizer import ServerOptimizer
 from server.records import (
     ClientRow,
     RoundRecord,
+    RoundRows,
     RunRecords,
-    client_row,
     round_record,
     train_metrics,
 )
@@ -409,38 +409,11 @@ class DGCStrategy(FedAvg):
         in ``checked`` (the network emulator's late replies): their next patch builds on it.
         """
         state = self._current(server_round)
-        rows: dict[int, ClientRow] = {}
-        valid: dict[int, CheckedReply] = {}
-        uplink = 0
-        for c in checked:
-            key, node = c.client_key, c.node_id
-            if c.status == "ignored" or key in rows:
-                self.records.count_rejection("reply from a node that was not sampled or "
-                                             "replied twice")
-                log(WARNING, "\t> Ignored reply from node %d (client %d): not sampled in round "
-                    "%d or a duplicate", node, key, server_round)
-                continue
-            rows[key] = client_row(server_round, c, state.downlink[key],
-                                   self._dense_update_nbytes)
-            uplink += c.uplink_bytes
-            if c.status == "valid":
-                valid[key] = c
-            elif c.status == "rejected":
-                self.records.count_rejection(c.reason.split(":")[0])
-                log(WARNING, "\t> Rejected reply from node %d (client %d): %s", node, key,
-                    c.reason)
-            else:
-                log(INFO, "\t> Received error in reply from node %d: %s", node, c.reason)
-        for key in state.sampled:
-            if key not in rows:
-                kind, down = state.downlink[key]
-                rows[key] = ClientRow(server_round, key, state.node_of[key], "timeout",
-                                      "no reply before the round timeout", kind, down)
-        # The first clients_per_round valid replies in sampling order: deterministic, unlike
-        # arrival order.
-        chosen = [k for k in state.sampled if k in valid][: self.clients_per_round]
-        for k in valid:
-            rows[k].status = "aggregated" if k in chosen else "surplus"
+        taken = RoundRows(server_round, state.sampled, state.node_of, state.downlink,
+                          self._dense_update_nbytes, self.records)
+        for reply in checked:
+            taken.take(reply)
+        chosen, rows, valid = taken.close(self.clients_per_round), taken.rows, taken.valid
         applied = bool(chosen) and self._aggregate(server_round, [valid[k] for k in chosen],
                                                    list(valid.values()), rows)
         if chosen and not applied:
@@ -449,9 +422,9 @@ class DGCStrategy(FedAvg):
         self.registry.settle(server_round, [RoundOutcome(k, r.status) for k, r in rows.items()],
                              version_sent=state.version_sent, processed=processed,
                              dense_only=self.downlink.mode != "auto")
-        ordered = [rows[k] for k in state.sampled]
+        ordered = taken.ordered()
         self.records.client_rows.extend(ordered)
-        record = round_record(server_round, ordered, uplink, self._dense_update_nbytes,
+        record = round_record(server_round, ordered, taken.uplink_bytes, self._dense_update_nbytes,
                               self._dense_model_nbytes, self.model_version)
         self.close_round(record, ordered)
         self.round_record = record
