@@ -112,6 +112,20 @@ class ClientRegistry:
             log(WARNING, "%d of %d new nodes are unidentified and will not be sampled", missing,
                 len(unknown))
 
+    def sample_round(self, grid: Grid, server_round: int, count: int, min_nodes: int,
+                     timeout: float) -> tuple[dict[int, int], int]:
+        """Client key -> node id of the clients sampled in ``server_round`` (``count`` of the
+        connected, identified ones, in sampling order), and how many nodes are connected.
+
+        Waits for ``min_nodes`` connected nodes, and asks new ones for their key first
+        (``timeout``: seconds to wait for their answers).
+        """
+        node_ids = self.wait_for_nodes(grid, min_nodes)
+        self.identify(grid, node_ids, timeout)
+        node_of = self.nodes_by_key(node_ids)
+        return {k: node_of[k] for k in self.sample(server_round, list(node_of), count)}, \
+            len(node_ids)
+
     def sample(self, server_round: int, keys: list[int], count: int) -> list[int]:
         """``count`` of ``keys`` (all when fewer), reproducible from the seed and the round,
         whatever order ``keys`` come in."""

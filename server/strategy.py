@@ -5,11 +5,11 @@ One round, each step in its own module:
 1. ``configure_train``: the registry (:mod:`server.registry`) identifies and samples clients;
    the downlink (:mod:`server.downlink`) gives each the dense model or a patch on what it holds;
 2. ``aggregate_train``: :mod:`server.replies` decodes and validates each reply into an accepted
-   update or a rejection with its reason; :mod:`server.aggregation` averages the accepted ones
-   in O(total nonzeros); :mod:`server.optimizer` takes the server step; the downlink moves to
-   the next version; the registry records acks and held versions; :mod:`server.records` the
-   round's rows and totals;
-3. ``start``: evaluate, checkpoint (:mod:`server.checkpoint`) and go on.
+   update or a rejection with its reason; :mod:`server.records` turns them into client rows;
+   :mod:`server.defences` bounds each client's weight and norm; :mod:`server.aggregation`
+   averages the accepted ones in O(total nonzeros); :mod:`server.optimizer` takes the server
+   step; the downlink moves to the next version; the registry records acks and held versions;
+3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
 """
 
 from __future__ import annotations
@@ -346,14 +346,12 @@ class DGCStrategy(FedAvg):
         if self.model is None:
             self.set_model(arrays)
         reg = self.registry
-        node_ids = reg.wait_for_nodes(grid, max(self.min_available_nodes, self.clients_per_round))
-        reg.identify(grid, node_ids, self.probe_timeout)
-        node_of = reg.nodes_by_key(node_ids)
-        sampled = reg.sample(server_round, list(node_of),
-                             math.ceil(self.clients_per_round * self.over_selection))
-        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), len(node_ids))
-        state = _Round(server_round, sampled, {k: node_of[k] for k in sampled},
-                       self.model_version)
+        node_of, connected = reg.sample_round(
+            grid, server_round, math.ceil(self.clients_per_round * self.over_selection),
+            max(self.min_available_nodes, self.clients_per_round), self.probe_timeout)
+        sampled = list(node_of)
+        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), connected)
+        state = _Round(server_round, sampled, node_of, self.model_version)
         shared_record, shared_nbytes = None, 0
         if self.shared_planner is not None:
             state.masks = self.shared_planner.plan()
