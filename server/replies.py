@@ -150,7 +150,7 @@ class ReplyChecker:
                 "error" if msg.has_error() else "check")
             seen.add(key)
             plan.append((msg, key, node, status))
-        decoded = self._decode([msg for msg, _, _, status in plan if status == "check"])
+        decoded = iter(self._decode([msg for msg, _, _, status in plan if status == "check"]))
         out = []
         for msg, key, node, status in plan:
             if status == "ignored":
@@ -160,23 +160,22 @@ class ReplyChecker:
             elif status == "error":
                 out.append(CheckedReply(msg, key, node, "error", msg.error.reason))
             else:
-                out.append(self.check(msg, key, node, server_round, masks, decoded.get(id(msg))))
+                out.append(self.check(msg, key, node, server_round, masks, next(decoded)))
         return out
 
-    def _decode(self, replies: list[Message]) -> dict[int, SparseUpdate | DecodeError]:
-        """The decoded update bytes of ``replies``, by ``id(msg)``, in one call (replies
-        without readable update bytes are left to :meth:`check`, which names why)."""
-        ids, blobs = [], []
+    def _decode(self, replies: list[Message]) -> list[SparseUpdate | DecodeError | None]:
+        """The decoded update bytes of each of ``replies``, in one ``dgc.decode_many`` call
+        (None for a reply without readable update bytes: :meth:`check` names why)."""
+        blobs: list[bytes | None] = []
         for msg in replies:
             arrays = msg.content.array_records.get(P.UPDATE)
-            if arrays is None:
-                continue
             try:
-                blobs.append(P.record_to_bytes(arrays, P.UPDATE))
+                blobs.append(None if arrays is None else P.record_to_bytes(arrays, P.UPDATE))
             except ValueError:
-                continue
-            ids.append(id(msg))
-        return dict(zip(ids, dgc.decode_many(blobs, max_numel=self.max_numel), strict=True))
+                blobs.append(None)
+        results = iter(dgc.decode_many([b for b in blobs if b is not None],
+                                       max_numel=self.max_numel))
+        return [None if b is None else next(results) for b in blobs]
 
     def check(self, msg: Message, key: int, node: int, server_round: int, masks: Masks,
               decoded: SparseUpdate | DecodeError | None = None) -> CheckedReply:

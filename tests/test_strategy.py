@@ -726,7 +726,7 @@ def test_decoding_the_round_at_once_rejects_and_aggregates_as_one_by_one(case, m
     assert arrays is not None
     batched = [(r.status, r.reason) for r in s.client_rows]
     # Without the pre-pass, validate_reply decodes each reply itself.
-    monkeypatch.setattr(ReplyChecker, "_decode", lambda self, replies: {})
+    monkeypatch.setattr(ReplyChecker, "_decode", lambda self, replies: [None] * len(replies))
     s1, arrays1, _, _, _ = _one_round_with(tamper)
     assert [(r.status, r.reason) for r in s1.client_rows] == batched
     assert s1.rejections == s.rejections

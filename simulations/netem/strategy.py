@@ -105,13 +105,13 @@ class NetemStrategy(DGCStrategy):
         # Checked once, together (one decode pass); what is forwarded is not checked again.
         finished = [m for m, tl in arrived if tl.ok]
         checked = self.check_replies(server_round, finished + others)
-        by_message = {id(c.message): c for c in checked[:len(finished)]}
+        checks = iter(checked[:len(finished)])  # in the order of ``finished``
         valid: dict[int, CheckedReply] = {}
         rejected: dict[int, tuple[CheckedReply, float]] = {}
         timelines, ignored = [], []
-        for msg, tl in arrived:
+        for _, tl in arrived:
             if tl.ok:
-                c = by_message[id(msg)]
+                c = next(checks)
                 if c.status == "ignored":  # not sampled, or a second reply: counted, no more
                     ignored.append(c)
                     continue
