@@ -5,7 +5,7 @@ model of ~1M parameters (the MLP 784-1200-10 of ``bench/scale.py``) through ``--
 aggregations of small random steps, twice: with ``downlink_deltas=False`` (patches carry the
 entries' values, the baseline) and with ``downlink_deltas=True`` (patches on one known version
 carry differences, which the client adds). Then, for patches on versions 1, 5, 10 and
-``--rounds`` back, it times building the patch (``DGCStrategy._patch``: the changed entries,
+``--rounds`` back, it times building the patch (``Downlink.patch``: the changed entries,
 for differences the past values from the kept history, the exactness check, the size
 comparison, the encoding) and prints its bytes, both sides interleaved on the same machine
 state, with the ratios. A patch of differences is checked to rebuild the current model from
@@ -57,18 +57,18 @@ def follow(deltas: bool, rounds: int, density: float, seed: int) -> DGCStrategy:
     g = torch.Generator().manual_seed(seed + 1)
     for rnd in range(1, rounds + 1):
         step = {k: 0.1 * v.std() * torch.randn(v.shape, generator=g) for k, v in start.items()}
-        s._apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()), v.view(-1),
-                                                tuple(v.shape)) for k, v in step.items()},
-                               rnd)], [1.0])
+        s.apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()), v.view(-1),
+                                               tuple(v.shape)) for k, v in step.items()},
+                              rnd)], [1.0])
     return s
 
 
 def check_exact(s: DGCStrategy, base: int) -> None:
     """The patch of differences on ``base`` turns version ``base`` into the current model."""
-    data, added = s._patch((base,))
+    data, added = s.downlink.patch((base,))
     if not added:
         raise SystemExit(f"no tensor of the patch on version {base} carried differences")
-    held = s._grid_values_at(base)
+    held = s.downlink.grid_values_at(base)
     assert held is not None
     update = dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL)
     for name in added:
@@ -98,15 +98,15 @@ def main() -> None:
     for back in sorted({1, 5, 10, a.rounds}):
         base = a.rounds - back
         check_exact(deltas, base)
-        times = interleaved_wall_cpu_ms({"values": lambda b=base: values._patch((b,)),
-                                         "deltas": lambda b=base: deltas._patch((b,))},
+        times = interleaved_wall_cpu_ms({"values": lambda b=base: values.downlink.patch((b,)),
+                                         "deltas": lambda b=base: deltas.downlink.patch((b,))},
                                         repeats=a.repeats)
-        nv, nd = len(values._patch((base,))[0]), len(deltas._patch((base,))[0])
+        nv, nd = len(values.downlink.patch((base,))[0]), len(deltas.downlink.patch((base,))[0])
         tv, td = times["values"][0], times["deltas"][0]
         print(f"{back:>7} {nv / 1e3:>10.1f} {nd / 1e3:>9.1f} {nd / nv:>6.2f} "
               f"{tv:>10.1f} {td:>9.1f} {td / tv:>6.2f}")
-    kept = deltas._history_nbytes / 2**20
-    print(f"history kept for differences: {kept:.1f} MiB over {len(deltas._history)} versions")
+    kept = deltas.downlink.past_nbytes / 2**20
+    print(f"history kept for differences: {kept:.1f} MiB over {len(deltas.downlink.past)} versions")
 
 
 if __name__ == "__main__":

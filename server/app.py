@@ -20,8 +20,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedgc.settings import RunConfig, SettingsError, to_flat
 from server.checkpoint import CHECKPOINT_FILE
+from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
-from server.strategy import DGCStrategy, RoundRecord
+from server.strategy import DGCStrategy
 
 app = ServerApp()
 
@@ -62,8 +63,9 @@ def run_server(grid: Grid, config: RunConfig,
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
     """Run a whole federation on ``grid`` and write the results files; return the summary.
 
-    ``strategy_factory`` builds the strategy from DGCStrategy's keyword arguments (the network
-    emulator passes a NetemStrategy); a ``summary_extra()`` method adds keys to the summary.
+    ``strategy_factory`` builds the strategy from DGCStrategy's keyword arguments, which
+    :meth:`DGCStrategy.arguments` derives from ``config`` (the network emulator passes a
+    NetemStrategy); a ``summary_extra()`` method adds keys to the summary.
     """
     started = time.time()
     torch.set_num_threads(1)
@@ -88,34 +90,7 @@ def run_server(grid: Grid, config: RunConfig,
         if on_round is not None:
             on_round(record)
 
-    strategy = strategy_factory(
-        clients_per_round=t.clients_per_round,
-        over_selection=s.over_selection,
-        server_learning_rate=s.server_lr,
-        server_momentum=s.dgc_server_momentum if t.method == "dgc" else s.server_momentum,
-        downlink=s.downlink,
-        downlink_history=s.downlink_history,
-        # Dense FedAvg is the baseline: it always broadcasts the exact model.
-        downlink_density=s.downlink_density if t.method != "dense" else 1.0,
-        downlink_values=s.downlink_values,
-        downlink_deltas=s.downlink_deltas,
-        downlink_lookahead=s.downlink_lookahead,
-        clients_build_initial_model=s.clients_build_initial_model,
-        seed=t.seed,
-        checkpoint_dir=run_dir if s.checkpoint else None,
-        resume=s.resume,
-        on_round=round_done,
-        fraction_evaluate=s.fraction_evaluate,
-        min_available_nodes=t.clients_per_round,
-        # Node identification happens in round 1, with Ray's start-up: give it the round's time.
-        probe_timeout=s.round_timeout_s,
-        # The sign channel needs a residual to send from: DGC only.
-        shared_density=s.shared_density if t.method == "dgc" else 0.0,
-        shared_small_density=s.shared_small_density,
-        shared_small_numel=t.small_numel,
-        shared_momentum=s.shared_momentum,
-        min_sparse_numel=t.min_sparse_numel,
-    )
+    strategy = strategy_factory(**DGCStrategy.arguments(config), on_round=round_done)
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
     result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
                             timeout=s.round_timeout_s, train_config=train_config,

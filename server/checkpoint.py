@@ -1,9 +1,17 @@
-"""Atomic checkpoints of the global model and the strategy state (write tmp + ``os.replace``)."""
+"""Checkpoints of the strategy state: sealed with a SHA-256 digest, written atomically (tmp +
+``os.replace``), and migrated from older layouts on load.
+
+File layout: :data:`MAGIC`, one format byte, the 32-byte SHA-256 digest of the payload, then the
+payload (``torch.save`` of the state). A file without the magic is an older, unsealed checkpoint
+(``torch.save`` alone) and is still read; any damage to a sealed one is refused.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +21,10 @@ from fedgc.files import atomic_write
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
+#: The first bytes of a sealed checkpoint, then :data:`SEAL_FORMAT` and the digest.
+MAGIC = b"FGCK"
+SEAL_FORMAT = 1
+_HEADER = len(MAGIC) + 1 + hashlib.sha256().digest_size
 
 
 class CheckpointError(RuntimeError):
@@ -24,9 +36,33 @@ def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) ->
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = d / CHECKPOINT_FILE
-    atomic_write(path, lambda fh: torch.save(
-        {"checkpoint_version": CHECKPOINT_VERSION, **state}, fh))
+    atomic_write(path, lambda fh: fh.write(
+        seal({"checkpoint_version": CHECKPOINT_VERSION, **state})))
     return path
+
+
+def seal(state: dict[str, Any]) -> bytes:
+    """The bytes of a sealed checkpoint of ``state``."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    return MAGIC + bytes([SEAL_FORMAT]) + hashlib.sha256(payload).digest() + payload
+
+
+def unseal(data: bytes, path: Path) -> bytes:
+    """The payload of a sealed checkpoint (``data`` itself for an older, unsealed one), or
+    CheckpointError naming ``path`` when the file is damaged."""
+    if not data.startswith(MAGIC):
+        return data
+    if len(data) < _HEADER or data[len(MAGIC)] != SEAL_FORMAT:
+        raise CheckpointError(f"checkpoint {path} is damaged or of an unknown format (format "
+                              f"byte {data[len(MAGIC):len(MAGIC) + 1]!r}, expected "
+                              f"{SEAL_FORMAT}); restore it or start a new run")
+    payload = data[_HEADER:]
+    if hashlib.sha256(payload).digest() != data[len(MAGIC) + 1:_HEADER]:
+        raise CheckpointError(f"checkpoint {path} is damaged (SHA-256 mismatch over "
+                              f"{len(payload)} bytes); restore it or start a new run")
+    return payload
 
 
 def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -36,11 +72,69 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    payload = unseal(data, path)
     try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
+        state = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as ex:  # torch raises several types for a damaged file
         raise CheckpointError(f"checkpoint {path} is unreadable: {ex}") from ex
     if not isinstance(state, dict) or state.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"checkpoint {path} is not a version-{CHECKPOINT_VERSION} fedgc "
                               f"checkpoint")
+    return state
+
+
+#: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
+#: what it computes. Every other key must be the checkpoint's (``check_run_config``).
+RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "round_timeout_s",
+                            "fraction_evaluate", "results_dir", "run_name", "sim.engine",
+                            "sim.cpus_per_client", "sim.num_cpus"})
+
+
+def check_run_config(written: Mapping[str, object] | None,
+                     current: Mapping[str, object] | None) -> None:
+    """CheckpointError naming every key outside :data:`RESUMABLE_KEYS` whose value differs
+    between the checkpointed run (``written``) and the resuming one (``current``).
+
+    Keys only one side knows (added or retired between fedgc versions) are not compared; a
+    checkpoint of a version that stored no configuration is not checked.
+    """
+    if written is None or current is None:
+        return
+    changed = sorted(k for k in set(written) & set(current) - RESUMABLE_KEYS
+                     if written[k] != current[k])
+    if changed:
+        what = ", ".join(f"{k} = {written[k]!r} (now {current[k]!r})" for k in changed)
+        raise CheckpointError(f"the checkpoint was written by a run with {what}; resume it with "
+                              f"the same values (only {sorted(RESUMABLE_KEYS)} may change) or "
+                              f"start a new run")
+
+
+#: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts of the same
+#: version are upgraded by :func:`migrate_strategy_state`).
+STRATEGY_STATE_VERSION = 1
+
+
+def migrate_strategy_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in the current layout; CheckpointError for another strategy state version.
+
+    Older checkpoints kept one ``version`` per client (-1: unknown) instead of ``versions``,
+    and past models instead of ``changed_at`` (then every entry counts as changed at the
+    checkpoint's version: patches only from then on).
+    """
+    if state.get("strategy_state_version") != STRATEGY_STATE_VERSION:
+        raise CheckpointError(f"strategy state version {state.get('strategy_state_version')}"
+                              f" is not {STRATEGY_STATE_VERSION}")
+    state = dict(state)
+    clients = {}
+    for key, info in state["clients"].items():
+        if "versions" in info:
+            versions = [int(v) for v in info["versions"]]
+        else:
+            versions = [int(info["version"])] if int(info.get("version", -1)) >= 0 else []
+        clients[key] = {"acked": int(info["acked"]), "versions": versions}
+    state["clients"] = clients
+    if "changed_at" not in state:
+        version = int(state["model_version"])
+        state["changed_at"] = {k: torch.full(tuple(v.shape), version, dtype=torch.int32)
+                               for k, v in state["model"].items()}
     return state

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedgc.files import atomic_write_text
-from server.strategy import ClientRow, RoundRecord
+from server.records import ClientRow, RoundRecord
 
 ROUND_COLUMNS = ("round", "accuracy", "loss", "uplink_bytes", "downlink_bytes",
                  "clients_sampled", "clients_aggregated", "clients_failed", "wall_seconds")

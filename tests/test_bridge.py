@@ -276,7 +276,7 @@ def test_bridge_turns_an_additive_patch_into_values_for_the_phone():
     s, versions = _int8_run(4)
     rebuilt, added = _apply_patch(s, versions[2], (2,))  # what the bridge app computes
     assert added == ["fc1.weight", "fc2.weight"]
-    data = _as_values(s._patch((2,))[0], added, rebuilt)
+    data = _as_values(s.downlink.patch((2,))[0], added, rebuilt)
     phone = {k: v.clone() for k, v in versions[2].items()}
     # as ReferencePhone._global_model does
     for name, t in dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL).tensors.items():
@@ -284,4 +284,4 @@ def test_bridge_turns_an_additive_patch_into_values_for_the_phone():
     assert _bits_equal(phone, versions[4])
     codings = tensor_value_dtypes(data)
     assert all(codings[n] in (GRID_CODED, GRID_RICE_CODED) for n in added)
-    assert codings["fc1.bias"] == tensor_value_dtypes(s._patch((2,))[0])["fc1.bias"]
+    assert codings["fc1.bias"] == tensor_value_dtypes(s.downlink.patch((2,))[0])["fc1.bias"]

@@ -133,7 +133,7 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     numels = {k: v[0] for k, v in shapes.items()}
     for msg in grid.replies:
         if P.UPDATE in msg.content.array_records:
-            key = strategy.node_keys[msg.metadata.src_node_id]
+            key = strategy.registry.node_keys[msg.metadata.src_node_id]
             update = dgc.decode(P.record_to_bytes(msg.content.array_records[P.UPDATE]),
                                 max_numel=dgc.wire.MAX_NUMEL)
             sent[(key, update.sequence)] = [update]
@@ -181,7 +181,7 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
             _, masks = decode_mask(bytes(record["pending_mask"].numpy().tobytes()), numels)
             pending.append(decode_signs(bytes(record["pending_shared"].numpy().tobytes()),
                                         masks, shapes))
-        acked = strategy.clients[key]["acked"]
+        acked = strategy.registry.clients[key].acked
         for name in grads[0]:
             total = sum(g[name].reshape(-1).double() for g in grads)
             kept = c.residual()[name].double().clone()
@@ -199,21 +199,21 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
 def test_each_reply_is_decoded_and_validated_once_per_round(tmp_path, monkeypatch) -> None:
     """NetemStrategy validates replies to close the round; DGCStrategy reuses those results
     (update and signs) instead of decoding and checking the forwarded replies again."""
-    from server.strategy import DGCStrategy
+    from server.replies import ReplyChecker
 
     validated: list[int] = []
     decoded: list[int] = []
-    real_validate, real_decode_many = DGCStrategy.validate_reply, dgc.decode_many
+    real_validate, real_decode_many = ReplyChecker.check, dgc.decode_many
 
-    def counting_validate(self, msg, server_round, decoded_update=None):
+    def counting_validate(self, msg, *args, **kwargs):
         validated.append(id(msg))
-        return real_validate(self, msg, server_round, decoded_update)
+        return real_validate(self, msg, *args, **kwargs)
 
     def counting_decode_many(blobs, **kwargs):
         decoded.append(len(blobs))
         return real_decode_many(blobs, **kwargs)
 
-    monkeypatch.setattr(DGCStrategy, "validate_reply", counting_validate)
+    monkeypatch.setattr(ReplyChecker, "check", counting_validate)
     monkeypatch.setattr(dgc, "decode_many", counting_decode_many)
     config = RunConfig.from_flat({
         "task": "digits", "num_clients": 6, "clients_per_round": 4, "rounds": 3,

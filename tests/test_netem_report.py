@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from server.records import RoundRecord
 from server.results import write_rounds
-from server.strategy import RoundRecord
 from simulations.netem import NetemError
 from simulations.netem.report import main, plot_virtual_time, summarize_runs, time_to_accuracy
 

@@ -13,6 +13,7 @@ from client.state import ClientStateStore
 from fedgc import protocol as P
 from fedgc.settings import RunConfig
 from server.app import RunFolderError, run_server
+from server.checkpoint import CheckpointError, load_checkpoint
 from server.local_grid import LocalGrid
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
 from server.strategy import DGCStrategy
@@ -34,6 +35,14 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     run_server(LocalGrid(client_app, 6, seed=1), whole)
     part = _config(tmp_path, run_name="part", rounds=2)
     run_server(LocalGrid(client_app, 6, seed=2), part)
+    written = (part.run_dir / "rounds.csv").read_text()
+    # A resume that changes what the run computes is refused, naming the key, and changes
+    # nothing on disk (issue 14, item 6).
+    for key, value in (("seed", 1), ("dgc.density", 0.02), ("num_clients", 5), ("lr", 0.2)):
+        changed = _config(tmp_path, run_name="part", rounds=5, resume=True, **{key: value})
+        with pytest.raises(CheckpointError, match=f"{key} = "):
+            run_server(LocalGrid(client_app, 6, seed=3), changed)
+        assert (part.run_dir / "rounds.csv").read_text() == written
     # A new process would see new node ids: a grid with another seed stands for it.
     resumed = _config(tmp_path, run_name="part", rounds=5, resume=True)
     summary = run_server(LocalGrid(client_app, 6, seed=3), resumed)
@@ -45,6 +54,14 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     assert [r["accuracy"] for r in rows_a] == [r["accuracy"] for r in rows_b]
     assert [r["uplink_bytes"] for r in rows_a] == [r["uplink_bytes"] for r in rows_b]
     assert summary["rounds"] == 5
+
+
+def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    for extra in ({}, {"checkpoint": False}):
+        c = _config(tmp_path, run_name="nothing", rounds=2, resume=True, **extra)
+        with pytest.raises(CheckpointError, match="resume=true"):
+            run_server(LocalGrid(client_app, 6), c)
+        assert not (c.run_dir / "rounds.csv").exists()
 
 
 def test_run_folder_is_not_clobbered(tmp_path):
@@ -112,7 +129,7 @@ def _every_client_holds_what_the_server_sent(c: RunConfig, strategy: RecordingSt
         version = int(record["model_version"])
         for name, t in strategy.sent_versions[version].items():
             assert torch.equal(record["model"][name], t), (key, version, name)
-        if version in strategy.clients[int(key)]["versions"]:
+        if version in strategy.registry.clients[int(key)].versions:
             checked += 1
     return checked
 
@@ -178,8 +195,8 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
     assert lost and all(r["status"] != "error" for r in rows)  # no patch was refused
     assert sum(r["downlink"] == "patch" for r in rows) > 0
     assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
-    assert any(len(info["versions"]) > 1 for info in strategy.clients.values())
-    state = torch.load(c.run_dir / "checkpoint.pt", weights_only=True)
+    assert any(len(info.versions) > 1 for info in strategy.registry.clients.values())
+    state = load_checkpoint(c.run_dir)
     # The broadcast model lags the global model (what was not sent waits on the server).
     assert any(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
     assert summary["downlink_bytes"] < exact_summary["downlink_bytes"]
@@ -226,7 +243,7 @@ def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
     rows_b = list(csv.DictReader((asked.run_dir / "rounds.csv").open()))
     for col in ("accuracy", "uplink_bytes", "downlink_bytes"):
         assert [r[col] for r in rows_a] == [r[col] for r in rows_b]
-    assert torch.load(asked.run_dir / "checkpoint.pt", weights_only=True)["broadcast"] is None
+    assert load_checkpoint(asked.run_dir)["broadcast"] is None
 
 
 def test_clients_that_build_the_initial_model_get_patches_from_the_start(tmp_path):

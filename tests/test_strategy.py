@@ -20,7 +20,10 @@ from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.signs import decode_mask, encode_signs, take_signs
 from fedgc import protocol as P
 from server.checkpoint import CheckpointError
+from fedgc.settings import RunConfig
+from server.downlink import copy_model
 from server.local_grid import LocalGrid
+from server.replies import ReplyChecker
 from server.strategy import DGCStrategy
 
 NUM_NODES = 4
@@ -36,7 +39,7 @@ def _model(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
 def _strategy(**kw) -> tuple[DGCStrategy, LocalGrid]:
     grid = LocalGrid(client_app, NUM_NODES, seed=5)
     s = DGCStrategy(clients_per_round=kw.pop("clients_per_round", NUM_NODES), **kw)
-    s.register_clients(grid.partition_of)  # what the identification query would learn
+    s.registry.register(grid.partition_of)  # what the identification query would learn
     return s, grid
 
 
@@ -104,27 +107,25 @@ def test_density_one_equals_flower_fedavg(server_lr, server_momentum):
     assert all(r.status == "aggregated" for r in ours.client_rows)
 
 
-def _one_round_with(tamper):
-    """Round 1 with three good updates and one tampered; returns strategy and the good average."""
+def _one_round_with(tamper, **kw):
+    """Round 1 with three good updates (weight 10) and one tampered; returns the strategy, the
+    aggregate, the model that averaging the good ones gives, the model before and the updates
+    (the tampered one's as sent to ``tamper``)."""
     init = _model()
-    s, grid = _strategy(downlink="dense")
+    s, grid = _strategy(downlink="dense", **kw)
     msgs = list(s.configure_train(1, ArrayRecord(init), ConfigRecord(), grid))
     config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
-    good, replies = [], []
+    updates, replies = [], []
     for i, m in enumerate(msgs):
         g = torch.Generator().manual_seed(i)
         delta = {n: torch.randn(v.shape, generator=g) for n, v in init.items()}
-        update = DGCCompressor(config).compress(delta, sequence=1)
-        if i == 0:
-            replies.append(tamper(m, update))
-        else:
-            good.append(update)
-            replies.append(_update_reply(m, update))
+        updates.append(DGCCompressor(config).compress(delta, sequence=1))
+        replies.append(tamper(m, updates[i]) if i == 0 else _update_reply(m, updates[i]))
     before = OrderedDict((k, v.clone()) for k, v in s.model.items())
     arrays, _ = s.aggregate_train(1, replies)
-    avg = dgc.aggregate(good, [10.0] * len(good), {k: v.shape for k, v in init.items()})
+    avg = dgc.aggregate(updates[1:], [10.0] * 3, {k: v.shape for k, v in init.items()})
     expected = {k: before[k] - avg[k] for k in before}
-    return s, arrays, expected, before
+    return s, arrays, expected, before, updates
 
 
 def _with_tensor(update: SparseUpdate, name: str, t: SparseTensor) -> SparseUpdate:
@@ -145,6 +146,28 @@ def _nan_bytes(update: SparseUpdate) -> bytes:
     # A consistent checksum, so that the values themselves must be caught.
     return body + struct.pack("<I", zlib.crc32(body))
 
+
+def _metrics_reply(msg: Message, update: SparseUpdate, **metrics) -> Message:
+    """A reply with a good update and these metrics (``num_examples`` is ``num-examples``)."""
+    values = {"num-examples": metrics.pop("num_examples", 10), "train_loss": 1.0, **metrics}
+    return _reply(msg, {P.UPDATE: P.bytes_to_record(dgc.encode(update)),
+                        P.METRICS: MetricRecord(values)})
+
+
+#: Metrics a client may send that are not data the server can use (issue 14, items 2 and 12):
+#: each must be a rejection naming the field, never an exception out of the strategy.
+BAD_METRICS = {
+    "restored inf": ({"restored": float("inf")}, "restored"),
+    "restored NaN": ({"restored": float("nan")}, "restored"),
+    "restored list": ({"restored": [1, 2]}, "restored"),
+    "restored fraction": ({"restored": 0.5}, "restored"),
+    "fractional weight": ({"num_examples": 0.5}, "num-examples"),
+    "weight list": ({"num_examples": [3, 4]}, "num-examples"),
+    "train_loss list": ({"train_loss": [1.0]}, "train_loss"),
+    "train_loss inf": ({"train_loss": float("-inf")}, "train_loss"),
+    "negative compute_seconds": ({"compute_seconds": -1.0}, "compute_seconds"),
+    "compute_seconds NaN": ({"compute_seconds": float("nan")}, "compute_seconds"),
+}
 
 TAMPERS = {
     "malformed bytes": (lambda m, u: _update_reply(m, u, data=b"\x00garbage" * 7),
@@ -169,17 +192,40 @@ TAMPERS = {
 }
 
 
+@pytest.mark.parametrize("case", sorted(BAD_METRICS))
+def test_bad_metrics_reject_the_reply_and_keep_its_mass_with_the_client(case):
+    metrics, word = BAD_METRICS[case]
+    s, arrays, expected, _, _ = _one_round_with(lambda m, u: _metrics_reply(m, u, **metrics))
+    rejected = [r for r in s.client_rows if r.status == "rejected"]
+    assert len(rejected) == 1 and rejected[0].reason.startswith(word)
+    assert sum(s.rejections.values()) == 1
+    # Not acknowledged: the client folds its update back into its residual next round.
+    assert s.registry.acked(rejected[0].client_key) == -1
+    assert sorted(s.registry.acked(r.client_key) for r in s.client_rows) == [-1, 1, 1, 1]
+    got = arrays.to_torch_state_dict()
+    for k in expected:  # exactly the average of the three good updates
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6)
+
+
+def test_unreported_train_loss_is_accepted_as_nan():
+    """The phone bridge reports NaN for a phone that sent no loss: not a reason to reject."""
+    s, arrays, expected, _, _ = _one_round_with(
+        lambda m, u: _metrics_reply(m, u, train_loss=float("nan"), restored=2.0))
+    assert {r.status for r in s.client_rows} == {"aggregated"}
+    assert sorted(r.restored for r in s.client_rows) == [0, 0, 0, 2]
+
+
 @pytest.mark.parametrize("case", sorted(TAMPERS))
 def test_bad_reply_is_rejected_with_reason_and_never_touches_the_model(case):
     tamper, word = TAMPERS[case]
-    s, arrays, expected, _ = _one_round_with(tamper)
+    s, arrays, expected, _, _ = _one_round_with(tamper)
     rows = {r.status for r in s.client_rows}
     rejected = [r for r in s.client_rows if r.status == "rejected"]
     assert len(rejected) == 1 and rows == {"rejected", "aggregated"}
     reason = rejected[0].reason
     assert word.lower() in reason.lower()
     assert sum(s.rejections.values()) == 1
-    record = s.rounds[-1] if s.rounds else s._pending_record
+    record = s.rounds[-1] if s.rounds else s.round_record
     assert record.clients_rejected == 1 and record.clients_failed == 1
     assert record.clients_aggregated == NUM_NODES - 1
     got = arrays.to_torch_state_dict()
@@ -213,10 +259,10 @@ def test_error_and_missing_replies_count_as_failures():
     s.aggregate_train(1, replies)  # msgs[2], msgs[3]: no reply (timed out)
     statuses = sorted(r.status for r in s.client_rows)
     assert statuses == ["aggregated", "error", "timeout", "timeout"]
-    assert s._pending_record.clients_failed == 3
+    assert s.round_record.clients_failed == 3
     assert [r.reason for r in s.client_rows if r.status == "error"] == ["boom"]
     # Only the aggregated client is acknowledged.
-    acked = {k: v["acked"] for k, v in s.clients.items()}
+    acked = {k: v.acked for k, v in s.registry.clients.items()}
     assert sorted(acked.values()) == [-1, -1, -1, 1]
 
 
@@ -247,10 +293,13 @@ def test_the_superlinks_error_for_an_offline_node_counts_for_that_client():
 def test_sampling_is_seeded_and_ignores_node_ids():
     a = DGCStrategy(clients_per_round=3, seed=4)
     keys = list(range(50))
-    assert a.sample(7, keys) == DGCStrategy(clients_per_round=3, seed=4).sample(7, keys[::-1])
-    assert a.sample(7, keys) != a.sample(8, keys)
+    assert a.registry.sample(7, keys, 3) == DGCStrategy(clients_per_round=3, seed=4) \
+        .registry.sample(7, keys[::-1], 3)
+    assert a.registry.sample(7, keys, 3) != a.registry.sample(8, keys, 3)
     over = DGCStrategy(clients_per_round=10, over_selection=1.3)
-    assert len(over.sample(1, keys)) == 13
+    grid = LocalGrid(client_app, 20, seed=5)
+    over.registry.register(grid.partition_of)
+    assert len(list(over.configure_train(1, ArrayRecord(_model()), ConfigRecord(), grid))) == 13
 
 
 
@@ -258,21 +307,22 @@ def test_a_restarted_node_is_messaged_under_its_newest_id():
     """A crashed SuperNode's old id may still be listed online: the newest id of a key wins."""
     s = DGCStrategy(clients_per_round=2)
     # Node ids are random: the restarted node (key 0) got a larger id than its dead one.
-    s.register_clients({100: 0, 500: 1})
-    s.register_clients({900: 0})
-    assert s.nodes_by_key([100, 500, 900]) == {0: 900, 1: 500}
-    assert s.nodes_by_key([100, 500]) == {0: 100, 1: 500}  # only the old id is connected
-    s.register_clients({100: 0})  # identified again: newest once more
-    assert s.nodes_by_key([100, 500, 900]) == {0: 100, 1: 500}
+    s.registry.register({100: 0, 500: 1})
+    s.registry.register({900: 0})
+    assert s.registry.nodes_by_key([100, 500, 900]) == {0: 900, 1: 500}
+    assert s.registry.nodes_by_key([100, 500]) == {0: 100, 1: 500}  # only the old id is connected
+    s.registry.register({100: 0})  # identified again: newest once more
+    assert s.registry.nodes_by_key([100, 500, 900]) == {0: 100, 1: 500}
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"clients_per_round": 0}, "clients_per_round"),
     ({"server_momentum": 1.0}, "server_momentum"),
-    ({"server_learning_rate": -1.0}, "server_learning_rate"),
+    ({"server_learning_rate": -1.0}, "server_lr"),
     ({"downlink": "smart"}, "downlink"),
     ({"over_selection": 0.5}, "over_selection"),
 ])
 def test_constructor_validates(kwargs, word):
+    """The settings engine checks the values (its error names the run config key)."""
     with pytest.raises(ValueError, match=word):
         DGCStrategy(**kwargs)
 
@@ -286,7 +336,8 @@ def test_state_dict_round_trip_and_mismatch():
     other.load_state_dict(state)
     assert all(torch.equal(other.model[k], s.model[k]) for k in s.model)
     # A resumed ServerApp knows the nodes' keys without querying them again.
-    assert other.node_keys == s.node_keys and len(s.node_keys) == NUM_NODES
+    assert other.registry.node_keys == s.registry.node_keys
+    assert len(s.registry.node_keys) == NUM_NODES
     wrong = DGCStrategy()
     wrong.set_model(ArrayRecord(OrderedDict([("w", torch.zeros(3))])))
     from server.checkpoint import CheckpointError
@@ -297,12 +348,87 @@ def test_state_dict_round_trip_and_mismatch():
     assert math.isclose(float(wrong.model["w"].sum()), 0.0)
 
 
+# ---------------------------------------------------------------- bounds (issue 14, item 4)
+def _hostile_round(tamper, **kw):
+    """:func:`_one_round_with`'s round: strategy, new model, model before, the four updates."""
+    s, arrays, _, before, updates = _one_round_with(tamper, **kw)
+    return s, arrays.to_torch_state_dict(), before, updates
+
+
+def _moved(arrays, before) -> float:
+    return math.sqrt(sum(float((arrays[k] - before[k]).double().square().sum()) for k in before))
+
+
+def test_a_claim_of_a_trillion_examples_is_capped_at_four_times_the_median():
+    s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e12))
+    hostile = [r for r in s.client_rows if r.num_examples == 10**12]
+    assert len(hostile) == 1 and hostile[0].status == "aggregated"
+    assert hostile[0].reason == "weight 1000000000000 capped at 40"
+    weights = [40.0, 10.0, 10.0, 10.0]
+    keys = sorted(r.client_key for r in s.client_rows)
+    order = {r.client_key: i for i, r in enumerate(s.client_rows)}
+    avg = dgc.aggregate([updates[order[k]] for k in keys], [weights[order[k]] for k in keys],
+                        {k: v.shape for k, v in before.items()})
+    for k in before:
+        torch.testing.assert_close(arrays[k], before[k] - avg[k], rtol=0, atol=1e-6)
+
+
+def test_huge_values_are_clipped_to_ten_times_the_median_norm():
+    from server.defences import update_norm
+
+    def huge(m, u):
+        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30, t.shape)
+                                              for n, t in u.tensors.items()}, u.sequence))
+
+    s, arrays, before, updates = _hostile_round(huge)
+    norms = sorted(update_norm(u) for u in updates[1:])
+    bound = 10 * norms[1]  # the median of the four is between the good ones' two largest
+    # The three good updates (weight 10 each) and the hostile one at most at the bound.
+    assert _moved(arrays, before) <= 1.001 * (bound + sum(norms)) * 10 / 40
+    clipped = [r for r in s.client_rows if r.reason.startswith("update norm")]
+    assert len(clipped) == 1 and "clipped to" in clipped[0].reason
+    assert clipped[0].status == "aggregated"
+
+
+def test_a_sign_scale_of_3e38_is_clipped_with_its_update():
+    s, parts, before = _shared_rounds(scale_signs=3e38)
+    rows = [r for r in s.client_rows if r.round == 2]
+    assert [r.reason.startswith("update norm") for r in sorted(rows, key=lambda r: r.client_key)
+            ] == [True, False, False, False]
+    assert all(r.status == "aggregated" for r in rows)  # not a non-finite aggregate thrown away
+    moved = math.sqrt(sum(float((s.model[k] - before[k]).double().square().sum())
+                          for k in before))
+    assert math.isfinite(moved) and moved < 100
+
+
+@pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
+def test_robust_aggregation_runs_in_the_strategy(aggregation):
+    def hostile(m, u):
+        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30,
+                                                              t.shape)
+                                              for n, t in u.tensors.items()}, 1), weight=1e12)
+
+    s, arrays, before, updates = _hostile_round(hostile, aggregation=aggregation,
+                                                trim_fraction=0.25, max_norm_ratio=0)
+    assert all(r.status == "aggregated" for r in s.client_rows)
+    assert _moved(arrays, before) < max(_moved({k: before[k] - u.to_dense()[k] for k in before},
+                                               before) for u in updates[1:])
+
+
+def test_bounds_off_aggregate_the_claims_as_sent():
+    s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e3),
+                                                max_weight_ratio=0, max_norm_ratio=0)
+    assert all(r.reason == "" for r in s.client_rows)
+    assert _moved(arrays, before) > 0.5 * _moved(
+        {k: before[k] - updates[0].to_dense()[k] for k in before}, before)
+
+
 # ---------------------------------------------------------------- the shared sign channel
 
-def _shared_rounds(tamper_signs=None):
+def _shared_rounds(tamper_signs=None, scale_signs=None):
     """Round 1 plain, round 2 with index sets; returns the strategy, round-2 replies' parts
     and the model before round 2. ``tamper_signs(data) -> bytes | None`` alters client 0's
-    signs (None: it sends none)."""
+    signs (None: it sends none); client 0 sends its signs at scale ``scale_signs``."""
     init = _model()
     s, grid = _strategy(downlink="dense", shared_density=0.1, min_sparse_numel=100)
     config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
@@ -330,6 +456,10 @@ def _shared_rounds(tamper_signs=None):
             signs = None
             if masks is not None:
                 signs = take_signs(compressors[k].residual(), masks, rnd)
+                if k == 0 and scale_signs is not None:
+                    signs = SparseUpdate({n: SparseTensor(t.indices, torch.sign(t.values)
+                                                          * scale_signs, t.shape)
+                                          for n, t in signs.tensors.items()}, signs.sequence)
                 signs_data = encode_signs(signs)
                 if k == 0 and tamper_signs is not None:
                     signs_data = tamper_signs(signs_data)
@@ -411,14 +541,14 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_compressed_broadcast_follows_the_model_by_its_largest_differences():
-    """_follow copies ceil(q * n) matrix entries (the largest differences, rounded to float16)
-    and 1-D tensors whole; repeated, it reaches the model up to that rounding: nothing the
-    server holds back is lost."""
+    """Downlink.follow copies ceil(q * n) matrix entries (the largest differences, rounded to
+    float16) and 1-D tensors whole; repeated, it reaches the model up to that rounding: nothing
+    the server holds back is lost."""
     s = DGCStrategy(clients_per_round=2, downlink_density=0.05)
     broadcast = _model(0)
     model = _model(1)
     matrices = sum(v.numel() for v in model.values() if v.dim() > 1)
-    step = s._follow(broadcast, model)
+    step = s.downlink.follow(broadcast, model)
     changed = sum(int((step[k] != broadcast[k]).sum()) for k in model if model[k].dim() > 1)
     assert changed == math.ceil(0.05 * matrices)
     assert torch.equal(step["fc1.bias"], model["fc1.bias"])
@@ -430,7 +560,7 @@ def test_compressed_broadcast_follows_the_model_by_its_largest_differences():
         assert torch.equal(step[k][moved], _half(model[k][moved]))  # the float16 value
         assert bool(((_half(model[k]) - broadcast[k]).abs()[moved] >= threshold).all())
     for _ in range(math.ceil(1 / 0.05)):
-        step = s._follow(step, model)
+        step = s.downlink.follow(step, model)
     assert all(torch.equal(step[k], _half(model[k]) if model[k].dim() > 1 else model[k])
                for k in model)
 
@@ -440,7 +570,7 @@ def test_compressed_broadcast_copies_values_beyond_float16_unrounded():
     broadcast = {"w": torch.zeros(4, 4)}
     model = {"w": torch.zeros(4, 4)}
     model["w"][1, 2] = 1e6  # float16 overflows above 65504
-    assert s._follow(broadcast, model)["w"][1, 2] == 1e6
+    assert s.downlink.follow(broadcast, model)["w"][1, 2] == 1e6
 
 
 def test_patches_carry_broadcast_values_in_float16_and_stay_exact():
@@ -452,8 +582,8 @@ def test_patches_carry_broadcast_values_in_float16_and_stay_exact():
         s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
         step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - target[k]).view(-1),
                                              tuple(v.shape)) for k, v in start.items()}, 1)
-        s._apply([step], [1.0])  # the global model becomes target
-        data = s._patch((0,))[0]
+        s.apply([step], [1.0])  # the global model becomes target
+        data = s.downlink.patch((0,))[0]
         patch = dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL)
         held = {k: v.clone() for k, v in start.items()}
         for n, t in patch.tensors.items():
@@ -487,12 +617,12 @@ def test_int8_broadcast_follows_the_model_on_a_power_of_two_grid():
                     downlink_deltas=False)
     s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
     for k in ("fc1.weight", "fc2.weight"):
-        e = s.grid_exponents[k]
+        e = s.downlink.grid_exponents[k]
         assert 127 * 2.0 ** (e - 4) < float(start[k].abs().max()) <= 127 * 2.0 ** (e - 3)
-    assert "fc1.bias" not in s.grid_exponents
-    exponents = dict(s.grid_exponents)
-    step = s._follow(s.broadcast, model)
-    assert s.grid_exponents == exponents  # the model fits the grid: no step doubled
+    assert "fc1.bias" not in s.downlink.grid_exponents
+    exponents = dict(s.downlink.grid_exponents)
+    step = s.downlink.follow(s.downlink.broadcast, model)
+    assert s.downlink.grid_exponents == exponents  # the model fits the grid: no step doubled
     matrices = sum(v.numel() for v in model.values() if v.dim() > 1)
     changed = sum(int((step[k] != start[k]).sum()) for k in model if model[k].dim() > 1)
     assert changed == math.ceil(0.05 * matrices)
@@ -502,7 +632,7 @@ def test_int8_broadcast_follows_the_model_on_a_power_of_two_grid():
         assert torch.equal(step[k][moved], (model[k][moved] / 2.0 ** e).round() * 2.0 ** e)
     assert torch.equal(step["fc1.bias"], model["fc1.bias"])
     for _ in range(math.ceil(1 / 0.05)):
-        step = s._follow(step, model)
+        step = s.downlink.follow(step, model)
     for k, e in exponents.items():
         assert torch.equal(step[k], (model[k] / 2.0 ** e).round() * 2.0 ** e + 0.0)
 
@@ -512,20 +642,20 @@ def test_int8_grid_step_doubles_when_the_model_outgrows_it_and_moves_the_whole_t
     s = DGCStrategy(clients_per_round=2, downlink_density=0.01, downlink_values="int8",
                     downlink_history=4, downlink_deltas=False)
     s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
-    e, e_fc1 = s.grid_exponents["fc2.weight"], s.grid_exponents["fc1.weight"]
+    e, e_fc1 = s.downlink.grid_exponents["fc2.weight"], s.downlink.grid_exponents["fc1.weight"]
     grown = {k: v.clone() for k, v in start.items()}
     grown["fc2.weight"][0, 0] = 127 * 2.0 ** e * 1.5  # beyond the grid: the step doubles
     step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - grown[k]).view(-1),
                                          tuple(v.shape)) for k, v in start.items()}, 1)
-    s._apply([step], [1.0])
-    assert s.grid_exponents["fc2.weight"] == e + 1
-    assert s.grid_exponents["fc1.weight"] == e_fc1  # fc1 keeps its own step
+    s.apply([step], [1.0])
+    assert s.downlink.grid_exponents["fc2.weight"] == e + 1
+    assert s.downlink.grid_exponents["fc1.weight"] == e_fc1  # fc1 keeps its own step
     sent = s.sent_model["fc2.weight"]
     assert _on_grid(sent, e + 1)
     assert torch.equal(sent, (grown["fc2.weight"] / 2.0 ** (e + 1)).round() * 2.0 ** (e + 1)
                        + 0.0)
     # fc1.weight moved in only ceil(0.01 * n) entries at most; fc2.weight whole.
-    patch = dgc.decode(s._patch((0,))[0], max_numel=dgc.wire.MAX_NUMEL)
+    patch = dgc.decode(s.downlink.patch((0,))[0], max_numel=dgc.wire.MAX_NUMEL)
     assert patch.tensors["fc2.weight"].nnz == int((sent != start["fc2.weight"]).sum())
     assert patch.tensors["fc2.weight"].nnz > 0.9 * sent.numel()
 
@@ -539,8 +669,8 @@ def test_int8_patches_carry_a_byte_or_less_per_matrix_entry_and_stay_exact():
         s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
         step = SparseUpdate({k: SparseTensor(torch.arange(v.numel()), (v - target[k]).view(-1),
                                              tuple(v.shape)) for k, v in start.items()}, 1)
-        s._apply([step], [1.0])
-        data = s._patch((0,))[0]
+        s.apply([step], [1.0])
+        data = s.downlink.patch((0,))[0]
         held = {k: v.clone() for k, v in start.items()}
         for n, t in dgc.decode(data, max_numel=dgc.wire.MAX_NUMEL).tensors.items():
             held[n].view(-1)[t.indices] = t.values.to(torch.float32)
@@ -565,12 +695,12 @@ def test_int8_broadcast_state_survives_a_checkpoint_and_refuses_the_other_grid()
     start = _model(0)
     s = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8")
     s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
-    s.grid_exponents["fc2.weight"] += 1  # as after a doubling
+    s.downlink.grid_exponents["fc2.weight"] += 1  # as after a doubling
     state = s.state_dict()
     again = DGCStrategy(clients_per_round=2, downlink_density=0.05, downlink_values="int8")
     again.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
     again.load_state_dict(state)
-    assert again.grid_exponents == s.grid_exponents
+    assert again.downlink.grid_exponents == s.downlink.grid_exponents
     other = DGCStrategy(clients_per_round=2, downlink_density=0.05)
     with pytest.raises(CheckpointError, match="downlink_values int8, the run has float16"):
         other.load_state_dict(state)
@@ -578,25 +708,27 @@ def test_int8_broadcast_state_survives_a_checkpoint_and_refuses_the_other_grid()
 
 @pytest.mark.parametrize("bad", ["int4", "", None, 8])
 def test_downlink_values_must_be_a_known_grid(bad):
-    with pytest.raises(ValueError, match="downlink_values must be one of"):
+    with pytest.raises(ValueError, match="downlink_values = .* outside the accepted range one "
+                                         "of"):
         DGCStrategy(downlink_values=bad)
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -1.0, 1.01, True, "0.1"])
 def test_downlink_density_must_be_in_zero_one(bad):
-    with pytest.raises(ValueError, match="downlink_density must be in \\(0, 1\\]"):
+    with pytest.raises(ValueError, match="downlink_density( = .* outside the accepted range "
+                                         "\\(0, 1\\]| must be a number)"):
         DGCStrategy(downlink_density=bad)
 
 
 @pytest.mark.parametrize("case", sorted(TAMPERS))
 def test_decoding_the_round_at_once_rejects_and_aggregates_as_one_by_one(case, monkeypatch):
     tamper, _ = TAMPERS[case]
-    s, arrays, _, _ = _one_round_with(tamper)
+    s, arrays, _, _, _ = _one_round_with(tamper)
     assert arrays is not None
     batched = [(r.status, r.reason) for r in s.client_rows]
     # Without the pre-pass, validate_reply decodes each reply itself.
-    monkeypatch.setattr(DGCStrategy, "_decode_replies", lambda self, replies, sampled: {})
-    s1, arrays1, _, _ = _one_round_with(tamper)
+    monkeypatch.setattr(ReplyChecker, "_decode", lambda self, replies: [None] * len(replies))
+    s1, arrays1, _, _, _ = _one_round_with(tamper)
     assert [(r.status, r.reason) for r in s1.client_rows] == batched
     assert s1.rejections == s.rejections
     got, want = arrays.to_torch_state_dict(), arrays1.to_torch_state_dict()
@@ -617,11 +749,11 @@ def _int8_run(rounds: int, history: int = 10, move: float = 0.05, grow_at: int |
     for rnd in range(1, rounds + 1):
         step = {k: move * torch.randn(v.shape, generator=g) for k, v in start.items()}
         if rnd == grow_at:
-            e = s.grid_exponents["fc2.weight"]
+            e = s.downlink.grid_exponents["fc2.weight"]
             step["fc2.weight"][0, 0] = float(s.model["fc2.weight"][0, 0]) - 127 * 2.0 ** e * 1.5
-        s._apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()), v.view(-1),
-                                                tuple(v.shape)) for k, v in step.items()},
-                               rnd)], [1.0])
+        s.apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()), v.view(-1),
+                                               tuple(v.shape)) for k, v in step.items()},
+                              rnd)], [1.0])
         versions[s.model_version] = {k: v.clone() for k, v in s.sent_model.items()}
     return s, versions
 
@@ -630,7 +762,7 @@ def _apply_patch(s: DGCStrategy, held: dict, bases: tuple[int, ...],
                  version: int | None = None) -> tuple[dict, list[str]]:
     """What a client holding ``held`` (version ``version``, default the newest base) builds
     from the patch on ``bases`` (client.app's code)."""
-    data, added = s._patch(bases)
+    data, added = s.downlink.patch(bases)
     config = ConfigRecord({P.DOWNLINK: "patch", P.BASE_VERSION: bases[-1],
                            P.BASE_VERSIONS: list(bases), P.MODEL_VERSION: s.model_version})
     if added:
@@ -651,7 +783,7 @@ def test_int8_deltas_put_version_0_on_the_grid_as_clients_build_it():
     s, versions = _int8_run(0)
     start = _model(0)
     assert _bits_equal(versions[0], round_initial(start))  # what a client rounds it to
-    for k, e in s.grid_exponents.items():
+    for k, e in s.downlink.grid_exponents.items():
         assert _on_grid(versions[0][k], e) and not torch.equal(versions[0][k], start[k])
     assert torch.equal(versions[0]["fc1.bias"], start["fc1.bias"])  # 1-D: unrounded
     assert torch.equal(s.model["fc1.weight"], start["fc1.weight"])  # the global model is not
@@ -659,8 +791,8 @@ def test_int8_deltas_put_version_0_on_the_grid_as_clients_build_it():
 
 def test_int8_delta_patches_rebuild_every_version_bit_for_bit_and_are_smaller():
     s, versions = _int8_run(8, grow_at=5)
-    grown = s.grid_exponents["fc2.weight"]
-    assert grown == _int8_run(0)[0].grid_exponents["fc2.weight"] + 1
+    grown = s.downlink.grid_exponents["fc2.weight"]
+    assert grown == _int8_run(0)[0].downlink.grid_exponents["fc2.weight"] + 1
     any_added = set()
     for base in range(0, s.model_version):
         rebuilt, added = _apply_patch(s, versions[base], (base,))
@@ -668,11 +800,12 @@ def test_int8_delta_patches_rebuild_every_version_bit_for_bit_and_are_smaller():
         any_added |= set(added)
         assert "fc1.bias" not in added  # float32, not on a grid: values
         if added:  # smaller than the same entries as values
+            changed = {n: s.downlink.changed_at[n].view(-1) > base for n in s.sent_model}
             values = dgc.encode(SparseUpdate(
-                {n: SparseTensor(torch.nonzero(s.changed_at[n].view(-1) > base).view(-1),
-                                 t.view(-1)[s.changed_at[n].view(-1) > base], tuple(t.shape))
+                {n: SparseTensor(torch.nonzero(changed[n]).view(-1), t.view(-1)[changed[n]],
+                                 tuple(t.shape))
                  for n, t in s.sent_model.items()}, s.model_version), grid_coding=True)
-            assert len(s._patch((base,))[0]) < len(values)
+            assert len(s.downlink.patch((base,))[0]) < len(values)
     assert any_added == {"fc1.weight", "fc2.weight"}
     # From before the doubling, fc2.weight's entry that outgrew the grid moved by more than 127
     # of the old steps: no int8 grid holds the differences, and that tensor carries values.
@@ -689,36 +822,37 @@ def test_int8_patch_on_several_versions_carries_values():
 
 def test_int8_delta_history_is_bounded_and_survives_a_checkpoint(monkeypatch):
     s, versions = _int8_run(6, history=3)
-    assert list(s._history) == [4, 5, 6]  # a patch spans at most 3 versions
-    assert s._patch((2,)) is None and s._patch((3,))[1]
+    assert list(s.downlink.past) == [4, 5, 6]  # a patch spans at most 3 versions
+    assert s.downlink.patch((2,)) is None and s.downlink.patch((3,))[1]
     state = s.state_dict()
     again = DGCStrategy(clients_per_round=2, downlink_density=0.1, downlink_values="int8",
                         downlink_history=3)
     again.set_model(ArrayRecord({k: v.clone() for k, v in _model(0).items()}))
     again.load_state_dict(state)
-    assert again._patch((3,)) == s._patch((3,))
+    assert again.downlink.patch((3,)) == s.downlink.patch((3,))
     assert _bits_equal(_apply_patch(again, versions[3], (3,))[0], versions[6])
     # Beyond the byte budget the oldest versions go: patches on them carry values.
-    monkeypatch.setattr("server.strategy.DELTA_HISTORY_BYTES", 1)
+    monkeypatch.setattr("server.downlink.DELTA_HISTORY_BYTES", 1)
     tight, versions = _int8_run(3)
-    assert list(tight._history) == []
+    assert list(tight.downlink.past) == []
     rebuilt, added = _apply_patch(tight, versions[1], (1,))
     assert added == [] and _bits_equal(rebuilt, versions[3])
     other = DGCStrategy(clients_per_round=2, downlink_density=0.1, downlink_values="int8",
                         downlink_history=3, downlink_deltas=False)
     other.set_model(ArrayRecord({k: v.clone() for k, v in _model(0).items()}))
-    kept = (other._copy(other.model), other._copy(other.broadcast), dict(other.grid_exponents))
+    kept = (copy_model(other.model), copy_model(other.downlink.broadcast),
+            dict(other.downlink.grid_exponents))
     with pytest.raises(CheckpointError, match="downlink_deltas True, the run has False"):
         other.load_state_dict(state)
     # A refused checkpoint changes nothing.
-    assert _bits_equal(other.model, kept[0]) and _bits_equal(other.broadcast, kept[1])
-    assert other.grid_exponents == kept[2] and other.model_version == 0
+    assert _bits_equal(other.model, kept[0]) and _bits_equal(other.downlink.broadcast, kept[1])
+    assert other.downlink.grid_exponents == kept[2] and other.model_version == 0
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
+@pytest.mark.parametrize("bad", ["maybe", 2, None])
 def test_downlink_deltas_must_be_a_bool(bad):
-    with pytest.raises(ValueError, match="downlink_deltas must be a bool"):
-        DGCStrategy(downlink_deltas=bad)
+    with pytest.raises(ValueError, match="downlink_deltas must be a boolean"):
+        DGCStrategy.from_settings(RunConfig.from_flat({"downlink_deltas": bad}))
 
 
 # ---------------------------------------------------------------- downlink_lookahead
@@ -740,27 +874,30 @@ def test_broadcast_looks_ahead_along_the_server_momentum():
         s.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
         previous = None
         for rnd in (1, 2, 3):
-            previous = s._copy(s.broadcast)
-            s._apply([_step(start, rnd)], [1.0])
+            previous = copy_model(s.downlink.broadcast)
+            s.apply([_step(start, rnd)], [1.0])
         runs[look, momentum] = (s, previous)
     plain = runs[0.0, 0.9][0]
     for look in (1.0, 0.5):
         s, previous = runs[look, 0.9]
         assert all(torch.equal(s.model[k], plain.model[k]) for k in start)
-        heading = OrderedDict((k, v - look * 0.7 * 0.9 * s.momentum_buffer[k])
+        heading = OrderedDict((k, v - look * 0.7 * 0.9 * s.optimizer.buffer[k])
                               for k, v in s.model.items())
-        expected = plain._follow(previous, heading)
-        assert all(torch.equal(s.broadcast[k], expected[k]) for k in start)
-        assert any(not torch.equal(s.broadcast[k], plain.broadcast[k]) for k in start)
+        expected = plain.downlink.follow(previous, heading)
+        assert all(torch.equal(s.downlink.broadcast[k], expected[k]) for k in start)
+        assert any(not torch.equal(s.downlink.broadcast[k], plain.downlink.broadcast[k])
+                   for k in start)
     no_momentum = runs[1.0, 0.0][0]
     followed = DGCStrategy(clients_per_round=2, downlink_density=0.05, server_learning_rate=0.7)
     followed.set_model(ArrayRecord({k: v.clone() for k, v in start.items()}))
     for rnd in (1, 2, 3):
-        followed._apply([_step(start, rnd)], [1.0])
-    assert all(torch.equal(no_momentum.broadcast[k], followed.broadcast[k]) for k in start)
+        followed.apply([_step(start, rnd)], [1.0])
+    assert all(torch.equal(no_momentum.downlink.broadcast[k], followed.downlink.broadcast[k])
+               for k in start)
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "1"])
 def test_downlink_lookahead_must_be_in_zero_one(bad):
-    with pytest.raises(ValueError, match="downlink_lookahead must be in"):
+    with pytest.raises(ValueError, match="downlink_lookahead( = .* outside the accepted range "
+                                         "\\[0, 1\\]| must be a number)"):
         DGCStrategy(downlink_lookahead=bad)

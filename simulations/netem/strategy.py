@@ -27,8 +27,10 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedgc import protocol as P
-from server.strategy import DGCStrategy, ReplyRejected
-from simulations.netem.clock import RoundClock, RoundOutcome
+from server.records import ClientRow, RoundRecord
+from server.replies import CheckedReply
+from server.strategy import DGCStrategy
+from simulations.netem.clock import ClientTimeline, RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply
 from simulations.netem.settings import ROUND_KEY, ROUND_START_KEY, NetemSettings
 
@@ -60,6 +62,8 @@ class NetemStrategy(DGCStrategy):
         self.clock = RoundClock(self.clients_per_round, netem.deadline, self.over_selection)
         self.virtual_now_s = 0.0
         self.outcomes: dict[int, RoundOutcome] = {}
+        # This round's replies that failed validation: client key -> when they finished.
+        self._rejected_finish: dict[int, float] = {}
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
@@ -85,62 +89,71 @@ class NetemStrategy(DGCStrategy):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Close the round on the virtual clock, then aggregate the first K valid finishers."""
         start_s = self.virtual_now_s
-        valid: dict[int, Message] = {}
-        rejected: dict[int, tuple[Message, float]] = {}
+        arrived: list[tuple[Message, ClientTimeline]] = []
         others: list[Message] = []  # errors and replies without a timeline: DGCStrategy decides
-        timelines = []
         computed: set[int] = set()
-        arrived = []
         for msg in replies:
             tl = timeline_from_reply(msg)
             if tl is None:
                 others.append(msg)
                 continue
             # The strategy's own key for the node, so that clock, rows and acks agree.
-            key = self.node_keys.get(msg.metadata.src_node_id, tl.client_id)
+            key = self.registry.node_keys.get(msg.metadata.src_node_id, tl.client_id)
             arrived.append((msg, dataclasses.replace(tl, client_id=key)))
             if P.UPDATE in msg.content.array_records:
                 computed.add(key)
-        # Validated together (one decode pass), and remembered: DGCStrategy.aggregate_train
-        # reuses these results for the replies forwarded to it.
-        checks = iter(self.validate_replies([m for m, tl in arrived if tl.ok], server_round))
-        for msg, tl in arrived:
+        # Checked once, together (one decode pass); what is forwarded is not checked again.
+        finished = [m for m, tl in arrived if tl.ok]
+        checked = self.check_replies(server_round, finished + others)
+        checks = iter(checked[:len(finished)])  # in the order of ``finished``
+        valid: dict[int, CheckedReply] = {}
+        rejected: dict[int, tuple[CheckedReply, float]] = {}
+        timelines, ignored = [], []
+        for _, tl in arrived:
             if tl.ok:
-                if isinstance(next(checks), ReplyRejected):
-                    rejected[tl.client_id] = (msg, tl.finish_s)
+                c = next(checks)
+                if c.status == "ignored":  # not sampled, or a second reply: counted, no more
+                    ignored.append(c)
                     continue
-                valid[tl.client_id] = msg
+                if c.status != "valid":
+                    rejected[tl.client_id] = (c, tl.finish_s)
+                    continue
+                valid[tl.client_id] = c
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
+        in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
+        self.outcomes[server_round] = outcome
+        self._rejected_finish = {k: t for k, (_, t) in rejected.items()}
         # A client that replied with an update (even too late, or cut on the uplink) trained on
         # the model sent this round, so it holds that version: the download completed, which
         # the server's side of the transfer knows. Later patches may build on it.
-        self._processed = computed
-        in_time_rejected = [m for m, t in rejected.values() if t <= outcome.end_s]
-        forwarded = [valid[k] for k in outcome.aggregated] + in_time_rejected + others
-        arrays, metrics = super().aggregate_train(server_round, forwarded)
-
-        assert self._round is not None
-        for row in self._round.rows:
-            why = outcome.dropped.get(row.client_key)
-            if why is not None:
-                row.status, row.reason = "dropped", why
-            elif row.client_key in rejected and rejected[row.client_key][1] > outcome.end_s:
-                row.status, row.reason = "dropped", "deadline"
-        record = self._pending_record
-        record.virtual_seconds = outcome.virtual_seconds
-        record.dropped_deadline = outcome.dropped_deadline + sum(
-            t > outcome.end_s for _, t in rejected.values())
-        record.dropped_link = outcome.dropped_link
-        record.dropped_rejected = len(in_time_rejected)
-        self.outcomes[server_round] = outcome
+        forwarded = ([valid[k] for k in outcome.aggregated] + in_time_rejected
+                     + checked[len(finished):] + ignored)
+        arrays, metrics = self.aggregate_checked(server_round, forwarded, processed=computed)
         self.virtual_now_s = outcome.end_s
         if metrics is not None:
             metrics["virtual_seconds"] = outcome.virtual_seconds
+        record = self.round_record
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
             "rejected", server_round, outcome.virtual_seconds, record.dropped_deadline,
             record.dropped_link, record.dropped_rejected)
         return arrays, metrics
+
+    def close_round(self, record: RoundRecord, rows: list[ClientRow]) -> None:
+        """Mark the clients the clock dropped, and record the round's virtual time."""
+        outcome = self.outcomes[record.round]
+        for row in rows:
+            why = outcome.dropped.get(row.client_key)
+            late = self._rejected_finish.get(row.client_key, -math.inf) > outcome.end_s
+            if why is not None:
+                row.status, row.reason = "dropped", why
+            elif late:
+                row.status, row.reason = "dropped", "deadline"
+        record.virtual_seconds = outcome.virtual_seconds
+        record.dropped_deadline = outcome.dropped_deadline + sum(
+            t > outcome.end_s for t in self._rejected_finish.values())
+        record.dropped_link = outcome.dropped_link
+        record.dropped_rejected = sum(t <= outcome.end_s for t in self._rejected_finish.values())
 
     def summary_extra(self) -> dict[str, Any]:
         """The emulator's keys of ``summary.json``."""

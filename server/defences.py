@@ -1,0 +1,91 @@
+"""Bounds on one client's sway over a round's aggregate: a cap on its weight and a clip of its
+update's norm, both relative to the round's median over its valid replies.
+
+A client claims its weight (``num-examples``) and sends its update; without bounds a claim of
+1e12 examples, or values of 1e30, make that one update the whole aggregate. Both bounds leave an
+honest round untouched (the weights and factors are then exactly the claims and 1.0, so results
+are bit for bit those of plain FedAvg) and are reported in the client's row. Clipping, rather
+than rejecting, keeps an honest client whose update grew (a residual that gathered several
+missed rounds) in the federation: a rejected update would come back larger every round.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from dgc import SparseUpdate
+from server.replies import CheckedReply
+
+
+def update_norm(update: SparseUpdate, signs: SparseUpdate | None = None) -> float:
+    """The L2 norm of a decoded update and its signs together, in float64 (values near the
+    float32 limit would overflow when squared in float32). Reads the packed form without
+    unpacking it."""
+    parts = [] if signs is None else [t.values for t in signs.tensors.values()]
+    if update.packed is not None:
+        parts += [update.packed.sparse_values, update.packed.dense_values]
+    else:
+        parts += [t.values for t in update.tensors.values()]
+    return math.sqrt(sum(float(p.to(torch.float64).square().sum()) for p in parts))
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far one client may move the aggregate.
+
+    Parameters
+    ----------
+    max_weight_ratio : float (default: 4.0)
+        A client's weight is at most this times the median weight claimed by the round's valid
+        replies (0: no cap). The digits runs of the snapshots reach 2.1 at most with the
+        default Dirichlet partition.
+    max_norm_ratio : float (default: 10.0)
+        A client's update (with its signs) is scaled down to at most this times the median norm
+        of the round's valid replies (0: no clip).
+
+    With fewer than three valid replies the median is not robust to one outlier: the bounds
+    then hold only against a client that is not among the median's own.
+    """
+
+    max_weight_ratio: float = 4.0
+    max_norm_ratio: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_weight_ratio", "max_norm_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (value == 0 or (math.isfinite(value) and value >= 1)):
+                raise ValueError(f"{name} must be 0 (off) or a finite number >= 1, got "
+                                 f"{value!r}")
+
+    def apply(self, chosen: list[CheckedReply], valid: list[CheckedReply],
+              ) -> tuple[list[float], list[float], dict[int, str]]:
+        """(weight, update factor) per reply of ``chosen``, and a note per bounded client key.
+
+        ``valid``: every valid reply of the round, the reference of both medians.
+        """
+        weights = [float(c.num_examples) for c in chosen]
+        factors = [1.0] * len(chosen)
+        notes: dict[int, list[str]] = {}
+        if self.max_weight_ratio and valid:
+            cap = self.max_weight_ratio * statistics.median(c.num_examples for c in valid)
+            for i, c in enumerate(chosen):
+                if weights[i] > cap:
+                    weights[i] = cap
+                    notes.setdefault(c.client_key, []).append(
+                        f"weight {c.num_examples} capped at {cap:g}")
+        if self.max_norm_ratio and valid:
+            norms = {c.client_key: update_norm(c.update, c.signs) for c in valid
+                     if c.update is not None}
+            bound = self.max_norm_ratio * statistics.median(norms.values())
+            for i, c in enumerate(chosen):
+                norm = norms[c.client_key]
+                if norm > bound:
+                    factors[i] = bound / norm
+                    notes.setdefault(c.client_key, []).append(
+                        f"update norm {norm:.3g} clipped to {bound:.3g}")
+        return weights, factors, {k: "; ".join(v) for k, v in notes.items()}

@@ -1,0 +1,343 @@
+"""The downlink: model versions, what changed at each, the compressed broadcast on its float16
+or int8 grid, and the dense model or patch each client is sent.
+
+Clients hold the *sent model*: the global model itself, or, with ``density < 1``, a broadcast
+model that follows it by the largest entries of their difference each round (error feedback on
+the server, as in DoubleSqueeze, Tang et al. 2019). Per entry the downlink keeps the version at
+which it last changed (``changed_at``), so a patch valid on every version a client may hold is
+the set of entries that changed after the oldest of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+
+import dgc
+from fedgc import protocol as P
+from dgc import SparseTensor, SparseUpdate
+from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
+from dgc.wire import encoded_size
+from server.checkpoint import CheckpointError
+
+Model = OrderedDict[str, torch.Tensor]
+
+#: The most bytes of past grid values the server keeps for delta patches (``downlink_deltas``);
+#: a patch on a version beyond them carries values.
+DELTA_HISTORY_BYTES = 256 * 2**20
+
+
+@dataclass
+class Offer:
+    """What one client is sent: the dense model or a patch on the versions it may hold."""
+
+    kind: str  # "dense" | "patch"
+    record: ArrayRecord
+    nbytes: int
+    base_versions: tuple[int, ...] = ()
+    added: list[str] = field(default_factory=list)  # patch tensors that carry differences
+
+
+def copy_model(model: Mapping[str, torch.Tensor]) -> Model:
+    """A deep copy of ``model`` (same order)."""
+    return OrderedDict((k, v.clone()) for k, v in model.items())
+
+
+def float16_grid(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to the nearest float16 values, in float32 (values beyond float16's range
+    unrounded)."""
+    rounded = t.to(torch.float16).to(torch.float32)
+    return torch.where(torch.isfinite(rounded), rounded, t)
+
+
+def _history_nbytes(changes: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(i.numel() * i.element_size() + v.numel() * v.element_size()
+               for i, v in changes.values())
+
+
+class Downlink:
+    """Model versions and what clients are sent; see the strategy's ``downlink*`` parameters
+    (:class:`server.strategy.DGCStrategy`) for what each setting means."""
+
+    def __init__(self, mode: str = "auto", history: int = 1, density: float = 1.0,
+                 values: str = "float16", deltas: bool = True) -> None:
+        self.mode = mode
+        self.history = history
+        self.density = float(density)
+        self.values = values
+        self.deltas = deltas
+        self.model: Model | None = None  # the global model, float32
+        self.broadcast: Model | None = None  # what clients hold, with density < 1
+        self.version = 0  # aggregations applied so far = version of the sent model
+        # Per entry of the sent model, the version at which it last changed.
+        self.changed_at: dict[str, torch.Tensor] = {}
+        # values "int8": per matrix, the exponent e of the broadcast's grid step 2**e (None while
+        # the tensor is all zeros: any grid holds it).
+        self.grid_exponents: dict[str, int | None] = {}
+        # With deltas: per version u, per grid tensor, the entries that changed at u and their
+        # values before (what a patch on an older version subtracts). Oldest first.
+        self.past: OrderedDict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.past_nbytes = 0
+
+    # ------------------------------------------------------------------ versions
+    def reset(self, model: Model) -> None:
+        """Start from ``model`` as version 0."""
+        self.model = model
+        self.version = 0
+        self.broadcast = copy_model(model) if self.density < 1.0 else None
+        self.grid_exponents = {}
+        if self.density < 1.0 and self.values == "int8":
+            self.grid_exponents = initial_exponents(model)
+            if self.deltas:
+                # Version 0 on the grid too, so that every version differs from every other by
+                # multiples of the step (clients that build it round it the same way).
+                for k, e in self.grid_exponents.items():
+                    if e is not None:
+                        self.broadcast[k] = to_int8_grid(model[k], e)
+        self._forget_past()
+        self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
+
+    @property
+    def sent_model(self) -> Model:
+        """The model clients are sent and hold: the broadcast model, or the global model."""
+        assert self.model is not None
+        return self.broadcast if self.broadcast is not None else self.model
+
+    @property
+    def initial_on_grid(self) -> bool:
+        """Whether version 0 of the broadcast is rounded to the int8 grid (deltas on)."""
+        return bool(self.grid_exponents) and self.deltas
+
+    def advance(self, model: Model, heading: Model) -> None:
+        """Adopt ``model`` as the next version; the broadcast follows ``heading``."""
+        before = self.sent_model
+        self.model = model
+        if self.broadcast is not None:
+            self.broadcast = self.follow(self.broadcast, heading)
+        self.version += 1
+        changed = {}
+        for name, t in self.sent_model.items():
+            # bitwise comparison, so a replaced entry reproduces the server's value exactly
+            changed[name] = t.view(torch.int32) != before[name].view(torch.int32)
+            self.changed_at[name][changed[name]] = self.version
+        if self.initial_on_grid:
+            self._remember(self.version, changed, before)
+
+    def follow(self, broadcast: Mapping[str, torch.Tensor],
+               model: Mapping[str, torch.Tensor]) -> Model:
+        """The next broadcast model: ``broadcast`` with its matrix entries that differ most
+        from ``model`` rounded to float16 replaced by those rounded values (one-dimensional
+        tensors are copied whole, unrounded).
+
+        The rounding halves the value bytes of every patch; what it drops (at most half a
+        float16 step) stays in ``model - broadcast`` like any entry not sent, and is sent when
+        the model moves on (error feedback on the server). Ranking by the rounded difference
+        never spends a slot on an entry whose rounded value the clients already hold. With
+        ``values="int8"`` the grid is the tensor's int8 grid instead (a quarter of the float32
+        bytes); a tensor whose grid step had to double is copied whole, re-rounded.
+        """
+        out = copy_model(broadcast)
+        matrices = [k for k, v in model.items() if v.dim() > 1]
+        for k, v in model.items():
+            if v.dim() <= 1:
+                out[k].copy_(v)
+        if not matrices:
+            return out
+        if self.grid_exponents:
+            target = {}
+            for k in matrices:
+                before = self.grid_exponents[k]
+                e = grid_exponent(model[k], before)
+                self.grid_exponents[k] = e
+                target[k] = model[k].clone() if e is None else to_int8_grid(model[k], e)
+                if before is not None and e != before:
+                    out[k].copy_(target[k])  # a coarser grid: every entry moves onto it
+        else:
+            target = {k: float16_grid(model[k]) for k in matrices}
+        diff = torch.cat([(target[k] - out[k]).abs().view(-1) for k in matrices])
+        count = min(diff.numel(), math.ceil(self.density * diff.numel()))
+        # Ties are broken by position (stable sort), so the selection is reproducible.
+        chosen = torch.sort(diff, descending=True, stable=True).indices[:count]
+        chosen = chosen[diff[chosen] > 0]
+        start = 0
+        for k in matrices:
+            n = model[k].numel()
+            local = chosen[(chosen >= start) & (chosen < start + n)] - start
+            out[k].view(-1)[local] = target[k].view(-1)[local]
+            start += n
+        return out
+
+    def _forget_past(self) -> None:
+        self.past = OrderedDict()
+        self.past_nbytes = 0
+
+    def _remember(self, version: int, changed: Mapping[str, torch.Tensor],
+                  before: Mapping[str, torch.Tensor]) -> None:
+        """Keep the grid entries that changed at ``version`` (``changed``: a mask per tensor)
+        with their values ``before``."""
+        changes = {}
+        for name in self.grid_exponents:
+            idx = torch.nonzero(changed[name].view(-1)).view(-1)
+            if idx.numel():
+                changes[name] = (idx, before[name].view(-1)[idx].clone())
+        self.past[version] = changes
+        self.past_nbytes += _history_nbytes(changes)
+        while self.past and (next(iter(self.past)) <= version - self.history
+                             or self.past_nbytes > DELTA_HISTORY_BYTES):
+            _, dropped = self.past.popitem(last=False)
+            self.past_nbytes -= _history_nbytes(dropped)
+
+    def grid_values_at(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The grid tensors of the sent model as they were at ``version``, or None when the
+        kept history does not reach back to it."""
+        if not all(u in self.past for u in range(version + 1, self.version + 1)):
+            return None
+        out = {name: self.sent_model[name].clone() for name in self.grid_exponents}
+        for u in range(self.version, version, -1):  # newest first: the oldest value wins
+            for name, (idx, old) in self.past[u].items():
+                out[name].view(-1)[idx] = old
+        return out
+
+    # ------------------------------------------------------------------ what is sent
+    def patch(self, base_versions: tuple[int, ...]) -> tuple[bytes, list[str]] | None:
+        """A patch that turns any of ``base_versions`` into the current sent model, and the
+        tensors whose patch values are differences to add (``patch_add``) rather than values.
+
+        It carries, with their current values, the entries that changed after the oldest base:
+        on each base an entry outside that set already holds the current bits, so replacing the
+        set gives the same model whichever base the client holds. None when a base is more
+        than ``history`` versions old (or newer than the model). On a single base, with
+        ``deltas``, a grid tensor carries ``now - base`` instead where that encodes smaller
+        (the differences sit on the grid, and adding them gives ``now`` bit for bit: both are
+        checked).
+        """
+        if not base_versions or any(not self.version - self.history <= v <= self.version
+                                    for v in base_versions):
+            return None
+        oldest = min(base_versions)
+        base = (self.grid_values_at(oldest)
+                if self.initial_on_grid and len(base_versions) == 1 else None)
+        tensors, added = {}, []
+        for name, t in self.sent_model.items():
+            idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
+            values = t.view(-1)[idx].clone()
+            if name in self.grid_exponents:
+                # on the tensor's int8 grid: the encoder's grid coding carries them
+                delta = None if base is None else self._delta(name, idx, values,
+                                                              base[name].view(-1)[idx])
+                if delta is not None:
+                    tensors[name] = delta
+                    added.append(name)
+                    continue
+            elif torch.equal((half := values.to(torch.float16)).to(torch.float32), values):
+                # Values float16 holds exactly (every matrix entry the compressed broadcast
+                # wrote, see follow) travel in half the bytes; the client's float32 copy of
+                # them is still bit for bit.
+                values = half
+            tensors[name] = SparseTensor(idx, values, tuple(t.shape))
+        return dgc.encode(SparseUpdate(tensors, self.version),
+                          grid_coding=bool(self.grid_exponents)), added
+
+    def _delta(self, name: str, idx: torch.Tensor, now: torch.Tensor,
+               then: torch.Tensor) -> SparseTensor | None:
+        """The entries ``idx`` of grid tensor ``name`` as differences ``now - then`` (those
+        that differ), when adding them gives ``now`` bit for bit and they encode smaller."""
+        delta = now - then
+        keep = delta != 0  # an entry that changed and changed back needs nothing added
+        if not torch.equal((then[keep] + delta[keep]).view(torch.int32),
+                           now[keep].view(torch.int32)):
+            return None
+        shape = tuple(self.sent_model[name].shape)
+        added = SparseTensor(idx[keep], delta[keep], shape)
+        if encoded_size(SparseUpdate({name: added}), grid_coding=True) \
+                >= encoded_size(SparseUpdate({name: SparseTensor(idx, now, shape)}),
+                                grid_coding=True):
+            return None
+        return added
+
+    def offers(self, held: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], Offer]:
+        """Per set of versions a client may hold (``()``: none known), what it is sent: a
+        patch when one spans them and is smaller than the dense model, else the dense model."""
+        dense_record = ArrayRecord(copy_model(self.sent_model))
+        dense = Offer("dense", dense_record, P.record_nbytes(dense_record))
+        out: dict[tuple[int, ...], Offer] = {}
+        for versions in held:
+            if versions in out:
+                continue
+            out[versions] = dense
+            if self.mode == "auto" and versions:
+                patch = self.patch(versions)
+                if patch is not None and len(patch[0]) < dense.nbytes:
+                    out[versions] = Offer("patch", P.bytes_to_record(patch[0], P.PATCH),
+                                          len(patch[0]), versions, patch[1])
+        return out
+
+    def config(self, offer: Offer, initial_versions: list[int]) -> dict[str, Any]:
+        """The train config keys that tell a client how to read ``offer``."""
+        cfg: dict[str, Any] = {P.DOWNLINK: offer.kind, P.KEEP_MODEL: self.mode == "auto"}
+        if offer.kind == "patch":
+            cfg[P.BASE_VERSION] = offer.base_versions[-1]
+            cfg[P.BASE_VERSIONS] = list(offer.base_versions)
+            if offer.added:
+                cfg[P.PATCH_ADD] = offer.added
+        if self.initial_on_grid and initial_versions:
+            cfg[P.INITIAL_GRID] = True
+        return cfg
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The downlink's part of the strategy state (flat checkpoint keys)."""
+        assert self.model is not None
+        return {
+            "model": dict(self.model),
+            "model_names": list(self.model),
+            "model_version": self.version,
+            "broadcast": None if self.broadcast is None else dict(self.broadcast),
+            "downlink_values": self.values,
+            "grid_exponents": dict(self.grid_exponents),
+            "downlink_deltas": self.deltas,
+            "delta_history": [[u, {n: [i, v] for n, (i, v) in changes.items()}]
+                              for u, changes in self.past.items()],
+            "changed_at": dict(self.changed_at),
+        }
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """CheckpointError when clients of the checkpointed run hold another model than this
+        downlink would send (changes nothing)."""
+        broadcast = state.get("broadcast")
+        if (broadcast is None) != (self.density == 1.0):
+            raise CheckpointError(f"checkpoint was written with downlink_density "
+                                  f"{'1' if broadcast is None else '< 1'}, the run has "
+                                  f"{self.density:g}: clients hold the other model")
+        written = state.get("downlink_values", "float16")
+        if broadcast is not None and written != self.values:
+            raise CheckpointError(f"checkpoint was written with downlink_values {written}, the "
+                                  f"run has {self.values}: clients hold the other grid")
+        deltas = bool(state.get("downlink_deltas", False))
+        if state.get("grid_exponents") and deltas != self.deltas:
+            raise CheckpointError(f"checkpoint was written with downlink_deltas {deltas}, the "
+                                  f"run has {self.deltas}: version 0 is "
+                                  f"{'' if deltas else 'not '}on the grid there")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (after :meth:`check_state`; migrated by
+        ``server.checkpoint``)."""
+        names = state["model_names"]
+        model, broadcast = state["model"], state.get("broadcast")
+        self.model = OrderedDict((k, model[k].to(torch.float32).contiguous()) for k in names)
+        self.broadcast = None if broadcast is None else OrderedDict(
+            (k, broadcast[k].to(torch.float32).contiguous()) for k in names)
+        self.grid_exponents = dict(state.get("grid_exponents", {}))
+        self._forget_past()
+        for u, changes in state.get("delta_history", []):
+            self.past[int(u)] = {n: (i.to(torch.int64), v.to(torch.float32))
+                                 for n, (i, v) in changes.items()}
+            self.past_nbytes += _history_nbytes(self.past[int(u)])
+        self.version = int(state["model_version"])
+        self.changed_at = {k: state["changed_at"][k].to(torch.int32).contiguous() for k in names}

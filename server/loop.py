@@ -1,0 +1,89 @@
+"""The round loop: Flower's ``Strategy.start`` with resume from a checkpoint and a checkpoint
+after every round (Flower 1.42's loop always starts at round 1 and has no hook after a round)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.supercore import log
+
+from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
+
+if TYPE_CHECKING:
+    from server.strategy import DGCStrategy
+
+
+def run_rounds(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
+               num_rounds: int = 3, timeout: float = 3600,
+               train_config: ConfigRecord | None = None,
+               evaluate_config: ConfigRecord | None = None,
+               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+               ) -> Result:
+    """Run ``strategy``'s rounds ``completed_rounds + 1 .. num_rounds`` on ``grid``.
+
+    As Flower's loop: train, federated evaluation (with ``fraction_evaluate > 0``), centralized
+    evaluation (``evaluate_fn``, whose ``accuracy`` and ``loss`` fill the round's record). Each
+    finished round goes to :meth:`DGCStrategy.keep_round` (records, checkpoint, ``on_round``).
+    """
+    log(INFO, "Starting %s strategy:", strategy.__class__.__name__)
+    strategy.summary()
+    train_config = ConfigRecord() if train_config is None else train_config
+    evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+    strategy.set_model(initial_arrays)
+    if strategy.resume:
+        # A resume that found nothing would run from round 1 over the clients' old residuals.
+        if strategy.checkpoint_dir is None:
+            raise CheckpointError("resume=true needs checkpoints (checkpoint=true): there is "
+                                  "nothing to resume from")
+        saved = load_checkpoint(strategy.checkpoint_dir)
+        if saved is None:
+            raise CheckpointError(f"resume=true, but {strategy.checkpoint_dir} holds no "
+                                  f"{CHECKPOINT_FILE}; run without resume to start a new run")
+        if saved.get("run_config") is None:
+            log(WARNING, "The checkpoint in %s stores no run configuration (an earlier fedgc): "
+                "resuming without checking it", strategy.checkpoint_dir)
+        strategy.load_state_dict(saved)
+        log(INFO, "Resumed from %s after round %d", strategy.checkpoint_dir,
+            strategy.completed_rounds)
+    result = Result()
+    for r in strategy.rounds:
+        result.evaluate_metrics_serverapp[r.round] = MetricRecord(
+            {"accuracy": r.accuracy, "loss": r.loss})
+    if evaluate_fn and strategy.completed_rounds == 0:
+        res = evaluate_fn(0, strategy.model_arrays())
+        if res is not None:
+            result.evaluate_metrics_serverapp[0] = res
+    for current_round in range(strategy.completed_rounds + 1, num_rounds + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
+        started = time.time()
+        replies = grid.send_and_receive(
+            messages=strategy.configure_train(current_round, strategy.model_arrays(),
+                                              train_config, grid), timeout=timeout)
+        _, train_metrics = strategy.aggregate_train(current_round, replies)
+        if train_metrics is not None:
+            result.train_metrics_clientapp[current_round] = train_metrics
+        if strategy.fraction_evaluate > 0:
+            eval_replies = grid.send_and_receive(
+                messages=strategy.configure_evaluate(current_round, strategy.model_arrays(),
+                                                     evaluate_config, grid), timeout=timeout)
+            agg = strategy.aggregate_evaluate(current_round, eval_replies)
+            if agg is not None:
+                result.evaluate_metrics_clientapp[current_round] = agg
+        record = strategy.round_record
+        if evaluate_fn:
+            res = evaluate_fn(current_round, strategy.model_arrays())
+            if res is not None:
+                result.evaluate_metrics_serverapp[current_round] = res
+                record.accuracy = float(res.get("accuracy", float("nan")))  # type: ignore
+                record.loss = float(res.get("loss", float("nan")))  # type: ignore
+        record.wall_seconds = time.time() - started
+        strategy.keep_round(record)
+    result.arrays = strategy.model_arrays()
+    return result

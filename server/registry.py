@@ -1,0 +1,183 @@
+"""The client registry: which node is which client, what each client acknowledged and may
+hold, and the seeded sampling of a round's clients.
+
+Clients are known by a stable key (what a query message asks once per node): node ids change
+with every simulation run, partition ids do not.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedgc import protocol as P
+
+
+@dataclass
+class ClientInfo:
+    """What the server knows of one client between rounds."""
+
+    acked: int = -1  # the sequence (round) of its last aggregated update; -1: none
+    versions: list[int] = field(default_factory=list)  # model versions it may hold
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one sampled client's round ended, as the registry's bookkeeping needs it."""
+
+    client_key: int
+    status: str  # aggregated | surplus | rejected | error | timeout
+
+
+class ClientRegistry:
+    """Node ids, acknowledgements, held versions and sampling.
+
+    Parameters
+    ----------
+    seed : int
+        Seed of the sampling (per round: ``Random(seed * 1000003 + round)``).
+    initial_versions : list of int
+        What a client the server never heard from holds: ``[0]`` when clients build version
+        0 of the model themselves, else ``[]`` (the dense model first).
+    """
+
+    def __init__(self, seed: int = 0, initial_versions: Iterable[int] = ()) -> None:
+        self.seed = int(seed)
+        self.initial_versions = list(initial_versions)
+        self.clients: dict[int, ClientInfo] = {}
+        self.node_keys: dict[int, int] = {}  # node id -> client key, in identification order
+
+    def register(self, node_keys: Mapping[int, int]) -> None:
+        """Record node id -> client key pairs (what the identification query learns)."""
+        for node, key in node_keys.items():
+            self.node_keys.pop(int(node), None)  # re-registering moves the node to the newest
+            self.node_keys[int(node)] = int(key)
+
+    def key_of(self, node_id: int) -> int:
+        """The client key of ``node_id`` (-1: unknown)."""
+        return self.node_keys.get(node_id, -1)
+
+    def nodes_by_key(self, node_ids: list[int]) -> dict[int, int]:
+        """Client key -> the node to message, among the connected ``node_ids``.
+
+        A SuperNode that crashed and came back has a new node id, while the SuperLink may still
+        list the dead one as online for a while: when several connected nodes carry one key,
+        the most recently identified one wins (``node_keys`` keeps identification order).
+        """
+        online = set(node_ids)
+        node_of: dict[int, int] = {}
+        for node, key in self.node_keys.items():
+            if node in online:
+                node_of[key] = node
+        return node_of
+
+    def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
+        """The connected node ids, once there are at least ``needed``."""
+        while len(node_ids := sorted(grid.get_node_ids())) < needed:
+            log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).",
+                len(node_ids), needed)
+            time.sleep(1)
+        return node_ids
+
+    def identify(self, grid: Grid, node_ids: list[int], timeout: float) -> None:
+        """Ask every node not yet known for its client key (one query message each)."""
+        unknown = [n for n in node_ids if n not in self.node_keys]
+        if not unknown:
+            return
+        messages = [Message(RecordDict({P.CONFIG: ConfigRecord({"ask": P.CLIENT_KEY})}),
+                            dst_node_id=n, message_type=MessageType.QUERY) for n in unknown]
+        for msg in grid.send_and_receive(messages, timeout=timeout):
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                log(WARNING, "node %d did not identify itself: %s", node, msg.error.reason)
+                continue
+            metrics = msg.content.metric_records.get(P.METRICS)
+            key = None if metrics is None else metrics.get(P.CLIENT_KEY)
+            if isinstance(key, float) and key.is_integer():
+                key = int(key)
+            if isinstance(key, bool) or not isinstance(key, int):
+                log(WARNING, "node %d sent no client key (got %r)", node, key)
+                continue
+            self.node_keys[node] = key
+        missing = len([n for n in unknown if n not in self.node_keys])
+        if missing:
+            log(WARNING, "%d of %d new nodes are unidentified and will not be sampled", missing,
+                len(unknown))
+
+    def sample_round(self, grid: Grid, server_round: int, count: int, min_nodes: int,
+                     timeout: float) -> tuple[dict[int, int], int]:
+        """Client key -> node id of the clients sampled in ``server_round`` (``count`` of the
+        connected, identified ones, in sampling order), and how many nodes are connected.
+
+        Waits for ``min_nodes`` connected nodes, and asks new ones for their key first
+        (``timeout``: seconds to wait for their answers).
+        """
+        node_ids = self.wait_for_nodes(grid, min_nodes)
+        self.identify(grid, node_ids, timeout)
+        node_of = self.nodes_by_key(node_ids)
+        return {k: node_of[k] for k in self.sample(server_round, list(node_of), count)}, \
+            len(node_ids)
+
+    def sample(self, server_round: int, keys: list[int], count: int) -> list[int]:
+        """``count`` of ``keys`` (all when fewer), reproducible from the seed and the round,
+        whatever order ``keys`` come in."""
+        rng = random.Random(self.seed * 1_000_003 + server_round)
+        return rng.sample(sorted(keys), min(len(keys), count))
+
+    def held(self, key: int) -> tuple[int, ...]:
+        """The model versions client ``key`` may hold, sorted (``()``: none known)."""
+        info = self.clients.get(key)
+        return tuple(sorted(self.initial_versions if info is None else info.versions))
+
+    def acked(self, key: int) -> int:
+        """The sequence of client ``key``'s last aggregated update (-1: none)."""
+        info = self.clients.get(key)
+        return -1 if info is None else info.acked
+
+    def settle(self, server_round: int, outcomes: Iterable[RoundOutcome], version_sent: int,
+               processed: Iterable[int] = (), dense_only: bool = False) -> None:
+        """Record what each sampled client acknowledged and may hold after ``server_round``.
+
+        ``processed``: clients known to have processed the round's message although their
+        reply was not aggregated nor refused (the network emulator's late replies).
+        ``dense_only``: clients will be sent the dense model whatever they hold.
+        """
+        done = set(processed)
+        for outcome in outcomes:
+            info = self.clients.setdefault(outcome.client_key,
+                                           ClientInfo(versions=list(self.initial_versions)))
+            if outcome.status == "aggregated":
+                info.acked = server_round
+            if dense_only or outcome.status == "error":
+                info.versions = []  # dense next time
+            elif outcome.status in ("aggregated", "surplus", "rejected") \
+                    or outcome.client_key in done:
+                # It answered with content, so it processed the message and holds what we sent.
+                info.versions = [version_sent]
+            elif info.versions:
+                # No answer: it holds what it held, or what we sent if the message reached it.
+                info.versions = sorted(set(info.versions) | {version_sent})
+            # else: it held nothing we know of and may not have received the model: dense.
+
+    def state_dict(self) -> dict[str, Any]:
+        """The registry's part of the strategy state (flat checkpoint keys)."""
+        return {
+            "clients": {str(k): asdict(v) for k, v in self.clients.items()},
+            # Node ids live as long as their SuperNodes: a ServerApp resumed in the same
+            # deployment messages them without asking again (in simulation they are just stale).
+            "node_keys": {str(n): k for n, k in self.node_keys.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (migrated by ``server.checkpoint``)."""
+        self.clients = {int(k): ClientInfo(int(v["acked"]), [int(u) for u in v["versions"]])
+                        for k, v in state["clients"].items()}
+        self.register({int(n): int(k) for n, k in state.get("node_keys", {}).items()})

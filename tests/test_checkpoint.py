@@ -1,0 +1,122 @@
+"""Checkpoints: sealed with a digest (a damaged one is refused, never loaded), older unsealed
+ones still read, and a resume that changes the run's configuration refused by key."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord
+
+import dgc
+from dgc import SparseTensor, SparseUpdate
+from server.checkpoint import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_VERSION,
+    RESUMABLE_KEYS,
+    CheckpointError,
+    check_run_config,
+    load_checkpoint,
+    save_checkpoint,
+)
+from server.strategy import DGCStrategy
+
+
+def _strategy() -> DGCStrategy:
+    g = torch.Generator().manual_seed(0)
+    model = OrderedDict([("fc1.weight", torch.randn(40, 30, generator=g)),
+                         ("fc1.bias", torch.randn(40, generator=g)),
+                         ("fc2.weight", torch.randn(10, 40, generator=g))])
+    s = DGCStrategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
+                    downlink_values="int8")
+    s.set_model(ArrayRecord(model))
+    for rnd in (1, 2):
+        s.apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()),
+                                               0.01 * torch.randn(v.numel(), generator=g),
+                                               tuple(v.shape)) for k, v in model.items()},
+                              rnd)], [1.0])
+    return s
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and \
+        a["model_version"] == b["model_version"]
+
+
+def test_every_single_bit_flip_of_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    state = _strategy().state_dict()
+    save_checkpoint(tmp_path, state)
+    path = tmp_path / CHECKPOINT_FILE
+    good = path.read_bytes()
+    assert _same_state(load_checkpoint(tmp_path), {"checkpoint_version": 1, **state})
+    rng = random.Random(7)
+    # The header (magic, format byte, digest) and the payload, 200 flips in all.
+    bits = rng.sample(range(37 * 8), 40) + rng.sample(range(37 * 8, len(good) * 8), 160)
+    refused = 0
+    for bit in bits:
+        damaged = bytearray(good)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointError, match=str(path)):
+            load_checkpoint(tmp_path)
+        refused += 1
+    assert refused == 200
+    path.write_bytes(good[:-1])  # a torn file
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(tmp_path)
+
+
+def test_an_unsealed_checkpoint_of_an_earlier_version_still_loads(tmp_path: Path) -> None:
+    s = _strategy()
+    torch.save({"checkpoint_version": CHECKPOINT_VERSION, **s.state_dict()},
+               tmp_path / CHECKPOINT_FILE)
+    again = DGCStrategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
+                        downlink_values="int8")
+    again.set_model(ArrayRecord(OrderedDict((k, torch.zeros_like(v))
+                                            for k, v in s.model.items())))
+    again.load_state_dict(load_checkpoint(tmp_path))
+    assert again.model_version == 2
+    assert all(torch.equal(again.sent_model[k], s.sent_model[k]) for k in s.model)
+    assert all(torch.equal(again.optimizer.buffer[k], s.optimizer.buffer[k]) for k in s.model)
+
+
+def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed() -> None:
+    from fedgc.settings import RunConfig
+
+    written = RunConfig.from_flat({"rounds": 5, "seed": 2}).to_flat()
+    assert RESUMABLE_KEYS <= set(written)  # every exempt key is a real key
+    check_run_config(written, {**written, "rounds": 9, "progress": False, "run_name": "moved"})
+    check_run_config(written, {**written, "a.key.from.a.later.version": 1})
+    check_run_config(None, written)  # a checkpoint of an earlier fedgc: nothing to compare
+    with pytest.raises(CheckpointError, match=r"dgc.density = 0.001 \(now 0.02\), seed = 2 "
+                                              r"\(now 3\)"):
+        check_run_config(written, {**written, "seed": 3, "dgc.density": 0.02})
+    s = _strategy()
+    s.run_config = written
+    state = s.state_dict()
+    other = _strategy()
+    other.run_config = {**written, "lr": 0.5}
+    with pytest.raises(CheckpointError, match="lr = "):
+        other.load_state_dict(state)
+    assert other.model_version == 2 and other.registry.clients == {}  # refused: unchanged
+
+
+def test_a_checkpoint_of_the_older_layout_is_migrated() -> None:
+    """Older checkpoints kept one ``version`` per client and no ``changed_at``."""
+    s = _strategy()
+    state = s.state_dict()
+    state["clients"] = {"3": {"acked": 2, "version": 2}, "4": {"acked": -1, "version": -1}}
+    del state["changed_at"]
+    again = _strategy()
+    again.load_state_dict(state)
+    assert again.registry.held(3) == (2,) and again.registry.held(4) == ()
+    assert again.registry.acked(3) == 2
+    # Every entry counts as changed at the checkpoint's version: patches from then on.
+    assert all(bool((t == 2).all()) for t in again.downlink.changed_at.values())
+    assert dgc.decode(again.downlink.patch((2,))[0], max_numel=dgc.wire.MAX_NUMEL).nnz == 0
+    assert dgc.decode(again.downlink.patch((1, 2))[0], max_numel=dgc.wire.MAX_NUMEL).nnz == sum(
+        t.numel() for t in again.sent_model.values())
