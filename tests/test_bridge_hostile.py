@@ -124,3 +124,126 @@ def test_authenticated_idle_streams_are_bounded_and_expire(plain_bridge):
         for _, release in held:
             release.set()
         channel.close()
+
+
+def test_thirty_rounds_leave_nothing_behind(plain_bridge):
+    """Tasks, uploads and their bytes are pruned when done; sessions are bounded per device."""
+    channel, stub = _stub(plain_bridge)
+    task, state = _task("phone-a")
+    for server_round in range(1, 31):
+        session = _register(stub, "phone-a")  # a phone that registers again every round
+        task, _ = _task("phone-a", server_round=server_round)
+        plain_bridge.submit(task)
+        status = _upload(stub, session, task, _update(task, state), upload_id=f"u{server_round}")
+        assert status.state == pb.DELIVERED
+        plain_bridge.wait(task.task_id, 5)
+    stats = plain_bridge.stats()
+    assert stats["tasks"] == 0 and stats["open_tasks"] == 0 and stats["results"] == 0
+    assert stats["upload_bytes"] == 0
+    assert stats["uploads"] == plain_bridge.finished_uploads_kept
+    assert stats["sessions"] == plain_bridge.max_sessions_per_device
+    # The newest upload still answers Ack; the oldest were pruned alike to unknown ones.
+    ack = stub.Ack(pb.AckRequest(session_id=session, upload_id="u30"))
+    assert ack.state == pb.DELIVERED
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.Ack(pb.AckRequest(session_id=session, upload_id="u1"))
+    assert ex.value.code() == grpc.StatusCode.NOT_FOUND
+    channel.close()
+
+
+def test_partial_uploads_per_device_and_the_cap_from_the_model(plain_bridge):
+    channel, stub = _stub(plain_bridge)
+    session = _register(stub, "phone-a")
+    task, state = _task("phone-a")
+    plain_bridge.submit(task)
+    meta = ((SESSION_METADATA_KEY, session),)
+    cap = 2 * len(task.dense_model) + 4096
+    assert stub.FetchTask(pb.FetchTaskRequest(session_id=session)).max_update_bytes == cap
+
+    def first_chunk(upload_id, total_bytes):
+        return pb.UploadChunk(session_id=session, task_id=task.task_id, upload_id=upload_id,
+                              offset=0, data=b"x" * 1000, total_bytes=total_bytes,
+                              sha256="0" * 64)
+
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.UploadUpdate(iter([first_chunk("big", cap + 1)]), metadata=meta)
+    assert ex.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"total_bytes must be in [1, {cap}]" in ex.value.details()
+    # 200 partial uploads of the largest size: only max_partial_uploads_per_device are kept.
+    refused = 0
+    for i in range(200):
+        try:
+            stub.UploadUpdate(iter([first_chunk(f"p{i}", cap)]), metadata=meta)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+            assert "incomplete uploads" in err.details()
+            refused += 1
+    kept = plain_bridge.max_partial_uploads_per_device
+    assert refused == 200 - kept
+    assert plain_bridge.stats()["upload_bytes"] == 1000 * kept
+    # Closing the task (its wait ran out) frees them, and tells the phone the truth.
+    with pytest.raises(Exception, match="delivered no update"):
+        plain_bridge.wait(task.task_id, 0.1)
+    assert plain_bridge.stats()["upload_bytes"] == 0
+    status = stub.QueryUpload(pb.QueryUploadRequest(session_id=session, upload_id="p0"))
+    assert status.complete and status.state == pb.MISSED_ROUND
+    assert "not aggregated" in status.detail
+    channel.close()
+
+
+def test_an_update_finished_after_its_round_is_not_acknowledged_as_delivered(plain_bridge):
+    channel, stub = _stub(plain_bridge)
+    session = _register(stub, "phone-b")
+    task, state = _task("phone-b")
+    plain_bridge.submit(task)
+    data = _update(task, state)
+    digest = hashlib.sha256(data).hexdigest()
+    meta = ((SESSION_METADATA_KEY, session),)
+
+    def chunk(offset, end):
+        return pb.UploadChunk(session_id=session, task_id=task.task_id, upload_id="late",
+                              offset=offset, data=data[offset:end], total_bytes=len(data),
+                              sha256=digest, metrics_json='{"num-examples": 60}')
+
+    assert stub.UploadUpdate(iter([chunk(0, 1000)]), metadata=meta).received_bytes == 1000
+    with pytest.raises(Exception, match="delivered no update"):
+        plain_bridge.wait(task.task_id, 0.1)  # the round stops waiting
+    rest = [chunk(o, o + 1000) for o in range(1000, len(data), 1000)]
+    status = stub.UploadUpdate(iter(rest), metadata=meta)
+    assert status.complete and status.state == pb.MISSED_ROUND
+    ack = stub.Ack(pb.AckRequest(session_id=session, upload_id="late"))
+    assert ack.state == pb.MISSED_ROUND and "not aggregated" in ack.detail
+    assert ack.last_aggregated_sequence == -1
+    assert plain_bridge.stats()["results"] == 0
+    channel.close()
+
+
+def test_nested_metrics_and_probing_get_clear_and_alike_answers(plain_bridge):
+    channel, stub = _stub(plain_bridge)
+    a, b = _register(stub, "phone-a"), _register(stub, "phone-b")
+    task, state = _task("phone-a")
+    plain_bridge.submit(task)
+    data = _update(task, state)
+    for metrics, text in (("[" * 3000 + "]" * 3000, "exceeds 4096 bytes"),
+                          ("[" * 2000 + "]" * 2000, "nested too deeply"),
+                          ('{"num-examples": {"a": 1}}', "value of 'num-examples' is a dict")):
+        with pytest.raises(grpc.RpcError) as ex:
+            stub.UploadUpdate(iter([pb.UploadChunk(
+                session_id=a, task_id=task.task_id, upload_id="m", offset=0, data=data[:10],
+                total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                metrics_json=metrics)]), metadata=((SESSION_METADATA_KEY, a),))
+        assert ex.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert text in ex.value.details(), ex.value.details()
+    assert _upload(stub, a, task, data, upload_id="mine").state == pb.DELIVERED
+    # phone-b asking about phone-a's upload id learns what it learns of an unknown id.
+    theirs = stub.QueryUpload(pb.QueryUploadRequest(session_id=b, upload_id="mine"))
+    unknown = stub.QueryUpload(pb.QueryUploadRequest(session_id=b, upload_id="nope"))
+    assert (theirs.received_bytes, theirs.complete, theirs.state) == (
+        unknown.received_bytes, unknown.complete, unknown.state) == (0, False, 0)
+    details = []
+    for upload_id in ("mine", "nope"):
+        with pytest.raises(grpc.RpcError) as ex:
+            stub.Ack(pb.AckRequest(session_id=b, upload_id=upload_id))
+        details.append((ex.value.code(), ex.value.details().replace(repr(upload_id), "ID")))
+    assert details[0] == details[1]
+    channel.close()
