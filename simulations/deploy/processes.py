@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .errors import ProcessStartError
+from .files import private_dir
 
 _POLL_S = 0.1
 
@@ -92,7 +93,7 @@ class ManagedProcess:
     def _start(self) -> ManagedProcess:
         if self.running():
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_path.parent)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
