@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 from server.app import RunFolderError
 from server.config import RunConfig, SettingsError, load_toml
 from server.results import write_json
+from simulations.cli_common import parse_sets, summary_table
 from simulations.netem.errors import NetemError
 
 METHODS = ("dense", "topk", "dgc")
@@ -35,17 +35,6 @@ DEMO: dict[str, object] = {
 }
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, str]:
-    """``["a=1", "dgc.density=0.01"]`` -> dict; an item without ``=`` names itself."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SettingsError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict[str, object]:
     values: dict[str, object] = dict(base or {})
     if args.config:
@@ -65,25 +54,6 @@ def build_netem(args: argparse.Namespace, base: Mapping[str, object] | None = No
     from simulations.netem.integration import split_netem
 
     return split_netem(_values(args, base))[1]
-
-
-def _fmt(x: Any, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
-
-
-def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """A plain-text table of the headline numbers of one or more runs."""
-    head = (f"{'method':<8} {'final acc':>9} {'best acc':>9} {'uplink MB':>10} {'x dense':>8} "
-            f"{'downlink MB':>11} {'failed':>6} {'wall s':>7}")
-    lines = [head, "-" * len(head)]
-    for name, s in summaries.items():
-        lines.append(
-            f"{name:<8} {_fmt(s.get('final_accuracy'), '9.4f')} "
-            f"{_fmt(s.get('best_accuracy'), '9.4f')} "
-            f"{_fmt(s['uplink_bytes'] / 1e6, '10.3f')} {_fmt(s.get('uplink_compression'), '8.1f')} "
-            f"{_fmt(s['downlink_bytes'] / 1e6, '11.2f')} {s.get('clients_failed', 0):>6} "
-            f"{_fmt(s.get('wall_seconds'), '7.1f')}")
-    return "\n".join(lines)
 
 
 def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, Any]:

@@ -165,6 +165,7 @@ class Deployment:
         """Start the SuperLink, the links and every SuperNode, and wait until each is up."""
         cfg = self.config
         private_dir(self.workdir)
+        private_dir(self.flwr_home)  # before the SuperLink, which would create it 0755
         requested = cfg.shaping if cfg.link is not None else "none"
         self.mode, self.mode_detail = choose_mode(requested)
         print(f"[deploy] link shaping mode: {self.mode} ({self.mode_detail})", flush=True)

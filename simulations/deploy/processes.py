@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -103,6 +104,8 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
+                # What Flower writes (its home, the database, app folders) is the user's alone.
+                umask=0o077,
             )
         return self
 
@@ -286,6 +289,7 @@ def run_command(
         cwd=cwd,
         text=True,
         start_new_session=True,
+        umask=0o077,
     ) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout_s)
@@ -296,4 +300,10 @@ def run_command(
                 f"{' '.join(argv[:3])} ... did not finish within {timeout_s:.0f} s; "
                 f"output tail:\n{out[-2000:]}"
             ) from None
+        except BaseException:
+            # Interrupted (a signal): the command must not outlive its caller.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         return subprocess.CompletedProcess(list(argv), proc.returncode, out, None)
