@@ -8,8 +8,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from server.app import RunFolderError
+from server.app import NothingAggregatedError, RunFolderError
+from server.checkpoint import CheckpointError
 from server.config import RunConfig, SettingsError, load_toml
+from server.preflight import PreflightError
 from server.results import write_json
 from simulations.cli_common import parse_sets, summary_table
 from simulations.netem.errors import NetemError
@@ -38,9 +40,23 @@ DEMO: dict[str, object] = {
 def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict[str, object]:
     values: dict[str, object] = dict(base or {})
     if args.config:
-        values.update(load_toml(args.config))
+        values.update(_load_config(args.config))
     values.update(parse_sets(args.set or []))
     return values
+
+
+def _load_config(path: str) -> dict[str, object]:
+    """``--config FILE``'s keys; a folder, an unreadable or a non-UTF-8 file is named."""
+    p = Path(path)
+    if p.is_dir():
+        raise SettingsError(f"--config {p} is a folder; expected a TOML file")
+    try:
+        return load_toml(p)
+    except UnicodeDecodeError as ex:
+        raise SettingsError(f"--config {p} is not UTF-8 text (byte {ex.start}); expected a "
+                            f"TOML file") from ex
+    except OSError as ex:
+        raise SettingsError(f"--config {p} cannot be read: {ex.strerror or ex}") from ex
 
 
 def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:
@@ -129,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(ex: BaseException) -> str:
+    # Some causes (torch's unpickler) explain themselves over many lines: the first names it.
+    lines = str(ex).strip().splitlines() or [type(ex).__name__]
+    return lines[0] + (" [...]" if len(lines) > 1 else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m simulations``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -157,7 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args))
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
-    except (SettingsError, RunFolderError, NetemError) as ex:
-        print(f"python -m simulations {args.command}: error: {ex}", file=sys.stderr)
+    except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError) as ex:
+        print(f"python -m simulations {args.command}: error: {_one_line(ex)}", file=sys.stderr)
         return 2
+    except NothingAggregatedError as ex:
+        print(f"python -m simulations {args.command}: run failed: {_one_line(ex)}",
+              file=sys.stderr)
+        return 1
     return 0
