@@ -55,6 +55,30 @@ def _update(task, state) -> bytes:
     return dgc.encode(SparseUpdate.from_dense(grads, "float32", task.sequence))
 
 
+def _deliver(bridge, stub, session, device):
+    """Submit a task for ``device`` and upload a valid update for it; the upload's status."""
+    task, state = _task(device)
+    bridge.submit(task)
+    data = _update(task, state)
+    status = _upload(stub, session, task, data)
+    assert status.complete and status.state == pb.DELIVERED, status
+    assert bridge.wait(task.task_id, 5).update_bytes == data
+    return status
+
+
+def _open_task(bridge, stub, device):
+    """Register ``device`` and submit a task for it: (session, its call metadata, task, state)."""
+    session = _register(stub, device)
+    task, state = _task(device)
+    bridge.submit(task)
+    return session, ((SESSION_METADATA_KEY, session),), task, state
+
+
+def _release(streams):
+    for _, release in streams:
+        release.set()
+
+
 def _idle_stream(stub, metadata=()):
     """An UploadUpdate stream that never sends a chunk (until ``release`` is set)."""
     release = threading.Event()
@@ -82,15 +106,9 @@ def test_idle_streams_without_a_token_do_not_stall_a_real_phone(plain_bridge):
                 ex.value.details()
         # A real phone still registers and uploads.
         session = _register(stub, "phone-a")
-        task, state = _task("phone-a")
-        plain_bridge.submit(task)
-        data = _update(task, state)
-        status = _upload(stub, session, task, data)
-        assert status.complete and status.state == pb.DELIVERED
-        assert plain_bridge.wait(task.task_id, 5).update_bytes == data
+        _deliver(plain_bridge, stub, session, "phone-a")
     finally:
-        for _, release in idle:
-            release.set()
+        _release(idle)
         channel.close()
 
 
@@ -108,10 +126,7 @@ def test_authenticated_idle_streams_are_bounded_and_expire(plain_bridge):
         assert ex.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "phone-b" in ex.value.details()
         # Another device is not held up by phone-b's streams.
-        other = _register(stub, "phone-a")
-        task, state = _task("phone-a")
-        plain_bridge.submit(task)
-        assert _upload(stub, other, task, _update(task, state)).state == pb.DELIVERED
+        _deliver(plain_bridge, stub, _register(stub, "phone-a"), "phone-a")
         # The idle deadline (1 s here) cancels phone-b's streams.
         started = time.monotonic()
         for future, _ in held:
@@ -121,8 +136,7 @@ def test_authenticated_idle_streams_are_bounded_and_expire(plain_bridge):
         assert time.monotonic() - started < 8
         assert plain_bridge.stats()["streams"] == 0
     finally:
-        for _, release in held:
-            release.set()
+        _release(held)
         channel.close()
 
 
@@ -153,10 +167,7 @@ def test_thirty_rounds_leave_nothing_behind(plain_bridge):
 
 def test_partial_uploads_per_device_and_the_cap_from_the_model(plain_bridge):
     channel, stub = _stub(plain_bridge)
-    session = _register(stub, "phone-a")
-    task, state = _task("phone-a")
-    plain_bridge.submit(task)
-    meta = ((SESSION_METADATA_KEY, session),)
+    session, meta, task, _ = _open_task(plain_bridge, stub, "phone-a")
     cap = 2 * len(task.dense_model) + 4096
     assert stub.FetchTask(pb.FetchTaskRequest(session_id=session)).max_update_bytes == cap
 
@@ -193,12 +204,9 @@ def test_partial_uploads_per_device_and_the_cap_from_the_model(plain_bridge):
 
 def test_an_update_finished_after_its_round_is_not_acknowledged_as_delivered(plain_bridge):
     channel, stub = _stub(plain_bridge)
-    session = _register(stub, "phone-b")
-    task, state = _task("phone-b")
-    plain_bridge.submit(task)
+    session, meta, task, state = _open_task(plain_bridge, stub, "phone-b")
     data = _update(task, state)
     digest = hashlib.sha256(data).hexdigest()
-    meta = ((SESSION_METADATA_KEY, session),)
 
     def chunk(offset, end):
         return pb.UploadChunk(session_id=session, task_id=task.task_id, upload_id="late",
