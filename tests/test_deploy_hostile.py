@@ -140,3 +140,17 @@ def test_a_signal_unwinds_the_deploy_command_once(sig: int) -> None:
         time.sleep(5)  # the handler raises long before this ends
     assert stop.value.signum == sig and signal.Signals(sig).name in str(stop.value)
     assert signal.getsignal(sig) is before  # the caller's handlers are back
+
+
+def test_deploy_refuses_a_run_that_cannot_work_before_starting_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from simulations.deploy.cli import main
+
+    work = tmp_path / "work"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code = main(["--nodes", "2", "--workdir", str(work), "--set", "task=digits",
+                 "--set", f"results_dir={tmp_path}", "--set", f"state_dir={blocker / 's'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"state_dir {blocker / 's'} is not a writable folder" in err
+    assert "Traceback" not in err and not work.exists()  # no SuperLink was started

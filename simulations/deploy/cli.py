@@ -158,7 +158,13 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     from server.config import SettingsError, load_toml
     from simulations.plots import plot_run
 
-    from .fedgc_run import deploy_run_config, finish_fedgc, submit_fedgc, write_deploy_record
+    from .fedgc_run import (
+        check_fedgc_run,
+        deploy_run_config,
+        finish_fedgc,
+        submit_fedgc,
+        write_deploy_record,
+    )
 
     try:
         values: dict[str, object] = {"run_name": f"deploy-{args.link or 'loopback'}"}
@@ -168,6 +174,7 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     except SettingsError as err:
         raise DeployError(str(err)) from err
     run_config = deploy_run_config(values, args.nodes)
+    check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
     with Deployment(_deployment_config(args)) as dep:
         run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s)
