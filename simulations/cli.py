@@ -10,10 +10,10 @@ from typing import Any
 
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
-from server.config import RunConfig, SettingsError, load_toml
+from server.config import RunConfig, SettingsError
 from server.preflight import PreflightError
 from server.results import write_json
-from simulations.cli_common import parse_sets, summary_table
+from simulations.cli_common import load_config_file, parse_sets, summary_table
 from simulations.netem.errors import NetemError
 
 METHODS = ("dense", "topk", "dgc")
@@ -40,23 +40,9 @@ DEMO: dict[str, object] = {
 def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict[str, object]:
     values: dict[str, object] = dict(base or {})
     if args.config:
-        values.update(_load_config(args.config))
+        values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
     return values
-
-
-def _load_config(path: str) -> dict[str, object]:
-    """``--config FILE``'s keys; a folder, an unreadable or a non-UTF-8 file is named."""
-    p = Path(path)
-    if p.is_dir():
-        raise SettingsError(f"--config {p} is a folder; expected a TOML file")
-    try:
-        return load_toml(p)
-    except UnicodeDecodeError as ex:
-        raise SettingsError(f"--config {p} is not UTF-8 text (byte {ex.start}); expected a "
-                            f"TOML file") from ex
-    except OSError as ex:
-        raise SettingsError(f"--config {p} cannot be read: {ex.strerror or ex}") from ex
 
 
 def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:

@@ -1,5 +1,5 @@
-"""What both command lines (``run``/``compare`` and ``deploy``) share: ``--set`` parsing and
-the table of a run's headline numbers.
+"""What both command lines (``run``/``compare`` and ``deploy``) share: ``--config`` and
+``--set`` parsing and the table of a run's headline numbers.
 
 A module of its own so that ``simulations.cli`` and ``simulations.deploy.cli`` both import it
 and neither imports the other's internals.
@@ -9,11 +9,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from server.config import SettingsError
+from server.config import SettingsError, load_toml
 
-__all__ = ["parse_sets", "summary_table"]
+__all__ = ["load_config_file", "parse_sets", "summary_table"]
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    """``--config FILE``'s keys; a folder, an unreadable or a non-UTF-8 file is named."""
+    p = Path(path)
+    if p.is_dir():
+        raise SettingsError(f"--config {p} is a folder; expected a TOML file")
+    try:
+        return load_toml(p)
+    except UnicodeDecodeError as ex:
+        raise SettingsError(f"--config {p} is not UTF-8 text (byte {ex.start}); expected a "
+                            f"TOML file") from ex
+    except OSError as ex:
+        raise SettingsError(f"--config {p} cannot be read: {ex.strerror or ex}") from ex
 
 
 def parse_sets(items: Sequence[str]) -> dict[str, str]:

@@ -154,3 +154,11 @@ def test_deploy_refuses_a_run_that_cannot_work_before_starting_anything(
     err = capsys.readouterr().err
     assert code == 2 and f"state_dir {blocker / 's'} is not a writable folder" in err
     assert "Traceback" not in err and not work.exists()  # no SuperLink was started
+
+
+def test_deploy_config_that_is_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from simulations.deploy.cli import main
+
+    assert main(["--nodes", "2", "--config", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {tmp_path} is a folder" in err and "Traceback" not in err

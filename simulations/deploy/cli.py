@@ -16,8 +16,8 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
-from simulations.cli_common import summary_table
 
 from .calibrate import measure, point_to_dict, predicted_transfer_s
 from .cluster import Deployment, DeploymentConfig
@@ -155,7 +155,7 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from server.config import SettingsError, load_toml
+    from server.config import SettingsError
     from simulations.plots import plot_run
 
     from .fedgc_run import (
@@ -169,7 +169,7 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     try:
         values: dict[str, object] = {"run_name": f"deploy-{args.link or 'loopback'}"}
         if args.config:
-            values.update(load_toml(args.config))
+            values.update(load_config_file(args.config))
         values.update(parse_run_sets(args.set))
     except SettingsError as err:
         raise DeployError(str(err)) from err
