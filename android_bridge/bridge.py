@@ -29,6 +29,49 @@ from dgc.wire import max_numel_of_message
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 1024
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
+#: Call metadata key that carries the session of an ``UploadUpdate`` stream: checked before the
+#: bridge waits for a first chunk, so a stream without a session holds no worker thread.
+SESSION_METADATA_KEY = "fedgc-session"
+#: Largest ``metrics_json`` accepted: a few numbers need a few hundred bytes.
+MAX_METRICS_BYTES = 4096
+# Worker threads kept free of upload streams, so Register, FetchTask, QueryUpload and Ack are
+# answered however many streams are open.
+_UNARY_WORKERS = 8
+
+
+def update_cap_bytes(dense_model_bytes: int) -> int:
+    """The largest encoded update worth accepting for a model whose dense form takes
+    ``dense_model_bytes``: raw indices (4 bytes) with float32 values (4 bytes) at density 1,
+    the costliest coding the wire format has, take twice the dense form; 4 KiB covers headers."""
+    return 2 * int(dense_model_bytes) + 4096
+
+
+def parse_metrics(text: str) -> dict[str, float | int | str | bool | None]:
+    """A phone's ``metrics_json``: a flat JSON object of numbers, strings and booleans.
+
+    Raises
+    ------
+    ValueError
+        Over :data:`MAX_METRICS_BYTES`, not JSON, not an object, nested, or nested too deeply
+        for the parser (named as such, not a ``RecursionError``).
+    """
+    size = len(text.encode())
+    if size > MAX_METRICS_BYTES:
+        raise ValueError(f"metrics_json of {size} bytes exceeds {MAX_METRICS_BYTES} bytes")
+    try:
+        metrics = json.loads(text or "{}")
+    except RecursionError:
+        raise ValueError("metrics_json is nested too deeply; expected a flat JSON object of "
+                         "numbers, strings and booleans") from None
+    except ValueError as ex:
+        raise ValueError(f"metrics_json is not JSON: {ex}") from None
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics_json must be a JSON object, got {type(metrics).__name__}")
+    for key, value in metrics.items():
+        if value is not None and not isinstance(value, (int, float, str, bool)):
+            raise ValueError(f"metrics_json value of {key!r} is a {type(value).__name__}; "
+                             f"expected a number, string or boolean")
+    return metrics
 
 
 class BridgeError(RuntimeError):
@@ -91,14 +134,33 @@ class _Upload:
     task_id: str
     total_bytes: int
     sha256: str
-    metrics_json: str
+    metrics: dict[str, Any]
     data: bytearray = field(default_factory=bytearray)
+    received: int = 0  # kept when ``data`` is freed at the end
     state: int = pb.INCOMPLETE
     detail: str = ""
+
+    def finish(self, state: int, detail: str) -> None:
+        """Enter a final state and free the bytes (a result holds its own copy)."""
+        self.state, self.detail = state, detail
+        self.data = bytearray()
+
+
+@dataclass
+class _Stream:
+    device_id: str
+    context: grpc.ServicerContext
+    last_seen: float
+    expired: bool = False
 
 
 class PhoneBridge(pb_grpc.FedgcBridgeServicer):
     """The bridge between the federation and the phones (see the module docstring).
+
+    What one phone can hold is bounded (docs/threat_model.md has the numbers): its sessions,
+    its upload streams and how long they may idle, its partial uploads and their bytes (sized
+    from the model of its task). What is done is pruned: a task when its wait ends, its partial
+    uploads with it, and all but the last few finished uploads of a device (kept for Ack).
 
     Parameters
     ----------
@@ -112,41 +174,86 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
     max_chunk_bytes : int
         Largest upload chunk accepted.
     max_update_bytes : int
-        Largest encoded update accepted.
+        Largest encoded update accepted whatever the model; a task's own cap is the smaller of
+        this and :func:`update_cap_bytes` of its dense model.
     poll_interval_s : float
         What Register tells phones to wait between polls for a task.
+    max_streams : int
+        Upload streams open at once over all devices (RESOURCE_EXHAUSTED beyond). The gRPC
+        server gets this many worker threads plus 8 that streams never take.
+    max_streams_per_device : int
+        Upload streams one device may hold at once.
+    stream_idle_timeout_s : float
+        A stream that delivers no chunk for this long is cancelled (its bytes are kept).
+    max_partial_uploads_per_device : int
+        Incomplete uploads one device may hold at once.
+    max_sessions_per_device : int
+        Sessions one device may hold; registering once more ends its oldest.
+    finished_uploads_kept : int
+        Finished uploads (their state, not their bytes) kept per device for Ack.
     """
 
     def __init__(self, devices: Mapping[str, str], address: str = "127.0.0.1:0",
                  server_credentials: grpc.ServerCredentials | None = None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES,
-                 poll_interval_s: float = 0.05) -> None:
+                 poll_interval_s: float = 0.05, max_streams: int = 16,
+                 max_streams_per_device: int = 2, stream_idle_timeout_s: float = 30.0,
+                 max_partial_uploads_per_device: int = 2, max_sessions_per_device: int = 4,
+                 finished_uploads_kept: int = 8) -> None:
         for device_id, token in devices.items():
             if not device_id or not isinstance(token, str) or len(token) < 16:
                 raise BridgeError(f"device {device_id!r} needs a token of at least 16 "
                                   f"characters")
+        for name, value in (("max_chunk_bytes", max_chunk_bytes),
+                            ("max_update_bytes", max_update_bytes), ("max_streams", max_streams),
+                            ("max_streams_per_device", max_streams_per_device),
+                            ("max_partial_uploads_per_device", max_partial_uploads_per_device),
+                            ("max_sessions_per_device", max_sessions_per_device),
+                            ("finished_uploads_kept", finished_uploads_kept)):
+            if not isinstance(value, int) or value < 1:
+                raise BridgeError(f"{name}={value!r}, expected an integer >= 1")
+        if not stream_idle_timeout_s > 0:
+            raise BridgeError(f"stream_idle_timeout_s={stream_idle_timeout_s!r}, expected > 0")
         self._tokens = dict(devices)
         self.address = address
         self._credentials = server_credentials
-        self.max_chunk_bytes = int(max_chunk_bytes)
-        self.max_update_bytes = int(max_update_bytes)
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_update_bytes = max_update_bytes
         self.poll_interval_s = float(poll_interval_s)
+        self.max_streams = max_streams
+        self.max_streams_per_device = max_streams_per_device
+        self.stream_idle_timeout_s = float(stream_idle_timeout_s)
+        self.max_partial_uploads_per_device = max_partial_uploads_per_device
+        self.max_sessions_per_device = max_sessions_per_device
+        self.finished_uploads_kept = finished_uploads_kept
         self._lock = threading.Condition()
-        self._sessions: dict[str, str] = {}
+        self._sessions: dict[str, str] = {}  # session -> device
+        self._device_sessions: dict[str, list[str]] = {}  # device -> its sessions, oldest first
         self._open: dict[str, PhoneTask] = {}  # device -> its open task
-        self._tasks: dict[str, PhoneTask] = {}  # task id -> task, open or done
-        self._uploads: dict[str, _Upload] = {}
+        self._tasks: dict[str, PhoneTask] = {}  # task id -> task, until its wait ends
+        # (device, upload id) -> upload: one device cannot see, or tell apart, another's ids.
+        self._uploads: dict[tuple[str, str], _Upload] = {}
         self._results: dict[str, PhoneResult] = {}
         self._last_ack: dict[str, int] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._next_stream = 0
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
         self._server: grpc.Server | None = None
         self.port: int | None = None
+        # A token for unknown devices, so both refusals take the same comparison.
+        self._decoy = secrets.token_hex(16).encode()
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> int:
         """Start serving; return the port."""
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        # Room for every metadata field of a chunk besides its data (sha256, ids, metrics).
+        max_message = self.max_chunk_bytes + MAX_METRICS_BYTES + 4096
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.max_streams + _UNARY_WORKERS),
+            options=[("grpc.max_receive_message_length", max_message)])
         pb_grpc.add_FedgcBridgeServicer_to_server(self, server)
         if self._credentials is None:
             port = server.add_insecure_port(self.address)
@@ -156,13 +263,21 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
             raise BridgeError(f"cannot listen on {self.address!r}")
         server.start()
         self._server, self.port = server, port
+        self._stopping.clear()
+        self._watchdog = threading.Thread(target=self._watch_streams, daemon=True,
+                                          name="bridge-stream-watchdog")
+        self._watchdog.start()
         return port
 
     def stop(self, grace_s: float = 0.5) -> None:
         """Stop serving (in-flight calls get ``grace_s`` to finish)."""
+        self._stopping.set()
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+        if self._watchdog is not None:
+            self._watchdog.join(5.0)
+            self._watchdog = None
 
     def __enter__(self) -> PhoneBridge:
         self.start()
@@ -170,6 +285,15 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def stats(self) -> dict[str, int]:
+        """What the bridge holds now: sessions, open tasks, tasks awaited, uploads, bytes of
+        partial uploads, undelivered results and open upload streams."""
+        with self._lock:
+            return {"sessions": len(self._sessions), "open_tasks": len(self._open),
+                    "tasks": len(self._tasks), "uploads": len(self._uploads),
+                    "upload_bytes": sum(len(u.data) for u in self._uploads.values()),
+                    "results": len(self._results), "streams": len(self._streams)}
 
     # -- federation side ------------------------------------------------------------------
 
@@ -190,25 +314,48 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         return task.task_id
 
     def wait(self, task_id: str, timeout_s: float) -> PhoneResult:
-        """Block until the update for ``task_id`` is delivered; close the task either way."""
+        """Block until the update for ``task_id`` is delivered; close the task either way.
+
+        An upload that completes after this returns (or raises) is not delivered: its phone
+        reads ``MISSED_ROUND``.
+        """
         deadline = time.monotonic() + timeout_s
         with self._lock:
             if task_id not in self._tasks:
-                raise BridgeError(f"unknown task {task_id!r}")
+                raise BridgeError(f"unknown task {task_id!r} (never submitted, or already "
+                                  f"waited for)")
+            device = self._tasks[task_id].device_id
             while task_id not in self._results:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._close(task_id)
-                    raise BridgeTimeout(f"device {self._tasks[task_id].device_id!r} delivered "
-                                        f"no update for task {task_id!r} within {timeout_s} s")
+                    raise BridgeTimeout(f"device {device!r} delivered no update for task "
+                                        f"{task_id!r} within {timeout_s} s")
                 self._lock.wait(left)
             self._close(task_id)
             return self._results.pop(task_id)
 
     def _close(self, task_id: str) -> None:
-        task = self._tasks[task_id]
+        """Forget a task whose wait ended; its partial uploads can no longer count."""
+        task = self._tasks.pop(task_id)
         if self._open.get(task.device_id) is task:
             del self._open[task.device_id]
+        for upload in self._device_uploads(task.device_id):
+            if upload.task_id == task_id and upload.state == pb.INCOMPLETE:
+                upload.finish(pb.MISSED_ROUND,
+                              f"round {task.server_round} stopped waiting after "
+                              f"{upload.received} of {upload.total_bytes} bytes; the update "
+                              f"was not aggregated (restore it: the next ack_sequence will "
+                              f"not name it)")
+        self._prune_uploads(task.device_id)
+
+    def _device_uploads(self, device: str) -> list[_Upload]:
+        return [u for (d, _), u in self._uploads.items() if d == device]
+
+    def _prune_uploads(self, device: str) -> None:
+        finished = [u for u in self._device_uploads(device) if u.state != pb.INCOMPLETE]
+        for upload in finished[:max(0, len(finished) - self.finished_uploads_kept)]:
+            del self._uploads[(device, upload.upload_id)]
 
     # -- phone side (gRPC) ----------------------------------------------------------------
 
@@ -223,15 +370,17 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                  context: grpc.ServicerContext) -> pb.RegisterReply:
         """Open a session for a known device whose token matches."""
         token = self._tokens.get(request.device_id)
-        if token is None:
+        expected = self._decoy if token is None else token.encode()
+        # Unknown device and wrong token: the same comparison and the same answer.
+        if not hmac.compare_digest(expected, request.token.encode()) or token is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"unknown device {request.device_id!r}: not registered with this "
-                          f"bridge")
-        if not hmac.compare_digest(token.encode(), request.token.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"wrong token for device {request.device_id!r}")
+                          f"device {request.device_id!r} is unknown or its token is wrong")
         session = secrets.token_hex(16)
         with self._lock:
+            sessions = self._device_sessions.setdefault(request.device_id, [])
+            while len(sessions) >= self.max_sessions_per_device:
+                self._sessions.pop(sessions.pop(0), None)
+            sessions.append(session)
             self._sessions[session] = request.device_id
         return pb.RegisterReply(session_id=session, poll_interval_s=self.poll_interval_s)
 
@@ -252,23 +401,81 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 model_bytes=task.patch if use_patch else task.dense_model,
                 config_json=json.dumps(task.config, sort_keys=True),
                 ack_sequence=task.ack_sequence, sequence=task.sequence,
-                max_chunk_bytes=self.max_chunk_bytes)
+                max_chunk_bytes=self.max_chunk_bytes,
+                max_update_bytes=self._update_cap(task))
+
+    def _update_cap(self, task: PhoneTask) -> int:
+        return min(self.max_update_bytes, update_cap_bytes(len(task.dense_model)))
 
     def UploadUpdate(self, request_iterator: Iterator[pb.UploadChunk],  # noqa: N802
                      context: grpc.ServicerContext) -> pb.UploadStatus:
-        """Append chunks at the received offset; a cut stream keeps what arrived."""
+        """Append chunks at the received offset; a cut stream keeps what arrived.
+
+        The session comes from the call metadata and is checked before the first chunk is
+        awaited; the stream then counts against its device's and the bridge's bounds.
+        """
+        session = dict(context.invocation_metadata() or ()).get(SESSION_METADATA_KEY)
+        if not session:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"UploadUpdate needs the session in call metadata "
+                          f"{SESSION_METADATA_KEY!r}")
+        with self._lock:
+            device = self._device(str(session), context)
+            stream_id = self._open_stream(device, context)
         upload: _Upload | None = None
-        for chunk in request_iterator:
+        try:
+            for chunk in request_iterator:
+                with self._lock:
+                    self._streams[stream_id].last_seen = time.monotonic()
+                    if chunk.session_id and chunk.session_id != session:
+                        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                      "chunk's session_id differs from the stream's session")
+                    device = self._device(str(session), context)  # ended by a new Register?
+                    upload = self._accept_chunk(device, chunk, context)
+        except grpc.RpcError:
+            # The watchdog cancelled an idle stream: the call is over, nothing to answer.
+            if self._streams[stream_id].expired:
+                return pb.UploadStatus()
+            raise
+        finally:
             with self._lock:
-                upload = self._accept_chunk(chunk, context)
+                del self._streams[stream_id]
         if upload is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "upload stream carried no chunk")
-        return self._status(upload)
+        with self._lock:
+            return self._status(upload)
 
-    def _accept_chunk(self, chunk: pb.UploadChunk, context: grpc.ServicerContext) -> _Upload:
-        device = self._device(chunk.session_id, context)
+    def _open_stream(self, device: str, context: grpc.ServicerContext) -> int:
+        mine = sum(1 for s in self._streams.values() if s.device_id == device)
+        if mine >= self.max_streams_per_device:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"device {device!r} already has {mine} upload streams open (at most "
+                          f"{self.max_streams_per_device}); close one first")
+        if len(self._streams) >= self.max_streams:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the bridge has {len(self._streams)} upload streams open (at most "
+                          f"{self.max_streams}); retry later")
+        self._next_stream += 1
+        self._streams[self._next_stream] = _Stream(device, context, time.monotonic())
+        return self._next_stream
+
+    def _watch_streams(self) -> None:
+        """Cancel streams idle past the deadline (a cancelled stream frees its worker)."""
+        period = min(1.0, self.stream_idle_timeout_s / 4)
+        while not self._stopping.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                idle = [s for s in self._streams.values()
+                        if not s.expired and now - s.last_seen > self.stream_idle_timeout_s]
+                for stream in idle:
+                    stream.expired = True
+            for stream in idle:
+                stream.context.cancel()
+
+    def _accept_chunk(self, device: str, chunk: pb.UploadChunk,
+                      context: grpc.ServicerContext) -> _Upload:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        upload = self._uploads.get(chunk.upload_id)
+        upload = self._uploads.get((device, chunk.upload_id))
         if upload is None:
             task = self._open.get(device)
             if task is None or task.task_id != chunk.task_id:
@@ -276,19 +483,26 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                               f"task {chunk.task_id!r} is not open for device {device!r}")
             if not chunk.upload_id or len(chunk.upload_id) > 128:
                 context.abort(bad, f"upload_id must be 1-128 characters, got "
-                                   f"{chunk.upload_id!r}")
-            if not 0 < chunk.total_bytes <= self.max_update_bytes:
-                context.abort(bad, f"total_bytes must be in [1, {self.max_update_bytes}], got "
-                                   f"{chunk.total_bytes}")
+                                   f"{chunk.upload_id[:140]!r}")
+            cap = self._update_cap(task)
+            if not 0 < chunk.total_bytes <= cap:
+                context.abort(bad, f"total_bytes must be in [1, {cap}] for this task's model, "
+                                   f"got {chunk.total_bytes}")
             if len(chunk.sha256) != 64 or any(c not in "0123456789abcdef" for c in chunk.sha256):
                 context.abort(bad, f"sha256 must be 64 lowercase hex digits, got "
-                                   f"{chunk.sha256!r}")
+                                   f"{chunk.sha256[:80]!r}")
+            try:
+                metrics = parse_metrics(chunk.metrics_json)
+            except ValueError as ex:
+                context.abort(bad, str(ex))
+            partial = sum(1 for u in self._device_uploads(device) if u.state == pb.INCOMPLETE)
+            if partial >= self.max_partial_uploads_per_device:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"device {device!r} already has {partial} incomplete uploads (at "
+                              f"most {self.max_partial_uploads_per_device}); finish one first")
             upload = _Upload(chunk.upload_id, device, chunk.task_id, chunk.total_bytes,
-                             chunk.sha256, chunk.metrics_json)
-            self._uploads[chunk.upload_id] = upload
-        if upload.device_id != device:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"upload {chunk.upload_id!r} belongs to another device")
+                             chunk.sha256, metrics)
+            self._uploads[(device, chunk.upload_id)] = upload
         if (chunk.task_id, chunk.total_bytes, chunk.sha256) != (
                 upload.task_id, upload.total_bytes, upload.sha256):
             context.abort(bad, f"chunk of upload {upload.upload_id!r} disagrees with its first "
@@ -296,9 +510,9 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         if len(chunk.data) > self.max_chunk_bytes:
             context.abort(bad, f"chunk of {len(chunk.data)} bytes exceeds max_chunk_bytes "
                                f"{self.max_chunk_bytes}")
-        received = len(upload.data)
+        received = upload.received
         if upload.state != pb.INCOMPLETE:
-            return upload  # a repeat after completion changes nothing
+            return upload  # a repeat after the end changes nothing
         if chunk.offset > received or chunk.offset < 0:
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                           f"chunk offset {chunk.offset} of upload {upload.upload_id!r}, "
@@ -309,50 +523,49 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
             context.abort(bad, f"upload {upload.upload_id!r} would exceed its total_bytes "
                                f"{upload.total_bytes}")
         upload.data += tail
-        if len(upload.data) == upload.total_bytes:
+        upload.received = len(upload.data)
+        if upload.received == upload.total_bytes:
             self._complete(upload)
+            self._prune_uploads(device)
         return upload
 
     def _complete(self, upload: _Upload) -> None:
         data = bytes(upload.data)
         task = self._tasks.get(upload.task_id)
+        if task is None or self._open.get(upload.device_id) is not task:
+            # _close marks the partial uploads of a closed task; this is the safety net.
+            upload.finish(pb.MISSED_ROUND, f"task {upload.task_id!r} is no longer awaited; "
+                                           f"the update was not aggregated")
+            return
         try:
             if hashlib.sha256(data).hexdigest() != upload.sha256:
                 raise ValueError("sha256 of the received bytes does not match the declared one")
-            update = dgc.decode(data, max_numel=max_numel_of_message(task.dense_model)
-                                if task is not None else 0)
-            if task is None or task.task_id in self._results:
-                raise ValueError(f"task {upload.task_id!r} is no longer open")
+            update = dgc.decode(data, max_numel=max_numel_of_message(task.dense_model))
             if update.sequence != task.sequence:
                 raise ValueError(f"update carries sequence {update.sequence}, the task asked "
                                  f"for {task.sequence}")
-            metrics = json.loads(upload.metrics_json or "{}")
-            if not isinstance(metrics, dict):
-                raise ValueError("metrics_json must be a JSON object")
         except (ValueError, dgc.DecodeError) as ex:
-            upload.state, upload.detail = pb.REJECTED, str(ex)
+            upload.finish(pb.REJECTED, str(ex))
             return
-        upload.state, upload.detail = pb.DELIVERED, "handed to the federation"
+        upload.finish(pb.DELIVERED, "handed to the federation")
         self._results[task.task_id] = PhoneResult(task.task_id, upload.upload_id, data, update,
-                                                  metrics)
+                                                  upload.metrics)
         self._lock.notify_all()
 
     def _status(self, upload: _Upload) -> pb.UploadStatus:
-        return pb.UploadStatus(upload_id=upload.upload_id, received_bytes=len(upload.data),
+        return pb.UploadStatus(upload_id=upload.upload_id, received_bytes=upload.received,
                                total_bytes=upload.total_bytes,
-                               complete=upload.state != pb.INCOMPLETE)
+                               complete=upload.state != pb.INCOMPLETE, state=upload.state,
+                               detail=upload.detail)
 
     def QueryUpload(self, request: pb.QueryUploadRequest,  # noqa: N802
                     context: grpc.ServicerContext) -> pb.UploadStatus:
-        """How many bytes of an upload arrived (0 for an upload never seen)."""
+        """How many bytes of an upload arrived (0 for an upload this device never sent)."""
         with self._lock:
             device = self._device(request.session_id, context)
-            upload = self._uploads.get(request.upload_id)
+            upload = self._uploads.get((device, request.upload_id))
             if upload is None:
                 return pb.UploadStatus(upload_id=request.upload_id)
-            if upload.device_id != device:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"upload {request.upload_id!r} belongs to another device")
             return self._status(upload)
 
     def Ack(self, request: pb.AckRequest,  # noqa: N802
@@ -360,8 +573,8 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         """Whether an upload was delivered, and the device's last aggregated sequence."""
         with self._lock:
             device = self._device(request.session_id, context)
-            upload = self._uploads.get(request.upload_id)
-            if upload is None or upload.device_id != device:
+            upload = self._uploads.get((device, request.upload_id))
+            if upload is None:
                 context.abort(grpc.StatusCode.NOT_FOUND,
                               f"no upload {request.upload_id!r} from device {device!r}")
             return pb.AckReply(state=upload.state, detail=upload.detail,

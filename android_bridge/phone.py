@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 import dgc
+from android_bridge.bridge import SESSION_METADATA_KEY
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
@@ -236,8 +237,10 @@ class ReferencePhone:
             cut = cut_after_bytes if stream == 1 else None
             starts.append(int(status.received_bytes))
             try:
-                status = self.stub.UploadUpdate(chunks(starts[-1], cut))
+                status = self.stub.UploadUpdate(
+                    chunks(starts[-1], cut), metadata=((SESSION_METADATA_KEY, self.session_id),))
             except grpc.RpcError as ex:
+                # CANCELLED also ends a stream the bridge found idle too long.
                 if ex.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
                                      grpc.StatusCode.UNAVAILABLE):
                     raise

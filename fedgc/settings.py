@@ -34,8 +34,8 @@ from typing import Any, NamedTuple, TypeVar, get_type_hints
 
 from dgc import Compressor, DGCCompressor, DGCConfig
 from dgc.config import SELECTIONS, WARMUP_SCHEDULES, Check
-from dgc.two_density import TwoDensityCompressor
 from dgc.sparse import VALUE_DTYPES as _VALUE_DTYPES
+from dgc.two_density import TwoDensityCompressor
 from tasks.partition import SCHEMES
 
 #: Uplink compression methods: dense fp32, top-k without error feedback, DGC.

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedgc.settings import RunConfig, SettingsError, to_flat
 from server.checkpoint import CHECKPOINT_FILE
+from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
@@ -33,19 +33,46 @@ class RunFolderError(RuntimeError):
     """The run folder holds an earlier run and neither ``resume`` nor ``overwrite`` is set."""
 
 
+class NothingAggregatedError(RuntimeError):
+    """A run ended in which no round aggregated a single update: it did not train at all."""
+
+
 def prepare_run_dir(config: RunConfig) -> None:
-    """Create the run folder; refuse to clobber an earlier run unless told to."""
+    """Create the run folder; refuse to clobber an earlier run unless told to, and refuse a run
+    that cannot work (:func:`server.preflight.check_run`) before its first round.
+
+    Raises
+    ------
+    RunFolderError
+        The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), cannot be
+        created or written, or ``overwrite`` would delete files fedgc did not write.
+    server.preflight.PreflightError
+        The run cannot work (clients without data, no writable ``state_dir``, a damaged
+        checkpoint to resume).
+    """
     run_dir, s = config.run_dir, config.server
-    has_run = (run_dir / CHECKPOINT_FILE).exists() or (run_dir / "rounds.csv").exists()
-    if has_run and not (s.resume or s.overwrite):
-        raise RunFolderError(f"{run_dir} already holds a run; set resume=true to continue it, "
-                             f"overwrite=true to replace it, or choose another run_name")
-    if has_run and s.overwrite and not s.resume:
-        for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
-        # Residuals of the replaced run must not leak into the new one.
-        shutil.rmtree(config.state_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        has_run = (run_dir / CHECKPOINT_FILE).exists() or (run_dir / "rounds.csv").exists()
+        if has_run and not (s.resume or s.overwrite):
+            raise RunFolderError(f"{run_dir} already holds a run; set resume=true to continue "
+                                 f"it, overwrite=true to replace it, or choose another run_name")
+        if has_run and s.overwrite and not s.resume:
+            # Residuals of the replaced run must not leak into the new one; a state_dir that
+            # holds anything else is refused before any file of the old run is deleted.
+            try:
+                clear_state_dir(config.state_dir)
+            except PreflightError as ex:
+                raise RunFolderError(str(ex)) from ex
+            for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
+                (run_dir / name).unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(run_dir, "run folder", "results are written there")
+    except PreflightError as ex:
+        raise RunFolderError(str(ex)) from ex
+    except OSError as ex:
+        raise RunFolderError(f"run folder {run_dir}: {ex.strerror or ex} (results_dir="
+                             f"{s.results_dir!r}, run_name={s.run_name!r})") from ex
+    check_run(config)
 
 
 def progress_line(record: RoundRecord, rounds: int) -> str:
@@ -107,7 +134,20 @@ def run_server(grid: Grid, config: RunConfig,
         **(strategy.summary_extra() if hasattr(strategy, "summary_extra") else {}),
     })
     write_summary(run_dir, summary)
+    check_something_aggregated(strategy.rounds, strategy.client_rows, run_dir)
     return summary
+
+
+def check_something_aggregated(rounds: list[RoundRecord], rows: list[Any], run_dir: Any) -> None:
+    """Raise :class:`NothingAggregatedError` (naming the first client failure) when no round
+    aggregated anything; the results files are written first, for the diagnosis."""
+    if not rounds or any(r.clients_aggregated for r in rounds):
+        return
+    failed = [r for r in rows if r.status != "aggregated" and r.reason]
+    first = (f"; first failure (round {failed[0].round}, client {failed[0].client_key}, "
+             f"{failed[0].status}): {failed[0].reason[:300]}") if failed else ""
+    raise NothingAggregatedError(f"no round of {len(rounds)} aggregated any update, so the "
+                                 f"model never trained (see {run_dir}/clients.csv){first}")
 
 
 @app.main()

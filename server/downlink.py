@@ -20,10 +20,10 @@ import torch
 from flwr.app import ArrayRecord
 
 import dgc
-from fedgc import protocol as P
 from dgc import SparseTensor, SparseUpdate
 from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
 from dgc.wire import encoded_size
+from fedgc import protocol as P
 from server.checkpoint import CheckpointError
 
 Model = OrderedDict[str, torch.Tensor]

@@ -16,9 +16,9 @@ import torch
 from flwr.app import Message, MetricRecord
 
 import dgc
-from fedgc import protocol as P
 from dgc import DecodeError, SparseUpdate, TensorLayout
 from dgc.signs.codec import Masks, decode_signs
+from fedgc import protocol as P
 
 
 class ReplyRejected(ValueError):

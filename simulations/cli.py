@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -16,10 +15,12 @@ from fedgc.settings import (
     SettingsError,
     TrainSettings,
     key_table,
-    load_toml,
 )
-from server.app import RunFolderError
+from server.app import NothingAggregatedError, RunFolderError
+from server.checkpoint import CheckpointError
+from server.preflight import PreflightError
 from server.results import write_json
+from simulations.cli_common import load_config_file, parse_sets, summary_table
 from simulations.netem.errors import NetemError
 
 #: The default comparison (``make demo``): 100 clients, 10 per round, Dirichlet(0.5) label skew,
@@ -41,21 +42,10 @@ DEMO: dict[str, object] = {
 }
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, str]:
-    """``["a=1", "dgc.density=0.01"]`` -> dict; an item without ``=`` names itself."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SettingsError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict[str, object]:
     values: dict[str, object] = dict(base or {})
     if args.config:
-        values.update(load_toml(args.config))
+        values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
     return values
 
@@ -71,25 +61,6 @@ def build_netem(args: argparse.Namespace, base: Mapping[str, object] | None = No
     from simulations.netem.integration import split_netem
 
     return split_netem(_values(args, base))[1]
-
-
-def _fmt(x: Any, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
-
-
-def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """A plain-text table of the headline numbers of one or more runs."""
-    head = (f"{'method':<8} {'final acc':>9} {'best acc':>9} {'uplink MB':>10} {'x dense':>8} "
-            f"{'downlink MB':>11} {'failed':>6} {'wall s':>7}")
-    lines = [head, "-" * len(head)]
-    for name, s in summaries.items():
-        lines.append(
-            f"{name:<8} {_fmt(s.get('final_accuracy'), '9.4f')} "
-            f"{_fmt(s.get('best_accuracy'), '9.4f')} "
-            f"{_fmt(s['uplink_bytes'] / 1e6, '10.3f')} {_fmt(s.get('uplink_compression'), '8.1f')} "
-            f"{_fmt(s['downlink_bytes'] / 1e6, '11.2f')} {s.get('clients_failed', 0):>6} "
-            f"{_fmt(s.get('wall_seconds'), '7.1f')}")
-    return "\n".join(lines)
 
 
 def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, Any]:
@@ -168,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(ex: BaseException) -> str:
+    # Some causes (torch's unpickler) explain themselves over many lines: the first names it.
+    lines = str(ex).strip().splitlines() or [type(ex).__name__]
+    return lines[0] + (" [...]" if len(lines) > 1 else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m simulations``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -196,7 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args))
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
-    except (SettingsError, RunFolderError, NetemError) as ex:
-        print(f"python -m simulations {args.command}: error: {ex}", file=sys.stderr)
+    except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError) as ex:
+        print(f"python -m simulations {args.command}: error: {_one_line(ex)}", file=sys.stderr)
         return 2
+    except NothingAggregatedError as ex:
+        print(f"python -m simulations {args.command}: run failed: {_one_line(ex)}",
+              file=sys.stderr)
+        return 1
     return 0

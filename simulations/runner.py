@@ -7,7 +7,13 @@ import os
 from typing import Any
 
 from fedgc.settings import RunConfig
+from server.app import NothingAggregatedError, RunFolderError
+from server.checkpoint import CheckpointError
+from server.preflight import PreflightError
 from simulations.netem.settings import NetemSettings
+
+#: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
+RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError)
 
 
 def backend_config(config: RunConfig) -> dict[str, Any]:
@@ -59,11 +65,16 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         del context  # the scenario's RunConfig replaces the (empty) simulation run config
-        outcome["summary"] = run_server(grid, config, **extra)
+        try:
+            outcome["summary"] = run_server(grid, config, **extra)
+        except RUN_ERRORS as ex:
+            outcome["error"] = ex  # raised again below, to the caller: a message, no traceback
 
     run_simulation(server_app=server_app, client_app=client_app,
                    num_supernodes=config.train.num_clients,
                    backend_config=backend_config(config), verbose_logging=verbose)
+    if "error" in outcome:
+        raise outcome["error"]
     if "summary" not in outcome:
         raise RuntimeError(f"the simulation of {config.run_dir} ended without a summary; see "
                            f"the log above")

@@ -66,7 +66,8 @@ def test_a_record_written_before_the_typed_state_loads(tmp_path):
                            "shared_entries": 84, "density": 0.06795469686875416,
                            "train_loss": 1.15516945021227, "model_version": 0, "client_key": 0,
                            "sequence": 1, "restored": 0}
-    assert dgc.decode(state.pending, max_numel=dgc.wire.MAX_NUMEL).sequence == 1 and dgc.decode(state.pending, max_numel=dgc.wire.MAX_NUMEL).nnz == 1020
+    pending = dgc.decode(state.pending, max_numel=dgc.wire.MAX_NUMEL)
+    assert pending.sequence == 1 and pending.nnz == 1020
     assert state.pending_shared is not None and state.pending_mask is not None
     assert state.model_version == 0 and set(state.model) == set(_global())
     assert state.quarantined == 0

@@ -19,8 +19,8 @@ from client.state import ClientState
 from dgc import DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.signs import decode_mask, encode_signs, take_signs
 from fedgc import protocol as P
-from server.checkpoint import CheckpointError
 from fedgc.settings import RunConfig
+from server.checkpoint import CheckpointError
 from server.downlink import copy_model
 from server.local_grid import LocalGrid
 from server.replies import ReplyChecker

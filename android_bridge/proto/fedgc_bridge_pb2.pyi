@@ -18,6 +18,7 @@ class UpdateState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INCOMPLETE: _ClassVar[UpdateState]
     DELIVERED: _ClassVar[UpdateState]
     REJECTED: _ClassVar[UpdateState]
+    MISSED_ROUND: _ClassVar[UpdateState]
 MODEL_ENCODING_UNSPECIFIED: ModelEncoding
 DENSE: ModelEncoding
 SPARSE_PATCH: ModelEncoding
@@ -25,6 +26,7 @@ UPDATE_STATE_UNSPECIFIED: UpdateState
 INCOMPLETE: UpdateState
 DELIVERED: UpdateState
 REJECTED: UpdateState
+MISSED_ROUND: UpdateState
 
 class RegisterRequest(_message.Message):
     __slots__ = ("device_id", "token", "manifest_sha256")
@@ -53,7 +55,7 @@ class FetchTaskRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., held_model_version: _Optional[int] = ...) -> None: ...
 
 class FetchTaskReply(_message.Message):
-    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes")
+    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,7 @@ class FetchTaskReply(_message.Message):
     ACK_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPDATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     task_id: str
     server_round: int
@@ -76,7 +79,8 @@ class FetchTaskReply(_message.Message):
     ack_sequence: int
     sequence: int
     max_chunk_bytes: int
-    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    max_update_bytes: int
+    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("session_id", "task_id", "upload_id", "offset", "data", "total_bytes", "sha256", "metrics_json")
@@ -107,16 +111,20 @@ class QueryUploadRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., upload_id: _Optional[str] = ...) -> None: ...
 
 class UploadStatus(_message.Message):
-    __slots__ = ("upload_id", "received_bytes", "total_bytes", "complete")
+    __slots__ = ("upload_id", "received_bytes", "total_bytes", "complete", "state", "detail")
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     upload_id: str
     received_bytes: int
     total_bytes: int
     complete: bool
-    def __init__(self, upload_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+    state: UpdateState
+    detail: str
+    def __init__(self, upload_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., state: _Optional[_Union[UpdateState, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("session_id", "upload_id")

@@ -66,8 +66,8 @@ class FedgcBridgeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """Device id + per-device token -> session. An unknown device or a bad token is refused with
-        UNAUTHENTICATED and a message that says which.
+        """Device id + per-device token -> session. An unknown device and a bad token are refused
+        alike: UNAUTHENTICATED, with the same message (nothing tells which device ids exist).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +83,10 @@ class FedgcBridgeServicer:
     def UploadUpdate(self, request_iterator, context):
         """Chunks of one encoded update. A stream that is cut keeps what arrived; the phone asks
         QueryUpload for the received offset and opens a new stream from there.
+        The stream must carry its session in the call metadata, key "fedgc-session": the bridge
+        checks it before it waits for a first chunk. A device may hold a few streams at a time
+        (RESOURCE_EXHAUSTED beyond), and a stream that sends nothing for the bridge's idle
+        deadline is cancelled (what arrived is kept; resume as after a cut).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,6 +12,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from .files import private_dir, write_private
+
 # Certificates only need to outlive one run; a short validity limits what a leaked file allows.
 _VALIDITY = dt.timedelta(days=2)
 
@@ -33,11 +35,6 @@ class NodeKeys:
     public_key: Path
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    path.chmod(0o600)
-
-
 def make_tls(out_dir: Path, hosts: list[str]) -> TlsFiles:
     """Create a CA and a SuperLink certificate valid for ``hosts`` (IP addresses or names).
 
@@ -50,7 +47,7 @@ def make_tls(out_dir: Path, hosts: list[str]) -> TlsFiles:
     """
     if not hosts:
         raise ValueError("make_tls: hosts is empty, expected at least one address or name")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(out_dir)
     now = dt.datetime.now(dt.UTC)
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
@@ -101,7 +98,7 @@ def make_tls(out_dir: Path, hosts: list[str]) -> TlsFiles:
     files = TlsFiles(out_dir / "ca.pem", out_dir / "server.pem", out_dir / "server.key")
     files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(
+    write_private(
         files.server_key,
         server_key.private_bytes(
             serialization.Encoding.PEM,
@@ -114,10 +111,10 @@ def make_tls(out_dir: Path, hosts: list[str]) -> TlsFiles:
 
 def make_node_keys(out_dir: Path, name: str) -> NodeKeys:
     """Create one SuperNode's authentication key pair (EC P-384, OpenSSH encoding)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(out_dir)
     key = ec.generate_private_key(ec.SECP384R1())
     keys = NodeKeys(out_dir / f"{name}_key", out_dir / f"{name}_key.pub")
-    _write_private(
+    write_private(
         keys.private_key,
         key.private_bytes(
             serialization.Encoding.PEM,

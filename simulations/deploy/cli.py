@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from simulations.cli_common import load_config_file, summary_table
+from simulations.cli_common import parse_sets as parse_run_sets
+
 from .calibrate import measure, point_to_dict, predicted_transfer_s
 from .cluster import Deployment, DeploymentConfig
-from .errors import DeployError
+from .errors import DeployError, DeployInterrupted
 from .links import MODES, choose_mode
 from .presets import preset, preset_names
 
@@ -148,21 +155,26 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from fedgc.settings import SettingsError, load_toml
-    from simulations.cli import parse_sets as parse_run_sets
-    from simulations.cli import summary_table
+    from fedgc.settings import SettingsError
     from simulations.plots import plot_run
 
-    from .fedgc_run import deploy_run_config, finish_fedgc, submit_fedgc, write_deploy_record
+    from .fedgc_run import (
+        check_fedgc_run,
+        deploy_run_config,
+        finish_fedgc,
+        submit_fedgc,
+        write_deploy_record,
+    )
 
     try:
         values: dict[str, object] = {"run_name": f"deploy-{args.link or 'loopback'}"}
         if args.config:
-            values.update(load_toml(args.config))
+            values.update(load_config_file(args.config))
         values.update(parse_run_sets(args.set))
     except SettingsError as err:
         raise DeployError(str(err)) from err
     run_config = deploy_run_config(values, args.nodes)
+    check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
     with Deployment(_deployment_config(args)) as dep:
         run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s)
@@ -200,15 +212,45 @@ def cmd_run(argv: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """Entry point dispatched to by ``python -m simulations deploy ...``."""
+def _unwind(signum: int, frame: FrameType | None) -> None:
+    # The first signal unwinds; more while everything is torn down would cut the teardown short.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise DeployInterrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`DeployInterrupted` in the main thread while inside."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = {sig: signal.signal(sig, _unwind) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if argv and argv[0] == "calibrate":
-            return cmd_calibrate(argv[1:])
-        return cmd_run(argv)
-    except DeployError as err:
-        print(f"python -m simulations deploy: error: {err}", file=sys.stderr)
-        return 2
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point dispatched to by ``python -m simulations deploy ...``.
+
+    Returns 0 on success, 1 when a run failed, 2 on a bad option or a failed step, and 128 plus
+    the signal's number after SIGTERM or SIGINT (everything started is torn down first).
+    """
+    with _signals_unwind():
+        try:
+            if argv and argv[0] == "calibrate":
+                return cmd_calibrate(argv[1:])
+            return cmd_run(argv)
+        except DeployError as err:
+            print(f"python -m simulations deploy: error: {err}", file=sys.stderr)
+            return 2
+        except DeployInterrupted as stop:
+            print(f"python -m simulations deploy: {stop}; the SuperLink, SuperNodes, app "
+                  f"processes and links of the run are torn down", file=sys.stderr)
+            return 128 + stop.signum
 
 
 if __name__ == "__main__":

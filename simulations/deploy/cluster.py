@@ -17,6 +17,7 @@ from pathlib import Path
 from .certs import NodeKeys, TlsFiles, make_node_keys, make_tls
 from .errors import DeployError, ProcessStartError
 from .fedgc_app import repo_root
+from .files import private_dir
 from .links import LinkSet, NodeLink, choose_mode
 from .presets import LinkSpec
 from .processes import (
@@ -27,6 +28,7 @@ from .processes import (
     run_command,
     wait_for_port,
 )
+from .toml_values import format_config
 
 CONNECTION = "fedgc-deploy"
 _BIN = Path(sys.executable).parent
@@ -36,19 +38,6 @@ _CLI_TIMEOUT_S = 60.0
 def default_node_config(index: int, nodes: int) -> dict[str, int | str]:
     """Node config of SuperNode ``index``: its partition, as Flower's examples use it."""
     return {"partition-id": index, "num-partitions": nodes}
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-def format_config(config: Mapping[str, object]) -> str:
-    """``k=v`` pairs in the TOML value syntax ``--node-config`` and ``--run-config`` accept."""
-    return " ".join(f"{key}={_toml_value(value)}" for key, value in config.items())
 
 
 @dataclass
@@ -175,7 +164,8 @@ class Deployment:
     def start(self) -> None:
         """Start the SuperLink, the links and every SuperNode, and wait until each is up."""
         cfg = self.config
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.workdir)
+        private_dir(self.flwr_home)  # before the SuperLink, which would create it 0755
         requested = cfg.shaping if cfg.link is not None else "none"
         self.mode, self.mode_detail = choose_mode(requested)
         print(f"[deploy] link shaping mode: {self.mode} ({self.mode_detail})", flush=True)
@@ -259,7 +249,7 @@ class Deployment:
         wait_for_port("127.0.0.1", self.superlink_port, self.config.startup_timeout_s)
 
     def _write_flower_config(self) -> None:
-        self.flwr_home.mkdir(parents=True, exist_ok=True)
+        private_dir(self.flwr_home)
         lines = ["[superlink]", f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
                  f'address = "127.0.0.1:{self.superlink_port}"']
         if self.tls is not None:

@@ -11,11 +11,11 @@ import the real packages from the repository, which :func:`repo_root` puts on th
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
-from .errors import DeployError
+from .files import private_dir
+from .toml_values import toml_value
 
 APP_PACKAGE = "fedgc_deploy_app"
 
@@ -25,24 +25,10 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def _toml_value(key: str, value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise DeployError(f"run config {key}={value!r} cannot travel in a Flower run config")
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    raise DeployError(f"run config {key}={value!r}: expected bool, int, float or str")
-
-
 def write_app(app_dir: Path, run_config: Mapping[str, object], version: str = "1.0.0") -> Path:
     """Write the app folder for ``run_config`` (flat dotted keys) and return it."""
     package = app_dir / APP_PACKAGE
-    package.mkdir(parents=True, exist_ok=True)
+    private_dir(package)
     lines = [
         "[build-system]",
         'requires = ["setuptools>=68"]',
@@ -66,7 +52,7 @@ def write_app(app_dir: Path, run_config: Mapping[str, object], version: str = "1
     ]
     for key in sorted(run_config):
         # Quoted keys keep dotted names ("dgc.density") flat, exactly as RunConfig reads them.
-        lines.append(f"{json.dumps(key)} = {_toml_value(key, run_config[key])}")
+        lines.append(f"{json.dumps(key)} = {toml_value(key, run_config[key])}")
     (app_dir / "pyproject.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (package / "__init__.py").write_text('"""fedgc on the deployment engine."""\n')
     (package / "server_app.py").write_text(

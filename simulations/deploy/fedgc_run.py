@@ -57,11 +57,27 @@ class FedgcRun:
     summary: dict[str, Any]
 
 
+def check_fedgc_run(config: Any) -> None:
+    """Prepare the run folder and refuse a run that cannot work (a taken folder, clients without
+    data, no writable ``state_dir``), as :class:`DeployError` naming the problem.
+
+    Raises
+    ------
+    DeployError
+        What :func:`server.app.prepare_run_dir` refused.
+    """
+    from server.app import RunFolderError, prepare_run_dir
+    from server.preflight import PreflightError
+
+    try:
+        prepare_run_dir(config)
+    except (RunFolderError, PreflightError) as err:
+        raise DeployError(str(err)) from err
+
+
 def submit_fedgc(dep: Deployment, config: Any, app_version: str = "1.0.0") -> int:
     """Write the app for ``config`` into the deployment's folder, submit it, return the run id."""
-    from server.app import prepare_run_dir
-
-    prepare_run_dir(config)  # refuse a taken run folder before anything is submitted
+    check_fedgc_run(config)  # refuse a taken run folder before anything is submitted
     app_dir = write_app(dep.workdir / f"app-{app_version}", config.to_flat(), app_version)
     return dep.submit(app_dir)
 

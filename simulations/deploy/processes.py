@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .errors import ProcessStartError
+from .files import private_dir
 
 _POLL_S = 0.1
 
@@ -92,7 +94,7 @@ class ManagedProcess:
     def _start(self) -> ManagedProcess:
         if self.running():
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_path.parent)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -102,6 +104,8 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,
+                # What Flower writes (its home, the database, app folders) is the user's alone.
+                umask=0o077,
             )
         return self
 
@@ -285,6 +289,7 @@ def run_command(
         cwd=cwd,
         text=True,
         start_new_session=True,
+        umask=0o077,
     ) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout_s)
@@ -295,4 +300,10 @@ def run_command(
                 f"{' '.join(argv[:3])} ... did not finish within {timeout_s:.0f} s; "
                 f"output tail:\n{out[-2000:]}"
             ) from None
+        except BaseException:
+            # Interrupted (a signal): the command must not outlive its caller.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         return subprocess.CompletedProcess(list(argv), proc.returncode, out, None)

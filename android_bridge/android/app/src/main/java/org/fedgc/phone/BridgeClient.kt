@@ -3,8 +3,10 @@ package org.fedgc.phone
 
 import com.google.protobuf.ByteString
 import io.grpc.ManagedChannel
+import io.grpc.Metadata
 import io.grpc.StatusRuntimeException
 import io.grpc.okhttp.OkHttpChannelBuilder
+import io.grpc.stub.MetadataUtils
 import io.grpc.stub.StreamObserver
 import org.fedgc.bridge.v1.AckReply
 import org.fedgc.bridge.v1.AckRequest
@@ -23,9 +25,15 @@ import java.util.concurrent.TimeUnit
 class UploadIncomplete(uploadId: String, streams: Int) :
     java.io.IOException("upload '$uploadId' incomplete after $streams streams")
 
+/** Call metadata key of an upload stream's session: the bridge checks it before the first chunk. */
+private val SESSION_KEY: Metadata.Key<String> =
+    Metadata.Key.of("fedgc-session", Metadata.ASCII_STRING_MARSHALLER)
+
 /**
  * Register, fetch a task, upload an encoded update in resumable chunks, and ask for the ack.
  * TLS by default (the bridge refuses unknown devices and bad tokens with UNAUTHENTICATED).
+ * An upload whose status reads MISSED_ROUND came too late for its round: keep the update pending
+ * (the next task's ack_sequence will not name it, so it is folded back into the residual).
  */
 class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
     private val channel: ManagedChannel = OkHttpChannelBuilder.forAddress(host, port).let {
@@ -81,7 +89,9 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
             override fun onError(t: Throwable) { done.countDown() }  // cut link: resume via QueryUpload
             override fun onCompleted() { done.countDown() }
         }
-        val requests = async.uploadUpdate(responses)
+        val headers = Metadata().apply { put(SESSION_KEY, sessionId) }
+        val requests = async.withInterceptors(MetadataUtils.newAttachHeadersInterceptor(headers))
+            .uploadUpdate(responses)
         try {
             var offset = start
             while (offset < data.size) {

@@ -1,0 +1,99 @@
+"""Checks before the first round: a run that cannot work fails at once, with one clear message.
+
+Without them such a run started, every client failed every round, and the run ended as if it
+had succeeded. :func:`check_run` is called by :func:`server.app.prepare_run_dir`, so that
+``python -m simulations run`` refuses before Ray starts and ``flwr run`` before round 1.
+:func:`clear_state_dir` removes a replaced run's client state, and only that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
+
+# What a client state store writes (client.state.ClientStateStore): ``<key>.state``, a legacy
+# ``<key>.pt``, a temporary ``.<key>.<random>.tmp`` while it writes, and ``<key>.state.<why>``
+# for a record set aside.
+_STATE_FILE = re.compile(r"^(?:[A-Za-z0-9_.-]{1,128}\.(?:state|pt)(?:\.[A-Za-z0-9_.-]+)?"
+                         r"|\.[A-Za-z0-9_.-]+\.tmp)$")
+
+
+class PreflightError(ValueError):
+    """The run cannot work as configured (it names the setting or path and the problem)."""
+
+
+def check_run(config: Any) -> None:
+    """Refuse a run that cannot work: clients without data, client state that cannot be
+    written, a checkpoint to resume that cannot be read.
+
+    Raises
+    ------
+    PreflightError
+        Naming the setting or path and the problem.
+    """
+    check_partitions(config)
+    check_writable(config.state_dir, "state_dir", "clients keep their residuals there")
+    if config.server.resume and (config.run_dir / CHECKPOINT_FILE).exists():
+        try:
+            load_checkpoint(config.run_dir)
+        except CheckpointError as ex:
+            raise PreflightError(f"resume=true: {ex}") from ex
+
+
+def check_partitions(config: Any) -> None:
+    """Every client gets a partition of at least one sample (what the clients compute)."""
+    from tasks import get_task
+    from tasks.errors import DataError
+
+    t = config.train
+    try:
+        parts = get_task(t.task).partition(t.num_clients, scheme=t.partition, alpha=t.alpha,
+                                           seed=t.seed)
+    except DataError as ex:
+        raise PreflightError(f"num_clients={t.num_clients}, task {t.task!r}, partition "
+                             f"{t.partition!r}: {ex}") from ex
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise PreflightError(f"num_clients={t.num_clients}, task {t.task!r}, partition "
+                             f"{t.partition!r}: clients {empty[:5]} would get no sample")
+
+
+def check_writable(folder: Path, setting: str, why: str) -> None:
+    """Create ``folder`` if missing and write a file in it, or raise naming ``setting``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fedgc-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as ex:
+        raise PreflightError(f"{setting} {folder} is not a writable folder "
+                             f"({ex.strerror or ex}); {why}") from ex
+
+
+def clear_state_dir(folder: Path) -> None:
+    """Delete the client state files in ``folder`` (for ``overwrite=true``), nothing else.
+
+    Raises
+    ------
+    PreflightError
+        When ``folder`` holds anything a client state store does not write (the user's own
+        files, sub-folders): nothing is deleted then.
+    """
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise PreflightError(f"state_dir {folder} is not a folder")
+    entries = sorted(folder.iterdir())
+    foreign = [p.name for p in entries if not (p.is_file() and _STATE_FILE.match(p.name))]
+    if foreign:
+        raise PreflightError(
+            f"overwrite=true would delete client state in {folder}, but it also holds "
+            f"{len(foreign)} entries fedgc did not write ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); choose another state_dir or remove them")
+    for path in entries:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,127 @@
+"""Careless use of the command line: one line naming the path and the problem, exit 2; a run
+that cannot work is refused before round 1, and one that aggregated nothing fails."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from server.preflight import PreflightError, clear_state_dir
+from simulations.cli import main
+
+BASE = ["--set", "task=digits", "--set", "num_clients=4", "--set", "clients_per_round=2",
+        "--set", "rounds=2", "--set", "sim.engine=local", "--set", "progress=false",
+        "--set", "partition=iid"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["run", *argv])
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return code, err
+
+
+def _read_only_folder(tmp_path: Path) -> Path:
+    """A folder this process cannot write in (root writes through mode bits: a read-only
+    filesystem then)."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "ro"
+        folder.mkdir(mode=0o500)
+        return folder
+    folder = Path("/sys/fs")
+    try:
+        (folder / "fedgc-probe").mkdir()
+    except OSError:
+        return folder
+    pytest.skip("no read-only folder to test with")
+
+
+def test_config_that_is_a_folder_or_not_utf8(tmp_path: Path, capsys) -> None:
+    code, err = _run(["--config", str(tmp_path)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"--config {tmp_path} is a folder" in err
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('run_name = "caf\xe9"\n'.encode("latin-1"))
+    code, err = _run(["--config", str(bad)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"--config {bad} is not UTF-8" in err
+
+
+def test_results_folder_that_is_a_file_or_read_only(tmp_path: Path, capsys) -> None:
+    afile = tmp_path / "results"
+    afile.write_text("not a folder")
+    code, err = _run([*BASE, "--set", f"results_dir={afile}", "--set", "run_name=r"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"run folder {afile / 'r'}" in err and "Not a directory" in err
+    ro = _read_only_folder(tmp_path)
+    code, err = _run([*BASE, "--set", f"results_dir={ro}", "--set", "run_name=r"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and f"run folder {ro / 'r'}" in err
+
+
+def test_damaged_checkpoint_to_resume(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_bytes(b"\x00not a checkpoint")
+    code, err = _run([*BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=r",
+                      "--set", "resume=true"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert f"checkpoint {run_dir / 'checkpoint.pt'} is unreadable" in err
+
+
+def test_runs_that_cannot_work_are_refused_before_round_one(tmp_path: Path, capsys) -> None:
+    argv = [*BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=big"]
+    code, err = _run([*argv, "--set", "num_clients=2000"], capsys)
+    assert code == 2 and "num_clients=2000" in err and "1438 samples" in err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, err = _run([*argv, "--set", f"state_dir={blocker / 'state'}"], capsys)
+    assert code == 2 and f"state_dir {blocker / 'state'} is not a writable folder" in err
+    assert not (tmp_path / "big" / "rounds.csv").exists()  # no round ran
+
+
+def test_a_run_that_aggregated_nothing_fails(tmp_path: Path, capsys,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from client.app import app as real
+
+    broken = ClientApp()  # identifies itself and evaluates, but every train round fails
+
+    @broken.train()
+    def train(msg: Message, context: Context) -> Message:
+        raise RuntimeError("this client cannot train")
+
+    @broken.query()
+    def query(msg: Message, context: Context) -> Message:
+        return real(msg, context)
+
+    monkeypatch.setattr("client.app.app", broken)
+    code, err = _run([*BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=none",
+                      "--set", "fraction_evaluate=0"], capsys)
+    assert code == 1 and "no round of 2 aggregated any update" in err
+    assert "cannot train" in err
+    with (tmp_path / "none" / "clients.csv").open() as fh:  # the evidence is kept
+        assert {row["status"] for row in csv.DictReader(fh)} == {"error"}
+
+
+def test_overwrite_deletes_only_what_fedgc_wrote(tmp_path: Path, capsys) -> None:
+    state = tmp_path / "my-state"
+    argv = [*BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=o",
+            "--set", f"state_dir={state}", "--set", "method=dgc"]
+    assert _run(argv, capsys)[0] == 0
+    written = sorted(p.name for p in state.iterdir())
+    assert written and all(name.endswith(".state") for name in written)
+    (state / "thesis.tex").write_text("the user's own file")
+    code, err = _run([*argv, "--set", "overwrite=true"], capsys)
+    assert code == 2 and "thesis.tex" in err and "fedgc did not write" in err
+    assert (state / "thesis.tex").exists() and sorted(
+        p.name for p in state.iterdir() if p.name != "thesis.tex") == written
+    assert (tmp_path / "o" / "rounds.csv").exists()  # nothing of the old run was deleted
+    (state / "thesis.tex").unlink()
+    assert _run([*argv, "--set", "overwrite=true"], capsys)[0] == 0
+    with pytest.raises(PreflightError, match="sub"):
+        (state / "sub").mkdir()
+        clear_state_dir(state)
