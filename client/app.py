@@ -31,9 +31,11 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import dgc
+from client import node
 from client import protocol as P
 from client.settings import SettingsError, TrainSettings, fields_of, parse
 from client.state import ClientStateStore, fold_back_pending, stored_bytes
+from client.stores import read_record
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.grid import round_initial
@@ -210,6 +212,8 @@ def _reply_content(data: bytes, shared: bytes | None, metrics: MetricRecord) -> 
     content = RecordDict({P.UPDATE: P.bytes_to_record(data), P.METRICS: metrics})
     if shared is not None:
         content[P.SHARED] = P.bytes_to_record(shared, P.SHARED_SIGNS)
+    if where := node.node_info():  # on Ray: the node that ran this round, for clients.csv
+        content[P.NODE] = ConfigRecord(where)
     return content
 
 
@@ -227,7 +231,7 @@ def train(msg: Message, context: Context) -> Message:
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    record = store.get(str(key)) or {}
+    record = read_record(store, str(key), ack, s.method, where=node.describe())
 
     task = _task(s.task)
     parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)

@@ -80,6 +80,7 @@ class ClientRow:
     train_loss: float = float("nan")
     compute_seconds: float = 0.0
     restored: int = 0
+    ray_node: str = ""  # the Ray node that ran the round, as its reply names it (client.node)
 
 
 @dataclass
@@ -847,6 +848,8 @@ class DGCStrategy(FedAvg):
                 row.reason = msg.error.reason
                 log(INFO, "\t> Received error in reply from node %d: %s", node, row.reason)
                 continue
+            where = msg.content.config_records.get(P.NODE)
+            row.ray_node = str(where.get("ray_node", ""))[:64] if where is not None else ""
             try:
                 _, update, metrics, nbytes = self._validate_once(msg, server_round,
                                                                  decoded.get(id(msg)))

@@ -12,6 +12,7 @@ from typing import Any
 from server.app import RunFolderError
 from server.config import RunConfig, SettingsError, load_toml
 from server.results import write_json
+from simulations.cluster import ClusterError
 from simulations.netem.errors import NetemError
 
 METHODS = ("dense", "topk", "dgc")
@@ -187,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args))
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
-    except (SettingsError, RunFolderError, NetemError) as ex:
+    except (SettingsError, RunFolderError, NetemError, ClusterError) as ex:
         print(f"python -m simulations {args.command}: error: {ex}", file=sys.stderr)
         return 2
     return 0

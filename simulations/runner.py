@@ -6,15 +6,28 @@ import logging
 import os
 from typing import Any
 
-from server.config import RunConfig
+from server.config import RunConfig, SettingsError
+from simulations import cluster
 from simulations.netem.settings import NetemSettings
 
 
 def backend_config(config: RunConfig) -> dict[str, Any]:
-    """The Ray backend config: CPUs per ClientApp actor and for the whole Ray instance."""
+    """The Ray backend config: CPUs per ClientApp actor, and where Ray runs.
+
+    Without ``sim.ray_address`` a fresh Ray instance on this machine with ``sim.num_cpus``
+    (``address="local"``: never a cluster someone started here with ``ray start``); with it,
+    that cluster, whose nodes declare their own CPUs.
+    """
     s = config.server
-    init_args: dict[str, Any] = {"num_cpus": s.num_cpus or os.cpu_count() or 1,
-                                 "include_dashboard": False}
+    if s.ray_address:
+        if s.num_cpus:
+            raise SettingsError(f"sim.num_cpus = {s.num_cpus} cannot be used with "
+                                f"sim.ray_address = {s.ray_address!r}: the cluster's nodes "
+                                f"declare their CPUs (ray start --num-cpus); leave it 0")
+        init_args = cluster.init_args(s.ray_address)
+    else:
+        init_args = {"address": "local", "num_cpus": s.num_cpus or os.cpu_count() or 1,
+                     "include_dashboard": False}
     return {"client_resources": {"num_cpus": s.cpus_per_client, "num_gpus": 0.0},
             "init_args": init_args}
 
@@ -52,6 +65,13 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if not verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)
+    backend = backend_config(config)  # a SettingsError before anything starts
+    if config.server.ray_address:
+        # Connected here, Flower's backend finds Ray initialised and keeps this connection.
+        nodes = cluster.attach(config.server.ray_address, config.state_dir.resolve())
+        if config.server.progress:
+            print(f"Ray cluster at {config.server.ray_address}: {cluster.describe(nodes)}",
+                  flush=True)
 
     outcome: dict[str, Any] = {}
     server_app = ServerApp()
@@ -61,9 +81,13 @@ def run_scenario(config: RunConfig, verbose: bool = False,
         del context  # the scenario's RunConfig replaces the (empty) simulation run config
         outcome["summary"] = run_server(grid, config, **extra)
 
-    run_simulation(server_app=server_app, client_app=client_app,
-                   num_supernodes=config.train.num_clients,
-                   backend_config=backend_config(config), verbose_logging=verbose)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app,
+                       num_supernodes=config.train.num_clients,
+                       backend_config=backend, verbose_logging=verbose)
+    finally:
+        if config.server.ray_address:
+            cluster.detach()
     if "summary" not in outcome:
         raise RuntimeError(f"the simulation of {config.run_dir} ended without a summary; see "
                            f"the log above")
