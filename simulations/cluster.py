@@ -75,22 +75,26 @@ def alive_nodes() -> list[ClusterNode]:
             for n in ray.nodes() if n.get("Alive")]
 
 
-def _probe(folder: str, marker: str, token: str) -> tuple[str, str]:
-    """On a node: (its node id, "" if ``folder`` holds ``marker`` with ``token`` and is
-    writable, else why not)."""
-    import ray
-
-    node = ray.get_runtime_context().get_node_id()
+def check_marker(folder: str, marker: str, token: str, name: str) -> str:
+    """"" if ``folder`` holds ``marker`` with ``token`` and takes a file ``name``, else why not."""
     path = Path(folder) / marker
     try:
         if path.read_text() != token:
-            return node, f"{path} holds another run's token"
-        check = Path(folder) / f".{marker}.{node[:12]}"
+            return f"{path} holds another run's token"
+        check = Path(folder) / name
         check.write_text(token)
         check.unlink()
     except OSError as ex:
-        return node, f"{type(ex).__name__}: {ex}"
-    return node, ""
+        return f"{type(ex).__name__}: {ex}"
+    return ""
+
+
+def _probe(folder: str, marker: str, token: str) -> tuple[str, str]:
+    """On a node: (its node id, :func:`check_marker`'s answer there)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return node, check_marker(folder, marker, token, f".{marker}.{node[:12]}")
 
 
 def probe_state_dir(folder: Path, nodes: list[ClusterNode],
