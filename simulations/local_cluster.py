@@ -26,11 +26,22 @@ from simulations.cluster import ClusterError
 START_TIMEOUT_S = 120.0
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` different TCP ports nothing listens on now (the OS picks them, all bound at once:
+    one at a time, it may hand out the same port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def _ray_cli() -> str:
@@ -64,16 +75,18 @@ class LocalRayCluster:
     def _node_args(self, head: bool) -> list[str]:
         temp = Path(tempfile.mkdtemp(prefix="fgr", dir="/tmp"))
         self.temp_dirs.append(temp)
+        # Every port Ray would otherwise take at a fixed default, which two nodes on one
+        # machine (or another Ray instance here) would share.
+        agent, grpc, runtime_env, metrics, dashboard, client = [
+            p for p in free_ports(7) if p != self.port][:6]
         args = [_ray_cli(), "start", "--block", "--disable-usage-stats",
                 f"--num-cpus={self.cpus_per_node}", f"--temp-dir={temp}",
-                f"--dashboard-agent-listen-port={free_port()}",
-                f"--dashboard-agent-grpc-port={free_port()}",
-                f"--runtime-env-agent-port={free_port()}",
-                f"--metrics-export-port={free_port()}"]
+                f"--dashboard-agent-listen-port={agent}",
+                f"--dashboard-agent-grpc-port={grpc}",
+                f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}"]
         if head:
             return [*args, "--head", f"--port={self.port}", "--include-dashboard=false",
-                    f"--dashboard-port={free_port()}",
-                    f"--ray-client-server-port={free_port()}"]
+                    f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}"]
         return [*args, f"--address={self.address}"]
 
     def start(self) -> LocalRayCluster:
