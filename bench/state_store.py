@@ -137,8 +137,11 @@ def main() -> None:
     blob = b"".join(bytes(b) for b in encode_record(record))
     nparams = sum(v.numel() for v in record["model"].values())
     print(machine_line(1))
-    print(f"record of a {nparams:,}-parameter model: {len(blob) / 1e6:.2f} MB "
-          f"(residual, momentum, held model, pending update)")
+    parts = {k: len(b"".join(bytes(b) for b in encode_record({k: record[k]}))) / 1e6
+             for k in ("compressor", "model", "pending")}
+    print(f"record of a {nparams:,}-parameter model: {len(blob) / 1e6:.2f} MB (compressor state "
+          f"{parts['compressor']:.2f} MB, held model {parts['model']:.2f} MB, pending update "
+          f"{parts['pending']:.3f} MB)")
 
     made: list[Path] = []
     folders = args.folders
