@@ -34,7 +34,9 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import dgc
+from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
+from client.stores import read_state
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
@@ -203,8 +205,21 @@ def shared_masks(content: RecordDict,
     return data, masks
 
 
-def _load_state(store: ClientStateStore, key: str) -> ClientState:
+def _on_node(content: RecordDict) -> RecordDict:
+    """``content`` with, on Ray, the node that ran this round (for ``clients.csv``)."""
+    if where := node.node_info():
+        content[P.NODE] = ConfigRecord(where)
+    return content
+
+
+def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> ClientState:
     """This client's state; a damaged record is moved aside and replaced by a fresh state.
+
+    A ``dgc`` client whose record the server relies on (it acknowledged an update) but which the
+    store lacks, or holds only in an older copy, fails its round (:func:`client.stores.read_state`
+    raises StateMissingError): a node without the shared state folder must not silently restart
+    the residual from zero. A quarantined record is not such a case: its loss was detected and is
+    reported.
 
     What the lost record held (residual, pending update) is gone: its bytes failed their check,
     so not even its size can be trusted. The fresh state counts the quarantine, which the next
@@ -212,7 +227,7 @@ def _load_state(store: ClientStateStore, key: str) -> ClientState:
     round that fails (a patch on the model the client no longer holds).
     """
     try:
-        return store.load(key) or ClientState()
+        return read_state(store, key, ack, method, where=node.describe()) or ClientState()
     except StateCorruptError as ex:
         if ex.path is None:
             raise
@@ -238,7 +253,7 @@ def train(msg: Message, context: Context) -> Message:
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    state = _load_state(store, str(key))
+    state = _load_state(store, str(key), ack, s.method)
 
     task = _task(s.task)
     parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
@@ -254,7 +269,7 @@ def train(msg: Message, context: Context) -> Message:
         # checkpoint before it): send the same bytes again instead of training and compressing
         # a second time, which would fold the pending update back and change the residual.
         metrics = {**reply, "compute_seconds": time.perf_counter() - started}
-        return Message(P.reply_content(state.pending, metrics, state.pending_shared),
+        return Message(_on_node(P.reply_content(state.pending, metrics, state.pending_shared)),
                        reply_to=msg)
 
     global_state = global_model(msg.content, config, state,
@@ -311,7 +326,7 @@ def train(msg: Message, context: Context) -> Message:
         new_state.reply = {k: v for k, v in metrics.items() if k != "compute_seconds"}
     store.save(str(key), new_state)
 
-    return Message(P.reply_content(data, metrics, shared_data), reply_to=msg)
+    return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=msg)
 
 
 @app.evaluate()

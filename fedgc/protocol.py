@@ -46,6 +46,7 @@ PATCH = "patch"
 SHARED = "shared"  # ArrayRecord of the shared-index channel (dgc.signs), both directions
 SHARED_MASK = "shared_mask"  # its byte Array in a train message
 SHARED_SIGNS = "shared_signs"  # its byte Array in a train reply
+NODE = "node"  # ConfigRecord of a reply from a Ray worker: ray_node, host (client.node)
 
 # Per-node config keys the server adds to the TrainSettings keys.
 SERVER_ROUND = "server-round"

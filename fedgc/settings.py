@@ -428,6 +428,11 @@ class ServerSettings:
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+    ray_address: str = setting("", "sim.ray_address", "attach to a running Ray cluster "
+                               "(HEAD:PORT of `ray start --head`, or auto) instead of starting "
+                               "Ray here; its nodes declare their CPUs (sim.num_cpus must stay "
+                               "0) and state_dir must be a folder every node mounts "
+                               "(docs/cluster.md); empty = a fresh Ray instance on this machine")
 
     def __post_init__(self) -> None:
         validate(self)

@@ -32,6 +32,8 @@ class ClientRow:
     train_loss: float = float("nan")
     compute_seconds: float = 0.0
     restored: int = 0
+    ray_node: str = ""  # the Ray node that ran the round, as its reply names it (client.node)
+    state_quarantined: int = 0  # damaged state records the client set aside (client.app)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class RoundRecord:
     dropped_deadline: int = 0
     dropped_link: int = 0
     dropped_rejected: int = 0
+    state_quarantined: int = 0  # sum over the round's replies (damaged client state set aside)
 
 
 def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int],
@@ -67,7 +70,8 @@ def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int]
     """The row of a sampled client's checked reply (status "valid" until the strategy decides
     between aggregated and surplus); ``downlink``: (kind, bytes) of what it was sent."""
     row = ClientRow(server_round, reply.client_key, reply.node_id, reply.status, reply.reason,
-                    downlink[0], downlink[1], reply.uplink_bytes)
+                    downlink[0], downlink[1], reply.uplink_bytes, ray_node=reply.ray_node,
+                    state_quarantined=reply.state_quarantined)
     if reply.update is not None:
         row.nnz, row.density = reply.update.nnz, reply.update.density
         row.compression_ratio = dense_update_nbytes / reply.uplink_bytes
@@ -171,6 +175,7 @@ def round_record(server_round: int, rows: list[ClientRow], uplink_bytes: int,
                     if weight else float("nan")),
         compute_seconds_max=max((r.compute_seconds for r in arrived), default=0.0),
         model_version=model_version,
+        state_quarantined=sum(r.state_quarantined for r in rows),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from flwr.app import Message, MetricRecord
@@ -46,6 +47,21 @@ class CheckedReply:
     train_loss: float = float("nan")
     compute_seconds: float = 0.0
     restored: int = 0
+    ray_node: str = ""  # the Ray node that ran the round, as the reply names it (client.node)
+    state_quarantined: int = 0  # damaged state records the client set aside (recorded only)
+
+
+def recorded_fields(msg: Message) -> dict[str, Any]:
+    """What a reply says that the server only records (``clients.csv``), never uses: the Ray
+    node that ran it (at most 64 characters) and ``state_quarantined``. A value that is not of
+    the expected kind is recorded as empty or 0, not rejected: nothing depends on it."""
+    where = msg.content.config_records.get(P.NODE)
+    ray_node = where.get("ray_node", "") if where is not None else ""
+    metrics = msg.content.metric_records.get(P.METRICS)
+    quarantined = metrics.get("state_quarantined", 0) if metrics is not None else 0
+    return {"ray_node": ray_node[:64] if isinstance(ray_node, str) else "",
+            "state_quarantined": quarantined if isinstance(quarantined, int)
+            and not isinstance(quarantined, bool) and 0 <= quarantined < 2**31 else 0}
 
 
 @dataclass(frozen=True)
@@ -184,15 +200,17 @@ class ReplyChecker:
         ``decoded``, if given, is what ``dgc.decode_many`` gave for this reply's update bytes:
         it stands in for decoding them here. The checks and their order are the same either way.
         """
+        recorded = recorded_fields(msg)
         try:
             update, numbers, nbytes, signs = self._validate(msg, server_round, masks, decoded)
         except ReplyRejected as ex:
             return CheckedReply(msg, key, node, "rejected", str(ex),
-                                uplink_bytes=payload_nbytes(msg))
+                                uplink_bytes=payload_nbytes(msg), **recorded)
         return CheckedReply(msg, key, node, "valid", uplink_bytes=nbytes, update=update,
                             signs=signs, num_examples=numbers.num_examples,
                             train_loss=numbers.train_loss,
-                            compute_seconds=numbers.compute_seconds, restored=numbers.restored)
+                            compute_seconds=numbers.compute_seconds, restored=numbers.restored,
+                            **recorded)
 
     def _validate(self, msg: Message, server_round: int, masks: Masks,
                   decoded: SparseUpdate | DecodeError | None,

@@ -21,6 +21,7 @@ from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
 from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, summary_table
+from simulations.cluster import ClusterError
 from simulations.netem.errors import NetemError
 
 #: The default comparison (``make demo``): 100 clients, 10 per round, Dirichlet(0.5) label skew,
@@ -173,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args))
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
-    except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError) as ex:
+    except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
+            ClusterError) as ex:
         print(f"python -m simulations {args.command}: error: {_one_line(ex)}", file=sys.stderr)
         return 2
     except NothingAggregatedError as ex:

@@ -6,10 +6,11 @@ import logging
 import os
 from typing import Any
 
-from fedgc.settings import RunConfig
+from fedgc.settings import RunConfig, SettingsError
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
+from simulations import cluster
 from simulations.netem.settings import NetemSettings
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
@@ -17,10 +18,22 @@ RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, Preflight
 
 
 def backend_config(config: RunConfig) -> dict[str, Any]:
-    """The Ray backend config: CPUs per ClientApp actor and for the whole Ray instance."""
+    """The Ray backend config: CPUs per ClientApp actor, and where Ray runs.
+
+    Without ``sim.ray_address`` a fresh Ray instance on this machine with ``sim.num_cpus``
+    (``address="local"``: never a cluster someone started here with ``ray start``); with it,
+    that cluster, whose nodes declare their own CPUs.
+    """
     s = config.server
-    init_args: dict[str, Any] = {"num_cpus": s.num_cpus or os.cpu_count() or 1,
-                                 "include_dashboard": False}
+    if s.ray_address:
+        if s.num_cpus:
+            raise SettingsError(f"sim.num_cpus = {s.num_cpus} cannot be used with "
+                                f"sim.ray_address = {s.ray_address!r}: the cluster's nodes "
+                                f"declare their CPUs (ray start --num-cpus); leave it 0")
+        init_args = cluster.init_args(s.ray_address)
+    else:
+        init_args = {"address": "local", "num_cpus": s.num_cpus or os.cpu_count() or 1,
+                     "include_dashboard": False}
     return {"client_resources": {"num_cpus": s.cpus_per_client, "num_gpus": 0.0},
             "init_args": init_args}
 
@@ -58,6 +71,13 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if not verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)
+    backend = backend_config(config)  # a SettingsError before anything starts
+    if config.server.ray_address:
+        # Connected here, Flower's backend finds Ray initialised and keeps this connection.
+        nodes = cluster.attach(config.server.ray_address, config.state_dir.resolve())
+        if config.server.progress:
+            print(f"Ray cluster at {config.server.ray_address}: {cluster.describe(nodes)}",
+                  flush=True)
 
     outcome: dict[str, Any] = {}
     server_app = ServerApp()
@@ -70,9 +90,13 @@ def run_scenario(config: RunConfig, verbose: bool = False,
         except RUN_ERRORS as ex:
             outcome["error"] = ex  # raised again below, to the caller: a message, no traceback
 
-    run_simulation(server_app=server_app, client_app=client_app,
-                   num_supernodes=config.train.num_clients,
-                   backend_config=backend_config(config), verbose_logging=verbose)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app,
+                       num_supernodes=config.train.num_clients,
+                       backend_config=backend, verbose_logging=verbose)
+    finally:
+        if config.server.ray_address:
+            cluster.detach()
     if "error" in outcome:
         raise outcome["error"]
     if "summary" not in outcome:
