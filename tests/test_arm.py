@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -119,3 +121,108 @@ def test_encoder_and_training_step_on_aarch64_match_the_host(arm, tmp_path):
     np.testing.assert_allclose(trained["losses"], losses, rtol=0, atol=1e-5)
     assert worst <= 1e-5, worst
     print(f"aarch64 training step vs eager x86 SGD after 40 steps: max |diff| = {worst:.3g}")
+
+
+PHONES = {0: "phone-a", 1: "phone-b"}
+FEDERATION = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "partition": "iid",
+              "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
+              "rounds": 3, "seed": 0, "dgc.small_density": 0.0, "client_momentum": 0.0,
+              "dgc.server_momentum": 0.0}
+
+
+def _federation(tmp_path_factory, name: str, phones_on_arm: ArmEnv | None) -> tuple[dict, dict]:
+    """run_server over a LocalGrid of four clients, two of them phones behind the TLS bridge on
+    loopback (phone-a's round-1 upload cut at 2 KiB and resumed): the final model and the
+    phones' reports. The phones run in this process (x86) or in one emulated process."""
+    import grpc
+
+    from android_bridge.bridge import PhoneBridge
+    from android_bridge.bridge_app import make_bridge_app
+    from client.app import app as client_app
+    from client.app import client_key
+    from server.app import run_server
+    from server.config import RunConfig
+    from server.local_grid import LocalGrid
+    from tasks import get_task
+    from tests.test_bridge import BATCH, EXPORT_CONFIG, TOKENS, _certificates
+
+    ca, cert, key = _certificates(tmp_path_factory)
+    job = tmp_path_factory.mktemp(name)
+    export_all("digits", job / "export", EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    settings = {**FEDERATION, "batch_size": BATCH, "lr": 0.1,
+                "dgc.momentum_correction": EXPORT_CONFIG.momentum_correction}
+    task = get_task("digits")
+    parts = task.partition(settings["num_clients"], scheme="iid", alpha=0.5, seed=0)
+    config = RunConfig.from_flat({**settings, "results_dir": str(job / "results"),
+                                  "run_name": name})
+    (job / "ca.pem").write_bytes(ca)
+    phone_specs = []
+    for pid, device in PHONES.items():
+        np.savez(job / f"{device}.npz", x=task.train_x[parts[pid]].numpy(),
+                 y=task.train_y[parts[pid]].numpy())
+        phone_specs.append({"device": device, "token": TOKENS[device], "data": f"{device}.npz",
+                            **({"cut_round": 1, "cut_after_bytes": 2048}
+                               if device == "phone-a" else {})})
+    with PhoneBridge(TOKENS, "127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]),
+                     max_chunk_bytes=1024) as bridge:
+        (job / "job.json").write_text(json.dumps({
+            "export": "export", "ca": "ca.pem", "target": f"localhost:{bridge.port}",
+            "phones": phone_specs, "rounds": settings["rounds"], "task_timeout_s": 900}))
+        proc = None
+        threads = []
+        if phones_on_arm is not None:
+            proc = phones_on_arm.popen("-m", "android_bridge.arm.inside", "phones", str(job),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True)
+            lines = []
+            for line in proc.stdout:  # the phones have registered once READY is printed
+                lines.append(line)
+                if line.strip() == "READY":
+                    break
+            else:
+                raise AssertionError("emulated phones exited before registering:\n"
+                                     + "".join(lines[-40:]))
+        else:
+            from android_bridge.arm.inside import phones
+
+            threads.append(threading.Thread(target=phones, args=(job,)))
+        for t in threads:
+            t.start()
+        bridge_app = make_bridge_app(bridge, PHONES, timeout_s=900)
+
+        def mixed(msg, context):
+            app = bridge_app if client_key(context) in PHONES else client_app
+            return app(msg, context)
+
+        try:
+            run_server(LocalGrid(mixed, settings["num_clients"], seed=1), config)
+        finally:
+            for t in threads:
+                t.join(120)
+            if proc is not None:
+                rest = proc.communicate(timeout=600)[0]
+                assert proc.returncode == 0, rest[-4000:]
+    reports = json.loads((job / "phones-arm.json").read_text())
+    model = torch.load(config.run_dir / "model.pt")
+    return model, reports
+
+
+def test_phones_on_aarch64_join_a_federation_like_x86_phones(arm, tmp_path_factory):
+    """The reference phone inside the arm64 environment joins a federation whose bridge,
+    ClientApp and strategy run on the host (TLS gRPC on loopback), one upload cut and resumed;
+    the final model equals the same federation's with x86 phones."""
+    x86_model, x86 = _federation(tmp_path_factory, "x86", None)
+    arm_model, on_arm = _federation(tmp_path_factory, "arm", arm)
+    assert on_arm["machine"] == "aarch64" and x86["machine"] == "x86_64"
+    assert not on_arm["errors"] and not x86["errors"], (on_arm["errors"], x86["errors"])
+    for reports in (x86["reports"], on_arm["reports"]):
+        a = reports["phone-a"]
+        assert [r["round"] for r in a] == [1, 2, 3] == [r["round"] for r in reports["phone-b"]]
+        assert a[0]["resume_offsets"] == [0, 2048] and a[0]["uplink_bytes"] > 2048
+    # Same bytes both ways, round for round.
+    for device in PHONES.values():
+        assert ([(r["uplink_bytes"], r["downlink_bytes"]) for r in on_arm["reports"][device]]
+                == [(r["uplink_bytes"], r["downlink_bytes"]) for r in x86["reports"][device]])
+    worst = max(float((arm_model[k] - x86_model[k]).abs().max()) for k in x86_model)
+    print(f"final model, aarch64 phones vs x86 phones: max |diff| = {worst:.3g}")
+    assert worst == 0.0
