@@ -52,7 +52,7 @@ def main() -> None:
         "encoder": [{"pte": "encoder.pte", "config": config.to_dict(), "numel": n}
                     for n in SIZES],
         "train": train}))
-    sizes = {p.name: p.stat().st_size for p in job.rglob("*.pte")}
+    sizes = {str(p.relative_to(job)): p.stat().st_size for p in sorted(job.rglob("*.pte"))}
     print("pte sizes (bytes):", json.dumps(sizes))
     host = job.with_name(job.name + "-x86")
     shutil.copytree(job, host)
