@@ -3,10 +3,11 @@
 ``PYTHONPATH=. python bench/arm_memory.py`` (needs ``make arm``): exports the default encoder
 (``max_numel`` 2**21) and training steps of two MLPs (~1e5 and ~1e6 parameters, batch 10), then
 runs ``android_bridge.arm.inside memory`` once natively on this x86 host and once on aarch64
-under qemu-user, and prints the peak resident memory above each process's baseline (VmHWM after
-a reset, minus VmRSS before the call) for one sparse encoder step over a 1e5 / 1e6-entry tensor
-and for 5 training steps. The qemu figure includes what qemu itself allocates while translating
-the call's code; both are the process's own view, not a phone's.
+under qemu-user, and prints the peak resident memory above the RSS held just before loading the
+program (VmHWM after a reset, minus VmRSS then) for loading the encoder and two sparse steps over
+a 1e5 / 1e6-entry tensor, and for loading the training step and 5 steps. The qemu figure
+includes what qemu itself allocates while translating the code; both are the process's own
+view, not a phone's.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ def main() -> None:
     x86 = json.loads((host / "memory-arm.json").read_text())  # inside.py's name for its output
     arm = json.loads((job / "memory-arm.json").read_text())
     print(f"{'what':>10} {'params':>9} {'x86 MiB':>8} {'aarch64 MiB':>11} "
-          f"{'aarch64 baseline MiB':>20}")
+          f"{'baseline MiB x86/aarch64':>24}")
     for a, b in zip(x86["results"], arm["results"], strict=True):
         print(f"{a['what']:>10} {a['numel']:>9} {a['extra_kib'] / 1024:8.1f} "
-              f"{b['extra_kib'] / 1024:11.1f} {b['baseline_kib'] / 1024:20.0f}")
+              f"{b['extra_kib'] / 1024:11.1f} "
+              f"{a['baseline_kib'] / 1024:>15.0f} / {b['baseline_kib'] / 1024:.0f}")
     shutil.rmtree(job)
     shutil.rmtree(host)
 

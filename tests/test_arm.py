@@ -236,9 +236,12 @@ def test_phones_on_aarch64_join_a_federation_like_x86_phones(arm, tmp_path_facto
     for device in PHONES.values():
         assert ([(r["uplink_bytes"], r["downlink_bytes"]) for r in on_arm["reports"][device]]
                 == [(r["uplink_bytes"], r["downlink_bytes"]) for r in x86["reports"][device]])
+    # Not bit-exact: the phones' training steps differ in the last bits on ARM (matrix products
+    # sum in another order; the encoder itself is bit-exact), and that carries through the
+    # rounds. Within the training step's documented tolerance (measured 2.4e-7 here).
     worst = max(float((arm_model[k] - x86_model[k]).abs().max()) for k in x86_model)
     print(f"final model, aarch64 phones vs x86 phones: max |diff| = {worst:.3g}")
-    assert worst == 0.0
+    assert worst <= 1e-5, worst
 
 
 def test_export_on_aarch64_writes_the_same_programs(arm, tmp_path):

@@ -136,9 +136,13 @@ def _reset_peak() -> None:
 
 
 def memory(job: Path) -> None:
-    """Peak RSS above the process's resident baseline, per size, of the encoder's first sparse
-    step and of ``steps`` training steps. Measured on the qemu process, which is the emulated
-    process plus qemu's own translation cache (included in the baseline)."""
+    """Peak RSS of the encoder (program load, first and a later sparse step over one tensor of
+    ``numel`` entries) and of the training step (load, ``steps`` steps), each above the RSS the
+    process held just before loading it. Sizes run in increasing order, so memory a previous
+    case left to the allocator is in the next case's baseline, not in its peak. Measured on the
+    qemu process: the emulated process plus what qemu allocates translating the code."""
+    import gc
+
     import torch
 
     from android_bridge.runtime import PteEncoder, PteTrainer
@@ -149,27 +153,29 @@ def memory(job: Path) -> None:
     for case in spec["encoder"]:
         config = DGCConfig.from_dict(case["config"])
         n = case["numel"]
-        rows = n // 1000
-        pte = PteEncoder(job / case["pte"], config, {"w": (rows, 1000)})
-        grad = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(0))
-        pte.compress({"w": grad * 0.5}, epoch=10.0)  # load the method, warm
+        grad = torch.randn(n // 1000, 1000, generator=torch.Generator().manual_seed(0))
+        gc.collect()
         _reset_peak()
         base = _rss_kib("VmRSS")
+        pte = PteEncoder(job / case["pte"], config, {"w": tuple(grad.shape)})
         pte.compress({"w": grad}, epoch=10.0)
-        results.append({"what": "encoder", "numel": n, "baseline_kib": base,
-                        "peak_kib": _rss_kib("VmHWM"), "extra_kib": _rss_kib("VmHWM") - base})
+        pte.compress({"w": grad * 0.5}, epoch=10.0)
+        peak = _rss_kib("VmHWM")
+        results.append({"what": "encoder", "numel": n, "baseline_kib": base, "peak_kib": peak,
+                        "extra_kib": peak - base})
         del pte
     for case in spec["train"]:
+        gc.collect()
+        _reset_peak()
+        base = _rss_kib("VmRSS")
         trainer = PteTrainer(job / case["export"])
         batch = trainer.batch_shape
         x = np.zeros(batch, dtype=np.float32)
         y = np.zeros(batch[0], dtype=np.int64)
-        trainer.train([(x, y)])
-        _reset_peak()
-        base = _rss_kib("VmRSS")
         trainer.train([(x, y)] * case["steps"])
+        peak = _rss_kib("VmHWM")
         results.append({"what": "train_step", "numel": case["numel"], "baseline_kib": base,
-                        "peak_kib": _rss_kib("VmHWM"), "extra_kib": _rss_kib("VmHWM") - base})
+                        "peak_kib": peak, "extra_kib": peak - base})
         del trainer
     (job / "memory-arm.json").write_text(json.dumps(
         {"machine": platform.machine(), "results": results}, indent=2) + "\n")
