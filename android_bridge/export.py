@@ -200,13 +200,8 @@ def federation_defaults() -> dict[str, Any]:
 
     s = TrainSettings()
     config = exact_config(s.dgc_config())
-    keys = {"method": s.method, "batch_size": s.batch_size, "lr": s.lr,
-            "dgc.momentum": s.dgc_momentum, "dgc.momentum_correction": s.momentum_correction,
-            "dgc.nesterov": s.nesterov, "dgc.dampening": s.dampening,
-            "dgc.momentum_masking": s.momentum_masking, "dgc.value_dtype": s.value_dtype,
-            "dgc.ternary": s.ternary}
     return {"task": s.task, "config": config, "batch_size": s.batch_size,
-            "learning_rate": s.lr, "run_config": keys}
+            "learning_rate": s.lr, "run_config": _run_config_keys(config, s.batch_size, s.lr)}
 
 
 def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float
