@@ -1,7 +1,8 @@
 """Peak memory of the exported encoder and training step on the emulated arm64 phone vs x86.
 
-``PYTHONPATH=. python bench/arm_memory.py`` (needs ``make arm``): exports the default encoder
-(``max_numel`` 2**21) and training steps of two MLPs (~1e5 and ~1e6 parameters, batch 10), then
+``PYTHONPATH=. python bench/arm_memory.py`` (needs ``make arm``): exports the encoder (default
+DGC config, ``max_numel`` = the size measured) and training steps of two MLPs (~1e5 and ~1e6
+parameters, batch 10), then
 runs ``android_bridge.arm.inside memory`` once natively on this x86 host and once on aarch64
 under qemu-user, and prints the peak resident memory above the RSS held just before loading the
 program (VmHWM after a reset, minus VmRSS then) for loading the encoder and two sparse steps over
@@ -33,7 +34,10 @@ def main() -> None:
     env = ArmEnv.find()
     job = Path(tempfile.mkdtemp(prefix="arm-memory-"))
     config = DGCConfig(selection="exact")
-    (job / "encoder.pte").write_bytes(export_encoder(config))
+    # ExecuTorch plans the encoder's memory for the longest tensor it accepts (max_numel), so
+    # each size gets its own export with max_numel = that size, as a phone's export would.
+    for n in SIZES:
+        (job / f"encoder-{n}.pte").write_bytes(export_encoder(config, max_numel=n))
     train = []
     for target, hidden in SIZES.items():
         spec = ModelSpec(f"mlp-{hidden}", lambda h=hidden: MLP(784, h, 10), (784,), 10)
@@ -50,7 +54,7 @@ def main() -> None:
                          "batch_size": 10, "input_shape": [10, 784], "learning_rate": 0.1}}))
         train.append({"export": folder.name, "numel": numel, "steps": 5})
     (job / "job.json").write_text(json.dumps({
-        "encoder": [{"pte": "encoder.pte", "config": config.to_dict(), "numel": n}
+        "encoder": [{"pte": f"encoder-{n}.pte", "config": config.to_dict(), "numel": n}
                     for n in SIZES],
         "train": train}))
     sizes = {str(p.relative_to(job)): p.stat().st_size for p in sorted(job.rglob("*.pte"))}

@@ -75,7 +75,7 @@ echo "[2/5] aarch64 wheels (cached in $cache/wheels)"
 # wheels torch needs are manylinux_2_25/2_27, torch and executorch manylinux_2_28.
 platforms=()
 for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_aarch64"); done
-platforms+=(--platform manylinux2014_aarch64 --platform linux_aarch64)
+platforms+=(--platform manylinux2014_aarch64 --platform linux_aarch64 --platform any)
 pip_target=("$host_python" -m pip --disable-pip-version-check)
 PIP_CONSTRAINT= "${pip_target[@]}" download -q --no-deps "${platforms[@]}" --python-version 3.11 \
   --only-binary=:all: -r "$requirements" -d "$cache/wheels"

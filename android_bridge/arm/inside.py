@@ -131,18 +131,23 @@ def _rss_kib(field: str) -> int:
 
 
 def _reset_peak() -> None:
-    # Writing 5 to clear_refs resets VmHWM (the peak RSS) to the current RSS (Linux >= 4.0).
+    """Return freed heap to the kernel, then reset VmHWM (the peak RSS) to the current RSS, so
+    the next peak is the next case's own (memory a previous case freed would otherwise be
+    reused without showing in the RSS)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
     Path("/proc/self/clear_refs").write_text("5")
 
 
 def memory(job: Path) -> None:
     """Peak RSS of the encoder (program load, first and a later sparse step over one tensor of
     ``numel`` entries) and of the training step (load, ``steps`` steps), each above the RSS the
-    process held just before loading it. Sizes run in increasing order, so memory a previous
-    case left to the allocator is in the next case's baseline, not in its peak. Measured on the
-    qemu process: the emulated process plus what qemu allocates translating the code."""
-    import gc
-
+    process held just before loading it. Measured on the qemu process: the emulated process
+    plus what qemu allocates translating the code."""
     import torch
 
     from android_bridge.runtime import PteEncoder, PteTrainer
@@ -154,7 +159,6 @@ def memory(job: Path) -> None:
         config = DGCConfig.from_dict(case["config"])
         n = case["numel"]
         grad = torch.randn(n // 1000, 1000, generator=torch.Generator().manual_seed(0))
-        gc.collect()
         _reset_peak()
         base = _rss_kib("VmRSS")
         pte = PteEncoder(job / case["pte"], config, {"w": tuple(grad.shape)})
@@ -165,7 +169,6 @@ def memory(job: Path) -> None:
                         "extra_kib": peak - base})
         del pte
     for case in spec["train"]:
-        gc.collect()
         _reset_peak()
         base = _rss_kib("VmRSS")
         trainer = PteTrainer(job / case["export"])
