@@ -25,8 +25,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m simulations demo
 
-# The emulated arm64 phone (docs/android.md, "aarch64"): cached outside the clone in
-# $${FEDGC_ARM_CACHE:-~/.cache/fedgc/arm64}; ~7 min from nothing, a second or two when current.
+# The emulated arm64 phone (docs/android.md, "aarch64"): cached outside the clone, in
+# FEDGC_ARM_CACHE or ~/.cache/fedgc/arm64; 2-5 min from nothing, instant when current. Root.
 arm: $(STAMP)
 	FEDGC_HOST_PYTHON=$(PY) android_bridge/arm/build_rootfs.sh
 
