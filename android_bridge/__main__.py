@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from android_bridge.export import DEFAULT_MAX_NUMEL, export_all
+from android_bridge.export import DEFAULT_MAX_NUMEL, export_all, federation_defaults
 from android_bridge.models import MODELS
 from dgc.config import DGCConfig
 from dgc.errors import DGCError
@@ -18,17 +18,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m android_bridge")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="write encoder.pte, encoder.pt, train_step.pte, manifest")
-    ex.add_argument("--model", default="digits",
-                    help=f"a tasks dataset name (its default model) or one of {sorted(MODELS)}")
+    ex.add_argument("--model", help=f"a tasks dataset name (its default model) or one of "
+                    f"{sorted(MODELS)}; default: the federation's default task")
     ex.add_argument("--out", required=True, help="output folder (created)")
-    ex.add_argument("--config", help="JSON file of DGCConfig fields (selection must be exact)")
-    ex.add_argument("--batch-size", type=int, default=16)
-    ex.add_argument("--learning-rate", type=float, default=0.05)
+    ex.add_argument("--config", help="JSON file of DGCConfig fields (selection must be exact) "
+                    "over the federation's default config")
+    ex.add_argument("--batch-size", type=int, help="default: the federation's batch_size")
+    ex.add_argument("--learning-rate", type=float, help="default: the federation's lr")
     ex.add_argument("--max-numel", type=int, default=DEFAULT_MAX_NUMEL)
     ex.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        fields = {"selection": "exact"}
+        fields = federation_defaults()["config"].to_dict()
         if args.config:
             with open(args.config) as f:
                 fields.update(json.load(f))

@@ -192,16 +192,61 @@ def parameter_layout(model: nn.Module, config: DGCConfig) -> list[dict[str, Any]
     return out
 
 
-def export_all(model_name: str, out_dir: str | Path, config: DGCConfig | None = None,
-               batch_size: int = 16, learning_rate: float = 0.05, seed: int = 0,
-               max_numel: int = DEFAULT_MAX_NUMEL) -> dict[str, Any]:
+def federation_defaults() -> dict[str, Any]:
+    """What a default fedgc run (``method = "dgc"``, ``fedgc.settings.TrainSettings()``) asks
+    a phone for: the DGC config (exact selection, as phones run), batch size and learning rate,
+    and the run-config keys (``--run-config`` / pyproject) whose values the export bakes in."""
+    from fedgc.settings import TrainSettings
+
+    s = TrainSettings()
+    config = exact_config(s.dgc_config())
+    return {"task": s.task, "config": config, "batch_size": s.batch_size,
+            "learning_rate": s.lr, "run_config": _run_config_keys(config, s.batch_size, s.lr)}
+
+
+def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float
+                     ) -> dict[str, Any]:
+    # The server keys a run must set for this export's phones to take its tasks: the baked DGC
+    # fields (check_compatible refuses any other value) and the fixed training batch. lr is
+    # sent with every task and applied as sent; it is listed as the default the export assumed.
+    return {"method": "dgc", "batch_size": batch_size, "lr": learning_rate,
+            "dgc.momentum": config.momentum, "dgc.momentum_correction": config.momentum_correction,
+            "dgc.nesterov": config.nesterov, "dgc.dampening": config.dampening,
+            "dgc.momentum_masking": config.momentum_masking,
+            "dgc.value_dtype": config.value_dtype, "dgc.ternary": config.ternary}
+
+
+#: What the manifest tells a phone developer about reaching the federation.
+BRIDGE_NOTES = {
+    "address": "host:port of the bridge's gRPC server (TLS only), e.g. bridge.example.org:8443; "
+               "the server side sets it with node config bridge-address",
+    "tls": "the phone pins the CA that signed the bridge's certificate (node config "
+           "bridge-cert); plaintext is refused",
+    "identity": "device id and token, one pair per phone in the bridge's bridge-devices JSON "
+                "file; Register(device_id, token, manifest_sha256) opens a session",
+    "proto": "android_bridge/proto/fedgc_bridge.proto (service FedgcBridge)",
+    "wire_format": "android_bridge/WIRE_FORMAT.md",
+}
+
+
+def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | None = None,
+               batch_size: int | None = None, learning_rate: float | None = None,
+               seed: int = 0, max_numel: int = DEFAULT_MAX_NUMEL) -> dict[str, Any]:
     """Write the encoder (``.pte`` and ``.pt``), the training step and the manifest; return it.
 
-    ``config`` defaults to ``DGCConfig(selection="exact")``; a config with another selection is
-    refused (see :func:`android_bridge.encoder.check_exportable`). ``seed`` fixes the initial
-    parameters baked into ``train_step.pte`` (the phone overwrites them with the global model).
+    Every argument left ``None`` takes the federation's default (:func:`federation_defaults`):
+    the default task's model, its DGC config with exact selection, its batch size and learning
+    rate, so that a phone exported with no options takes a default run's tasks. A config with
+    another selection is refused (see :func:`android_bridge.encoder.check_exportable`). ``seed``
+    fixes the initial parameters baked into ``train_step.pte`` (the phone overwrites them with
+    the global model).
     """
-    config = config if config is not None else DGCConfig(selection="exact")
+    if model_name is None or config is None or batch_size is None or learning_rate is None:
+        defaults = federation_defaults()
+        model_name = defaults["task"] if model_name is None else model_name
+        config = defaults["config"] if config is None else config
+        batch_size = defaults["batch_size"] if batch_size is None else batch_size
+        learning_rate = defaults["learning_rate"] if learning_rate is None else learning_rate
     check_exportable(config)
     _check_max_numel(max_numel)
     if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
@@ -264,6 +309,13 @@ def export_all(model_name: str, out_dir: str | Path, config: DGCConfig | None = 
             "optimizer": "executorch.extension.training SGD", "learning_rate": learning_rate,
             "seed": seed,
         },
+        "federation": {
+            "run_config": _run_config_keys(config, batch_size, learning_rate),
+            "note": "a run whose train messages carry other values for these keys is refused by "
+                    "the phone (re-export with them); the server's remaining keys are sent with "
+                    "every task (train: lr, local_steps/local_epochs, seed; dgc: density, warm-up)",
+        },
+        "bridge": BRIDGE_NOTES,
         "versions": {"torch": torch.__version__, "executorch": _version("executorch"),
                      "fedgc": _version("fedgc"), "manifest": MANIFEST_VERSION},
     }

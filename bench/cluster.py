@@ -76,7 +76,7 @@ def _train(msg: Any, context: Any) -> Any:
     share this module's ``_store_s`` with :func:`_timed_store`'s wrappers.
     """
     import client.app as fedgc_client
-    from client import protocol as P
+    from fedgc import protocol as P
 
     _use_bench_model()
     _timed_store()

@@ -298,3 +298,35 @@ def test_pte_encoder_is_a_compressor_that_ages_and_gives_signs_like_dgc(exported
     for name in SHAPES:
         assert torch.equal(pte.residual()[name], eager.residual()[name]), name
     assert_same_update(pte.compress(gradients(1)), eager.compress(gradients(1)))
+
+
+def test_default_export_takes_a_default_runs_tasks():
+    """With no options the export is made for a default run: the config, batch and lr the
+    bridge app sends for TrainSettings() pass the phone's checks; the paper's settings (the old
+    export default) are refused with the re-export message."""
+    from android_bridge.bridge_app import _phone_config
+    from android_bridge.export import federation_defaults
+    from fedgc.settings import TrainSettings
+
+    defaults = federation_defaults()
+    s = TrainSettings()
+    sent = _phone_config(s, s.dgc_config())
+    requested = DGCConfig.from_dict(sent["dgc"])
+    check_compatible(defaults["config"], requested)
+    assert defaults["config"] == requested
+    assert (sent["train"]["batch_size"], sent["train"]["lr"]) == (defaults["batch_size"],
+                                                                   defaults["learning_rate"])
+    assert defaults["task"] == s.task
+    paper = DGCConfig(selection="exact", momentum=0.9, momentum_correction=True)
+    with pytest.raises(ConfigError, match="momentum_correction: exported True, requested "
+                                          "False.*re-export with the requested config"):
+        check_compatible(paper, requested)
+    # The manifest's run_config: the server's own key names and default values.
+    keys = defaults["run_config"]
+    assert keys == {"method": s.method, "batch_size": s.batch_size, "lr": s.lr,
+                    "dgc.momentum": s.dgc_momentum,
+                    "dgc.momentum_correction": s.momentum_correction,
+                    "dgc.nesterov": s.nesterov, "dgc.dampening": s.dampening,
+                    "dgc.momentum_masking": s.momentum_masking,
+                    "dgc.value_dtype": s.value_dtype, "dgc.ternary": s.ternary}
+    assert (keys["dgc.momentum_correction"], keys["batch_size"], keys["lr"]) == (False, 10, 0.1)

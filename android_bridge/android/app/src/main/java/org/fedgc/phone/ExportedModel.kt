@@ -61,7 +61,18 @@ class ExportedModel(val dir: File) {
             Parameter(p.getString("name"), LongArray(s.length()) { s.getLong(it) })
         }
     }
-    val dgc: DgcSettings = DgcSettings.fromJson(manifest.getJSONObject("dgc_config"))
+    /** DGCConfig.to_dict() of the export: the fields baked into encoder.pte are checked against every task. */
+    val dgcJson: JSONObject = manifest.getJSONObject("dgc_config")
+    val dgc: DgcSettings = DgcSettings.fromJson(dgcJson)
+    /** Methods of encoder.pte; an export that predates `encode_blocked` lacks it. */
+    val encoderMethods: Set<String> = manifest.getJSONObject("encoder").getJSONObject("methods").keys().asSequence().toSet()
+    /** The fixed batch of train_step.pte: a task asking for another batch_size is refused. */
+    val batchSize: Int = manifest.getJSONObject("training").getInt("batch_size")
+    /**
+     * The server's run-config keys this export was made for ("federation.run_config": method,
+     * batch_size, lr and the dgc.* fields baked into encoder.pte); absent in older manifests.
+     */
+    val runConfig: JSONObject? = manifest.optJSONObject("federation")?.optJSONObject("run_config")
     val encoderPte: File = File(dir, "encoder.pte")
     val trainStepPte: File = File(dir, "train_step.pte")
 }

@@ -34,13 +34,21 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
 
             val config = JSONObject(task.configJson)
             val train = config.getJSONObject("train")
-            state.encoder.settings = DgcSettings.fromJson(config.getJSONObject("dgc"))
+            // Refuse what the exported files cannot run (as android_bridge.phone does): a baked
+            // DGC field or another batch size needs a re-export, not a different computation.
+            state.encoder.reconfigure(config.getJSONObject("dgc"))
+            val batch = train.getInt("batch_size")
+            check(batch == model.batchSize) {
+                "task asks for batch_size $batch, the exported training step has ${model.batchSize}"
+            }
             val global = globalModel(model, state, task.encoding, task.baseVersion, task.modelBytes.toByteArray())
 
             state.trainer.setParameters(global)
+            // local_steps 0 (a default run) means local_epochs passes over the phone's data.
+            val steps = train.getInt("local_steps").takeIf { it > 0 }
+                ?: (train.getInt("local_epochs") * Math.ceil(LocalData.size(applicationContext) / batch.toDouble()).toInt())
             val losses = state.trainer.train(LocalData.batches(applicationContext,
-                train.getInt("batch_size"), train.getInt("local_steps"),
-                train.getLong("seed") * 1_000_003 + task.serverRound), train.getDouble("lr"))
+                batch, steps, train.getLong("seed") * 1_000_003 + task.serverRound), train.getDouble("lr"))
             val local = state.trainer.parameters()
             val pseudoGradient = model.parameters.associate { p ->
                 val g = global.getValue(p.name)
