@@ -1,6 +1,8 @@
-"""dgc_hook: Deep Gradient Compression as a ``DistributedDataParallel`` communication hook."""
+"""dgc_hook: Deep Gradient Compression as a ``DistributedDataParallel`` communication hook.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time
+(``bucket: dist.GradBucket``, returning ``torch.futures.Future[torch.Tensor]``).
+"""
 
 import math
 import zlib
