@@ -2,7 +2,7 @@
 
 Trains the project's CNN (``tasks.models.CNN``, 0.2M parameters) on a seeded subset of
 Fashion-MNIST, each worker a process of its own (gloo, ``init_method=env://``, so ``torchrun``
-launches the same worker). Reports test accuracy after each epoch, the gradient bytes each
+launches the same worker). Reports test accuracy after the last epoch, the gradient bytes each
 worker contributes per step, and the wall time per epoch.
 
 Links: ``loopback`` runs the workers on 127.0.0.1. ``tbf:MBPS`` puts each worker in a network
@@ -60,11 +60,13 @@ def run_worker(args: argparse.Namespace) -> None:
     data = load_fashion_mnist()
     order = np.random.default_rng(args.seed).permutation(len(data.train_y))[: args.train_size]
     shard = order[rank::world]
-    # The loaders' arrays are read-only (shared cache): every tensor here is a copy.
+    # The loaders' arrays are read-only (shared cache): every tensor here is a copy. Each rank
+    # evaluates its own slice of the test set; the counts are summed.
     x = torch.from_numpy(data.train_x[shard].astype(np.float32) / data.scale)
     y = torch.from_numpy(data.train_y[shard].copy())
-    test_x = torch.from_numpy(data.test_x[: args.test_size].astype(np.float32) / data.scale)
-    test_y = torch.from_numpy(data.test_y[: args.test_size].copy())
+    test = slice(rank, args.test_size, world)
+    test_x = torch.from_numpy(data.test_x[test].astype(np.float32) / data.scale)
+    test_y = torch.from_numpy(data.test_y[test].copy())
     steps = len(y) // args.batch_size
     torch.manual_seed(args.seed)
     model = CNN(1, 28, 28, 10)
@@ -106,9 +108,7 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.barrier()
         wall_s = time.perf_counter() - start
         wire = (int(counter.read_text()) - tx_before) / steps if counter else float("nan")
-        model.eval()
-        with torch.no_grad():
-            accuracy = float((model(test_x).argmax(1) == test_y).float().mean())
+        accuracy = _accuracy(model, test_x, test_y) if epoch == args.epochs - 1 else None
         if args.method == "dgc":
             payload = (state.payload_bytes - payload_before) / steps
         elif args.method == "powersgd" and epoch > 0:
@@ -119,7 +119,7 @@ def run_worker(args: argparse.Namespace) -> None:
                        "payload_bytes_per_step": payload,
                        "density": density, "wire_bytes_per_step": wire})
         if rank == 0:
-            print(f"[{args.method}] epoch {epoch}: {wall_s:.1f} s, accuracy {accuracy:.4f}, "
+            print(f"[{args.method}] epoch {epoch}: {wall_s:.1f} s, accuracy {accuracy}, "
                   f"payload {payload:.0f} B/step", flush=True)
     # Every rank's wire bytes, gathered after the timed epochs.
     every: list[list[float]] = [[] for _ in range(world)]
@@ -131,6 +131,19 @@ def run_worker(args: argparse.Namespace) -> None:
             "method": args.method, "workers": world, "numel": numel, "steps_per_epoch": steps,
             "epochs": epochs}))
     dist.destroy_process_group()
+
+
+def _accuracy(model: object, x: object, y: object) -> float:
+    """Test accuracy over every rank's slice (outside the timed epoch)."""
+    import torch
+    import torch.distributed as dist
+
+    model.eval()
+    with torch.no_grad():
+        counts = torch.tensor([float((model(x).argmax(1) == y).sum()), float(len(y))],
+                              dtype=torch.float64)
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1])
 
 
 def _powersgd_numel(model: object, rank: int, min_compression_rate: float) -> int:
