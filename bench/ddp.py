@@ -274,6 +274,8 @@ def run_comparison(args: argparse.Namespace) -> None:
                 for method in args.methods:
                     result = _launch(args, method, switch, Path(tmp) / f"{method}.json")
                     result["link"] = link
+                    result["args"] = {k: v for k, v in vars(args).items()
+                                      if k not in ("mode", "method", "methods", "links", "out")}
                     rows.append(result)
                     print(json.dumps(result), flush=True)
             finally:
