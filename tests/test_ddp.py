@@ -175,6 +175,12 @@ def _buckets_and_empty(rank: int, port: int) -> None:
         assert len({i for i, _ in layouts}) >= 2, layouts
         assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before,
                                                           strict=True))
+    # Ranks whose settings differ are told so on every rank, before any payload is exchanged.
+    m = DDP(_Net())
+    exchange = "pairs" if rank == 0 else "golomb"
+    m.register_comm_hook(DGCState(None, m, _config(), exchange=exchange), dgc_hook)
+    with pytest.raises(Exception, match="differs between ranks"):
+        m(torch.randn(4, 12)).sum().backward()
     dist.destroy_process_group()
 
 

@@ -95,6 +95,8 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     pairs_bytes = _INDEX_BYTES * padded.numel() + value_bytes * (dense_values.numel()
                                                                   + padded.numel())
     rate = state.min_compression_rate if state.min_compression_rate is not None else world / 2
+    # The choice depends only on sizes every rank computes alike (the padded count, not what
+    # was selected), so every rank takes the same branch and meets the others in it.
     if 4 * layout.numel < rate * pairs_bytes:
         state.dense_buckets += 1
         state.payload_bytes += 4 * layout.numel
@@ -156,15 +158,24 @@ def _layout_of(state: DGCState, bucket: dist.GradBucket, group: dist.ProcessGrou
     positions = torch.cat(dense) if dense else torch.empty(0, dtype=torch.int64)
     layout = _Layout(tuple(views), start, positions.to(buffer.device))
     if state.verify_buckets:
-        _verify_layout(bucket.index(), layout, group, buffer.device)
+        _verify_layout(bucket.index(), layout, _settings(state), group, buffer.device)
     state.layouts[key] = layout
     return layout
 
 
-def _verify_layout(index: int, layout: _Layout, group: dist.ProcessGroup,
+def _settings(state: DGCState) -> str:
+    """The settings that decide what a rank sends and how: ranks that differ in them would
+    exchange mismatched payloads (or wait in different collectives)."""
+    return (f"{state.exchange}:{state.min_compression_rate}:{state.steps_per_epoch}:"
+            f"{sorted(state.config.to_dict().items())}")
+
+
+def _verify_layout(index: int, layout: _Layout, settings: str, group: dist.ProcessGroup,
                    device: torch.device) -> None:
-    """Raise on every rank when any two ranks hold different buckets at ``index``."""
-    text = "\n".join(f"{v.name}:{v.numel}:{int(v.dense)}" for v in layout.views)
+    """Raise on every rank when any two ranks hold different buckets at ``index``, or differ in
+    the settings that shape the exchange."""
+    text = settings + "\n" + "\n".join(f"{v.name}:{v.numel}:{int(v.dense)}"
+                                        for v in layout.views)
     mine = torch.tensor([index, layout.numel, zlib.crc32(text.encode())], dtype=torch.int64,
                         device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -172,8 +183,8 @@ def _verify_layout(index: int, layout: _Layout, group: dist.ProcessGroup,
     rows = [tuple(int(x) for x in t.cpu()) for t in every]
     if len(set(rows)) != 1:
         raise StateError(f"bucket {index} differs between ranks (index, entries, crc32 of the "
-                         f"parameter names and sizes per rank: {rows}); every rank must wrap the "
-                         f"same model with the same bucket_cap_mb")
+                         f"parameter names, sizes and DGC settings per rank: {rows}); every rank "
+                         f"must wrap the same model with the same bucket_cap_mb and DGCState")
 
 
 def _clipped(grad: torch.Tensor, clip_norm: float | None, world: int) -> torch.Tensor:

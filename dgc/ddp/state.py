@@ -75,8 +75,8 @@ class DGCState:
         all-reduce (``2 (N-1) / N * dense``). 0 forces the sparse exchange.
     verify_buckets : bool, default True
         Check once per bucket layout that every rank holds the same parameters in the same order
-        and sizes (one small all-gather), and raise :class:`StateError` on every rank otherwise,
-        instead of exchanging mismatched payloads.
+        and sizes, and the same settings (one small all-gather), and raise :class:`StateError`
+        on every rank otherwise, instead of exchanging mismatched payloads.
     """
 
     __slots__ = [
