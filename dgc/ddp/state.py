@@ -56,8 +56,8 @@ class DGCState:
         with another ``bucket_cap_mb``.
     config : DGCConfig, optional
         The paper's hyperparameters; the defaults above when omitted. ``ternary`` is not supported
-        here. ``num_workers`` is taken from the process group (a different value other than 1 is
-        an error).
+        here. N in the clipping threshold is the process group's size; with ``clip_norm`` set, a
+        ``num_workers`` other than 1 or that size is an error.
     steps_per_epoch : int or None
         Optimizer steps per epoch; needed when the config warms up (``warmup`` other than
         ``"none"`` or ``dense_epochs > 0``), since warm-up is scheduled by epoch.
