@@ -44,7 +44,7 @@ def test_a_patch_replaces_or_adds_and_leaves_the_held_model_alone():
 
 @pytest.mark.parametrize(("values", "added", "match"), [
     ({"c": ([0], [1.0], 2)}, [], "patch tensor 'c' does not match"),
-    ({"a": ([0], [1.0], 5)}, [], "patch tensor 'a' does not match"),
+    ({"b": ([0], [1.0], 4)}, [], "patch tensor 'b' does not match"),
     ({"a": ([0], [1.0], 4)}, ["b"], r"names tensors the patch lacks: \['b'\]"),
 ])
 def test_a_patch_that_does_not_fit_is_a_protocol_error(values, added, match):
@@ -52,3 +52,11 @@ def test_a_patch_that_does_not_fit_is_a_protocol_error(values, added, match):
     with pytest.raises(P.ProtocolError, match=match):
         P.apply_patch(held, _patch(values), added)
     assert held["a"].tolist() == [0.0] * 4
+
+
+def test_a_patch_tensor_larger_than_the_held_model_is_not_decoded():
+    """The decoder's bound is the held model's largest tensor: a patch claiming more entries
+    is refused before anything is allocated."""
+    held = {"a": torch.zeros(4), "b": torch.ones(3)}
+    with pytest.raises(dgc.DecodeError, match="max_numel"):
+        P.apply_patch(held, _patch({"a": ([0], [1.0], 5)}))
