@@ -55,6 +55,9 @@ DOWNLINKS = ("auto", "dense")
 DOWNLINK_VALUES = ("float16", "int8")
 #: Simulation engines: Flower's Ray backend, or every client in this process.
 ENGINES = ("ray", "local")
+#: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
+#: robust statistics (``server.aggregation.ROBUST``).
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
 #: The parts of fedgc that own keys (see the module docstring).
 PARTS = ("client", "server", "dgc", "sim", "netem")
 
@@ -375,6 +378,21 @@ class ServerSettings:
                                          "dgc runs (replaces server_momentum there): DGC's "
                                          "momentum applied once per round to the aggregate, "
                                          "where it is never stale", Check(0.0, 1.0, high_open=True))
+    max_weight_ratio: float = setting(4.0, "max_weight_ratio", "a client's weight "
+                                      "(num-examples) is capped at this times the median claim "
+                                      "of the round's valid replies (server/defences.py); 0 = "
+                                      "no cap", Check(0.0))
+    max_norm_ratio: float = setting(10.0, "max_norm_ratio", "a client's update (with its "
+                                    "signs) is scaled down to at most this times the median "
+                                    "norm of the round's valid replies; 0 = no clip",
+                                    Check(0.0))
+    aggregation: str = setting("mean", "aggregation", "mean: weighted by num-examples "
+                               "(FedAvg); trimmed_mean or median: coordinate-wise over the "
+                               "round's clients, unweighted, robust to a few hostile ones",
+                               Check(choices=AGGREGATIONS))
+    trim_fraction: float = setting(0.1, "trim_fraction", "with aggregation = trimmed_mean: the "
+                                   "fraction of clients cut at each end of every coordinate",
+                                   Check(0.0, 0.5, high_open=True))
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
                             Check(choices=DOWNLINKS))

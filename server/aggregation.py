@@ -10,6 +10,7 @@ import torch
 
 import dgc
 from dgc import SparseUpdate
+from fedgc.settings import AGGREGATIONS
 
 
 class SparseAverage:
@@ -44,7 +45,7 @@ class SparseAverage:
         return self._out
 
 
-ROBUST = ("trimmed_mean", "median")
+ROBUST = tuple(a for a in AGGREGATIONS if a != "mean")
 
 
 def _flat(update: SparseUpdate, offsets: Mapping[str, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,7 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 #: what it computes. Every other key must be the checkpoint's (``check_run_config``).
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "round_timeout_s",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
-                            "sim.cpus_per_client", "sim.num_cpus"})
+                            "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address"})
 
 
 def check_run_config(written: Mapping[str, object] | None,

@@ -42,7 +42,7 @@ from dgc.signs.codec import Masks, encode_mask
 from dgc.signs.planner import SharedIndexPlanner
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.settings import RunConfig, ServerSettings, TrainSettings
+from fedgc.settings import AGGREGATIONS, RunConfig, ServerSettings, TrainSettings
 from server.aggregation import ROBUST, SparseAverage, robust_average
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
@@ -207,8 +207,8 @@ class DGCStrategy(FedAvg):
         self.checker = ReplyChecker(weighted_by_key)
         self.bounds = Bounds(max_weight_ratio, max_norm_ratio)
         # Not run config keys yet: checked here until the settings engine has them.
-        if aggregation not in ("mean", *ROBUST):
-            raise ValueError(f"aggregation must be one of {('mean', *ROBUST)}, got "
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got "
                              f"{aggregation!r}")
         if not (isinstance(trim_fraction, (int, float)) and 0 <= trim_fraction < 0.5):
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
@@ -248,6 +248,8 @@ class DGCStrategy(FedAvg):
             shared_density=s.shared_density if t.method == "dgc" else 0.0,
             shared_small_density=s.shared_small_density, shared_small_numel=t.small_numel,
             shared_momentum=s.shared_momentum, min_sparse_numel=t.min_sparse_numel,
+            max_weight_ratio=s.max_weight_ratio, max_norm_ratio=s.max_norm_ratio,
+            aggregation=s.aggregation, trim_fraction=s.trim_fraction,
             run_config=config.to_flat())
 
     def summary(self) -> None:

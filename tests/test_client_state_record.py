@@ -193,3 +193,9 @@ def test_a_client_whose_state_was_damaged_between_rounds_is_aggregated_again(tmp
     assert strategy.metrics[(4, 0)][P.STATE_QUARANTINED] == 1
     assert not any(P.STATE_QUARANTINED in m for k, m in strategy.metrics.items() if k != (4, 0))
     assert (c.state_dir / "0.state.corrupt-1").exists()
+    # The run's records show it: the client's row of round 4, and the round's sum.
+    assert [k for k, r in rows.items() if r["state_quarantined"] != "0"] == [(4, 0)]
+    assert rows[(4, 0)]["state_quarantined"] == "1"
+    per_round = {int(r["round"]): int(r["state_quarantined"])
+                 for r in csv.DictReader((c.run_dir / "rounds.csv").open())}
+    assert per_round == {1: 0, 2: 0, 3: 0, 4: 1}

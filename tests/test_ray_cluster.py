@@ -99,6 +99,9 @@ def test_read_state_asks_for_a_record_only_of_dgc_clients_the_server_acked(tmp_p
     assert read_state(store, "4", 5, "dgc") == ClientState(reply={"sequence": 5})
     with pytest.raises(StateMissingError, match="written in round 5"):
         read_state(store, "4", 6, "dgc")
+    # The fresh state that replaced a quarantined record is not a silent loss: it is reported.
+    store.save("5", ClientState(quarantined=1))
+    assert read_state(store, "5", 3, "dgc") == ClientState(quarantined=1)
 
 
 # ---------------------------------------------------------------- the cluster cannot be used

@@ -54,6 +54,10 @@ def test_defaults_are_the_researched_federated_settings():
     ({"dgc.shared_small_density": -0.5}, ["dgc.shared_small_density", "[0, 1]"]),
     ({"dgc.shared_momentum": 1.0}, ["dgc.shared_momentum", "[0, 1)"]),
     ({"dgc.server_momentum": -0.1}, ["dgc.server_momentum", "[0, 1)"]),
+    ({"max_weight_ratio": -1}, ["max_weight_ratio", "[0, inf)"]),
+    ({"max_norm_ratio": float("inf")}, ["max_norm_ratio"]),
+    ({"aggregation": "krum"}, ["aggregation", "trimmed_mean", "median"]),
+    ({"trim_fraction": 0.5}, ["trim_fraction", "[0, 0.5)"]),
 ])
 def test_bad_values_name_key_and_range(values, words):
     with pytest.raises(SettingsError) as info:
@@ -114,3 +118,18 @@ def test_docs_key_table_matches_the_schema():
 def test_downlink_density_out_of_range_is_named(value):
     with pytest.raises(SettingsError, match=r"downlink_density.*\(0, 1\]"):
         RunConfig.from_flat({"downlink_density": value})
+
+
+def test_the_defence_keys_reach_the_strategy():
+    """max_weight_ratio, max_norm_ratio, aggregation and trim_fraction are run-config keys that
+    DGCStrategy.from_settings hands to the strategy (defaults on: 4x weight, 10x norm)."""
+    from server.strategy import DGCStrategy
+
+    default = DGCStrategy.from_settings(RunConfig.from_flat({}))
+    assert (default.bounds.max_weight_ratio, default.bounds.max_norm_ratio) == (4.0, 10.0)
+    assert default.aggregation == "mean"
+    s = DGCStrategy.from_settings(RunConfig.from_flat({
+        "max_weight_ratio": 0, "max_norm_ratio": "2.5", "aggregation": "trimmed_mean",
+        "trim_fraction": 0.2}))
+    assert (s.bounds.max_weight_ratio, s.bounds.max_norm_ratio) == (0.0, 2.5)
+    assert (s.aggregation, s.trim_fraction) == ("trimmed_mean", 0.2)
