@@ -44,8 +44,8 @@ def read_state(store: ClientStateStore, key: str, ack_sequence: int, method: str
     Only ``dgc`` clients keep state the server's aggregate depends on (their residual); for
     them a missing record, or one older than ``ack_sequence``, is a StateMissingError that
     names the store and ``where`` (this process's node). The fresh state that replaced a
-    quarantined record passes: its loss was detected and is reported. A damaged record is the store's
-    StateCorruptError (``client.app`` quarantines it). Neither writes anything.
+    quarantined record passes: its loss was detected and is reported. A damaged record is the
+    store's StateCorruptError (``client.app`` quarantines it). Neither writes anything.
     """
     state = store.load(key)
     if method != "dgc" or ack_sequence < 0 or (state is not None and state.quarantined):
