@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 
+from android_bridge.bridge import SESSION_METADATA_KEY
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from dgc import SparseTensor, SparseUpdate, encode
@@ -26,7 +27,8 @@ def test_an_upload_claiming_a_tensor_larger_than_the_model_is_rejected(bridge, c
     chunk = pb.UploadChunk(session_id=session, task_id=task.task_id, upload_id="big", offset=0,
                            data=data, total_bytes=len(data),
                            sha256=hashlib.sha256(data).hexdigest())
-    assert stub.UploadUpdate(iter([chunk])).complete
+    assert stub.UploadUpdate(iter([chunk]),
+                             metadata=((SESSION_METADATA_KEY, session),)).complete
     ack = stub.Ack(pb.AckRequest(session_id=session, upload_id="big"))
     assert ack.state == pb.REJECTED, ack
     assert f"above max_numel={largest}" in ack.detail, ack.detail
