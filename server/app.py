@@ -75,14 +75,37 @@ def prepare_run_dir(config: RunConfig) -> None:
     check_run(config)
 
 
-def progress_line(record: RoundRecord, rounds: int) -> str:
-    """One human-readable line per round."""
+def _clock(seconds: float) -> str:
+    """``m:ss`` or ``h:mm:ss``."""
+    m, sec = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None,
+                  rounds_timed: int = 0, surplus: int = 0) -> str:
+    """One human-readable line per round.
+
+    ``elapsed``: seconds since this process started its first round, of which ``rounds_timed``
+    rounds are done (a resumed run times only its own rounds); with them the line ends with the
+    elapsed time and an estimate of the time left. ``surplus``: over-selected clients whose valid
+    update was not needed (not failures). A network-emulator run shows its virtual time.
+    """
     ratio = record.dense_uplink_bytes / record.uplink_bytes if record.uplink_bytes else 0.0
-    return (f"round {record.round:>4}/{rounds}  acc {record.accuracy:.4f}  loss {record.loss:.4f}"
+    line = (f"round {record.round:>4}/{rounds}  acc {record.accuracy:.4f}  loss {record.loss:.4f}"
             f"  up {record.uplink_bytes / 1e3:9.1f} kB (x{ratio:7.1f})"
             f"  down {record.downlink_bytes / 1e6:7.2f} MB"
             f"  clients {record.clients_aggregated}/{record.clients_sampled}"
-            f" failed {record.clients_failed}  {record.wall_seconds:5.1f}s")
+            f" failed {record.clients_failed}")
+    if surplus:
+        line += f" surplus {surplus}"
+    line += f"  {record.wall_seconds:5.1f}s"
+    if record.virtual_seconds:
+        line += f"  virtual {record.virtual_seconds:6.1f}s"
+    if elapsed is not None and rounds_timed > 0:
+        left = elapsed / rounds_timed * max(rounds - record.round, 0)
+        line += f"  elapsed {_clock(elapsed)} ETA {_clock(left)}"
+    return line
 
 
 def run_server(grid: Grid, config: RunConfig,
@@ -110,10 +133,19 @@ def run_server(grid: Grid, config: RunConfig,
         loss, accuracy = task.evaluate(model)
         return MetricRecord({"accuracy": float(accuracy), "loss": float(loss)})
 
+    timed: list[int] = []  # rounds run by this process (a resumed run starts later)
+
     def round_done(record: RoundRecord) -> None:
         write_rounds(run_dir, strategy.rounds)
+        timed.append(record.round)
         if s.progress:
-            print(progress_line(record, s.rounds), flush=True)
+            surplus = 0
+            for row in reversed(strategy.client_rows):  # this round's rows are the last ones
+                if row.round != record.round:
+                    break
+                surplus += row.status == "surplus"
+            print(progress_line(record, s.rounds, time.time() - started, len(timed), surplus),
+                  flush=True)
         if on_round is not None:
             on_round(record)
 

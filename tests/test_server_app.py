@@ -283,3 +283,22 @@ def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_momentum(tmp_path, me
     with pytest.raises(_Built):
         run_server(LocalGrid(client_app, 2), c, strategy_factory=spy)
     assert seen["server_momentum"] == momentum and seen["shared_density"] == shared
+
+
+def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
+    from server.app import progress_line
+    from server.records import RoundRecord
+
+    record = RoundRecord(round=3, accuracy=0.5, loss=1.0, uplink_bytes=1000,
+                         dense_uplink_bytes=100_000, clients_sampled=6, clients_aggregated=4,
+                         wall_seconds=2.0, virtual_seconds=41.5)
+    line = progress_line(record, 10, elapsed=90.0, rounds_timed=3, surplus=2)
+    assert "failed 0 surplus 2" in line
+    assert "virtual   41.5s" in line
+    # 30 s per round so far, 7 rounds left: 3:30.
+    assert line.endswith("elapsed 1:30 ETA 3:30")
+    plain = progress_line(RoundRecord(round=1), 5)
+    assert "surplus" not in plain and "virtual" not in plain and "ETA" not in plain
+    # A resumed run estimates from its own rounds only.
+    resumed = progress_line(RoundRecord(round=9), 10, elapsed=7200.0, rounds_timed=1)
+    assert resumed.endswith("elapsed 2:00:00 ETA 2:00:00")

@@ -30,7 +30,7 @@ from fedgc import protocol as P
 from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 from server.strategy import DGCStrategy
-from simulations.netem.clock import ClientTimeline, RoundClock, RoundOutcome
+from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply
 from simulations.netem.settings import ROUND_KEY, ROUND_START_KEY, NetemSettings
 
@@ -140,12 +140,21 @@ class NetemStrategy(DGCStrategy):
         return arrays, metrics
 
     def close_round(self, record: RoundRecord, rows: list[ClientRow]) -> None:
-        """Mark the clients the clock dropped, and record the round's virtual time."""
+        """Mark the clients the clock dropped, and record the round's virtual time.
+
+        A straggler (in time, but after the K-th arrival closed the round) is over-selection
+        doing its job: its row reads ``surplus`` (reason ``straggler``) and it is not counted
+        as failed. Every other drop is a failure: ``dropped`` with its cause.
+        """
         outcome = self.outcomes[record.round]
         for row in rows:
             why = outcome.dropped.get(row.client_key)
             late = self._rejected_finish.get(row.client_key, -math.inf) > outcome.end_s
-            if why is not None:
+            if why == REASON_STRAGGLER:
+                if row.status == "timeout":  # the base strategy saw no reply from it
+                    record.clients_failed -= 1
+                row.status, row.reason = "surplus", why
+            elif why is not None:
                 row.status, row.reason = "dropped", why
             elif late:
                 row.status, row.reason = "dropped", "deadline"
