@@ -330,3 +330,20 @@ def test_default_export_takes_a_default_runs_tasks():
                     "dgc.momentum_masking": s.momentum_masking,
                     "dgc.value_dtype": s.value_dtype, "dgc.ternary": s.ternary}
     assert (keys["dgc.momentum_correction"], keys["batch_size"], keys["lr"]) == (False, 10, 0.1)
+
+
+@pytest.mark.slow
+def test_the_export_command_prints_only_its_own_lines(tmp_path):
+    """The toolchain's notices (20 FutureWarnings of torch.export's pytree, torchao's CUDA
+    kernels, torch's enum deprecation) are not shown unless ``--verbose``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "android_bridge", "export", "--model",
+                           "mlp-digits", "--out", str(tmp_path / "o")],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("wrote encoder.pte"), lines
