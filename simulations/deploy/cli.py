@@ -177,7 +177,8 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
     with Deployment(_deployment_config(args)) as dep:
-        run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s)
+        run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s,
+                           progress=run_config.server.progress)
         write_deploy_record(dep, run, started_s)
         print(f"[deploy] run {run.result.run_id}: {run.result.status} in "
               f"{run.result.seconds:.1f} s; results in {run.run_dir}")

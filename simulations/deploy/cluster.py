@@ -415,8 +415,10 @@ class Deployment:
             raise DeployError(f"run {run_id} unknown to the SuperLink: {out[-1000:]}")
         return dict(runs[0])
 
-    def wait_run(self, run_id: int, timeout_s: float, poll_s: float = 2.0) -> RunResult:
-        """Poll ``run_id`` until it finishes or ``timeout_s`` passes, then fetch its log.
+    def wait_run(self, run_id: int, timeout_s: float, poll_s: float = 2.0,
+                 on_poll: Callable[[], None] | None = None) -> RunResult:
+        """Poll ``run_id`` until it finishes or ``timeout_s`` passes, then fetch its log;
+        ``on_poll`` is called at every poll and once at the end (e.g. to show progress).
 
         Raises
         ------
@@ -426,6 +428,8 @@ class Deployment:
         start_s = time.monotonic()
         while True:
             status = self.run_status(run_id)
+            if on_poll is not None:
+                on_poll()
             if str(status["status"]).startswith("finished"):
                 break
             if time.monotonic() - start_s > timeout_s:

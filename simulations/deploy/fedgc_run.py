@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .cluster import Deployment, RunResult
 from .errors import DeployError
@@ -82,9 +85,47 @@ def submit_fedgc(dep: Deployment, config: Any, app_version: str = "1.0.0") -> in
     return dep.submit(app_dir)
 
 
-def finish_fedgc(dep: Deployment, config: Any, run_id: int, timeout_s: float) -> FedgcRun:
-    """Wait for ``run_id`` and collect the results the ServerApp wrote."""
-    result = dep.wait_run(run_id, timeout_s)
+class RoundProgress:
+    """Prints the progress line of each round a deployed ServerApp appends to ``rounds.csv``.
+
+    The ServerApp runs in Flower's own process and its stdout goes to the SuperLink's log; the
+    run folder is on this machine, and ``rounds.csv`` is rewritten atomically after every round,
+    so reading it while the run goes on is safe. Called at every poll of the run's status.
+    """
+
+    def __init__(self, run_dir: Path, rounds: int, out: TextIO | None = None) -> None:
+        self.path = run_dir / "rounds.csv"
+        self.rounds = rounds
+        self.out = out or sys.stdout
+        self.shown = 0
+        self.started = time.monotonic()
+
+    def __call__(self) -> None:
+        from server.app import progress_line
+        from server.records import RoundRecord
+
+        try:
+            with self.path.open(newline="", encoding="utf-8") as fh:
+                rows = list(csv.DictReader(fh))
+        except FileNotFoundError:
+            return
+        kinds = {f.name: f.type for f in dataclasses.fields(RoundRecord)}
+        for row in rows[self.shown:]:
+            values = {k: (int(float(v)) if kinds[k] == "int" else
+                          float(v) if v not in ("", None) else float("nan"))
+                      for k, v in row.items() if k in kinds}
+            self.shown += 1
+            print(progress_line(RoundRecord(**values), self.rounds,
+                                time.monotonic() - self.started, self.shown),
+                  file=self.out, flush=True)
+
+
+def finish_fedgc(dep: Deployment, config: Any, run_id: int, timeout_s: float,
+                 progress: bool = True) -> FedgcRun:
+    """Wait for ``run_id`` and collect the results the ServerApp wrote; with ``progress``, print
+    a line per round as the ServerApp finishes it (the run's ``progress`` key)."""
+    watch = RoundProgress(config.run_dir, config.server.rounds) if progress else None
+    result = dep.wait_run(run_id, timeout_s, on_poll=watch)
     run_dir = config.run_dir
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
