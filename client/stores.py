@@ -50,7 +50,8 @@ def read_state(store: ClientStateStore, key: str, ack_sequence: int, method: str
     store's StateCorruptError (``client.app`` quarantines it). Neither writes anything.
     """
     state = store.load(key)
-    if method not in RESIDUAL_METHODS or ack_sequence < 0 or (state is not None and state.quarantined):
+    if (method not in RESIDUAL_METHODS or ack_sequence < 0
+            or (state is not None and state.quarantined)):
         # A fresh state after a quarantine: the loss is known and reported, not silent.
         return state
     on = f" on {where}" if where else ""

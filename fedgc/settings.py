@@ -75,9 +75,10 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 PARTS = ("client", "server", "dgc", "stc", "sim", "netem")
 
 __all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "PARTITIONS",
-           "PARTS", "RESIDUAL_METHODS", "SELECTIONS", "SERVER_MOMENTUM_METHODS", "TASKS", "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig",
-           "ServerSettings", "SettingsError", "TrainSettings", "describe", "fields_of", "flatten",
-           "key_table", "load_toml", "parse", "setting", "to_flat", "validate"]
+           "PARTS", "RESIDUAL_METHODS", "SELECTIONS", "SERVER_MOMENTUM_METHODS", "TASKS",
+           "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
+           "SettingsError", "TrainSettings", "describe", "fields_of", "flatten", "key_table",
+           "load_toml", "parse", "setting", "to_flat", "validate"]
 
 T = TypeVar("T")
 
