@@ -232,6 +232,53 @@ def test_compressed_broadcast_resumes_exactly(tmp_path, values):
         run_server(LocalGrid(client_app, 6, seed=4), other_grid)
 
 
+def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
+    """method = stc: clients hold the server's ternary broadcast bit for bit, with replies lost
+    (patches on two versions), clients one version behind adding the last step; the server
+    keeps in global - broadcast what it did not send; uplink and downlink far below dense."""
+    lost = []
+
+    def drop_some(reply):
+        metrics = reply.content.metric_records["metrics"]
+        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
+                and len(lost) < 4:
+            lost.append(int(metrics["client_key"]))
+            return None
+        return reply
+
+    c = _config(tmp_path, run_name="stc", rounds=6, method="stc", downlink_history=6,
+                clients_build_initial_model=True, **{"stc.downlink_density": 0.02})
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
+    assert strategy.downlink.values == "ternary" and strategy.optimizer.momentum == 0.0
+    assert strategy.additive_patches > 0
+    rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
+    assert lost and all(r["status"] != "error" for r in rows)
+    assert all(r["downlink"] == "patch" for r in rows)
+    assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
+    assert any(len(info.versions) > 1 for info in strategy.registry.clients.values())
+    state = load_checkpoint(c.run_dir)
+    assert all(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
+    assert summary["uplink_compression"] > 20
+    assert summary["downlink_bytes"] < summary["dense_downlink_bytes"] / 20
+
+
+def test_fedavgm_is_dense_with_dgc_server_momentum(tmp_path):
+    """fedavgm: dense updates, dgc.server_momentum on the server, the exact model broadcast; the
+    same model as dense with server_momentum set to the same value by hand."""
+    by_hand = _config(tmp_path, run_name="by_hand", rounds=3, method="dense",
+                      server_momentum=0.5)
+    fedavgm = _config(tmp_path, run_name="fedavgm", rounds=3, method="fedavgm",
+                      downlink_density=0.01, **{"dgc.server_momentum": 0.5})
+    plain = _config(tmp_path, run_name="plain", rounds=3, method="dense")
+    summaries = [run_server(LocalGrid(client_app, 6), c) for c in (by_hand, fedavgm, plain)]
+    a, b, p = (_model(c.run_dir) for c in (by_hand, fedavgm, plain))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], p[k]) for k in a)  # the momentum did something
+    assert summaries[1]["uplink_compression"] == pytest.approx(1.0)
+    assert summaries[1]["downlink_bytes"] == summaries[0]["downlink_bytes"]
+    assert load_checkpoint(fedavgm.run_dir)["broadcast"] is None
+
+
 def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
     plain = _config(tmp_path, run_name="plain", rounds=3, method="dense")
     run_server(LocalGrid(client_app, 6), plain)
@@ -268,18 +315,22 @@ class _Built(Exception):
     """Raised by the spy factory below once it has the strategy's arguments."""
 
 
-@pytest.mark.parametrize("method, momentum, shared", [("dense", 0.2, 0.0), ("topk", 0.2, 0.0),
-                                                       ("dgc", 0.5, 0.03)])
+@pytest.mark.parametrize("method, momentum, shared, downlink", [
+    ("dense", 0.2, 0.0, (1.0, "float16")), ("fedavgm", 0.5, 0.0, (1.0, "float16")),
+    ("topk", 0.2, 0.0, (0.3, "float16")), ("stc", 0.2, 0.0, (0.0025, "ternary")),
+    ("dgc", 0.5, 0.03, (0.3, "float16"))])
 def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_momentum(tmp_path, method, momentum,
-                                                                      shared):
-    """Dense stays the FedAvg baseline (here with server_momentum 0.2); dgc uses its own keys."""
+                                                                      shared, downlink):
+    """Dense stays the FedAvg baseline (here with server_momentum 0.2), fedavgm is dense with
+    DGC's server momentum; dgc uses its own keys; stc broadcasts ternary at stc's density."""
     seen: dict = {}
 
     def spy(**kwargs):
         seen.update(kwargs)
         raise _Built
 
-    c = _config(tmp_path, method=method, server_momentum=0.2)
+    c = _config(tmp_path, method=method, server_momentum=0.2, downlink_density=0.3)
     with pytest.raises(_Built):
         run_server(LocalGrid(client_app, 2), c, strategy_factory=spy)
     assert seen["server_momentum"] == momentum and seen["shared_density"] == shared
+    assert (seen["downlink_density"], seen["downlink_values"]) == downlink
