@@ -169,22 +169,29 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert all(by[(2, k)]["restored"] == "0" for k in others)
 
 
+def _dropping_even_rounds(lost: list[int], most: int = 4):
+    """A LocalGrid intercept that loses the first ``most`` train replies of even rounds (as if
+    their uplink failed), noting each client in ``lost``."""
+
+    def drop_some(reply):
+        metrics = reply.content.metric_records["metrics"]
+        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
+                and len(lost) < most:
+            lost.append(int(metrics["client_key"]))
+            return None
+        return reply
+
+    return drop_some
+
+
 @pytest.mark.parametrize("values, built", [("float16", False), ("int8", False), ("int8", True)])
 def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values, built):
     """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
     are lost (the server then sends patches valid on either version the client may hold), on
     either grid of downlink_values; int8 patches to clients of known version add differences,
     and clients that build version 0 round it to the grid."""
-    lost = []
-
-    def drop_some(reply):
-        metrics = reply.content.metric_records["metrics"]
-        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
-                and len(lost) < 4:
-            lost.append(int(metrics["client_key"]))
-            return None
-        return reply
-
+    lost: list[int] = []
+    drop_some = _dropping_even_rounds(lost)
     c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
                 downlink_density=0.01, downlink_values=values, clients_build_initial_model=built)
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
@@ -236,16 +243,8 @@ def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
     """method = stc: clients hold the server's ternary broadcast bit for bit, with replies lost
     (patches on two versions), clients one version behind adding the last step; the server
     keeps in global - broadcast what it did not send; uplink and downlink far below dense."""
-    lost = []
-
-    def drop_some(reply):
-        metrics = reply.content.metric_records["metrics"]
-        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
-                and len(lost) < 4:
-            lost.append(int(metrics["client_key"]))
-            return None
-        return reply
-
+    lost: list[int] = []
+    drop_some = _dropping_even_rounds(lost)
     c = _config(tmp_path, run_name="stc", rounds=6, method="stc", downlink_history=6,
                 clients_build_initial_model=True, **{"stc.downlink_density": 0.02})
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
