@@ -214,7 +214,7 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
         assert moved.numel() and torch.equal(moved, moved.round())
 
 
-@pytest.mark.parametrize("values", ["float16", "int8"])
+@pytest.mark.parametrize("values", ["float16", "int8", "ternary"])
 def test_compressed_broadcast_resumes_exactly(tmp_path, values):
     extra = {"downlink_density": 0.01, "downlink_history": 4, "downlink_values": values}
     whole = _config(tmp_path, run_name="whole", rounds=4, **extra)
