@@ -147,6 +147,19 @@ def test_ternary_broadcast_keeps_on_the_server_what_it_did_not_send():
         assert all(torch.equal(rebuilt[k], down.sent_model[k]) for k in model)
 
 
+@pytest.mark.parametrize("method, downlink", [
+    ("dense", (1.0, "float16")), ("fedavgm", (1.0, "float16")), ("topk", (0.3, "float16")),
+    ("stc", (0.0025, "ternary")), ("dgc", (0.3, "float16"))])
+def test_each_method_gets_its_downlink(method, downlink):
+    """The dense family always broadcasts the exact model; stc its ternary broadcast at
+    stc.downlink_density, whatever downlink_density and downlink_values say."""
+    from server.strategy import DGCStrategy
+
+    args = DGCStrategy.arguments(RunConfig.from_flat({"method": method,
+                                                      "downlink_density": 0.3}))
+    assert (args["downlink_density"], args["downlink_values"]) == downlink
+
+
 @pytest.mark.parametrize("density", [0.0, 1.5])
 def test_stc_densities_out_of_range_are_named(density):
     from fedgc.settings import SettingsError
