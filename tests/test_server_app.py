@@ -252,6 +252,7 @@ def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
     assert strategy.additive_patches > 0
     rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
     assert lost and all(r["status"] != "error" for r in rows)
+    assert any(r["restored"] == "1" for r in rows)  # a lost update went back to its residual
     assert all(r["downlink"] == "patch" for r in rows)
     assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
     assert any(len(info.versions) > 1 for info in strategy.registry.clients.values())
