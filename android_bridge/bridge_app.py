@@ -26,6 +26,9 @@ from dgc import SparseUpdate
 from dgc.wire import max_numel_of
 from fedgc import protocol as P
 
+#: The methods a phone's exported encoder runs (DGC's top-k, with or without its residual).
+PHONE_METHODS = ("topk", "dgc")
+
 DEVICE_KEY = "device-id"
 
 
@@ -81,7 +84,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
                 patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
                                    global_state)
         held[device] = ClientState(model=global_state, model_version=version)
-        dgc_config = s.dgc_config() if s.method != "dense" else None
+        dgc_config = s.dgc_config() if s.method in PHONE_METHODS else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
             sequence=server_round, ack_sequence=ack,
@@ -128,7 +131,8 @@ def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any]) -> byte
 
 def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None) -> dict[str, Any]:
     if dgc_config is None:
-        raise BridgeError("method 'dense' is not served by phones: their encoder is DGC")
+        raise BridgeError(f"method {s.method!r} is not served by phones: their encoder is DGC "
+                          f"(methods {list(PHONE_METHODS)})")
     # The phone runs exact top-k whatever the server's simulated clients use: the server only
     # decodes what arrives, and exact is what the exported graph implements.
     phone_dgc = dataclasses.replace(dgc_config, selection="exact")

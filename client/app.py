@@ -11,9 +11,9 @@ One train message, in order:
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
    sequence), fold it back into the residual with the compressor's ``restore``;
-6. compress ("dense": all of it in fp32; "topk": no residual, no momentum; "dgc": configured;
-   topk and dgc give small tensors ``dgc.small_density``, :meth:`TrainSettings.compressor`),
-   encode with ``dgc.encode``;
+6. compress ("dense" and "fedavgm": all of it in fp32; "topk": no residual, no momentum;
+   "stc": sparse ternary, :mod:`dgc.stc`; "dgc": configured; topk and dgc give small tensors
+   ``dgc.small_density``, :meth:`TrainSettings.compressor`), encode with ``dgc.encode``;
 7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.signs`), send
    the residual at those indices as scaled signs too;
 8. store the new state and pending update(s), and reply.
@@ -43,7 +43,14 @@ from dgc.int8_grid import round_initial
 from dgc.signs.client import take_signs
 from dgc.signs.codec import Masks, decode_mask, encode_signs
 from fedgc import protocol as P
-from fedgc.settings import SettingsError, TrainSettings, fields_of, parse
+from fedgc.settings import (
+    DENSE_METHODS,
+    RESIDUAL_METHODS,
+    SettingsError,
+    TrainSettings,
+    fields_of,
+    parse,
+)
 
 app = ClientApp()
 logger = logging.getLogger(__name__)
@@ -263,7 +270,8 @@ def train(msg: Message, context: Context) -> Message:
     idx = torch.from_numpy(parts[key])
 
     reply = state.reply
-    if (s.method == "dgc" and reply is not None and state.pending is not None
+    keeps_residual = s.method in RESIDUAL_METHODS
+    if (keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
@@ -287,11 +295,11 @@ def train(msg: Message, context: Context) -> Message:
     shared_data: bytes | None = None
     shared_entries = 0
     new_state = ClientState()
-    if s.method == "dense":
+    if s.method in DENSE_METHODS:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:
         compressor = s.compressor()
-        if s.method == "dgc" and state.compressor is not None:
+        if keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
@@ -303,10 +311,11 @@ def train(msg: Message, context: Context) -> Message:
             signs = take_signs(compressor.residual(), shared[1], server_round)
             shared_data = encode_signs(signs)
             shared_entries = signs.nnz
-        if s.method == "dgc":
+        if keeps_residual:
             new_state.compressor = compressor.state_dict()
-    data = dgc.encode(update, sign_coding=s.ternary)
-    if s.method == "dgc":
+    # STC's values are ternary whatever dgc.ternary says: one sign bit each on the wire.
+    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc")
+    if keeps_residual:
         new_state.pending = data
         if shared_data is not None and shared is not None:
             new_state.pending_shared = shared_data
@@ -322,7 +331,7 @@ def train(msg: Message, context: Context) -> Message:
         train_loss=local.train_loss, compute_seconds=time.perf_counter() - started,
         model_version=version, client_key=key, sequence=server_round, restored=restored,
         state_quarantined=state.quarantined > 0)
-    if s.method == "dgc":
+    if keeps_residual:
         new_state.reply = {k: v for k, v in metrics.items() if k != "compute_seconds"}
     store.save(str(key), new_state)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dgc
 from client.state import ClientState, ClientStateStore, StateStoreError
 from dgc.wire import MAX_NUMEL
+from fedgc.settings import RESIDUAL_METHODS
 
 
 class StateMissingError(StateStoreError):
@@ -41,14 +42,16 @@ def read_state(store: ClientStateStore, key: str, ack_sequence: int, method: str
     """``key``'s state from ``store`` (None for a client without one yet), checked against the
     server's ``ack_sequence``.
 
-    Only ``dgc`` clients keep state the server's aggregate depends on (their residual); for
+    Only ``dgc`` and ``stc`` clients keep state the server's aggregate depends on (their
+    residual); for
     them a missing record, or one older than ``ack_sequence``, is a StateMissingError that
     names the store and ``where`` (this process's node). The fresh state that replaced a
     quarantined record passes: its loss was detected and is reported. A damaged record is the
     store's StateCorruptError (``client.app`` quarantines it). Neither writes anything.
     """
     state = store.load(key)
-    if method != "dgc" or ack_sequence < 0 or (state is not None and state.quarantined):
+    if (method not in RESIDUAL_METHODS or ack_sequence < 0
+            or (state is not None and state.quarantined)):
         # A fresh state after a quarantine: the loss is known and reported, not silent.
         return state
     on = f" on {where}" if where else ""

@@ -13,6 +13,7 @@ Each key belongs to one part of fedgc, named by its prefix where it has one:
 - ``server``: rounds, server optimizer, downlink, checkpoints, results (:class:`ServerSettings`);
 - ``dgc``: compression, on either side (``dgc.*``); the ranges of the keys that configure
   :class:`dgc.DGCConfig` are that class's own (:meth:`dgc.DGCConfig.check`);
+- ``stc``: sparse ternary compression's densities, up and down (``stc.*``, ``method = stc``);
 - ``sim``: the simulation engine (``sim.*``);
 - ``netem``: the network emulator (``netem.*``, ``simulations.netem.settings.NetemSettings``,
   built on this engine).
@@ -35,11 +36,22 @@ from typing import Any, NamedTuple, TypeVar, get_type_hints
 from dgc import Compressor, DGCCompressor, DGCConfig
 from dgc.config import SELECTIONS, WARMUP_SCHEDULES, Check
 from dgc.sparse import VALUE_DTYPES as _VALUE_DTYPES
+from dgc.stc import STC_DENSITY, STCCompressor, stc_config
 from dgc.two_density import TwoDensityCompressor
 from tasks.partition import SCHEMES
 
-#: Uplink compression methods: dense fp32, top-k without error feedback, DGC.
-METHODS = ("dense", "topk", "dgc")
+#: Compression methods, in the order ``compare`` runs them: dense fp32 (FedAvg), dense with
+#: DGC's server momentum (FedAvgM), top-k without error feedback, sparse ternary compression
+#: both ways (STC, ``dgc.stc``), DGC.
+METHODS = ("dense", "fedavgm", "topk", "stc", "dgc")
+#: Methods whose clients send every entry in fp32: the baseline of every compression ratio;
+#: their clients always get the exact global model.
+DENSE_METHODS = ("dense", "fedavgm")
+#: Methods whose clients keep a residual between rounds (error feedback), which the server's
+#: acknowledgements keep whole.
+RESIDUAL_METHODS = ("stc", "dgc")
+#: Methods whose server applies ``dgc.server_momentum`` (the others ``server_momentum``).
+SERVER_MOMENTUM_METHODS = ("fedavgm", "dgc")
 #: Tasks a run may name (those whose data ships with the package; ``tasks.DATASETS`` has more).
 TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare")
 #: How the training set is split into clients (``tasks.partition``).
@@ -51,20 +63,22 @@ WARMUPS = tuple(w for w in WARMUP_SCHEDULES if w != "list")
 VALUE_DTYPES = tuple(_VALUE_DTYPES)
 #: What clients are sent: "auto" (a patch when smaller) or always the dense model.
 DOWNLINKS = ("auto", "dense")
-#: The grids a compressed broadcast's matrix entries can be rounded to (``downlink_values``).
-DOWNLINK_VALUES = ("float16", "int8")
+#: How a compressed broadcast moves the entries it sends (``downlink_values``): copied on the
+#: float16 or int8 grid, or moved by sign * mean per tensor (STC's downlink, ``ternary``).
+DOWNLINK_VALUES = ("float16", "int8", "ternary")
 #: Simulation engines: Flower's Ray backend, or every client in this process.
 ENGINES = ("ray", "local")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 #: The parts of fedgc that own keys (see the module docstring).
-PARTS = ("client", "server", "dgc", "sim", "netem")
+PARTS = ("client", "server", "dgc", "stc", "sim", "netem")
 
-__all__ = ["DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "PARTITIONS", "PARTS",
-           "SELECTIONS", "TASKS", "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig",
-           "ServerSettings", "SettingsError", "TrainSettings", "describe", "fields_of", "flatten",
-           "key_table", "load_toml", "parse", "setting", "to_flat", "validate"]
+__all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "PARTITIONS",
+           "PARTS", "RESIDUAL_METHODS", "SELECTIONS", "SERVER_MOMENTUM_METHODS", "TASKS",
+           "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
+           "SettingsError", "TrainSettings", "describe", "fields_of", "flatten", "key_table",
+           "load_toml", "parse", "setting", "to_flat", "validate"]
 
 T = TypeVar("T")
 
@@ -239,8 +253,10 @@ class TrainSettings:
     alpha: float = setting(0.5, "alpha", "Dirichlet concentration (smaller = more label skew)",
                            Check(0.0, low_open=True))
     seed: int = setting(0, "seed", "seed of partitioning, sampling and local shuffling", Check(0))
-    method: str = setting("dgc", "method", "uplink compression: dense fp32, top-k without error "
-                          "feedback, or DGC", Check(choices=METHODS))
+    method: str = setting("dgc", "method", "compression: dense fp32 (FedAvg), fedavgm (dense "
+                          "with dgc.server_momentum), top-k without error feedback, stc (sparse "
+                          "ternary compression of both directions, stc.*), or DGC",
+                          Check(choices=METHODS))
     local_epochs: int = setting(2, "local_epochs", "local passes over the client's data (used "
                                 "when local_steps is 0)", Check(0))
     local_steps: int = setting(0, "local_steps", "local SGD steps per round; 0 = use "
@@ -283,6 +299,10 @@ class TrainSettings:
     ternary: bool = setting(False, "dgc.ternary", "send sparsified tensors' entries as "
                             "sign * mean magnitude, one bit each on the wire (sparse ternary "
                             "compression; not for phones)")
+    stc_density: float = setting(STC_DENSITY, "stc.density", "STC's p_up: the fraction of "
+                                 "every tensor (biases too) a stc client sends per round, as "
+                                 "sign * mean magnitude; the paper's 1/400",
+                                 _dgc("density"))
     min_sparse_numel: int = setting(1024, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and every 1-D tensor) are sent dense",
                                     _dgc("min_sparse_numel"))
@@ -316,13 +336,15 @@ class TrainSettings:
             # Same bytes as DGC, but nothing is remembered between rounds: the contrast case.
             return DGCConfig(momentum=0.0, momentum_correction=False, momentum_masking=False,
                              error_feedback=False, **common)
+        if self.method == "stc":
+            return stc_config(self.stc_density, self.value_dtype)
         if self.method == "dgc":
             return DGCConfig(
                 momentum=self.dgc_momentum, momentum_correction=self.momentum_correction,
                 nesterov=self.nesterov, dampening=self.dampening,
                 momentum_masking=self.momentum_masking, error_feedback=True,
                 clip_norm=self.clip_norm or None, num_workers=self.clients_per_round, **common)
-        raise SettingsError(f"method {self.method!r} has no compressor (dense sends fp32)")
+        raise SettingsError(f"method {self.method!r} has no compressor (it sends dense fp32)")
 
     def compressor(self) -> Compressor:
         """A fresh compressor of this method: one density, or two when dgc.small_density > 0.
@@ -333,6 +355,8 @@ class TrainSettings:
         from ``dgc`` only in keeping no residual.
         """
         config = self.dgc_config()
+        if self.method == "stc":
+            return STCCompressor(config)  # one density for every tensor, as STC has
         if self.small_density == 0.0:
             return DGCCompressor(config)
         return TwoDensityCompressor(config, self.small_density, small_numel=self.small_numel)
@@ -359,10 +383,10 @@ class ServerSettings:
                                     Check(1.0, 10.0))
     server_lr: float = setting(1.0, "server_lr", "server learning rate: global -= server_lr "
                                "* momentum buffer", Check(0.0, low_open=True))
-    server_momentum: float = setting(0.0, "server_momentum", "server momentum of dense and "
-                                     "topk runs (FedAvgM convention: buf = m*buf + avg); dgc "
-                                     "runs use dgc.server_momentum", Check(0.0, 1.0,
-                                                                             high_open=True))
+    server_momentum: float = setting(0.0, "server_momentum", "server momentum of dense, topk "
+                                     "and stc runs (FedAvgM convention: buf = m*buf + avg); "
+                                     "fedavgm and dgc runs use dgc.server_momentum",
+                                     Check(0.0, 1.0, high_open=True))
     shared_density: float = setting(0.03, "dgc.shared_density", "shared-index sign channel "
                                     "(dgc only): fraction of each sparsified tensor at which "
                                     "every client of a round sends its residual as scaled signs, "
@@ -375,7 +399,8 @@ class ServerSettings:
                                      "of aggregates by which the server ranks shared indices",
                                      Check(0.0, 1.0, high_open=True))
     dgc_server_momentum: float = setting(0.5, "dgc.server_momentum", "server momentum of "
-                                         "dgc runs (replaces server_momentum there): DGC's "
+                                         "dgc and fedavgm runs (replaces server_momentum "
+                                         "there): DGC's "
                                          "momentum applied once per round to the aggregate, "
                                          "where it is never stale", Check(0.0, 1.0, high_open=True))
     max_weight_ratio: float = setting(4.0, "max_weight_ratio", "a client's weight "
@@ -401,18 +426,29 @@ class ServerSettings:
                                     "model (memory: one int32 per parameter, whatever the "
                                     "value)", Check(0))
     downlink_density: float = setting(1.0, "downlink_density", "1: clients are sent the "
-                                      "global model exactly; below 1 (topk and dgc runs): a "
+                                      "global model exactly; below 1 (topk and dgc runs; stc "
+                                      "runs use stc.downlink_density): a "
                                       "compressed broadcast, each round the server copies "
                                       "this fraction of the matrix entries of the global "
                                       "model, those that differ most, into the model clients "
                                       "hold (error feedback on the server; 1-D tensors whole); "
-                                      "dense runs always get the exact model",
+                                      "dense and fedavgm runs always get the exact model",
                                       Check(0.0, 1.0, low_open=True))
+    stc_downlink_density: float = setting(STC_DENSITY, "stc.downlink_density", "STC's p_down "
+                                          "(stc runs): each round the server moves this "
+                                          "fraction of every tensor of the model clients hold, "
+                                          "where it differs most from the global model, by "
+                                          "sign * mean difference (downlink_values ternary; "
+                                          "error feedback on the server); the paper's 1/400; 1 "
+                                          "= the exact model", Check(0.0, 1.0, low_open=True))
     downlink_values: str = setting("float16", "downlink_values", "with downlink_density < 1: "
                                    "the grid the broadcast's matrix entries are rounded to; "
                                    "float16 (2 bytes per patch value) or int8 (a byte or less: per "
                                    "tensor a power-of-two step whose range is 8x its largest "
-                                   "initial entry, doubled when the model outgrows it)",
+                                   "initial entry, doubled when the model outgrows it); or "
+                                   "ternary: per tensor (1-D too) the entries move by sign * "
+                                   "their mean difference, a bit each in a one-round patch "
+                                   "(STC's downlink; what stc runs use)",
                                    Check(choices=DOWNLINK_VALUES))
     downlink_deltas: bool = setting(True, "downlink_deltas", "with downlink_values int8: version "
                                     "0 is broadcast on the grid too, and a patch on the one "

@@ -17,7 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedgc.settings import RunConfig, SettingsError, to_flat
+from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
 from server.checkpoint import CHECKPOINT_FILE
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
@@ -159,7 +159,8 @@ def run_server(grid: Grid, config: RunConfig,
     write_clients(run_dir, strategy.client_rows)
     summary = summarize(strategy.rounds, t.method, {
         "task": t.task, "num_clients": t.num_clients, "clients_per_round": t.clients_per_round,
-        "density": t.density if t.method != "dense" else 1.0,
+        "density": (1.0 if t.method in DENSE_METHODS
+                    else t.stc_density if t.method == "stc" else t.density),
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
         "config": config.to_flat(),

@@ -1,11 +1,11 @@
 """The downlink: model versions, what changed at each, the compressed broadcast on its float16
-or int8 grid, and the dense model or patch each client is sent.
+or int8 grid or by ternary steps, and the dense model or patch each client is sent.
 
 Clients hold the *sent model*: the global model itself, or, with ``density < 1``, a broadcast
 model that follows it by the largest entries of their difference each round (error feedback on
-the server, as in DoubleSqueeze, Tang et al. 2019). Per entry the downlink keeps the version at
-which it last changed (``changed_at``), so a patch valid on every version a client may hold is
-the set of entries that changed after the oldest of them.
+the server, as in DoubleSqueeze, Tang et al. 2019, and STC's downlink, Sattler et al. 2019). Per
+entry the downlink keeps the version at which it last changed (``changed_at``), so a patch valid
+on every version a client may hold is the set of entries that changed after the oldest of them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from flwr.app import ArrayRecord
 import dgc
 from dgc import SparseTensor, SparseUpdate
 from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
+from dgc.selection import num_selected, select_exact
 from dgc.wire import encoded_size
 from fedgc import protocol as P
 from server.checkpoint import CheckpointError
@@ -84,6 +85,9 @@ class Downlink:
         # values before (what a patch on an older version subtracts). Oldest first.
         self.past: OrderedDict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.past_nbytes = 0
+        # values "ternary": the version the last step made and, per tensor, its entries and the
+        # +-mu added there (what a patch on the version before carries, one bit per entry).
+        self.ternary_step: tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     # ------------------------------------------------------------------ versions
     def reset(self, model: Model) -> None:
@@ -101,6 +105,7 @@ class Downlink:
                     if e is not None:
                         self.broadcast[k] = to_int8_grid(model[k], e)
         self._forget_past()
+        self.ternary_step = None
         self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
 
     @property
@@ -140,8 +145,11 @@ class Downlink:
         the model moves on (error feedback on the server). Ranking by the rounded difference
         never spends a slot on an entry whose rounded value the clients already hold. With
         ``values="int8"`` the grid is the tensor's int8 grid instead (a quarter of the float32
-        bytes); a tensor whose grid step had to double is copied whole, re-rounded.
+        bytes); a tensor whose grid step had to double is copied whole, re-rounded. With
+        ``values="ternary"``: :meth:`follow_ternary`.
         """
+        if self.values == "ternary":
+            return self.follow_ternary(broadcast, model)
         out = copy_model(broadcast)
         matrices = [k for k, v in model.items() if v.dim() > 1]
         for k, v in model.items():
@@ -172,6 +180,44 @@ class Downlink:
             out[k].view(-1)[local] = target[k].view(-1)[local]
             start += n
         return out
+
+    def follow_ternary(self, broadcast: Mapping[str, torch.Tensor],
+                       model: Mapping[str, torch.Tensor]) -> Model:
+        """STC's downlink step: per tensor (one-dimensional ones too), the ``ceil(density *
+        numel)`` entries where ``model - broadcast`` is largest move by ``sign * mu``, ``mu``
+        the mean of those differences' magnitudes (float32).
+
+        ``model - broadcast`` is STC's server residual plus the round's update (the server's
+        ``A + dW``); what the step does not carry stays in it (error feedback). The step is kept
+        (:attr:`ternary_step`): a client on the version before is sent it, one sign bit per
+        entry, and adds it; the float32 sum is the same bits on both sides.
+        """
+        out = copy_model(broadcast)
+        step = {}
+        for k, v in model.items():
+            diff = (v - out[k]).view(-1)
+            idx = select_exact(diff.abs(), num_selected(diff.numel(), self.density))
+            if not idx.numel():  # the tensor is where the model is: nothing to send
+                continue
+            chosen = diff[idx]
+            mu = chosen.abs().mean(dtype=torch.float64).to(torch.float32)
+            delta = torch.where(chosen < 0, -mu, mu)
+            flat = out[k].view(-1)
+            flat[idx] = flat[idx] + delta
+            step[k] = (idx, delta)
+        self.ternary_step = (self.version + 1, step)
+        return out
+
+    def _ternary_patch(self, base_versions: tuple[int, ...]) -> tuple[bytes, list[str]] | None:
+        """The last ternary step as a patch of differences on the version before it (the one
+        ``base_versions`` must name), sign-coded; None when it does not apply."""
+        if (self.ternary_step is None or self.ternary_step[0] != self.version
+                or base_versions != (self.version - 1,)):
+            return None
+        tensors = {name: SparseTensor(idx, delta, tuple(self.sent_model[name].shape))
+                   for name, (idx, delta) in self.ternary_step[1].items()}
+        return (dgc.encode(SparseUpdate(tensors, self.version), sign_coding=True),
+                list(tensors))
 
     def _forget_past(self) -> None:
         self.past = OrderedDict()
@@ -215,11 +261,14 @@ class Downlink:
         than ``history`` versions old (or newer than the model). On a single base, with
         ``deltas``, a grid tensor carries ``now - base`` instead where that encodes smaller
         (the differences sit on the grid, and adding them gives ``now`` bit for bit: both are
-        checked).
+        checked). With ternary values, a patch on the version just before carries the last
+        step's ``+-mu`` to add (:meth:`follow_ternary`).
         """
         if not base_versions or any(not self.version - self.history <= v <= self.version
                                     for v in base_versions):
             return None
+        if (ternary := self._ternary_patch(base_versions)) is not None:
+            return ternary
         oldest = min(base_versions)
         base = (self.grid_values_at(oldest)
                 if self.initial_on_grid and len(base_versions) == 1 else None)
@@ -305,6 +354,9 @@ class Downlink:
             "delta_history": [[u, {n: [i, v] for n, (i, v) in changes.items()}]
                               for u, changes in self.past.items()],
             "changed_at": dict(self.changed_at),
+            "ternary_step": None if self.ternary_step is None else [
+                self.ternary_step[0],
+                {n: [i, d] for n, (i, d) in self.ternary_step[1].items()}],
         }
 
     def check_state(self, state: Mapping[str, Any]) -> None:
@@ -339,5 +391,9 @@ class Downlink:
             self.past[int(u)] = {n: (i.to(torch.int64), v.to(torch.float32))
                                  for n, (i, v) in changes.items()}
             self.past_nbytes += _history_nbytes(self.past[int(u)])
+        step = state.get("ternary_step")
+        self.ternary_step = None if step is None else (
+            int(step[0]), {n: (i.to(torch.int64), d.to(torch.float32))
+                           for n, (i, d) in step[1].items()})
         self.version = int(state["model_version"])
         self.changed_at = {k: state["changed_at"][k].to(torch.int32).contiguous() for k in names}

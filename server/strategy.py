@@ -42,7 +42,14 @@ from dgc.signs.codec import Masks, encode_mask
 from dgc.signs.planner import SharedIndexPlanner
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.settings import AGGREGATIONS, RunConfig, ServerSettings, TrainSettings
+from fedgc.settings import (
+    AGGREGATIONS,
+    DENSE_METHODS,
+    SERVER_MOMENTUM_METHODS,
+    RunConfig,
+    ServerSettings,
+    TrainSettings,
+)
 from server.aggregation import ROBUST, SparseAverage, robust_average
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
@@ -121,8 +128,9 @@ class DGCStrategy(FedAvg):
         Below 1: clients hold a broadcast model that follows the global model by this fraction
         of its matrix entries each round, those that differ most, rounded to ``downlink_values``
         (float16 or int8 grid); what is not sent stays in the difference (error feedback).
-    downlink_values : {"float16", "int8"} (default: "float16")
-        The grid of the compressed broadcast's matrix entries.
+    downlink_values : {"float16", "int8", "ternary"} (default: "float16")
+        The grid of the compressed broadcast's matrix entries; "ternary": per tensor, the
+        entries sent move by sign * their mean difference (STC's downlink, Sattler et al. 2019).
     downlink_deltas : bool (default: True)
         With int8: version 0 is on the grid too, and a patch on one known version carries
         differences where those encode smaller.
@@ -230,14 +238,23 @@ class DGCStrategy(FedAvg):
     def arguments(config: RunConfig) -> dict[str, Any]:
         """The constructor's keyword arguments for a validated run config."""
         s, t = config.server, config.train
+        # Dense FedAvg (and FedAvgM) is the baseline: it always broadcasts the exact model. STC
+        # compresses its downlink at its own density, ternary (STC's "updown").
+        downlink_density, downlink_values = s.downlink_density, s.downlink_values
+        if t.method in DENSE_METHODS:
+            downlink_density = 1.0
+        elif t.method == "stc":
+            downlink_density, downlink_values = s.stc_downlink_density, "ternary"
         return dict(
             clients_per_round=t.clients_per_round, over_selection=s.over_selection,
             server_learning_rate=s.server_lr,
-            server_momentum=s.dgc_server_momentum if t.method == "dgc" else s.server_momentum,
+            # FedAvgM is dense FedAvg with DGC's server momentum: DGC's gain over it is the
+            # compression's alone.
+            server_momentum=(s.dgc_server_momentum if t.method in SERVER_MOMENTUM_METHODS
+                             else s.server_momentum),
             downlink=s.downlink, downlink_history=s.downlink_history,
-            # Dense FedAvg is the baseline: it always broadcasts the exact model.
-            downlink_density=s.downlink_density if t.method != "dense" else 1.0,
-            downlink_values=s.downlink_values, downlink_deltas=s.downlink_deltas,
+            downlink_density=downlink_density,
+            downlink_values=downlink_values, downlink_deltas=s.downlink_deltas,
             downlink_lookahead=s.downlink_lookahead,
             clients_build_initial_model=s.clients_build_initial_model, seed=t.seed,
             checkpoint_dir=config.run_dir if s.checkpoint else None, resume=s.resume,

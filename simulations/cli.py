@@ -131,9 +131,9 @@ def _parser() -> argparse.ArgumentParser:
         return q
 
     scenario("run", "run one scenario")
-    c = scenario("compare", "run dense, topk and dgc on the same scenario and plot them")
+    c = scenario("compare", f"run {', '.join(METHODS)} on the same scenario and plot them")
     c.add_argument("--methods", default=",".join(METHODS),
-                   help="comma-separated subset of dense,topk,dgc")
+                   help=f"comma-separated subset of {','.join(METHODS)}")
     scenario("demo", "the default comparison (what `make demo` runs)")
     sub.add_parser("keys", help="list every configuration key")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)

@@ -122,3 +122,16 @@ def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory):
     accuracy = [float(r["accuracy"]) for r in csv.DictReader(
         (config.run_dir / "rounds.csv").open())]
     assert accuracy[-1] > accuracy[0]
+
+
+@pytest.mark.parametrize("method", ["dense", "fedavgm", "stc"])
+def test_methods_phones_do_not_run_are_refused_by_name(method):
+    """A phone's exported encoder is DGC's: the bridge refuses the other methods, naming them."""
+    from android_bridge.bridge import BridgeError
+    from android_bridge.bridge_app import _phone_config
+
+    s = RunConfig.from_flat({"method": method}).train
+    with pytest.raises(BridgeError, match=rf"method '{method}' is not served by phones"):
+        _phone_config(s, None)
+    assert _phone_config(RunConfig.from_flat({"method": "topk"}).train,
+                         RunConfig.from_flat({}).train.dgc_config())["train"]["method"] == "topk"

@@ -169,22 +169,29 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert all(by[(2, k)]["restored"] == "0" for k in others)
 
 
+def _dropping_even_rounds(lost: list[int], most: int = 4):
+    """A LocalGrid intercept that loses the first ``most`` train replies of even rounds (as if
+    their uplink failed), noting each client in ``lost``."""
+
+    def drop_some(reply):
+        metrics = reply.content.metric_records["metrics"]
+        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
+                and len(lost) < most:
+            lost.append(int(metrics["client_key"]))
+            return None
+        return reply
+
+    return drop_some
+
+
 @pytest.mark.parametrize("values, built", [("float16", False), ("int8", False), ("int8", True)])
 def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values, built):
     """downlink_density < 1: clients hold the broadcast model bit for bit, even when replies
     are lost (the server then sends patches valid on either version the client may hold), on
     either grid of downlink_values; int8 patches to clients of known version add differences,
     and clients that build version 0 round it to the grid."""
-    lost = []
-
-    def drop_some(reply):
-        metrics = reply.content.metric_records["metrics"]
-        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
-                and len(lost) < 4:
-            lost.append(int(metrics["client_key"]))
-            return None
-        return reply
-
+    lost: list[int] = []
+    drop_some = _dropping_even_rounds(lost)
     c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
                 downlink_density=0.01, downlink_values=values, clients_build_initial_model=built)
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
@@ -207,7 +214,7 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
         assert moved.numel() and torch.equal(moved, moved.round())
 
 
-@pytest.mark.parametrize("values", ["float16", "int8"])
+@pytest.mark.parametrize("values", ["float16", "int8", "ternary"])
 def test_compressed_broadcast_resumes_exactly(tmp_path, values):
     extra = {"downlink_density": 0.01, "downlink_history": 4, "downlink_values": values}
     whole = _config(tmp_path, run_name="whole", rounds=4, **extra)
@@ -230,6 +237,46 @@ def test_compressed_broadcast_resumes_exactly(tmp_path, values):
                             else "float16"})
     with pytest.raises(Exception, match="downlink_values"):
         run_server(LocalGrid(client_app, 6, seed=4), other_grid)
+
+
+def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
+    """method = stc: clients hold the server's ternary broadcast bit for bit, with replies lost
+    (patches on two versions), clients one version behind adding the last step; the server
+    keeps in global - broadcast what it did not send; uplink and downlink far below dense."""
+    lost: list[int] = []
+    drop_some = _dropping_even_rounds(lost)
+    c = _config(tmp_path, run_name="stc", rounds=6, method="stc", downlink_history=6,
+                clients_build_initial_model=True, **{"stc.downlink_density": 0.02})
+    summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
+    assert strategy.downlink.values == "ternary" and strategy.optimizer.momentum == 0.0
+    assert strategy.additive_patches > 0
+    rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
+    assert lost and all(r["status"] != "error" for r in rows)
+    assert any(r["restored"] == "1" for r in rows)  # a lost update went back to its residual
+    assert all(r["downlink"] == "patch" for r in rows)
+    assert _every_client_holds_what_the_server_sent(c, strategy) >= 3
+    assert any(len(info.versions) > 1 for info in strategy.registry.clients.values())
+    state = load_checkpoint(c.run_dir)
+    assert all(not torch.equal(state["broadcast"][k], state["model"][k]) for k in state["model"])
+    assert summary["uplink_compression"] > 20
+    assert summary["downlink_bytes"] < summary["dense_downlink_bytes"] / 20
+
+
+def test_fedavgm_is_dense_with_dgc_server_momentum(tmp_path):
+    """fedavgm: dense updates, dgc.server_momentum on the server, the exact model broadcast; the
+    same model as dense with server_momentum set to the same value by hand."""
+    by_hand = _config(tmp_path, run_name="by_hand", rounds=3, method="dense",
+                      server_momentum=0.5)
+    fedavgm = _config(tmp_path, run_name="fedavgm", rounds=3, method="fedavgm",
+                      downlink_density=0.01, **{"dgc.server_momentum": 0.5})
+    plain = _config(tmp_path, run_name="plain", rounds=3, method="dense")
+    summaries = [run_server(LocalGrid(client_app, 6), c) for c in (by_hand, fedavgm, plain)]
+    a, b, p = (_model(c.run_dir) for c in (by_hand, fedavgm, plain))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], p[k]) for k in a)  # the momentum did something
+    assert summaries[1]["uplink_compression"] == pytest.approx(1.0)
+    assert summaries[1]["downlink_bytes"] == summaries[0]["downlink_bytes"]
+    assert load_checkpoint(fedavgm.run_dir)["broadcast"] is None
 
 
 def test_dense_runs_always_broadcast_the_exact_model(tmp_path):
@@ -268,11 +315,13 @@ class _Built(Exception):
     """Raised by the spy factory below once it has the strategy's arguments."""
 
 
-@pytest.mark.parametrize("method, momentum, shared", [("dense", 0.2, 0.0), ("topk", 0.2, 0.0),
+@pytest.mark.parametrize("method, momentum, shared", [("dense", 0.2, 0.0), ("fedavgm", 0.5, 0.0),
+                                                       ("topk", 0.2, 0.0), ("stc", 0.2, 0.0),
                                                        ("dgc", 0.5, 0.03)])
 def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_momentum(tmp_path, method, momentum,
                                                                       shared):
-    """Dense stays the FedAvg baseline (here with server_momentum 0.2); dgc uses its own keys."""
+    """Dense stays the FedAvg baseline (here with server_momentum 0.2) and fedavgm is dense
+    with DGC's server momentum; dgc uses its own keys."""
     seen: dict = {}
 
     def spy(**kwargs):

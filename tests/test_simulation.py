@@ -44,11 +44,13 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
             "--set", "partition=iid"]
     assert main(argv) == 0
     doc = json.loads((tmp_path / "cmp" / "compare.json").read_text())
-    assert sorted(doc["methods"]) == ["dense", "dgc", "topk"]
+    assert list(doc["methods"]) == ["dense", "dgc", "fedavgm", "stc", "topk"]  # sorted keys
     for name, s in doc["methods"].items():
         assert set(SUMMARY_KEYS) <= set(s) and s["method"] == name and s["rounds"] == 3
     m = doc["methods"]
     assert m["dgc"]["uplink_bytes"] < m["dense"]["uplink_bytes"] / 5
+    assert m["stc"]["uplink_bytes"] < m["dgc"]["uplink_bytes"]
+    assert m["fedavgm"]["uplink_bytes"] == m["dense"]["uplink_bytes"]
     # The dense baseline is the dense fp32 update on the same wire: dense sends exactly that.
     assert m["dense"]["uplink_compression"] == pytest.approx(1.0)
     assert m["dense"]["uplink_bytes"] == m["dense"]["dense_uplink_bytes"]
@@ -57,7 +59,12 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     for cfg in per_method.values():
         for k in ("method", "run_name", "results_dir", "state_dir"):
             cfg.pop(k, None)
-    assert per_method["dense"] == per_method["topk"] == per_method["dgc"]
+    assert all(cfg == per_method["dense"] for cfg in per_method.values())
+    # ... and the same clients, sampled by the run's seed whatever the method.
+    sampled = {name: [(r["round"], r["client_key"]) for r in
+                      csv.DictReader((tmp_path / "cmp" / name / "clients.csv").open())]
+               for name in m}
+    assert all(keys == sampled["dense"] for keys in sampled.values())
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "final acc" in out and "topk" in out
