@@ -1,4 +1,4 @@
-"""PNG plots of results: accuracy against cumulative uplink MB (log x), and bytes per round."""
+"""PNG plots of results: accuracy against cumulative MB (log x), and bytes per round."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only; no display on servers and CI
 
@@ -52,3 +53,38 @@ def plot_run(run_dir: str | Path) -> Path:
     """``<run_dir>/plots.png`` for a single run."""
     run_dir = Path(run_dir)
     return plot_runs({run_dir.name: run_dir}, run_dir / "plots.png", title=str(run_dir))
+
+
+def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title: str = "") -> Path:
+    """Accuracy against cumulative total MB (uplink + downlink), one band per method.
+
+    ``runs`` maps a method to its run folders, one per seed. Per round, the line is the mean
+    accuracy over the seeds at their mean cumulative total MB; the band is +- one standard
+    deviation of the accuracy (none for a single seed). Runs of unequal length are cut to the
+    shortest.
+    """
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, dirs in runs.items():
+        curves = [read_rounds(Path(d)) for d in dirs]
+        n = min(len(c) for c in curves)
+        acc = np.array([[r["accuracy"] for r in c[:n]] for c in curves])
+        mb = np.array([np.cumsum([r["uplink_bytes"] + r["downlink_bytes"] for r in c[:n]])
+                       for c in curves]) / 1e6
+        x, mean = mb.mean(axis=0), acc.mean(axis=0)
+        (line,) = ax.plot(x, mean, label=f"{name} ({len(curves)} seeds)")
+        if len(curves) > 1:
+            std = acc.std(axis=0, ddof=1)
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25,
+                            linewidth=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("cumulative total traffic, uplink + downlink (MB, log scale)")
+    ax.set_ylabel("test accuracy (mean +- std over seeds)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
