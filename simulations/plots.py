@@ -25,28 +25,33 @@ def _curves(ax_acc, ax_bytes, label: str, rows: Sequence[Mapping[str, float]]) -
                   label=f"{label} uplink")
 
 
-def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
-    """One figure for several runs (name -> run folder): the two panels side by side."""
-    fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, run_dir in runs.items():
-        _curves(ax_acc, ax_bytes, name, read_rounds(Path(run_dir)))
-    ax_acc.set_xscale("log")
-    ax_acc.set_xlabel("cumulative uplink (MB, log scale)")
-    ax_acc.set_ylabel("test accuracy")
-    ax_acc.grid(True, which="both", alpha=0.3)
-    ax_acc.legend()
-    ax_bytes.set_yscale("log")
-    ax_bytes.set_xlabel("round")
-    ax_bytes.set_ylabel("uplink bytes per round (log scale)")
-    ax_bytes.grid(True, which="both", alpha=0.3)
-    ax_bytes.legend()
-    if title:
-        fig.suptitle(title)
+def _label(ax, log: str, xlabel: str, ylabel: str) -> None:
+    """Axis labels, a log scale on axis ``log`` ("x" or "y"), grid and legend."""
+    (ax.set_xscale if log == "x" else ax.set_yscale)("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def _save(fig, out: str | Path) -> Path:
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
+    """One figure for several runs (name -> run folder): the two panels side by side."""
+    fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run_dir in runs.items():
+        _curves(ax_acc, ax_bytes, name, read_rounds(Path(run_dir)))
+    _label(ax_acc, "x", "cumulative uplink (MB, log scale)", "test accuracy")
+    _label(ax_bytes, "y", "round", "uplink bytes per round (log scale)")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, out)
 
 
 def plot_run(run_dir: str | Path) -> Path:
@@ -76,15 +81,8 @@ def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title:
             std = acc.std(axis=0, ddof=1)
             ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25,
                             linewidth=0)
-    ax.set_xscale("log")
-    ax.set_xlabel("cumulative total traffic, uplink + downlink (MB, log scale)")
-    ax.set_ylabel("test accuracy (mean +- std over seeds)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    _label(ax, "x", "cumulative total traffic, uplink + downlink (MB, log scale)",
+           "test accuracy (mean +- std over seeds)")
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
