@@ -75,9 +75,18 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     return summary
 
 
+def _title(config: RunConfig) -> str:
+    return (f"{config.train.task}: {config.train.num_clients} clients, "
+            f"{config.train.clients_per_round} per round, density {config.train.density}")
+
+
 def _compare_once(config: RunConfig, verbose: bool, methods: Sequence[str],
                   netem: Any) -> tuple[dict[str, dict[str, Any]], dict[str, Path]]:
-    """Run ``config`` once per method into ``<run_dir>/<method>/``; summaries with ratios."""
+    """Run ``config`` once per method into ``<run_dir>/<method>/``; summaries with ratios.
+
+    Writes ``<run_dir>/compare.json`` and ``compare.png`` and prints the table.
+    """
+    from simulations.plots import plot_runs
     from simulations.runner import run_scenario
 
     base = config.run_dir
@@ -90,12 +99,13 @@ def _compare_once(config: RunConfig, verbose: bool, methods: Sequence[str],
               flush=True)
         summaries[method] = run_scenario(c, verbose=verbose, netem=netem)
         runs[method] = c.run_dir
-    return against_dense(summaries), runs
-
-
-def _title(config: RunConfig) -> str:
-    return (f"{config.train.task}: {config.train.num_clients} clients, "
-            f"{config.train.clients_per_round} per round, density {config.train.density}")
+    summaries = against_dense(summaries)
+    base.mkdir(parents=True, exist_ok=True)
+    write_json(base / "compare.json", {"methods": summaries})
+    plot = plot_runs(runs, base / "compare.png", title=_title(config))
+    print(summary_table(summaries))
+    print(f"results: {base}/compare.json, {plot.name}")
+    return summaries, runs
 
 
 def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
@@ -108,23 +118,17 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     each method's mean and std over the seeds (:func:`simulations.compare.over_seeds`) and
     ``<run_dir>/accuracy_vs_traffic.png``, one band per method.
     """
-    from simulations.plots import plot_bands, plot_runs
+    from simulations.plots import plot_bands
 
+    if seeds is None:
+        return {"methods": _compare_once(config, verbose, methods, netem)[0]}
     base = config.run_dir
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
-    for seed in seeds if seeds is not None else [None]:
-        c = config if seed is None else config.with_overrides(
-            {"seed": seed, "results_dir": str(base), "run_name": f"seed-{seed}"})
-        summaries, runs = _compare_once(c, verbose, methods, netem)
-        c.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(c.run_dir / "compare.json", {"methods": summaries})
-        plot = plot_runs(runs, c.run_dir / "compare.png", title=_title(c))
-        print(summary_table(summaries))
-        print(f"results: {c.run_dir}/compare.json, {plot.name}")
-        if seed is None:
-            return {"methods": summaries}
-        per_seed[seed] = summaries
+    for seed in seeds:
+        c = config.with_overrides({"seed": seed, "results_dir": str(base),
+                                   "run_name": f"seed-{seed}"})
+        per_seed[seed], runs = _compare_once(c, verbose, methods, netem)
         for m, run_dir in runs.items():
             folders[m].append(run_dir)
     doc = over_seeds(per_seed)
