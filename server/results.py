@@ -19,8 +19,12 @@ from server.records import ClientRow, RoundRecord
 
 ROUND_COLUMNS = ("round", "accuracy", "loss", "uplink_bytes", "downlink_bytes",
                  "clients_sampled", "clients_aggregated", "clients_failed", "wall_seconds")
-SUMMARY_KEYS = ("method", "final_accuracy", "rounds", "uplink_bytes", "downlink_bytes",
-                "dense_uplink_bytes", "uplink_compression", "wall_seconds")
+SUMMARY_KEYS = ("method", "final_accuracy", "last10_accuracy", "rounds", "uplink_bytes",
+                "downlink_bytes", "total_bytes", "dense_uplink_bytes", "uplink_compression",
+                "total_compression", "wall_seconds")
+#: Rounds at the end of a run whose mean accuracy is ``last10_accuracy``: one round's accuracy
+#: moves by a point or more under label skew, the mean of ten is what a comparison can rank.
+LAST_ROUNDS = 10
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -56,26 +60,48 @@ def write_clients(run_dir: Path, rows: Sequence[ClientRow]) -> None:
     _atomic_write(run_dir / "clients.csv", _csv_text(cols, [asdict(r) for r in rows]))
 
 
+def last_mean(accuracies: Sequence[float], n: int = LAST_ROUNDS) -> float:
+    """Mean of the finite values among the last ``n`` rounds' ``accuracies`` (NaN when none)."""
+    tail = [a for a in accuracies[-n:] if math.isfinite(a)]
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def traffic(up: int, down: int, dense_up: int, dense_down: int) -> dict[str, Any]:
+    """Bytes both ways and in total, each with its compression against dense FedAvg.
+
+    ``dense_*`` is what dense fp32 FedAvg would have sent for the same messages, so a
+    compression of 3.0 means three times fewer bytes than dense FedAvg.
+    """
+    def ratio(dense: int, sent: int) -> float:
+        return dense / sent if sent else float("nan")
+
+    return {
+        "uplink_bytes": up,
+        "downlink_bytes": down,
+        "total_bytes": up + down,
+        "dense_uplink_bytes": dense_up,
+        "dense_downlink_bytes": dense_down,
+        "dense_total_bytes": dense_up + dense_down,
+        "uplink_compression": ratio(dense_up, up),
+        "downlink_compression": ratio(dense_down, down),
+        "total_compression": ratio(dense_up + dense_down, up + down),
+    }
+
+
 def summarize(rounds: Sequence[RoundRecord], method: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The ``summary.json`` dict of a run's rounds."""
-    up = sum(r.uplink_bytes for r in rounds)
-    down = sum(r.downlink_bytes for r in rounds)
-    dense_up = sum(r.dense_uplink_bytes for r in rounds)
-    dense_down = sum(r.dense_downlink_bytes for r in rounds)
-    accs = [r.accuracy for r in rounds if math.isfinite(r.accuracy)]
     last = rounds[-1] if rounds else RoundRecord(0)
+    accs = [r.accuracy for r in rounds if math.isfinite(r.accuracy)]
     return {
         "method": method,
         "final_accuracy": last.accuracy if rounds else float("nan"),
+        "last10_accuracy": last_mean([r.accuracy for r in rounds]),
         "final_loss": last.loss if rounds else float("nan"),
         "best_accuracy": max(accs) if accs else float("nan"),
         "rounds": len(rounds),
-        "uplink_bytes": up,
-        "downlink_bytes": down,
-        "dense_uplink_bytes": dense_up,
-        "dense_downlink_bytes": dense_down,
-        "uplink_compression": dense_up / up if up else float("nan"),
-        "downlink_compression": dense_down / down if down else float("nan"),
+        **traffic(sum(r.uplink_bytes for r in rounds), sum(r.downlink_bytes for r in rounds),
+                  sum(r.dense_uplink_bytes for r in rounds),
+                  sum(r.dense_downlink_bytes for r in rounds)),
         "clients_aggregated": sum(r.clients_aggregated for r in rounds),
         "clients_failed": sum(r.clients_failed for r in rounds),
         "clients_rejected": sum(r.clients_rejected for r in rounds),

@@ -20,31 +20,24 @@ from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
 from server.results import write_json
-from simulations.cli_common import load_config_file, parse_sets, summary_table
+from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
+from simulations.compare import against_dense, over_seeds, parse_seeds
 from simulations.netem.errors import NetemError
+from simulations.scenario import load_scenario, scenario_names
 
-#: The default comparison (``make demo``): 100 clients, 10 per round, Dirichlet(0.5) label skew,
-#: density 0.001 after a 4-round warm-up, on the MNIST 5k subset, 200 rounds (the horizon of
-#: docs/federated_momentum.md). Client and server settings are the defaults and only ``method``
-#: differs between the three runs (``cmd_compare``), so the comparison is at equal client work.
-DEMO: dict[str, object] = {
-    "run_name": "demo",
-    "task": "mnist5k",
-    "num_clients": 100,
-    "clients_per_round": 10,
-    "partition": "dirichlet",
-    "alpha": 0.5,
-    "rounds": 200,
-    "dgc.density": 0.001,
-    "dgc.warmup": "exponential",
-    "dgc.warmup_rounds": 4,
-    "overwrite": True,
-}
+#: The default comparison (``make demo``): the ``mnist5k`` scenario (100 clients, 10 per round,
+#: Dirichlet(0.5) label skew, density 0.001 after a 4-round warm-up, on the MNIST 5k subset, 200
+#: rounds) in ``results/demo/``, replacing an earlier demo. Client and server settings are the
+#: defaults and only ``method`` differs between the runs (``cmd_compare``), so the comparison is
+#: at equal client work.
+DEMO: dict[str, object] = {**load_scenario("mnist5k"), "run_name": "demo", "overwrite": True}
 
 
 def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict[str, object]:
     values: dict[str, object] = dict(base or {})
+    if getattr(args, "scenario", None):
+        values.update(load_scenario(args.scenario))
     if args.config:
         values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
@@ -52,7 +45,10 @@ def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict
 
 
 def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:
-    """Defaults < ``base`` < ``--config FILE`` < ``--set key=value`` (``netem.*`` aside)."""
+    """Defaults < ``base`` < ``--scenario`` < ``--config FILE`` < ``--set key=value``.
+
+    ``netem.*`` keys are left to :func:`build_netem`.
+    """
     values = _values(args, base)
     return RunConfig.from_flat({k: v for k, v in values.items() if not k.startswith("netem.")})
 
@@ -79,9 +75,17 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     return summary
 
 
-def cmd_compare(config: RunConfig, verbose: bool,
-                methods: Sequence[str] = METHODS, netem: Any = None) -> dict[str, Any]:
-    """The same scenario with each method; ``compare.json`` and ``compare.png`` in one folder."""
+def _title(config: RunConfig) -> str:
+    return (f"{config.train.task}: {config.train.num_clients} clients, "
+            f"{config.train.clients_per_round} per round, density {config.train.density}")
+
+
+def _compare_once(config: RunConfig, verbose: bool, methods: Sequence[str],
+                  netem: Any) -> tuple[dict[str, dict[str, Any]], dict[str, Path]]:
+    """Run ``config`` once per method into ``<run_dir>/<method>/``; summaries with ratios.
+
+    Writes ``<run_dir>/compare.json`` and ``compare.png`` and prints the table.
+    """
     from simulations.plots import plot_runs
     from simulations.runner import run_scenario
 
@@ -91,17 +95,48 @@ def cmd_compare(config: RunConfig, verbose: bool,
     for method in methods:
         c = config.with_overrides({"method": method, "results_dir": str(base),
                                    "run_name": method, "state_dir": ""})
-        print(f"fedgc: [{method}] {c.server.rounds} rounds -> {c.run_dir}", flush=True)
+        print(f"fedgc: [{method}] seed {c.train.seed}, {c.server.rounds} rounds -> {c.run_dir}",
+              flush=True)
         summaries[method] = run_scenario(c, verbose=verbose, netem=netem)
         runs[method] = c.run_dir
+    summaries = against_dense(summaries)
     base.mkdir(parents=True, exist_ok=True)
-    doc = {"methods": summaries}
-    write_json(base / "compare.json", doc)
-    plot = plot_runs(runs, base / "compare.png",
-                     title=f"{config.train.task}: {config.train.num_clients} clients, "
-                           f"{config.train.clients_per_round} per round, density "
-                           f"{config.train.density}")
+    write_json(base / "compare.json", {"methods": summaries})
+    plot = plot_runs(runs, base / "compare.png", title=_title(config))
     print(summary_table(summaries))
+    print(f"results: {base}/compare.json, {plot.name}")
+    return summaries, runs
+
+
+def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
+                netem: Any = None, seeds: Sequence[int] | None = None) -> dict[str, Any]:
+    """The same scenario with each method; ``compare.json`` and a plot in one folder.
+
+    Without ``seeds``: ``<run_dir>/<method>/`` per method, ``compare.json`` (the summaries, with
+    their ratios to the ``dense`` run) and ``compare.png``. With ``seeds``: the same once per
+    seed (the ``seed`` key) in ``<run_dir>/seed-<s>/``, then ``<run_dir>/compare.json`` with
+    each method's mean and std over the seeds (:func:`simulations.compare.over_seeds`) and
+    ``<run_dir>/accuracy_vs_traffic.png``, one band per method.
+    """
+    from simulations.plots import plot_bands
+
+    if seeds is None:
+        return {"methods": _compare_once(config, verbose, methods, netem)[0]}
+    base = config.run_dir
+    per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    folders: dict[str, list[Path]] = {m: [] for m in methods}
+    for seed in seeds:
+        c = config.with_overrides({"seed": seed, "results_dir": str(base),
+                                   "run_name": f"seed-{seed}"})
+        per_seed[seed], runs = _compare_once(c, verbose, methods, netem)
+        for m, run_dir in runs.items():
+            folders[m].append(run_dir)
+    doc = over_seeds(per_seed)
+    write_json(base / "compare.json", doc)
+    plot = plot_bands(folders, base / "accuracy_vs_traffic.png",
+                      title=f"{_title(config)}; seeds {', '.join(map(str, per_seed))}")
+    print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
+    print(seeds_table(doc))
     print(f"results: {base}/compare.json, {plot.name}")
     return doc
 
@@ -121,8 +156,12 @@ def _parser() -> argparse.ArgumentParser:
                                             "Compression on Flower's simulation engine")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def scenario(name: str, help_text: str) -> argparse.ArgumentParser:
+    def scenario(name: str, help_text: str, named: bool = True) -> argparse.ArgumentParser:
         q = sub.add_parser(name, help=help_text)
+        if named:
+            q.add_argument("--scenario", metavar="NAME",
+                           help=f"a shipped scenario ({', '.join(scenario_names())}); "
+                                f"--config and --set override its keys")
         q.add_argument("--config", metavar="FILE", help="TOML file of keys ([dgc] tables "
                        "flatten to dgc.*); see `python -m simulations keys`")
         q.add_argument("--set", metavar="KEY=VALUE", action="append", default=[],
@@ -134,7 +173,10 @@ def _parser() -> argparse.ArgumentParser:
     c = scenario("compare", f"run {', '.join(METHODS)} on the same scenario and plot them")
     c.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)}")
-    scenario("demo", "the default comparison (what `make demo` runs)")
+    c.add_argument("--seeds", metavar="S,S,...",
+                   help="run the comparison once per seed (e.g. 0,1,2) into seed-<s>/, and "
+                        "write the mean and std over seeds")
+    scenario("demo", "the default comparison (what `make demo` runs)", named=False)
     sub.add_parser("keys", help="list every configuration key")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
     return p
@@ -171,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bad or not methods:
                 raise SettingsError(f"--methods must be a comma-separated subset of "
                                     f"{list(METHODS)}, got {args.methods!r}")
-            cmd_compare(build_config(args), args.verbose, methods, build_netem(args))
+            seeds = parse_seeds(args.seeds) if args.seeds is not None else None
+            cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,

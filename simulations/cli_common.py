@@ -14,7 +14,7 @@ from typing import Any
 
 from fedgc.settings import SettingsError, load_toml
 
-__all__ = ["load_config_file", "parse_sets", "summary_table"]
+__all__ = ["load_config_file", "parse_sets", "seeds_table", "summary_table"]
 
 
 def load_config_file(path: str) -> dict[str, object]:
@@ -46,16 +46,56 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+# (header, summary key, format, scale). "x dense" is the ratio to dense FedAvg: the dense run of
+# the same comparison where there is one (<dir>_vs_dense), else the run's own <dir>_compression
+# (dense fp32 for the same messages); both are dense bytes over the method's.
+_COLUMNS = (("final acc", "final_accuracy", ".4f", 1.0),
+            ("last10 acc", "last10_accuracy", ".4f", 1.0),
+            ("uplink MB", "uplink_bytes", ".3f", 1e-6), ("x dense", "uplink", ".1f", 1.0),
+            ("downlink MB", "downlink_bytes", ".2f", 1e-6), ("x dense", "downlink", ".1f", 1.0),
+            ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0))
+
+
+def _key(s: Mapping[str, Any], key: str) -> str:
+    if key in ("uplink", "downlink", "total"):
+        return f"{key}_vs_dense" if f"{key}_vs_dense" in s else f"{key}_compression"
+    return key
+
+
+def _scaled(x: Any, scale: float) -> Any:
+    return x * scale if isinstance(x, (int, float)) and not isinstance(x, bool) else x
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w)
+                     for i, (h, w) in enumerate(zip(head, widths, strict=True)))
+    out = [line, "-" * len(line)]
+    out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    return "\n".join(out)
+
+
 def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """A plain-text table of the headline numbers of one or more runs."""
-    head = (f"{'method':<8} {'final acc':>9} {'best acc':>9} {'uplink MB':>10} {'x dense':>8} "
-            f"{'downlink MB':>11} {'failed':>6} {'wall s':>7}")
-    lines = [head, "-" * len(head)]
-    for name, s in summaries.items():
-        lines.append(
-            f"{name:<8} {_fmt(s.get('final_accuracy'), '9.4f')} "
-            f"{_fmt(s.get('best_accuracy'), '9.4f')} "
-            f"{_fmt(s['uplink_bytes'] / 1e6, '10.3f')} {_fmt(s.get('uplink_compression'), '8.1f')} "
-            f"{_fmt(s['downlink_bytes'] / 1e6, '11.2f')} {s.get('clients_failed', 0):>6} "
-            f"{_fmt(s.get('wall_seconds'), '7.1f')}")
-    return "\n".join(lines)
+    """A plain-text table of the headline numbers of one or more runs (method -> summary)."""
+    head = ["method", *(c[0] for c in _COLUMNS), "failed", "wall s"]
+    rows = [[name, *(_fmt(_scaled(s.get(_key(s, key)), scale), spec)
+                     for _, key, spec, scale in _COLUMNS),
+             str(s.get("clients_failed", 0)), _fmt(s.get("wall_seconds"), ".1f")]
+            for name, s in summaries.items()]
+    return _table(head, rows)
+
+
+def seeds_table(doc: Mapping[str, Any]) -> str:
+    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds."""
+    head = ["method", "seeds", *(c[0] for c in _COLUMNS)]
+    rows = []
+    for name, agg in doc["methods"].items():
+        mean, std = agg["mean"], agg["std"]
+        cells = []
+        for _, key, spec, scale in _COLUMNS:
+            k = _key(mean, key)
+            m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
+            cells.append(m if d == "-" else f"{m} +- {d}")
+        rows.append([name, str(agg["runs"]), *cells])
+    return _table(head, rows)

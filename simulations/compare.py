@@ -1,0 +1,101 @@
+"""What a comparison adds to its runs' summaries: ratios to the dense run, and seeds' mean/std.
+
+``compare`` runs one scenario once per method (and, with ``--seeds``, once per seed). A run's
+own ``*_compression`` keys compare it with what dense fp32 would have cost for the same
+messages; in a comparison that includes ``dense``, :func:`against_dense` adds the ratio to the
+dense run itself (``uplink_vs_dense`` and so on: dense bytes / the method's bytes, so 50.0 means
+fifty times fewer). :func:`over_seeds` folds the per-seed summaries into a mean and a standard
+deviation per method (``compare.json`` of ``compare --seeds``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fedgc.settings import SettingsError
+
+__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "over_seeds", "parse_seeds"]
+
+#: The method every ratio of a comparison is taken against (dense FedAvg).
+BASELINE = "dense"
+#: ``<direction>_bytes`` keys of a summary, each with its ``<direction>_vs_dense`` ratio.
+DIRECTIONS = ("uplink", "downlink", "total")
+#: The summary keys that ``over_seeds`` averages (those a run has; NaN and null are skipped).
+AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss",
+              "uplink_bytes", "downlink_bytes", "total_bytes",
+              "uplink_vs_dense", "downlink_vs_dense", "total_vs_dense",
+              "uplink_compression", "downlink_compression", "total_compression",
+              "virtual_seconds", "virtual_seconds_to_target", "wall_seconds")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]``; anything but distinct integers >= 0 names itself."""
+    seeds: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            raise SettingsError(f"--seeds expects comma-separated integers >= 0 (e.g. 0,1,2), "
+                                f"got {text!r}")
+        seeds.append(int(item))
+    if len(set(seeds)) != len(seeds):
+        raise SettingsError(f"--seeds lists a seed twice: {text!r}")
+    return seeds
+
+
+def _ratio(dense: Any, sent: Any) -> float:
+    return dense / sent if isinstance(dense, (int, float)) and sent else float("nan")
+
+
+def against_dense(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Copies of ``summaries`` (method -> summary) with ``<direction>_vs_dense`` ratios.
+
+    The ratios are the dense run's bytes over each method's, taken from the ``dense`` run of
+    the same comparison (same seed, same sampled clients); without one, the summaries come back
+    unchanged and each run's own ``*_compression`` is its ratio to dense FedAvg.
+    """
+    out = {name: dict(s) for name, s in summaries.items()}
+    dense = summaries.get(BASELINE)
+    if dense is None:
+        return out
+    for s in out.values():
+        for d in DIRECTIONS:
+            s[f"{d}_vs_dense"] = _ratio(dense.get(f"{d}_bytes"), s.get(f"{d}_bytes"))
+    return out
+
+
+def _finite(values: Sequence[Any]) -> list[float]:
+    return [float(v) for v in values
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The aggregate ``compare.json`` of ``compare --seeds``: per method, mean and std.
+
+    ``per_seed`` maps seed -> method -> summary (with its ``*_vs_dense`` ratios). For every key
+    of :data:`AGGREGATED` a method has, ``mean`` and ``std`` are taken over the seeds whose value
+    is finite; ``std`` is the sample standard deviation (n - 1), NaN (written null) for a single
+    seed. ``per_seed`` keeps each run's values of those keys.
+    """
+    methods: list[str] = []
+    for summaries in per_seed.values():
+        methods += [m for m in summaries if m not in methods]
+    doc: dict[str, Any] = {"seeds": list(per_seed), "baseline": BASELINE, "methods": {},
+                           "per_seed": {}}
+    for seed, summaries in per_seed.items():
+        doc["per_seed"][str(seed)] = {m: {k: s[k] for k in AGGREGATED if k in s}
+                                      for m, s in summaries.items()}
+    for m in methods:
+        runs = [s[m] for s in per_seed.values() if m in s]
+        mean: dict[str, float] = {}
+        std: dict[str, float] = {}
+        for key in AGGREGATED:
+            if not any(key in r for r in runs):
+                continue
+            values = _finite([r.get(key) for r in runs])
+            mean[key] = statistics.fmean(values) if values else float("nan")
+            std[key] = statistics.stdev(values) if len(values) > 1 else float("nan")
+        doc["methods"][m] = {"runs": len(runs), "mean": mean, "std": std}
+    return doc

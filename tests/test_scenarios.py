@@ -1,0 +1,124 @@
+"""Named scenarios, ``compare --seeds`` and the summary's traffic and last-10 fields."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from fedgc.settings import METHODS, RunConfig
+from server.records import RoundRecord
+from server.results import summarize
+from simulations.cli import DEMO, _parser, build_config, main
+from simulations.scenario import load_scenario, scenario_names
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"scenario": None, "config": None, "set": [], **kw})
+
+
+def test_the_shipped_scenarios_are_valid_runs() -> None:
+    assert {"mnist5k", "fashion-mnist", "shakespeare"} <= set(scenario_names())
+    for name in scenario_names():
+        c = build_config(_args(scenario=name))
+        assert c.server.run_name == name and c.train.task == name
+    # make demo is the mnist5k scenario, in its own folder.
+    assert {k: v for k, v in DEMO.items() if k not in ("run_name", "overwrite")} == \
+        {k: v for k, v in load_scenario("mnist5k").items() if k != "run_name"}
+
+
+def test_precedence_defaults_scenario_config_set(tmp_path: Path) -> None:
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text('rounds = 50\nlr = 0.05\n[dgc]\ndensity = 0.01\n')
+    c = build_config(_args(scenario="fashion-mnist", config=str(cfg),
+                           set=["rounds=7", "seed=4"])).to_flat()
+    default = RunConfig().to_flat()
+    assert c["rounds"] == 7 and c["seed"] == 4                  # --set wins
+    assert c["lr"] == 0.05 and c["dgc.density"] == 0.01          # --config over the scenario
+    assert c["task"] == "fashion-mnist" and c["run_name"] == "fashion-mnist"  # the scenario
+    assert c["batch_size"] == default["batch_size"]              # defaults below all
+
+
+@pytest.mark.parametrize("argv", [["run", "--scenario", "cifar"],
+                                  ["compare", "--scenario", "cifar"]])
+def test_unknown_scenario_names_the_known_ones(argv: list[str], capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'cifar'" in err and all(name in err for name in scenario_names())
+
+
+@pytest.mark.parametrize("seeds", ["0,x", "1,1", "-1", ""])
+def test_bad_seeds_are_named(seeds: str, capsys) -> None:
+    assert main(["compare", "--seeds", seeds, "--set", "rounds=1"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_compare_takes_every_method_by_default() -> None:
+    assert _parser().parse_args(["compare"]).methods.split(",") == list(METHODS)
+
+
+def test_summary_traffic_and_last10_of_the_last_ten_rounds() -> None:
+    rounds = [RoundRecord(i, accuracy=i / 100, uplink_bytes=10 * i, downlink_bytes=100,
+                          dense_uplink_bytes=1000, dense_downlink_bytes=200)
+              for i in range(1, 13)]
+    s = summarize(rounds, "dgc", {})
+    assert s["last10_accuracy"] == pytest.approx(statistics.fmean(range(3, 13)) / 100)
+    assert s["final_accuracy"] == 0.12
+    up, down = 10 * sum(range(1, 13)), 1200
+    assert (s["uplink_bytes"], s["downlink_bytes"], s["total_bytes"]) == (up, down, up + down)
+    assert s["uplink_compression"] == 12000 / up and s["downlink_compression"] == 2.0
+    assert s["total_compression"] == pytest.approx(14400 / (up + down))
+    assert s["dense_total_bytes"] == 14400
+
+
+def _rounds(run: Path) -> list[dict[str, str]]:
+    with (run / "rounds.csv").open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
+    argv = ["compare", "--seeds", "0,1", "--methods", "dense,dgc",
+            "--set", f"results_dir={tmp_path}", "--set", "run_name=cmp", "--set", "task=digits",
+            "--set", "num_clients=4", "--set", "clients_per_round=2", "--set", "rounds=3",
+            "--set", "sim.engine=local", "--set", "progress=false", "--set", "partition=iid"]
+    assert main(argv) == 0
+    base = tmp_path / "cmp"
+    summaries = {(s, m): json.loads((base / f"seed-{s}" / m / "summary.json").read_text())
+                 for s in (0, 1) for m in ("dense", "dgc")}
+    for (seed, method), s in summaries.items():
+        assert s["config"]["seed"] == seed and s["method"] == method
+        # A run of 3 rounds: last10 is the mean of all three.
+        accs = [float(r["accuracy"]) for r in _rounds(base / f"seed-{seed}" / method)]
+        assert len(accs) == 3 and s["last10_accuracy"] == pytest.approx(statistics.fmean(accs))
+        assert s["total_bytes"] == s["uplink_bytes"] + s["downlink_bytes"]
+    assert summaries[0, "dense"]["final_accuracy"] != summaries[1, "dense"]["final_accuracy"]
+    doc = json.loads((base / "compare.json").read_text())
+    assert doc["seeds"] == [0, 1] and sorted(doc["methods"]) == ["dense", "dgc"]
+    for method in ("dense", "dgc"):
+        agg = doc["methods"][method]
+        assert agg["runs"] == 2
+        for key in ("final_accuracy", "last10_accuracy", "total_bytes"):
+            values = [summaries[s, method][key] for s in (0, 1)]
+            assert agg["mean"][key] == pytest.approx(statistics.fmean(values))
+            assert agg["std"][key] == pytest.approx(statistics.stdev(values))
+        # Ratios against the dense run of the same seed.
+        for d in ("uplink", "downlink", "total"):
+            ratios = [summaries[s, "dense"][f"{d}_bytes"] / summaries[s, method][f"{d}_bytes"]
+                      for s in (0, 1)]
+            assert doc["per_seed"]["0"][method][f"{d}_vs_dense"] == pytest.approx(ratios[0])
+            assert agg["mean"][f"{d}_vs_dense"] == pytest.approx(statistics.fmean(ratios))
+    assert doc["methods"]["dense"]["mean"]["total_vs_dense"] == 1.0
+    assert doc["methods"]["dgc"]["mean"]["uplink_vs_dense"] > 5
+    # Each seed keeps its own comparison too.
+    per = json.loads((base / "seed-1" / "compare.json").read_text())["methods"]
+    assert per["dgc"]["uplink_vs_dense"] == pytest.approx(doc["per_seed"]["1"]["dgc"]
+                                                          ["uplink_vs_dense"])
+    assert (base / "accuracy_vs_traffic.png").read_bytes()[:8] == PNG
+    out = capsys.readouterr().out
+    assert "mean +- std over seeds 0, 1" in out and "total MB" in out and "last10 acc" in out
