@@ -186,7 +186,7 @@ def parameter_layout(model: nn.Module, config: DGCConfig) -> list[dict[str, Any]
     for name, p in model.named_parameters():
         shape = list(p.shape)
         numel = math.prod(shape)
-        dense = len(shape) <= 1 or numel < config.min_sparse_numel
+        dense = config.sends_dense(shape)
         out.append({"name": name, "shape": shape, "dtype": str(p.dtype).removeprefix("torch."),
                     "numel": numel, "dense": dense})
     return out

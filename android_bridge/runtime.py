@@ -141,7 +141,7 @@ class PteEncoder:
 
     def is_dense_tensor(self, shape: tuple[int, ...]) -> bool:
         """The layer policy of :meth:`dgc.DGCCompressor.is_dense_tensor`."""
-        return len(shape) <= 1 or math.prod(shape) < self.config.min_sparse_numel
+        return self.config.sends_dense(shape)
 
     def compress(self, grads: Mapping[str, Any], epoch: float = 0.0,
                  sequence: int | None = None) -> SparseUpdate:

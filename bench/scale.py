@@ -141,8 +141,8 @@ def vanilla_client_app(num_clients: int, seed: int, lr: float, batch_size: int):
         model = task.build_model()
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
         rnd = int(msg.content["config"]["server-round"])
-        local = train_locally(model, task.train_x[idx], task.train_y[idx], task.loss_fn, lr=lr,
-                              batch_size=batch_size, local_epochs=1, local_steps=0,
+        local = train_locally(model, task.train_x[idx], task.train_y[idx], task.training_loss,
+                              lr=lr, batch_size=batch_size, local_epochs=1, local_steps=0,
                               momentum=0.0, weight_decay=0.0, seed=round_seed(seed, rnd, key))
         return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
                                    "metrics": MetricRecord({"num-examples":

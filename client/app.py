@@ -286,7 +286,7 @@ def train(msg: Message, context: Context) -> Message:
     model = _model(task, s.task)
     model.load_state_dict(global_state)
     local = train_locally(
-        model, task.train_x[idx], task.train_y[idx], task.loss_fn, lr=s.lr,
+        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
         batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
         momentum=s.client_momentum, weight_decay=s.weight_decay,
         seed=round_seed(s.seed, server_round, key))

@@ -43,7 +43,7 @@ def train_locally(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
     *,
     lr: float,
     batch_size: int,
@@ -54,6 +54,8 @@ def train_locally(
     seed: int = 0,
 ) -> LocalResult:
     """Train ``model`` in place on ``(x, y)`` and return the pseudo-gradient it moved by.
+
+    ``loss_fn(model, xb, yb)`` is the loss of one minibatch (:meth:`tasks.Task.training_loss`).
 
     ``local_steps > 0`` takes exactly that many minibatch steps (cycling through reshuffled
     epochs); otherwise ``local_epochs`` full passes. A fresh SGD optimizer each round: client
@@ -80,7 +82,7 @@ def train_locally(
         idx = order[cursor:cursor + batch_size]
         cursor += batch_size
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x[idx]), y[idx])
+        loss = loss_fn(model, x[idx], y[idx])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"local training diverged at step {steps}: loss {float(loss)}"
                                      f" (lower lr, now {lr})")

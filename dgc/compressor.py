@@ -8,7 +8,8 @@ Per step and per tensor (Lin et al., ICLR 2018, Algorithm 4):
 4. the selected values leave the residual, and momentum factor masking zeroes ``u`` there;
 5. warm-up: the density follows the exponential schedule over the first epochs.
 
-Tensors with ``dim <= 1`` or fewer than ``min_sparse_numel`` entries are sent dense every step.
+Tensors with fewer than ``min_sparse_numel`` entries, and those with ``dim <= 1`` unless
+``sparse_vectors`` is set, are sent dense every step (:meth:`DGCConfig.sends_dense`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class DGCCompressor:
 
     def is_dense_tensor(self, shape: tuple[int, ...] | torch.Size) -> bool:
         """Whether the layer policy sends a tensor of this shape dense."""
-        return len(shape) <= 1 or math.prod(shape) < self.config.min_sparse_numel
+        return self.config.sends_dense(tuple(shape))
 
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> SparseUpdate:

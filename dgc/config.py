@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +152,10 @@ class DGCConfig:
     min_sparse_numel : int, default 1024
         Tensors smaller than this, and every tensor with ``dim <= 1`` (biases, norms), are sent
         dense: sparsifying them saves little and indices would cost more than the values.
+    sparse_vectors : bool, default False
+        Sparsify 1-D tensors of at least ``min_sparse_numel`` entries too. An LSTM's biases are
+        4 x hidden entries per layer and pair (``bias_ih``, ``bias_hh``): sent dense they were
+        most of its update (docs/tasks.md). Off, as in the paper: every 1-D tensor is dense.
     value_dtype : {"float32", "float16", "bfloat16"}, default "float16"
         Precision of the sent values. Rounding error stays in the residual, so nothing is lost.
     ternary : bool, default False
@@ -190,6 +194,7 @@ class DGCConfig:
     dense_epochs: int = _field(0, Check(0))
     # Wire.
     min_sparse_numel: int = _field(1024, Check(1))
+    sparse_vectors: bool = _field(False)
     value_dtype: str = _field("float16", Check(choices=tuple(VALUE_DTYPES)))
     ternary: bool = _field(False)
     check_finite: bool = _field(True)
@@ -222,6 +227,15 @@ class DGCConfig:
             if f.name == name and "check" in f.metadata:
                 return f.metadata["check"]
         raise ConfigError(f"DGCConfig has no checked field {name!r}")
+
+    def sends_dense(self, shape: Sequence[int]) -> bool:
+        """The layer policy: whether a tensor of this shape is sent whole every step.
+
+        The one copy of the rule; the compressor, the DDP hook, the sign channel's planner and
+        the phone's export all ask it.
+        """
+        numel = math.prod(shape)
+        return numel < self.min_sparse_numel or (len(shape) <= 1 and not self.sparse_vectors)
 
     def density_at(self, epoch: float) -> float:
         """Density to send in (possibly fractional) ``epoch``, warm-up included."""

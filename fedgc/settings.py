@@ -306,6 +306,9 @@ class TrainSettings:
     min_sparse_numel: int = setting(1024, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and every 1-D tensor) are sent dense",
                                     _dgc("min_sparse_numel"))
+    sparse_vectors: bool = setting(False, "dgc.sparse_vectors", "sparsify 1-D tensors (biases) "
+                                   "of at least dgc.min_sparse_numel entries too, e.g. an LSTM's "
+                                   "4 x hidden biases (scenarios/shakespeare.toml)")
     clip_norm: float = setting(0.0, "dgc.clip_norm", "local gradient clipping threshold "
                                "(scaled by clients_per_round**-0.5); 0 = off",
                                # DGCConfig's range, plus 0 for off (clip_norm=None there).
@@ -328,7 +331,7 @@ class TrainSettings:
         common = dict(
             density=self.density, selection=self.selection, value_dtype=self.value_dtype,
             ternary=self.ternary,
-            min_sparse_numel=self.min_sparse_numel,
+            min_sparse_numel=self.min_sparse_numel, sparse_vectors=self.sparse_vectors,
             warmup="exponential" if self.warmup == "exponential" and self.warmup_rounds else "none",
             warmup_epochs=max(self.warmup_rounds, 0),
         )
@@ -467,6 +470,10 @@ class ServerSettings:
     round_timeout_s: float = setting(600.0, "round_timeout_s", "seconds to wait for train "
                                      "replies; a later reply counts as failed (round 1 includes "
                                      "Ray start-up)", Check(0.0, low_open=True))
+    eval_samples: int = setting(0, "eval_samples", "evaluate the global model every round on "
+                                "a seeded random subset of this many test samples (the same "
+                                "subset every round); 0 = the whole test split (Shakespeare's "
+                                "10,000 cost ~0.5 ms each in the LSTM)", Check(0))
     fraction_evaluate: float = setting(0.0, "fraction_evaluate", "fraction of clients for "
                                        "federated evaluation (centralized evaluation runs every "
                                        "round regardless)", Check(0.0, 1.0))

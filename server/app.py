@@ -108,6 +108,21 @@ def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None
     return line
 
 
+def evaluation_split(task: Any, eval_samples: int,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test samples the server scores every round: all, or a seeded random subset.
+
+    A random subset, not the first ``eval_samples``: a test split may be ordered (Shakespeare's
+    is grouped by role).
+    """
+    n = len(task.test_y)
+    if eval_samples == 0 or eval_samples >= n:
+        return task.test_x, task.test_y
+    keep = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:eval_samples]
+    keep = keep.sort().values
+    return task.test_x[keep], task.test_y[keep]
+
+
 def run_server(grid: Grid, config: RunConfig,
                on_round: Callable[[RoundRecord], None] | None = None,
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
@@ -127,10 +142,11 @@ def run_server(grid: Grid, config: RunConfig,
     torch.manual_seed(t.seed)
     model = task.build_model()
     run_dir = config.run_dir
+    test_x, test_y = evaluation_split(task, s.eval_samples, t.seed)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = task.evaluate(model)
+        loss, accuracy = task.evaluate(model, test_x, test_y)
         return MetricRecord({"accuracy": float(accuracy), "loss": float(loss)})
 
     timed: list[int] = []  # rounds run by this process (a resumed run starts later)

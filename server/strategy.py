@@ -167,8 +167,9 @@ class DGCStrategy(FedAvg):
         As in Flower's FedAvg (defaults 0.0, 2, 2, "num-examples").
     shared_density, shared_small_density, shared_small_numel, shared_momentum : optional
         The shared-index sign channel (:mod:`dgc.signs`; defaults 0.0 = off, 0.0, 10000, 0.9).
-    min_sparse_numel : int (default: 1024)
-        Tensors smaller than this, and 1-D ones, are sent dense and get no shared set.
+    min_sparse_numel, sparse_vectors : int, bool (default: 1024, False)
+        Tensors smaller than ``min_sparse_numel``, and 1-D ones unless ``sparse_vectors``, are
+        sent dense and get no shared set (:meth:`dgc.DGCConfig.sends_dense`).
     """
 
     # pylint: disable=too-many-arguments,too-many-locals
@@ -184,6 +185,7 @@ class DGCStrategy(FedAvg):
                  weighted_by_key: str = "num-examples", shared_density: float = 0.0,
                  shared_small_density: float = 0.0, shared_small_numel: int = 10_000,
                  shared_momentum: float = 0.9, min_sparse_numel: int = 1024,
+                 sparse_vectors: bool = False,
                  max_weight_ratio: float = 4.0, max_norm_ratio: float = 10.0,
                  aggregation: str = "mean", trim_fraction: float = 0.1,
                  run_config: Mapping[str, bool | int | float | str] | None = None) -> None:
@@ -199,15 +201,16 @@ class DGCStrategy(FedAvg):
                        downlink_lookahead=downlink_lookahead, fraction_evaluate=fraction_evaluate,
                        round_timeout_s=probe_timeout, shared_density=shared_density,
                        shared_small_density=shared_small_density, shared_momentum=shared_momentum)
-        TrainSettings(clients_per_round=clients_per_round, small_numel=shared_small_numel,
-                      min_sparse_numel=min_sparse_numel)
+        policy = TrainSettings(clients_per_round=clients_per_round, small_numel=shared_small_numel,
+                               min_sparse_numel=min_sparse_numel,
+                               sparse_vectors=sparse_vectors).dgc_config()
         self.clients_per_round, self.over_selection = clients_per_round, float(over_selection)
         self.downlink_lookahead = float(downlink_lookahead)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.resume, self.on_round, self.probe_timeout = resume, on_round, probe_timeout
         self.run_config = None if run_config is None else dict(run_config)
         self.shared = (float(shared_density), shared_small_density, shared_small_numel,
-                       shared_momentum, min_sparse_numel)
+                       shared_momentum, policy)
         self.registry = ClientRegistry(seed, [0] if clients_build_initial_model else [])
         self.downlink = Downlink(downlink, downlink_history, downlink_density, downlink_values,
                                  downlink_deltas)
@@ -265,6 +268,7 @@ class DGCStrategy(FedAvg):
             shared_density=s.shared_density if t.method == "dgc" else 0.0,
             shared_small_density=s.shared_small_density, shared_small_numel=t.small_numel,
             shared_momentum=s.shared_momentum, min_sparse_numel=t.min_sparse_numel,
+            sparse_vectors=t.sparse_vectors,
             max_weight_ratio=s.max_weight_ratio, max_norm_ratio=s.max_norm_ratio,
             aggregation=s.aggregation, trim_fraction=s.trim_fraction,
             run_config=config.to_flat())
@@ -320,11 +324,12 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
         self._model_changed()
-        density, small, small_numel, momentum, min_numel = self.shared
+        density, small, small_numel, momentum, policy = self.shared
         if density > 0 and self.shared_planner is None:
             self.shared_planner = SharedIndexPlanner(
                 {n: tuple(t.shape) for n, t in model.items()
-                 if t.dim() > 1 and t.numel() >= min_numel}, density, small, small_numel, momentum)
+                 if not policy.sends_dense(tuple(t.shape))}, density, small, small_numel,
+                momentum)
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)

@@ -115,6 +115,16 @@ class CharLSTM(nn.Module):
         out, _ = self.lstm(self.embedding(x))
         return self.head(out[:, -1, :])
 
+    def sequence_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the character after every position: (batch, seq_len, vocab_size).
+
+        One pass of the LSTM yields a prediction at each of the ``seq_len`` steps; training on
+        all of them (:meth:`tasks.Task.training_loss`) gives ``seq_len`` times the signal of the
+        last step alone for about the same compute.
+        """
+        out, _ = self.lstm(self.embedding(x))
+        return self.head(out)
+
 
 MODELS = ("mlp", "cnn", "lstm")
 

@@ -318,6 +318,23 @@ def test_layer_policy_sends_small_and_1d_tensors_dense_and_keeps_their_momentum(
     assert torch.equal(comp.memory.v["fc.weight"][rest], grads["fc.weight"].reshape(-1)[rest])
 
 
+def test_sparse_vectors_sparsifies_long_biases_only() -> None:
+    """dgc.sparse_vectors: a 1-D tensor of min_sparse_numel entries or more (an LSTM's biases)
+    is sparsified like a matrix; shorter ones, and every 1-D tensor by default, stay dense."""
+    plain = DGCConfig(density=0.01, warmup="none", min_sparse_numel=512, selection="exact")
+    vectors = dataclasses.replace(plain, sparse_vectors=True)
+    assert plain.sends_dense((512,)) and not vectors.sends_dense((512,))
+    assert vectors.sends_dense((511,)) and vectors.sends_dense((76,))
+    assert not vectors.sends_dense((512, 8)) and plain.sends_dense((511, 1))
+    grads = {"bias": torch.randn(512), "short": torch.randn(200)}
+    update = DGCCompressor(vectors).compress(grads)
+    assert update.tensors["bias"].nnz == num_selected(512, 0.01) == 6
+    assert update.tensors["short"].is_dense
+    top = grads["bias"].abs().topk(6).indices.sort().values
+    assert torch.equal(update.tensors["bias"].indices.sort().values, top)
+    assert DGCCompressor(plain).compress(grads).tensors["bias"].is_dense
+
+
 def test_error_feedback_off_drops_the_unsent_mass() -> None:
     comp = DGCCompressor(DGCConfig(density=0.01, warmup="none", error_feedback=False))
     for i in range(3):

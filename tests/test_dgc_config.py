@@ -73,7 +73,7 @@ BAD_VALUES = [
     ("min_sparse_numel", 0), ("min_sparse_numel", 1.5),
     ("value_dtype", "float64"), ("value_dtype", "int8"),
     ("momentum_correction", 1), ("nesterov", "yes"), ("momentum_masking", None),
-    ("error_feedback", 0), ("check_finite", "true"), ("ternary", 1),
+    ("error_feedback", 0), ("check_finite", "true"), ("ternary", 1), ("sparse_vectors", "yes"),
 ]
 
 

@@ -351,3 +351,27 @@ def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
     # A resumed run estimates from its own rounds only.
     resumed = progress_line(RoundRecord(round=9), 10, elapsed=7200.0, rounds_timed=1)
     assert resumed.endswith("elapsed 2:00:00 ETA 2:00:00")
+
+
+def test_eval_samples_scores_a_seeded_random_subset(tmp_path):
+    """eval_samples: the round's accuracy is that of a fixed random subset of the test split,
+    not of its first entries; 0 keeps the whole split."""
+    from server.app import evaluation_split
+    from tasks import get_task
+
+    task = get_task("digits")
+    task.test_y = torch.arange(len(task.test_y))  # labels that name their row
+    assert evaluation_split(task, 0, 3)[1] is task.test_y
+    assert evaluation_split(task, 10_000, 3)[1] is task.test_y
+    x, y = evaluation_split(task, 50, 3)
+    assert len(y) == 50 and torch.equal(y, evaluation_split(task, 50, 3)[1])
+    assert torch.equal(x, task.test_x[y]) and y.unique().numel() == 50
+    assert y.max() > 100, "a random subset, not the first rows"
+    assert not torch.equal(y, evaluation_split(task, 50, 4)[1])
+    summary = run_server(LocalGrid(client_app, 6, seed=1),
+                         _config(tmp_path, eval_samples=40, rounds=1))
+    model = get_task("digits").build_model()
+    model.load_state_dict(_model(tmp_path / "default"))
+    digits = get_task("digits")
+    keep = evaluation_split(digits, 40, 0)
+    assert summary["final_accuracy"] == pytest.approx(digits.evaluate(model, *keep)[1])

@@ -531,6 +531,16 @@ def test_shared_planner_state_survives_a_checkpoint():
         {k: v.tolist() for k, v in s.shared_planner.plan().items()}
 
 
+def test_shared_sets_follow_the_layer_policy():
+    """The sign channel plans indices for exactly the tensors clients sparsify: with
+    sparse_vectors, a bias of min_sparse_numel entries or more as well."""
+    for vectors, planned in ((False, {"fc1.weight", "fc2.weight"}),
+                             (True, {"fc1.weight", "fc1.bias", "fc2.weight"})):
+        s = DGCStrategy(shared_density=0.1, min_sparse_numel=40, sparse_vectors=vectors)
+        s.set_model(ArrayRecord(_model()))
+        assert set(s.shared_planner.shapes) == planned
+
+
 def test_shared_density_is_validated():
     with pytest.raises(ValueError, match="shared_density"):
         DGCStrategy(shared_density=1.5)

@@ -189,3 +189,24 @@ def test_texts_from_a_folder(tmp_path: Path) -> None:
     assert "\xe9" in task.info["vocabulary"]
     with pytest.raises(DataError, match=r"no \*_gut.txt files in folder"):
         get_task("shakespeare", data_dir=tmp_path / "nowhere")
+
+
+def test_training_loss_covers_every_position() -> None:
+    task = get_task("shakespeare", max_samples_per_client=2, max_test_samples=10)
+    torch.manual_seed(0)
+    model = task.build_model()
+    x, y = task.train_x[:3], task.train_y[:3]
+    logits = model.sequence_logits(x)
+    assert logits.shape == (3, 80, task.num_classes)
+    assert torch.allclose(logits[:, -1], model(x), atol=1e-6), "the last step is forward()"
+    # Targets are the input shifted by one, then the label: each window's next characters.
+    want = torch.stack([torch.nn.functional.cross_entropy(logits[:, t], x[:, t + 1])
+                        for t in range(79)] + [torch.nn.functional.cross_entropy(logits[:, -1], y)])
+    assert torch.allclose(task.training_loss(model, x, y), want.mean(), atol=1e-5)
+    task.sequence_loss = False
+    assert torch.allclose(task.training_loss(model, x, y), task.loss_fn(model(x), y))
+    mnist = get_task("digits")
+    mlp = mnist.build_model()
+    assert not mnist.sequence_loss
+    assert torch.equal(mnist.training_loss(mlp, mnist.train_x[:5], mnist.train_y[:5]),
+                       mnist.loss_fn(mlp(mnist.train_x[:5]), mnist.train_y[:5]))

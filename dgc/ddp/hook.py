@@ -146,7 +146,7 @@ def _layout_of(state: DGCState, bucket: dist.GradBucket, group: dist.ProcessGrou
     views, start, dense = [], 0, []
     for name, p in zip(names, params, strict=True):
         n = p.numel()
-        is_dense = p.dim() <= 1 or n < config.min_sparse_numel
+        is_dense = config.sends_dense(tuple(p.shape))
         views.append(_View(name, start, n, is_dense))
         if is_dense:
             dense.append(torch.arange(start, start + n, dtype=torch.int64))
