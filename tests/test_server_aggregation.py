@@ -66,3 +66,24 @@ def test_the_median_keeps_one_huge_client_out():
                                 for n, t in clients[0][0].tensors.items()}, 1)]
     got = robust_average(clients, [1.0] * 5, "median", 0.0, SHAPES)
     assert all(float(v.abs().max()) < 10 for v in got.values())
+
+
+def test_what_a_reply_only_records_is_bounded_never_trusted():
+    """ray_node and state_quarantined are recorded, never used: a hostile value is recorded as
+    empty or 0 (not an error, not an overflow), and a long node name is cut to 64 characters."""
+    from types import SimpleNamespace
+
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    from fedgc import protocol as P
+    from server.replies import recorded_fields
+
+    def reply(node: object, quarantined: object) -> SimpleNamespace:
+        # recorded_fields reads only the reply's content (a real RecordDict).
+        return SimpleNamespace(content=RecordDict({
+            P.NODE: ConfigRecord({"ray_node": node}),
+            P.METRICS: MetricRecord({"state_quarantined": quarantined})}))
+
+    assert recorded_fields(reply("n" * 500, 1)) == {"ray_node": "n" * 64, "state_quarantined": 1}
+    for hostile in (2**40, -1, 1.5, [1, 2]):
+        assert recorded_fields(reply(7, hostile)) == {"ray_node": "", "state_quarantined": 0}
