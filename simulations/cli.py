@@ -80,36 +80,74 @@ def _title(config: RunConfig) -> str:
             f"{config.train.clients_per_round} per round, density {config.train.density}")
 
 
-def _compare_once(config: RunConfig, verbose: bool, methods: Sequence[str],
-                  netem: Any) -> tuple[dict[str, dict[str, Any]], dict[str, Path]]:
-    """Run ``config`` once per method into ``<run_dir>/<method>/``; summaries with ratios.
+def _method_config(config: RunConfig, method: str) -> RunConfig:
+    """``config`` for one method of a comparison, in ``<run_dir>/<method>/``."""
+    return config.with_overrides({"method": method, "results_dir": str(config.run_dir),
+                                  "run_name": method, "state_dir": ""})
 
-    Writes ``<run_dir>/compare.json`` and ``compare.png`` and prints the table.
-    """
-    from simulations.plots import plot_runs
+
+def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, Any]:
+    """One run of ``compare --jobs N`` in a worker process, on one torch thread."""
+    import torch
+
     from simulations.runner import run_scenario
 
+    torch.set_num_threads(1)  # N runs side by side must not each spread over every core
+    return run_scenario(config, verbose=verbose, netem=netem)
+
+
+def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
+             jobs: int) -> list[dict[str, Any]]:
+    """The summaries of ``configs``' runs, in order; ``jobs`` runs at a time."""
+    from simulations.runner import run_scenario
+
+    def started(c: RunConfig) -> None:
+        print(f"fedgc: [{c.train.method}] seed {c.train.seed}, {c.server.rounds} rounds -> "
+              f"{c.run_dir}", flush=True)
+
+    if jobs == 1:
+        out = []
+        for c in configs:
+            started(c)
+            out.append(run_scenario(c, verbose=verbose, netem=netem))
+        return out
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {}
+        for i, c in enumerate(configs):
+            started(c)
+            futures[pool.submit(_run_in_worker, c, verbose, netem)] = i
+        out_by_index: dict[int, dict[str, Any]] = {}
+        for done, future in enumerate(as_completed(futures), 1):
+            i = futures[future]
+            out_by_index[i] = future.result()
+            c = configs[i]
+            print(f"fedgc: [{c.train.method}] seed {c.train.seed} done ({done}/{len(configs)}): "
+                  f"final accuracy {out_by_index[i].get('final_accuracy', float('nan')):.4f}",
+                  flush=True)
+    return [out_by_index[i] for i in range(len(configs))]
+
+
+def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
+                 runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """Ratios to dense, ``<run_dir>/compare.json``, ``compare.png`` and the printed table."""
+    from simulations.plots import plot_runs
+
     base = config.run_dir
-    summaries: dict[str, dict[str, Any]] = {}
-    runs: dict[str, Path] = {}
-    for method in methods:
-        c = config.with_overrides({"method": method, "results_dir": str(base),
-                                   "run_name": method, "state_dir": ""})
-        print(f"fedgc: [{method}] seed {c.train.seed}, {c.server.rounds} rounds -> {c.run_dir}",
-              flush=True)
-        summaries[method] = run_scenario(c, verbose=verbose, netem=netem)
-        runs[method] = c.run_dir
     summaries = against_dense(summaries)
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png", title=_title(config))
     print(summary_table(summaries))
     print(f"results: {base}/compare.json, {plot.name}")
-    return summaries, runs
+    return summaries
 
 
 def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
-                netem: Any = None, seeds: Sequence[int] | None = None) -> dict[str, Any]:
+                netem: Any = None, seeds: Sequence[int] | None = None,
+                jobs: int = 1) -> dict[str, Any]:
     """The same scenario with each method; ``compare.json`` and a plot in one folder.
 
     Without ``seeds``: ``<run_dir>/<method>/`` per method, ``compare.json`` (the summaries, with
@@ -117,20 +155,36 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     seed (the ``seed`` key) in ``<run_dir>/seed-<s>/``, then ``<run_dir>/compare.json`` with
     each method's mean and std over the seeds (:func:`simulations.compare.over_seeds`) and
     ``<run_dir>/accuracy_vs_traffic.png``, one band per method.
+
+    ``jobs > 1`` runs that many runs at a time, each in its own process on one torch thread:
+    the same results (a run depends on its seed only), for ``sim.engine=local`` only, since a
+    Ray run takes every CPU it is given.
     """
     from simulations.plots import plot_bands
 
-    if seeds is None:
-        return {"methods": _compare_once(config, verbose, methods, netem)[0]}
-    base = config.run_dir
+    if not isinstance(jobs, int) or jobs < 1:
+        raise SettingsError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if jobs > 1 and config.server.engine != "local":
+        raise SettingsError(f"--jobs {jobs} needs sim.engine=local (got "
+                            f"{config.server.engine!r}): Ray runs each take every CPU")
+    per_config = ([config] if seeds is None else
+                  [config.with_overrides({"seed": s, "results_dir": str(config.run_dir),
+                                          "run_name": f"seed-{s}"}) for s in seeds])
+    if jobs > 1:  # interleaved per-round lines from several runs read as noise
+        per_config = [c.with_overrides({"progress": False}) for c in per_config]
+    plan = [_method_config(c, m) for c in per_config for m in methods]
+    results = iter(_run_all(plan, verbose, netem, jobs))
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
-    for seed in seeds:
-        c = config.with_overrides({"seed": seed, "results_dir": str(base),
-                                   "run_name": f"seed-{seed}"})
-        per_seed[seed], runs = _compare_once(c, verbose, methods, netem)
+    for c in per_config:
+        summaries = {m: next(results) for m in methods}
+        runs = {m: c.run_dir / m for m in methods}
+        per_seed[c.train.seed] = _finish_once(c, summaries, runs)
         for m, run_dir in runs.items():
             folders[m].append(run_dir)
+    if seeds is None:
+        return {"methods": per_seed[config.train.seed]}
+    base = config.run_dir
     doc = over_seeds(per_seed)
     write_json(base / "compare.json", doc)
     plot = plot_bands(folders, base / "accuracy_vs_traffic.png",
@@ -176,6 +230,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seeds", metavar="S,S,...",
                    help="run the comparison once per seed (e.g. 0,1,2) into seed-<s>/, and "
                         "write the mean and std over seeds")
+    c.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="runs at a time, each in its own process on one thread "
+                        "(sim.engine=local only); default 1")
     scenario("demo", "the default comparison (what `make demo` runs)", named=False)
     sub.add_parser("keys", help="list every configuration key")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
@@ -214,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise SettingsError(f"--methods must be a comma-separated subset of "
                                     f"{list(METHODS)}, got {args.methods!r}")
             seeds = parse_seeds(args.seeds) if args.seeds is not None else None
-            cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds)
+            cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds,
+                        args.jobs)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,

@@ -122,3 +122,29 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
     assert (base / "accuracy_vs_traffic.png").read_bytes()[:8] == PNG
     out = capsys.readouterr().out
     assert "mean +- std over seeds 0, 1" in out and "total MB" in out and "last10 acc" in out
+
+
+def test_compare_jobs_gives_the_runs_of_one_job(tmp_path: Path, capsys) -> None:
+    common = ["--seeds", "0,1", "--methods", "dense,dgc", "--set", f"results_dir={tmp_path}",
+              "--set", "task=digits", "--set", "num_clients=4", "--set", "clients_per_round=2",
+              "--set", "rounds=2", "--set", "sim.engine=local", "--set", "partition=iid"]
+    assert main(["compare", *common, "--set", "run_name=serial"]) == 0
+    assert main(["compare", *common, "--set", "run_name=parallel", "--jobs", "2"]) == 0
+    assert "done (4/4)" in capsys.readouterr().out
+    for seed in (0, 1):
+        for method in ("dense", "dgc"):
+            want = _rounds(tmp_path / "serial" / f"seed-{seed}" / method)
+            got = _rounds(tmp_path / "parallel" / f"seed-{seed}" / method)
+            keys = ("accuracy", "loss", "uplink_bytes", "downlink_bytes")
+            assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+    serial = json.loads((tmp_path / "serial" / "compare.json").read_text())
+    parallel = json.loads((tmp_path / "parallel" / "compare.json").read_text())
+    assert parallel["methods"]["dgc"]["mean"]["final_accuracy"] == \
+        serial["methods"]["dgc"]["mean"]["final_accuracy"]
+
+
+@pytest.mark.parametrize("jobs, engine", [("0", "local"), ("2", "ray")])
+def test_bad_jobs_are_named(jobs: str, engine: str, capsys) -> None:
+    assert main(["compare", "--jobs", jobs, "--set", "rounds=1",
+                 "--set", f"sim.engine={engine}"]) == 2
+    assert "--jobs" in capsys.readouterr().err
