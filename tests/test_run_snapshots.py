@@ -21,8 +21,12 @@ from simulations.cli import main
 
 GOLDEN = Path(__file__).parent / "golden" / "runs"
 
+# The downlink and layer keys as they were when the snapshots were taken (the defaults changed
+# in issue 19).
 COMMON = ["--set", "task=digits", "--set", "sim.engine=local", "--set", "progress=false",
-          "--set", "rounds=6"]
+          "--set", "rounds=6", "--set", "downlink_history=1", "--set", "downlink_density=1",
+          "--set", "downlink_values=float16", "--set", "clients_build_initial_model=false",
+          "--set", "dgc.small_density=0.1", "--set", "dgc.warmup_rounds=4"]
 RUNS = {
     # DGC with the int8 compressed broadcast (patches of differences, look-ahead).
     "dgc_int8": ["--set", "num_clients=20", "--set", "clients_per_round=5", "--set", "seed=3",
