@@ -101,8 +101,8 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
     """The summaries of ``configs``' runs, in order; ``jobs`` runs at a time."""
     from simulations.runner import run_scenario
 
-    def started(c: RunConfig) -> None:
-        print(f"fedgc: [{c.train.method}] seed {c.train.seed}, {c.server.rounds} rounds -> "
+    def started(c: RunConfig, verb: str = "") -> None:
+        print(f"fedgc: {verb}[{c.train.method}] seed {c.train.seed}, {c.server.rounds} rounds -> "
               f"{c.run_dir}", flush=True)
 
     if jobs == 1:
@@ -117,7 +117,7 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {}
         for i, c in enumerate(configs):
-            started(c)
+            started(c, "queued ")
             futures[pool.submit(_run_in_worker, c, verbose, netem)] = i
         out_by_index: dict[int, dict[str, Any]] = {}
         for done, future in enumerate(as_completed(futures), 1):
