@@ -135,8 +135,10 @@ def _every_client_holds_what_the_server_sent(c: RunConfig, strategy: RecordingSt
 
 
 def test_patches_keep_client_models_bit_identical_to_the_server(tmp_path):
-    # All clients every round, so each holds the previous version and gets patches.
+    # All clients every round, so each holds the previous version and gets patches (of the
+    # exact model; the first round's dense).
     c = _config(tmp_path, run_name="patch", rounds=4, num_clients=3, clients_per_round=3,
+                downlink_density=1, clients_build_initial_model=False,
                 **{"dgc.density": 0.001, "dgc.warmup": "none"})
     summary, strategy = _run_recording(c, LocalGrid(client_app, 3))
     rows = list(csv.DictReader((c.run_dir / "rounds.csv").open()))
@@ -196,7 +198,8 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
                 downlink_density=0.01, downlink_values=values, clients_build_initial_model=built)
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
     assert (strategy.additive_patches > 0) == (values == "int8")
-    exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6)
+    exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6, downlink_density=1,
+                    clients_build_initial_model=False)
     exact_summary = run_server(LocalGrid(client_app, 6), exact)
     rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
     assert lost and all(r["status"] != "error" for r in rows)  # no patch was refused

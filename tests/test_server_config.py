@@ -14,18 +14,22 @@ def test_defaults_and_round_trip():
 
 
 def test_defaults_are_the_researched_federated_settings():
-    """docs/federated_momentum.md, section 5: error feedback only, more local work per round."""
+    """docs/federated_momentum.md, section 5: error feedback only, more local work per round;
+    issue 19: both directions compressed, the output layer at 0.03, no warm-up."""
     t, s = RunConfig().train, RunConfig().server
     assert (t.lr, t.local_epochs, t.batch_size, t.client_momentum) == (0.1, 2, 10, 0.5)
     assert (t.momentum_correction, t.dgc_momentum, t.small_density, t.small_numel) == \
-        (False, 0.0, 0.1, 10_000)
+        (False, 0.0, 0.03, 10_000)
+    assert t.warmup_rounds == 0
+    assert (s.downlink_density, s.downlink_values, s.downlink_history,
+            s.clients_build_initial_model) == (0.05, "int8", 1000, True)
     assert (s.server_lr, s.server_momentum) == (1.0, 0.0)
     # Section 6: the shared sign channel and server momentum, for dgc runs only.
     assert (s.shared_density, s.shared_small_density, s.shared_momentum,
             s.dgc_server_momentum) == (0.03, 0.0, 0.9, 0.5)
     comp = t.compressor()
     assert type(comp).__name__ == "TwoDensityCompressor" and comp.small_numel == 10_000
-    assert comp.small.config.density == 0.1 and comp.large.config.density == 0.001
+    assert comp.small.config.density == 0.03 and comp.large.config.density == 0.001
     assert comp.large.config.error_feedback and not comp.large.config.momentum_correction
     off = RunConfig.from_flat({"dgc.small_density": 0}).train.compressor()
     assert type(off).__name__ == "DGCCompressor"
@@ -97,7 +101,7 @@ def test_topk_drops_residual_and_dgc_keeps_it():
     assert not t.error_feedback and not t.momentum_correction
     # topk splits the densities like dgc, so that the two differ only in the residual.
     k = RunConfig.from_flat({"method": "topk"}).train.compressor()
-    assert k.small.config.density == 0.1 and not k.small.config.error_feedback
+    assert k.small.config.density == 0.03 and not k.small.config.error_feedback
     d = RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5,
                              "dgc.dampening": 0.5}).train.dgc_config()
     assert d.error_feedback and d.momentum == 0.5 and d.dampening == 0.5

@@ -148,8 +148,8 @@ def test_ternary_broadcast_keeps_on_the_server_what_it_did_not_send():
 
 
 @pytest.mark.parametrize("method, downlink", [
-    ("dense", (1.0, "float16")), ("fedavgm", (1.0, "float16")), ("topk", (0.3, "float16")),
-    ("stc", (0.0025, "ternary")), ("dgc", (0.3, "float16"))])
+    ("dense", (1.0, "int8")), ("fedavgm", (1.0, "int8")), ("topk", (0.3, "int8")),
+    ("stc", (0.0025, "ternary")), ("dgc", (0.3, "int8"))])
 def test_each_method_gets_its_downlink(method, downlink):
     """The dense family always broadcasts the exact model; stc its ternary broadcast at
     stc.downlink_density, whatever downlink_density and downlink_values say."""
