@@ -46,13 +46,16 @@ def check_run(config: Any) -> None:
 
 
 def check_partitions(config: Any) -> None:
-    """Every client gets a partition of at least one sample (what the clients compute)."""
-    from tasks import get_task
+    """Every client gets a partition of at least one sample (what the clients compute).
+
+    Loading the task here also makes a task of the user's own fail before round 1, with the
+    :class:`fedgc.settings.SettingsError` that names it.
+    """
     from tasks.errors import DataError
 
     t = config.train
     try:
-        parts = get_task(t.task).partition(t.num_clients, scheme=t.partition, alpha=t.alpha,
+        parts = t.load_task().partition(t.num_clients, scheme=t.partition, alpha=t.alpha,
                                            seed=t.seed)
     except DataError as ex:
         raise PreflightError(f"num_clients={t.num_clients}, task {t.task!r}, partition "
