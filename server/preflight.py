@@ -55,8 +55,11 @@ def check_partitions(config: Any) -> None:
 
     t = config.train
     try:
-        parts = t.load_task().partition(t.num_clients, scheme=t.partition, alpha=t.alpha,
-                                           seed=t.seed)
+        task = t.load_task()
+    except DataError as ex:
+        raise PreflightError(f"task {t.task!r}: {ex}") from ex
+    try:
+        parts = task.partition(t.num_clients, scheme=t.partition, alpha=t.alpha, seed=t.seed)
     except DataError as ex:
         raise PreflightError(f"num_clients={t.num_clients}, task {t.task!r}, partition "
                              f"{t.partition!r}: {ex}") from ex
