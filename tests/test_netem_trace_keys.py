@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,6 @@ def test_a_bad_trace_file_is_named_before_round_1(
             "--set", f"netem.trace_up={up}"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    import re
-
     assert re.search(message, err), err
     assert not (tmp_path / "default").exists()
 

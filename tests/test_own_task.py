@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -76,8 +77,6 @@ def test_a_bad_task_callable_is_named_before_round_1(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"task = {task!r}" in err
-    import re
-
     assert re.search(message, err), err
     assert not (tmp_path / "default" / "rounds.csv").exists()
 
@@ -93,6 +92,24 @@ def test_a_bad_task_callable_is_named_before_round_1(
 def test_bad_task_keys_are_named(values: dict, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         RunConfig.from_flat(values)
+
+
+def test_options_keys_take_toml_tables_and_dicts(tmp_path: Path) -> None:
+    """``[model_options]`` in a TOML file, a dict from Python and JSON text are one value."""
+    from fedgc.settings import load_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text('task = "mnist5k"\n[model_options]\nhidden = [64, 32]\n[dgc]\ndensity = 0.01\n')
+    from_toml = RunConfig.from_flat(load_toml(path))
+    from_dict = RunConfig.from_flat({"model_options": {"hidden": [64, 32]}, "dgc.density": 0.01})
+    from_text = RunConfig.from_flat({"model_options": '{"hidden": [64, 32]}',
+                                     "dgc.density": "0.01"})
+    assert from_toml == from_dict == from_text
+    assert from_toml.train.model_options == '{"hidden": [64, 32]}'
+    model = from_toml.train.load_task().build_model()
+    assert [m.out_features for m in model.modules() if hasattr(m, "out_features")] == [64, 32, 10]
+    with pytest.raises(SettingsError, match=r"model_options must hold JSON values"):
+        RunConfig.from_flat({"model_options": {"hidden": {1, 2}}})
 
 
 def test_model_keys_and_data_dir_reach_the_shipped_loaders(tmp_path: Path) -> None:
