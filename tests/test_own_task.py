@@ -194,3 +194,19 @@ def test_own_task_on_the_ray_engine(tmp_path: Path, examples_path: None,
     assert main(argv) == 0
     rows = (tmp_path / "default" / "rounds.csv").read_text().splitlines()
     assert len(rows) == 2 and rows[1].split(",")[6] == "2"  # clients_aggregated
+
+
+def test_model_fn_must_build_a_module() -> None:
+    import torch
+
+    from tasks import DataError
+
+    x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(DataError, match=r"model_fn must be callable .*, got 3"):
+        Task("t", "m", 2, x, y, x, y, model_fn=3)  # type: ignore[arg-type]
+    task = Task("t", "m", 2, x, y, x, y, model_fn=lambda: "net")  # type: ignore[arg-type]
+    with pytest.raises(DataError, match=r"task 't': model_fn returned str, expected a "
+                                        r"torch.nn.Module"):
+        task.build_model()
+    task = Task("t", "m", 2, x, y, x, y, model_fn=lambda: torch.nn.Linear(3, 2))
+    assert [p.shape for p in task.build_model().parameters()] == [(2, 3), (2,)]
