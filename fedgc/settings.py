@@ -176,6 +176,20 @@ def options_text(key: str, options: Mapping[str, object]) -> str:
                             f"tables), got {dict(options)!r}: {ex}") from None
 
 
+def fold_options(values: Mapping[str, object]) -> dict[str, object]:
+    """``{"task_options.n": 3}`` -> ``{"task_options": {"n": 3}}``, merged into the key's own
+    value (a dict, or JSON text) when it is given too."""
+    out = {k: v for k, v in values.items() if not any(k.startswith(o + ".") for o in OPTION_KEYS)}
+    for key in OPTION_KEYS:
+        dotted = {k[len(key) + 1:]: v for k, v in values.items() if k.startswith(key + ".")}
+        if not dotted:
+            continue
+        base = values.get(key, "")
+        merged = dict(base) if isinstance(base, Mapping) else options_of(key, str(base))
+        out[key] = {**merged, **dotted}
+    return out
+
+
 def options_of(key: str, text: str) -> dict[str, Any]:
     """The keyword options of an options key: ``""`` is none, else a JSON object."""
     if not text.strip():
@@ -625,7 +639,12 @@ class RunConfig:
 
     @classmethod
     def from_flat(cls, values: Mapping[str, object]) -> RunConfig:
-        """Parse flat dotted keys; an unknown key names itself and lists the known ones."""
+        """Parse flat dotted keys; an unknown key names itself and lists the known ones.
+
+        ``model_options.hidden = [64]`` (how Flower flattens a ``[model_options]`` table of
+        ``[tool.flwr.app.config]``) is option ``hidden`` of ``model_options``.
+        """
+        values = fold_options(values)
         unknown = sorted(set(values) - set(cls.keys()))
         if unknown:
             raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "

@@ -95,7 +95,8 @@ def test_bad_task_keys_are_named(values: dict, message: str) -> None:
 
 
 def test_options_keys_take_toml_tables_and_dicts(tmp_path: Path) -> None:
-    """``[model_options]`` in a TOML file, a dict from Python and JSON text are one value."""
+    """``[model_options]`` in a TOML file, a dict from Python, JSON text and dotted keys are one
+    value."""
     from fedgc.settings import load_toml
 
     path = tmp_path / "run.toml"
@@ -104,7 +105,9 @@ def test_options_keys_take_toml_tables_and_dicts(tmp_path: Path) -> None:
     from_dict = RunConfig.from_flat({"model_options": {"hidden": [64, 32]}, "dgc.density": 0.01})
     from_text = RunConfig.from_flat({"model_options": '{"hidden": [64, 32]}',
                                      "dgc.density": "0.01"})
-    assert from_toml == from_dict == from_text
+    # What Flower makes of a [tool.flwr.app.config.model_options] table: dotted keys.
+    from_flower = RunConfig.from_flat({"model_options.hidden": [64, 32], "dgc.density": 0.01})
+    assert from_toml == from_dict == from_text == from_flower
     assert from_toml.train.model_options == '{"hidden": [64, 32]}'
     model = from_toml.train.load_task().build_model()
     assert [m.out_features for m in model.modules() if hasattr(m, "out_features")] == [64, 32, 10]
