@@ -287,6 +287,14 @@ class _TaskCheck(Check):
         return f"one of {list(self.choices)}, or 'module:callable'"
 
 
+@dataclass(frozen=True)
+class _OptionsCheck(Check):
+    """An options key's range: a JSON object of keyword options (checked by options_of)."""
+
+    def describe(self) -> str:
+        return "a JSON object, or empty"
+
+
 class TaskSpec(NamedTuple):
     """The keys that make a run's Task (hashable: clients cache the task by it)."""
 
@@ -329,7 +337,7 @@ class TrainSettings:
     task_options: str = setting("", "task_options", "keyword options of the task, a JSON "
                                 "object ('{\"n\": 3}'; a TOML table or a dict too): the "
                                 "callable's, or a shipped dataset's (test_fraction; "
-                                "Shakespeare's seq_len, ...); empty = none")
+                                "Shakespeare's seq_len, ...); empty = none", _OptionsCheck())
     model: str = setting("", "model", "model of a shipped task (tasks.MODELS: mlp or cnn for "
                          "images, lstm for shakespeare); empty = the task's default",
                          Check(choices=MODEL_NAMES))
@@ -337,7 +345,7 @@ class TrainSettings:
                                  "task's model, a JSON object like task_options: mlp hidden "
                                  "(list of widths, [200]); cnn channels ([16, 32]), hidden "
                                  "(128); lstm embedding_dim (8), hidden (128), num_layers (2); "
-                                 "empty = the defaults")
+                                 "empty = the defaults", _OptionsCheck())
     data_dir: str = setting("", "data_dir", "local folder of a shipped task's data files: "
                             "required by mnist (IDX files) and cifar10 (python batches), "
                             "replaces fashion-mnist's Debian folder; empty = the packaged "
