@@ -35,14 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HIDDEN = (1262,)  # 784*1262 + 1262 + 1262*10 + 10 = 1,003,300 parameters
 
 
-def _use_bench_model() -> None:
-    """Make ``tasks.get_task`` build the benchmark's model in this process (driver or actor)."""
-    import tasks
-
-    if not hasattr(tasks, "_fedgc_real_get_task"):
-        real = tasks._fedgc_real_get_task = tasks.get_task
-        tasks.get_task = lambda name, *a, **k: real(name, model="mlp",
-                                                    model_options={"hidden": HIDDEN})
+#: The run keys of the benchmark's ~1M-parameter model.
+MODEL_KEYS = {"model": "mlp", "model_options": {"hidden": list(HIDDEN)}}
 
 
 def _timed_store() -> None:
@@ -78,7 +72,6 @@ def _train(msg: Any, context: Any) -> Any:
     import client.app as fedgc_client
     from fedgc import protocol as P
 
-    _use_bench_model()
     _timed_store()
     _store_s.clear()
     reply = fedgc_client.app(msg, context)  # an actor imports client.app afresh: the real one
@@ -96,7 +89,6 @@ def _train(msg: Any, context: Any) -> Any:
 def _query(msg: Any, context: Any) -> Any:
     import client.app as fedgc_client
 
-    _use_bench_model()
     return fedgc_client.app(msg, context)
 
 
@@ -116,11 +108,10 @@ def run(label: str, results: Path, rounds: int, seed: int, **extra: str) -> dict
     from fedgc.settings import RunConfig
     from simulations.runner import run_scenario
 
-    _use_bench_model()
     config = RunConfig.from_flat({
         "task": "mnist5k", "num_clients": 10, "clients_per_round": 4, "rounds": rounds,
         "seed": seed, "checkpoint": False, "progress": False, "overwrite": True,
-        "results_dir": str(results), "run_name": label.replace(" ", "-"), **extra})
+        "results_dir": str(results), "run_name": label.replace(" ", "-"), **MODEL_KEYS, **extra})
     saved = fedgc_client.app
     fedgc_client.app = bench_app()  # what run_scenario ships to the actors
     try:

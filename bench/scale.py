@@ -34,21 +34,15 @@ HIDDEN = (1200,)  # 784*1200 + 1200 + 1200*10 + 10 = 954,010 parameters
 VANILLA_LR, VANILLA_BATCH = 0.05, 10  # local settings of both runs (one epoch, no momentum)
 
 
+#: The run keys of the benchmark's model; the vanilla run builds the same with get_task.
+MODEL_KEYS = {"model": "mlp", "model_options": {"hidden": list(HIDDEN)}}
+
+
 def _task(name: str):
     """The benchmark's task: Fashion-MNIST with the ~1M-parameter MLP."""
     import tasks
 
-    real = getattr(tasks, "_fedgc_real_get_task", tasks.get_task)
-    return real(name, model="mlp", model_options={"hidden": HIDDEN})
-
-
-def _use_bench_model() -> None:
-    """Make ``tasks.get_task`` build the benchmark's model in this process (driver or actor)."""
-    import tasks
-
-    if not hasattr(tasks, "_fedgc_real_get_task"):
-        tasks._fedgc_real_get_task = tasks.get_task
-        tasks.get_task = lambda name, *a, **k: _task(name)
+    return tasks.get_task(name, model="mlp", model_options={"hidden": HIDDEN})
 
 
 # ---------------------------------------------------------------------------- memory sampling
@@ -195,7 +189,6 @@ def run_vanilla(args, backend: dict) -> list[float]:
 
     @server.main()
     def main(grid, context) -> None:
-        _use_bench_model()
         task = _task("fashion-mnist")
         import torch
 
@@ -238,22 +231,17 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
         # The local settings of the vanilla ClientApp (run_vanilla): one epoch of plain SGD.
         "local_epochs": 1, "lr": VANILLA_LR, "batch_size": VANILLA_BATCH, "client_momentum": 0.0,
         "results_dir": str(results), "run_name": "fedgc", "overwrite": True,
-        "round_timeout_s": 3600.0})
+        "round_timeout_s": 3600.0, **MODEL_KEYS})
     netem = for_run(NetemSettings(enabled=True, mix="lte:0.5,3g:0.5", seed=args.seed), config)
     inner = wrap_client_app(fedgc_client.app)
     app = ClientApp()
 
-    def forward(msg, context):
-        _use_bench_model()
-        return inner(msg, context)
-
-    app.train()(forward)
-    app.query()(forward)
+    app.train()(inner)
+    app.query()(inner)
     server = ServerApp()
 
     @server.main()
     def main(grid, context) -> None:
-        _use_bench_model()
         make = strategy_factory(netem)
         # 10,000 identification queries take minutes on 2 busy cores: DGCStrategy's default
         # 120 s probe timeout would leave most nodes unidentified and re-probe every round.
@@ -281,7 +269,6 @@ def main() -> None:
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    _use_bench_model()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fedgc-scale-"))
     backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                "init_args": {"num_cpus": os.cpu_count() or 1, "include_dashboard": False}}

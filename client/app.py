@@ -47,6 +47,7 @@ from fedgc.settings import (
     DENSE_METHODS,
     RESIDUAL_METHODS,
     SettingsError,
+    TaskSpec,
     TrainSettings,
     fields_of,
     parse,
@@ -63,17 +64,17 @@ class ClientProtocolError(P.ProtocolError):
 
 
 @lru_cache(maxsize=4)
-def _task(name: str) -> Any:
-    from tasks import get_task  # imported lazily: the Ray actor pays for it once
+def _task(spec: TaskSpec) -> Any:
+    from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
 
-    return get_task(name)
+    return load_task(spec)
 
 
 _models = threading.local()
 
 
-def _model(task: Any, name: str) -> torch.nn.Module:
-    """This thread's model for task ``name``, built once and reused by every message.
+def _model(task: Any, name: TaskSpec) -> torch.nn.Module:
+    """This thread's model for the task of ``name``, built once and reused by every message.
 
     Each message loads the whole state dict into it, so nothing of the previous client remains
     (train_locally makes a fresh optimizer and clears the gradients). Building a model per
@@ -87,7 +88,7 @@ def _model(task: Any, name: str) -> torch.nn.Module:
 
 
 @lru_cache(maxsize=8)
-def _partitions(task: str, num_clients: int, scheme: str, alpha: float,
+def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
                 seed: int) -> tuple[np.ndarray, ...]:
     parts = _task(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
@@ -262,8 +263,8 @@ def train(msg: Message, context: Context) -> Message:
     store = _store(s, context)
     state = _load_state(store, str(key), ack, s.method)
 
-    task = _task(s.task)
-    parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
+    task = _task(s.task_spec())
+    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
     if not 0 <= key < len(parts):
         raise ClientProtocolError(f"client key {key} has no partition: the task has "
                                   f"{len(parts)} partitions (num_clients = {s.num_clients})")
@@ -283,7 +284,7 @@ def train(msg: Message, context: Context) -> Message:
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
     shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
-    model = _model(task, s.task)
+    model = _model(task, s.task_spec())
     model.load_state_dict(global_state)
     local = train_locally(
         model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
@@ -344,11 +345,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
     s = settings_from(config)
-    task = _task(s.task)
-    parts = _partitions(s.task, s.num_clients, s.partition, s.alpha, s.seed)
+    task = _task(s.task_spec())
+    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
     key = client_key(context)
     idx = torch.from_numpy(parts[key])
-    model = _model(task, s.task)
+    model = _model(task, s.task_spec())
     model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())
     model.eval()
     with torch.no_grad():

@@ -27,6 +27,8 @@ serves a Flower run config (``[tool.flwr.app.config]``, ``flwr run --run-config`
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,8 +54,15 @@ DENSE_METHODS = ("dense", "fedavgm")
 RESIDUAL_METHODS = ("stc", "dgc")
 #: Methods whose server applies ``dgc.server_momentum`` (the others ``server_momentum``).
 SERVER_MOMENTUM_METHODS = ("fedavgm", "dgc")
-#: Tasks a run may name (those whose data ships with the package; ``tasks.DATASETS`` has more).
-TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare")
+#: Shipped tasks a run may name (``tasks.DATASETS``); mnist and cifar10 read their files from
+#: ``data_dir``. A run may also name a callable of its own, ``module:callable`` (:data:`TASK_REF`).
+TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare", "mnist", "cifar10")
+#: A task of the user's own: ``pkg.module:callable`` (the callable may be ``Class.method``).
+TASK_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+#: Models a run may name for a shipped task (``tasks.MODELS``); empty = the task's default.
+MODEL_NAMES = ("", "mlp", "cnn", "lstm")
+#: Keys whose value is a JSON object of keyword options; a TOML table or a dict is accepted too.
+OPTION_KEYS = ("model_options", "task_options")
 #: How the training set is split into clients (``tasks.partition``).
 PARTITIONS = SCHEMES
 #: Warm-up schedules a run key may name: DGCConfig's, but "list", whose per-round densities
@@ -74,11 +83,12 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 #: The parts of fedgc that own keys (see the module docstring).
 PARTS = ("client", "server", "dgc", "stc", "sim", "netem")
 
-__all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "PARTITIONS",
-           "PARTS", "RESIDUAL_METHODS", "SELECTIONS", "SERVER_MOMENTUM_METHODS", "TASKS",
-           "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
-           "SettingsError", "TrainSettings", "describe", "fields_of", "flatten", "key_table",
-           "load_toml", "parse", "setting", "to_flat", "validate"]
+__all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "MODEL_NAMES",
+           "OPTION_KEYS", "PARTITIONS", "PARTS", "RESIDUAL_METHODS", "SELECTIONS",
+           "SERVER_MOMENTUM_METHODS", "TASKS", "TASK_REF", "VALUE_DTYPES", "WARMUPS", "Check",
+           "KeyInfo", "RunConfig", "ServerSettings", "SettingsError", "TaskSpec",
+           "TrainSettings", "describe", "fields_of", "flatten", "key_table", "load_toml",
+           "options_of", "parse", "setting", "to_flat", "validate"]
 
 T = TypeVar("T")
 
@@ -149,8 +159,53 @@ def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) ->
     kwargs: dict[str, Any] = {}
     for key, f in by_key.items():
         if key in values:
-            kwargs[f.name] = coerce(key, values[key], hints[f.name])
+            value = values[key]
+            if key in OPTION_KEYS and isinstance(value, Mapping):
+                value = options_text(key, value)
+            kwargs[f.name] = coerce(key, value, hints[f.name])
     return cls(**kwargs)
+
+
+def options_text(key: str, options: Mapping[str, object]) -> str:
+    """The JSON text of an options table (what the run config carries), naming ``key`` when a
+    value is not JSON (numbers, strings, booleans, lists and tables are)."""
+    try:
+        return json.dumps(dict(options), sort_keys=True)
+    except (TypeError, ValueError) as ex:
+        raise SettingsError(f"{key} must hold JSON values (numbers, strings, booleans, lists, "
+                            f"tables), got {dict(options)!r}: {ex}") from None
+
+
+def fold_options(values: Mapping[str, object]) -> dict[str, object]:
+    """``{"task_options.n": 3}`` -> ``{"task_options": {"n": 3}}``, merged into the key's own
+    value (a dict, or JSON text) when it is given too."""
+    out = {k: v for k, v in values.items() if not any(k.startswith(o + ".") for o in OPTION_KEYS)}
+    for key in OPTION_KEYS:
+        dotted = {k[len(key) + 1:]: v for k, v in values.items() if k.startswith(key + ".")}
+        if not dotted:
+            continue
+        base = values.get(key, "")
+        merged = dict(base) if isinstance(base, Mapping) else options_of(key, str(base))
+        out[key] = {**merged, **dotted}
+    return out
+
+
+def options_of(key: str, text: str) -> dict[str, Any]:
+    """The keyword options of an options key: ``""`` is none, else a JSON object."""
+    if not text.strip():
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as ex:
+        raise SettingsError(f"{key} = {text!r} is not JSON ({ex.msg}); expected an object "
+                            f"such as '{{\"hidden\": 64}}'") from None
+    if not isinstance(options, dict):
+        raise SettingsError(f"{key} = {text!r} must be a JSON object of keyword options, such "
+                            f"as '{{\"hidden\": 64}}'")
+    bad = [k for k in options if not k.isidentifier()]
+    if bad:
+        raise SettingsError(f"{key} = {text!r}: option names {bad} are not Python identifiers")
+    return options
 
 
 def validate(obj: object) -> None:
@@ -220,6 +275,36 @@ def describe(cls: type) -> list[tuple[str, str, str, str, str]]:
     return rows
 
 
+@dataclass(frozen=True)
+class _TaskCheck(Check):
+    """The ``task`` key's range: a shipped task's name, or ``module:callable``."""
+
+    def accepts(self, value: object) -> bool:
+        return value in self.choices or (isinstance(value, str)
+                                         and TASK_REF.fullmatch(value) is not None)
+
+    def describe(self) -> str:
+        return f"one of {list(self.choices)}, or 'module:callable'"
+
+
+@dataclass(frozen=True)
+class _OptionsCheck(Check):
+    """An options key's range: a JSON object of keyword options (checked by options_of)."""
+
+    def describe(self) -> str:
+        return "a JSON object, or empty"
+
+
+class TaskSpec(NamedTuple):
+    """The keys that make a run's Task (hashable: clients cache the task by it)."""
+
+    task: str
+    model: str
+    model_options: str
+    data_dir: str
+    task_options: str
+
+
 def _momentum() -> Check:
     return Check(0.0, 1.0, high_open=True)
 
@@ -244,8 +329,27 @@ class TrainSettings:
 
     PART = "client"
 
-    task: str = setting("mnist5k", "task", "dataset and model (tasks.get_task)", Check(
-        choices=TASKS))
+    task: str = setting("mnist5k", "task", "a shipped dataset with its model "
+                        "(tasks.get_task; mnist and cifar10 read data_dir), or your own: "
+                        "'module:callable' returning a tasks.Task, called with task_options "
+                        "(the module must be importable by every client: PYTHONPATH or "
+                        "installed)", _TaskCheck(choices=TASKS))
+    task_options: str = setting("", "task_options", "keyword options of the task, a JSON "
+                                "object ('{\"n\": 3}'; a TOML table or a dict too): the "
+                                "callable's, or a shipped dataset's (test_fraction; "
+                                "Shakespeare's seq_len, ...); empty = none", _OptionsCheck())
+    model: str = setting("", "model", "model of a shipped task (tasks.MODELS: mlp or cnn for "
+                         "images, lstm for shakespeare); empty = the task's default",
+                         Check(choices=MODEL_NAMES))
+    model_options: str = setting("", "model_options", "constructor options of a shipped "
+                                 "task's model, a JSON object like task_options: mlp hidden "
+                                 "(list of widths, [200]); cnn channels ([16, 32]), hidden "
+                                 "(128); lstm embedding_dim (8), hidden (128), num_layers (2); "
+                                 "empty = the defaults", _OptionsCheck())
+    data_dir: str = setting("", "data_dir", "local folder of a shipped task's data files: "
+                            "required by mnist (IDX files) and cifar10 (python batches), "
+                            "replaces fashion-mnist's Debian folder; empty = the packaged "
+                            "data")
     num_clients: int = setting(100, "num_clients", "number of data partitions (= clients)",
                                Check(1))
     partition: str = setting("dirichlet", "partition", "how the training set is split",
@@ -326,6 +430,25 @@ class TrainSettings:
         if self.local_epochs == 0 and self.local_steps == 0:
             raise SettingsError("local_epochs and local_steps are both 0: set local_epochs >= 1 "
                                 "or local_steps >= 1")
+        for key in OPTION_KEYS:
+            options_of(key, getattr(self, key))
+        if self.task not in TASKS:
+            shipped_only = [k for k in ("model", "model_options", "data_dir") if getattr(self, k)]
+            if shipped_only:
+                raise SettingsError(f"{', '.join(shipped_only)} set with task = {self.task!r}: "
+                                    f"they configure the shipped tasks {list(TASKS)}; pass your "
+                                    f"callable's options in task_options")
+
+    def task_spec(self) -> TaskSpec:
+        """The keys that make this run's Task."""
+        return TaskSpec(self.task, self.model, self.model_options, self.data_dir,
+                        self.task_options)
+
+    def load_task(self) -> Any:
+        """This run's :class:`tasks.Task` (:func:`fedgc.task_loader.load_task`)."""
+        from fedgc.task_loader import load_task
+
+        return load_task(self.task_spec())
 
     def dgc_config(self) -> DGCConfig:
         # The run keys of DGCConfig's fields were validated against its own ranges (_dgc); the
@@ -527,7 +650,12 @@ class RunConfig:
 
     @classmethod
     def from_flat(cls, values: Mapping[str, object]) -> RunConfig:
-        """Parse flat dotted keys; an unknown key names itself and lists the known ones."""
+        """Parse flat dotted keys; an unknown key names itself and lists the known ones.
+
+        ``model_options.hidden = [64]`` (how Flower flattens a ``[model_options]`` table of
+        ``[tool.flwr.app.config]``) is option ``hidden`` of ``model_options``.
+        """
+        values = fold_options(values)
         unknown = sorted(set(values) - set(cls.keys()))
         if unknown:
             raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
@@ -572,11 +700,14 @@ class RunConfig:
 
 
 def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"dgc": {"density": 0.01}}`` -> ``{"dgc.density": 0.01}`` (TOML tables to keys)."""
+    """``{"dgc": {"density": 0.01}}`` -> ``{"dgc.density": 0.01}`` (TOML tables to keys).
+
+    The tables of :data:`OPTION_KEYS` stay whole: they are one key's keyword options.
+    """
     out: dict[str, Any] = {}
     for k, v in table.items():
         key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
+        if isinstance(v, Mapping) and key not in OPTION_KEYS:
             out.update(flatten(v, key + "."))
         else:
             out[key] = v

@@ -136,9 +136,7 @@ def run_server(grid: Grid, config: RunConfig,
     torch.set_num_threads(1)
     s, t = config.server, config.train
     prepare_run_dir(config)
-    from tasks import get_task
-
-    task = get_task(t.task)
+    task = t.load_task()
     torch.manual_seed(t.seed)
     model = task.build_model()
     run_dir = config.run_dir

@@ -46,14 +46,20 @@ def check_run(config: Any) -> None:
 
 
 def check_partitions(config: Any) -> None:
-    """Every client gets a partition of at least one sample (what the clients compute)."""
-    from tasks import get_task
+    """Every client gets a partition of at least one sample (what the clients compute).
+
+    Loading the task here also makes a task of the user's own fail before round 1, with the
+    :class:`fedgc.settings.SettingsError` that names it.
+    """
     from tasks.errors import DataError
 
     t = config.train
     try:
-        parts = get_task(t.task).partition(t.num_clients, scheme=t.partition, alpha=t.alpha,
-                                           seed=t.seed)
+        task = t.load_task()
+    except DataError as ex:
+        raise PreflightError(f"task {t.task!r}: {ex}") from ex
+    try:
+        parts = task.partition(t.num_clients, scheme=t.partition, alpha=t.alpha, seed=t.seed)
     except DataError as ex:
         raise PreflightError(f"num_clients={t.num_clients}, task {t.task!r}, partition "
                              f"{t.partition!r}: {ex}") from ex

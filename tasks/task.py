@@ -45,6 +45,15 @@ class Task:
     sequence_loss : bool
         Train on the character after every input position, not the last one only (see
         :meth:`training_loss`); needs a model with ``sequence_logits`` (the LSTM).
+    model_fn : callable or None
+        Builds the model with no arguments (your own ``nn.Module``, e.g. a class); None builds
+        ``model_name`` of :data:`tasks.MODELS` with ``model_options``. ``model_name`` then only
+        names the model in results.
+
+    A task of your own (``task = "my_pkg.my_task:build"``, docs/tasks.md) is one of these with
+    ``model_fn`` set::
+
+        Task("blobs", "tiny-mlp", 3, train_x, train_y, test_x, test_y, model_fn=TinyMLP)
     """
 
     def __init__(
@@ -60,6 +69,7 @@ class Task:
         model_options: dict | None = None,
         info: dict | None = None,
         sequence_loss: bool = False,
+        model_fn: Callable[[], nn.Module] | None = None,
     ) -> None:
         self.name = name
         self.model_name = model_name
@@ -72,6 +82,10 @@ class Task:
         self.info = dict(info or {})
         self.loss_fn: nn.Module = nn.CrossEntropyLoss()
         self.sequence_loss = sequence_loss
+        if model_fn is not None and not callable(model_fn):
+            raise DataError(f"model_fn must be callable (e.g. an nn.Module class), got "
+                            f"{model_fn!r}")
+        self.model_fn = model_fn
 
     def __repr__(self) -> str:
         clients = None if self.natural_clients is None else len(self.natural_clients)
@@ -83,6 +97,12 @@ class Task:
 
     def build_model(self) -> nn.Module:
         """A fresh model for this task; its weights come from torch's global RNG."""
+        if self.model_fn is not None:
+            model = self.model_fn()
+            if not isinstance(model, nn.Module):
+                raise DataError(f"task {self.name!r}: model_fn returned {type(model).__name__}, "
+                                f"expected a torch.nn.Module")
+            return model
         return build_model(
             self.model_name, self.input_shape, self.num_classes, **self.model_options
         )

@@ -11,20 +11,27 @@ every key.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from fedgc.settings import Check, SettingsError, coerce, fields_of, parse, setting, validate
+from simulations.netem.errors import NetemError
 from simulations.netem.link import OUTAGE_POLICIES
-from simulations.netem.presets import DEVICE_PRESETS, LINK_PRESETS
+from simulations.netem.presets import DEVICE_PRESETS, LINK_PRESETS, LinkProfile
 from simulations.netem.scenario import Assignment, assign
 from simulations.netem.staleness import STALE_POLICIES, StalePolicy
+from simulations.netem.throughput import Trace, load_trace
 
 PREFIX = "netem."
 #: Per-round keys the strategy adds next to the settings (not settings themselves).
 ROUND_KEY = "netem.round"
 ROUND_START_KEY = "netem.round_start_s"
+#: The link preset ``netem.mix`` may name when ``netem.trace_down`` and ``netem.trace_up`` are
+#: set: a link that replays those trace files.
+TRACE_PRESET = "trace"
 
 
 def _fraction() -> Check:
@@ -82,6 +89,16 @@ class NetemSettings:
                                  "stale_after_rounds", Check(0.0, 1.0, low_open=True))
     stale_after_rounds: int = setting(0, "netem.stale_after_rounds", "rounds away tolerated "
                                       "before the stale policy acts", Check(0))
+    trace_down: str = setting("", "netem.trace_down", "downlink trace file of the 'trace' link "
+                              "preset (netem.mix=trace:1.0): Mahimahi (one integer ms "
+                              "delivery opportunity of a 1500-byte packet per line, as "
+                              "mm-link reads) or 't_seconds mbps' lines; loops; every client "
+                              "reads it at its own phase")
+    trace_up: str = setting("", "netem.trace_up", "uplink trace file of the 'trace' link "
+                            "preset, as netem.trace_down")
+    trace_latency_ms: float = setting(50.0, "netem.trace_latency_ms", "round-trip latency of "
+                                      "the 'trace' link preset (the traces carry throughput "
+                                      "only)", Check(0.0))
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
@@ -90,7 +107,8 @@ class NetemSettings:
             object.__setattr__(self, f.name, coerce(f.metadata["key"], getattr(self, f.name),
                                                     hints[f.name]))
         validate(self)
-        for name, presets in (("mix", LINK_PRESETS), ("device_mix", DEVICE_PRESETS)):
+        self._check_traces()
+        for name, presets in (("mix", self.link_presets()), ("device_mix", DEVICE_PRESETS)):
             text = getattr(self, name)
             fractions = parse_fractions(text, name)
             unknown = sorted(set(fractions) - set(presets))
@@ -101,6 +119,32 @@ class NetemSettings:
                     f < 0 for f in fractions.values()):
                 raise SettingsError(f"{PREFIX}{name} must be fractions >= 0 that sum to 1, "
                                     f"got {text!r}")
+
+    def _check_traces(self) -> None:
+        """Both trace files or neither, named by the mix when set; each one loads (cached)."""
+        uses = TRACE_PRESET in parse_fractions(self.mix, "mix")
+        given = [k for k in ("trace_down", "trace_up") if getattr(self, k)]
+        if uses and len(given) < 2:
+            missing = [PREFIX + k for k in ("trace_down", "trace_up") if k not in given]
+            raise SettingsError(f"{PREFIX}mix = {self.mix!r} names the {TRACE_PRESET!r} link, "
+                                f"which needs {' and '.join(missing)} (trace files)")
+        if given and not uses:
+            raise SettingsError(f"{', '.join(PREFIX + k for k in given)} set, but {PREFIX}mix = "
+                                f"{self.mix!r} does not name the {TRACE_PRESET!r} link that "
+                                f"replays them (e.g. {PREFIX}mix={TRACE_PRESET}:1.0)")
+        for k in given:
+            trace_file(PREFIX + k, getattr(self, k))
+
+    def link_presets(self) -> dict[str, LinkProfile]:
+        """The link presets ``mix`` may name: the built-in ones, and ``trace`` with the trace
+        files when they are set."""
+        if not (self.trace_down and self.trace_up):
+            return dict(LINK_PRESETS)
+        trace = LinkProfile(TRACE_PRESET, trace_file(PREFIX + "trace_down", self.trace_down),
+                            trace_file(PREFIX + "trace_up", self.trace_up),
+                            latency_ms=self.trace_latency_ms,
+                            source=f"trace files {self.trace_down}, {self.trace_up}")
+        return {**LINK_PRESETS, TRACE_PRESET: trace}
 
     # -- conversions --------------------------------------------------------------------------
     @classmethod
@@ -137,7 +181,8 @@ class NetemSettings:
         """The fields that define the client -> (link, device) mapping."""
         return (self.mix, self.intermittent, self.intermittent_mean_on_s,
                 self.intermittent_mean_off_s, self.outage_policy, self.device_mix,
-                self.availability, self.seed, self.num_clients)
+                self.availability, self.seed, self.num_clients, self.trace_down, self.trace_up,
+                self.trace_latency_ms)
 
     def assignment(self) -> Assignment:
         """Build the scenario's assignment (cached per process by :func:`assignment_for`)."""
@@ -147,7 +192,8 @@ class NetemSettings:
                       intermittent_mean_off_s=self.intermittent_mean_off_s,
                       outage_policy=self.outage_policy,
                       device_mix=parse_fractions(self.device_mix, "device_mix"),
-                      availability=self.availability or None)
+                      availability=self.availability or None,
+                      link_presets=self.link_presets())
 
 
 _ASSIGNMENTS: dict[tuple, Assignment] = {}
@@ -161,6 +207,34 @@ def assignment_for(settings: NetemSettings) -> Assignment:
         if len(_ASSIGNMENTS) >= 8:
             _ASSIGNMENTS.pop(next(iter(_ASSIGNMENTS)))
         hit = _ASSIGNMENTS[key] = settings.assignment()
+    return hit
+
+
+_TRACES: dict[tuple[str, int, int], Trace] = {}
+
+
+def trace_file(key: str, path: str) -> Trace:
+    """The trace in file ``path`` (cached per process while the file is unchanged); a missing,
+    unreadable or malformed file is a :class:`SettingsError` naming ``key`` and the file."""
+    try:
+        stat = os.stat(path)
+    except OSError as ex:
+        raise SettingsError(f"{key} = {path!r}: cannot read the trace file "
+                            f"({ex.strerror or ex})") from None
+    if not Path(path).is_file():
+        raise SettingsError(f"{key} = {path!r} is not a file; expected a Mahimahi trace")
+    cache_key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    hit = _TRACES.get(cache_key)
+    if hit is None:
+        try:
+            hit = load_trace(path)
+        except NetemError as ex:
+            raise SettingsError(f"{key} = {path!r}: {ex}") from None
+        except UnicodeDecodeError:
+            raise SettingsError(f"{key} = {path!r} is not a text trace file") from None
+        if len(_TRACES) >= 8:
+            _TRACES.pop(next(iter(_TRACES)))
+        _TRACES[cache_key] = hit
     return hit
 
 

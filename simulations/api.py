@@ -1,0 +1,176 @@
+"""The Python API: ``run`` and ``compare`` from a notebook, on the command line's own code path.
+
+::
+
+    from simulations.api import run, compare
+
+    result = run("mnist5k", rounds=20, sim__engine="local")
+    result.summary["final_accuracy"], result.rounds[-1]["uplink_bytes"], result.folder
+    result.plot()                                   # <folder>/plots.png
+
+    both = compare(config={"task": "digits", "rounds": 10}, methods=["dense", "dgc"])
+    both.summary["methods"]["dgc"]["uplink_vs_dense"], both.runs["dgc"][0].rounds
+
+Keys merge as on the command line: defaults < ``scenario`` < ``config`` (a TOML file, or a dict
+of keys) < ``**keys``. A keyword's ``__`` stands for the key's dot (``dgc__density=0.01`` is
+``dgc.density``); dotted keys can also go in ``config``. Options keys take dicts
+(``model_options={"hidden": [64]}``). Errors are the command line's: a
+:class:`fedgc.settings.SettingsError` names a bad key, a ``PreflightError`` a run that cannot
+work, before round 1.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedgc.settings import METHODS, RunConfig, SettingsError
+from simulations.scenario import load_scenario
+
+__all__ = ["CompareResult", "RunResult", "compare", "config_of", "run"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One finished run, read back from its folder.
+
+    Attributes
+    ----------
+    folder : Path
+        The run folder (``<results_dir>/<run_name>``).
+    summary : dict
+        ``summary.json``.
+    rounds : list of dict
+        The rows of ``rounds.csv``, one per round, with numbers as int or float.
+    """
+
+    folder: Path
+    summary: dict[str, Any] = field(repr=False)
+    rounds: list[dict[str, int | float]] = field(repr=False)
+
+    @classmethod
+    def read(cls, folder: str | Path, summary: Mapping[str, Any] | None = None) -> RunResult:
+        """The result of the run in ``folder`` (``summary``: its summary, when already read)."""
+        import json
+
+        folder = Path(folder)
+        if summary is None:
+            summary = json.loads((folder / "summary.json").read_text())
+        return cls(folder, dict(summary), read_rounds_table(folder / "rounds.csv"))
+
+    def plot(self, path: str | Path | None = None) -> Path:
+        """Plot accuracy against traffic and bytes per round to ``path`` (default
+        ``<folder>/plots.png``); returns the file."""
+        from simulations.plots import plot_run, plot_runs
+
+        if path is None:
+            return plot_run(self.folder)
+        return plot_runs({self.folder.name: self.folder}, path, title=str(self.folder))
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    """A finished comparison: ``compare.json`` and the runs it compared.
+
+    Attributes
+    ----------
+    folder : Path
+        The comparison's folder.
+    summary : dict
+        ``compare.json``: ``{"methods": {method: summary}}``, with seeds each method's mean and
+        std over them.
+    runs : dict of str to list of RunResult
+        Each method's runs, one per seed (one without seeds).
+    """
+
+    folder: Path
+    summary: dict[str, Any] = field(repr=False)
+    runs: dict[str, list[RunResult]] = field(repr=False)
+
+    def plot(self, path: str | Path | None = None) -> Path:
+        """The comparison's plot to ``path`` (default: the command line's, ``compare.png``, or
+        ``accuracy_vs_traffic.png`` with seeds); returns the file."""
+        from simulations.plots import plot_bands, plot_runs
+
+        if max(len(r) for r in self.runs.values()) > 1:
+            return plot_bands({m: [r.folder for r in rs] for m, rs in self.runs.items()},
+                              path or self.folder / "accuracy_vs_traffic.png")
+        return plot_runs({m: rs[0].folder for m, rs in self.runs.items()},
+                         path or self.folder / "compare.png")
+
+
+def read_rounds_table(path: Path) -> list[dict[str, int | float]]:
+    """The rows of a ``rounds.csv``: each value an int when it is one, else a float."""
+    def number(text: str) -> int | float:
+        try:
+            return int(text)
+        except ValueError:
+            return float(text) if text not in ("", "nan") else float("nan")
+
+    with path.open() as fh:
+        return [{k: number(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+
+
+def config_of(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
+              **keys: Any) -> tuple[RunConfig, Any]:
+    """The run's RunConfig and NetemSettings from the same layers as the command line."""
+    from simulations.cli_common import load_config_file
+    from simulations.netem.integration import split_netem
+
+    values: dict[str, Any] = {}
+    if scenario is not None:
+        values.update(load_scenario(scenario))
+    if isinstance(config, Mapping):
+        values.update(config)
+    elif config is not None:
+        values.update(load_config_file(str(config)))
+    for name, value in keys.items():
+        values[name.replace("__", ".")] = value
+    rest, netem = split_netem(values)
+    return RunConfig.from_flat(rest), netem
+
+
+def run(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
+        *, verbose: bool = False, **keys: Any) -> RunResult:
+    """Run one scenario as ``python -m simulations run`` does; returns its results.
+
+    Parameters
+    ----------
+    scenario : str or None
+        A shipped scenario (``python -m simulations run --scenario``).
+    config : path, dict or None
+        A TOML file of keys (``--config``), or a dict of keys.
+    verbose : bool
+        Show Flower's and Ray's logs (``--verbose``).
+    **keys
+        Keys over the others (``--set``); ``__`` for a dot: ``dgc__density=0.01``.
+    """
+    from simulations.cli import cmd_run
+
+    run_config, netem = config_of(scenario, config, **keys)
+    summary = cmd_run(run_config, verbose, netem)
+    return RunResult.read(run_config.run_dir, summary)
+
+
+def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
+            *, methods: Sequence[str] = METHODS, seeds: Sequence[int] | None = None,
+            verbose: bool = False, **keys: Any) -> CompareResult:
+    """Run the same scenario with each of ``methods`` as ``python -m simulations compare``
+    does (``seeds``: once per seed); returns ``compare.json`` and the runs."""
+    from simulations.cli import cmd_compare
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise SettingsError(f"methods must be a non-empty subset of {list(METHODS)}, got "
+                            f"{list(methods)!r}")
+    run_config, netem = config_of(scenario, config, **keys)
+    doc = cmd_compare(run_config, verbose, list(methods), netem,
+                      list(seeds) if seeds is not None else None)
+    base = run_config.run_dir
+    folders = {m: [base / m] for m in methods} if seeds is None else {
+        m: [base / f"seed-{s}" / m for s in seeds] for m in methods}
+    return CompareResult(base, doc, {m: [RunResult.read(f) for f in fs]
+                                     for m, fs in folders.items()})
