@@ -17,6 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedgc.flower_log import drop_noise
 from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
 from server.checkpoint import CHECKPOINT_FILE
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
@@ -202,6 +203,7 @@ def check_something_aggregated(rounds: list[RoundRecord], rows: list[Any], run_d
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md)."""
+    drop_noise()
     try:
         config = RunConfig.from_flat(dict(context.run_config))
     except SettingsError as ex:

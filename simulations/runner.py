@@ -1,11 +1,22 @@
-"""Run one scenario on Flower's simulation engine (Ray backend) and return its summary."""
+"""Run one scenario on Flower's simulation engine (Ray backend) and return its summary.
+
+The engine is started with ``flwr.simulation.run_simulation._run_simulation``: the function
+that Flower 1.42's own simulation runtime (``flwr-simulation``, what ``flwr run`` starts)
+calls to run the Ray backend, and that the deprecated ``run_simulation`` wraps. Flower 1.42 has
+no public, supported way to run the Ray backend in this process: ``flwr.simulation`` exports
+``run_simulation`` (deprecated), ``start_simulation`` (the legacy API) and
+``run_simulation_process`` (which pulls its run from a SuperLink). ``flwr run`` goes through a
+SuperLink and a ``flwr-simulation`` subprocess that load the apps by name, so this process's
+objects (the network emulator's wrapped ClientApp and strategy, the validated RunConfig) cannot
+travel, and its federation config has no Ray address (``sim.ray_address``).
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
+from fedgc.flower_log import flower_logging
 from fedgc.settings import RunConfig, SettingsError
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
@@ -47,7 +58,8 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     # Imported here so that `python -m simulations --help` stays fast.
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
 
     from client.app import app as client_app
     from server.app import prepare_run_dir, run_server
@@ -63,14 +75,11 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     if config.server.engine == "local":
         from server.local_grid import LocalGrid
 
-        if not verbose:
-            logging.getLogger("flwr").setLevel(logging.WARNING)
-        return run_server(LocalGrid(client_app, config.train.num_clients, seed=config.train.seed),
-                          config, **extra)
+        with flower_logging(verbose):
+            return run_server(LocalGrid(client_app, config.train.num_clients,
+                                        seed=config.train.seed), config, **extra)
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    if not verbose:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
     backend = backend_config(config)  # a SettingsError before anything starts
     if config.server.ray_address:
         # Connected here, Flower's backend finds Ray initialised and keeps this connection.
@@ -91,9 +100,11 @@ def run_scenario(config: RunConfig, verbose: bool = False,
             outcome["error"] = ex  # raised again below, to the caller: a message, no traceback
 
     try:
-        run_simulation(server_app=server_app, client_app=client_app,
-                       num_supernodes=config.train.num_clients,
-                       backend_config=backend, verbose_logging=verbose)
+        with flower_logging(verbose):
+            _run_simulation(num_supernodes=config.train.num_clients, client_app=client_app,
+                            server_app=server_app, backend_name="ray", backend_config=backend,
+                            verbose_logging=verbose,
+                            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE)
     finally:
         if config.server.ray_address:
             cluster.detach()
