@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -28,6 +29,35 @@ from server.strategy import DGCStrategy
 app = ServerApp()
 
 logger = logging.getLogger("fedgc")
+
+
+#: Keys of the ``python -m simulations`` engine (Ray resources, in-process engine): under
+#: ``flwr run`` Flower's federation config sets those, so the app config leaves them out.
+ENGINE_KEY_PREFIX = "sim."
+
+
+def flwr_app_config() -> dict[str, bool | int | float | str]:
+    """The ``[tool.flwr.app.config]`` of ``pyproject.toml``: every RunConfig key that means
+    something under ``flwr run``, with the same default as ``python -m simulations run``.
+
+    Flower accepts ``flwr run -c key=value`` only for keys this table holds.
+    """
+    return {k: v for k, v in sorted(RunConfig().to_flat().items())
+            if not k.startswith(ENGINE_KEY_PREFIX)}
+
+
+def flwr_app_config_toml() -> str:
+    """:func:`flwr_app_config` as the TOML lines of ``pyproject.toml`` (dotted keys)."""
+    def value(v: bool | int | float | str) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string of printable characters is a TOML string
+        return repr(v)
+
+    lines = ["[tool.flwr.app.config]"]
+    lines += [f"{k} = {value(v)}" for k, v in flwr_app_config().items()]
+    return "\n".join(lines) + "\n"
 
 
 class RunFolderError(RuntimeError):

@@ -1,0 +1,133 @@
+"""``flwr run .``: the app config of pyproject.toml, a small run on Flower's simulation runtime,
+and a bad ``-c`` key or value.
+
+The runs go through Flower's real path: ``flwr run`` builds the app bundle, submits it to a local
+SuperLink (started here, on free ports, with its own ``FLWR_HOME``, and stopped afterwards), whose
+``flwr-simulation`` process runs ``server.app:app`` and ``client.app:app`` on Ray.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fedgc.settings import RunConfig, flatten
+from server.app import ENGINE_KEY_PREFIX, flwr_app_config, flwr_app_config_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_app_config_holds_every_key_with_the_clis_default():
+    with (ROOT / "pyproject.toml").open("rb") as fh:
+        table = flatten(tomllib.load(fh)["tool"]["flwr"]["app"]["config"])
+    expected = flwr_app_config()
+    assert table == expected and {k: type(v) for k, v in table.items()} == {
+        k: type(v) for k, v in expected.items()}, (
+        "pyproject.toml's [tool.flwr.app.config] differs from RunConfig; replace it with the "
+        "output of `python -m simulations keys --flwr-toml`:\n" + flwr_app_config_toml())
+    engine_keys = {k for k in RunConfig.keys() if k.startswith(ENGINE_KEY_PREFIX)}
+    assert engine_keys and set(table) == set(RunConfig.keys()) - engine_keys
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The environment of a ``flwr run`` that finds a local SuperLink of its own running."""
+    home = tmp_path_factory.mktemp("flwr_home")
+    http_port, control_port = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_HOME": str(home),
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(http_port),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(control_port),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    # The command `flwr run` starts for a `:local:` connection (flwr/cli/local_superlink.py).
+    log = home / "superlink.log"
+    link = subprocess.Popen(
+        [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation",
+         "subprocess", "--control-api-address", f"127.0.0.1:{control_port}", "--host",
+         "127.0.0.1", "--port", str(http_port), "--log-file", str(log), "--database",
+         str(home / "state.db")], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=1):
+                    break
+            except OSError:
+                assert link.poll() is None, f"flower-superlink exited: {log.read_text()[-2000:]}"
+                assert time.monotonic() < deadline, "flower-superlink did not start in 60 s"
+                time.sleep(0.5)
+        env["SUPERLINK_LOG"] = str(log)
+        yield env
+    finally:
+        os.killpg(link.pid, signal.SIGTERM)  # its own session: the SuperExec and simulations too
+        try:
+            link.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(link.pid, signal.SIGKILL)
+            link.wait()
+
+
+def _flwr_run(env: dict[str, str], config: str, supernodes: int = 3
+              ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "flwr"), "run", ".", "--federation-config",
+                           f"num-supernodes={supernodes}", "-c", config, "--stream"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+SMALL = "task='digits' num_clients=3 clients_per_round=2 rounds=2 seed=1"
+
+
+@pytest.mark.slow
+def test_flwr_run_trains_and_takes_dotted_keys(flwr_env, tmp_path):
+    proc = _flwr_run(flwr_env, f"{SMALL} dgc.shared_density=0 dgc.warmup_rounds=1 "
+                               f"results_dir='{tmp_path}' run_name='flwr'")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    run = tmp_path / "flwr"
+    with (run / "rounds.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["round"]) for r in rows] == [1, 2]
+    assert all(int(r["clients_aggregated"]) == 2 for r in rows)
+    config = json.loads((run / "summary.json").read_text())["config"]
+    # -c reached the ServerApp, dotted keys too; the other keys kept pyproject's defaults.
+    assert (config["dgc.shared_density"], config["dgc.warmup_rounds"]) == (0.0, 1)
+    assert (config["num_clients"], config["lr"], config["local_epochs"]) == (3, 0.1, 2)
+    assert "fraction_evaluate is set to 0.0" not in output  # fedgc.flower_log.drop_noise
+
+
+@pytest.mark.slow
+def test_a_bad_value_is_named_in_the_runs_log(flwr_env, tmp_path):
+    proc = _flwr_run(flwr_env, f"{SMALL} dgc.density=2.0 results_dir='{tmp_path}'")
+    output = proc.stdout + proc.stderr
+    assert "dgc.density = 2.0 is outside the accepted range" in output, output[-3000:]
+    assert not (tmp_path / "default" / "rounds.csv").exists()
+
+
+def test_a_bad_key_is_refused_and_named_in_the_superlinks_log(flwr_env):
+    proc = _flwr_run(flwr_env, "rounds=2 dgc.shared_densty=0")
+    assert proc.returncode != 0
+    assert "Invalid run configuration" in proc.stdout + proc.stderr
+    # Flower keeps the reason from the CLI (a FlowerError's message is not sent to clients);
+    # its SuperLink logs it.
+    log = Path(flwr_env["SUPERLINK_LOG"]).read_text()
+    assert "Key 'dgc.shared_densty' is not present" in log, log[-2000:]
