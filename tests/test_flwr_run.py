@@ -131,3 +131,26 @@ def test_a_bad_key_is_refused_and_named_in_the_superlinks_log(flwr_env):
     # its SuperLink logs it.
     log = Path(flwr_env["SUPERLINK_LOG"]).read_text()
     assert "Key 'dgc.shared_densty' is not present" in log, log[-2000:]
+
+
+class _SlowFederation:
+    """A grid whose second SuperNode connects on the fourth look."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def get_node_ids(self) -> list[int]:
+        self.looks += 1
+        return [7, 8] if self.looks > 3 else [7]
+
+
+def test_waiting_for_supernodes_says_how_to_size_the_federation(monkeypatch, caplog):
+    import server.registry as registry
+
+    monkeypatch.setattr(registry, "HINT_AFTER_S", 0.0)
+    monkeypatch.setattr(registry.time, "sleep", lambda seconds: None)
+    with caplog.at_level("INFO", logger="flwr"):
+        nodes = registry.ClientRegistry().wait_for_nodes(_SlowFederation(), 2)
+    assert nodes == [7, 8]
+    hints = [r.getMessage() for r in caplog.records if "num-supernodes" in r.getMessage()]
+    assert len(hints) == 1 and "only 1 SuperNodes are connected and this run needs 2" in hints[0]
