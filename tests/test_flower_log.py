@@ -54,10 +54,11 @@ def test_quiet_settings_are_restored_after_the_run():
 
     handlers = [h for h in logging.getLogger("flwr").handlers if isinstance(h, ConsoleHandler)]
     before = [(h.level, h.colored) for h in handlers]
+    filters = list(logging.getLogger("flwr").filters)
     with flower_logging(verbose=False):
         assert all(h.level == logging.WARNING and not h.colored for h in handlers)
         assert os.environ["FLWR_LOG_LEVEL"] == "ERROR"
         record = logging.LogRecord("flwr", logging.WARNING, "", 0, "%s", (NOISE[1],), None)
         assert not logging.getLogger("flwr").filter(record)
     assert [(h.level, h.colored) for h in handlers] == before
-    assert not logging.getLogger("flwr").filters
+    assert logging.getLogger("flwr").filters == filters

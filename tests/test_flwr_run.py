@@ -154,3 +154,11 @@ def test_waiting_for_supernodes_says_how_to_size_the_federation(monkeypatch, cap
     assert nodes == [7, 8]
     hints = [r.getMessage() for r in caplog.records if "num-supernodes" in r.getMessage()]
     assert len(hints) == 1 and "only 1 SuperNodes are connected and this run needs 2" in hints[0]
+
+
+def test_keys_flwr_toml_prints_the_table_it_checks(capsys):
+    from simulations.cli import main
+
+    assert main(["keys", "--flwr-toml"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert flatten(printed["tool"]["flwr"]["app"]["config"]) == flwr_app_config()
