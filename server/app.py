@@ -2,7 +2,9 @@
 
 ``app`` reads ``context.run_config`` (``[tool.flwr.app.config]`` under ``flwr run .``);
 :func:`run_server` is the same main with a :class:`fedgc.settings.RunConfig` in hand, which is what
-``python -m simulations`` calls inside ``flwr.simulation.run_simulation``.
+``python -m simulations`` calls inside Flower's simulation engine
+(:func:`simulations.runner.run_engine`). :func:`flwr_app_config` is the app config of
+``pyproject.toml``.
 """
 
 from __future__ import annotations
