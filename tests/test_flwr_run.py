@@ -79,12 +79,38 @@ def flwr_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         env["SUPERLINK_LOG"] = str(log)
         yield env
     finally:
-        os.killpg(link.pid, signal.SIGTERM)  # its own session: the SuperExec and simulations too
+        link.terminate()
         try:
             link.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(link.pid, signal.SIGKILL)
+            link.kill()
             link.wait()
+        # The SuperExec starts each flwr-simulation (and its Ray) in a session of its own, which
+        # may outlive the SuperLink: stop every process that inherited this FLWR_HOME.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in _processes_with(f"FLWR_HOME={home}"):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:  # ended in between
+                    pass
+            deadline = time.monotonic() + 15
+            while _processes_with(f"FLWR_HOME={home}") and time.monotonic() < deadline:
+                time.sleep(0.5)
+        assert _processes_with(f"FLWR_HOME={home}") == [], "processes of the run outlived it"
+
+
+def _processes_with(variable: str) -> list[int]:
+    """Ids of this user's processes whose environment holds ``variable`` (``NAME=value``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if variable.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, or another user's
+            continue
+    return found
 
 
 def _flwr_run(env: dict[str, str], config: str, supernodes: int = 3
