@@ -61,10 +61,12 @@ def ray_environment() -> None:
 
 
 def run_engine(server_app: ServerApp, client_app: ClientApp, num_supernodes: int,
-               backend_config: dict[str, Any], verbose: bool = False) -> None:
+               backend: dict[str, Any], verbose: bool = False) -> None:
     """Run ``server_app`` against ``num_supernodes`` simulated SuperNodes of ``client_app`` on
     Flower's simulation engine (Ray backend), in this process, with Flower's log configured by
     :func:`fedgc.flower_log.flower_logging` (see the module docstring for the function used).
+
+    ``backend``: Flower's backend config (:func:`backend_config`).
     """
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
@@ -73,7 +75,7 @@ def run_engine(server_app: ServerApp, client_app: ClientApp, num_supernodes: int
     with flower_logging(verbose):
         _run_simulation(num_supernodes=num_supernodes, client_app=client_app,
                         server_app=server_app, backend_name="ray",
-                        backend_config=backend_config, verbose_logging=verbose,
+                        backend_config=backend, verbose_logging=verbose,
                         exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE)
 
 
