@@ -181,7 +181,8 @@ def vanilla_strategy(per_round: int, seed: int, times: list[float]):
 def run_vanilla(args, backend: dict) -> list[float]:
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
     from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
+
+    from simulations.runner import run_engine
 
     times: list[float] = []
     ends: list[float] = []
@@ -206,23 +207,21 @@ def run_vanilla(args, backend: dict) -> list[float]:
         strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=args.rounds,
                        train_config=ConfigRecord({}), evaluate_fn=evaluate, timeout=3600)
 
-    run_simulation(server_app=server,
-                   client_app=vanilla_client_app(args.clients, args.seed, VANILLA_LR,
-                                                 VANILLA_BATCH),
-                   num_supernodes=args.clients, backend_config=backend)
+    run_engine(server, vanilla_client_app(args.clients, args.seed, VANILLA_LR, VANILLA_BATCH),
+               args.clients, backend)
     return [e - s for s, e in zip(times, ends, strict=True)]
 
 
 def run_fedgc(args, backend: dict, results: Path) -> list[float]:
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
     import client.app as fedgc_client
     from fedgc.settings import RunConfig
     from server.app import run_server
     from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
     from simulations.netem.settings import NetemSettings
+    from simulations.runner import run_engine
 
     config = RunConfig.from_flat({
         "task": "fashion-mnist", "num_clients": args.clients, "clients_per_round": args.per_round,
@@ -248,8 +247,7 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
         run_server(grid, config,
                    strategy_factory=lambda **kw: make(**{**kw, "probe_timeout": 3600.0}))
 
-    run_simulation(server_app=server, client_app=app, num_supernodes=args.clients,
-                   backend_config=backend)
+    run_engine(server, app, args.clients, backend)
     import csv
 
     with (config.run_dir / "rounds.csv").open() as fh:

@@ -2,11 +2,14 @@
 
 ``app`` reads ``context.run_config`` (``[tool.flwr.app.config]`` under ``flwr run .``);
 :func:`run_server` is the same main with a :class:`fedgc.settings.RunConfig` in hand, which is what
-``python -m simulations`` calls inside ``flwr.simulation.run_simulation``.
+``python -m simulations`` calls inside Flower's simulation engine
+(:func:`simulations.runner.run_engine`). :func:`flwr_app_config` is the app config of
+``pyproject.toml``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -17,6 +20,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedgc.flower_log import drop_noise
 from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
 from server.checkpoint import CHECKPOINT_FILE
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
@@ -27,6 +31,35 @@ from server.strategy import DGCStrategy
 app = ServerApp()
 
 logger = logging.getLogger("fedgc")
+
+
+#: Keys of the ``python -m simulations`` engine (Ray resources, in-process engine): under
+#: ``flwr run`` Flower's federation config sets those, so the app config leaves them out.
+ENGINE_KEY_PREFIX = "sim."
+
+
+def flwr_app_config() -> dict[str, bool | int | float | str]:
+    """The ``[tool.flwr.app.config]`` of ``pyproject.toml``: every RunConfig key that means
+    something under ``flwr run``, with the same default as ``python -m simulations run``.
+
+    Flower accepts ``flwr run -c key=value`` only for keys this table holds.
+    """
+    return {k: v for k, v in sorted(RunConfig().to_flat().items())
+            if not k.startswith(ENGINE_KEY_PREFIX)}
+
+
+def flwr_app_config_toml() -> str:
+    """:func:`flwr_app_config` as the TOML lines of ``pyproject.toml`` (dotted keys)."""
+    def value(v: bool | int | float | str) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string of printable characters is a TOML string
+        return repr(v)
+
+    lines = ["[tool.flwr.app.config]"]
+    lines += [f"{k} = {value(v)}" for k, v in flwr_app_config().items()]
+    return "\n".join(lines) + "\n"
 
 
 class RunFolderError(RuntimeError):
@@ -200,6 +233,7 @@ def check_something_aggregated(rounds: list[RoundRecord], rows: list[Any], run_d
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md)."""
+    drop_noise()
     try:
         config = RunConfig.from_flat(dict(context.run_config))
     except SettingsError as ex:

@@ -3,8 +3,8 @@
 For tests and debugging: the messages are the real Flower Messages and the ClientApp is the real
 one, but there is no Ray, no threads and no start-up cost, so a round is deterministic and fast.
 Every message is deep-copied on the way in and out, as a transport would, so that neither side
-can see the other's objects. The simulation engine (``flwr.simulation.run_simulation``) remains
-what ``python -m simulations`` uses.
+can see the other's objects. Flower's simulation engine (Ray backend,
+:func:`simulations.runner.run_engine`) remains what ``python -m simulations`` uses by default.
 """
 
 from __future__ import annotations

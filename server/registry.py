@@ -20,6 +20,10 @@ from flwr.supercore import log
 
 from fedgc import protocol as P
 
+#: Seconds of waiting for SuperNodes after which :meth:`ClientRegistry.wait_for_nodes` says how
+#: to size a simulated federation.
+HINT_AFTER_S = 10.0
+
 
 @dataclass
 class ClientInfo:
@@ -80,10 +84,23 @@ class ClientRegistry:
         return node_of
 
     def wait_for_nodes(self, grid: Grid, needed: int) -> list[int]:
-        """The connected node ids, once there are at least ``needed``."""
+        """The connected node ids, once there are at least ``needed``.
+
+        After :data:`HINT_AFTER_S` seconds of waiting it warns once how to size a simulated
+        federation: under ``flwr run``, Flower's default of 2 SuperNodes leaves a run with
+        more clients per round waiting for ever.
+        """
+        started = time.monotonic()
+        hinted = False
         while len(node_ids := sorted(grid.get_node_ids())) < needed:
             log(INFO, "Waiting for nodes to connect: %d connected (minimum required: %d).",
                 len(node_ids), needed)
+            if not hinted and time.monotonic() - started >= HINT_AFTER_S:
+                hinted = True
+                log(WARNING, "only %d SuperNodes are connected and this run needs %d: on "
+                    "Flower's simulation runtime, start it with `flwr run . "
+                    "--federation-config num-supernodes=N`, N = num_clients "
+                    "(docs/federation.md)", len(node_ids), needed)
             time.sleep(1)
         return node_ids
 

@@ -195,9 +195,16 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     return doc
 
 
-def cmd_keys() -> None:
-    """Print every configuration key with the part that owns it, type, default and range."""
+def cmd_keys(flwr_toml: bool = False) -> None:
+    """Print every configuration key with the part that owns it, type, default and range; with
+    ``flwr_toml`` the ``[tool.flwr.app.config]`` table of ``pyproject.toml`` instead."""
     from simulations.netem.settings import NetemSettings
+
+    if flwr_toml:
+        from server.app import flwr_app_config_toml
+
+        print(flwr_app_config_toml(), end="")
+        return
 
     for row in key_table([ServerSettings, TrainSettings, NetemSettings]):
         print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
@@ -234,7 +241,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="runs at a time, each in its own process on one thread "
                         "(sim.engine=local only); default 1")
     scenario("demo", "the default comparison (what `make demo` runs)", named=False)
-    sub.add_parser("keys", help="list every configuration key")
+    k = sub.add_parser("keys", help="list every configuration key")
+    k.add_argument("--flwr-toml", action="store_true",
+                   help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
     return p
 
@@ -261,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "keys":
-            cmd_keys()
+            cmd_keys(args.flwr_toml)
         elif args.command == "run":
             cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":

@@ -1,17 +1,32 @@
-"""Run one scenario on Flower's simulation engine (Ray backend) and return its summary."""
+"""Run one scenario on Flower's simulation engine (Ray backend) and return its summary.
+
+The engine is started with ``flwr.simulation.run_simulation._run_simulation``: the function
+that Flower 1.42's own simulation runtime (``flwr-simulation``, what ``flwr run`` starts)
+calls to run the Ray backend, and that the deprecated ``run_simulation`` wraps. Flower 1.42 has
+no public, supported way to run the Ray backend in this process: ``flwr.simulation`` exports
+``run_simulation`` (deprecated), ``start_simulation`` (the legacy API) and
+``run_simulation_process`` (which pulls its run from a SuperLink). ``flwr run`` goes through a
+SuperLink and a ``flwr-simulation`` subprocess that load the apps by name, so this process's
+objects (the network emulator's wrapped ClientApp and strategy, the validated RunConfig) cannot
+travel, and its federation config has no Ray address (``sim.ray_address``).
+"""
 
 from __future__ import annotations
 
-import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fedgc.flower_log import flower_logging
 from fedgc.settings import RunConfig, SettingsError
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
 from simulations import cluster
 from simulations.netem.settings import NetemSettings
+
+if TYPE_CHECKING:
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
 RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError)
@@ -38,6 +53,32 @@ def backend_config(config: RunConfig) -> dict[str, Any]:
             "init_args": init_args}
 
 
+def ray_environment() -> None:
+    """Ray's settings for a simulation, unless the user set them: one copy of a line that many
+    actors print, and no FutureWarning about GPU variables (ClientApp actors ask for no GPU)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+
+def run_engine(server_app: ServerApp, client_app: ClientApp, num_supernodes: int,
+               backend: dict[str, Any], verbose: bool = False) -> None:
+    """Run ``server_app`` against ``num_supernodes`` simulated SuperNodes of ``client_app`` on
+    Flower's simulation engine (Ray backend), in this process, with Flower's log configured by
+    :func:`fedgc.flower_log.flower_logging` (see the module docstring for the function used).
+
+    ``backend``: Flower's backend config (:func:`backend_config`).
+    """
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    ray_environment()
+    with flower_logging(verbose):
+        _run_simulation(num_supernodes=num_supernodes, client_app=client_app,
+                        server_app=server_app, backend_name="ray",
+                        backend_config=backend, verbose_logging=verbose,
+                        exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE)
+
+
 def run_scenario(config: RunConfig, verbose: bool = False,
                  netem: NetemSettings | None = None) -> dict[str, Any]:
     """Run ``config`` with ``num_clients`` simulated SuperNodes; write and return the summary.
@@ -47,7 +88,6 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     # Imported here so that `python -m simulations --help` stays fast.
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
 
     from client.app import app as client_app
     from server.app import prepare_run_dir, run_server
@@ -63,14 +103,10 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     if config.server.engine == "local":
         from server.local_grid import LocalGrid
 
-        if not verbose:
-            logging.getLogger("flwr").setLevel(logging.WARNING)
-        return run_server(LocalGrid(client_app, config.train.num_clients, seed=config.train.seed),
-                          config, **extra)
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    if not verbose:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
+        with flower_logging(verbose):
+            return run_server(LocalGrid(client_app, config.train.num_clients,
+                                        seed=config.train.seed), config, **extra)
+    ray_environment()  # before cluster.attach starts Ray
     backend = backend_config(config)  # a SettingsError before anything starts
     if config.server.ray_address:
         # Connected here, Flower's backend finds Ray initialised and keeps this connection.
@@ -91,9 +127,7 @@ def run_scenario(config: RunConfig, verbose: bool = False,
             outcome["error"] = ex  # raised again below, to the caller: a message, no traceback
 
     try:
-        run_simulation(server_app=server_app, client_app=client_app,
-                       num_supernodes=config.train.num_clients,
-                       backend_config=backend, verbose_logging=verbose)
+        run_engine(server_app, client_app, config.train.num_clients, backend, verbose)
     finally:
         if config.server.ray_address:
             cluster.detach()

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedgc.flower_log import NOISE
 from simulations.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,11 @@ def test_local_engine_gives_the_ray_engines_model(tmp_path: Path) -> None:
            "--set", "run_name=ray", "--set", "sim.engine=ray"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Flower's log stays quiet without --verbose (fedgc.flower_log), its Ray actors' too.
+    output = proc.stdout + proc.stderr
+    assert "\x1b[" not in output, output[-3000:]
+    for noise in ("DEPRECATED", "run_simulation", *NOISE):
+        assert noise not in output, (noise, output[-3000:])
     assert main(["run", *RUN, "--set", f"results_dir={tmp_path}", "--set", "run_name=local",
                  "--set", "sim.engine=local"]) == 0
     ray_model = torch.load(tmp_path / "ray" / "model.pt")

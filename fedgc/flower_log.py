@@ -1,0 +1,88 @@
+"""Flower's log during a fedgc run: quiet by default, all of it with ``--verbose``.
+
+Quiet means: Flower's console handler shows warnings and errors only, without ANSI colour codes
+(they end up in captured logs and CI output), and without the lines fedgc causes on purpose
+(:data:`NOISE`); Ray's ClientApp actors log Flower's errors only (``FLWR_LOG_LEVEL``, which
+Flower reads when an actor imports it) and Ray prints their lines without colour
+(``RAY_COLOR_PREFIX=0``). Only Flower's own logger is configured: fedgc's logger, Python's
+warnings and Ray's log level are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+#: Starts of Flower log lines that every fedgc run would print and no user can act on.
+NOISE = (
+    # DGCStrategy evaluates on the server (task.evaluate); fraction_evaluate = 0 is its default.
+    "fraction_evaluate is set to 0.0",
+    # Flower's Ray backend stops every ClientApp actor this way at the end of each run.
+    "Manually terminating ClientAppActor",
+)
+
+#: Environment of the Ray worker processes of a quiet run (they inherit the driver's).
+QUIET_WORKER_ENV = {"FLWR_LOG_LEVEL": "ERROR", "RAY_COLOR_PREFIX": "0"}
+
+
+class FlowerNoiseFilter(logging.Filter):
+    """Drops the records of :data:`NOISE`; passes every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(NOISE)
+
+
+def _console_handlers() -> list[logging.Handler]:
+    from flwr.supercore.logger import ConsoleHandler
+
+    return [h for h in logging.getLogger("flwr").handlers if isinstance(h, ConsoleHandler)]
+
+
+def drop_noise() -> None:
+    """Install :class:`FlowerNoiseFilter` on Flower's logger (once) for the rest of the process,
+    unless Flower logs at DEBUG (its verbose mode).
+
+    For the ServerApp under ``flwr run``, where Flower owns the process and its log settings
+    (the federation's ``verbose = true`` sets its console handler to DEBUG).
+    """
+    flwr_logger = logging.getLogger("flwr")
+    if any(h.level <= logging.DEBUG for h in _console_handlers()):
+        return
+    if not any(isinstance(f, FlowerNoiseFilter) for f in flwr_logger.filters):
+        flwr_logger.addFilter(FlowerNoiseFilter())
+
+
+@contextmanager
+def flower_logging(verbose: bool) -> Iterator[None]:
+    """Configure Flower's log for one run; restore its previous settings afterwards.
+
+    ``verbose``: leave the run's log to Flower (its simulation engine logs at DEBUG, with
+    timestamps). Otherwise quiet, as the module docstring says.
+    """
+    flwr_logger = logging.getLogger("flwr")
+    handlers = _console_handlers()
+    saved = [(h, h.level, getattr(h, "colored", True), getattr(h, "timestamps", False))
+             for h in handlers]
+    saved_env = {k: os.environ.get(k) for k in QUIET_WORKER_ENV}
+    noise = FlowerNoiseFilter()
+    if not verbose:
+        for h in handlers:
+            h.setLevel(logging.WARNING)
+            h.colored = False  # type: ignore[attr-defined]
+        flwr_logger.addFilter(noise)
+        os.environ.update(QUIET_WORKER_ENV)
+    try:
+        yield
+    finally:
+        flwr_logger.removeFilter(noise)
+        for h, level, colored, timestamps in saved:
+            h.setLevel(level)
+            h.colored = colored  # type: ignore[attr-defined]
+            h.timestamps = timestamps  # type: ignore[attr-defined]
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
