@@ -157,9 +157,10 @@ def run(scenario: str | None = None, config: str | Path | Mapping[str, Any] | No
 
 def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
             *, methods: Sequence[str] = METHODS, seeds: Sequence[int] | None = None,
-            verbose: bool = False, **keys: Any) -> CompareResult:
+            jobs: int = 1, verbose: bool = False, **keys: Any) -> CompareResult:
     """Run the same scenario with each of ``methods`` as ``python -m simulations compare``
-    does (``seeds``: once per seed); returns ``compare.json`` and the runs."""
+    does (``seeds``: once per seed; ``jobs``: runs at a time, ``sim__engine="local"`` only);
+    returns ``compare.json`` and the runs."""
     from simulations.cli import cmd_compare
 
     bad = [m for m in methods if m not in METHODS]
@@ -168,7 +169,7 @@ def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] 
                             f"{list(methods)!r}")
     run_config, netem = config_of(scenario, config, **keys)
     doc = cmd_compare(run_config, verbose, list(methods), netem,
-                      list(seeds) if seeds is not None else None)
+                      list(seeds) if seeds is not None else None, jobs)
     base = run_config.run_dir
     folders = {m: [base / m] for m in methods} if seeds is None else {
         m: [base / f"seed-{s}" / m for s in seeds] for m in methods}
