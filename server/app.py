@@ -23,6 +23,7 @@ from server.preflight import PreflightError, check_run, check_writable, clear_st
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
+from server.tensorboard import RoundWriter, clear_events
 
 app = ServerApp()
 
@@ -65,6 +66,7 @@ def prepare_run_dir(config: RunConfig) -> None:
                 raise RunFolderError(str(ex)) from ex
             for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
                 (run_dir / name).unlink(missing_ok=True)
+            clear_events(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         check_writable(run_dir, "run folder", "results are written there")
     except PreflightError as ex:
@@ -143,6 +145,7 @@ def run_server(grid: Grid, config: RunConfig,
     model = task.build_model()
     run_dir = config.run_dir
     test_x, test_y = evaluation_split(task, s.eval_samples, t.seed)
+    board = RoundWriter(run_dir) if s.tensorboard else None
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -153,6 +156,8 @@ def run_server(grid: Grid, config: RunConfig,
 
     def round_done(record: RoundRecord) -> None:
         write_rounds(run_dir, strategy.rounds)
+        if board is not None:
+            board.write(record, strategy.rounds[:-1])
         timed.append(record.round)
         if s.progress:
             surplus = 0
@@ -167,9 +172,13 @@ def run_server(grid: Grid, config: RunConfig,
 
     strategy = strategy_factory(**DGCStrategy.arguments(config), on_round=round_done)
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
-    result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
-                            timeout=s.round_timeout_s, train_config=train_config,
-                            evaluate_fn=evaluate)
+    try:
+        result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
+                                timeout=s.round_timeout_s, train_config=train_config,
+                                evaluate_fn=evaluate)
+    finally:
+        if board is not None:
+            board.close()
     torch.save(result.arrays.to_torch_state_dict(), run_dir / "model.pt")
     write_rounds(run_dir, strategy.rounds)
     write_clients(run_dir, strategy.client_rows)

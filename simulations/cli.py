@@ -15,6 +15,7 @@ from fedgc.settings import (
     SettingsError,
     TrainSettings,
     key_table,
+    new_run_name,
 )
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
@@ -41,6 +42,11 @@ def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict
     if args.config:
         values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
+    if getattr(args, "command", None) == "compare" and not values.get("run_name"):
+        # One folder for the whole comparison, named for it (a run's default names its method).
+        task = values.get("task", TrainSettings.task)
+        values["run_name"] = new_run_name(values.get("results_dir", ServerSettings.results_dir),
+                                          f"{task}-compare")
     return values
 
 

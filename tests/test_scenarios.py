@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -27,7 +28,9 @@ def test_the_shipped_scenarios_are_valid_runs() -> None:
     assert {"mnist5k", "fashion-mnist", "shakespeare"} <= set(scenario_names())
     for name in scenario_names():
         c = build_config(_args(scenario=name))
-        assert c.server.run_name == name and c.train.task == name
+        # No scenario names its folder: each run gets a new one, named by time, task, method.
+        assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{name}-{c.train.method}", c.server.run_name)
+        assert c.train.task == name
     # make demo is the mnist5k scenario, in its own folder.
     assert {k: v for k, v in DEMO.items() if k not in ("run_name", "overwrite")} == \
         {k: v for k, v in load_scenario("mnist5k").items() if k != "run_name"}
@@ -41,7 +44,7 @@ def test_precedence_defaults_scenario_config_set(tmp_path: Path) -> None:
     default = RunConfig().to_flat()
     assert c["rounds"] == 7 and c["seed"] == 4                  # --set wins
     assert c["lr"] == 0.05 and c["dgc.density"] == 0.01          # --config over the scenario
-    assert c["task"] == "fashion-mnist" and c["run_name"] == "fashion-mnist"  # the scenario
+    assert c["task"] == "fashion-mnist"                          # the scenario
     assert c["batch_size"] == default["batch_size"]              # defaults below all
 
 
