@@ -81,11 +81,6 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     return summary
 
 
-def _title(config: RunConfig) -> str:
-    return (f"{config.train.task}: {config.train.num_clients} clients, "
-            f"{config.train.clients_per_round} per round, density {config.train.density}")
-
-
 def _compare_once(config: RunConfig, verbose: bool, methods: Sequence[str],
                   netem: Any) -> tuple[dict[str, dict[str, Any]], dict[str, Path]]:
     """Run ``config`` once per method into ``<run_dir>/<method>/``; summaries with ratios.
@@ -108,7 +103,7 @@ def _compare_once(config: RunConfig, verbose: bool, methods: Sequence[str],
     summaries = against_dense(summaries)
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
-    plot = plot_runs(runs, base / "compare.png", title=_title(config))
+    plot = plot_runs(runs, base / "compare.png")
     print(summary_table(summaries))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries, runs
@@ -139,8 +134,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
             folders[m].append(run_dir)
     doc = over_seeds(per_seed)
     write_json(base / "compare.json", doc)
-    plot = plot_bands(folders, base / "accuracy_vs_traffic.png",
-                      title=f"{_title(config)}; seeds {', '.join(map(str, per_seed))}")
+    plot = plot_bands(folders, base / "accuracy_vs_traffic.png")
     print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
     print(seeds_table(doc))
     print(f"results: {base}/compare.json, {plot.name}")
