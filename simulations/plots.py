@@ -95,7 +95,9 @@ def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) 
         parts.append(f"downlink density {c['downlink_density']:g}")
     netem = summaries[0].get("netem") or {}
     if netem.get("netem.enabled"):
-        parts.append(f"links {netem.get('netem.mix')}, deadline {netem.get('netem.deadline_s')} s")
+        deadline = netem.get("netem.deadline_s")
+        deadline = f"{deadline:g}" if isinstance(deadline, (int, float)) else deadline
+        parts.append(f"links {netem.get('netem.mix')}, deadline {deadline} s")
     task = c.get("task", summaries[0].get("task", "?"))
     return f"{' vs '.join(methods)} on {task}: {', '.join(parts)}"
 

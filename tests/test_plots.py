@@ -26,7 +26,7 @@ def _run(tmp_path, method: str, up: int, netem: bool = False):
                      for i in range(1, 8)])
     summary = {"method": method, "rounds": 7, "config": {**CONFIG, "method": method}}
     if netem:
-        summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0", "netem.deadline_s": 60}
+        summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0", "netem.deadline_s": 60.0}
     (d / "summary.json").write_text(json.dumps(summary))
     return d
 
