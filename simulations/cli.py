@@ -77,7 +77,8 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.train.method: summary}))
-    print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}")
+    board = ", tensorboard/" if config.server.tensorboard else ""
+    print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
 
 
