@@ -45,10 +45,14 @@ def _plain(value: float, _pos: object = None) -> str:
 def readable_log(ax: Axes, axis: str = "x", unit: str = "") -> None:
     """A log scale on ``axis`` ("x" or "y") with ticks at 1, 2 and 5 per decade, labelled in
     plain numbers, or with SI prefixes when ``unit`` is given (``"B"``: 5 kB, 2 MB); the minor
-    ticks stay unlabelled, so that a narrow range shows no "1.1x10^0"."""
+    ticks stay unlabelled, so that a narrow range shows no "1.1x10^0". Call it after plotting:
+    a range of more than three decades gets a tick per decade only."""
     target = ax.xaxis if axis == "x" else ax.yaxis
     (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
-    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    low, high = ax.dataLim.intervalx if axis == "x" else ax.dataLim.intervaly
+    # Over more than three decades 2 and 5 crowd the labels: decades only.
+    wide = low > 0 and high / low > 1e3
+    target.set_major_locator(LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
     target.set_major_formatter(EngFormatter(unit=unit, places=0) if unit
                                else FuncFormatter(_plain))
     target.set_minor_formatter(NullFormatter())
@@ -121,9 +125,10 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
     for i, run_dir in enumerate(runs.values()):
         rows = read_rounds(Path(run_dir))
         color, acc = f"C{i}", [r["accuracy"] for r in rows]
+        marker = "." if len(rows) <= 50 else None  # a dot per round, while they stay apart
         (line,) = ax_total.plot(_cumulative_mb(rows, "uplink_bytes", "downlink_bytes"), acc,
-                                marker=".", color=color)
-        ax_up.plot(_cumulative_mb(rows, "uplink_bytes"), acc, marker=".", color=color)
+                                marker=marker, color=color)
+        ax_up.plot(_cumulative_mb(rows, "uplink_bytes"), acc, marker=marker, color=color)
         rounds = [r["round"] for r in rows]
         # A round that sent nothing (every client failed) sits at 1 byte, on the log axis.
         ax_bytes.plot(rounds, [max(r["uplink_bytes"], 1.0) for r in rows], color=color)

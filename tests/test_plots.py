@@ -50,6 +50,15 @@ def test_log_ticks_are_plain_numbers(low: float, high: float) -> None:
     assert all(low / 10 <= v <= high * 10 for v in values)
 
 
+def test_a_wide_log_range_is_labelled_by_decades() -> None:
+    fig, ax = plt.subplots()
+    ax.plot([0.005, 2000.0], [0, 1])
+    readable_log(ax, "x")
+    labels = _labels(fig, ax, "x")
+    plt.close(fig)
+    assert labels and all(re.fullmatch(r"0\.0*1|10*", t) for t in labels), labels
+
+
 def test_bytes_axis_uses_si_prefixes() -> None:
     fig, ax = plt.subplots()
     ax.plot([1, 2], [3_000, 200_000])
