@@ -125,3 +125,10 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
     assert (base / "accuracy_vs_traffic.png").read_bytes()[:8] == PNG
     out = capsys.readouterr().out
     assert "mean +- std over seeds 0, 1" in out and "total MB" in out and "last10 acc" in out
+
+
+def test_compare_without_run_name_names_one_folder_for_the_comparison(tmp_path: Path) -> None:
+    c = build_config(_args(command="compare", set=["task=digits", f"results_dir={tmp_path}"]))
+    assert re.fullmatch(r"\d{8}-\d{6}-digits-compare", c.server.run_name)
+    named = build_config(_args(command="compare", set=["run_name=mine"]))
+    assert named.server.run_name == "mine"

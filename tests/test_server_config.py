@@ -135,19 +135,26 @@ def test_the_defence_keys_reach_the_strategy():
     assert (s.aggregation, s.trim_fraction) == ("trimmed_mean", 0.2)
 
 
-def test_a_run_without_run_name_gets_a_new_folder(tmp_path):
+def test_a_run_without_run_name_gets_a_new_folder(tmp_path, monkeypatch):
     """The default run_name: a folder named by time, task and method, never the last run's;
-    a name taken gets a counter; a config carries its one name through overrides."""
+    a name taken (two runs in one second) gets a counter; a config carries its one name
+    through overrides."""
     import re
+
+    import fedgc.settings
 
     first = RunConfig.from_flat({"results_dir": str(tmp_path), "task": "digits"})
     assert re.fullmatch(r"\d{8}-\d{6}-digits-dgc", first.server.run_name)
     assert first.with_overrides({"rounds": 3}).run_dir == first.run_dir
     assert RunConfig.from_flat(first.to_flat()).run_dir == first.run_dir
-    first.run_dir.mkdir()
-    second = RunConfig.from_flat({"results_dir": str(tmp_path), "task": "digits"})
-    assert second.run_dir != first.run_dir and not second.run_dir.exists()
-    assert second.server.run_name.startswith(first.server.run_name[:8])
+    monkeypatch.setattr(fedgc.settings.time, "strftime", lambda _: "20261204-101502")
+    names = []
+    for _ in range(3):
+        c = RunConfig.from_flat({"results_dir": str(tmp_path), "method": "dense"})
+        c.run_dir.mkdir()
+        names.append(c.server.run_name)
+    assert names == ["20261204-101502-mnist5k-dense", "20261204-101502-mnist5k-dense-2",
+                     "20261204-101502-mnist5k-dense-3"]
     named = RunConfig.from_flat({"results_dir": str(tmp_path), "run_name": "mine"})
     assert named.run_dir == tmp_path / "mine"
 
