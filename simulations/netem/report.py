@@ -2,8 +2,9 @@
 
 ``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
 plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
-a mobile mix), the per-round virtual duration, drops by cause and bytes by direction, and prints
-the time-to-accuracy table (target: the first run's final accuracy unless ``--target``).
+a mobile mix) with the target accuracy as a line, the per-round virtual duration, drops by cause
+and MB up, down and in total, titled with the methods, scenario and links; and prints the
+time-to-accuracy table (target: the first run's final accuracy unless ``--target``).
 """
 
 from __future__ import annotations
