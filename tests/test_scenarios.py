@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fedgc.settings import METHODS, RunConfig
+from fedgc.settings import METHODS, RunConfig, SettingsError
 from server.records import RoundRecord
 from server.results import summarize
 from simulations.cli import DEMO, _parser, build_config, main
@@ -132,3 +132,5 @@ def test_compare_without_run_name_names_one_folder_for_the_comparison(tmp_path: 
     assert re.fullmatch(r"\d{8}-\d{6}-digits-compare", c.server.run_name)
     named = build_config(_args(command="compare", set=["run_name=mine"]))
     assert named.server.run_name == "mine"
+    with pytest.raises(SettingsError, match="resume=true needs run_name"):
+        build_config(_args(command="compare", set=["resume=true"]))
