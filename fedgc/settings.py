@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ __all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS"
            "SERVER_MOMENTUM_METHODS", "TASKS", "TASK_REF", "VALUE_DTYPES", "WARMUPS", "Check",
            "KeyInfo", "RunConfig", "ServerSettings", "SettingsError", "TaskSpec",
            "TrainSettings", "describe", "fields_of", "flatten", "key_table", "load_toml",
-           "options_of", "parse", "setting", "to_flat", "validate"]
+           "new_run_name", "options_of", "parse", "setting", "to_flat", "validate"]
 
 T = TypeVar("T")
 
@@ -502,7 +503,10 @@ class ServerSettings:
 
     PART = "server"
 
-    run_name: str = setting("default", "run_name", "results go to <results_dir>/<run_name>/")
+    run_name: str = setting("", "run_name", "results go to <results_dir>/<run_name>/; empty: a "
+                            "new folder named by the start time, task and method "
+                            "(YYYYmmdd-HHMMSS-<task>-<method>; -2, -3... if taken), so a run never "
+                            "meets the last one; resume=true needs the name")
     results_dir: str = setting("results", "results_dir", "parent folder of run folders")
     rounds: int = setting(100, "rounds", "server rounds to run (in total, when resuming)",
                           Check(1))
@@ -609,6 +613,10 @@ class ServerSettings:
     overwrite: bool = setting(False, "overwrite", "replace an earlier run in the same folder "
                               "(its checkpoint, results and client state)")
     progress: bool = setting(True, "progress", "print one line per round")
+    tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
+                                "(accuracy, loss, MB both ways, clients, seconds) as "
+                                "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
+                                "tensorboard package: pip install 'fedgc[tensorboard]')")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
                           "one after another (tests, debugging)", Check(choices=ENGINES))
@@ -623,8 +631,11 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         validate(self)
-        if "/" in self.run_name or self.run_name in ("", ".", ".."):
+        if "/" in self.run_name or self.run_name in (".", ".."):
             raise SettingsError(f"run_name = {self.run_name!r} must be a plain folder name")
+        if self.resume and not self.run_name:
+            raise SettingsError("resume=true needs run_name: the name of the run folder to "
+                                "continue (without it, a run starts in a new timestamped folder)")
 
 
 @dataclass(frozen=True)
@@ -647,6 +658,11 @@ class RunConfig:
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
+        if not self.server.run_name:
+            # Named once, here: to_flat() and with_overrides() then carry the same folder.
+            named = dataclasses.replace(self.server, run_name=new_run_name(
+                self.server.results_dir, f"{t.task}-{t.method}"))
+            object.__setattr__(self, "server", named)
 
     @classmethod
     def from_flat(cls, values: Mapping[str, object]) -> RunConfig:
@@ -697,6 +713,20 @@ class RunConfig:
     def describe() -> list[tuple[str, str, str, str, str]]:
         """(key, type, default, accepted range, doc) of every key."""
         return sorted(describe(ServerSettings) + describe(TrainSettings))
+
+
+def new_run_name(results_dir: str | Path, label: str) -> str:
+    """A run folder name that no folder in ``results_dir`` has: ``YYYYmmdd-HHMMSS-<label>``.
+
+    Local time to the second, as FedScale names its logs; a name taken (two runs in one second)
+    gets ``-2``, ``-3``... The default ``run_name`` is this, so a new run never meets the last.
+    """
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", label)  # a task may be a module path
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
+    name, n = stamp, 2
+    while (Path(results_dir) / name).exists():
+        name, n = f"{stamp}-{n}", n + 1
+    return name
 
 
 def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -27,6 +27,7 @@ from server.preflight import PreflightError, check_run, check_writable, clear_st
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
+from server.tensorboard import RoundWriter, clear_events
 
 app = ServerApp()
 
@@ -44,8 +45,9 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
 
     Flower accepts ``flwr run -c key=value`` only for keys this table holds.
     """
-    return {k: v for k, v in sorted(RunConfig().to_flat().items())
-            if not k.startswith(ENGINE_KEY_PREFIX)}
+    flat = RunConfig().to_flat()
+    flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
+    return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 
 def flwr_app_config_toml() -> str:
@@ -98,6 +100,7 @@ def prepare_run_dir(config: RunConfig) -> None:
                 raise RunFolderError(str(ex)) from ex
             for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
                 (run_dir / name).unlink(missing_ok=True)
+            clear_events(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         check_writable(run_dir, "run folder", "results are written there")
     except PreflightError as ex:
@@ -174,6 +177,7 @@ def run_server(grid: Grid, config: RunConfig,
     model = task.build_model()
     run_dir = config.run_dir
     test_x, test_y = evaluation_split(task, s.eval_samples, t.seed)
+    board = RoundWriter(run_dir) if s.tensorboard else None
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -184,6 +188,8 @@ def run_server(grid: Grid, config: RunConfig,
 
     def round_done(record: RoundRecord) -> None:
         write_rounds(run_dir, strategy.rounds)
+        if board is not None:
+            board.write(record, strategy.rounds[:-1])
         timed.append(record.round)
         if s.progress:
             surplus = 0
@@ -198,9 +204,13 @@ def run_server(grid: Grid, config: RunConfig,
 
     strategy = strategy_factory(**DGCStrategy.arguments(config), on_round=round_done)
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
-    result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
-                            timeout=s.round_timeout_s, train_config=train_config,
-                            evaluate_fn=evaluate)
+    try:
+        result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
+                                timeout=s.round_timeout_s, train_config=train_config,
+                                evaluate_fn=evaluate)
+    finally:
+        if board is not None:
+            board.close()
     torch.save(result.arrays.to_torch_state_dict(), run_dir / "model.pt")
     write_rounds(run_dir, strategy.rounds)
     write_clients(run_dir, strategy.client_rows)

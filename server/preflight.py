@@ -8,6 +8,7 @@ had succeeded. :func:`check_run` is called by :func:`server.app.prepare_run_dir`
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tempfile
@@ -29,7 +30,7 @@ class PreflightError(ValueError):
 
 def check_run(config: Any) -> None:
     """Refuse a run that cannot work: clients without data, client state that cannot be
-    written, a checkpoint to resume that cannot be read.
+    written, a checkpoint to resume that cannot be read, TensorBoard asked for but missing.
 
     Raises
     ------
@@ -38,6 +39,9 @@ def check_run(config: Any) -> None:
     """
     check_partitions(config)
     check_writable(config.state_dir, "state_dir", "clients keep their residuals there")
+    if config.server.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
+                             "'fedgc[tensorboard]' (or tensorboard==2.21.0)")
     if config.server.resume and (config.run_dir / CHECKPOINT_FILE).exists():
         try:
             load_checkpoint(config.run_dir)

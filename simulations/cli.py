@@ -15,6 +15,7 @@ from fedgc.settings import (
     SettingsError,
     TrainSettings,
     key_table,
+    new_run_name,
 )
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
@@ -41,6 +42,13 @@ def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict
     if args.config:
         values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
+    resume = str(values.get("resume", "")).strip().lower() in ("true", "1", "yes", "on")
+    if getattr(args, "command", None) == "compare" and not values.get("run_name") and not resume:
+        # One folder for the whole comparison, named for it (a run's default names its method);
+        # a resume without run_name is left to RunConfig, which names the missing key.
+        task = values.get("task", TrainSettings.task)
+        values["run_name"] = new_run_name(values.get("results_dir", ServerSettings.results_dir),
+                                          f"{task}-compare")
     return values
 
 
@@ -71,13 +79,9 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.train.method: summary}))
-    print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}")
+    board = ", tensorboard/" if config.server.tensorboard else ""
+    print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
-
-
-def _title(config: RunConfig) -> str:
-    return (f"{config.train.task}: {config.train.num_clients} clients, "
-            f"{config.train.clients_per_round} per round, density {config.train.density}")
 
 
 def _method_config(config: RunConfig, method: str) -> RunConfig:
@@ -139,7 +143,7 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     summaries = against_dense(summaries)
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
-    plot = plot_runs(runs, base / "compare.png", title=_title(config))
+    plot = plot_runs(runs, base / "compare.png")
     print(summary_table(summaries))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
@@ -187,8 +191,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     base = config.run_dir
     doc = over_seeds(per_seed)
     write_json(base / "compare.json", doc)
-    plot = plot_bands(folders, base / "accuracy_vs_traffic.png",
-                      title=f"{_title(config)}; seeds {', '.join(map(str, per_seed))}")
+    plot = plot_bands(folders, base / "accuracy_vs_traffic.png")
     print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
     print(seeds_table(doc))
     print(f"results: {base}/compare.json, {plot.name}")

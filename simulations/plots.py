@@ -1,9 +1,18 @@
-"""PNG plots of results: accuracy against cumulative MB (log x), and bytes per round."""
+"""PNG plots of results: accuracy against cumulative MB (total and uplink), and MB per round.
+
+Every figure is titled with its methods and scenario (read from the runs' ``summary.json``),
+shows total traffic (uplink + downlink: the downlink is most of the bytes), labels log axes in
+plain numbers (0.05, 1, 20 MB; 5 kB), rounds as integers, and keeps its legend off the data
+(one legend for the runs, under the panels). :func:`readable_log` and :func:`integer_rounds` are
+shared with the network emulator's report (``simulations.netem.report``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -11,53 +20,155 @@ import numpy as np
 matplotlib.use("Agg")  # files only; no display on servers and CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.ticker import (  # noqa: E402
+    EngFormatter,
+    FuncFormatter,
+    LogLocator,
+    MaxNLocator,
+    NullFormatter,
+)
 
 from server.results import read_rounds  # noqa: E402
 
-
-def _curves(ax_acc, ax_bytes, label: str, rows: Sequence[Mapping[str, float]]) -> None:
-    cumulative_mb, total = [], 0.0
-    for r in rows:
-        total += r["uplink_bytes"]
-        cumulative_mb.append(total / 1e6)
-    ax_acc.plot(cumulative_mb, [r["accuracy"] for r in rows], marker=".", label=label)
-    ax_bytes.plot([r["round"] for r in rows], [max(r["uplink_bytes"], 1.0) for r in rows],
-                  label=f"{label} uplink")
+__all__ = ["integer_rounds", "legend_below", "plot_bands", "plot_run", "plot_runs",
+           "readable_log", "runs_figure", "save", "scenario_title"]
 
 
-def _label(ax, log: str, xlabel: str, ylabel: str) -> None:
-    """Axis labels, a log scale on axis ``log`` ("x" or "y"), grid and legend."""
-    (ax.set_xscale if log == "x" else ax.set_yscale)("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+def _plain(value: float, _pos: object = None) -> str:
+    """0.05, 1, 20, 1500: the shortest plain form (never 1.1x10^0)."""
+    return f"{value:.6g}" if value < 1e6 else f"{value:,.0f}"
 
 
-def _save(fig, out: str | Path) -> Path:
-    fig.tight_layout()
+def readable_log(ax: Axes, axis: str = "x", unit: str = "") -> None:
+    """A log scale on ``axis`` ("x" or "y") with ticks at 1, 2 and 5 per decade, labelled in
+    plain numbers, or with SI prefixes when ``unit`` is given (``"B"``: 5 kB, 2 MB); the minor
+    ticks stay unlabelled, so that a narrow range shows no "1.1x10^0". Call it after plotting:
+    a range of more than three decades gets a tick per decade only."""
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log")
+    low, high = ax.dataLim.intervalx if axis == "x" else ax.dataLim.intervaly
+    # Over more than three decades 2 and 5 crowd the labels: decades only.
+    wide = low > 0 and high / low > 1e3
+    target.set_major_locator(LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
+    target.set_major_formatter(EngFormatter(unit=unit, places=0) if unit
+                               else FuncFormatter(_plain))
+    target.set_minor_formatter(NullFormatter())
+
+
+def integer_rounds(ax: Axes) -> None:
+    """Round numbers on the x axis: integers only, at most ~10 ticks."""
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
+
+
+def legend_below(fig: Figure, handles: Sequence[Any], labels: Sequence[str]) -> None:
+    """One legend for the whole figure, under its panels (it covers no data)."""
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) -> str:
+    """"dense vs dgc on digits: 6 clients, 3 per round, iid, 12 rounds, density 0.001".
+
+    Read from the first run's ``summary.json`` (its ``config``); ``methods`` default to those
+    of the runs. Empty where no run has a summary (a plot of bare ``rounds.csv`` files).
+    """
+    summaries = [s for s in (_summary(Path(d)) for d in run_dirs) if s]
+    if not summaries:
+        return ""
+    c = summaries[0].get("config", {})
+    methods = list(methods) or list(dict.fromkeys(s.get("method", "?") for s in summaries))
+    parts = [f"{c.get('num_clients', '?')} clients, {c.get('clients_per_round', '?')} per "
+             f"round"]
+    partition = c.get("partition")
+    if partition:
+        parts.append(f"Dirichlet({c.get('alpha')})" if partition == "dirichlet" else partition)
+    parts.append(f"{summaries[0].get('rounds', c.get('rounds', '?'))} rounds")
+    if any(m not in ("dense", "fedavgm") for m in methods) and "dgc.density" in c:
+        parts.append(f"density {c['dgc.density']:g}")
+    if c.get("downlink_density", 1.0) < 1.0:
+        parts.append(f"downlink density {c['downlink_density']:g}")
+    netem = summaries[0].get("netem") or {}
+    if netem.get("netem.enabled"):
+        deadline = netem.get("netem.deadline_s")
+        deadline = f"{deadline:g}" if isinstance(deadline, (int, float)) else deadline
+        parts.append(f"links {netem.get('netem.mix')}, deadline {deadline} s")
+    task = c.get("task", summaries[0].get("task", "?"))
+    return f"{' vs '.join(methods)} on {task}: {', '.join(parts)}"
+
+
+def _cumulative_mb(rows: Sequence[Mapping[str, float]], *columns: str) -> np.ndarray:
+    return np.cumsum([sum(r[c] for c in columns) for r in rows]) / 1e6
+
+
+def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
+    """Write :func:`runs_figure` to ``out``."""
+    return save(runs_figure(runs, title), out)
+
+
+def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
+    """One figure for several runs (name -> run folder), three panels: accuracy against
+    cumulative total MB (uplink + downlink), accuracy against cumulative uplink MB, and the
+    MB of each round both ways (uplink solid, downlink dashed). ``title`` defaults to
+    :func:`scenario_title`."""
+    fig, (ax_total, ax_up, ax_bytes) = plt.subplots(1, 3, figsize=(17, 5))
+    handles = []
+    for i, run_dir in enumerate(runs.values()):
+        rows = read_rounds(Path(run_dir))
+        color, acc = f"C{i}", [r["accuracy"] for r in rows]
+        marker = "." if len(rows) <= 50 else None  # a dot per round, while they stay apart
+        (line,) = ax_total.plot(_cumulative_mb(rows, "uplink_bytes", "downlink_bytes"), acc,
+                                marker=marker, color=color)
+        ax_up.plot(_cumulative_mb(rows, "uplink_bytes"), acc, marker=marker, color=color)
+        rounds = [r["round"] for r in rows]
+        # A round that sent nothing (every client failed) sits at 1 byte, on the log axis.
+        ax_bytes.plot(rounds, [max(r["uplink_bytes"], 1.0) for r in rows], color=color)
+        ax_bytes.plot(rounds, [max(r["downlink_bytes"], 1.0) for r in rows], color=color,
+                      linestyle="--")
+        handles.append(line)
+    readable_log(ax_total, "x")
+    ax_total.set(xlabel="cumulative total traffic, uplink + downlink (MB)",
+                 ylabel="test accuracy", title="accuracy vs total traffic")
+    readable_log(ax_up, "x")
+    ax_up.set(xlabel="cumulative uplink (MB)", ylabel="test accuracy",
+              title="accuracy vs uplink")
+    readable_log(ax_bytes, "y", unit="B")
+    integer_rounds(ax_bytes)
+    ax_bytes.set(xlabel="round", ylabel="bytes per round", title="traffic per round")
+    ax_bytes.legend([Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linestyle="--")],
+                    ["uplink", "downlink"], loc="best")
+    for ax in (ax_total, ax_up, ax_bytes):
+        ax.grid(True, which="major", alpha=0.3)
+    legend_below(fig, handles, list(runs))
+    fig.suptitle(title or scenario_title(runs.values(), list(runs)))
+    return fig
+
+
+def save(fig: Figure, out: str | Path, legend_room: float = 0.07) -> Path:
+    """Lay out ``fig`` (``legend_room``: the bottom fraction kept for :func:`legend_below`),
+    write it as a PNG (creating the folder) and close it."""
+    fig.tight_layout(rect=(0, legend_room, 1, 1))
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
-def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
-    """One figure for several runs (name -> run folder): the two panels side by side."""
-    fig, (ax_acc, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, run_dir in runs.items():
-        _curves(ax_acc, ax_bytes, name, read_rounds(Path(run_dir)))
-    _label(ax_acc, "x", "cumulative uplink (MB, log scale)", "test accuracy")
-    _label(ax_bytes, "y", "round", "uplink bytes per round (log scale)")
-    if title:
-        fig.suptitle(title)
-    return _save(fig, out)
-
-
 def plot_run(run_dir: str | Path) -> Path:
-    """``<run_dir>/plots.png`` for a single run."""
+    """``<run_dir>/plots.png`` for a single run, named by its method."""
     run_dir = Path(run_dir)
-    return plot_runs({run_dir.name: run_dir}, run_dir / "plots.png", title=str(run_dir))
+    name = _summary(run_dir).get("method", run_dir.name)
+    return plot_runs({name: run_dir}, run_dir / "plots.png")
 
 
 def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title: str = "") -> Path:
@@ -66,23 +177,30 @@ def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title:
     ``runs`` maps a method to its run folders, one per seed. Per round, the line is the mean
     accuracy over the seeds at their mean cumulative total MB; the band is +- one standard
     deviation of the accuracy (none for a single seed). Runs of unequal length are cut to the
-    shortest.
+    shortest. ``title`` defaults to :func:`scenario_title`.
     """
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    handles = []
     for name, dirs in runs.items():
         curves = [read_rounds(Path(d)) for d in dirs]
         n = min(len(c) for c in curves)
         acc = np.array([[r["accuracy"] for r in c[:n]] for c in curves])
-        mb = np.array([np.cumsum([r["uplink_bytes"] + r["downlink_bytes"] for r in c[:n]])
-                       for c in curves]) / 1e6
+        mb = np.array([_cumulative_mb(c[:n], "uplink_bytes", "downlink_bytes") for c in curves])
         x, mean = mb.mean(axis=0), acc.mean(axis=0)
-        (line,) = ax.plot(x, mean, label=f"{name} ({len(curves)} seeds)")
+        count = f"{len(curves)} seed{'s' if len(curves) != 1 else ''}"
+        (line,) = ax.plot(x, mean, label=f"{name} ({count})")
         if len(curves) > 1:
             std = acc.std(axis=0, ddof=1)
             ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25,
                             linewidth=0)
-    _label(ax, "x", "cumulative total traffic, uplink + downlink (MB, log scale)",
-           "test accuracy (mean +- std over seeds)")
-    if title:
-        ax.set_title(title)
-    return _save(fig, out)
+        handles.append(line)
+    readable_log(ax, "x")
+    ax.set(xlabel="cumulative total traffic, uplink + downlink (MB)",
+           ylabel="test accuracy (mean +- std over seeds)")
+    ax.grid(True, which="major", alpha=0.3)
+    legend_below(fig, handles, [h.get_label() for h in handles])
+    first = [Path(d[0]) for d in runs.values() if d]
+    seeds = max((len(d) for d in runs.values()), default=0)
+    ax.set_title(title or f"{scenario_title(first, list(runs))}; "
+                          f"{seeds} seed{'s' if seeds != 1 else ''}")
+    return save(fig, out, legend_room=0.07)

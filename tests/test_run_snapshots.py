@@ -40,7 +40,8 @@ RUNS = {
 }
 MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds"}
 CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
-RUN_FOLDER = {"results_dir", "run_name", "state_dir"}
+#: Config keys of where and what a run writes, not what it computes (tensorboard came later).
+RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 
 
 def _same(key: str, got: str | float, want: str | float) -> bool:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 from pathlib import Path
 
 import pytest
 
-from fedgc.settings import METHODS, RunConfig
+from fedgc.settings import METHODS, RunConfig, SettingsError
 from server.records import RoundRecord
 from server.results import summarize
 from simulations.cli import DEMO, _parser, build_config, main
@@ -27,7 +28,9 @@ def test_the_shipped_scenarios_are_valid_runs() -> None:
     assert {"mnist5k", "fashion-mnist", "shakespeare"} <= set(scenario_names())
     for name in scenario_names():
         c = build_config(_args(scenario=name))
-        assert c.server.run_name == name and c.train.task == name
+        # No scenario names its folder: each run gets a new one, named by time, task, method.
+        assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{name}-{c.train.method}", c.server.run_name)
+        assert c.train.task == name
     # make demo is the mnist5k scenario, in its own folder.
     assert {k: v for k, v in DEMO.items() if k not in ("run_name", "overwrite")} == \
         {k: v for k, v in load_scenario("mnist5k").items() if k != "run_name"}
@@ -41,7 +44,7 @@ def test_precedence_defaults_scenario_config_set(tmp_path: Path) -> None:
     default = RunConfig().to_flat()
     assert c["rounds"] == 7 and c["seed"] == 4                  # --set wins
     assert c["lr"] == 0.05 and c["dgc.density"] == 0.01          # --config over the scenario
-    assert c["task"] == "fashion-mnist" and c["run_name"] == "fashion-mnist"  # the scenario
+    assert c["task"] == "fashion-mnist"                          # the scenario
     assert c["batch_size"] == default["batch_size"]              # defaults below all
 
 
@@ -148,3 +151,12 @@ def test_bad_jobs_are_named(jobs: str, engine: str, capsys) -> None:
     assert main(["compare", "--jobs", jobs, "--set", "rounds=1",
                  "--set", f"sim.engine={engine}"]) == 2
     assert "--jobs" in capsys.readouterr().err
+
+
+def test_compare_without_run_name_names_one_folder_for_the_comparison(tmp_path: Path) -> None:
+    c = build_config(_args(command="compare", set=["task=digits", f"results_dir={tmp_path}"]))
+    assert re.fullmatch(r"\d{8}-\d{6}-digits-compare", c.server.run_name)
+    named = build_config(_args(command="compare", set=["run_name=mine"]))
+    assert named.server.run_name == "mine"
+    with pytest.raises(SettingsError, match="resume=true needs run_name"):
+        build_config(_args(command="compare", set=["resume=true"]))

@@ -374,7 +374,7 @@ def test_eval_samples_scores_a_seeded_random_subset(tmp_path):
     summary = run_server(LocalGrid(client_app, 6, seed=1),
                          _config(tmp_path, eval_samples=40, rounds=1))
     model = get_task("digits").build_model()
-    model.load_state_dict(_model(tmp_path / "default"))
+    model.load_state_dict(_model(tmp_path / summary["config"]["run_name"]))
     digits = get_task("digits")
     keep = evaluation_split(digits, 40, 0)
     assert summary["final_accuracy"] == pytest.approx(digits.evaluate(model, *keep)[1])

@@ -137,3 +137,33 @@ def test_the_defence_keys_reach_the_strategy():
         "trim_fraction": 0.2}))
     assert (s.bounds.max_weight_ratio, s.bounds.max_norm_ratio) == (0.0, 2.5)
     assert (s.aggregation, s.trim_fraction) == ("trimmed_mean", 0.2)
+
+
+def test_a_run_without_run_name_gets_a_new_folder(tmp_path, monkeypatch):
+    """The default run_name: a folder named by time, task and method, never the last run's;
+    a name taken (two runs in one second) gets a counter; a config carries its one name
+    through overrides."""
+    import re
+
+    import fedgc.settings
+
+    first = RunConfig.from_flat({"results_dir": str(tmp_path), "task": "digits"})
+    assert re.fullmatch(r"\d{8}-\d{6}-digits-dgc", first.server.run_name)
+    assert first.with_overrides({"rounds": 3}).run_dir == first.run_dir
+    assert RunConfig.from_flat(first.to_flat()).run_dir == first.run_dir
+    monkeypatch.setattr(fedgc.settings.time, "strftime", lambda _: "20261204-101502")
+    names = []
+    for _ in range(3):
+        c = RunConfig.from_flat({"results_dir": str(tmp_path), "method": "dense"})
+        c.run_dir.mkdir()
+        names.append(c.server.run_name)
+    assert names == ["20261204-101502-mnist5k-dense", "20261204-101502-mnist5k-dense-2",
+                     "20261204-101502-mnist5k-dense-3"]
+    named = RunConfig.from_flat({"results_dir": str(tmp_path), "run_name": "mine"})
+    assert named.run_dir == tmp_path / "mine"
+
+
+def test_resume_needs_the_run_name():
+    with pytest.raises(SettingsError, match="resume=true needs run_name"):
+        RunConfig.from_flat({"resume": True})
+    assert RunConfig.from_flat({"resume": True, "run_name": "r"}).server.run_name == "r"

@@ -155,7 +155,7 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from fedgc.settings import SettingsError
+    from fedgc.settings import SettingsError, new_run_name
     from simulations.plots import plot_run
 
     from .fedgc_run import (
@@ -167,10 +167,13 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     )
 
     try:
-        values: dict[str, object] = {"run_name": f"deploy-{args.link or 'loopback'}"}
+        values: dict[str, object] = {}
         if args.config:
             values.update(load_config_file(args.config))
         values.update(parse_run_sets(args.set))
+        if not values.get("run_name"):  # a new folder per deployment, as for a simulation
+            values["run_name"] = new_run_name(values.get("results_dir", "results"),
+                                              f"deploy-{args.link or 'loopback'}")
     except SettingsError as err:
         raise DeployError(str(err)) from err
     run_config = deploy_run_config(values, args.nodes)

@@ -40,7 +40,6 @@ def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
         )
     values["num_clients"] = nodes
     values.setdefault("clients_per_round", nodes)
-    values.setdefault("run_name", "deploy")
     try:
         config = RunConfig.from_flat(values)
     except SettingsError as err:

@@ -2,8 +2,9 @@
 
 ``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
 plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
-a mobile mix), the per-round virtual duration, drops by cause and bytes by direction, and prints
-the time-to-accuracy table (target: the first run's final accuracy unless ``--target``).
+a mobile mix) with the target accuracy as a line, the per-round virtual duration, drops by cause
+and MB up, down and in total, titled with the methods, scenario and links; and prints the
+time-to-accuracy table (target: the first run's final accuracy unless ``--target``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,22 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and CI
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from server.results import read_rounds  # noqa: E402
 from simulations.netem.errors import NetemError  # noqa: E402
+from simulations.plots import (  # noqa: E402
+    integer_rounds,
+    legend_below,
+    readable_log,
+    save,
+    scenario_title,
+)
+
+#: The ``rounds.csv`` columns of the drops, by cause.
+DROP_CAUSES = ("dropped_deadline", "dropped_link", "dropped_rejected")
 
 
 def virtual_times(rows: Sequence[Mapping[str, float]]) -> list[float]:
@@ -68,46 +82,78 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
     return table
 
 
-def plot_virtual_time(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
-    """Accuracy vs virtual time, round durations, drops by cause and bytes by direction."""
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+def plot_virtual_time(runs: Mapping[str, str | Path], out: str | Path, title: str = "",
+                      target: float | None = None) -> Path:
+    """Write :func:`virtual_time_figure` to ``out``."""
+    return save(virtual_time_figure(runs, title, target), out)
+
+
+def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
+                        target: float | None = None) -> Figure:
+    """Accuracy vs virtual time (with the ``target`` accuracy as a dashed line, each run's time
+    to it marked), round durations, drops by cause and MB by direction (total included).
+
+    ``title`` defaults to the methods and scenario (:func:`simulations.plots.scenario_title`).
+    """
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
     ax_acc, ax_dur, ax_drop, ax_bytes = axes
-    names = list(runs)
-    for i, (name, run_dir) in enumerate(runs.items()):
+    names, handles = list(runs), []
+    drops, traffic = [], []
+    for i, run_dir in enumerate(runs.values()):
         rows = read_rounds(Path(run_dir))
-        t = virtual_times(rows)
-        ax_acc.plot(t, [r["accuracy"] for r in rows], marker=".", label=name)
-        ax_dur.plot([r["round"] for r in rows], [r["virtual_seconds"] for r in rows], label=name)
-        for j, cause in enumerate(("dropped_deadline", "dropped_link", "dropped_rejected")):
-            ax_drop.bar(i + 0.25 * (j - 1), sum(r[cause] for r in rows), width=0.25,
-                        color=f"C{j}", label=cause.replace("dropped_", "") if i == 0 else None)
-        for j, col in enumerate(("uplink_bytes", "downlink_bytes")):
-            ax_bytes.bar(i + 0.35 * (j - 0.5), max(1.0, sum(r[col] for r in rows)) / 1e6,
-                         width=0.35, color=f"C{j + 3}",
-                         label=col.split("_")[0] if i == 0 else None)
-    ax_acc.set(xscale="log", xlabel="virtual seconds (cumulative)", ylabel="test accuracy",
-               title="accuracy vs emulated time")
-    ax_dur.set(xlabel="round", ylabel="virtual seconds", yscale="log",
-               title="round duration")
-    ax_drop.set(xticks=range(len(names)), xticklabels=names, ylabel="clients",
-                title="dropped updates by cause")
-    ax_bytes.set(xticks=range(len(names)), xticklabels=names, ylabel="MB", yscale="log",
-                 title="bytes by direction")
-    for ax in (ax_drop, ax_bytes):  # run names are long: slanted, they do not overlap
-        ax.tick_params(axis="x", labelrotation=20)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
+        t, color = virtual_times(rows), f"C{i}"
+        (line,) = ax_acc.plot(t, [r["accuracy"] for r in rows], marker=".", color=color)
+        handles.append(line)
+        if target is not None and (hit := time_to_accuracy(rows, target)) is not None:
+            ax_acc.axvline(hit, color=color, linestyle=":", linewidth=1)
+        ax_dur.plot([r["round"] for r in rows], [r["virtual_seconds"] for r in rows],
+                    color=color)
+        drops.append([sum(r[c] for r in rows) for c in DROP_CAUSES])
+        up, down = (sum(r[c] for r in rows) / 1e6 for c in ("uplink_bytes", "downlink_bytes"))
+        traffic.append([up, down, up + down])
+    if target is not None:
+        ax_acc.axhline(target, color="0.4", linestyle="--", linewidth=1)
+        ax_acc.annotate(f"target {target:.3f}", xy=(0.01, target), xycoords=("axes fraction",
+                        "data"), xytext=(0, 3), textcoords="offset points", color="0.3",
+                        fontsize=9)
+    readable_log(ax_acc, "x")
+    ax_acc.set(xlabel="virtual seconds (cumulative)", ylabel="test accuracy",
+               title="accuracy vs emulated time" + ("" if target is None else
+                                                    " (dotted: target reached)"))
+    readable_log(ax_dur, "y")
+    integer_rounds(ax_dur)
+    ax_dur.set(xlabel="round", ylabel="virtual seconds", title="round duration")
+    _grouped_bars(ax_drop, names, drops, [c.replace("dropped_", "") for c in DROP_CAUSES], 0)
+    ax_drop.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_drop.set(ylabel="clients", title="dropped updates by cause")
+    _grouped_bars(ax_bytes, names, traffic, ["uplink", "downlink", "total"], 3, log=True)
+    ax_bytes.set(ylabel="MB", title="traffic by direction")
     for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+        ax.grid(True, which="major", alpha=0.3)
+    legend_below(fig, handles, names)
+    fig.suptitle(title or scenario_title(runs.values(), names))
+    return fig
+
+
+def _grouped_bars(ax: Axes, names: Sequence[str], values: Sequence[Sequence[float]],
+                  labels: Sequence[str], first_color: int, log: bool = False) -> None:
+    """One group of bars per run (``values[run][bar]``), a legend of the bars above them;
+    ``log``: a readable log scale (a bar of 0 is drawn at 1e-6)."""
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        ax.bar([i + width * (j - (len(labels) - 1) / 2) for i in range(len(names))],
+               [max(group[j], 1e-6) if log else group[j] for group in values], width=width,
+               color=f"C{j + first_color}", label=label)
+    if log:
+        readable_log(ax, "y")
+    ax.set_xticks(range(len(names)), names)
+    for tick in ax.get_xticklabels():  # run names are long: slanted, they do not overlap
+        tick.set_rotation(20)
+        tick.set_horizontalalignment("right")
+    # Room above the tallest bar for the legend, so that it covers no bar.
+    top = max((v for group in values for v in group), default=0.0)
+    ax.set_ylim(top=(top * 8 if log else top * 1.35) if top > 0 else 1.0)
+    ax.legend(loc="upper center", ncol=len(labels), frameon=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs[name] = path
     try:
         table = summarize_runs(runs, args.target)
-        plot_virtual_time(runs, args.out, args.title)
+        plot_virtual_time(runs, args.out, args.title,
+                          next(iter(table.values()))["target_accuracy"])
     except NetemError as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2

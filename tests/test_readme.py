@@ -1,0 +1,53 @@
+"""The README's quick commands run as written (the block after ``<!-- quick: ... -->``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The marker a README block carries when this test runs it: an HTML comment, unseen on GitHub.
+MARKER = "<!-- quick:"
+
+
+def quick_commands(markdown: str) -> list[str]:
+    """The commands of every fenced block right after a ``<!-- quick: ... -->`` line: one per
+    logical line (backslash continuations joined), comment-only and blank lines left out."""
+    commands: list[str] = []
+    for block in re.findall(r"^<!-- quick:.*?-->\n```[a-z]*\n(.*?)^```", markdown, re.M | re.S):
+        text = re.sub(r"\s*\\\n\s*", " ", block)
+        commands += [line.strip() for line in text.splitlines()
+                     if line.strip() and not line.strip().startswith("#")]
+    return commands
+
+
+def test_quick_commands_are_extracted_whole() -> None:
+    md = ("text\n<!-- quick: x -->\n```sh\npython -m a --set b=1 \\\n    --set c=2  # note\n"
+          "# only a comment\n\npython -m d\n```\n```sh\nnot quick\n```\n")
+    assert quick_commands(md) == ["python -m a --set b=1 --set c=2  # note", "python -m d"]
+
+
+@pytest.mark.slow
+def test_readme_quick_commands_run(tmp_path: Path) -> None:
+    """Each command in a fresh folder, with this checkout's packages and the running venv's
+    ``python`` first on PATH; exit status 0, no traceback, and the files the README names."""
+    readme = (ROOT / "README.md").read_text()
+    commands = quick_commands(readme)
+    assert len(commands) >= 4, f"the README's {MARKER} block is missing or lost commands"
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for command in commands:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, text=True,
+                              capture_output=True, timeout=600, check=False)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, \
+            f"README command failed ({done.returncode}): {command}\n{done.stderr[-3000:]}"
+    # What the text after the block promises.
+    runs = list((tmp_path / "results").glob("*-digits-dgc"))
+    assert len(runs) == 1 and (runs[0] / "plots.png").exists()
+    assert list((runs[0] / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "results" / "quick" / "virtual.png").exists()
