@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,7 +24,13 @@ from server.preflight import PreflightError
 from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
-from simulations.compare import against_dense, over_seeds, parse_seeds
+from simulations.compare import (
+    against_dense,
+    at_equal_traffic,
+    over_seeds,
+    parse_seeds,
+    traffic_curve,
+)
 from simulations.netem.errors import NetemError
 from simulations.scenario import load_scenario, scenario_names
 
@@ -141,12 +148,23 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
 
     base = config.run_dir
     summaries = against_dense(summaries)
+    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()})
+    for m, s in summaries.items():
+        s["equal_traffic_bytes"] = equal["bytes"]
+        s["last10_at_equal_traffic"] = equal["last10"][m]
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
     print(summary_table(summaries))
+    print(_equal_traffic_line(equal))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
+
+
+def _equal_traffic_line(equal: Mapping[str, Any]) -> str:
+    accs = ", ".join(f"{m} {a:.4f}" for m, a in equal["last10"].items())
+    return (f"last-10 accuracy at {equal['method']}'s total traffic "
+            f"({equal['bytes'] / 1e6:.2f} MB): {accs}")
 
 
 def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
@@ -194,6 +212,12 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     plot = plot_bands(folders, base / "accuracy_vs_traffic.png")
     print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
     print(seeds_table(doc))
+    at = {m: d["mean"].get("last10_at_equal_traffic", float("nan"))
+          for m, d in doc["methods"].items()}
+    budget = statistics.fmean(d["mean"].get("equal_traffic_bytes", float("nan"))
+                              for d in doc["methods"].values())
+    print("last-10 accuracy at the cheapest method's total traffic (mean over seeds, "
+          f"{budget / 1e6:.2f} MB): " + ", ".join(f"{m} {a:.4f}" for m, a in at.items()))
     print(f"results: {base}/compare.json, {plot.name}")
     return doc
 

@@ -5,19 +5,24 @@ own ``*_compression`` keys compare it with what dense fp32 would have cost for t
 messages; in a comparison that includes ``dense``, :func:`against_dense` adds the ratio to the
 dense run itself (``uplink_vs_dense`` and so on: dense bytes / the method's bytes, so 50.0 means
 fifty times fewer). :func:`over_seeds` folds the per-seed summaries into a mean and a standard
-deviation per method (``compare.json`` of ``compare --seeds``).
+deviation per method (``compare.json`` of ``compare --seeds``). :func:`at_equal_traffic` reads
+each method's accuracy at the total traffic of the cheapest one, so that methods that end at
+different byte counts are compared at the same budget.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from fedgc.settings import SettingsError
 
-__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "over_seeds", "parse_seeds"]
+__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "over_seeds",
+           "parse_seeds", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg).
 BASELINE = "dense"
@@ -28,7 +33,8 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "uplink_bytes", "downlink_bytes", "total_bytes",
               "uplink_vs_dense", "downlink_vs_dense", "total_vs_dense",
               "uplink_compression", "downlink_compression", "total_compression",
-              "virtual_seconds", "virtual_seconds_to_target", "wall_seconds")
+              "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
+              "equal_traffic_bytes", "last10_at_equal_traffic")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -99,3 +105,38 @@ def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[
             std[key] = statistics.stdev(values) if len(values) > 1 else float("nan")
         doc["methods"][m] = {"runs": len(runs), "mean": mean, "std": std}
     return doc
+
+
+def traffic_curve(run_dir: Path) -> list[tuple[int, float]]:
+    """``(cumulative uplink + downlink bytes, accuracy)`` after each round of a run folder."""
+    with (Path(run_dir) / "rounds.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    curve, total = [], 0
+    for row in rows:
+        total += int(row["uplink_bytes"]) + int(row["downlink_bytes"])
+        curve.append((total, float(row["accuracy"])))
+    return curve
+
+
+def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Any]:
+    """Each method's accuracy at the total traffic of the method that sent the least.
+
+    The budget is the smallest final cumulative total among ``curves`` (method -> output of
+    :func:`traffic_curve`). A method's value is the mean accuracy of its last 10 rounds whose
+    cumulative total is within the budget (as ``last10_accuracy`` is of the whole run); NaN
+    when not even its first round fits. Returns ``{"method": cheapest, "bytes": budget,
+    "last10": {method: accuracy}, "rounds": {method: rounds within the budget}}``.
+    """
+    finished = {m: c for m, c in curves.items() if c}
+    if not finished:
+        raise ValueError("at_equal_traffic needs at least one run with a round")
+    cheapest = min(finished, key=lambda m: finished[m][-1][0])
+    budget = finished[cheapest][-1][0]
+    last10: dict[str, float] = {}
+    rounds: dict[str, int] = {}
+    for m, curve in finished.items():
+        within = [acc for total, acc in curve if total <= budget]
+        rounds[m] = len(within)
+        last10[m] = statistics.fmean(within[-10:]) if within else float("nan")
+    return {"method": cheapest, "bytes": budget, "last10": last10, "rounds": rounds}
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -123,8 +124,15 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
     assert per["dgc"]["uplink_vs_dense"] == pytest.approx(doc["per_seed"]["1"]["dgc"]
                                                           ["uplink_vs_dense"])
     assert (base / "accuracy_vs_traffic.png").read_bytes()[:8] == PNG
+    for seed in ("0", "1"):  # every method read at the cheapest one's total traffic
+        per = doc["per_seed"][seed]
+        cheapest = min(per, key=lambda m: per[m]["total_bytes"])
+        assert per[cheapest]["last10_at_equal_traffic"] == \
+            pytest.approx(per[cheapest]["last10_accuracy"])
+        assert per["dense"]["equal_traffic_bytes"] == per[cheapest]["total_bytes"]
     out = capsys.readouterr().out
     assert "mean +- std over seeds 0, 1" in out and "total MB" in out and "last10 acc" in out
+    assert "last-10 accuracy at the cheapest method's total traffic" in out
 
 
 def test_compare_jobs_gives_the_runs_of_one_job(tmp_path: Path, capsys) -> None:
@@ -160,3 +168,19 @@ def test_compare_without_run_name_names_one_folder_for_the_comparison(tmp_path: 
     assert named.server.run_name == "mine"
     with pytest.raises(SettingsError, match="resume=true needs run_name"):
         build_config(_args(command="compare", set=["resume=true"]))
+
+
+def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
+    from simulations.compare import at_equal_traffic
+
+    curves = {"cheap": [(10, 0.1), (20, 0.2), (30, 0.3)],
+              "dear": [(5, 0.5), (25, 0.6), (31, 0.9), (90, 0.95)],
+              "late": [(40, 0.99)]}
+    got = at_equal_traffic(curves)
+    assert got["method"] == "cheap" and got["bytes"] == 30
+    assert got["rounds"] == {"cheap": 3, "dear": 2, "late": 0}
+    assert got["last10"]["cheap"] == pytest.approx(0.2)
+    assert got["last10"]["dear"] == pytest.approx(0.55)  # 0.9 came after the budget
+    assert math.isnan(got["last10"]["late"])
+    long = {"a": [(i, i / 100) for i in range(1, 31)], "b": [(i, 1.0) for i in range(1, 51)]}
+    assert at_equal_traffic(long)["last10"]["a"] == pytest.approx(sum(range(21, 31)) / 1000)
