@@ -135,6 +135,7 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
     assert "last-10 accuracy at the cheapest method's total traffic" in out
 
 
+@pytest.mark.slow  # eight small runs, four of them in spawned processes
 def test_compare_jobs_gives_the_runs_of_one_job(tmp_path: Path, capsys) -> None:
     common = ["--seeds", "0,1", "--methods", "dense,dgc", "--set", f"results_dir={tmp_path}",
               "--set", "task=digits", "--set", "num_clients=4", "--set", "clients_per_round=2",
