@@ -10,6 +10,7 @@ shared with the network emulator's report (``simulations.netem.report``).
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,7 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
     for ax in (ax_total, ax_up, ax_bytes):
         ax.grid(True, which="major", alpha=0.3)
     legend_below(fig, handles, list(runs))
-    fig.suptitle(title or scenario_title(runs.values(), list(runs)))
+    fig.suptitle(textwrap.fill(title or scenario_title(runs.values(), list(runs)), 110))
     return fig
 
 
@@ -201,6 +202,6 @@ def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title:
     legend_below(fig, handles, [h.get_label() for h in handles])
     first = [Path(d[0]) for d in runs.values() if d]
     seeds = max((len(d) for d in runs.values()), default=0)
-    ax.set_title(title or f"{scenario_title(first, list(runs))}; "
-                          f"{seeds} seed{'s' if seeds != 1 else ''}")
+    ax.set_title(textwrap.fill(title or f"{scenario_title(first, list(runs))}; "
+                                        f"{seeds} seed{'s' if seeds != 1 else ''}", 90))
     return save(fig, out, legend_room=0.07)
