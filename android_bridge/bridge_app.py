@@ -75,9 +75,15 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         device = device_for(context, devices)
         key = client_module.client_key(context)
         record = held.get(device)
-        global_state = client_module.global_model(msg.content, config, record)
+        # A first contact may be sent a patch on version 0 (clients_build_initial_model, a
+        # default): the bridge builds version 0 from the run's seed as a ClientApp does, and
+        # the phone, which holds no model yet, gets the model it produces, dense.
+        global_state = client_module.global_model(
+            msg.content, config, record,
+            initial=lambda: client_module.initial_model(client_module._task(s.task_spec()),
+                                                        s.seed))
         patch = base = None
-        if str(config.get(P.DOWNLINK, "dense")) == "patch":
+        if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:
             patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
             base = int(config[P.BASE_VERSION])  # type: ignore[arg-type]
             if config.get(P.PATCH_ADD):
