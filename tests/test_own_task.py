@@ -193,9 +193,10 @@ def test_own_task_on_the_ray_engine(tmp_path: Path, examples_path: None,
     argv = ["run", "--set", "sim.engine=ray", "--set", "sim.num_cpus=2", "--set",
             "num_clients=2", "--set", "clients_per_round=2", "--set", "rounds=1",
             "--set", "progress=false", "--set", f"results_dir={tmp_path}",
-            "--set", f"task={OWN}", "--set", 'task_options={"num_train": 200, "num_test": 100}']
+            "--set", f"task={OWN}", "--set", 'task_options={"num_train": 200, "num_test": 100}',
+            "--set", "run_name=ray"]
     assert main(argv) == 0
-    rows = (tmp_path / "default" / "rounds.csv").read_text().splitlines()
+    rows = (tmp_path / "ray" / "rounds.csv").read_text().splitlines()
     assert len(rows) == 2 and rows[1].split(",")[6] == "2"  # clients_aggregated
 
 
