@@ -80,7 +80,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         # the phone, which holds no model yet, gets the model it produces, dense.
         global_state = client_module.global_model(
             msg.content, config, record,
-            initial=lambda: client_module.initial_model(client_module._task(s.task_spec()),
+            initial=lambda: client_module.initial_model(client_module.task_of(s.task_spec()),
                                                         s.seed))
         patch = base = None
         if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:

@@ -64,7 +64,8 @@ class ClientProtocolError(P.ProtocolError):
 
 
 @lru_cache(maxsize=4)
-def _task(spec: TaskSpec) -> Any:
+def task_of(spec: TaskSpec) -> Any:
+    """The task of ``spec``, loaded once per process (the bridge app shares it)."""
     from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
 
     return load_task(spec)
@@ -90,7 +91,7 @@ def _model(task: Any, name: TaskSpec) -> torch.nn.Module:
 @lru_cache(maxsize=8)
 def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
                 seed: int) -> tuple[np.ndarray, ...]:
-    parts = _task(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
+    parts = task_of(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
 
 
@@ -263,7 +264,7 @@ def train(msg: Message, context: Context) -> Message:
     store = _store(s, context)
     state = _load_state(store, str(key), ack, s.method)
 
-    task = _task(s.task_spec())
+    task = task_of(s.task_spec())
     parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
     if not 0 <= key < len(parts):
         raise ClientProtocolError(f"client key {key} has no partition: the task has "
@@ -345,7 +346,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
     s = settings_from(config)
-    task = _task(s.task_spec())
+    task = task_of(s.task_spec())
     parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
     key = client_key(context)
     idx = torch.from_numpy(parts[key])

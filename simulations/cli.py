@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -156,15 +155,14 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
     print(summary_table(summaries))
-    print(_equal_traffic_line(equal))
+    print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
 
 
-def _equal_traffic_line(equal: Mapping[str, Any]) -> str:
-    accs = ", ".join(f"{m} {a:.4f}" for m, a in equal["last10"].items())
-    return (f"last-10 accuracy at {equal['method']}'s total traffic "
-            f"({equal['bytes'] / 1e6:.2f} MB): {accs}")
+def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) -> str:
+    accs = ", ".join(f"{m} {a:.4f}" for m, a in last10.items())
+    return f"last-10 accuracy at {whose} total traffic ({budget / 1e6:.2f} MB): {accs}"
 
 
 def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
@@ -195,12 +193,13 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     if jobs > 1:  # interleaved per-round lines from several runs read as noise
         per_config = [c.with_overrides({"progress": False}) for c in per_config]
     plan = [_method_config(c, m) for c in per_config for m in methods]
-    results = iter(_run_all(plan, verbose, netem, jobs))
+    done = iter(zip(plan, _run_all(plan, verbose, netem, jobs), strict=True))
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
     for c in per_config:
-        summaries = {m: next(results) for m in methods}
-        runs = {m: c.run_dir / m for m in methods}
+        runs_of_seed = [next(done) for _ in methods]
+        summaries = {r.train.method: summary for r, summary in runs_of_seed}
+        runs = {r.train.method: r.run_dir for r, _ in runs_of_seed}
         per_seed[c.train.seed] = _finish_once(c, summaries, runs)
         for m, run_dir in runs.items():
             folders[m].append(run_dir)
@@ -212,12 +211,10 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     plot = plot_bands(folders, base / "accuracy_vs_traffic.png")
     print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
     print(seeds_table(doc))
-    at = {m: d["mean"].get("last10_at_equal_traffic", float("nan"))
-          for m, d in doc["methods"].items()}
-    budget = statistics.fmean(d["mean"].get("equal_traffic_bytes", float("nan"))
-                              for d in doc["methods"].values())
-    print("last-10 accuracy at the cheapest method's total traffic (mean over seeds, "
-          f"{budget / 1e6:.2f} MB): " + ", ".join(f"{m} {a:.4f}" for m, a in at.items()))
+    means = {m: d["mean"] for m, d in doc["methods"].items()}
+    budget = next(iter(means.values()))["equal_traffic_bytes"]  # every method's, per seed
+    print(_equal_traffic_line("the cheapest method's", budget,
+                              {m: v["last10_at_equal_traffic"] for m, v in means.items()}))
     print(f"results: {base}/compare.json, {plot.name}")
     return doc
 
