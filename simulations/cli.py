@@ -1,4 +1,5 @@
-"""The command line: ``run``, ``compare``, ``demo``, ``keys`` and (another package's) ``deploy``."""
+"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys`` and (another package's)
+``deploy``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from simulations.cluster import ClusterError
 from simulations.compare import (
     against_dense,
     at_equal_traffic,
+    find_runs,
     over_seeds,
     parse_seeds,
     traffic_curve,
@@ -141,14 +143,15 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
 
 
 def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
-                 runs: dict[str, Path]) -> dict[str, dict[str, Any]]:
+                 runs: dict[str, Path], budget_method: str | None) -> dict[str, dict[str, Any]]:
     """Ratios to dense, ``<run_dir>/compare.json``, ``compare.png`` and the printed table."""
     from simulations.plots import plot_runs
 
     base = config.run_dir
     summaries = against_dense(summaries)
-    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()})
+    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
     for m, s in summaries.items():
+        s["equal_traffic_method"] = equal["method"]
         s["equal_traffic_bytes"] = equal["bytes"]
         s["last10_at_equal_traffic"] = equal["last10"][m]
     base.mkdir(parents=True, exist_ok=True)
@@ -167,7 +170,7 @@ def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) 
 
 def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
                 netem: Any = None, seeds: Sequence[int] | None = None,
-                jobs: int = 1) -> dict[str, Any]:
+                jobs: int = 1, budget_method: str | None = None) -> dict[str, Any]:
     """The same scenario with each method; ``compare.json`` and a plot in one folder.
 
     Without ``seeds``: ``<run_dir>/<method>/`` per method, ``compare.json`` (the summaries, with
@@ -179,11 +182,17 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     ``jobs > 1`` runs that many runs at a time, each in its own process on one torch thread:
     the same results (a run depends on its seed only), for ``sim.engine=local`` only, since a
     Ray run takes every CPU it is given.
+
+    Every method is also read at the total traffic of ``budget_method`` (default: the method
+    that sent the least): ``last10_at_equal_traffic`` (:func:`simulations.compare.at_equal_traffic`).
     """
     from simulations.plots import plot_bands
 
     if not isinstance(jobs, int) or jobs < 1:
         raise SettingsError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if budget_method is not None and budget_method not in methods:
+        raise SettingsError(f"--budget-method {budget_method!r} is not among the compared "
+                            f"methods {list(methods)}")
     if jobs > 1 and config.server.engine != "local":
         raise SettingsError(f"--jobs {jobs} needs sim.engine=local (got "
                             f"{config.server.engine!r}): Ray runs each take every CPU")
@@ -200,7 +209,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
         runs_of_seed = [next(done) for _ in methods]
         summaries = {r.train.method: summary for r, summary in runs_of_seed}
         runs = {r.train.method: r.run_dir for r, _ in runs_of_seed}
-        per_seed[c.train.seed] = _finish_once(c, summaries, runs)
+        per_seed[c.train.seed] = _finish_once(c, summaries, runs, budget_method)
         for m, run_dir in runs.items():
             folders[m].append(run_dir)
     if seeds is None:
@@ -213,10 +222,56 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     print(seeds_table(doc))
     means = {m: d["mean"] for m, d in doc["methods"].items()}
     budget = next(iter(means.values()))["equal_traffic_bytes"]  # every method's, per seed
-    print(_equal_traffic_line("the cheapest method's", budget,
+    whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
+    print(_equal_traffic_line(f"{whose} mean", budget,
                               {m: v["last10_at_equal_traffic"] for m, v in means.items()}))
     print(f"results: {base}/compare.json, {plot.name}")
     return doc
+
+
+def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None) -> dict[str, Any]:
+    """Read finished comparisons again at one method's total traffic, without running anything.
+
+    ``folders`` are ``compare`` folders (with or without ``--seeds``) or single runs; several
+    are merged (seeds or methods run apart). Per seed, every method's last-10 accuracy within
+    the budget (:func:`simulations.compare.at_equal_traffic`); printed per seed and as mean
+    +- std over seeds. Returns ``{"budget_method", "seeds": {seed: reading}, "mean": {method:
+    (mean, std)}, "bytes": (mean, std)}``.
+    """
+    runs = find_runs(folders)
+    if budget_method is not None:
+        missing = [s for s, by_method in runs.items() if budget_method not in by_method]
+        if missing:
+            raise SettingsError(f"--budget-method {budget_method}: no {budget_method} run for "
+                                f"seed(s) {missing}")
+    readings = {seed: at_equal_traffic({m: traffic_curve(r) for m, r in sorted(by_m.items())},
+                                       budget_method)
+                for seed, by_m in sorted(runs.items(), key=lambda kv: (kv[0] is None, kv[0]))}
+    for seed, r in readings.items():
+        label = "" if seed is None else f"seed {seed}: "
+        print(label + _equal_traffic_line(f"{r['method']}'s", r["bytes"], r["last10"]))
+    methods = sorted({m for r in readings.values() for m in r["last10"]})
+    mean: dict[str, tuple[float, float]] = {}
+    for m in methods:
+        values = [r["last10"][m] for r in readings.values() if m in r["last10"]]
+        mean[m] = _mean_std(values)
+    budgets = _mean_std([r["bytes"] for r in readings.values()])
+    if len(readings) > 1:
+        whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
+        cells = ", ".join(f"{m} {a:.4f} +- {d:.4f}" for m, (a, d) in mean.items())
+        print(f"mean +- std over {len(readings)} seeds, at {whose} total traffic "
+              f"({budgets[0] / 1e6:.2f} MB mean): {cells}")
+    return {"budget_method": budget_method, "seeds": readings, "mean": mean, "bytes": budgets}
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    import math
+    import statistics
+
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return float("nan"), float("nan")
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else float("nan")
 
 
 def cmd_keys(flwr_toml: bool = False) -> None:
@@ -264,6 +319,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="runs at a time, each in its own process on one thread "
                         "(sim.engine=local only); default 1")
+    c.add_argument("--budget-method", metavar="METHOD",
+                   help="read every method at this method's total traffic "
+                        "(last10_at_equal_traffic); default: the method that sent the least")
+    t = sub.add_parser("traffic", help="read finished comparisons again at one method's "
+                                       "total traffic")
+    t.add_argument("folders", nargs="+", type=Path, metavar="FOLDER",
+                   help="compare folders (with or without --seeds) or single runs; several "
+                        "are merged")
+    t.add_argument("--budget-method", metavar="METHOD",
+                   help="whose total traffic is the budget; default: the method that sent "
+                        "the least, per seed")
     scenario("demo", "the default comparison (what `make demo` runs)", named=False)
     k = sub.add_parser("keys", help="list every configuration key")
     k.add_argument("--flwr-toml", action="store_true",
@@ -305,7 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     f"{list(METHODS)}, got {args.methods!r}")
             seeds = parse_seeds(args.seeds) if args.seeds is not None else None
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds,
-                        args.jobs)
+                        args.jobs, args.budget_method)
+        elif args.command == "traffic":
+            cmd_traffic(args.folders, args.budget_method)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,

@@ -6,13 +6,16 @@ messages; in a comparison that includes ``dense``, :func:`against_dense` adds th
 dense run itself (``uplink_vs_dense`` and so on: dense bytes / the method's bytes, so 50.0 means
 fifty times fewer). :func:`over_seeds` folds the per-seed summaries into a mean and a standard
 deviation per method (``compare.json`` of ``compare --seeds``). :func:`at_equal_traffic` reads
-each method's accuracy at the total traffic of the cheapest one, so that methods that end at
-different byte counts are compared at the same budget.
+each method's accuracy at the total traffic of the cheapest one (or of a method named), so that
+methods that end at different byte counts are compared at the same budget; :func:`find_runs`
+finds the run folders of a finished comparison, so that it can be read again at another budget
+(``python -m simulations traffic``).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -21,8 +24,8 @@ from typing import Any
 
 from fedgc.settings import SettingsError
 
-__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "over_seeds",
-           "parse_seeds", "traffic_curve"]
+__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "find_runs",
+           "over_seeds", "parse_seeds", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg).
 BASELINE = "dense"
@@ -118,25 +121,76 @@ def traffic_curve(run_dir: Path) -> list[tuple[int, float]]:
     return curve
 
 
-def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Any]:
-    """Each method's accuracy at the total traffic of the method that sent the least.
+def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
+                     budget_method: str | None = None) -> dict[str, Any]:
+    """Each method's accuracy at the total traffic of one method: by default the one that sent
+    the least.
 
-    The budget is the smallest final cumulative total among ``curves`` (method -> output of
-    :func:`traffic_curve`). A method's value is the mean accuracy of its last 10 rounds whose
-    cumulative total is within the budget (as ``last10_accuracy`` is of the whole run); NaN
-    when not even its first round fits. Returns ``{"method": cheapest, "bytes": budget,
-    "last10": {method: accuracy}, "rounds": {method: rounds within the budget}}``.
+    The budget is the final cumulative total of ``budget_method``'s curve, or the smallest
+    among ``curves`` (method -> output of :func:`traffic_curve`). A method's value is the mean
+    accuracy of its last 10 rounds whose cumulative total is within the budget (as
+    ``last10_accuracy`` is of the whole run); NaN when not even its first round fits. Returns
+    ``{"method": the budget's method, "bytes": budget, "last10": {method: accuracy},
+    "rounds": {method: rounds within the budget}}``.
     """
     finished = {m: c for m, c in curves.items() if c}
     if not finished:
         raise ValueError("at_equal_traffic needs at least one run with a round")
-    cheapest = min(finished, key=lambda m: finished[m][-1][0])
-    budget = finished[cheapest][-1][0]
+    if budget_method is None:
+        budget_method = min(finished, key=lambda m: finished[m][-1][0])
+    elif budget_method not in finished:
+        raise SettingsError(f"budget method {budget_method!r} is not among the compared runs "
+                            f"with a round: {sorted(finished)}")
+    budget = finished[budget_method][-1][0]
     last10: dict[str, float] = {}
     rounds: dict[str, int] = {}
     for m, curve in finished.items():
         within = [acc for total, acc in curve if total <= budget]
         rounds[m] = len(within)
         last10[m] = statistics.fmean(within[-10:]) if within else float("nan")
-    return {"method": cheapest, "bytes": budget, "last10": last10, "rounds": rounds}
+    return {"method": budget_method, "bytes": budget, "last10": last10, "rounds": rounds}
 
+
+def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
+    """The run folders of finished comparisons: seed (None without ``--seeds``) -> method -> folder.
+
+    A folder is a ``compare`` folder (``<method>/rounds.csv``), a ``compare --seeds`` one
+    (``seed-<s>/<method>/rounds.csv``), or one run (``rounds.csv`` and ``summary.json``, its
+    method and seed read from the summary; a comparison's runs without a ``seed-<s>`` folder
+    take their seed from their summaries too, when they have one). Several folders are merged, so that seeds or
+    methods run apart are read together; a seed's method found twice is an error.
+    """
+    found: dict[int | None, dict[str, Path]] = {}
+
+    def add(seed: int | None, method: str, run: Path) -> None:
+        if method in found.setdefault(seed, {}):
+            raise SettingsError(f"{method} seed {seed} is in two folders: "
+                                f"{found[seed][method]} and {run}")
+        found[seed][method] = run
+
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            raise SettingsError(f"no such comparison folder: {folder}")
+        if (folder / "rounds.csv").is_file():
+            summary = _read_summary(folder)
+            add(summary.get("config", {}).get("seed"), summary.get("method", folder.name), folder)
+            continue
+        seeded = sorted(d for d in folder.glob("seed-*") if d.name[5:].isdigit())
+        for seed, base in ([(int(d.name[5:]), d) for d in seeded] or [(None, folder)]):
+            runs = sorted(d for d in base.iterdir() if (d / "rounds.csv").is_file())
+            for run in runs:
+                if seed is None and (run / "summary.json").is_file():  # one seed's comparison
+                    add(_read_summary(run).get("config", {}).get("seed"), run.name, run)
+                else:
+                    add(seed, run.name, run)
+        if not any(found.values()):
+            raise SettingsError(f"{folder} holds no run (no <method>/rounds.csv, "
+                                f"seed-<s>/<method>/rounds.csv or rounds.csv)")
+    return found
+
+
+def _read_summary(run: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError) as ex:
+        raise SettingsError(f"{run}: no readable summary.json ({ex})") from None

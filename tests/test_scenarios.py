@@ -132,7 +132,18 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
         assert per["dense"]["equal_traffic_bytes"] == per[cheapest]["total_bytes"]
     out = capsys.readouterr().out
     assert "mean +- std over seeds 0, 1" in out and "total MB" in out and "last10 acc" in out
-    assert "last-10 accuracy at the cheapest method's total traffic" in out
+    assert "last-10 accuracy at the cheapest method's mean total traffic" in out
+    # Read again at dense's bytes, with the seed-1 dgc run given apart (merged by seed).
+    assert main(["traffic", str(base / "seed-0"), str(base / "seed-1" / "dense"),
+                 str(base / "seed-1" / "dgc"), "--budget-method", "dense"]) == 0
+    out = capsys.readouterr().out
+    for seed in (0, 1):  # dense within its own whole traffic: its own last-10
+        dense = summaries[seed, "dense"]
+        assert (f"seed {seed}: last-10 accuracy at dense's total traffic "
+                f"({dense['total_bytes'] / 1e6:.2f} MB): dense {dense['last10_accuracy']:.4f}") in out
+    assert "mean +- std over 2 seeds, at dense's total traffic" in out
+    assert main(["traffic", str(base), "--budget-method", "stc"]) == 2
+    assert "no stc run for seed(s) [0, 1]" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # eight small runs, four of them in spawned processes
@@ -171,6 +182,49 @@ def test_compare_without_run_name_names_one_folder_for_the_comparison(tmp_path: 
         build_config(_args(command="compare", set=["resume=true"]))
 
 
+def test_compare_budget_method_reads_every_method_at_its_traffic(tmp_path: Path,
+                                                                  capsys) -> None:
+    argv = ["compare", "--methods", "dense,dgc", "--budget-method", "dense",
+            "--set", f"results_dir={tmp_path}", "--set", "run_name=cmp", "--set", "task=digits",
+            "--set", "num_clients=4", "--set", "clients_per_round=2", "--set", "rounds=2",
+            "--set", "sim.engine=local", "--set", "progress=false", "--set", "partition=iid"]
+    assert main(argv) == 0
+    per = json.loads((tmp_path / "cmp" / "compare.json").read_text())["methods"]
+    for m in ("dense", "dgc"):
+        assert per[m]["equal_traffic_method"] == "dense"
+        assert per[m]["equal_traffic_bytes"] == per["dense"]["total_bytes"]
+    # dgc sends far less: its whole run fits in dense's budget.
+    assert per["dgc"]["last10_at_equal_traffic"] == pytest.approx(per["dgc"]["last10_accuracy"])
+    assert "at dense's total traffic" in capsys.readouterr().out
+    assert main([*argv[:4], "stc", *argv[5:]]) == 2
+    assert "--budget-method 'stc' is not among the compared methods" in capsys.readouterr().err
+
+
+def test_find_runs_merges_folders_and_names_what_it_cannot_read(tmp_path: Path) -> None:
+    from simulations.compare import find_runs
+
+    def run(folder: Path, accs: list[float]) -> Path:
+        folder.mkdir(parents=True)
+        rows = "".join(f"{a},10,5\n" for a in accs)
+        (folder / "rounds.csv").write_text("accuracy,uplink_bytes,downlink_bytes\n" + rows)
+        return folder
+
+    a, b = run(tmp_path / "x" / "seed-0" / "dense", [0.1]), run(tmp_path / "x" / "seed-1" / "dense", [0.2])
+    c = run(tmp_path / "y" / "seed-1" / "dgc", [0.3])
+    assert find_runs([tmp_path / "x", tmp_path / "y"]) == {0: {"dense": a}, 1: {"dense": b, "dgc": c}}
+    flat = run(tmp_path / "z" / "topk", [0.4])
+    assert find_runs([tmp_path / "z"]) == {None: {"topk": flat}}
+    with pytest.raises(SettingsError, match="dense seed 0 is in two folders"):
+        find_runs([tmp_path / "x", tmp_path / "x"])
+    with pytest.raises(SettingsError, match="no such comparison folder"):
+        find_runs([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SettingsError, match="holds no run"):
+        find_runs([tmp_path / "empty"])
+    with pytest.raises(SettingsError, match="no readable summary.json"):
+        find_runs([flat])  # a single run names its method and seed in its summary
+
+
 def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
     from simulations.compare import at_equal_traffic
 
@@ -185,3 +239,9 @@ def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
     assert math.isnan(got["last10"]["late"])
     long = {"a": [(i, i / 100) for i in range(1, 31)], "b": [(i, 1.0) for i in range(1, 51)]}
     assert at_equal_traffic(long)["last10"]["a"] == pytest.approx(sum(range(21, 31)) / 1000)
+    dear = at_equal_traffic(curves, "dear")  # at a named method's total instead
+    assert dear["method"] == "dear" and dear["bytes"] == 90
+    assert dear["last10"] == {"cheap": pytest.approx(0.2), "dear": pytest.approx(0.7375),
+                              "late": pytest.approx(0.99)}
+    with pytest.raises(SettingsError, match="budget method 'nope' is not among"):
+        at_equal_traffic(curves, "nope")
