@@ -53,7 +53,8 @@ DENSE_METHODS = ("dense", "fedavgm")
 #: Methods whose clients keep a residual between rounds (error feedback), which the server's
 #: acknowledgements keep whole.
 RESIDUAL_METHODS = ("stc", "dgc")
-#: Methods whose server applies ``dgc.server_momentum`` (the others ``server_momentum``).
+#: Methods whose server applies ``dgc.server_momentum`` and ``dgc.server_lr`` (the others
+#: ``server_momentum`` and ``server_lr``).
 SERVER_MOMENTUM_METHODS = ("fedavgm", "dgc")
 #: Shipped tasks a run may name (``tasks.DATASETS``); mnist and cifar10 read their files from
 #: ``data_dir``. A run may also name a callable of its own, ``module:callable`` (:data:`TASK_REF`).
@@ -514,8 +515,9 @@ class ServerSettings:
                                     "over_selection) clients, aggregate the first "
                                     "clients_per_round valid replies (straggler defence)",
                                     Check(1.0, 10.0))
-    server_lr: float = setting(1.0, "server_lr", "server learning rate: global -= server_lr "
-                               "* momentum buffer", Check(0.0, low_open=True))
+    server_lr: float = setting(1.0, "server_lr", "server learning rate of dense, topk and stc "
+                               "runs: global -= server_lr * momentum buffer; fedavgm and dgc "
+                               "runs use dgc.server_lr", Check(0.0, low_open=True))
     server_momentum: float = setting(0.0, "server_momentum", "server momentum of dense, topk "
                                      "and stc runs (FedAvgM convention: buf = m*buf + avg); "
                                      "fedavgm and dgc runs use dgc.server_momentum",
@@ -536,6 +538,9 @@ class ServerSettings:
                                          "there): DGC's "
                                          "momentum applied once per round to the aggregate, "
                                          "where it is never stale", Check(0.0, 1.0, high_open=True))
+    dgc_server_lr: float = setting(1.0, "dgc.server_lr", "server learning rate of dgc and "
+                                   "fedavgm runs (replaces server_lr there), applied to "
+                                   "dgc.server_momentum's buffer", Check(0.0, low_open=True))
     max_weight_ratio: float = setting(4.0, "max_weight_ratio", "a client's weight "
                                       "(num-examples) is capped at this times the median claim "
                                       "of the round's valid replies (server/defences.py); 0 = "

@@ -250,9 +250,10 @@ class DGCStrategy(FedAvg):
             downlink_density, downlink_values = s.stc_downlink_density, "ternary"
         return dict(
             clients_per_round=t.clients_per_round, over_selection=s.over_selection,
-            server_learning_rate=s.server_lr,
-            # FedAvgM is dense FedAvg with DGC's server momentum: DGC's gain over it is the
+            # FedAvgM is dense FedAvg with DGC's server optimizer: DGC's gain over it is the
             # compression's alone.
+            server_learning_rate=(s.dgc_server_lr if t.method in SERVER_MOMENTUM_METHODS
+                                  else s.server_lr),
             server_momentum=(s.dgc_server_momentum if t.method in SERVER_MOMENTUM_METHODS
                              else s.server_momentum),
             downlink=s.downlink, downlink_history=s.downlink_history,

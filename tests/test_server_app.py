@@ -318,23 +318,25 @@ class _Built(Exception):
     """Raised by the spy factory below once it has the strategy's arguments."""
 
 
-@pytest.mark.parametrize("method, momentum, shared", [("dense", 0.2, 0.0), ("fedavgm", 0.5, 0.0),
-                                                       ("topk", 0.2, 0.0), ("stc", 0.2, 0.0),
-                                                       ("dgc", 0.5, 0.03)])
-def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_momentum(tmp_path, method, momentum,
-                                                                      shared):
-    """Dense stays the FedAvg baseline (here with server_momentum 0.2) and fedavgm is dense
-    with DGC's server momentum; dgc uses its own keys."""
+@pytest.mark.parametrize("method, momentum, lr, shared", [
+    ("dense", 0.2, 1.5, 0.0), ("fedavgm", 0.5, 2.5, 0.0), ("topk", 0.2, 1.5, 0.0),
+    ("stc", 0.2, 1.5, 0.0), ("dgc", 0.5, 2.5, 0.03)])
+def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_optimizer(tmp_path, method, momentum,
+                                                                     lr, shared):
+    """Dense stays the FedAvg baseline (here with server_momentum 0.2 and server_lr 1.5) and
+    fedavgm is dense with DGC's server momentum and learning rate; dgc uses its own keys."""
     seen: dict = {}
 
     def spy(**kwargs):
         seen.update(kwargs)
         raise _Built
 
-    c = _config(tmp_path, method=method, server_momentum=0.2)
+    c = _config(tmp_path, method=method, server_momentum=0.2, server_lr=1.5,
+                **{"dgc.server_lr": 2.5})
     with pytest.raises(_Built):
         run_server(LocalGrid(client_app, 2), c, strategy_factory=spy)
     assert seen["server_momentum"] == momentum and seen["shared_density"] == shared
+    assert seen["server_learning_rate"] == lr
 
 
 def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
