@@ -26,7 +26,8 @@ GOLDEN = Path(__file__).parent / "golden" / "runs"
 COMMON = ["--set", "task=digits", "--set", "sim.engine=local", "--set", "progress=false",
           "--set", "rounds=6", "--set", "downlink_history=1", "--set", "downlink_density=1",
           "--set", "downlink_values=float16", "--set", "clients_build_initial_model=false",
-          "--set", "dgc.small_density=0.1", "--set", "dgc.warmup_rounds=4"]
+          "--set", "dgc.small_density=0.1", "--set", "dgc.warmup_rounds=4",
+          "--set", "dgc.min_sparse_numel=1024", "--set", "dgc.sparse_vectors=false"]
 RUNS = {
     # DGC with the int8 compressed broadcast (patches of differences, look-ahead).
     "dgc_int8": ["--set", "num_clients=20", "--set", "clients_per_round=5", "--set", "seed=3",
@@ -42,6 +43,8 @@ MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_se
 CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 #: Config keys of where and what a run writes, not what it computes (tensorboard came later).
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
+#: Keys added after the snapshots, with the value that computes what the code did before them.
+ADDED_LATER = {"dgc.server_lr": 1.0}
 
 
 def _same(key: str, got: str | float, want: str | float) -> bool:
@@ -76,6 +79,8 @@ def test_fixed_seed_run_matches_its_snapshot(name: str, tmp_path: Path) -> None:
     for doc in (got, want):
         for k in RUN_FOLDER:
             doc["config"].pop(k, None)
+    for k, before in ADDED_LATER.items():
+        assert k not in want["config"] and got["config"].pop(k) == before
     diff = {k: (got.get(k), v) for k, v in want.items()
             if k not in MACHINE and not _same(k, got.get(k), v)}
     assert not diff, f"summary.json: {diff}"

@@ -21,9 +21,13 @@ def test_defaults_are_the_researched_federated_settings():
     assert (t.momentum_correction, t.dgc_momentum, t.small_density, t.small_numel) == \
         (False, 0.0, 0.03, 10_000)
     assert t.warmup_rounds == 0
+    # The layer policy of issue 19: the LSTM's biases and embedding, the CNN's first convolution.
+    assert (t.min_sparse_numel, t.sparse_vectors) == (256, True)
+    assert t.compressor().large.config.sends_dense((512,)) is False
+    assert t.compressor().large.config.sends_dense((200,)) is True
     assert (s.downlink_density, s.downlink_values, s.downlink_history,
             s.clients_build_initial_model) == (0.05, "int8", 1000, True)
-    assert (s.server_lr, s.server_momentum) == (1.0, 0.0)
+    assert (s.server_lr, s.server_momentum, s.dgc_server_lr) == (1.0, 0.0, 1.0)
     # Section 6: the shared sign channel and server momentum, for dgc runs only.
     assert (s.shared_density, s.shared_small_density, s.shared_momentum,
             s.dgc_server_momentum) == (0.03, 0.0, 0.9, 0.5)
