@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -229,49 +230,64 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     return doc
 
 
-def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None) -> dict[str, Any]:
-    """Read finished comparisons again at one method's total traffic, without running anything.
+def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
+                out: Path | None = None) -> dict[str, Any]:
+    """Read finished comparisons again, merged, at one method's total traffic; nothing runs.
 
     ``folders`` are ``compare`` folders (with or without ``--seeds``) or single runs; several
-    are merged (seeds or methods run apart). Per seed, every method's last-10 accuracy within
-    the budget (:func:`simulations.compare.at_equal_traffic`); printed per seed and as mean
-    +- std over seeds. Returns ``{"budget_method", "seeds": {seed: reading}, "mean": {method:
-    (mean, std)}, "bytes": (mean, std)}``.
+    are merged by seed (:func:`simulations.compare.find_runs`: seeds or methods run apart).
+    Per seed, the summaries get their ratios to that seed's dense run and every method's
+    last-10 accuracy within ``budget_method``'s total traffic (default: the method that sent
+    the least; :func:`simulations.compare.at_equal_traffic`); then mean and std over seeds as
+    in ``compare --seeds`` (:func:`simulations.compare.over_seeds`), printed as its table. With
+    ``out``, ``compare.json`` and ``accuracy_vs_traffic.png`` are written there. Returns the
+    aggregate document.
     """
+    from simulations.compare import _read_summary
+    from simulations.plots import plot_bands
+
     runs = find_runs(folders)
     if budget_method is not None:
         missing = [s for s, by_method in runs.items() if budget_method not in by_method]
         if missing:
             raise SettingsError(f"--budget-method {budget_method}: no {budget_method} run for "
                                 f"seed(s) {missing}")
-    readings = {seed: at_equal_traffic({m: traffic_curve(r) for m, r in sorted(by_m.items())},
-                                       budget_method)
-                for seed, by_m in sorted(runs.items(), key=lambda kv: (kv[0] is None, kv[0]))}
-    for seed, r in readings.items():
+    per_seed: dict[Any, dict[str, dict[str, Any]]] = {}
+    for seed, by_method in sorted(runs.items(), key=lambda kv: (kv[0] is None, kv[0])):
+        by_method = dict(sorted(by_method.items(), key=lambda kv: _method_order(kv[0])))
+        summaries = against_dense({m: _read_summary(r) for m, r in by_method.items()})
+        equal = at_equal_traffic({m: traffic_curve(r) for m, r in by_method.items()},
+                                 budget_method)
+        for m, summary in summaries.items():
+            summary["equal_traffic_method"] = equal["method"]
+            summary["equal_traffic_bytes"] = equal["bytes"]
+            summary["last10_at_equal_traffic"] = equal["last10"][m]
+        per_seed[seed] = summaries
         label = "" if seed is None else f"seed {seed}: "
-        print(label + _equal_traffic_line(f"{r['method']}'s", r["bytes"], r["last10"]))
-    methods = sorted({m for r in readings.values() for m in r["last10"]})
-    mean: dict[str, tuple[float, float]] = {}
-    for m in methods:
-        values = [r["last10"][m] for r in readings.values() if m in r["last10"]]
-        mean[m] = _mean_std(values)
-    budgets = _mean_std([r["bytes"] for r in readings.values()])
-    if len(readings) > 1:
-        whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
-        cells = ", ".join(f"{m} {a:.4f} +- {d:.4f}" for m, (a, d) in mean.items())
-        print(f"mean +- std over {len(readings)} seeds, at {whose} total traffic "
-              f"({budgets[0] / 1e6:.2f} MB mean): {cells}")
-    return {"budget_method": budget_method, "seeds": readings, "mean": mean, "bytes": budgets}
+        print(label + _equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
+    doc = over_seeds(per_seed)
+    doc["equal_traffic_method"] = budget_method
+    doc["folders"] = [str(f) for f in folders]
+    print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
+    print(seeds_table(doc))
+    means = {m: d["mean"] for m, d in doc["methods"].items()}
+    whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
+    budget = statistics.fmean(next(iter(summaries.values()))["equal_traffic_bytes"]
+                              for summaries in per_seed.values())
+    print(_equal_traffic_line(f"{whose} mean", budget,
+                              {m: v["last10_at_equal_traffic"] for m, v in means.items()}))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "compare.json", doc)
+        methods = list(doc["methods"])
+        plot = plot_bands({m: [by_m[m] for by_m in runs.values() if m in by_m] for m in methods},
+                          out / "accuracy_vs_traffic.png")
+        print(f"results: {out}/compare.json, {plot.name}")
+    return doc
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    import math
-    import statistics
-
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return float("nan"), float("nan")
-    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else float("nan")
+def _method_order(method: str) -> tuple[int, str]:
+    return (METHODS.index(method) if method in METHODS else len(METHODS), method)
 
 
 def cmd_keys(flwr_toml: bool = False) -> None:
@@ -330,6 +346,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--budget-method", metavar="METHOD",
                    help="whose total traffic is the budget; default: the method that sent "
                         "the least, per seed")
+    t.add_argument("--out", type=Path, metavar="DIR",
+                   help="write the merged compare.json and accuracy_vs_traffic.png there")
     scenario("demo", "the default comparison (what `make demo` runs)", named=False)
     k = sub.add_parser("keys", help="list every configuration key")
     k.add_argument("--flwr-toml", action="store_true",
@@ -373,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds,
                         args.jobs, args.budget_method)
         elif args.command == "traffic":
-            cmd_traffic(args.folders, args.budget_method)
+            cmd_traffic(args.folders, args.budget_method, args.out)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,

@@ -135,13 +135,23 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
     assert "last-10 accuracy at the cheapest method's mean total traffic" in out
     # Read again at dense's bytes, with the seed-1 dgc run given apart (merged by seed).
     assert main(["traffic", str(base / "seed-0"), str(base / "seed-1" / "dense"),
-                 str(base / "seed-1" / "dgc"), "--budget-method", "dense"]) == 0
+                 str(base / "seed-1" / "dgc"), "--budget-method", "dense",
+                 "--out", str(tmp_path / "merged")]) == 0
     out = capsys.readouterr().out
     for seed in (0, 1):  # dense within its own whole traffic: its own last-10
         dense = summaries[seed, "dense"]
         assert (f"seed {seed}: last-10 accuracy at dense's total traffic "
                 f"({dense['total_bytes'] / 1e6:.2f} MB): dense {dense['last10_accuracy']:.4f}") in out
-    assert "mean +- std over 2 seeds, at dense's total traffic" in out
+    assert "last-10 accuracy at dense's mean total traffic" in out
+    merged = json.loads((tmp_path / "merged" / "compare.json").read_text())
+    assert merged["seeds"] == [0, 1] and merged["equal_traffic_method"] == "dense"
+    for method in ("dense", "dgc"):  # the same means as the comparison that ran them
+        for key in ("last10_accuracy", "total_bytes", "uplink_vs_dense"):
+            assert merged["methods"][method]["mean"][key] == \
+                pytest.approx(doc["methods"][method]["mean"][key])
+    assert merged["per_seed"]["1"]["dgc"]["last10_at_equal_traffic"] == \
+        pytest.approx(summaries[1, "dgc"]["last10_accuracy"])  # dgc's whole run fits
+    assert (tmp_path / "merged" / "accuracy_vs_traffic.png").read_bytes()[:8] == PNG
     assert main(["traffic", str(base), "--budget-method", "stc"]) == 2
     assert "no stc run for seed(s) [0, 1]" in capsys.readouterr().err
 
