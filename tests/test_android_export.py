@@ -222,8 +222,8 @@ def test_export_all_manifest_and_training_parity(tmp_path):
     manifest = load_manifest(out)
     names = [p["name"] for p in manifest["parameters"]]
     assert names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    # The run defaults' layer policy: 256 entries or more are sparsified (fc2.weight, 640), the
-    # biases (under 256) are sent dense.
+    # The run defaults' layer policy: 512 entries or more are sparsified (fc2.weight, 640), the
+    # biases (under 512) are sent dense.
     assert [p["dense"] for p in manifest["parameters"]] == [False, True, False, True]
     assert manifest["dgc_config"]["selection"] == "exact"
     assert manifest["versions"]["executorch"] == "1.5.1"

@@ -21,10 +21,12 @@ def test_defaults_are_the_researched_federated_settings():
     assert (t.momentum_correction, t.dgc_momentum, t.small_density, t.small_numel) == \
         (False, 0.0, 0.03, 10_000)
     assert t.warmup_rounds == 0
-    # The layer policy of issue 19: the LSTM's biases and embedding, the CNN's first convolution.
-    assert (t.min_sparse_numel, t.sparse_vectors) == (256, True)
-    assert t.compressor().large.config.sends_dense((512,)) is False
-    assert t.compressor().large.config.sends_dense((200,)) is True
+    # The layer policy of issue 19: the LSTM's biases and embedding are sparsified, the CNN's
+    # first convolution (16x1x5x5) and the MLP's biases are not.
+    assert (t.min_sparse_numel, t.sparse_vectors) == (512, True)
+    policy = t.compressor().large.config
+    assert not policy.sends_dense((512,)) and not policy.sends_dense((76, 8))
+    assert policy.sends_dense((16, 1, 5, 5)) and policy.sends_dense((200,))
     assert (s.downlink_density, s.downlink_values, s.downlink_history,
             s.clients_build_initial_model) == (0.05, "int8", 1000, True)
     assert (s.server_lr, s.server_momentum, s.dgc_server_lr) == (1.0, 0.0, 1.0)
