@@ -222,9 +222,9 @@ def test_export_all_manifest_and_training_parity(tmp_path):
     manifest = load_manifest(out)
     names = [p["name"] for p in manifest["parameters"]]
     assert names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    # The run defaults' layer policy: 512 entries or more are sparsified (fc2.weight, 640), the
-    # biases (under 512) are sent dense.
-    assert [p["dense"] for p in manifest["parameters"]] == [False, True, False, True]
+    # The run defaults' layer policy: tensors of 512 entries or more are sparsified, 1-D ones
+    # too; fc2.weight (320) and the biases are shorter and sent dense.
+    assert [p["dense"] for p in manifest["parameters"]] == [False, True, True, True]
     assert manifest["dgc_config"]["selection"] == "exact"
     assert manifest["versions"]["executorch"] == "1.5.1"
     import hashlib
