@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from simulations.compare import (
     find_runs,
     over_seeds,
     parse_seeds,
+    read_summary,
     traffic_curve,
 )
 from simulations.netem.errors import NetemError
@@ -150,11 +150,7 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
 
     base = config.run_dir
     summaries = against_dense(summaries)
-    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
-    for m, s in summaries.items():
-        s["equal_traffic_method"] = equal["method"]
-        s["equal_traffic_bytes"] = equal["bytes"]
-        s["last10_at_equal_traffic"] = equal["last10"][m]
+    equal = _read_at_budget(summaries, runs, budget_method)
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
@@ -162,6 +158,28 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
+
+
+def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, Path],
+                    budget_method: str | None) -> dict[str, Any]:
+    """Add every method's reading at ``budget_method``'s total traffic to its summary
+    (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``); return
+    :func:`simulations.compare.at_equal_traffic`'s result."""
+    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
+    for m, s in summaries.items():
+        s["equal_traffic_method"] = equal["method"]
+        s["equal_traffic_bytes"] = equal["bytes"]
+        s["last10_at_equal_traffic"] = equal["last10"][m]
+    return equal
+
+
+def _print_mean_at_budget(doc: Mapping[str, Any], budget_method: str | None) -> None:
+    """The line under ``compare --seeds``' table: every method at the budget, mean over seeds."""
+    means = {m: d["mean"] for m, d in doc["methods"].items()}
+    budget = next(iter(means.values()))["equal_traffic_bytes"]  # the same for every method
+    whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
+    print(_equal_traffic_line(f"{whose} mean", budget,
+                              {m: v["last10_at_equal_traffic"] for m, v in means.items()}))
 
 
 def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) -> str:
@@ -185,7 +203,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     Ray run takes every CPU it is given.
 
     Every method is also read at the total traffic of ``budget_method`` (default: the method
-    that sent the least): ``last10_at_equal_traffic`` (:func:`simulations.compare.at_equal_traffic`).
+    that sent the least): ``last10_at_equal_traffic``
+    (:func:`simulations.compare.at_equal_traffic`).
     """
     from simulations.plots import plot_bands
 
@@ -221,11 +240,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     plot = plot_bands(folders, base / "accuracy_vs_traffic.png")
     print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
     print(seeds_table(doc))
-    means = {m: d["mean"] for m, d in doc["methods"].items()}
-    budget = next(iter(means.values()))["equal_traffic_bytes"]  # every method's, per seed
-    whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
-    print(_equal_traffic_line(f"{whose} mean", budget,
-                              {m: v["last10_at_equal_traffic"] for m, v in means.items()}))
+    _print_mean_at_budget(doc, budget_method)
     print(f"results: {base}/compare.json, {plot.name}")
     return doc
 
@@ -243,7 +258,6 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     ``out``, ``compare.json`` and ``accuracy_vs_traffic.png`` are written there. Returns the
     aggregate document.
     """
-    from simulations.compare import _read_summary
     from simulations.plots import plot_bands
 
     runs = find_runs(folders)
@@ -255,13 +269,8 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     per_seed: dict[Any, dict[str, dict[str, Any]]] = {}
     for seed, by_method in sorted(runs.items(), key=lambda kv: (kv[0] is None, kv[0])):
         by_method = dict(sorted(by_method.items(), key=lambda kv: _method_order(kv[0])))
-        summaries = against_dense({m: _read_summary(r) for m, r in by_method.items()})
-        equal = at_equal_traffic({m: traffic_curve(r) for m, r in by_method.items()},
-                                 budget_method)
-        for m, summary in summaries.items():
-            summary["equal_traffic_method"] = equal["method"]
-            summary["equal_traffic_bytes"] = equal["bytes"]
-            summary["last10_at_equal_traffic"] = equal["last10"][m]
+        summaries = against_dense({m: read_summary(r) for m, r in by_method.items()})
+        equal = _read_at_budget(summaries, by_method, budget_method)
         per_seed[seed] = summaries
         label = "" if seed is None else f"seed {seed}: "
         print(label + _equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
@@ -270,12 +279,7 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     doc["folders"] = [str(f) for f in folders]
     print(f"mean +- std over seeds {', '.join(map(str, per_seed))}:")
     print(seeds_table(doc))
-    means = {m: d["mean"] for m, d in doc["methods"].items()}
-    whose = f"{budget_method}'s" if budget_method else "the cheapest method's"
-    budget = statistics.fmean(next(iter(summaries.values()))["equal_traffic_bytes"]
-                              for summaries in per_seed.values())
-    print(_equal_traffic_line(f"{whose} mean", budget,
-                              {m: v["last10_at_equal_traffic"] for m, v in means.items()}))
+    _print_mean_at_budget(doc, budget_method)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "compare.json", doc)

@@ -25,7 +25,7 @@ from typing import Any
 from fedgc.settings import SettingsError
 
 __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "find_runs",
-           "over_seeds", "parse_seeds", "traffic_curve"]
+           "over_seeds", "parse_seeds", "read_summary", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg).
 BASELINE = "dense"
@@ -112,12 +112,18 @@ def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[
 
 def traffic_curve(run_dir: Path) -> list[tuple[int, float]]:
     """``(cumulative uplink + downlink bytes, accuracy)`` after each round of a run folder."""
-    with (Path(run_dir) / "rounds.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
+    path = Path(run_dir) / "rounds.csv"
     curve, total = [], 0
-    for row in rows:
-        total += int(row["uplink_bytes"]) + int(row["downlink_bytes"])
-        curve.append((total, float(row["accuracy"])))
+    try:
+        with path.open() as fh:
+            for row in csv.DictReader(fh):
+                total += int(row["uplink_bytes"]) + int(row["downlink_bytes"])
+                curve.append((total, float(row["accuracy"])))
+    except OSError as ex:
+        raise SettingsError(f"{path}: cannot be read ({ex.strerror or ex})") from None
+    except (KeyError, TypeError, ValueError) as ex:  # a missing column, a short row, a bad number
+        raise SettingsError(f"{path}: not a fedgc rounds.csv (row {len(curve) + 1}: "
+                            f"{type(ex).__name__} {ex})") from None
     return curve
 
 
@@ -157,8 +163,9 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
     A folder is a ``compare`` folder (``<method>/rounds.csv``), a ``compare --seeds`` one
     (``seed-<s>/<method>/rounds.csv``), or one run (``rounds.csv`` and ``summary.json``, its
     method and seed read from the summary; a comparison's runs without a ``seed-<s>`` folder
-    take their seed from their summaries too, when they have one). Several folders are merged, so that seeds or
-    methods run apart are read together; a seed's method found twice is an error.
+    take their seed from their summaries too, when they have one). Several folders are merged,
+    so that seeds or methods run apart are read together; a seed's method found twice, or a
+    folder with no run, is an error.
     """
     found: dict[int | None, dict[str, Path]] = {}
 
@@ -172,25 +179,39 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
         if not folder.is_dir():
             raise SettingsError(f"no such comparison folder: {folder}")
         if (folder / "rounds.csv").is_file():
-            summary = _read_summary(folder)
-            add(summary.get("config", {}).get("seed"), summary.get("method", folder.name), folder)
+            summary = read_summary(folder)
+            add(_seed_of(summary), summary.get("method", folder.name), folder)
             continue
         seeded = sorted(d for d in folder.glob("seed-*") if d.name[5:].isdigit())
-        for seed, base in ([(int(d.name[5:]), d) for d in seeded] or [(None, folder)]):
-            runs = sorted(d for d in base.iterdir() if (d / "rounds.csv").is_file())
-            for run in runs:
-                if seed is None and (run / "summary.json").is_file():  # one seed's comparison
-                    add(_read_summary(run).get("config", {}).get("seed"), run.name, run)
-                else:
-                    add(seed, run.name, run)
-        if not any(found.values()):
+        runs = [(int(d.name[5:]), run) for d in seeded for run in _runs_in(d)]
+        # One seed's comparison: each run's seed is in its summary.
+        runs += [(_seed_of(read_summary(run)) if (run / "summary.json").is_file() else None, run)
+                 for run in ([] if seeded else _runs_in(folder))]
+        if not runs:
             raise SettingsError(f"{folder} holds no run (no <method>/rounds.csv, "
                                 f"seed-<s>/<method>/rounds.csv or rounds.csv)")
+        for seed, run in runs:
+            add(seed, run.name, run)
     return found
 
 
-def _read_summary(run: Path) -> dict[str, Any]:
+def _runs_in(folder: Path) -> list[Path]:
+    return sorted(d for d in folder.iterdir() if (d / "rounds.csv").is_file())
+
+
+def _seed_of(summary: Mapping[str, Any]) -> int | None:
+    config = summary.get("config")
+    seed = config.get("seed") if isinstance(config, Mapping) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+
+
+def read_summary(run: Path) -> dict[str, Any]:
+    """A run folder's ``summary.json``; SettingsError naming the folder when it is missing,
+    unreadable or not a JSON object."""
     try:
-        return json.loads((run / "summary.json").read_text())
+        summary = json.loads((run / "summary.json").read_text())
     except (OSError, ValueError) as ex:
         raise SettingsError(f"{run}: no readable summary.json ({ex})") from None
+    if not isinstance(summary, dict):
+        raise SettingsError(f"{run}: summary.json is not a JSON object")
+    return summary

@@ -141,7 +141,8 @@ def test_compare_over_seeds_layout_and_mean_std(tmp_path: Path, capsys) -> None:
     for seed in (0, 1):  # dense within its own whole traffic: its own last-10
         dense = summaries[seed, "dense"]
         assert (f"seed {seed}: last-10 accuracy at dense's total traffic "
-                f"({dense['total_bytes'] / 1e6:.2f} MB): dense {dense['last10_accuracy']:.4f}") in out
+                f"({dense['total_bytes'] / 1e6:.2f} MB): "
+                f"dense {dense['last10_accuracy']:.4f}") in out
     assert "last-10 accuracy at dense's mean total traffic" in out
     merged = json.loads((tmp_path / "merged" / "compare.json").read_text())
     assert merged["seeds"] == [0, 1] and merged["equal_traffic_method"] == "dense"
@@ -219,9 +220,11 @@ def test_find_runs_merges_folders_and_names_what_it_cannot_read(tmp_path: Path) 
         (folder / "rounds.csv").write_text("accuracy,uplink_bytes,downlink_bytes\n" + rows)
         return folder
 
-    a, b = run(tmp_path / "x" / "seed-0" / "dense", [0.1]), run(tmp_path / "x" / "seed-1" / "dense", [0.2])
+    a = run(tmp_path / "x" / "seed-0" / "dense", [0.1])
+    b = run(tmp_path / "x" / "seed-1" / "dense", [0.2])
     c = run(tmp_path / "y" / "seed-1" / "dgc", [0.3])
-    assert find_runs([tmp_path / "x", tmp_path / "y"]) == {0: {"dense": a}, 1: {"dense": b, "dgc": c}}
+    assert find_runs([tmp_path / "x", tmp_path / "y"]) == {0: {"dense": a},
+                                                           1: {"dense": b, "dgc": c}}
     flat = run(tmp_path / "z" / "topk", [0.4])
     assert find_runs([tmp_path / "z"]) == {None: {"topk": flat}}
     with pytest.raises(SettingsError, match="dense seed 0 is in two folders"):
@@ -233,6 +236,29 @@ def test_find_runs_merges_folders_and_names_what_it_cannot_read(tmp_path: Path) 
         find_runs([tmp_path / "empty"])
     with pytest.raises(SettingsError, match="no readable summary.json"):
         find_runs([flat])  # a single run names its method and seed in its summary
+    (flat / "summary.json").write_text("[1, 2]")
+    with pytest.raises(SettingsError, match="summary.json is not a JSON object"):
+        find_runs([flat])
+    (flat / "summary.json").write_text('{"method": "topk", "config": {"seed": 4}}')
+    assert find_runs([flat]) == {4: {"topk": flat}}
+    with pytest.raises(SettingsError, match="holds no run"):  # after a folder that has runs
+        find_runs([tmp_path / "x", tmp_path / "empty"])
+
+
+@pytest.mark.parametrize("text, what", [
+    ("accuracy,uplink_bytes\n0.1,10\n", "row 1: KeyError 'downlink_bytes'"),
+    ("accuracy,uplink_bytes,downlink_bytes\n0.1,10,5\n0.2,ten,5\n", "row 2: ValueError"),
+    ("accuracy,uplink_bytes,downlink_bytes\n0.1,10\n", "row 1: TypeError"),
+])
+def test_traffic_names_a_malformed_rounds_csv(tmp_path: Path, capsys, text: str,
+                                               what: str) -> None:
+    run = tmp_path / "cmp" / "dense"
+    run.mkdir(parents=True)
+    (run / "rounds.csv").write_text(text)
+    (run / "summary.json").write_text('{"method": "dense", "config": {"seed": 0}}')
+    assert main(["traffic", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert "rounds.csv: not a fedgc rounds.csv" in err and what in err
 
 
 def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
