@@ -33,6 +33,7 @@ from simulations.compare import (
     read_summary,
     traffic_curve,
 )
+from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
 from simulations.scenario import load_scenario, scenario_names
 
@@ -406,4 +407,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m simulations {args.command}: run failed: {_one_line(ex)}",
               file=sys.stderr)
         return 1
+    except RunInterrupted as ex:
+        print(f"python -m simulations {args.command}: {ex}{_resume_hint(args.command, ex)}",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"python -m simulations {args.command}: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
     return 0
+
+
+#: The exit status of a run stopped by Ctrl-C: the shell's for a command ended by SIGINT.
+INTERRUPTED = 130
+
+
+def _resume_hint(command: str, ex: RunInterrupted) -> str:
+    """How to continue an interrupted ``run`` (a comparison's runs are resumed one by one)."""
+    if command != "run" or not ex.checkpoint or ex.last_round == 0:
+        return ""
+    where = ("" if ex.run_dir.parent == Path(ServerSettings.results_dir)
+             else f" --set results_dir={ex.run_dir.parent}")
+    return (f"; to continue it, run the same command with --set run_name={ex.run_dir.name}"
+            f"{where} --set resume=true")
