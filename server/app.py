@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedgc.flower_log import drop_noise
 from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
+from server import defences
 from server.checkpoint import CHECKPOINT_FILE
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
@@ -119,13 +120,14 @@ def _clock(seconds: float) -> str:
 
 
 def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None,
-                  rounds_timed: int = 0, surplus: int = 0) -> str:
+                  rounds_timed: int = 0, virtual_total: float = 0.0) -> str:
     """One human-readable line per round.
 
     ``elapsed``: seconds since this process started its first round, of which ``rounds_timed``
     rounds are done (a resumed run times only its own rounds); with them the line ends with the
-    elapsed time and an estimate of the time left. ``surplus``: over-selected clients whose valid
-    update was not needed (not failures). A network-emulator run shows its virtual time.
+    elapsed time and an estimate of the time left. Over-selected clients whose valid update was
+    not needed show as ``surplus`` (not failures). A network-emulator run shows the round's
+    virtual seconds and ``virtual_total``, the run's so far (what its report plots).
     """
     ratio = record.dense_uplink_bytes / record.uplink_bytes if record.uplink_bytes else 0.0
     line = (f"round {record.round:>4}/{rounds}  acc {record.accuracy:.4f}  loss {record.loss:.4f}"
@@ -133,11 +135,12 @@ def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None
             f"  down {record.downlink_bytes / 1e6:7.2f} MB"
             f"  clients {record.clients_aggregated}/{record.clients_sampled}"
             f" failed {record.clients_failed}")
-    if surplus:
-        line += f" surplus {surplus}"
+    if record.clients_surplus:
+        line += f" surplus {record.clients_surplus}"
     line += f"  {record.wall_seconds:5.1f}s"
     if record.virtual_seconds:
-        line += f"  virtual {record.virtual_seconds:6.1f}s"
+        line += (f"  virtual s: round {record.virtual_seconds:.1f}"
+                 f" total {max(virtual_total, record.virtual_seconds):.1f}")
     if elapsed is not None and rounds_timed > 0:
         left = elapsed / rounds_timed * max(rounds - record.round, 0)
         line += f"  elapsed {_clock(elapsed)} ETA {_clock(left)}"
@@ -192,17 +195,16 @@ def run_server(grid: Grid, config: RunConfig,
             board.write(record, strategy.rounds[:-1])
         timed.append(record.round)
         if s.progress:
-            surplus = 0
-            for row in reversed(strategy.client_rows):  # this round's rows are the last ones
-                if row.round != record.round:
-                    break
-                surplus += row.status == "surplus"
-            print(progress_line(record, s.rounds, time.time() - started, len(timed), surplus),
+            virtual = sum(r.virtual_seconds for r in strategy.rounds)
+            print(progress_line(record, s.rounds, time.time() - started, len(timed), virtual),
                   flush=True)
         if on_round is not None:
             on_round(record)
 
     strategy = strategy_factory(**DGCStrategy.arguments(config), on_round=round_done)
+    guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction)
+    if s.progress:
+        print(f"fedgc: {defences.describe(*guard)}", flush=True)
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
     try:
         result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
@@ -221,6 +223,8 @@ def run_server(grid: Grid, config: RunConfig,
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
         "config": config.to_flat(),
+        "defences": defences.in_force(*guard, [r.reason for r in strategy.client_rows
+                                               if r.status == "aggregated"]),
         **(strategy.summary_extra() if hasattr(strategy, "summary_extra") else {}),
     })
     write_summary(run_dir, summary)

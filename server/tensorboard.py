@@ -47,6 +47,7 @@ def scalars(record: RoundRecord, earlier: Sequence[RoundRecord] = ()) -> dict[st
         "clients/aggregated": record.clients_aggregated,
         "clients/failed": record.clients_failed,
         "clients/rejected": record.clients_rejected,
+        "clients/surplus": record.clients_surplus,
         "time/wall_seconds": record.wall_seconds,
     }
     if record.virtual_seconds:  # an emulated run (simulations.netem)

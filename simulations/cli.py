@@ -89,6 +89,10 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.train.method: summary}))
+    bounded = summary.get("defences", {})
+    if bounded.get("weights_capped") or bounded.get("updates_clipped"):
+        print(f"defences: {bounded['weights_capped']} weights capped, "
+              f"{bounded['updates_clipped']} updates clipped (clients.csv's reason)")
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary

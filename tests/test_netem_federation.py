@@ -156,8 +156,10 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     assert sum(r.dropped_link for r in strategy.rounds) >= 1
     assert {r.reason for r in dropped} <= {"link_down", "unavailable", "deadline", "straggler"}
     for rec in strategy.rounds:  # every sampled client is aggregated or dropped for a reason
-        assert rec.clients_aggregated + rec.dropped_deadline + rec.dropped_link \
-            + rec.dropped_rejected == rec.clients_sampled == 6
+        assert rec.clients_aggregated + rec.clients_surplus + rec.dropped_deadline \
+            + rec.dropped_link + rec.dropped_rejected == rec.clients_sampled == 6
+        assert rec.clients_surplus == sum(r.status == "surplus" for r in rows
+                                          if r.round == rec.round)
         assert 0 < rec.virtual_seconds <= 40.0 + 1e-9  # closed by the deadline at most
     clock = sum(r.virtual_seconds for r in strategy.rounds)
     assert strategy.state_dict()["virtual_now_s"] == pytest.approx(clock)

@@ -6,6 +6,10 @@ settings and the wire code (issue 13), which must change no result: every column
 what measures the machine (wall and compute seconds). ``virtual_seconds`` is compared to 2e-3
 relative: a reply carries its measured compute seconds, and the emulator charges the reply's
 encoded size, so two runs of the same code differ by up to ~1e-3 s in a round.
+
+Edited once since, by hand, on 2026-12-04: the stragglers that came in time after the K-th
+(over-selection's surplus) moved from ``dropped_deadline`` to a new column, ``clients_surplus``;
+every other value is as it was.
 """
 
 from __future__ import annotations

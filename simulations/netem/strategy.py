@@ -11,6 +11,7 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    acknowledges the aggregated updates; every other client is not acknowledged and folds its
    update back into its residual at its next round (no gradient mass is lost);
 4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
+   (and the stragglers that came in time but after the K-th, ``clients_surplus``: not drops)
    and advances the virtual clock to the round's close.
 """
 
@@ -135,8 +136,9 @@ class NetemStrategy(DGCStrategy):
             metrics["virtual_seconds"] = outcome.virtual_seconds
         record = self.round_record
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
-            "rejected", server_round, outcome.virtual_seconds, record.dropped_deadline,
-            record.dropped_link, record.dropped_rejected)
+            "rejected; %d surplus", server_round, outcome.virtual_seconds,
+            record.dropped_deadline, record.dropped_link, record.dropped_rejected,
+            record.clients_surplus)
         return arrays, metrics
 
     def close_round(self, record: RoundRecord, rows: list[ClientRow]) -> None:
@@ -162,6 +164,7 @@ class NetemStrategy(DGCStrategy):
         record.dropped_deadline = outcome.dropped_deadline + sum(
             t > outcome.end_s for t in self._rejected_finish.values())
         record.dropped_link = outcome.dropped_link
+        record.clients_surplus = sum(row.status == "surplus" for row in rows)
         record.dropped_rejected = sum(t <= outcome.end_s for t in self._rejected_finish.values())
 
     def summary_extra(self) -> dict[str, Any]:
