@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +19,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedgc.flower_log import drop_noise
+from fedgc.flower_log import drop_noise, report_once
 from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
 from server import defences
-from server.checkpoint import CHECKPOINT_FILE
+from server.checkpoint import CHECKPOINT_FILE, CheckpointError
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
@@ -244,13 +243,64 @@ def check_something_aggregated(rounds: list[RoundRecord], rows: list[Any], run_d
                                  f"model never trained (see {run_dir}/clients.csv){first}")
 
 
+class FederationSizeError(RuntimeError):
+    """Under Flower's simulation runtime, the federation has not one SuperNode per client."""
+
+
+#: Seconds the simulation runtime may take to register its SuperNodes (it does so as the
+#: ServerApp starts; 10,000 in well under a second here).
+NODES_SETTLE_S = 10.0
+
+
+def check_federation(grid: Grid, config: RunConfig) -> None:
+    """Under Flower's simulation runtime (``flwr run`` on a local SuperLink), refuse a
+    federation without one SuperNode per client, saying how to size it.
+
+    The runtime registers all of its ``num-supernodes`` nodes as the ServerApp starts, and
+    none joins later: a run needing more would wait for ever, and a node beyond ``num_clients``
+    would hold no data. On a deployment (SuperNodes connecting over the network) nodes come
+    and go, and the registry waits for them instead.
+    """
+    from flwr.superlink.grid import InMemoryGrid
+
+    if not isinstance(grid, InMemoryGrid):
+        return
+    deadline, count, since = time.monotonic() + NODES_SETTLE_S, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = len(list(grid.get_node_ids()))
+        if now != count:
+            count, since = now, time.monotonic()
+        elif count > 0 and time.monotonic() - since >= 1.0:
+            break
+        time.sleep(0.1)
+    wanted = config.train.num_clients
+    if count != wanted:
+        fit = min(config.train.clients_per_round, max(count, 1))
+        raise FederationSizeError(
+            f"the federation has {count} simulated SuperNodes and this run num_clients = "
+            f"{wanted} (one SuperNode per client): run it with `flwr run . --federation-config "
+            f"num-supernodes={wanted}`, or size the run to the federation with -c "
+            f"\"num_clients={max(count, 1)} clients_per_round={fit}\"")
+
+
+#: What the ServerApp under ``flwr run`` reports in one line (the user's to fix), not with a
+#: traceback; the run still fails.
+USER_ERRORS = (SettingsError, PreflightError, FederationSizeError, RunFolderError,
+               NothingAggregatedError, CheckpointError)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md)."""
+    """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md).
+
+    A bad value, a federation of the wrong size, a run refused before its first round: one
+    line on the run's log (:func:`fedgc.flower_log.report_once`) and a failed run.
+    """
     drop_noise()
     try:
         config = RunConfig.from_flat(dict(context.run_config))
-    except SettingsError as ex:
-        print(f"fedgc: bad run config: {ex}", file=sys.stderr)
+        check_federation(grid, config)
+        run_server(grid, config)
+    except USER_ERRORS as ex:
+        report_once(ex)
         raise
-    run_server(grid, config)

@@ -311,8 +311,28 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         return
 
     for row in key_table([ServerSettings, TrainSettings, NetemSettings]):
-        print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
-              f"{row.accepted:<32} {row.doc}")
+        print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
+                                   row.doc)))
+
+
+#: The width of ``keys``' lines (the project's line length).
+KEYS_WIDTH = 100
+
+
+def key_lines(key: str, part: str, kind: str, default: str, accepted: str, doc: str,
+              width: int = KEYS_WIDTH) -> list[str]:
+    """One key of ``keys``: its name, part, type, default and range on a line (the range
+    under it when it does not fit), then its description, indented, wrapped to ``width``."""
+    import textwrap
+
+    head = f"{key:<30} {part:<6} {kind:<5} {default}"
+    if len(f"{head:<58} {accepted}") <= width:
+        head, text = f"{head:<58} {accepted}", doc
+    else:
+        text = f"accepted: {accepted}. {doc}"
+    wrap = textwrap.TextWrapper(width=width, initial_indent="    ", subsequent_indent="    ",
+                                break_long_words=True, break_on_hyphens=False)
+    return textwrap.wrap(head, width, subsequent_indent="    ") + wrap.wrap(text)
 
 
 def _parser() -> argparse.ArgumentParser:
