@@ -1,5 +1,5 @@
-"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys`` and (another package's)
-``deploy``."""
+"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``flwr`` (the run
+through Flower's ``flwr run .``) and (another package's) ``deploy``."""
 
 from __future__ import annotations
 
@@ -355,6 +355,9 @@ def _parser() -> argparse.ArgumentParser:
         return q
 
     scenario("run", "run one scenario")
+    scenario("flwr", "run one scenario with Flower's `flwr run .`: keys checked first, the "
+                     "federation sized to num_clients, a local SuperLink started and stopped "
+                     "if none runs, the run's status as exit status")
     c = scenario("compare", f"run {', '.join(METHODS)} on the same scenario and plot them")
     c.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)}")
@@ -421,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.jobs, args.budget_method)
         elif args.command == "traffic":
             cmd_traffic(args.folders, args.budget_method, args.out)
+        elif args.command == "flwr":
+            from simulations.flwr_run import cmd_flwr
+
+            return cmd_flwr(_values(args, None))
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
