@@ -7,7 +7,7 @@ as scalars at step = round, from the same :class:`server.records.RoundRecord` th
 ``traffic/`` (MB per round both ways and their total, the cumulative total, the uplink's
 compression against dense fp32), ``clients/`` (sampled, aggregated, failed, rejected; the
 emulator's drops) and ``time/`` (wall seconds; the emulator's virtual seconds). The package is
-optional (``pip install 'fedgc[tensorboard]'``); without it a run that asks for it is refused
+optional (``pip install -e '.[tensorboard]'`` in the checkout); without it a run that asks for it is refused
 before round 1.
 """
 
@@ -72,8 +72,9 @@ class RoundWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as ex:
-            raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
-                                 "'fedgc[tensorboard]' (or tensorboard==2.21.0)") from ex
+            raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
+                                 "'.[tensorboard]'` in the fedgc checkout (or "
+                                 "tensorboard==2.21.0)") from ex
         self.log_dir = Path(run_dir) / EVENTS_DIR
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
