@@ -50,6 +50,14 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
+def environment() -> dict[str, str]:
+    """The environment of Flower's processes: this one, with this Python's folder first on
+    PATH (the SuperLink starts ``flower-superexec`` and ``flwr-simulation`` by name) and the
+    app run in it rather than in a fresh environment of its dependencies."""
+    return {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 def run_overrides(values: Mapping[str, object]) -> tuple[RunConfig, dict[str, object]]:
     """The checked RunConfig of ``values`` and the keys to pass to ``flwr run -c``.
 
@@ -134,7 +142,7 @@ class LocalSuperLink:
         http_port, control = ports
         folder = get_flwr_home() / "local-superlink"
         folder.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, OWNER_VARIABLE: self.token, "FLWR_DISABLE_UPDATE_CHECK": "1"}
+        env = {**environment(), OWNER_VARIABLE: self.token, "FLWR_DISABLE_UPDATE_CHECK": "1"}
         # The command of flwr/cli/local_superlink.py, so that `flwr run` finds it as its own.
         self.process = subprocess.Popen(
             [_bin("flower-superlink"), "--insecure", "--simulation", "--isolation",
@@ -167,21 +175,29 @@ class LocalSuperLink:
                 continue
         return found
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL, to the SuperLink and every process it started."""
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM (SIGKILL after half of ``timeout_s``) to the SuperLink and every process it
+        started, until none has been left for 2 s: Ray's raylet restarts an agent that ends
+        before it does."""
         if self.process is None:
             return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self.leftovers():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + timeout_s
-            while self.leftovers() and time.monotonic() < deadline:
-                time.sleep(0.3)
-            if not self.leftovers():
+        started = time.monotonic()
+        quiet_since: float | None = None
+        while time.monotonic() - started < timeout_s:
+            left = self.leftovers()
+            if left:
+                quiet_since = None
+                late = time.monotonic() - started > timeout_s / 2
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= 2.0:
                 break
+            time.sleep(0.3)
         self.process.wait(timeout=timeout_s)
         self.process = None
 
@@ -209,8 +225,7 @@ def run_status(run_id: str, env: Mapping[str, str]) -> tuple[str, str]:
 def cmd_flwr(values: Mapping[str, object]) -> int:
     """Check ``values``, run them with ``flwr run .``, return the run's exit status."""
     config, given = run_overrides(values)
-    env = {**os.environ, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = environment()
     command = flwr_command(given, config.train.num_clients)
     print(f"fedgc: flwr run . with num-supernodes={config.train.num_clients} -> "
           f"{config.run_dir}", flush=True)
