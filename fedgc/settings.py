@@ -638,8 +638,8 @@ class ServerSettings:
     tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
                                 "(accuracy, loss, MB both ways, clients, seconds) as "
                                 "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
-                                "tensorboard package, in the dev extra: pip install -e '.[tensorboard]' in "
-                                "the checkout)")
+                                "tensorboard package, in the dev extra: pip install -e "
+                                "'.[tensorboard]' in the checkout)")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
                           "one after another (tests, debugging)", Check(choices=ENGINES))

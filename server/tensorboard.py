@@ -7,8 +7,8 @@ as scalars at step = round, from the same :class:`server.records.RoundRecord` th
 ``traffic/`` (MB per round both ways and their total, the cumulative total, the uplink's
 compression against dense fp32), ``clients/`` (sampled, aggregated, failed, rejected; the
 emulator's drops) and ``time/`` (wall seconds; the emulator's virtual seconds). The package is
-optional (``pip install -e '.[tensorboard]'`` in the checkout); without it a run that asks for it is refused
-before round 1.
+optional (``pip install -e '.[tensorboard]'`` in the checkout); without it a run that asks for
+it is refused before round 1.
 """
 
 from __future__ import annotations

@@ -427,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "flwr":
             from simulations.flwr_run import cmd_flwr
 
-            return cmd_flwr(_values(args, None))
+            return cmd_flwr(_values(args, None), args.verbose)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,

@@ -95,11 +95,14 @@ def _toml(value: object) -> str:
     return repr(value)
 
 
-def flwr_command(given: Mapping[str, object], num_clients: int) -> list[str]:
-    """The ``flwr run .`` command line of a run: the keys as ``-c``, the federation sized."""
+def flwr_command(given: Mapping[str, object], num_clients: int,
+                 verbose: bool = False) -> list[str]:
+    """The ``flwr run .`` command line of a run: the keys as ``-c``, the federation sized
+    (``verbose``: Flower's simulation logs at DEBUG)."""
     pairs = " ".join(f"{k}={_toml(v)}" for k, v in given.items())
-    return [_bin("flwr"), "run", str(PROJECT), "--stream", "--federation-config",
-            f"num-supernodes={num_clients}", "-c", pairs]
+    federation = f"num-supernodes={num_clients}" + (" verbose=true" if verbose else "")
+    return [_bin("flwr"), "run", str(PROJECT), "--stream", "--federation-config", federation,
+            "-c", pairs]
 
 
 def _local_ports() -> tuple[str, str] | None:
@@ -222,11 +225,11 @@ def run_status(run_id: str, env: Mapping[str, str]) -> tuple[str, str]:
     return status, details
 
 
-def cmd_flwr(values: Mapping[str, object]) -> int:
+def cmd_flwr(values: Mapping[str, object], verbose: bool = False) -> int:
     """Check ``values``, run them with ``flwr run .``, return the run's exit status."""
     config, given = run_overrides(values)
     env = environment()
-    command = flwr_command(given, config.train.num_clients)
+    command = flwr_command(given, config.train.num_clients, verbose)
     print(f"fedgc: flwr run . with num-supernodes={config.train.num_clients} -> "
           f"{config.run_dir}", flush=True)
     link = LocalSuperLink()
