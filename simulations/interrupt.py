@@ -97,11 +97,12 @@ class StoppableGrid(Grid):
         return replies
 
 
-class RunInterrupted(Exception):
+class RunInterrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C (SIGINT): where it stopped and what it kept.
 
-    ``last_round``: the last round whose results (and checkpoint, with ``checkpoint``) were
-    kept, 0 when none finished; ``rounds``: the rounds asked for.
+    A KeyboardInterrupt still, so that no ``except Exception`` swallows it (a notebook's
+    interrupt stays one). ``last_round``: the last round whose results (and checkpoint, with
+    ``checkpoint``) were kept, 0 when none finished; ``rounds``: the rounds asked for.
     """
 
     def __init__(self, run_dir: Path, last_round: int, rounds: int, checkpoint: bool) -> None:
