@@ -158,14 +158,14 @@ def run(scenario: str | None = None, config: str | Path | Mapping[str, Any] | No
 def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
             *, methods: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
             jobs: int = 1, verbose: bool = False, **keys: Any) -> CompareResult:
-    """Run the same scenario with each of ``methods`` (default: every registered one; your own
+    """Run the same scenario with each of ``methods`` (default: those ``compare`` runs; your own
     as ``"module:callable"``) as ``python -m simulations compare`` does (``seeds``: once per
     seed; ``jobs``: runs at a time, ``sim__engine="local"`` only); returns ``compare.json`` and
     the runs."""
-    from fedgc.methods import names
+    from fedgc.methods import compared
     from simulations.cli import check_methods, cmd_compare, method_folder
 
-    methods = list(names()) if methods is None else check_methods(list(methods), "methods")
+    methods = list(compared()) if methods is None else check_methods(list(methods), "methods")
     run_config, netem = config_of(scenario, config, **keys)
     doc = cmd_compare(run_config, verbose, methods, netem,
                       list(seeds) if seeds is not None else None, jobs)

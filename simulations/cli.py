@@ -233,7 +233,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     """
     from simulations.plots import plot_bands
 
-    methods = registry.names() if methods is None else check_methods(methods, "methods")
+    methods = registry.compared() if methods is None else check_methods(methods, "methods")
     if not isinstance(jobs, int) or jobs < 1:
         raise SettingsError(f"--jobs must be an integer >= 1, got {jobs!r}")
     if budget_method is not None and budget_method not in methods:
@@ -358,11 +358,11 @@ def _parser() -> argparse.ArgumentParser:
         return q
 
     scenario("run", "run one scenario")
-    names = registry.names()
-    c = scenario("compare", f"run {', '.join(names)} on the same scenario and plot them")
-    c.add_argument("--methods", default=",".join(names),
-                   help=f"comma-separated subset of {','.join(names)}, or your own methods "
-                        f"as module:callable")
+    compared = registry.compared()
+    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
+    c.add_argument("--methods", default=",".join(compared),
+                   help=f"comma-separated methods among {','.join(registry.names())}, or your "
+                        f"own as module:callable")
     c.add_argument("--seeds", metavar="S,S,...",
                    help="run the comparison once per seed (e.g. 0,1,2) into seed-<s>/, and "
                         "write the mean and std over seeds")

@@ -140,7 +140,7 @@ PHONES = {0: "phone-a", 1: "phone-b"}
 FEDERATION = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "partition": "iid",
               "density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
               "rounds": 3, "seed": 0, "dgc.small_density": 0.0, "client_momentum": 0.0,
-              "dgc.server_momentum": 0.0}
+              "server_momentum": 0.0}
 
 
 def _federation(tmp_path_factory, name: str, phones_on_arm: ArmEnv | None) -> tuple[dict, dict]:

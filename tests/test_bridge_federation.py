@@ -32,7 +32,7 @@ SETTINGS = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "partiti
             "dgc.momentum_correction": True, "dgc.small_density": 0.0, "client_momentum": 0.0,
             # Plain FedAvg on the server: the test's 3 rounds must show progress, and server
             # momentum 0.5 (dgc runs' default) overshot within them here (0.198 -> 0.153).
-            "dgc.server_momentum": 0.0}
+            "server_momentum": 0.0}
 
 
 def _phone_loop(phone: ReferencePhone, stop: threading.Event, reports: list, errors: list,

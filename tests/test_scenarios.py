@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedgc.methods import names
+from fedgc.methods import compared
 from fedgc.settings import RunConfig, SettingsError
 from server.records import RoundRecord
 from server.results import summarize
@@ -65,7 +65,7 @@ def test_bad_seeds_are_named(seeds: str, capsys) -> None:
 
 
 def test_compare_takes_every_method_by_default() -> None:
-    assert _parser().parse_args(["compare"]).methods.split(",") == list(names())
+    assert _parser().parse_args(["compare"]).methods.split(",") == list(compared())
 
 
 def test_summary_traffic_and_last10_of_the_last_ten_rounds() -> None:

@@ -15,6 +15,7 @@ from fedgc.methods.base import Aggregator, Channel, DownlinkPolicy, Method
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, SparseCodec, SparsePayload
 from fedgc.methods.registry import (
     baseline,
+    compared,
     get,
     is_known,
     load_method,
@@ -30,5 +31,5 @@ for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
         importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["Aggregator", "Bound", "Channel", "Codec", "DownlinkPolicy", "Method", "Payload",
-           "PayloadError", "SparseCodec", "SparsePayload", "baseline", "get", "is_known",
-           "load_method", "loaded", "names", "register", "registered"]
+           "PayloadError", "SparseCodec", "SparsePayload", "baseline", "compared", "get",
+           "is_known", "load_method", "loaded", "names", "register", "registered"]

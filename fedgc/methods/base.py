@@ -143,6 +143,8 @@ class Method:
         Its clients send every entry in float32: the baseline of every compression ratio.
     order : int
         Where ``compare`` runs it among the registered methods (then by name).
+    compared : bool
+        ``compare`` runs it when no ``--methods`` are given (the demo's table).
     prefix : str
         The prefix of its own keys (``dgc``: ``dgc.*``).
     settings : type or None
@@ -158,6 +160,7 @@ class Method:
     phone: ClassVar[bool] = False
     baseline: ClassVar[bool] = False
     order: ClassVar[int] = 100
+    compared: ClassVar[bool] = True
     prefix: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
     defaults: ClassVar[Mapping[str, Any]] = {}

@@ -17,7 +17,7 @@ from fedgc.methods.base import Method
 from fedgc.refs import is_ref, resolve_callable, short
 from fedgc.schema import SettingsError
 
-__all__ = ["baseline", "get", "is_known", "load_method", "loaded", "names", "register",
+__all__ = ["baseline", "compared", "get", "is_known", "load_method", "loaded", "names", "register",
            "registered", "upgrade_run_config"]
 
 _REGISTERED: dict[str, Method] = {}
@@ -42,6 +42,11 @@ def registered() -> tuple[Method, ...]:
 def names() -> tuple[str, ...]:
     """The registered methods' names, in the order ``compare`` runs them."""
     return tuple(m.name for m in registered())
+
+
+def compared() -> tuple[str, ...]:
+    """The methods ``compare`` runs when none are named (``Method.compared``), in order."""
+    return tuple(m.name for m in registered() if m.compared)
 
 
 def loaded() -> tuple[Method, ...]:
