@@ -265,7 +265,7 @@ def cmd_flwr(values: Mapping[str, object], verbose: bool = False) -> int:
     if summary.exists():
         from simulations.cli_common import summary_table
 
-        print(summary_table({config.train.method: json.loads(summary.read_text())}))
+        print(summary_table({config.method.title: json.loads(summary.read_text())}))
     print(f"results: {config.run_dir}/rounds.csv, summary.json (run {run_id}, {status})")
     return 0
 

@@ -143,14 +143,14 @@ def test_flwr_run_trains_and_takes_dotted_keys(flwr_env, tmp_path):
 
 @pytest.mark.slow
 def test_a_bad_value_is_one_line_in_the_runs_log_and_fails_the_run(flwr_env, tmp_path):
-    proc = _flwr_run(flwr_env, f"{SMALL} dgc.density=2.0 results_dir='{tmp_path}'")
+    proc = _flwr_run(flwr_env, f"{SMALL} density=2.0 results_dir='{tmp_path}'")
     output = proc.stdout + proc.stderr
-    assert "fedgc: dgc.density = 2.0 is outside the accepted range (0, 1]" in output, \
+    assert "fedgc: density = 2.0 is outside the accepted range (0, 1]" in output, \
         output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert not list(tmp_path.iterdir())
     assert _status(flwr_env, output) == ("finished:failed", "Simulation failed with exception: "
-                                         "dgc.density = 2.0 is outside the accepted range (0, 1]")
+                                         "density = 2.0 is outside the accepted range (0, 1]")
 
 
 @pytest.mark.slow
@@ -218,7 +218,7 @@ def test_keys_flwr_toml_prints_the_table_it_checks(capsys):
 @pytest.mark.parametrize("sets, words", [
     (["dgc.shared_densty=0"], "unknown configuration key 'dgc.shared_densty' (did you mean "
                               "'dgc.shared_density'?)"),
-    (["dgc.density=2"], "dgc.density = 2.0 is outside the accepted range (0, 1]"),
+    (["density=2"], "density = 2.0 is outside the accepted range (0, 1]"),
     (["netem.enabled=true"], "netem.enabled: not settable under flwr run"),
     (["sim.engine=local"], "sim.engine: not settable under flwr run"),
 ])
@@ -241,10 +241,10 @@ def test_the_flwr_command_sizes_the_federation_and_passes_only_the_given_keys(tm
     from simulations.flwr_run import flwr_command, run_overrides
 
     config, given = run_overrides({"task": "digits", "num_clients": "7", "rounds": "3",
-                                   "clients_per_round": "2", "dgc.density": "0.01",
+                                   "clients_per_round": "2", "density": "0.01",
                                    "results_dir": "rel"})
     assert given == {"task": "digits", "num_clients": 7, "rounds": 3, "clients_per_round": 2,
-                     "dgc.density": 0.01,
+                     "density": 0.01,
                      "results_dir": str(Path("rel").resolve()),
                      "run_name": config.server.run_name,
                      "state_dir": str(config.state_dir.resolve())}

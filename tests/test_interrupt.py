@@ -28,7 +28,7 @@ from simulations.interrupt import GridStopped, RunInterrupted, StoppableGrid
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--set", "task=digits", "--set", "num_clients=6", "--set", "clients_per_round=3",
-       "--set", "seed=3", "--set", "dgc.density=0.01"]
+       "--set", "seed=3", "--set", "density=0.01"]
 #: Seconds before a run that ignores SIGINT counts as hung (it hung ~600 s: round_timeout_s).
 HUNG_S = 60
 
