@@ -41,6 +41,13 @@ def _rounds(run: Path) -> list[dict[str, str]]:
         return []
 
 
+def _sigint_default() -> None:
+    """In the child: SIGINT as a terminal's process has it. A process started with SIGINT
+    ignored (a shell's background job: a test run started with ``&``) passes that on, and
+    Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(tmp_path: Path, engine: str, after_rounds: int) -> tuple[int, str, str]:
     """Start a 500-round run, Ctrl-C its process group once ``after_rounds`` rounds are in
     ``rounds.csv``; return its exit status, stdout and stderr."""
@@ -50,7 +57,7 @@ def _interrupt(tmp_path: Path, engine: str, after_rounds: int) -> tuple[int, str
             [sys.executable, "-m", "simulations", "run", *RUN, "--set", "rounds=500",
              "--set", f"sim.engine={engine}", "--set", f"results_dir={tmp_path}",
              "--set", "run_name=cut"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=o, stderr=e, start_new_session=True)
+            stdout=o, stderr=e, start_new_session=True, preexec_fn=_sigint_default)
         try:
             deadline = time.monotonic() + 300
             while len(_rounds(tmp_path / "cut")) < after_rounds:
