@@ -583,7 +583,9 @@ def _parse_own(values: Mapping[str, object]) -> dict[str, Any]:
     for m in methods.loaded():
         if m.settings is not None:
             mine = {f.metadata["key"] for f in fields_of(m.settings)}
-            out.update(to_flat(parse(m.settings, {k: v for k, v in values.items() if k in mine})))
+            own = parse(m.settings, {k: v for k, v in values.items() if k in mine})
+            validate(own)  # a method's schema need not check itself
+            out.update(to_flat(own))
     return out
 
 

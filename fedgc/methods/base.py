@@ -47,7 +47,7 @@ import torch
 
 from dgc import Compressor, DGCConfig, SparseUpdate
 from fedgc.methods.payloads import Bound, Codec, SparseCodec
-from fedgc.schema import fields_of, parse
+from fedgc.schema import fields_of, parse, validate
 
 __all__ = ["Aggregator", "Channel", "DownlinkPolicy", "Method"]
 
@@ -189,6 +189,7 @@ class Method:
         configured = copy.copy(self)
         configured._own = parse(self.settings, {k: v for k, v in values.items() if k in mine},
                                 strict=False)
+        validate(configured._own)
         return configured
 
     # ------------------------------------------------------------------ client half
