@@ -1,5 +1,5 @@
-"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys`` and (another package's)
-``deploy``."""
+"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``methods`` and
+(another package's) ``deploy``."""
 
 from __future__ import annotations
 
@@ -332,10 +332,31 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    own = [m.settings for m in registry.loaded() if m.settings is not None]
+    own = [m.settings for m in registry.registered() if m.settings is not None]
     for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
         print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
               f"{row.accepted:<32} {row.doc}")
+
+
+def methods_table() -> list[str]:
+    """The methods table of ``docs/methods.md``, from the registry: every registered method's
+    client, payload, residual, defaults, downlink and phone support (``python -m simulations
+    methods``; ``tests/test_methods.py`` checks the docs hold it)."""
+    lines = ["| method | a client sends | it keeps | payload | its defaults | clients are sent "
+             "| phones | compare |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in registry.registered():
+        config = RunConfig.from_flat({"method": m.name, "run_name": "table"})
+        down = m.downlink(config)
+        sent = ("the exact model" if down.density >= 1.0 else
+                f"the {down.values} broadcast at `downlink_density` {down.density:g}")
+        defaults = ", ".join(f"`{k}` {v!r}" for k, v in m.defaults.items()) or "-"
+        label = f"`{m.name}`" + (f" ({m.label})" if m.label and m.label != m.name else "")
+        lines.append(f"| {label} | {m.description} | "
+                     f"{'its residual' if m.keeps_residual else 'nothing'} | "
+                     f"`{m.codec(config.train).kind}` | {defaults} | {sent} | "
+                     f"{'yes' if m.phone else 'no'} | {'yes' if m.compared else 'named'} |")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -386,6 +407,8 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="list every configuration key")
     k.add_argument("--flwr-toml", action="store_true",
                    help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
+    sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
+                                   "table")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
     return p
 
@@ -413,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "keys":
             cmd_keys(args.flwr_toml)
+        elif args.command == "methods":
+            print("\n".join(methods_table()))
         elif args.command == "run":
             cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":

@@ -93,8 +93,8 @@ class DGC(Method):
 
     name = "dgc"
     order = 40
-    description = ("fedgc's DGC (`dgc.*`): top-k of the residual, fp16, plus the residual at "
-                   "the round's shared indices as signs (`dgc.shared_density`)")
+    description = ("DGC's top-k of the residual (`dgc.*`), fp16, and the residual at the "
+                   "round's shared indices as signs (`dgc.shared_density`)")
     keeps_residual = True
     phone = True
     prefix = "dgc"

@@ -284,7 +284,7 @@ class RandomK(Method):
     order = 25
     compared = False  # a floor to ask for: compare --methods ...,randk
     description = ("the residual at `density` of positions drawn from a seed, fp16; the seed "
-                   "travels, the indices do not")
+                   "travels, not the indices")
     keeps_residual = True
     prefix = "dgc"
 

@@ -25,8 +25,8 @@ class STC(Method):
 
     name = "stc"
     order = 30
-    description = ("top-k at `density` of every tensor as sign * mean magnitude, one bit each; "
-                   "a ternary broadcast down")
+    description = ("top-k at `density` of every tensor (biases too) as sign * mean "
+                   "magnitude, one bit each")
     keeps_residual = True
     prefix = "dgc"
     defaults = {"density": STC_DENSITY, "downlink_density": STC_DENSITY,

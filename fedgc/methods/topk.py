@@ -23,7 +23,7 @@ class TopK(Method):
 
     name = "topk"
     order = 20
-    description = "top-k at `density`, fp16, nothing kept (no error feedback)"
+    description = "top-k at `density`, fp16; no error feedback"
     phone = True
     prefix = "dgc"
 
