@@ -101,7 +101,7 @@ class Strom(Method):
     prefix = "strom"
     settings = StromSettings
 
-    def compressor(self, train: Any, client_key: int) -> StromCompressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> StromCompressor:
         return StromCompressor(self.own.tau)
 
     def codec(self, train: Any) -> Codec:

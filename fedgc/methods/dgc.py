@@ -100,7 +100,7 @@ class DGC(Method):
     prefix = "dgc"
     defaults = {"server_momentum": 0.5}
 
-    def compressor(self, train: Any, client_key: int) -> Compressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         return split_compressor(train, dgc_config(train))
 
     def codec(self, train: Any) -> Codec:

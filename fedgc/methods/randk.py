@@ -294,7 +294,7 @@ class RandomK(Method):
         return layer_config(train, momentum=0.0, momentum_correction=False,
                             momentum_masking=False, error_feedback=True)
 
-    def compressor(self, train: Any, client_key: int) -> Compressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         # One seed per client and run; splitmix64 spreads neighbouring keys apart.
         return RandomKCompressor(self.policy(train), (int(train.seed) << 32) + int(client_key))
 

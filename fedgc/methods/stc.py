@@ -32,7 +32,7 @@ class STC(Method):
     defaults = {"density": STC_DENSITY, "downlink_density": STC_DENSITY,
                 "downlink_values": "ternary"}
 
-    def compressor(self, train: Any, client_key: int) -> Compressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         # One density for every tensor, as STC has; the scale's precision is dgc.value_dtype.
         return STCCompressor(stc_config(train.density, train.value_dtype))
 
