@@ -306,7 +306,7 @@ def train(msg: Message, context: Context) -> Message:
     shared_data: bytes | None = None
     shared_entries = 0
     new_state = ClientState()
-    compressor = method.compressor(s, key)
+    compressor = method.compressor(s, key, None if material is None else material[1])
     if compressor is None:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:

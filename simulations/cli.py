@@ -1,5 +1,5 @@
-"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``flwr`` (the run
-through Flower's ``flwr run .``) and (another package's) ``deploy``."""
+"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``methods``, ``flwr``
+(the run through Flower's ``flwr run .``) and (another package's) ``deploy``."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
-    print(summary_table(summaries))
+    print(summary_table({s.get("label", m): s for m, s in summaries.items()}))
     print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
@@ -337,7 +337,7 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    own = [m.settings for m in registry.loaded() if m.settings is not None]
+    own = [m.settings for m in registry.registered() if m.settings is not None]
     for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
         print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
                                    row.doc)))
@@ -361,6 +361,27 @@ def key_lines(key: str, part: str, kind: str, default: str, accepted: str, doc: 
     wrap = textwrap.TextWrapper(width=width, initial_indent="    ", subsequent_indent="    ",
                                 break_long_words=True, break_on_hyphens=False)
     return textwrap.wrap(head, width, subsequent_indent="    ") + wrap.wrap(text)
+
+
+def methods_table() -> list[str]:
+    """The methods table of ``docs/methods.md``, from the registry: every registered method's
+    client, payload, residual, defaults, downlink and phone support (``python -m simulations
+    methods``; ``tests/test_methods.py`` checks the docs hold it)."""
+    lines = ["| method | a client sends | it keeps | payload | its defaults | clients are sent "
+             "| phones | compare |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in registry.registered():
+        config = RunConfig.from_flat({"method": m.name, "run_name": "table"})
+        down = m.downlink(config)
+        sent = ("the exact model" if down.density >= 1.0 else
+                f"the {down.values} broadcast at `downlink_density` {down.density:g}")
+        defaults = ", ".join(f"`{k}` {v!r}" for k, v in m.defaults.items()) or "-"
+        label = f"`{m.name}`" + (f" ({m.label})" if m.label and m.label != m.name else "")
+        lines.append(f"| {label} | {m.description} | "
+                     f"{'its residual' if m.keeps_residual else 'nothing'} | "
+                     f"`{m.codec(config.train).kind}` | {defaults} | {sent} | "
+                     f"{'yes' if m.phone else 'no'} | {'yes' if m.compared else 'named'} |")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -414,6 +435,8 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="list every configuration key")
     k.add_argument("--flwr-toml", action="store_true",
                    help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
+    sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
+                                   "table")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
     return p
 
@@ -441,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "keys":
             cmd_keys(args.flwr_toml)
+        elif args.command == "methods":
+            print("\n".join(methods_table()))
         elif args.command == "run":
             cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":
