@@ -38,7 +38,7 @@ from android_bridge.encoder import (
     SumSquares,
     check_exportable,
 )
-from android_bridge.models import ModelSpec, get_model
+from android_bridge.models import ModelSpec, get_model, task_model
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError
 
@@ -150,21 +150,27 @@ def export_torchscript(config: DGCConfig, path: str | Path) -> None:
 
 
 def export_training_step(spec: ModelSpec, model: nn.Module, batch_size: int) -> bytes:
-    """The joint forward/backward ExecuTorch program of ``model`` for batches of ``batch_size``.
+    """The joint forward/backward ExecuTorch program of ``model`` for batches of 1 to
+    ``batch_size`` examples.
 
     Built with ``torch.export`` and ``torch.export.experimental._export_forward_backward`` (the
     ExecuTorch training flow); its parameters start as ``model``'s and are outputs of the method,
-    so the host can overwrite them with the global model before training.
+    so the host can overwrite them with the global model before training. The batch dimension
+    is dynamic (memory planned for ``batch_size``): a simulated client's last batch of an epoch
+    holds the examples left over, and the phone takes the same batches.
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge
-    from torch.export import export
+    from torch.export import Dim, export
     from torch.export.experimental import _export_forward_backward
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     x = torch.zeros((batch_size, *spec.input_shape))
     y = torch.zeros(batch_size, dtype=torch.int64)
-    ep = export(TrainingStep(model), (x, y), strict=True)
+    # torch.export specialises a dimension whose upper bound is 1: a batch of 1 stays static.
+    batch = Dim("batch", min=1, max=batch_size) if batch_size > 1 else None
+    dynamic = ({0: batch}, {0: batch}) if batch is not None else None
+    ep = export(TrainingStep(model), (x, y), dynamic_shapes=dynamic, strict=True)
     ep = _export_forward_backward(ep)
     return to_edge(ep).to_executorch(ExecutorchBackendConfig()).buffer
 
@@ -205,12 +211,12 @@ def federation_defaults() -> dict[str, Any]:
             "learning_rate": s.lr, "run_config": _run_config_keys(config, s.batch_size, s.lr)}
 
 
-def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float
-                     ) -> dict[str, Any]:
+def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float,
+                     method: str = "dgc") -> dict[str, Any]:
     # The server keys a run must set for this export's phones to take its tasks: the baked DGC
     # fields (check_compatible refuses any other value) and the fixed training batch. lr is
     # sent with every task and applied as sent; it is listed as the default the export assumed.
-    return {"method": "dgc", "batch_size": batch_size, "lr": learning_rate,
+    return {"method": method, "batch_size": batch_size, "lr": learning_rate,
             "dgc.momentum": config.momentum, "dgc.momentum_correction": config.momentum_correction,
             "dgc.nesterov": config.nesterov, "dgc.dampening": config.dampening,
             "dgc.momentum_masking": config.momentum_masking,
@@ -230,9 +236,11 @@ BRIDGE_NOTES = {
 }
 
 
-def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | None = None,
-               batch_size: int | None = None, learning_rate: float | None = None,
-               seed: int = 0, max_numel: int = DEFAULT_MAX_NUMEL) -> dict[str, Any]:
+def export_all(model_name: str | ModelSpec | None, out_dir: str | Path,
+               config: DGCConfig | None = None, batch_size: int | None = None,
+               learning_rate: float | None = None, seed: int = 0,
+               max_numel: int = DEFAULT_MAX_NUMEL,
+               run_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the encoder (``.pte`` and ``.pt``), the training step and the manifest; return it.
 
     Every argument left ``None`` takes the federation's default (:func:`federation_defaults`):
@@ -254,9 +262,16 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
             and learning_rate > 0):
         raise ConfigError(f"learning_rate must be a positive finite number, got "
                           f"{learning_rate!r}")
-    spec = get_model(model_name)
+    spec = model_name if isinstance(model_name, ModelSpec) else get_model(model_name)
     torch.manual_seed(seed)
     model = spec.build()
+    params = {name for name, _ in model.named_parameters()}
+    buffers = [k for k, v in model.state_dict().items()
+               if k not in params and v.is_floating_point()]
+    if buffers:
+        raise ConfigError(f"model {spec.name!r} has floating-point buffers {buffers} (batch "
+                          f"norm statistics?): the server sends them, the exported training "
+                          f"step trains parameters only")
     layout = parameter_layout(model, config)
     too_long = [p["name"] for p in layout if p["numel"] > max_numel]
     if too_long:
@@ -304,6 +319,8 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
             "file": TRAIN_FILE, "sha256": _sha256(train), "method": "forward",
             "parameter_prefix": TRAIN_PREFIX, "batch_size": batch_size,
             "input_shape": [batch_size, *spec.input_shape], "input_dtype": "float32",
+            # The first dimension of input_shape and label_shape is any of 1..batch_size.
+            "dynamic_batch": batch_size > 1,
             "label_shape": [batch_size], "label_dtype": "int64",
             "num_classes": spec.num_classes, "loss": "cross_entropy (mean)",
             "outputs": ["loss f32[]", "predicted class i64[batch]"],
@@ -311,7 +328,11 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
             "seed": seed,
         },
         "federation": {
-            "run_config": _run_config_keys(config, batch_size, learning_rate),
+            "run_config": _run_config_keys(config, batch_size, learning_rate,
+                                           str((run_config or {}).get("method", "dgc"))),
+            # export_run: the run's keys the model and version 0 were made from (informative;
+            # the phone checks the model's tensors it is sent against "parameters").
+            "made_for": run_config or {},
             "note": "a run whose train messages carry other values for these keys is refused by "
                     "the phone (re-export with them); the server's remaining keys are sent with "
                     "every task (train: lr, local_steps/local_epochs, seed; dgc: density, warm-up)",
@@ -327,3 +348,36 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
 def exact_config(config: DGCConfig) -> DGCConfig:
     """``config`` with ``selection="exact"``: the form the exported encoder implements."""
     return dataclasses.replace(config, selection="exact")
+
+
+def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
+               dgc_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Export the phone files for the run of ``config`` (a :class:`fedgc.settings.RunConfig`).
+
+    Everything comes from the run's keys: its task (a shipped one or ``module:callable`` with
+    its ``task_options``, ``model`` and ``model_options``), the DGC config its method gives
+    phones (:meth:`fedgc.methods.Method.phone_config`, with ``dgc_fields`` laid over it),
+    ``batch_size`` (the largest batch the training step takes), ``lr`` and ``seed`` (the
+    parameters baked into ``train_step.pte`` are the run's version 0). ``max_numel`` defaults to
+    the model's largest tensor (the encoder's memory plan is sized by it). A method phones do
+    not run is a ``ConfigError`` naming the ones they do.
+    """
+    from fedgc.methods import registered
+    from fedgc.task_loader import load_task
+
+    t = config.train
+    method = config.method
+    if not method.phone:
+        raise ConfigError(f"method {t.method!r} is not served by phones: their encoder is DGC "
+                          f"(methods {[m.name for m in registered() if m.phone]})")
+    phone = exact_config(method.phone_config(t))
+    if dgc_fields:
+        phone = DGCConfig.from_dict({**phone.to_dict(), **dgc_fields})
+    spec = task_model(load_task(t.task_spec()), t.task)
+    if max_numel is None:
+        torch.manual_seed(t.seed)
+        max_numel = max(2, max(p.numel() for p in spec.build().parameters()))
+    keys = {"task": t.task, "task_options": t.task_options, "model": t.model,
+            "model_options": t.model_options, "seed": t.seed, "method": t.method}
+    return export_all(spec, out_dir, phone, batch_size=t.batch_size, learning_rate=t.lr,
+                      seed=t.seed, max_numel=max_numel, run_config=keys)

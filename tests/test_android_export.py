@@ -270,8 +270,12 @@ def test_export_all_manifest_and_training_parity(tmp_path):
     assert_same_update(pte.compress(delta), DGCCompressor(config).compress(delta))
     with pytest.raises(StateError, match="parameter 'fc1.weight' has shape"):
         trainer.set_parameters({**trainer.parameters(), "fc1.weight": np.zeros((2, 2))})
-    with pytest.raises(StateError, match=r"batch must be x\(16, 64\)"):
-        trainer.train([(x[:3], y[:3])])
+    # Any batch of 1..16 examples (a client's last batch of an epoch is smaller), not more.
+    assert manifest["training"]["dynamic_batch"] is True
+    assert len(trainer.train([(x[:3], y[:3])])) == 1
+    with pytest.raises(StateError, match=r"batch must be x\(n, 64\) and y\(n,\) with n in "
+                                         r"1\.\.16, got x\(17, 64\)"):
+        trainer.train([(x[:17], y[:17])])
     json.dumps(manifest)  # plain JSON values throughout
 
 

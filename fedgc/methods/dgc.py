@@ -22,7 +22,8 @@ from fedgc.methods.base import Channel, Method
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 
-__all__ = ["DGC", "SharedSigns", "dgc_config", "layer_config", "split_compressor"]
+__all__ = ["DGC", "SharedSigns", "dgc_config", "layer_config", "small_split",
+           "split_compressor"]
 
 
 def layer_config(train: Any, **method: Any) -> DGCConfig:
@@ -62,6 +63,14 @@ def split_compressor(train: Any, config: DGCConfig) -> Compressor:
     if train.small_density == 0.0:
         return DGCCompressor(config)
     return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel)
+
+
+def small_split(train: Any) -> tuple[float, int] | None:
+    """``(dgc.small_density, dgc.small_numel)`` when :func:`split_compressor` gives small tensors
+    a density of their own; None when it does not (what a phone is told to do the same)."""
+    if train.small_density == 0.0:
+        return None
+    return float(train.small_density), int(train.small_numel)
 
 
 class SharedSigns(Channel):
@@ -108,6 +117,9 @@ class DGC(Method):
 
     def phone_config(self, train: Any) -> DGCConfig:
         return dgc_config(train)
+
+    def phone_small(self, train: Any) -> tuple[float, int] | None:
+        return small_split(train)
 
     # -- the sign channel, client half
     def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
