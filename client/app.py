@@ -95,6 +95,25 @@ def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
 
 
+def client_data(s: TrainSettings, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``key``'s training data: made from its key when the task makes data per client
+    (``tasks.Task.client_data``: nothing is held for the clients not sampled), else its
+    partition of the task's training set."""
+    task = task_of(s.task_spec())
+    if task.client_data is None:
+        parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
+        if not 0 <= key < len(parts):
+            raise ClientProtocolError(f"client key {key} has no partition: the task has "
+                                      f"{len(parts)} partitions (num_clients = "
+                                      f"{s.num_clients})")
+        idx = torch.from_numpy(parts[key])
+        return task.train_x[idx], task.train_y[idx]
+    if not 0 <= key < s.num_clients:
+        raise ClientProtocolError(f"client key {key} has no data: num_clients = "
+                                  f"{s.num_clients}")
+    return task.data_of(key, s.num_clients)
+
+
 def client_key(context: Context) -> int:
     """This client's stable key: its partition id in simulation, else ``client-key`` or node id."""
     for k in ("client-key", "partition-id"):
@@ -265,11 +284,7 @@ def train(msg: Message, context: Context) -> Message:
     state = _load_state(store, str(key), ack, s.method)
 
     task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
-    if not 0 <= key < len(parts):
-        raise ClientProtocolError(f"client key {key} has no partition: the task has "
-                                  f"{len(parts)} partitions (num_clients = {s.num_clients})")
-    idx = torch.from_numpy(parts[key])
+    train_x, train_y = client_data(s, key)
 
     reply = state.reply
     keeps_residual = s.method in RESIDUAL_METHODS
@@ -288,7 +303,7 @@ def train(msg: Message, context: Context) -> Message:
     model = _model(task, s.task_spec())
     model.load_state_dict(global_state)
     local = train_locally(
-        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
+        model, train_x, train_y, task.training_loss, lr=s.lr,
         batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
         momentum=s.client_momentum, weight_decay=s.weight_decay,
         seed=round_seed(s.seed, server_round, key))
@@ -347,18 +362,16 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
     s = settings_from(config)
     task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
-    key = client_key(context)
-    idx = torch.from_numpy(parts[key])
+    x, y = client_data(s, client_key(context))
     model = _model(task, s.task_spec())
     model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())
     model.eval()
     with torch.no_grad():
-        out = model(task.train_x[idx])
-        loss = float(task.loss_fn(out, task.train_y[idx]))
+        out = model(x)
+        loss = float(task.loss_fn(out, y))
         pred = out.argmax(-1)
-        accuracy = float((pred == task.train_y[idx]).float().mean())
-    metrics = MetricRecord({"num-examples": int(idx.numel()), "loss": loss, "accuracy": accuracy})
+        accuracy = float((pred == y).float().mean())
+    metrics = MetricRecord({"num-examples": int(len(y)), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
 
 

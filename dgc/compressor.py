@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from dgc.base import check_factor
+from dgc.batched import BatchedSelector
 from dgc.config import DGCConfig
 from dgc.errors import StateError
-from dgc.batched import BatchedSelector
 from dgc.memory import DGCMemory
 from dgc.selection import num_selected, select_exact, select_sampled
 from dgc.sparse import VALUE_DTYPES, SparseTensor, SparseUpdate

@@ -62,6 +62,16 @@ def check_partitions(config: Any) -> None:
         task = t.load_task()
     except DataError as ex:
         raise PreflightError(f"task {t.task!r}: {ex}") from ex
+    if task.client_data is not None:
+        # Made per client on demand: check the first and the last, without a million calls.
+        for key in sorted({0, t.num_clients - 1}):
+            try:
+                x, _ = task.data_of(key, t.num_clients)
+            except DataError as ex:
+                raise PreflightError(f"task {t.task!r}: {ex}") from ex
+            if len(x) == 0:
+                raise PreflightError(f"task {t.task!r}: client_data({key}) holds no sample")
+        return
     try:
         parts = task.partition(t.num_clients, scheme=t.partition, alpha=t.alpha, seed=t.seed)
     except DataError as ex:
