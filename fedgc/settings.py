@@ -77,15 +77,18 @@ DOWNLINKS = ("auto", "dense")
 #: How a compressed broadcast moves the entries it sends (``downlink_values``): copied on the
 #: float16 or int8 grid, or moved by sign * mean per tensor (STC's downlink, ``ternary``).
 DOWNLINK_VALUES = ("float16", "int8", "ternary")
-#: Simulation engines: Flower's Ray backend, or every client in this process.
-ENGINES = ("ray", "local")
+#: Simulation engines: Flower's Ray backend, every client in this process one after another, or
+#: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
+ENGINES = ("ray", "local", "batched")
+#: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
+DEVICES = ("cpu", "cuda", "auto")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 #: The parts of fedgc that own keys (see the module docstring).
 PARTS = ("client", "server", "dgc", "stc", "sim", "netem")
 
-__all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "MODEL_NAMES",
+__all__ = ["DENSE_METHODS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "MODEL_NAMES",
            "OPTION_KEYS", "PARTITIONS", "PARTS", "RESIDUAL_METHODS", "SELECTIONS",
            "SERVER_MOMENTUM_METHODS", "TASKS", "TASK_REF", "VALUE_DTYPES", "WARMUPS", "Check",
            "KeyInfo", "RunConfig", "ServerSettings", "SettingsError", "TaskSpec",
@@ -428,6 +431,10 @@ class TrainSettings:
                                      "aggregated per round", Check(1))
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
+    device: str = setting("cpu", "sim.device", "where clients train and compress: cpu, cuda, or "
+                          "auto (cuda where torch sees one); models, batches and the compressor "
+                          "on the device, client state on the host; cuda on a machine without "
+                          "it stops the run before round 1", Check(choices=DEVICES))
 
     def __post_init__(self) -> None:
         validate(self)
@@ -626,10 +633,17 @@ class ServerSettings:
                                 "tensorboard package: pip install 'fedgc[tensorboard]')")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
-                          "one after another (tests, debugging)", Check(choices=ENGINES))
+                          "one after another (tests, debugging); batched: the same, but a "
+                          "round's clients trained at once with torch.func (MLP and CNN "
+                          "models; simulations/batched_engine.py), the local engine's models",
+                          Check(choices=ENGINES))
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+    gpus_per_client: float = setting(0.0, "sim.gpus_per_client", "Ray GPUs per ClientApp "
+                                     "actor (Flower's client_resources.num_gpus; 0.25: four "
+                                     "clients share a GPU); 0 = Ray schedules clients by CPU "
+                                     "alone", Check(0.0))
     ray_address: str = setting("", "sim.ray_address", "attach to a running Ray cluster "
                                "(HEAD:PORT of `ray start --head`, or auto) instead of starting "
                                "Ray here; its nodes declare their CPUs (sim.num_cpus must stay "

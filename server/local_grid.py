@@ -59,6 +59,12 @@ def partition_of_node(node: int, seed: int) -> int | None:
     return (x & ((1 << _PID_BITS) - 1)) - 1
 
 
+def error_reply(msg: Message, ex: BaseException) -> Message:
+    """The reply Flower makes of an exception raised by a ClientApp on ``msg``."""
+    return Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(ex).__name__}: {ex}"),
+                   reply_to=msg)
+
+
 class _Partitions(Mapping[int, int]):
     """Node id -> partition id of a LocalGrid, computed, not stored."""
 
@@ -185,14 +191,17 @@ class LocalGrid(Grid):
             try:
                 reply = self.client_app(msg, context)
             except Exception as ex:  # a ClientApp exception becomes an error reply, as in Flower
-                reply = Message(Error(code=CLIENT_APP_RAISED_EXCEPTION,
-                                      reason=f"{type(ex).__name__}: {ex}"), reply_to=msg)
-            reply = copy.deepcopy(reply)
-            if self.intercept is not None:
-                reply = self.intercept(reply)
+                reply = error_reply(msg, ex)
+            reply = self.deliver(reply)
             if reply is not None:
                 replies.append(reply)
         return replies
+
+    def deliver(self, reply: Message) -> Message | None:
+        """A reply as the server receives it: copied, as a transport would, then
+        ``intercept``-ed (None: dropped)."""
+        reply = copy.deepcopy(reply)
+        return self.intercept(reply) if self.intercept is not None else reply
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:
