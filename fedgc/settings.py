@@ -88,8 +88,8 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median")
 #: The parts of fedgc that own keys (see the module docstring).
 PARTS = ("client", "server", "dgc", "stc", "sim", "netem")
 
-__all__ = ["DENSE_METHODS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "MODEL_NAMES",
-           "OPTION_KEYS", "PARTITIONS", "PARTS", "RESIDUAL_METHODS", "SELECTIONS",
+__all__ = ["DENSE_METHODS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS",
+           "MODEL_NAMES", "OPTION_KEYS", "PARTITIONS", "PARTS", "RESIDUAL_METHODS", "SELECTIONS",
            "SERVER_MOMENTUM_METHODS", "TASKS", "TASK_REF", "VALUE_DTYPES", "WARMUPS", "Check",
            "KeyInfo", "RunConfig", "ServerSettings", "SettingsError", "TaskSpec",
            "TrainSettings", "describe", "fields_of", "flatten", "key_table", "load_toml",
