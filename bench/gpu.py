@@ -213,7 +213,7 @@ def run_study(device: torch.device, seeds: str, rounds: int, engine: str, jobs: 
                    f"rounds={rounds}", "--set", f"results_dir={results}", "--set",
                    "run_name=study", "--set", "progress=false"]
         if engine in ("local", "batched"):
-            command[3:3] = ["--jobs", str(jobs)]
+            command[4:4] = ["--jobs", str(jobs)]
         if device.type == "cuda":
             command += ["--set", "sim.device=cuda"]
         start = time.perf_counter()
@@ -232,6 +232,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--parts", default="encoder,clients,study")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: 1 on the CPU, where the CPU time of idle "
+                             "threads spinning would count; torch's own on a GPU)")
     parser.add_argument("--clients", default=None,
                         help="batched client counts (default 10,100,1000 on a GPU, 10,50 on CPU)")
     parser.add_argument("--seeds", default=None, help="study seeds (default 0,1,2 on a GPU)")
@@ -247,6 +250,8 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     on_gpu = device.type == "cuda"
+    if args.threads or not on_gpu:
+        torch.set_num_threads(args.threads or 1)
     parts = args.parts.split(",")
     print(f"# bench/gpu.py on {device_line(device)}")
     if "encoder" in parts:
