@@ -32,6 +32,7 @@ Run: ``python bench/gpu.py [--device auto|cpu|cuda] [--parts encoder,clients,stu
 from __future__ import annotations
 
 import argparse
+import csv
 import datetime
 import os
 import statistics
@@ -220,10 +221,14 @@ def run_study(device: torch.device, seeds: str, rounds: int, engine: str, jobs: 
         subprocess.run(command, check=True, cwd=Path(__file__).resolve().parent.parent,
                        stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - start
-    whole = wall * (STUDY_ROUNDS / rounds) * (3 / n_seeds)
-    print(f"wall time {wall / 60:.2f} min; the whole study (3 seeds x {STUDY_ROUNDS} rounds) "
-          f"at this rate: {whole / 60:.1f} min (target on a GPU: under 5; 48 on the 2 CPU "
-          f"cores)", flush=True)
+        rounds_s = sum(float(row["wall_seconds"]) for path in Path(results).rglob("rounds.csv")
+                       for row in csv.DictReader(path.open()))
+    # The rounds scale with the rounds and the runs; the rest (start-up, data) with the runs.
+    per_jobs = rounds_s / jobs
+    whole = ((wall - per_jobs) + per_jobs * STUDY_ROUNDS / rounds) * (3 / n_seeds)
+    print(f"wall time {wall / 60:.2f} min, of which rounds {rounds_s:.0f} s over {jobs} job(s); "
+          f"the whole study (3 seeds x {STUDY_ROUNDS} rounds) at this rate: about "
+          f"{whole / 60:.1f} min (target on a GPU: under 5; 48 on the 2 CPU cores)", flush=True)
     print(f"command: {' '.join(command[1:])}")
 
 
