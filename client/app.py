@@ -11,11 +11,10 @@ One train message, in order:
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
    sequence), fold it back into the residual with the compressor's ``restore``;
-6. compress ("dense" and "fedavgm": all of it in fp32; "topk": no residual, no momentum;
-   "stc": sparse ternary, :mod:`dgc.stc`; "dgc": configured; topk and dgc give small tensors
-   ``dgc.small_density``, :meth:`TrainSettings.compressor`), encode with ``dgc.encode``;
-7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.signs`), send
-   the residual at those indices as scaled signs too;
+6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
+   it in fp32), encode with its codec;
+7. when the message carries the method's round material (DGC's shared index sets,
+   :mod:`dgc.signs`), send the part of the residual that answers it too (the signs);
 8. store the new state and pending update(s), and reply.
 """
 
@@ -41,13 +40,9 @@ from client.stores import read_state
 from client.training import LocalResult, round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
-from dgc.signs.client import take_signs
-from dgc.signs.codec import Masks, decode_mask, encode_signs
-from fedgc import devices
+from fedgc import devices, methods
 from fedgc import protocol as P
 from fedgc.settings import (
-    DENSE_METHODS,
-    RESIDUAL_METHODS,
     SettingsError,
     TaskSpec,
     TrainSettings,
@@ -148,6 +143,14 @@ def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
+def method_of(settings: TrainSettings, config: Any) -> methods.Method:
+    """The run's method, configured with its own keys from the message ``config``."""
+    try:
+        return methods.get(settings.method).with_keys(dict(config.items()))
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
 def state_root(settings: TrainSettings, context: Context) -> str:
     """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
     when neither is set."""
@@ -223,18 +226,19 @@ def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | 
         raise ClientProtocolError(str(ex)) from ex
 
 
-def shared_masks(content: RecordDict,
-                 model: dict[str, torch.Tensor]) -> tuple[bytes, Masks] | None:
-    """The round's shared index sets (with their bytes), or None when the message has none."""
+def round_material(content: RecordDict, model: dict[str, torch.Tensor],
+                   method: methods.Method) -> tuple[bytes, Any] | None:
+    """The round's material (DGC's shared index sets) with its bytes, decoded by ``method``;
+    None when the message has none."""
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
     try:
         data = P.record_to_bytes(record, P.SHARED_MASK)
-        _, masks = decode_mask(data, {k: v.numel() for k, v in model.items()})
+        material = method.read_material(data, {k: v.numel() for k, v in model.items()})
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
-    return data, masks
+    return data, material
 
 
 def _on_node(content: RecordDict) -> RecordDict:
@@ -244,14 +248,16 @@ def _on_node(content: RecordDict) -> RecordDict:
     return content
 
 
-def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> ClientState:
+def _load_state(store: ClientStateStore, key: str, ack: int,
+                keeps_residual: bool) -> ClientState:
     """This client's state; a damaged record is moved aside and replaced by a fresh state.
 
-    A ``dgc`` client whose record the server relies on (it acknowledged an update) but which the
-    store lacks, or holds only in an older copy, fails its round (:func:`client.stores.read_state`
-    raises StateMissingError): a node without the shared state folder must not silently restart
-    the residual from zero. A quarantined record is not such a case: its loss was detected and is
-    reported.
+    A client with a residual whose record the server relies on (it acknowledged an update) but which
+    the store lacks, or holds only in an older copy, fails its round
+    (:func:`client.stores.read_state` raises StateMissingError): a node without the shared state
+    folder must not silently restart the residual from zero. A quarantined record is not such a
+    case: its loss was detected and is reported.
+
 
     What the lost record held (residual, pending update) is gone: its bytes failed their check,
     so not even its size can be trusted. The fresh state counts the quarantine, which the next
@@ -259,7 +265,8 @@ def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> Cli
     round that fails (a patch on the model the client no longer holds).
     """
     try:
-        return read_state(store, key, ack, method, where=node.describe()) or ClientState()
+        return read_state(store, key, ack, keeps_residual,
+                          where=node.describe()) or ClientState()
     except StateCorruptError as ex:
         if ex.path is None:
             raise
@@ -280,6 +287,7 @@ class RoundInput:
     msg: Message
     config: ConfigRecord
     s: TrainSettings
+    method: methods.Method
     server_round: int
     version: int
     ack: int
@@ -290,7 +298,7 @@ class RoundInput:
     train_x: torch.Tensor
     train_y: torch.Tensor
     global_state: dict[str, torch.Tensor]
-    shared: tuple[bytes, Masks] | None
+    material: tuple[bytes, Any] | None
     device: torch.device
     started: float
 
@@ -298,11 +306,6 @@ class RoundInput:
     def seed(self) -> int:
         """The seed of this round's local shuffling (:func:`client.training.round_seed`)."""
         return round_seed(self.s.seed, self.server_round, self.key)
-
-
-def compressor_for(s: TrainSettings) -> dgc.Compressor:
-    """A fresh compressor of the run's method: the one place a client gets it."""
-    return s.compressor()
 
 
 def read_round(msg: Message, context: Context) -> RoundInput | Message:
@@ -313,6 +316,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     if config is None:
         raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
     s = settings_from(config)
+    method = method_of(s, config)
     try:
         device = devices.resolve(s.device)
     except devices.DeviceError as ex:
@@ -322,13 +326,13 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    state = _load_state(store, str(key), ack, s.method)
+    state = _load_state(store, str(key), ack, method.keeps_residual)
 
     task = task_of(s.task_spec())
     train_x, train_y = client_data(s, key)
 
     reply = state.reply
-    if (s.method in RESIDUAL_METHODS and reply is not None and state.pending is not None
+    if (method.keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
@@ -339,9 +343,9 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
 
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
-    shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
-    return RoundInput(msg, config, s, server_round, version, ack, key, store, state, task,
-                      train_x, train_y, global_state, shared, device, started)
+    material = round_material(msg.content, global_state, method)
+    return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
+                      task, train_x, train_y, global_state, material, device, started)
 
 
 @app.train()
@@ -364,37 +368,37 @@ def train(msg: Message, context: Context) -> Message:
 def reply_round(r: RoundInput, local: LocalResult) -> Message:
     """Steps 5-8: fold back what was lost, compress (on the device the pseudo-gradient is on),
     encode, store the new state on the host, and the reply."""
-    s, server_round, state = r.s, r.server_round, r.state
-    keeps_residual = s.method in RESIDUAL_METHODS
+    s, method, server_round, state = r.s, r.method, r.server_round, r.state
+    keeps_residual = method.keeps_residual
     restored = 0
     shared_data: bytes | None = None
     shared_entries = 0
     new_state = ClientState()
-    if s.method in DENSE_METHODS:
+    compressor = method.compressor(s, r.key)
+    if compressor is None:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:
-        compressor = compressor_for(s)
         if keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
-            restored = int(fold_back_pending(compressor, state, r.ack,
-                                             {k: v.numel() for k, v in r.global_state.items()}))
+            restored = int(fold_back_pending(
+                compressor, state, r.ack,
+                {k: tuple(v.shape) for k, v in r.global_state.items()}, method, s))
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        if r.shared is not None:
-            signs = take_signs(compressor.residual(), r.shared[1], server_round)
-            shared_data = encode_signs(signs)
-            shared_entries = signs.nnz
+        side = (method.side_part(compressor, r.material[1], server_round)
+                if r.material is not None else None)
+        if side is not None:
+            shared_data, shared_entries = side
         if keeps_residual:
             new_state.compressor = compressor.state_dict()  # on the host
-    # STC's values are ternary whatever dgc.ternary says: one sign bit each on the wire.
-    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc")
+    data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and r.shared is not None:
+        if shared_data is not None and r.material is not None:
             new_state.pending_shared = shared_data
-            new_state.pending_mask = r.shared[0]
+            new_state.pending_mask = r.material[0]
     if bool(r.config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = r.global_state
