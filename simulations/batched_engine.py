@@ -25,12 +25,13 @@ from flwr.app import Message, MessageType
 from client import app as client
 from client.batched_training import BatchedClient, train_batched, unsupported
 from fedgc.settings import RunConfig, SettingsError
+from fedgc.task_loader import load_task
 from server.local_grid import LocalGrid, error_reply
 
 
 def check_batched(config: RunConfig) -> None:
     """SettingsError, before round 1, when the run's model cannot be trained batched."""
-    task = config.train.load_task()
+    task = load_task(config.train.task_spec())
     with torch.random.fork_rng(devices=[]):
         model = task.build_model()
     reason = unsupported(task, model)

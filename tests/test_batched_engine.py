@@ -40,7 +40,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) 
 
 
 @pytest.mark.parametrize("sets", [
-    ("task=digits", "method=dgc", "dgc.density=0.05", "weight_decay=0.001",
+    ("task=digits", "method=dgc", "density=0.05", "weight_decay=0.001",
      "dgc.value_dtype=float32"),
     ("task=digits", "method=dense", "local_steps=7", "client_momentum=0.9"),
     ("task=mnist5k", "method=dgc", "local_steps=12", "clients_per_round=3"),
