@@ -374,7 +374,7 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     shared_data: bytes | None = None
     shared_entries = 0
     new_state = ClientState()
-    compressor = method.compressor(s, r.key)
+    compressor = method.compressor(s, r.key, None if r.material is None else r.material[1])
     if compressor is None:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:

@@ -59,6 +59,7 @@ from fedgc.schema import (
     parse,
     setting,
     to_flat,
+    unknown_keys,
     validate,
 )
 from fedgc.schema import key_table as _key_table
@@ -103,6 +104,7 @@ __all__ = ["AGGREGATIONS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES",
            "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
            "flatten", "fold_options", "key_table", "known_keys", "load_toml", "method_default",
            "new_run_name", "options_of", "options_text", "parse", "setting", "to_flat",
+           "unknown_keys",
            "validate"]
 
 
@@ -259,12 +261,12 @@ class TrainSettings:
                                      "sent coordinates (momentum factor masking)")
     small_density: float = setting(0.03, "dgc.small_density", "density of the sparsified "
                                    "tensors of at most dgc.small_numel entries (an output "
-                                   "layer; topk and dgc); 0 = off, they use dgc.density",
+                                   "layer; topk and dgc); 0 = off, they use density",
                                    Check(0.0, 1.0))
     small_numel: int = setting(10_000, "dgc.small_numel", "size limit, in entries, of a tensor "
                                "that gets dgc.small_density", Check(1))
     warmup: str = setting("exponential", "dgc.warmup", "density warm-up schedule over the "
-                          "first rounds: 4**-(r+1) until it reaches dgc.density",
+                          "first rounds: 4**-(r+1) until it reaches density",
                           Check(choices=WARMUPS))
     warmup_rounds: int = setting(0, "dgc.warmup_rounds", "rounds the warm-up lasts (the "
                                  "paper's warm-up epochs, counted in server rounds; 0 = none: "
@@ -434,7 +436,8 @@ class ServerSettings:
     tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
                                 "(accuracy, loss, MB both ways, clients, seconds) as "
                                 "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
-                                "tensorboard package: pip install 'fedgc[tensorboard]')")
+                                "tensorboard package, in the dev extra: pip install -e "
+                                "'.[tensorboard]' in the checkout)")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
                           "one after another (tests, debugging); batched: the same, but a "
@@ -489,7 +492,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         t = self.train
         object.__setattr__(self, "server", _resolve(self.server, methods.get(t.method)))
-        object.__setattr__(self, "own", {**_own_defaults(), **self.own})
+        object.__setattr__(self, "own", {**_own_defaults(t.method), **self.own})
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
@@ -517,12 +520,12 @@ class RunConfig:
                                           for k in renamed))
         if isinstance(values.get("method"), str) and is_ref(values["method"]):
             methods.get(str(values["method"]))  # a SettingsError naming the reference
-        unknown = sorted(set(values) - set(cls.keys()))
+        own_keys = {f.metadata["key"] for m in methods.loaded() if m.settings is not None
+                    for f in fields_of(m.settings)}
+        unknown = sorted(set(values) - set(cls.keys()) - own_keys)
         if unknown:
-            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
-                                f"{cls.keys()}")
+            raise unknown_keys(unknown, set(cls.keys()) | own_keys)
         server_keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
-        own_keys = set(_own_defaults())
         return cls(
             server=parse(ServerSettings, {k: v for k, v in values.items() if k in server_keys}),
             train=parse(TrainSettings, {k: v for k, v in values.items()
@@ -532,7 +535,8 @@ class RunConfig:
 
     @staticmethod
     def keys() -> list[str]:
-        """Every accepted key, sorted."""
+        """Every key of fedgc and of its registered methods, sorted (a method loaded by
+        ``module:callable`` adds its own keys to those a run accepts)."""
         return sorted(known_keys([ServerSettings, TrainSettings]) + list(_own_defaults()))
 
     @property
@@ -572,32 +576,37 @@ class RunConfig:
 
     @staticmethod
     def describe() -> list[tuple[str, str, str, str, str]]:
-        """(key, type, default, accepted range, doc) of every key."""
+        """(key, type, default, accepted range, doc) of every key of :meth:`keys`."""
         rows = describe(ServerSettings, method_default) + describe(TrainSettings, method_default)
-        for m in methods.loaded():
+        for m in methods.registered():
             if m.settings is not None:
                 rows += describe(m.settings, method_default)
         return sorted(rows)
 
 
-def _own_defaults() -> dict[str, Any]:
-    """The own keys of every known method (registered, or loaded by reference), with their
-    defaults."""
+def _own_defaults(method: str = "") -> dict[str, Any]:
+    """The own keys of the registered methods, and of ``method`` when it is one loaded by
+    ``module:callable``, at their defaults."""
     out: dict[str, Any] = {}
-    for m in methods.loaded():
+    mine = [methods.get(method)] if method and method not in methods.names() else []
+    for m in (*methods.registered(), *mine):
         if m.settings is not None:
             out.update(to_flat(m.settings()))
     return out
 
 
 def _parse_own(values: Mapping[str, object]) -> dict[str, Any]:
-    """The methods' own keys of ``values``, checked by their schemas, with every other own key
-    at its default."""
-    out = _own_defaults()
+    """The methods' own keys given in ``values``, checked by their schemas (of every method
+    this process knows)."""
+    out: dict[str, Any] = {}
     for m in methods.loaded():
         if m.settings is not None:
             mine = {f.metadata["key"] for f in fields_of(m.settings)}
-            out.update(to_flat(parse(m.settings, {k: v for k, v in values.items() if k in mine})))
+            given = {k: v for k, v in values.items() if k in mine}
+            if given:
+                own = parse(m.settings, given)
+                validate(own)  # a method's schema need not check itself
+                out.update({k: v for k, v in to_flat(own).items() if k in given})
     return out
 
 

@@ -41,8 +41,8 @@ def check_run(config: Any) -> None:
     check_partitions(config)
     check_writable(config.state_dir, "state_dir", "clients keep their residuals there")
     if config.server.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
-                             "'fedgc[tensorboard]' (or tensorboard==2.21.0)")
+        raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
+                             "'.[tensorboard]'` in the fedgc checkout (or tensorboard==2.21.0)")
     if config.server.resume and (config.run_dir / CHECKPOINT_FILE).exists():
         try:
             load_checkpoint(config.run_dir)

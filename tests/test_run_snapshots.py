@@ -11,6 +11,9 @@ Since issue 29 the emulator's four columns come from its extension of the server
 (``server.extensions``): a run without the emulator no longer writes them (they were all 0), and
 a run with it writes them after the server's own columns. One key per setting for every method
 replaced the per-method copies of the run config (:data:`RENAMED`, the values a run recorded).
+Edited once since, by hand, on 2026-12-04: the stragglers that came in time after the K-th
+(over-selection's surplus) moved from ``dropped_deadline`` to a new column, ``clients_surplus``;
+every other value is as it was.
 """
 
 from __future__ import annotations
