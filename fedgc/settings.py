@@ -82,8 +82,11 @@ DOWNLINKS = ("auto", "dense")
 #: How a compressed broadcast moves the entries it sends (``downlink_values``): copied on the
 #: float16 or int8 grid, or moved by sign * mean per tensor (STC's downlink, ``ternary``).
 DOWNLINK_VALUES = ("float16", "int8", "ternary")
-#: Simulation engines: Flower's Ray backend, or every client in this process.
-ENGINES = ("ray", "local")
+#: Simulation engines: Flower's Ray backend, every client in this process one after another, or
+#: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
+ENGINES = ("ray", "local", "batched")
+#: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
+DEVICES = ("cpu", "cuda", "auto")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -95,7 +98,7 @@ RENAMED = {"dgc.density": "density", "stc.density": "density",
            "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
            "stc.downlink_density": "downlink_density"}
 
-__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
+__all__ = ["AGGREGATIONS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
            "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF",
            "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
            "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
@@ -294,6 +297,10 @@ class TrainSettings:
                                      "aggregated per round", Check(1))
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
+    device: str = setting("cpu", "sim.device", "where clients train and compress: cpu, cuda, or "
+                          "auto (cuda where torch sees one); models, batches and the compressor "
+                          "on the device, client state on the host; cuda on a machine without "
+                          "it stops the run before round 1", Check(choices=DEVICES))
 
     #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
     #: next method its own).
@@ -433,10 +440,17 @@ class ServerSettings:
                                 "'.[tensorboard]' in the checkout)")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
-                          "one after another (tests, debugging)", Check(choices=ENGINES))
+                          "one after another (tests, debugging); batched: the same, but a "
+                          "round's clients trained at once with torch.func (MLP and CNN "
+                          "models; simulations/batched_engine.py), the local engine's models",
+                          Check(choices=ENGINES))
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+    gpus_per_client: float = setting(0.0, "sim.gpus_per_client", "Ray GPUs per ClientApp "
+                                     "actor (Flower's client_resources.num_gpus; 0.25: four "
+                                     "clients share a GPU); 0 = Ray schedules clients by CPU "
+                                     "alone", Check(0.0))
     ray_address: str = setting("", "sim.ray_address", "attach to a running Ray cluster "
                                "(HEAD:PORT of `ray start --head`, or auto) instead of starting "
                                "Ray here; its nodes declare their CPUs (sim.num_cpus must stay "
