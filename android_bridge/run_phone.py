@@ -93,9 +93,9 @@ def phone_data(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
                                 f"{ex}") from None
     if args.partition_id is None:
         raise PhoneCliError("give --partition-id (the phone's client key) with --set, or --data")
+    from client.app import client_data
     from fedgc.schema import load_toml
     from fedgc.settings import RunConfig, SettingsError
-    from fedgc.task_loader import load_task
 
     values: dict[str, object] = {}
     try:
@@ -107,16 +107,14 @@ def phone_data(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
                 raise PhoneCliError(f"--set expects key=value, got {item!r}")
             values[key.strip()] = value.strip()
         t = RunConfig.from_flat(values).train
-        task = load_task(t.task_spec())
+        if not 0 <= args.partition_id < t.num_clients:
+            raise PhoneCliError(f"--partition-id {args.partition_id}: expected 0.."
+                                f"{t.num_clients - 1} (num_clients = {t.num_clients})")
+        # The data client.app trains on for the same key.
+        x, y = client_data(t, args.partition_id)
     except SettingsError as ex:
         raise PhoneCliError(str(ex)) from None
-    if not 0 <= args.partition_id < t.num_clients:
-        raise PhoneCliError(f"--partition-id {args.partition_id}: expected 0..{t.num_clients - 1}"
-                            f" (num_clients = {t.num_clients})")
-    # The partition client.app gives the same key (client.app._partitions).
-    part = task.partition(t.num_clients, scheme=t.partition, alpha=t.alpha,
-                          seed=t.seed)[args.partition_id]
-    return task.train_x[part].numpy(), task.train_y[part].numpy()
+    return x.numpy(), y.numpy()
 
 
 def main(argv: Sequence[str]) -> int:

@@ -177,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
                         "(e.g. 'allowed-callables=\"my_pkg.task:build\"')")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="how long a round waits for a phone's update (default 600)")
+    p.add_argument("--poll-interval-s", type=float, default=1.0,
+                   help="how long a phone waits between two FetchTask polls while it has no "
+                        "task (default 1)")
     return p
 
 
@@ -218,6 +221,9 @@ def _serve(args: argparse.Namespace) -> int:
     credentials = _credentials(args)
     if not 0 < args.timeout_s <= 86_400:
         raise ServeError(f"--timeout-s {args.timeout_s}: expected seconds in (0, 86400]")
+    if not 0 < args.poll_interval_s <= 600:
+        raise ServeError(f"--poll-interval-s {args.poll_interval_s}: expected seconds in "
+                         f"(0, 600]")
     if args.superlink and _supernode_binary() is None:
         raise ServeError("--superlink: flower-supernode is neither beside this Python nor on "
                          "PATH (install flwr)")
@@ -229,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    bridge = PhoneBridge(devices, args.listen, credentials,
+    bridge = PhoneBridge(devices, args.listen, credentials, poll_interval_s=args.poll_interval_s,
                          max_streams=max(16, 2 * len(devices)))
     try:
         port = bridge.start()

@@ -111,7 +111,7 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
     from android_bridge.bridge_app import make_bridge_app
     from android_bridge.phone import ReferencePhone
     from client.app import app as client_app
-    from client.app import client_key
+    from client.app import client_data, client_key
     from fedgc import protocol as P
     from fedgc.settings import RunConfig
     from server.app import run_server
@@ -123,14 +123,13 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
     t = config.train
     assert (t.client_momentum, t.small_density, config.server.shared_density) == (0.5, 0.03, 0.03)
     task = get_task("digits")
-    part = task.partition(t.num_clients, scheme=t.partition, alpha=t.alpha, seed=t.seed)[
-        PHONE_KEY]
+    x, y = client_data(t, PHONE_KEY)  # what client.app trains on for that key
     compared: list[dict] = []
     errors: list[BaseException] = []
     stop = threading.Event()
     with PhoneBridge(TOKENS, "127.0.0.1:0") as bridge:
         phone = ReferencePhone(parity_export, DEVICE, TOKENS[DEVICE], f"127.0.0.1:{bridge.port}",
-                               task.train_x[part].numpy(), task.train_y[part].numpy())
+                               x.numpy(), y.numpy())
         phone.trainer = EagerTrainer(task, t.batch_size)
 
         def serve() -> None:

@@ -70,6 +70,9 @@ class DeploymentConfig:
         Supervise the SuperNodes and restart one that exits, as a service manager does on a
         device. Needed on intermittent links: Flower's SuperNode gives up when a connection reset
         makes one of its non-idempotent requests (node activation) fail for good.
+    unshaped : frozenset[int]
+        Nodes that run beside the SuperLink, on loopback without a link (the SuperNodes of the
+        phone bridge: the phones' own links are theirs, :mod:`simulations.deploy.phones`).
     """
 
     nodes: int
@@ -83,6 +86,7 @@ class DeploymentConfig:
     seed: int = 0
     startup_timeout_s: float = 90.0
     restart_on_exit: bool = False
+    unshaped: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
@@ -287,9 +291,11 @@ class Deployment:
 
     def _start_supernode(self, index: int) -> ManagedProcess:
         assert self.links is not None
-        link = self.node_links.get(index) or self.links.build(
-            index, "127.0.0.1", self.superlink_port
-        )
+        link = self.node_links.get(index)
+        if link is None and index in self.config.unshaped:
+            link = NodeLink(index, "none", f"127.0.0.1:{self.superlink_port}", None, None, None)
+        elif link is None:
+            link = self.links.build(index, "127.0.0.1", self.superlink_port)
         self.node_links[index] = link
         existing = self.supernodes.get(index)
         if existing is not None and existing.running():
