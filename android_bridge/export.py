@@ -225,12 +225,12 @@ def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float,
 
 #: What the manifest tells a phone developer about reaching the federation.
 BRIDGE_NOTES = {
-    "address": "host:port of the bridge's gRPC server (TLS only), e.g. bridge.example.org:8443; "
-               "the server side sets it with node config bridge-address",
-    "tls": "the phone pins the CA that signed the bridge's certificate (node config "
-           "bridge-cert); plaintext is refused",
-    "identity": "device id and token, one pair per phone in the bridge's bridge-devices JSON "
-                "file; Register(device_id, token, manifest_sha256) opens a session",
+    "address": "host:port of the bridge's gRPC server (TLS only off loopback), e.g. "
+               "bridge.example.org:8443: `python -m android_bridge serve --listen`",
+    "tls": "the phone pins the CA that signed the bridge's certificate (serve --cert); "
+           "plaintext is refused",
+    "identity": "device id and token, one pair per phone in the bridge's devices JSON file "
+                "(serve --devices); Register(device_id, token, manifest_sha256) opens a session",
     "proto": "android_bridge/proto/fedgc_bridge.proto (service FedgcBridge)",
     "wire_format": "android_bridge/WIRE_FORMAT.md",
 }

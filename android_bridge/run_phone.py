@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import signal
 import sys
 import tempfile
@@ -173,6 +174,9 @@ def _without(argv: list[str], options: set[str]) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     import grpc
 
+    from android_bridge.__main__ import quiet_toolchain
+
+    quiet_toolchain()
     from android_bridge.phone import ReferencePhone
 
     x, y = phone_data(args)
@@ -193,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     phone = ReferencePhone(args.export, args.device, _token(args), args.bridge, x, y,
                            root_certificates=ca, server_name=args.server_name)
     reports: list[dict[str, Any]] = []
-    print(f"[{args.device}] {len(x)} examples, {args.arch} "
+    print(f"[{args.device}] {len(x)} examples, {platform.machine()} "
           f"({'TLS' if ca else 'plaintext'} to {args.bridge})", flush=True)
     try:
         _register(phone, args.task_timeout_s)
@@ -221,7 +225,8 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         phone.close()
         if args.report:
-            Path(args.report).write_text(json.dumps({"device": args.device, "arch": args.arch,
+            Path(args.report).write_text(json.dumps({"device": args.device,
+                                                     "machine": platform.machine(),
                                                      "rounds": reports}, indent=1) + "\n")
     return 0
 

@@ -227,7 +227,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.superlink and _supernode_binary() is None:
         raise ServeError("--superlink: flower-supernode is neither beside this Python nor on "
                          "PATH (install flwr)")
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-bridge-"))
+    workdir = (Path(args.workdir) if args.workdir
+               else Path(tempfile.mkdtemp(prefix="fedgc-bridge-"))).resolve()
     for folder in (workdir, workdir / "control", workdir / "held-models", workdir / "logs"):
         folder.mkdir(parents=True, exist_ok=True)
         os.chmod(folder, 0o700)

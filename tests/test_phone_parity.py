@@ -94,15 +94,11 @@ DROPPED_ROUND = 2
 
 
 @pytest.fixture(scope="module")
-def parity_export(tmp_path_factory):
-    from android_bridge.export import export_run
-    from fedgc.settings import RunConfig
+def parity_export(digits_phone_export):
+    from tests.conftest import PHONE_RUN
 
-    config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path_factory.mktemp("r")),
-                                  "run_name": "export"})
-    out = tmp_path_factory.mktemp("export")
-    export_run(config, out)
-    return out
+    assert PHONE_RUN == {"task": SETTINGS["task"], "seed": SETTINGS["seed"]}
+    return digits_phone_export
 
 
 @pytest.mark.slow

@@ -215,6 +215,11 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         raise DeployError(f"--phones {args.phones}: expected 0 or more")
     run_config = deploy_run_config(values, args.nodes + args.phones,
                                    "--nodes + --phones" if args.phones else "--nodes")
+    if args.phones and not run_config.method.phone:
+        from fedgc.methods import registered
+
+        raise DeployError(f"method {run_config.train.method!r} is not served by phones: their "
+                          f"encoder is DGC (methods {[m.name for m in registered() if m.phone]})")
     check_fedgc_run(run_config)  # before any process starts
     fleet = None
     if args.phones:
@@ -271,6 +276,7 @@ def phones_record(fleet: PhoneFleet) -> dict[str, object]:
     reports = fleet.reports()
     return {
         "phones": {str(fleet.first_key + k): {"device": r.get("device"), "arch": fleet.arch,
+                                             "machine": r.get("machine"),
                                              "rounds": r.get("rounds", [])}
                    for k, r in reports.items()},
         "phone_links": {str(fleet.first_key + k): link_stats(link)
