@@ -91,8 +91,10 @@ def _tensor(dims: tuple[int, ...], scale: float, signs: bytes, name: str = "w") 
 @pytest.mark.parametrize(("data", "words"), [
     (_message([_tensor((2**40,), 1.0, b"")]), "above the bound"),
     (_message([_tensor((10,), 1.0, b"\0")]), "truncated input: the signs of 'w' need 2"),
-    (_message([_tensor((10,), -1.0, b"\0\0")]), "negative, NaN or Inf"),
-    (_message([_tensor((10,), float("inf"), b"\0\0")]), "negative, NaN or Inf"),
+    (_message([_tensor((10,), -1.0, b"\0\0")]), "its scale is negative"),
+    (_message([_tensor((10,), -0.0, b"\0\0")]), "its scale is negative"),
+    (_message([_tensor((10,), float("inf"), b"\0\0")]), "its scale is NaN or Inf"),
+    (_message([_tensor((10,), float("nan"), b"\0\0")]), "its scale is NaN or Inf"),
     (_message([_tensor((10,), 1.0, b"\0\x04")]), "padding after its last sign"),
     (_message([_tensor((10,), 1.0, b"\0\0")] * 2), "appears twice"),
     (_message([_tensor((10,), 1.0, b"\0\0\0")]), "trailing or oversized input"),

@@ -196,8 +196,10 @@ class SignsCodec(Codec):
                                       f"bound {limit}")
             (raw,) = read(_SCALE, view, pos, end, f"scale of {name!r}")
             pos += _SCALE.size
-            if raw >= 0x7F800000:  # the sign bit, Inf or NaN
-                raise DecodeError(f"tensor {name!r}: its scale is negative, NaN or Inf")
+            if raw & 0x7F800000 == 0x7F800000:
+                raise DecodeError(f"tensor {name!r}: its scale is NaN or Inf")
+            if raw & 0x80000000:
+                raise DecodeError(f"tensor {name!r}: its scale is negative")
             nbytes = -(-numel // 8)
             if pos + nbytes > end:
                 raise DecodeError(f"truncated input: the signs of {name!r} need {nbytes} "
