@@ -101,7 +101,8 @@ class EFSignCompressor:
                                  f"holds {held.numel()}")
         out = SignsUpdate({}, 0 if sequence is None else int(sequence))
         for name, g in grads.items():
-            p = self.memory.accumulate(name, g.detach().reshape(-1).to(torch.float32))
+            # On the host, where the residual and the sign bits live (sim.device = cuda too).
+            p = self.memory.accumulate(name, g.detach().reshape(-1).to("cpu", torch.float32))
             # ||p||_1 / d, summed in float64 and sent as float32.
             scale = float(torch.tensor(float(p.abs().sum(dtype=torch.float64)) / max(p.numel(), 1),
                                        dtype=torch.float32))

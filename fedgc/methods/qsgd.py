@@ -158,7 +158,8 @@ class QSGDCompressor:
         rng = np.random.default_rng([self.seed, sequence])
         out = LevelsUpdate({}, sequence, bucket=self.bucket, levels=self.levels)
         for name, g in grads.items():
-            flat = g.detach().reshape(-1).to(torch.float32)
+            # On the host: the draws and the codes are numpy's (sim.device = cuda included).
+            flat = g.detach().reshape(-1).to("cpu", torch.float32)
             v = self.memory.accumulate(name, flat) if self.error_feedback else flat
             norms, idx, signed = quantize(v, self.bucket, self.levels, rng)
             values = dequantize(norms, idx, signed, self.bucket, self.levels)

@@ -62,7 +62,7 @@ class VoteCompressor:
         rng = np.random.default_rng([self.seed, sequence])
         out = SignsUpdate({}, sequence)
         for name, g in grads.items():
-            flat = g.detach().reshape(-1)
+            flat = g.detach().reshape(-1).cpu()  # the coins and the bits are the host's
             coin = torch.from_numpy(rng.random(flat.numel()) < 0.5)
             negative = torch.where(flat == 0, coin, flat < 0)
             out.tensors[name], out.scales[name] = dense_signs(tuple(g.shape), negative, 1.0), 1.0
