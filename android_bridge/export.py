@@ -92,6 +92,136 @@ class TrainingStep(nn.Module):
         return self.loss(logits, y), logits.detach().argmax(dim=1)
 
 
+class _Conv1dAs2d(nn.Module):
+    """A ``Conv1d`` run as a ``Conv2d`` of height 1, holding the same parameters under the same
+    names and shapes: ExecuTorch's portable ``convolution_backward`` kernel computes 2-D
+    convolutions only ("Only 2D Convolution Backward supported"), so a 1-D one would export and
+    then fail on the phone's first training step."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+        self.stride, self.dilation = (1, conv.stride[0]), (1, conv.dilation[0])
+        self.groups = conv.groups
+        # A padding mode other than zeros pads first, as Conv1d itself does.
+        self.pad = None if conv.padding_mode == "zeros" else (
+            conv._reversed_padding_repeated_twice, conv.padding_mode)
+        self.padding: str | tuple[int, int] = (
+            conv.padding if isinstance(conv.padding, str) else (0, conv.padding[0]))
+        if self.pad is not None:
+            self.padding = (0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad is not None:
+            x = nn.functional.pad(x, self.pad[0], mode=self.pad[1])
+        return nn.functional.conv2d(x.unsqueeze(-2), self.weight.unsqueeze(-2), self.bias,
+                                    self.stride, self.padding, self.dilation,
+                                    self.groups).squeeze(-2)
+
+
+class _WindowMax(nn.Module):
+    """Max pooling over non-overlapping windows (kernel = stride, no padding, no dilation) as a
+    reshape and ``max`` over each window: the gradient goes to the window's first largest entry,
+    as ``max_pool``'s does. ExecuTorch's ``max_pool2d_with_indices_backward`` kernel returns
+    wrong gradients (tens where eager torch gives tenths), so a pooled model would train
+    differently on the phone."""
+
+    def __init__(self, kernel: tuple[int, ...]) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.kernel) == 1:
+            (k,) = self.kernel
+            n = x.shape[-1] // k
+            return x[..., :n * k].unflatten(-1, (n, k)).max(-1).values
+        k1, k2 = self.kernel
+        h, w = x.shape[-2] // k1, x.shape[-1] // k2
+        x = x[..., :h * k1, :w * k2].unflatten(-1, (w, k2)).unflatten(-3, (h, k1))
+        return x.transpose(-3, -2).flatten(-2).max(-1).values
+
+
+def _window_max(pool: nn.Module) -> _WindowMax | None:
+    """The :class:`_WindowMax` of a ``MaxPool1d``/``MaxPool2d`` of non-overlapping windows;
+    None for other pools (the export's gradient check judges those)."""
+    dims = 1 if isinstance(pool, nn.MaxPool1d) else 2
+
+    def pair(v: Any) -> tuple[int, ...]:
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+
+    kernel = pair(pool.kernel_size)
+    stride = pair(pool.stride if pool.stride is not None else pool.kernel_size)
+    if (stride != kernel or any(pair(pool.padding)) or set(pair(pool.dilation)) != {1}
+            or pool.ceil_mode or pool.return_indices):
+        return None
+    return _WindowMax(kernel)
+
+
+def _phone_ops(model: nn.Module) -> nn.Module:
+    """``model``, or a copy whose layers that ExecuTorch's kernels cannot differentiate (as
+    eager torch does) are rewritten into equivalents: ``Conv1d`` as a 2-D convolution
+    (:class:`_Conv1dAs2d`: the same parameter names, shapes and values) and max pooling over
+    non-overlapping windows (:class:`_WindowMax`)."""
+    def rewrite(module: nn.Module) -> nn.Module | None:
+        if isinstance(module, nn.Conv1d):
+            return _Conv1dAs2d(module)
+        if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d)):
+            return _window_max(module)
+        return None
+
+    if not any(rewrite(m) is not None for m in model.modules()):
+        return model
+    import copy
+
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        replacement = rewrite(module)
+        if replacement is not None:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    replacement)
+    return model
+
+
+def _check_step(program: bytes, spec: ModelSpec, model: nn.Module,
+                batch_sizes: tuple[int, ...]) -> None:
+    """Run one training step of ``program`` on a random batch of each size in the ExecuTorch
+    runtime and compare its gradients with eager torch's on ``model``: a step that fails (an
+    operator its kernels lack) or computes other gradients (a wrong kernel) raises
+    ``ConfigError`` at export, not on a phone."""
+    import copy
+
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+    module = _load_for_executorch_for_training_from_buffer(program)
+    eager = TrainingStep(copy.deepcopy(model))
+    generator = torch.Generator().manual_seed(0)
+    for n in batch_sizes:
+        x = torch.randn((n, *spec.input_shape), generator=generator)
+        y = torch.randint(spec.num_classes, (n,), generator=generator)
+        try:
+            module.forward_backward("forward", (x, y))
+        except RuntimeError as ex:
+            raise ConfigError(f"model {spec.name!r}: its exported training step does not run in "
+                              f"the ExecuTorch runtime (a batch of {n}: {ex}); ExecuTorch's log "
+                              f"names the operator (its kernels lack, e.g., the backward of a "
+                              f"3-D convolution)") from ex
+        eager.zero_grad()
+        eager(x, y)[0].backward()
+        got = module.named_gradients()
+        wrong = []
+        for name, p in eager.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            # float32 sums in another order differ by ~1e-7 of the largest gradient.
+            if (got[name] - want).abs().max() > 1e-4 * (1.0 + float(want.abs().max())):
+                wrong.append(name.removeprefix(TRAIN_PREFIX))
+        if wrong:
+            raise ConfigError(f"model {spec.name!r}: ExecuTorch's kernels compute other "
+                              f"gradients than torch for {wrong} (a batch of {n}); a layer "
+                              f"they differentiate wrongly (max pooling with overlapping "
+                              f"windows?) cannot train on a phone")
+
+
 def _check_max_numel(max_numel: int) -> None:
     if isinstance(max_numel, bool) or not isinstance(max_numel, int) or max_numel < 2:
         raise ConfigError(f"max_numel must be an integer >= 2, got {max_numel!r}")
@@ -157,7 +287,11 @@ def export_training_step(spec: ModelSpec, model: nn.Module, batch_size: int) -> 
     ExecuTorch training flow); its parameters start as ``model``'s and are outputs of the method,
     so the host can overwrite them with the global model before training. The batch dimension
     is dynamic (memory planned for ``batch_size``): a simulated client's last batch of an epoch
-    holds the examples left over, and the phone takes the same batches.
+    holds the examples left over, and the phone takes the same batches. Layers ExecuTorch's
+    kernels do not differentiate as torch does are rewritten (:func:`_phone_ops`: ``Conv1d``,
+    max pooling); the program runs once on random batches of ``batch_size`` and 1 and its
+    gradients are checked against eager torch's before it is returned (``ConfigError`` when
+    it does not run or differs).
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from torch.export import Dim, export
@@ -170,9 +304,11 @@ def export_training_step(spec: ModelSpec, model: nn.Module, batch_size: int) -> 
     # torch.export specialises a dimension whose upper bound is 1: a batch of 1 stays static.
     batch = Dim("batch", min=1, max=batch_size) if batch_size > 1 else None
     dynamic = ({0: batch}, {0: batch}) if batch is not None else None
-    ep = export(TrainingStep(model), (x, y), dynamic_shapes=dynamic, strict=True)
+    ep = export(TrainingStep(_phone_ops(model)), (x, y), dynamic_shapes=dynamic, strict=True)
     ep = _export_forward_backward(ep)
-    return to_edge(ep).to_executorch(ExecutorchBackendConfig()).buffer
+    program = to_edge(ep).to_executorch(ExecutorchBackendConfig()).buffer
+    _check_step(program, spec, model, (batch_size, 1) if batch_size > 1 else (1,))
+    return program
 
 
 def _version(package: str) -> str:
