@@ -19,10 +19,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -183,6 +188,22 @@ def _phone_ops(model: nn.Module) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[Callable[[], str]]:
+    """File descriptor 2 into a temporary file for the block (what native code writes there
+    included); yields a function that reads what was written."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1]
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _check_step(program: bytes, spec: ModelSpec, model: nn.Module,
                 batch_sizes: tuple[int, ...]) -> None:
     """Run one training step of ``program`` on a random batch of each size in the ExecuTorch
@@ -193,22 +214,28 @@ def _check_step(program: bytes, spec: ModelSpec, model: nn.Module,
 
     from executorch.extension.training import _load_for_executorch_for_training_from_buffer
 
-    module = _load_for_executorch_for_training_from_buffer(program)
     eager = TrainingStep(copy.deepcopy(model))
     generator = torch.Generator().manual_seed(0)
-    for n in batch_sizes:
-        x = torch.randn((n, *spec.input_shape), generator=generator)
-        y = torch.randint(spec.num_classes, (n,), generator=generator)
-        try:
-            module.forward_backward("forward", (x, y))
-        except RuntimeError as ex:
-            raise ConfigError(f"model {spec.name!r}: its exported training step does not run in "
-                              f"the ExecuTorch runtime (a batch of {n}: {ex}); ExecuTorch's log "
-                              f"names the operator (its kernels lack, e.g., the backward of a "
-                              f"3-D convolution)") from ex
+    batches = [(torch.randn((n, *spec.input_shape), generator=generator),
+                torch.randint(spec.num_classes, (n,), generator=generator)) for n in batch_sizes]
+    # The runtime logs to the process's stderr (its CPU probe at load, the failed check of a
+    # kernel): kept out of the export command's output, and the failure named in the error.
+    grads: list[dict[str, torch.Tensor]] = []
+    with _native_stderr() as log:
+        module = _load_for_executorch_for_training_from_buffer(program)
+        for x, y in batches:
+            try:
+                module.forward_backward("forward", (x, y))
+            except RuntimeError as ex:
+                checks = [line.split("] ", 1)[-1] for line in log().splitlines()
+                          if "Check failed" in line or "KernelCall failed" in line]
+                raise ConfigError(f"model {spec.name!r}: its exported training step does not "
+                                  f"run in the ExecuTorch runtime (a batch of {len(x)}: {ex}; "
+                                  f"{' / '.join(checks[:2]) or 'no log'})") from ex
+            grads.append({k: g.clone() for k, g in module.named_gradients().items()})
+    for (x, y), got in zip(batches, grads, strict=True):
         eager.zero_grad()
         eager(x, y)[0].backward()
-        got = module.named_gradients()
         wrong = []
         for name, p in eager.named_parameters():
             want = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -217,7 +244,7 @@ def _check_step(program: bytes, spec: ModelSpec, model: nn.Module,
                 wrong.append(name.removeprefix(TRAIN_PREFIX))
         if wrong:
             raise ConfigError(f"model {spec.name!r}: ExecuTorch's kernels compute other "
-                              f"gradients than torch for {wrong} (a batch of {n}); a layer "
+                              f"gradients than torch for {wrong} (a batch of {len(x)}); a layer "
                               f"they differentiate wrongly (max pooling with overlapping "
                               f"windows?) cannot train on a phone")
 

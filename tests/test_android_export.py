@@ -418,3 +418,22 @@ def test_export_refuses_a_model_executorch_differentiates_wrongly():
                                           r"other gradients than torch for \['0.weight', "
                                           r"'0.bias'\]"):
         export_training_step(ModelSpec("overlap", build, (1, 8, 8), 3), build(), 4)
+
+
+def test_export_refuses_a_training_step_that_does_not_run_naming_the_kernel(capfd):
+    """A circular-padded Conv1d exports but fails at a batch of 1 in the runtime (its padded
+    tensor cannot be resized): refused at export, the runtime's failed check in the message,
+    and nothing of the runtime's log left on stderr."""
+    from android_bridge.export import export_training_step
+    from android_bridge.models import ModelSpec
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular"),
+                                   torch.nn.Flatten(), torch.nn.Linear(16, 3))
+
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match=r"model 'circular': its exported training step does "
+                                          r"not run in the ExecuTorch runtime \(a batch of 1: "
+                                          r".*KernelCall failed at instruction .* in operator "):
+        export_training_step(ModelSpec("circular", build, (1, 8), 3), build(), 4)
+    assert "KernelCall" not in capfd.readouterr().err
