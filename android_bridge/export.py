@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -190,16 +191,17 @@ def _phone_ops(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def _native_stderr() -> Iterator[Callable[[], str]]:
-    """File descriptor 2 into a temporary file for the block (what native code writes there
-    included); yields a function that reads what was written."""
+    """Standard error into a buffer for the block, file descriptor 2 (what native code writes)
+    and ``sys.stderr`` (the ExecuTorch bindings log through it when it is not the process's
+    own, as under pytest); yields a function that reads what was written."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
+    with tempfile.TemporaryFile() as sink, contextlib.redirect_stderr(io.StringIO()) as text:
         os.dup2(sink.fileno(), 2)
         try:
-            yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1]
+            yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1] \
+                + text.getvalue()
         finally:
-            sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
 
