@@ -38,10 +38,12 @@ from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import read_state
 from client.training import round_seed, train_locally
-from dgc import SparseUpdate
+from dgc import SparseTensor, SparseUpdate
+from dgc.errors import StateError
 from dgc.int8_grid import round_initial
-from dgc.signs.client import take_signs
-from dgc.signs.codec import Masks, decode_mask, encode_signs
+from dgc.signs.client import on_grid, take_signs, take_values
+from dgc.signs.codec import Masks, decode_mask, encode_mask, encode_signs, encode_values
+from dgc.signs.planner import displacement_masks
 from fedgc import protocol as P
 from fedgc.settings import (
     DENSE_METHODS,
@@ -200,9 +202,32 @@ def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | 
         raise ClientProtocolError(str(ex)) from ex
 
 
-def shared_masks(content: RecordDict,
-                 model: dict[str, torch.Tensor]) -> tuple[bytes, Masks] | None:
-    """The round's shared index sets (with their bytes), or None when the message has none."""
+def shared_masks(content: RecordDict, model: dict[str, torch.Tensor],
+                 initial: Callable[[], dict[str, torch.Tensor]] | None = None,
+                 server_round: int = 0) -> tuple[bytes, Masks] | None:
+    """The round's shared index sets (with their bytes), or None when the message has none.
+
+    Sets ranked by displacement (``dgc.shared_rank``) do not travel: the config names the
+    tensors and counts, and the client ranks the model it now holds against version 0
+    (``initial``) as the server did; the bytes are then the sets coded as the server would
+    send them (kept to fold the values back if the server does not aggregate them).
+    """
+    config = content.config_records.get(P.CONFIG)
+    if config is not None and P.SHARED_COUNTS in config and initial is not None:
+        names, counts = config.get(P.SHARED_NAMES), config.get(P.SHARED_COUNTS)
+        if (not isinstance(names, list) or not isinstance(counts, list)
+                or len(names) != len(counts) or not set(names) <= set(model)):
+            raise ClientProtocolError(f"{P.SHARED_NAMES} and {P.SHARED_COUNTS} must be lists of "
+                                      f"equal length naming model tensors, got {names!r} and "
+                                      f"{counts!r}")
+        version0 = initial()
+        if bool(config.get(P.INITIAL_GRID, False)):
+            version0 = round_initial(version0)
+        try:
+            masks = displacement_masks(model, version0, dict(zip(names, counts, strict=True)))
+        except (StateError, TypeError, ValueError) as ex:
+            raise ClientProtocolError(f"bad shared set counts: {ex}") from ex
+        return encode_mask(masks, {k: model[k].numel() for k in masks}, server_round), masks
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
@@ -248,6 +273,46 @@ def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> Cli
         return state
 
 
+def _age_residual(compressor: Any, s: TrainSettings, state: ClientState,
+                  server_round: int) -> None:
+    """Aged residuals (``dgc.residual_decay``): scale residual and momentum by ``decay ** (away
+    - dgc.residual_after_rounds)``, ``away`` the rounds since this client's last update minus
+    one (0 for a client sampled in consecutive rounds)."""
+    if s.residual_decay >= 1.0 or state.reply is None:
+        return
+    away = server_round - int(state.reply["sequence"]) - 1
+    over = away - s.residual_after_rounds
+    if over > 0:
+        compressor.scale_state(s.residual_decay ** over)
+
+
+def _values_on_grid(compressor: Any, update: SparseUpdate, levels: float) -> SparseUpdate:
+    """``update`` with each tensor's values on its power-of-two grid
+    (:func:`dgc.signs.client.on_grid`, ``dgc.value_levels``); the rounding goes back into the
+    residual, so error feedback sends it later."""
+    tensors, error = {}, {}
+    for name, t in update.tensors.items():
+        values = t.values.to(torch.float32)
+        rounded = on_grid(values, levels)
+        tensors[name] = SparseTensor(t.indices, rounded, t.shape)
+        error[name] = SparseTensor(t.indices, values - rounded, t.shape)
+    compressor.restore(SparseUpdate(error, update.sequence))
+    return SparseUpdate(tensors, update.sequence)
+
+
+def _step_ahead(compressor: Any, model: dict[str, torch.Tensor],
+                alpha: float) -> dict[str, torch.Tensor]:
+    """Step-ahead partial error feedback (SA-PEF, Redie et al. 2026): the model minus ``alpha``
+    of the residual, where local training starts; that part leaves the residual (the
+    pseudo-gradient against the model sent carries it)."""
+    start = dict(model)
+    for name, v in compressor.residual().items():
+        if name in start and start[name].numel() == v.numel():
+            start[name] = model[name] - alpha * v.view(model[name].shape)
+            v.mul_(1.0 - alpha)
+    return start
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on this client's partition and reply with the encoded pseudo-gradient."""
@@ -284,22 +349,11 @@ def train(msg: Message, context: Context) -> Message:
 
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
-    shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
-    model = _model(task, s.task_spec())
-    model.load_state_dict(global_state)
-    local = train_locally(
-        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
-        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
-        momentum=s.client_momentum, weight_decay=s.weight_decay,
-        seed=round_seed(s.seed, server_round, key))
-
+    shared = (shared_masks(msg.content, global_state, lambda: initial_model(task, s.seed),
+                           server_round) if s.method == "dgc" else None)
     restored = 0
-    shared_data: bytes | None = None
-    shared_entries = 0
-    new_state = ClientState()
-    if s.method in DENSE_METHODS:
-        update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
-    else:
+    compressor = None
+    if s.method not in DENSE_METHODS:
         compressor = s.compressor()
         if keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
@@ -307,16 +361,46 @@ def train(msg: Message, context: Context) -> Message:
             # into the residual, so that nothing this client computed is lost.
             restored = int(fold_back_pending(compressor, state, ack,
                                              {k: v.numel() for k, v in global_state.items()}))
-        update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
+            if s.method == "dgc":
+                _age_residual(compressor, s, state, server_round)
+    start = global_state
+    if compressor is not None and s.method == "dgc" and s.step_ahead > 0:
+        start = _step_ahead(compressor, global_state, s.step_ahead)
+    model = _model(task, s.task_spec())
+    model.load_state_dict(start)
+    local = train_locally(
+        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
+        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
+        momentum=s.client_momentum, weight_decay=s.weight_decay,
+        seed=round_seed(s.seed, server_round, key))
+    pseudo_gradient = local.pseudo_gradient
+    if start is not global_state:  # the pseudo-gradient is taken against the model sent
+        pseudo_gradient = {k: global_state[k] - (start[k] - v) for k, v in pseudo_gradient.items()}
+
+    shared_data: bytes | None = None
+    shared_entries = 0
+    new_state = ClientState()
+    if compressor is None:
+        update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
+    else:
+        update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
+        if s.method == "dgc" and s.value_levels > 0:
+            update = _values_on_grid(compressor, update, s.value_levels)
         if shared is not None:
-            signs = take_signs(compressor.residual(), shared[1], server_round)
-            shared_data = encode_signs(signs)
+            if s.shared_values == "grid":
+                signs = take_values(compressor.residual(), shared[1], server_round,
+                                    s.shared_levels)
+                shared_data = encode_values(signs)
+            else:
+                signs = take_signs(compressor.residual(), shared[1], server_round)
+                shared_data = encode_signs(signs)
             shared_entries = signs.nnz
         if keeps_residual:
             new_state.compressor = compressor.state_dict()
     # STC's values are ternary whatever dgc.ternary says: one sign bit each on the wire.
-    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc")
+    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc",
+                      grid_coding=s.method == "dgc" and s.value_levels > 0)
     if keeps_residual:
         new_state.pending = data
         if shared_data is not None and shared is not None:

@@ -36,7 +36,7 @@ import torch
 
 import dgc
 from dgc import Compressor
-from dgc.signs.codec import decode_mask, decode_signs
+from dgc.signs.codec import decode_mask, decode_shared
 from fedgc.files import atomic_write_bytes
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -442,6 +442,6 @@ def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, 
     compressor.restore(pending)
     if state.pending_shared is not None and state.pending_mask is not None:
         _, masks = decode_mask(state.pending_mask, numels)
-        compressor.restore(decode_signs(state.pending_shared, masks,
-                                        {name: (n,) for name, n in numels.items()}))
+        compressor.restore(decode_shared(state.pending_shared, masks,
+                                         {name: (n,) for name, n in numels.items()}))
     return True

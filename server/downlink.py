@@ -67,12 +67,15 @@ class Downlink:
     (:class:`server.strategy.DGCStrategy`) for what each setting means."""
 
     def __init__(self, mode: str = "auto", history: int = 1, density: float = 1.0,
-                 values: str = "float16", deltas: bool = True) -> None:
+                 values: str = "float16", deltas: bool = True, deadband: float = 0.5) -> None:
         self.mode = mode
         self.history = history
         self.density = float(density)
         self.values = values
         self.deltas = deltas
+        # int8 grid: an entry moves only when the model is more than this many steps from it
+        # (0.5: whenever it rounds to another grid point).
+        self.deadband = float(deadband)
         self.model: Model | None = None  # the global model, float32
         self.broadcast: Model | None = None  # what clients hold, with density < 1
         self.version = 0  # aggregations applied so far = version of the sent model
@@ -168,6 +171,13 @@ class Downlink:
                     out[k].copy_(target[k])  # a coarser grid: every entry moves onto it
         else:
             target = {k: float16_grid(model[k]) for k in matrices}
+        if self.grid_exponents and self.deadband > 0.5:
+            for k in matrices:
+                e = self.grid_exponents[k]
+                if e is not None:
+                    # Hysteresis: an entry the model hovers around keeps its grid point.
+                    near = (model[k] - out[k]).abs() <= self.deadband * 2.0 ** e
+                    target[k] = torch.where(near, out[k], target[k])
         diff = torch.cat([(target[k] - out[k]).abs().view(-1) for k in matrices])
         count = min(diff.numel(), math.ceil(self.density * diff.numel()))
         # Ties are broken by position (stable sort), so the selection is reproducible.

@@ -18,7 +18,7 @@ from flwr.app import Message, MetricRecord
 
 import dgc
 from dgc import DecodeError, SparseUpdate, TensorLayout
-from dgc.signs.codec import Masks, decode_signs
+from dgc.signs.codec import Masks, decode_shared
 from fedgc import protocol as P
 
 
@@ -265,7 +265,7 @@ class ReplyChecker:
                 raise ReplyRejected("shared signs in reply to a round without shared index sets")
             try:
                 signs_data = P.record_to_bytes(shared, P.SHARED_SIGNS)
-                signs = decode_signs(signs_data, masks, {n: self.shapes[n] for n in masks})
+                signs = decode_shared(signs_data, masks, {n: self.shapes[n] for n in masks})
             except (ValueError, DecodeError) as ex:
                 raise ReplyRejected(f"undecodable shared signs: {ex}") from ex
             if signs.sequence != server_round:

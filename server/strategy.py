@@ -39,7 +39,7 @@ from flwr.supercore import log
 import dgc
 from dgc import SparseUpdate
 from dgc.signs.codec import Masks, encode_mask
-from dgc.signs.planner import SharedIndexPlanner
+from dgc.signs.planner import SharedIndexPlanner, displacement_masks
 from dgc.wire import encoded_size
 from fedgc import protocol as P
 from fedgc.settings import (
@@ -177,14 +177,17 @@ class DGCStrategy(FedAvg):
                  server_learning_rate: float = 1.0, server_momentum: float = 0.0,
                  downlink: str = "auto", downlink_history: int = 1, downlink_density: float = 1.0,
                  downlink_values: str = "float16", downlink_deltas: bool = True,
-                 downlink_lookahead: float = 1.0, clients_build_initial_model: bool = False,
+                 downlink_lookahead: float = 1.0, downlink_deadband: float = 0.5,
+                 clients_build_initial_model: bool = False,
                  seed: int = 0, checkpoint_dir: str | Path | None = None, resume: bool = False,
                  on_round: Callable[[RoundRecord], None] | None = None,
                  probe_timeout: float = 120.0, fraction_evaluate: float = 0.0,
                  min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
                  weighted_by_key: str = "num-examples", shared_density: float = 0.0,
                  shared_small_density: float = 0.0, shared_small_numel: int = 10_000,
-                 shared_momentum: float = 0.9, min_sparse_numel: int = 1024,
+                 shared_momentum: float = 0.9, shared_churn: float = 1.0,
+                 shared_rank: str = "aggregates",
+                 min_sparse_numel: int = 1024,
                  sparse_vectors: bool = False,
                  max_weight_ratio: float = 4.0, max_norm_ratio: float = 10.0,
                  aggregation: str = "mean", trim_fraction: float = 0.1,
@@ -198,7 +201,10 @@ class DGCStrategy(FedAvg):
                        server_momentum=server_momentum, downlink=downlink,
                        downlink_history=downlink_history, downlink_density=downlink_density,
                        downlink_values=downlink_values, downlink_deltas=downlink_deltas,
-                       downlink_lookahead=downlink_lookahead, fraction_evaluate=fraction_evaluate,
+                       downlink_lookahead=downlink_lookahead,
+                       downlink_deadband=downlink_deadband, shared_churn=shared_churn,
+                       shared_rank=shared_rank,
+                       fraction_evaluate=fraction_evaluate,
                        round_timeout_s=probe_timeout, shared_density=shared_density,
                        shared_small_density=shared_small_density, shared_momentum=shared_momentum)
         policy = TrainSettings(clients_per_round=clients_per_round, small_numel=shared_small_numel,
@@ -211,9 +217,11 @@ class DGCStrategy(FedAvg):
         self.run_config = None if run_config is None else dict(run_config)
         self.shared = (float(shared_density), shared_small_density, shared_small_numel,
                        shared_momentum, policy)
+        self.shared_churn, self.shared_rank = float(shared_churn), shared_rank
+        self._initial_sent: dict[str, torch.Tensor] = {}  # version 0 as clients hold it
         self.registry = ClientRegistry(seed, [0] if clients_build_initial_model else [])
         self.downlink = Downlink(downlink, downlink_history, downlink_density, downlink_values,
-                                 downlink_deltas)
+                                 downlink_deltas, downlink_deadband)
         self.optimizer = ServerOptimizer(server_learning_rate, server_momentum)
         self.checker = ReplyChecker(weighted_by_key)
         self.bounds = Bounds(max_weight_ratio, max_norm_ratio)
@@ -259,7 +267,8 @@ class DGCStrategy(FedAvg):
             downlink=s.downlink, downlink_history=s.downlink_history,
             downlink_density=downlink_density,
             downlink_values=downlink_values, downlink_deltas=s.downlink_deltas,
-            downlink_lookahead=s.downlink_lookahead,
+            downlink_lookahead=s.downlink_lookahead, downlink_deadband=s.downlink_deadband,
+            shared_churn=s.shared_churn, shared_rank=s.shared_rank,
             clients_build_initial_model=s.clients_build_initial_model, seed=t.seed,
             checkpoint_dir=config.run_dir if s.checkpoint else None, resume=s.resume,
             fraction_evaluate=s.fraction_evaluate, min_available_nodes=t.clients_per_round,
@@ -324,13 +333,14 @@ class DGCStrategy(FedAvg):
                                  f"trains floating-point tensors only")
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
+        self._initial_sent = {k: v.clone() for k, v in self.downlink.sent_model.items()}
         self._model_changed()
         density, small, small_numel, momentum, policy = self.shared
         if density > 0 and self.shared_planner is None:
             self.shared_planner = SharedIndexPlanner(
                 {n: tuple(t.shape) for n, t in model.items()
                  if not policy.sends_dense(tuple(t.shape))}, density, small, small_numel,
-                momentum)
+                momentum, self.shared_churn)
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)
@@ -378,7 +388,15 @@ class DGCStrategy(FedAvg):
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), connected)
         state = _Round(server_round, sampled, node_of, self.model_version)
         shared_record, shared_nbytes = None, 0
-        if self.shared_planner is not None:
+        shared_config: dict[str, Any] = {}
+        if self.shared_planner is not None and self.shared_rank == "displacement":
+            if self.model_version > 0:  # version 0 has not moved: no set in the first round
+                counts = {n: self.shared_planner.count(n) for n in self.shared_planner.shapes}
+                state.masks = displacement_masks(self.sent_model, self._initial_sent, counts)
+                shared_config = {P.SHARED_NAMES: list(counts),
+                                 P.SHARED_COUNTS: [int(c) for c in counts.values()],
+                                 P.INITIAL_GRID: self.downlink.initial_on_grid}
+        elif self.shared_planner is not None:
             state.masks = self.shared_planner.plan()
             if state.masks:
                 data = encode_mask(state.masks, {n: self.model[n].numel() for n in state.masks},
@@ -392,7 +410,8 @@ class DGCStrategy(FedAvg):
             cfg[P.SERVER_ROUND] = server_round
             cfg[P.MODEL_VERSION] = self.model_version
             cfg[P.ACK_SEQUENCE] = reg.acked(key)
-            for k, v in self.downlink.config(offer, reg.initial_versions).items():
+            for k, v in {**self.downlink.config(offer, reg.initial_versions),
+                         **shared_config}.items():
                 cfg[k] = v
             content = RecordDict({P.ARRAYS: offer.record, P.CONFIG: cfg})
             if shared_record is not None:

@@ -31,6 +31,7 @@ from simulations.compare import (
     over_seeds,
     parse_seeds,
     read_summary,
+    traffic_area,
     traffic_curve,
 )
 from simulations.netem.errors import NetemError
@@ -165,11 +166,16 @@ def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, 
     """Add every method's reading at ``budget_method``'s total traffic to its summary
     (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``); return
     :func:`simulations.compare.at_equal_traffic`'s result."""
-    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
+    curves = {m: traffic_curve(run) for m, run in runs.items()}
+    equal = at_equal_traffic(curves, budget_method)
+    area = traffic_area(curves)
     for m, s in summaries.items():
         s["equal_traffic_method"] = equal["method"]
         s["equal_traffic_bytes"] = equal["bytes"]
         s["last10_at_equal_traffic"] = equal["last10"][m]
+        s["traffic_auc_floor_bytes"] = area["floor"]
+        s["traffic_auc"] = area["area"].get(m, float("nan"))
+        s["traffic_auc_mean"] = area["mean"].get(m, float("nan"))
     return equal
 
 
