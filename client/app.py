@@ -300,6 +300,36 @@ def _values_on_grid(compressor: Any, update: SparseUpdate, levels: float) -> Spa
     return SparseUpdate(tensors, update.sequence)
 
 
+def _shared_first(compressor: Any, pseudo_gradient: dict[str, torch.Tensor], masks: Masks,
+                  take: Callable[[dict[str, torch.Tensor]], SparseUpdate],
+                  ) -> tuple[SparseUpdate, dict[str, torch.Tensor], SparseUpdate]:
+    """The shared sets taken before the top-k (``dgc.shared_first``): the pseudo-gradient at
+    the sets joins the residual there and ``take`` sends it; returns what was sent, the
+    pseudo-gradient left for the compressor (zero at the sets) and, for tensors the residual
+    did not hold yet (a first round), the remainder at the sets to restore after it."""
+    residual = compressor.residual()
+    source: dict[str, torch.Tensor] = {}
+    rest = dict(pseudo_gradient)
+    for name, mask in masks.items():
+        if name not in pseudo_gradient:
+            continue
+        idx = torch.from_numpy(np.asarray(mask, dtype=np.int64))
+        flat = pseudo_gradient[name].reshape(-1).to(torch.float32)
+        if name in residual:
+            residual[name].index_add_(0, idx, flat[idx])
+            source[name] = residual[name]
+        else:
+            source[name] = torch.zeros_like(flat)
+            source[name][idx] = flat[idx]
+        off = flat.clone()
+        off[idx] = 0.0
+        rest[name] = off.view(pseudo_gradient[name].shape)
+    sent = take({n: source[n] for n in masks if n in source})
+    left = {n: SparseTensor(t.indices, source[n][t.indices], t.shape)
+            for n, t in sent.tensors.items() if n not in residual}
+    return sent, rest, SparseUpdate(left, sent.sequence)
+
+
 def _step_ahead(compressor: Any, model: dict[str, torch.Tensor],
                 alpha: float) -> dict[str, torch.Tensor]:
     """Step-ahead partial error feedback (SA-PEF, Redie et al. 2026): the model minus ``alpha``
@@ -383,18 +413,28 @@ def train(msg: Message, context: Context) -> Message:
     if compressor is None:
         update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
+        def take_shared(source: dict[str, torch.Tensor]) -> SparseUpdate:
+            assert shared is not None
+            if s.shared_values == "grid":
+                return take_values(source, shared[1], server_round, s.shared_levels)
+            return take_signs(source, shared[1], server_round)
+
+        signs = None
+        if shared is not None and s.shared_first:
+            # The shared sets first, the top-k then finds what they miss (GlueFL's order).
+            signs, pseudo_gradient, left = _shared_first(compressor, pseudo_gradient, shared[1],
+                                                         take_shared)
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
+        if signs is not None and left.tensors:
+            compressor.restore(left)  # a first round's remainder at the sets
         if s.method == "dgc" and s.value_levels > 0:
             update = _values_on_grid(compressor, update, s.value_levels)
         if shared is not None:
-            if s.shared_values == "grid":
-                signs = take_values(compressor.residual(), shared[1], server_round,
-                                    s.shared_levels)
-                shared_data = encode_values(signs)
-            else:
-                signs = take_signs(compressor.residual(), shared[1], server_round)
-                shared_data = encode_signs(signs)
+            if signs is None:
+                signs = take_shared(compressor.residual())
+            shared_data = (encode_values(signs) if s.shared_values == "grid"
+                           else encode_signs(signs))
             shared_entries = signs.nnz
         if keeps_residual:
             new_state.compressor = compressor.state_dict()

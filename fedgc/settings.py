@@ -421,6 +421,9 @@ class TrainSettings:
                                    "the mean magnitude at the shared indices in grid steps (the "
                                    "step is the power of two nearest mean / levels); larger is "
                                    "finer and costs more bits", Check(0.0, 128.0, low_open=True))
+    shared_first: bool = setting(False, "dgc.shared_first", "dgc: take the shared sets "
+                                 "before the top-k, so that the top-k sends what the sets miss "
+                                 "(GlueFL's order) instead of entries the sets carry anyway")
     value_levels: float = setting(0.0, "dgc.value_levels", "dgc: send each tensor's values on "
                                   "a power-of-two grid whose step is the power of two nearest "
                                   "mean(|values|) / value_levels, Rice-coded; the rounding stays "

@@ -3,6 +3,7 @@ displacement, values on a grid, aged residuals, step-ahead, and the downlink's d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 
@@ -240,11 +241,14 @@ def _pseudo_gradient(s: TrainSettings, server_round: int, sent: dict[str, torch.
 
 
 @pytest.mark.parametrize("kw", [dict(value_levels=4.0), dict(shared_values="grid"),
-                                dict(shared_values="grid", value_levels=1.0)])
+                                dict(shared_values="grid", value_levels=1.0),
+                                dict(shared_first=True),
+                                dict(shared_first=True, shared_values="grid")])
 def test_grid_values_lose_no_mass(tmp_path, kw):
     """What a client sends (top-k update and shared values) plus what it keeps is exactly its
-    pseudo-gradient, with the top-k values on a power-of-two grid (``dgc.value_levels``) or
-    values at the shared sets (``dgc.shared_values = grid``)."""
+    pseudo-gradient (and, in its second round, its residual), with the top-k values on a
+    power-of-two grid (``dgc.value_levels``), values at the shared sets (``dgc.shared_values =
+    grid``), or the sets taken before the top-k (``dgc.shared_first``)."""
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, **kw)
     g = _global()
@@ -266,6 +270,24 @@ def test_grid_values_lose_no_mass(tmp_path, kw):
                 assert float(t.values.abs().max()) <= 127 * _grid_step(t.values)
     metrics = reply.content.metric_records[P.METRICS]
     assert metrics["shared_entries"] == len(masks["net.1.weight"])
+    mask_bytes = encode_mask(masks, {"net.1.weight": 12_800}, 2)
+    reply = _send(grid, s, 2, 1, g, shared=mask_bytes)
+    sent2, resid2 = _sent(reply, shapes, masks), _residual(s)
+    pg2 = _pseudo_gradient(s, 2, g, g)
+    for k in pg2:
+        torch.testing.assert_close(sent2[k] + resid2[k], resid[k] + pg2[k], rtol=0, atol=1e-5)
+    if s.shared_first and s.shared_values == "grid":
+        # The top-k spends fewer entries on the sets than in the usual order (with signs it
+        # may spend more: a sign overshoots every entry smaller than the mean by the mean).
+        def on_sets(reply: Message) -> int:
+            update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                                max_numel=dgc.wire.MAX_NUMEL)
+            return len(np.intersect1d(update.tensors["net.1.weight"].indices.numpy(),
+                                      masks["net.1.weight"]))
+
+        usual = dataclasses.replace(s, shared_first=False, state_dir=str(tmp_path / "usual"))
+        _send(grid, usual, 1, -1, g, shared=encode_mask(masks, {"net.1.weight": 12_800}, 1))
+        assert on_sets(reply) < on_sets(_send(grid, usual, 2, 1, g, shared=mask_bytes))
 
 
 def test_step_ahead_trains_from_the_model_less_part_of_the_residual(tmp_path):
