@@ -636,6 +636,12 @@ class ServerSettings:
                                     "0 is broadcast on the grid too, and a patch on the one "
                                     "version a client is known to hold carries differences "
                                     "(which the client adds) where those encode smaller")
+    downlink_vectors: str = setting("float32", "downlink_vectors", "with downlink_density < "
+                                    "1: the broadcast's one-dimensional tensors (biases) are "
+                                    "copied whole every round, exactly (float32) or rounded to "
+                                    "float16 (the rounding stays in the difference, and an "
+                                    "entry whose float16 value did not move is not sent)",
+                                    Check(choices=("float32", "float16")))
     downlink_deadband: float = setting(0.5, "downlink_deadband", "with downlink_values int8: "
                                        "an entry of the broadcast moves only when the global "
                                        "model is more than this many grid steps from it "

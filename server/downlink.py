@@ -67,7 +67,8 @@ class Downlink:
     (:class:`server.strategy.DGCStrategy`) for what each setting means."""
 
     def __init__(self, mode: str = "auto", history: int = 1, density: float = 1.0,
-                 values: str = "float16", deltas: bool = True, deadband: float = 0.5) -> None:
+                 values: str = "float16", deltas: bool = True, deadband: float = 0.5,
+                 vectors: str = "float32") -> None:
         self.mode = mode
         self.history = history
         self.density = float(density)
@@ -76,6 +77,8 @@ class Downlink:
         # int8 grid: an entry moves only when the model is more than this many steps from it
         # (0.5: whenever it rounds to another grid point).
         self.deadband = float(deadband)
+        # One-dimensional tensors of the broadcast: copied exactly, or rounded to float16.
+        self.vectors = vectors
         self.model: Model | None = None  # the global model, float32
         self.broadcast: Model | None = None  # what clients hold, with density < 1
         self.version = 0  # aggregations applied so far = version of the sent model
@@ -157,7 +160,9 @@ class Downlink:
         matrices = [k for k, v in model.items() if v.dim() > 1]
         for k, v in model.items():
             if v.dim() <= 1:
-                out[k].copy_(v)
+                # float16: a bias whose float16 value did not move stays out of every patch,
+                # and those that did travel in two bytes (the rounding stays in G - B).
+                out[k].copy_(float16_grid(v) if self.vectors == "float16" else v)
         if not matrices:
             return out
         if self.grid_exponents:

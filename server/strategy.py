@@ -178,6 +178,7 @@ class DGCStrategy(FedAvg):
                  downlink: str = "auto", downlink_history: int = 1, downlink_density: float = 1.0,
                  downlink_values: str = "float16", downlink_deltas: bool = True,
                  downlink_lookahead: float = 1.0, downlink_deadband: float = 0.5,
+                 downlink_vectors: str = "float32",
                  clients_build_initial_model: bool = False,
                  seed: int = 0, checkpoint_dir: str | Path | None = None, resume: bool = False,
                  on_round: Callable[[RoundRecord], None] | None = None,
@@ -202,7 +203,8 @@ class DGCStrategy(FedAvg):
                        downlink_history=downlink_history, downlink_density=downlink_density,
                        downlink_values=downlink_values, downlink_deltas=downlink_deltas,
                        downlink_lookahead=downlink_lookahead,
-                       downlink_deadband=downlink_deadband, shared_churn=shared_churn,
+                       downlink_deadband=downlink_deadband, downlink_vectors=downlink_vectors,
+                       shared_churn=shared_churn,
                        shared_rank=shared_rank,
                        fraction_evaluate=fraction_evaluate,
                        round_timeout_s=probe_timeout, shared_density=shared_density,
@@ -221,7 +223,7 @@ class DGCStrategy(FedAvg):
         self._initial_sent: dict[str, torch.Tensor] = {}  # version 0 as clients hold it
         self.registry = ClientRegistry(seed, [0] if clients_build_initial_model else [])
         self.downlink = Downlink(downlink, downlink_history, downlink_density, downlink_values,
-                                 downlink_deltas, downlink_deadband)
+                                 downlink_deltas, downlink_deadband, downlink_vectors)
         self.optimizer = ServerOptimizer(server_learning_rate, server_momentum)
         self.checker = ReplyChecker(weighted_by_key)
         self.bounds = Bounds(max_weight_ratio, max_norm_ratio)
@@ -268,6 +270,7 @@ class DGCStrategy(FedAvg):
             downlink_density=downlink_density,
             downlink_values=downlink_values, downlink_deltas=s.downlink_deltas,
             downlink_lookahead=s.downlink_lookahead, downlink_deadband=s.downlink_deadband,
+            downlink_vectors=s.downlink_vectors,
             shared_churn=s.shared_churn, shared_rank=s.shared_rank,
             clients_build_initial_model=s.clients_build_initial_model, seed=t.seed,
             checkpoint_dir=config.run_dir if s.checkpoint else None, resume=s.resume,

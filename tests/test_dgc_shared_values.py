@@ -176,6 +176,22 @@ def test_deadband_keeps_entries_the_model_hovers_around():
         assert float((new["w"] - d.sent_model["w"]).abs().max()) <= (band + 0.5) * step
 
 
+def test_float16_vectors_move_only_when_their_float16_value_moves():
+    model = OrderedDict(w=torch.zeros(4, 8), b=torch.tensor([1.0, 2.0, 3.0]))
+    model["w"][0, 0] = 1.0
+    d = Downlink("auto", 10, density=0.5, values="int8", vectors="float16")
+    d.reset(OrderedDict((k, v.clone()) for k, v in model.items()))
+    new = OrderedDict((k, v.clone()) for k, v in model.items())
+    new["b"] += torch.tensor([1e-5, 0.01, 0.0])  # below float16's step at 1.0, above, none
+    d.advance(new, new)
+    b = d.sent_model["b"]
+    assert torch.equal(b, new["b"].to(torch.float16).to(torch.float32))
+    assert d.changed_at["b"].tolist() == [0, 1, 0]  # only the entry whose float16 moved
+    patch, _ = d.patch((0,))
+    sent = dgc.decode(patch, max_numel=100).tensors["b"]
+    assert sent.indices.tolist() == [1] and sent.values.dtype == torch.float16
+
+
 # ----------------------------------------------------------------- the client, on real messages
 def _settings(tmp_path, **kw) -> TrainSettings:
     return TrainSettings(task="digits", num_clients=3, partition="iid", clients_per_round=3,
