@@ -25,11 +25,13 @@ from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
 from simulations.compare import (
+    BASELINE,
     against_dense,
     at_equal_traffic,
     find_runs,
     over_seeds,
     parse_seeds,
+    reach,
     read_summary,
     traffic_area,
     traffic_curve,
@@ -176,6 +178,10 @@ def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, 
         s["traffic_auc_floor_bytes"] = area["floor"]
         s["traffic_auc"] = area["area"].get(m, float("nan"))
         s["traffic_auc_mean"] = area["mean"].get(m, float("nan"))
+    dense = summaries.get(BASELINE, {}).get("last10_accuracy")
+    if isinstance(dense, (int, float)):
+        for m, s in summaries.items():
+            s["reach_dense_round"], s["reach_dense_bytes"] = reach(curves[m], float(dense))
     return equal
 
 

@@ -54,9 +54,13 @@ _COLUMNS = (("final acc", "final_accuracy", ".4f", 1.0),
             ("uplink MB", "uplink_bytes", ".3f", 1e-6), ("x dense", "uplink", ".1f", 1.0),
             ("downlink MB", "downlink_bytes", ".2f", 1e-6), ("x dense", "downlink", ".1f", 1.0),
             ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0),
-            ("acc/decade", "traffic_auc_mean", ".4f", 1.0))
-#: Columns a table shows only when one of its rows has the key (a comparison's readings).
-_OPTIONAL = ("traffic_auc_mean",)
+            ("acc/decade", "traffic_auc_mean", ".4f", 1.0),
+            ("rounds to dense", "reach_dense_round", ".0f", 1.0),
+            ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
+#: Columns a table shows only when one of its rows has the key (a comparison's readings:
+#: the mean accuracy per decade of total bytes, simulations.compare.traffic_area; the round
+#: and total MB at which the last-10 mean first reaches dense's, simulations.compare.reach).
+_OPTIONAL = ("traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from fedgc.settings import SettingsError
+from server.results import LAST_ROUNDS
 
 __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "find_runs",
-           "over_seeds", "parse_seeds", "read_summary", "traffic_area", "traffic_curve"]
+           "over_seeds", "parse_seeds", "reach", "read_summary", "traffic_area", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg).
 BASELINE = "dense"
@@ -39,7 +40,7 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "uplink_compression", "downlink_compression", "total_compression",
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
               "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
-              "traffic_auc_mean")
+              "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -185,6 +186,20 @@ def traffic_area(curves: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str,
         decades = math.log10(curve[-1][0]) - math.log10(floor) if floor > 0 else 0.0
         mean[m] = total / decades if decades > 0 else float("nan")
     return {"floor": floor, "area": area, "mean": mean}
+
+
+def reach(curve: Sequence[tuple[int, float]], target: float) -> tuple[float, float]:
+    """``(round, cumulative total bytes)`` after which the mean accuracy of the last 10 rounds
+    (of all rounds so far, before round 10) first reaches ``target``; NaNs when it never does.
+
+    With ``target`` the dense run's ``last10_accuracy``, this reads when a method first stands
+    where dense FedAvg ends, in rounds and in bytes.
+    """
+    for i in range(len(curve)):
+        window = [acc for _, acc in curve[max(0, i - LAST_ROUNDS + 1):i + 1]]
+        if statistics.fmean(window) >= target:
+            return float(i + 1), float(curve[i][0])
+    return float("nan"), float("nan")
 
 
 def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:

@@ -32,7 +32,7 @@ from fedgc import protocol as P
 from fedgc.settings import TrainSettings, to_flat
 from server.downlink import Downlink
 from server.local_grid import LocalGrid
-from simulations.compare import traffic_area
+from simulations.compare import reach, traffic_area
 
 SHAPES = {"w": (20, 50), "head": (10, 20)}
 
@@ -402,3 +402,13 @@ def test_traffic_area_is_accuracy_over_log_bytes_from_a_common_floor():
     assert area["mean"]["b"] == pytest.approx(1.4 / 3)
     with pytest.raises(ValueError):
         traffic_area({"a": []})
+
+
+def test_reach_reads_when_the_last10_mean_first_reaches_a_target():
+    curve = [(100 * (i + 1), acc) for i, acc in enumerate([0.5] * 5 + [0.9] * 20)]
+    # last-10 means: 0.5 up to round 5, then rising by 0.04 a round to 0.9 at round 15
+    assert reach(curve, 0.7) == (10.0, 1000.0)
+    assert reach(curve, 0.9) == (15.0, 1500.0)
+    assert reach(curve, 0.5) == (1.0, 100.0)
+    r, b = reach(curve, 0.95)
+    assert math.isnan(r) and math.isnan(b)
