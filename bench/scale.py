@@ -226,7 +226,7 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
     config = RunConfig.from_flat({
         "task": "fashion-mnist", "num_clients": args.clients, "clients_per_round": args.per_round,
         "partition": "iid", "rounds": args.rounds, "seed": args.seed, "method": "dgc",
-        "dgc.density": 0.001, "downlink": "dense", "checkpoint": False, "progress": True,
+        "density": 0.001, "downlink": "dense", "checkpoint": False, "progress": True,
         # The local settings of the vanilla ClientApp (run_vanilla): one epoch of plain SGD.
         "local_epochs": 1, "lr": VANILLA_LR, "batch_size": VANILLA_BATCH, "client_momentum": 0.0,
         "results_dir": str(results), "run_name": "fedgc", "overwrite": True,

@@ -11,11 +11,10 @@ One train message, in order:
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
    sequence), fold it back into the residual with the compressor's ``restore``;
-6. compress ("dense" and "fedavgm": all of it in fp32; "topk": no residual, no momentum;
-   "stc": sparse ternary, :mod:`dgc.stc`; "dgc": configured; topk and dgc give small tensors
-   ``dgc.small_density``, :meth:`TrainSettings.compressor`), encode with ``dgc.encode``;
-7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.signs`), send
-   the residual at those indices as scaled signs too;
+6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
+   it in fp32), encode with its codec;
+7. when the message carries the method's round material (DGC's shared index sets,
+   :mod:`dgc.signs`), send the part of the residual that answers it too (the signs);
 8. store the new state and pending update(s), and reply.
 """
 
@@ -38,16 +37,11 @@ from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import read_state
 from client.training import round_seed, train_locally
-from dgc import SparseTensor, SparseUpdate
-from dgc.errors import StateError
+from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
-from dgc.signs.client import on_grid, take_signs, take_values
-from dgc.signs.codec import Masks, decode_mask, encode_mask, encode_signs, encode_values
-from dgc.signs.planner import displacement_masks
+from fedgc import methods
 from fedgc import protocol as P
 from fedgc.settings import (
-    DENSE_METHODS,
-    RESIDUAL_METHODS,
     SettingsError,
     TaskSpec,
     TrainSettings,
@@ -127,6 +121,14 @@ def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
+def method_of(settings: TrainSettings, config: Any) -> methods.Method:
+    """The run's method, configured with its own keys from the message ``config``."""
+    try:
+        return methods.get(settings.method).with_keys(dict(config.items()))
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
 def state_root(settings: TrainSettings, context: Context) -> str:
     """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
     when neither is set."""
@@ -202,41 +204,19 @@ def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | 
         raise ClientProtocolError(str(ex)) from ex
 
 
-def shared_masks(content: RecordDict, model: dict[str, torch.Tensor],
-                 initial: Callable[[], dict[str, torch.Tensor]] | None = None,
-                 server_round: int = 0) -> tuple[bytes, Masks] | None:
-    """The round's shared index sets (with their bytes), or None when the message has none.
-
-    Sets ranked by displacement (``dgc.shared_rank``) do not travel: the config names the
-    tensors and counts, and the client ranks the model it now holds against version 0
-    (``initial``) as the server did; the bytes are then the sets coded as the server would
-    send them (kept to fold the values back if the server does not aggregate them).
-    """
-    config = content.config_records.get(P.CONFIG)
-    if config is not None and P.SHARED_COUNTS in config and initial is not None:
-        names, counts = config.get(P.SHARED_NAMES), config.get(P.SHARED_COUNTS)
-        if (not isinstance(names, list) or not isinstance(counts, list)
-                or len(names) != len(counts) or not set(names) <= set(model)):
-            raise ClientProtocolError(f"{P.SHARED_NAMES} and {P.SHARED_COUNTS} must be lists of "
-                                      f"equal length naming model tensors, got {names!r} and "
-                                      f"{counts!r}")
-        version0 = initial()
-        if bool(config.get(P.INITIAL_GRID, False)):
-            version0 = round_initial(version0)
-        try:
-            masks = displacement_masks(model, version0, dict(zip(names, counts, strict=True)))
-        except (StateError, TypeError, ValueError) as ex:
-            raise ClientProtocolError(f"bad shared set counts: {ex}") from ex
-        return encode_mask(masks, {k: model[k].numel() for k in masks}, server_round), masks
+def round_material(content: RecordDict, model: dict[str, torch.Tensor],
+                   method: methods.Method) -> tuple[bytes, Any] | None:
+    """The round's material (DGC's shared index sets) with its bytes, decoded by ``method``;
+    None when the message has none."""
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
     try:
         data = P.record_to_bytes(record, P.SHARED_MASK)
-        _, masks = decode_mask(data, {k: v.numel() for k, v in model.items()})
+        material = method.read_material(data, {k: v.numel() for k, v in model.items()})
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
-    return data, masks
+    return data, material
 
 
 def _on_node(content: RecordDict) -> RecordDict:
@@ -246,14 +226,16 @@ def _on_node(content: RecordDict) -> RecordDict:
     return content
 
 
-def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> ClientState:
+def _load_state(store: ClientStateStore, key: str, ack: int,
+                keeps_residual: bool) -> ClientState:
     """This client's state; a damaged record is moved aside and replaced by a fresh state.
 
-    A ``dgc`` client whose record the server relies on (it acknowledged an update) but which the
-    store lacks, or holds only in an older copy, fails its round (:func:`client.stores.read_state`
-    raises StateMissingError): a node without the shared state folder must not silently restart
-    the residual from zero. A quarantined record is not such a case: its loss was detected and is
-    reported.
+    A client with a residual whose record the server relies on (it acknowledged an update) but which
+    the store lacks, or holds only in an older copy, fails its round
+    (:func:`client.stores.read_state` raises StateMissingError): a node without the shared state
+    folder must not silently restart the residual from zero. A quarantined record is not such a
+    case: its loss was detected and is reported.
+
 
     What the lost record held (residual, pending update) is gone: its bytes failed their check,
     so not even its size can be trusted. The fresh state counts the quarantine, which the next
@@ -261,7 +243,8 @@ def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> Cli
     round that fails (a patch on the model the client no longer holds).
     """
     try:
-        return read_state(store, key, ack, method, where=node.describe()) or ClientState()
+        return read_state(store, key, ack, keeps_residual,
+                          where=node.describe()) or ClientState()
     except StateCorruptError as ex:
         if ex.path is None:
             raise
@@ -273,76 +256,6 @@ def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> Cli
         return state
 
 
-def _age_residual(compressor: Any, s: TrainSettings, state: ClientState,
-                  server_round: int) -> None:
-    """Aged residuals (``dgc.residual_decay``): scale residual and momentum by ``decay ** (away
-    - dgc.residual_after_rounds)``, ``away`` the rounds since this client's last update minus
-    one (0 for a client sampled in consecutive rounds)."""
-    if s.residual_decay >= 1.0 or state.reply is None:
-        return
-    away = server_round - int(state.reply["sequence"]) - 1
-    over = away - s.residual_after_rounds
-    if over > 0:
-        compressor.scale_state(s.residual_decay ** over)
-
-
-def _values_on_grid(compressor: Any, update: SparseUpdate, levels: float) -> SparseUpdate:
-    """``update`` with each tensor's values on its power-of-two grid
-    (:func:`dgc.signs.client.on_grid`, ``dgc.value_levels``); the rounding goes back into the
-    residual, so error feedback sends it later."""
-    tensors, error = {}, {}
-    for name, t in update.tensors.items():
-        values = t.values.to(torch.float32)
-        rounded = on_grid(values, levels)
-        tensors[name] = SparseTensor(t.indices, rounded, t.shape)
-        error[name] = SparseTensor(t.indices, values - rounded, t.shape)
-    compressor.restore(SparseUpdate(error, update.sequence))
-    return SparseUpdate(tensors, update.sequence)
-
-
-def _shared_first(compressor: Any, pseudo_gradient: dict[str, torch.Tensor], masks: Masks,
-                  take: Callable[[dict[str, torch.Tensor]], SparseUpdate],
-                  ) -> tuple[SparseUpdate, dict[str, torch.Tensor], SparseUpdate]:
-    """The shared sets taken before the top-k (``dgc.shared_first``): the pseudo-gradient at
-    the sets joins the residual there and ``take`` sends it; returns what was sent, the
-    pseudo-gradient left for the compressor (zero at the sets) and, for tensors the residual
-    did not hold yet (a first round), the remainder at the sets to restore after it."""
-    residual = compressor.residual()
-    source: dict[str, torch.Tensor] = {}
-    rest = dict(pseudo_gradient)
-    for name, mask in masks.items():
-        if name not in pseudo_gradient:
-            continue
-        idx = torch.from_numpy(np.asarray(mask, dtype=np.int64))
-        flat = pseudo_gradient[name].reshape(-1).to(torch.float32)
-        if name in residual:
-            residual[name].index_add_(0, idx, flat[idx])
-            source[name] = residual[name]
-        else:
-            source[name] = torch.zeros_like(flat)
-            source[name][idx] = flat[idx]
-        off = flat.clone()
-        off[idx] = 0.0
-        rest[name] = off.view(pseudo_gradient[name].shape)
-    sent = take({n: source[n] for n in masks if n in source})
-    left = {n: SparseTensor(t.indices, source[n][t.indices], t.shape)
-            for n, t in sent.tensors.items() if n not in residual}
-    return sent, rest, SparseUpdate(left, sent.sequence)
-
-
-def _step_ahead(compressor: Any, model: dict[str, torch.Tensor],
-                alpha: float) -> dict[str, torch.Tensor]:
-    """Step-ahead partial error feedback (SA-PEF, Redie et al. 2026): the model minus ``alpha``
-    of the residual, where local training starts; that part leaves the residual (the
-    pseudo-gradient against the model sent carries it)."""
-    start = dict(model)
-    for name, v in compressor.residual().items():
-        if name in start and start[name].numel() == v.numel():
-            start[name] = model[name] - alpha * v.view(model[name].shape)
-            v.mul_(1.0 - alpha)
-    return start
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on this client's partition and reply with the encoded pseudo-gradient."""
@@ -352,12 +265,14 @@ def train(msg: Message, context: Context) -> Message:
     if config is None:
         raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
     s = settings_from(config)
+    method = method_of(s, config)
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    state = _load_state(store, str(key), ack, s.method)
+    keeps_residual = method.keeps_residual
+    state = _load_state(store, str(key), ack, keeps_residual)
 
     task = task_of(s.task_spec())
     parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
@@ -367,7 +282,6 @@ def train(msg: Message, context: Context) -> Message:
     idx = torch.from_numpy(parts[key])
 
     reply = state.reply
-    keeps_residual = s.method in RESIDUAL_METHODS
     if (keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
@@ -379,23 +293,30 @@ def train(msg: Message, context: Context) -> Message:
 
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
-    shared = (shared_masks(msg.content, global_state, lambda: initial_model(task, s.seed),
-                           server_round) if s.method == "dgc" else None)
+    material = round_material(msg.content, global_state, method)
+    if material is not None:
+        try:
+            material = method.hold_material(*material, global_state,
+                                            lambda: initial_model(task, s.seed))
+        except (ValueError, dgc.StateError) as ex:
+            raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
+
     restored = 0
-    compressor = None
-    if s.method not in DENSE_METHODS:
-        compressor = s.compressor()
+    shared_data: bytes | None = None
+    shared_entries = 0
+    new_state = ClientState()
+    compressor = method.compressor(s, key, None if material is None else material[1])
+    start = global_state
+    if compressor is not None:
         if keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
-            restored = int(fold_back_pending(compressor, state, ack,
-                                             {k: v.numel() for k, v in global_state.items()}))
-            if s.method == "dgc":
-                _age_residual(compressor, s, state, server_round)
-    start = global_state
-    if compressor is not None and s.method == "dgc" and s.step_ahead > 0:
-        start = _step_ahead(compressor, global_state, s.step_ahead)
+            restored = int(fold_back_pending(
+                compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
+                method, s))
+        away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
+        start = method.prepare(s, compressor, global_state, away)
     model = _model(task, s.task_spec())
     model.load_state_dict(start)
     local = train_locally(
@@ -407,45 +328,23 @@ def train(msg: Message, context: Context) -> Message:
     if start is not global_state:  # the pseudo-gradient is taken against the model sent
         pseudo_gradient = {k: global_state[k] - (start[k] - v) for k, v in pseudo_gradient.items()}
 
-    shared_data: bytes | None = None
-    shared_entries = 0
-    new_state = ClientState()
     if compressor is None:
         update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
-        def take_shared(source: dict[str, torch.Tensor]) -> SparseUpdate:
-            assert shared is not None
-            if s.shared_values == "grid":
-                return take_values(source, shared[1], server_round, s.shared_levels)
-            return take_signs(source, shared[1], server_round)
-
-        signs = None
-        if shared is not None and s.shared_first:
-            # The shared sets first, the top-k then finds what they miss (GlueFL's order).
-            signs, pseudo_gradient, left = _shared_first(compressor, pseudo_gradient, shared[1],
-                                                         take_shared)
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        if signs is not None and left.tensors:
-            compressor.restore(left)  # a first round's remainder at the sets
-        if s.method == "dgc" and s.value_levels > 0:
-            update = _values_on_grid(compressor, update, s.value_levels)
-        if shared is not None:
-            if signs is None:
-                signs = take_shared(compressor.residual())
-            shared_data = (encode_values(signs) if s.shared_values == "grid"
-                           else encode_signs(signs))
-            shared_entries = signs.nnz
+        side = (method.side_part(compressor, material[1], server_round)
+                if material is not None else None)
+        if side is not None:
+            shared_data, shared_entries = side
         if keeps_residual:
             new_state.compressor = compressor.state_dict()
-    # STC's values are ternary whatever dgc.ternary says: one sign bit each on the wire.
-    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc",
-                      grid_coding=s.method == "dgc" and s.value_levels > 0)
+    data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and shared is not None:
+        if shared_data is not None and material is not None:
             new_state.pending_shared = shared_data
-            new_state.pending_mask = shared[0]
+            new_state.pending_mask = material[0]
     if bool(config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = global_state

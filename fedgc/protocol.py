@@ -58,10 +58,6 @@ BASE_VERSIONS = "base_versions"  # every version the patch applies to (the clien
 KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
 PATCH_ADD = "patch_add"  # tensors whose patch values are added to the held ones (one base only)
 INITIAL_GRID = "initial_grid"  # version 0 has its matrices on the int8 grid (dgc.int8_grid)
-# Shared index sets ranked by displacement from version 0 (dgc.shared_rank): the tensors and
-# the entries of each set, which the client computes (dgc.signs.planner.displacement_masks).
-SHARED_NAMES = "shared_names"
-SHARED_COUNTS = "shared_counts"
 
 #: The reply metric of the examples a client trained on (Flower's name; the aggregation weight).
 NUM_EXAMPLES = "num-examples"

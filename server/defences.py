@@ -1,6 +1,10 @@
 """Bounds on one client's sway over a round's aggregate: a cap on its weight and a clip of its
 update's norm, both relative to the round's median over its valid replies.
 
+The defence stage of the server's aggregation, before the combine (:mod:`server.aggregation`):
+it reads each payload through :class:`fedgc.methods.Payload` (its norm), so it holds for every
+method and payload kind.
+
 A client claims its weight (``num-examples``) and sends its update; without bounds a claim of
 1e12 examples, or values of 1e30, make that one update the whole aggregate. Both bounds leave an
 honest round untouched (the weights and factors are then exactly the claims and 1.0, so results
@@ -15,22 +19,18 @@ import math
 import statistics
 from dataclasses import dataclass
 
-import torch
-
 from dgc import SparseUpdate
+from fedgc.methods import SparsePayload
 from server.replies import CheckedReply
+
+#: The words of a bounded client's note (its row's ``reason``), counted by :func:`in_force`.
+CAPPED, CLIPPED = "capped at", "clipped to"
 
 
 def update_norm(update: SparseUpdate, signs: SparseUpdate | None = None) -> float:
-    """The L2 norm of a decoded update and its signs together, in float64 (values near the
-    float32 limit would overflow when squared in float32). Reads the packed form without
-    unpacking it."""
-    parts = [] if signs is None else [t.values for t in signs.tensors.values()]
-    if update.packed is not None:
-        parts += [update.packed.sparse_values, update.packed.dense_values]
-    else:
-        parts += [t.values for t in update.tensors.values()]
-    return math.sqrt(sum(float(p.to(torch.float64).square().sum()) for p in parts))
+    """The L2 norm of a decoded update and its signs together, in float64
+    (:meth:`fedgc.methods.Payload.norm`, which the bounds use for every payload kind)."""
+    return SparsePayload(update, [] if signs is None else [signs]).norm()
 
 
 @dataclass(frozen=True)
@@ -77,15 +77,42 @@ class Bounds:
                 if weights[i] > cap:
                     weights[i] = cap
                     notes.setdefault(c.client_key, []).append(
-                        f"weight {c.num_examples} capped at {cap:g}")
+                        f"weight {c.num_examples} {CAPPED} {cap:g}")
         if self.max_norm_ratio and valid:
-            norms = {c.client_key: update_norm(c.update, c.signs) for c in valid
-                     if c.update is not None}
+            norms = {c.client_key: c.payload.norm() for c in valid if c.payload is not None}
             bound = self.max_norm_ratio * statistics.median(norms.values())
             for i, c in enumerate(chosen):
                 norm = norms[c.client_key]
                 if norm > bound:
                     factors[i] = bound / norm
                     notes.setdefault(c.client_key, []).append(
-                        f"update norm {norm:.3g} clipped to {bound:.3g}")
+                        f"update norm {norm:.3g} {CLIPPED} {bound:.3g}")
         return weights, factors, {k: "; ".join(v) for k, v in notes.items()}
+
+
+def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
+             trim_fraction: float) -> str:
+    """The defences a run aggregates with, in one line (the run's header): they make the
+    ``dense`` method something other than plain FedAvg where a client claims far more examples
+    than the others, or sends a far larger update."""
+    cap = (f"weight cap {max_weight_ratio:g}x the round's median" if max_weight_ratio
+           else "no weight cap")
+    clip = (f"update clip {max_norm_ratio:g}x the median norm" if max_norm_ratio
+            else "no update clip")
+    how = {"mean": "weighted mean", "median": "coordinate-wise median",
+           "trimmed_mean": f"coordinate-wise trimmed mean ({trim_fraction:g} cut)"}
+    plain = " ".join(f"{k}={v}" for k, v, off in (
+        ("max_weight_ratio", 0, not max_weight_ratio), ("max_norm_ratio", 0, not max_norm_ratio),
+        ("aggregation", "mean", aggregation == "mean")) if not off)
+    plain = f" ({plain}: plain FedAvg)" if plain else ""
+    return f"defences: {cap}, {clip}, {how.get(aggregation, aggregation)}{plain}"
+
+
+def in_force(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
+             trim_fraction: float, reasons: list[str]) -> dict[str, object]:
+    """``summary.json``'s ``defences``: the settings, and how many aggregated updates were
+    capped or clipped (``reasons``: the aggregated rows' notes)."""
+    return {"max_weight_ratio": max_weight_ratio, "max_norm_ratio": max_norm_ratio,
+            "aggregation": aggregation, "trim_fraction": trim_fraction,
+            "weights_capped": sum(CAPPED in r for r in reasons),
+            "updates_clipped": sum(CLIPPED in r for r in reasons)}

@@ -40,8 +40,8 @@ def check_run(config: Any) -> None:
     check_partitions(config)
     check_writable(config.state_dir, "state_dir", "clients keep their residuals there")
     if config.server.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
-                             "'fedgc[tensorboard]' (or tensorboard==2.21.0)")
+        raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
+                             "'.[tensorboard]'` in the fedgc checkout (or tensorboard==2.21.0)")
     if config.server.resume and (config.run_dir / CHECKPOINT_FILE).exists():
         try:
             load_checkpoint(config.run_dir)
@@ -55,11 +55,12 @@ def check_partitions(config: Any) -> None:
     Loading the task here also makes a task of the user's own fail before round 1, with the
     :class:`fedgc.settings.SettingsError` that names it.
     """
+    from fedgc.task_loader import load_task
     from tasks.errors import DataError
 
     t = config.train
     try:
-        task = t.load_task()
+        task = load_task(t.task_spec())
     except DataError as ex:
         raise PreflightError(f"task {t.task!r}: {ex}") from ex
     try:

@@ -1,16 +1,17 @@
-"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys`` and (another package's)
-``deploy``."""
+"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``methods``, ``flwr``
+(the run through Flower's ``flwr run .``) and (another package's) ``deploy``."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedgc import methods as registry
 from fedgc.settings import (
-    METHODS,
     RunConfig,
     ServerSettings,
     SettingsError,
@@ -36,6 +37,7 @@ from simulations.compare import (
     traffic_area,
     traffic_curve,
 )
+from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
 from simulations.scenario import load_scenario, scenario_names
 
@@ -85,21 +87,49 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     from simulations.plots import plot_run
     from simulations.runner import run_scenario
 
-    print(f"fedgc: running {config.train.method} on {config.train.task}, "
+    print(f"fedgc: running {config.method.title} on {config.train.task}, "
           f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
           f"{config.server.rounds} rounds -> {config.run_dir}", flush=True)
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
-    print(summary_table({config.train.method: summary}))
+    print(summary_table({config.method.title: summary}))
+    bounded = summary.get("defences", {})
+    if bounded.get("weights_capped") or bounded.get("updates_clipped"):
+        print(f"defences: {bounded['weights_capped']} weights capped, "
+              f"{bounded['updates_clipped']} updates clipped (clients.csv's reason)")
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
 
 
 def _method_config(config: RunConfig, method: str) -> RunConfig:
-    """``config`` for one method of a comparison, in ``<run_dir>/<method>/``."""
+    """``config`` for one method of a comparison, in ``<run_dir>/<folder of the method>/``."""
     return config.with_overrides({"method": method, "results_dir": str(config.run_dir),
-                                  "run_name": method, "state_dir": ""})
+                                  "run_name": method_folder(method), "state_dir": ""})
+
+
+def method_folder(method: str) -> str:
+    """The folder of one method's run in a comparison: its name, or for ``module:callable``
+    its label (a folder name of letters, digits, ``.``, ``_`` and ``-``)."""
+    if method in registry.names():
+        return method
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", registry.get(method).title)
+
+
+def check_methods(methods: Sequence[str], what: str) -> list[str]:
+    """``methods`` (registered names or ``module:callable``) after loading each; SettingsError
+    naming ``what`` when there are none, one is unknown, or two share a folder."""
+    bad = [m for m in methods if not registry.is_known(m)]
+    if bad or not methods:
+        raise SettingsError(f"{what} must be a non-empty subset of {list(registry.names())} "
+                            f"or 'module:callable' references, got {list(methods)!r}")
+    for m in methods:
+        registry.get(m)  # a SettingsError naming a reference that does not load
+    folders = [method_folder(m) for m in methods]
+    if len(set(folders)) != len(folders):
+        raise SettingsError(f"{what} lists a method twice, or two whose labels share a "
+                            f"folder: {list(methods)!r}")
+    return list(methods)
 
 
 def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, Any]:
@@ -118,8 +148,8 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
     from simulations.runner import run_scenario
 
     def started(c: RunConfig, verb: str = "") -> None:
-        print(f"fedgc: {verb}[{c.train.method}] seed {c.train.seed}, {c.server.rounds} rounds -> "
-              f"{c.run_dir}", flush=True)
+        print(f"fedgc: {verb}[{c.method.title}] seed {c.train.seed}, {c.server.rounds} rounds "
+              f"-> {c.run_dir}", flush=True)
 
     if jobs == 1:
         out = []
@@ -140,7 +170,7 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
             i = futures[future]
             out_by_index[i] = future.result()
             c = configs[i]
-            print(f"fedgc: [{c.train.method}] seed {c.train.seed} done ({done}/{len(configs)}): "
+            print(f"fedgc: [{c.method.title}] seed {c.train.seed} done ({done}/{len(configs)}): "
                   f"final accuracy {out_by_index[i].get('final_accuracy', float('nan')):.4f}",
                   flush=True)
     return [out_by_index[i] for i in range(len(configs))]
@@ -157,7 +187,7 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
-    print(summary_table(summaries))
+    print(summary_table({s.get("label", m): s for m, s in summaries.items()}))
     print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
@@ -199,7 +229,7 @@ def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) 
     return f"last-10 accuracy at {whose} total traffic ({budget / 1e6:.2f} MB): {accs}"
 
 
-def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
+def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None = None,
                 netem: Any = None, seeds: Sequence[int] | None = None,
                 jobs: int = 1, budget_method: str | None = None) -> dict[str, Any]:
     """The same scenario with each method; ``compare.json`` and a plot in one folder.
@@ -220,6 +250,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     """
     from simulations.plots import plot_bands
 
+    methods = registry.compared() if methods is None else check_methods(methods, "methods")
     if not isinstance(jobs, int) or jobs < 1:
         raise SettingsError(f"--jobs must be an integer >= 1, got {jobs!r}")
     if budget_method is not None and budget_method not in methods:
@@ -303,7 +334,8 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
 
 
 def _method_order(method: str) -> tuple[int, str]:
-    return (METHODS.index(method) if method in METHODS else len(METHODS), method)
+    names = registry.names()
+    return (names.index(method) if method in names else len(names), method)
 
 
 def cmd_keys(flwr_toml: bool = False) -> None:
@@ -317,9 +349,51 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    for row in key_table([ServerSettings, TrainSettings, NetemSettings]):
-        print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
-              f"{row.accepted:<32} {row.doc}")
+    own = [m.settings for m in registry.registered() if m.settings is not None]
+    for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
+        print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
+                                   row.doc)))
+
+
+#: The width of ``keys``' lines (the project's line length).
+KEYS_WIDTH = 100
+
+
+def key_lines(key: str, part: str, kind: str, default: str, accepted: str, doc: str,
+              width: int = KEYS_WIDTH) -> list[str]:
+    """One key of ``keys``: its name, part, type, default and range on a line (the range
+    under it when it does not fit), then its description, indented, wrapped to ``width``."""
+    import textwrap
+
+    head = f"{key:<30} {part:<6} {kind:<5} {default}"
+    if len(f"{head:<58} {accepted}") <= width:
+        head, text = f"{head:<58} {accepted}", doc
+    else:
+        text = f"accepted: {accepted}. {doc}"
+    wrap = textwrap.TextWrapper(width=width, initial_indent="    ", subsequent_indent="    ",
+                                break_long_words=True, break_on_hyphens=False)
+    return textwrap.wrap(head, width, subsequent_indent="    ") + wrap.wrap(text)
+
+
+def methods_table() -> list[str]:
+    """The methods table of ``docs/methods.md``, from the registry: every registered method's
+    client, payload, residual, defaults, downlink and phone support (``python -m simulations
+    methods``; ``tests/test_methods.py`` checks the docs hold it)."""
+    lines = ["| method | a client sends | it keeps | payload | its defaults | clients are sent "
+             "| phones | compare |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in registry.registered():
+        config = RunConfig.from_flat({"method": m.name, "run_name": "table"})
+        down = m.downlink(config)
+        sent = ("the exact model" if down.density >= 1.0 else
+                f"the {down.values} broadcast at `downlink_density` {down.density:g}")
+        defaults = ", ".join(f"`{k}` {v!r}" for k, v in m.defaults.items()) or "-"
+        label = f"`{m.name}`" + (f" ({m.label})" if m.label and m.label != m.name else "")
+        lines.append(f"| {label} | {m.description} | "
+                     f"{'its residual' if m.keeps_residual else 'nothing'} | "
+                     f"`{m.codec(config.train).kind}` | {defaults} | {sent} | "
+                     f"{'yes' if m.phone else 'no'} | {'yes' if m.compared else 'named'} |")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -342,9 +416,14 @@ def _parser() -> argparse.ArgumentParser:
         return q
 
     scenario("run", "run one scenario")
-    c = scenario("compare", f"run {', '.join(METHODS)} on the same scenario and plot them")
-    c.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)}")
+    scenario("flwr", "run one scenario with Flower's `flwr run .`: keys checked first, the "
+                     "federation sized to num_clients, a local SuperLink started and stopped "
+                     "if none runs, the run's status as exit status")
+    compared = registry.compared()
+    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
+    c.add_argument("--methods", default=",".join(compared),
+                   help=f"comma-separated methods among {','.join(registry.names())}, or your "
+                        f"own as module:callable")
     c.add_argument("--seeds", metavar="S,S,...",
                    help="run the comparison once per seed (e.g. 0,1,2) into seed-<s>/, and "
                         "write the mean and std over seeds")
@@ -368,6 +447,8 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="list every configuration key")
     k.add_argument("--flwr-toml", action="store_true",
                    help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
+    sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
+                                   "table")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
     return p
 
@@ -395,19 +476,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "keys":
             cmd_keys(args.flwr_toml)
+        elif args.command == "methods":
+            print("\n".join(methods_table()))
         elif args.command == "run":
             cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":
-            methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-            bad = [m for m in methods if m not in METHODS]
-            if bad or not methods:
-                raise SettingsError(f"--methods must be a comma-separated subset of "
-                                    f"{list(METHODS)}, got {args.methods!r}")
+            methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()],
+                                    "--methods")
             seeds = parse_seeds(args.seeds) if args.seeds is not None else None
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds,
                         args.jobs, args.budget_method)
         elif args.command == "traffic":
             cmd_traffic(args.folders, args.budget_method, args.out)
+        elif args.command == "flwr":
+            from simulations.flwr_run import cmd_flwr
+
+            return cmd_flwr(_values(args, None), args.verbose)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
@@ -418,4 +502,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m simulations {args.command}: run failed: {_one_line(ex)}",
               file=sys.stderr)
         return 1
+    except RunInterrupted as ex:
+        print(f"python -m simulations {args.command}: {ex}{_resume_hint(args.command, ex)}",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"python -m simulations {args.command}: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
     return 0
+
+
+#: The exit status of a run stopped by Ctrl-C: the shell's for a command ended by SIGINT.
+INTERRUPTED = 130
+
+
+def _resume_hint(command: str, ex: RunInterrupted) -> str:
+    """How to continue an interrupted ``run`` (a comparison's runs are resumed one by one)."""
+    if command != "run" or not ex.checkpoint or ex.last_round == 0:
+        return ""
+    where = ("" if ex.run_dir.parent == Path(ServerSettings.results_dir)
+             else f" --set results_dir={ex.run_dir.parent}")
+    return (f"; to continue it, run the same command with --set run_name={ex.run_dir.name}"
+            f"{where} --set resume=true")

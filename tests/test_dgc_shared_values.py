@@ -19,6 +19,7 @@ from client.training import round_seed, train_locally
 from dgc import DecodeError, StateError
 from dgc.signs import (
     SharedIndexPlanner,
+    decode_mask,
     decode_shared,
     encode_mask,
     encode_signs,
@@ -27,8 +28,10 @@ from dgc.signs import (
     take_values,
 )
 from dgc.signs.client import on_grid
+from dgc.signs.codec import decode_rank_request, encode_rank_request
 from dgc.signs.planner import displacement_masks
 from fedgc import protocol as P
+from fedgc.methods import get
 from fedgc.settings import TrainSettings, to_flat
 from server.downlink import Downlink
 from server.local_grid import LocalGrid
@@ -233,7 +236,7 @@ def _sent(reply: Message, shapes: dict, masks: dict | None = None) -> dict[str, 
 
 
 def _residual(s: TrainSettings) -> dict[str, torch.Tensor]:
-    c = s.compressor()
+    c = get("dgc").compressor(s, 0)
     c.load_state_dict(ClientStateStore(s.state_dir).get("0")["compressor"])
     return {k: v.double() for k, v in c.residual().items()}
 
@@ -349,30 +352,30 @@ def test_aged_residual_decays_by_rounds_away(tmp_path, away, factor):
 
 
 def test_client_ranks_shared_sets_by_displacement_as_the_server_does(tmp_path):
-    """With ``shared_counts`` in the config the client computes the sets from the model it
-    holds and version 0 (no index bytes travel) and answers them."""
+    """Sets ranked by displacement travel as their sizes only (``encode_rank_request``); the
+    client ranks the model it holds against version 0, as the server does, and answers them."""
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path)
     version0 = _global(s.seed)
     g = {k: v.clone() for k, v in version0.items()}
     g["net.1.weight"].view(-1)[[5, 77, 4000]] += torch.tensor([1.0, -2.0, 0.5])
-    reply = _send(grid, s, 2, -1, g, **{P.SHARED_NAMES: ["net.1.weight"],
-                                        P.SHARED_COUNTS: [3]})
+    numels = {k: v.numel() for k, v in g.items()}
+    request = encode_rank_request({"net.1.weight": 3}, numels, 2, False)
+    assert len(request) < 60
+    reply = _send(grid, s, 2, -1, g, shared=request)
     masks = displacement_masks(g, version0, {"net.1.weight": 3})
     assert masks["net.1.weight"].tolist() == [5, 77, 4000]
     shared = decode_shared(P.record_to_bytes(reply.content.array_records[P.SHARED],
                                              P.SHARED_SIGNS), masks,
                            {k: tuple(v.shape) for k, v in g.items()})
     assert shared.tensors["net.1.weight"].indices.tolist() == [5, 77, 4000]
-    bad = _settings(tmp_path / "b")
-    node = next(n for n, k in grid.partition_of.items() if k == 0)
-    cfg = ConfigRecord({**to_flat(bad), P.SERVER_ROUND: 2, P.MODEL_VERSION: 0,
-                        P.ACK_SEQUENCE: -1, P.DOWNLINK: "dense",
-                        P.SHARED_NAMES: ["nope"], P.SHARED_COUNTS: [3]})
-    (err,) = grid.send_and_receive([Message(
-        RecordDict({P.ARRAYS: ArrayRecord(OrderedDict(g)), P.CONFIG: cfg}), dst_node_id=node,
-        message_type=MessageType.TRAIN)])
-    assert err.has_error() and "shared_names" in err.error.reason
+    # what the client keeps to fold its signs back is the sets themselves
+    kept = bytes(ClientStateStore(s.state_dir).get("0")["pending_mask"].numpy().tobytes())
+    assert decode_mask(kept, numels)[1]["net.1.weight"].tolist() == [5, 77, 4000]
+    with pytest.raises(DecodeError, match="holds 0"):
+        decode_rank_request(encode_rank_request({"net.1.weight": 0}, numels, 2, False), numels)
+    with pytest.raises(DecodeError, match="expected"):
+        decode_rank_request(request, {"net.1.weight": 10})
 
 
 def test_a_federation_with_every_switch_aggregates_every_reply(tmp_path):

@@ -52,6 +52,11 @@ MASK_MAGIC = MASK_PREAMBLE.magic
 SIGN_MAGIC = SIGN_PREAMBLE.magic
 _MASK_TENSOR = struct.Struct("<QQQ")  # numel, count, index section bytes
 _SIGN_TENSOR = struct.Struct("<Qf")  # count, scale
+#: Sets ranked by displacement: the preamble, then a flag byte, then per tensor numel, count.
+RANK_PREAMBLE = Preamble(b"FGCR", VERSION, "QI")
+RANK_MAGIC = RANK_PREAMBLE.magic
+_RANK_FLAGS = struct.Struct("<B")  # bit 0: version 0 has its matrices on the int8 grid
+_RANK_TENSOR = struct.Struct("<QQ")  # numel, count
 
 #: A round's shared index sets: sorted int64 indices per tensor name.
 Masks = dict[str, np.ndarray]
@@ -204,3 +209,46 @@ def decode_shared(data: bytes | bytearray | memoryview, masks: Mapping[str, np.n
     if missing:
         raise DecodeError(f"no values for {sorted(missing)}")
     return SparseUpdate(out, flat.sequence)
+
+
+def encode_rank_request(counts: Mapping[str, int], numels: Mapping[str, int], sequence: int,
+                        initial_on_grid: bool) -> bytes:
+    """The downlink bytes of sets ranked by displacement (``dgc.shared_rank``): per tensor
+    only how many entries its set holds; the client ranks the model it holds against version 0
+    (``initial_on_grid``: rounded with ``dgc.int8_grid.round_initial``) as the server did
+    (:func:`dgc.signs.planner.displacement_masks`)."""
+    parts = [RANK_PREAMBLE.pack(sequence, len(counts)), _RANK_FLAGS.pack(int(initial_on_grid))]
+    for name, k in counts.items():
+        parts += [name_bytes(name), _RANK_TENSOR.pack(int(numels[name]), int(k))]
+    return seal(parts)
+
+
+def decode_rank_request(data: bytes | bytearray | memoryview,
+                        numels: Mapping[str, int]) -> tuple[int, dict[str, int], bool]:
+    """``(sequence, counts, initial_on_grid)`` from :func:`encode_rank_request` bytes; every
+    defect (a tensor not of ``numels`` or of another size, a count of 0 or above its size, a
+    tensor twice, unknown flags) is a DecodeError."""
+    view = as_view(data)
+    sequence, count = RANK_PREAMBLE.open(view)
+    end = crc_offset(view)
+    check_crc(view, end)
+    pos = RANK_PREAMBLE.size
+    (flags,) = read(_RANK_FLAGS, view, pos, end, "rank request flags")
+    if flags & ~1:
+        raise DecodeError(f"rank request flags {flags:#x}: only bit 0 is defined")
+    pos += _RANK_FLAGS.size
+    counts: dict[str, int] = {}
+    for _ in range(count):
+        name, pos = read_name(view, pos, end, "ranked set name")
+        numel, k = read(_RANK_TENSOR, view, pos, end, f"ranked set header of {name!r}")
+        pos += _RANK_TENSOR.size
+        if name in counts:
+            raise DecodeError(f"ranked set of {name!r} appears twice")
+        if numels.get(name) != numel:
+            raise DecodeError(f"ranked set of {name!r} is for {numel} entries, expected "
+                              f"{numels.get(name)}")
+        if not 0 < k <= numel:
+            raise DecodeError(f"ranked set of {name!r} holds {k} of {numel} entries")
+        counts[name] = int(k)
+    check_end(view, pos, end)
+    return sequence, counts, bool(flags & 1)
