@@ -53,7 +53,7 @@ SIGN_MAGIC = SIGN_PREAMBLE.magic
 _MASK_TENSOR = struct.Struct("<QQQ")  # numel, count, index section bytes
 _SIGN_TENSOR = struct.Struct("<Qf")  # count, scale
 #: Sets ranked by displacement: the preamble, then a flag byte, then per tensor numel, count.
-RANK_PREAMBLE = Preamble(b"FGCR", VERSION, "QI")
+RANK_PREAMBLE = Preamble(b"FGCD", VERSION, "QI")
 RANK_MAGIC = RANK_PREAMBLE.magic
 _RANK_FLAGS = struct.Struct("<B")  # bit 0: version 0 has its matrices on the int8 grid
 _RANK_TENSOR = struct.Struct("<QQ")  # numel, count
