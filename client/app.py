@@ -8,9 +8,11 @@ One train message, in order:
    the model version it holds); a damaged record is moved aside and the client starts again
    from the global model, reporting ``state_quarantined`` in its reply;
 3. rebuild the global model: dense arrays, or a patch on the held version;
-4. train locally and form the pseudo-gradient ``global - local``;
-5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
-   sequence), fold it back into the residual with the compressor's ``restore``;
+4. load the run's method's compressor with this client's residual; if the previous update was
+   not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
+   residual with the compressor's ``restore``; the method may age that residual and move the
+   model training starts from (:meth:`fedgc.methods.Method.prepare`);
+5. train locally and form the pseudo-gradient ``global - local`` (against the model sent);
 6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
    it in fp32), encode with its codec;
 7. when the message carries the method's round material (DGC's shared index sets,
@@ -24,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -36,10 +39,10 @@ import dgc
 from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import read_state
-from client.training import round_seed, train_locally
-from dgc import SparseUpdate
+from client.training import LocalResult, round_seed, train_locally
+from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
-from fedgc import methods
+from fedgc import devices, methods
 from fedgc import protocol as P
 from fedgc.settings import (
     SettingsError,
@@ -70,17 +73,19 @@ def task_of(spec: TaskSpec) -> Any:
 _models = threading.local()
 
 
-def _model(task: Any, name: TaskSpec) -> torch.nn.Module:
-    """This thread's model for the task of ``name``, built once and reused by every message.
+def _model(task: Any, name: TaskSpec, device: torch.device | None = None) -> torch.nn.Module:
+    """This thread's model for the task of ``name`` on ``device`` (default the host), built
+    once and reused by every message.
 
     Each message loads the whole state dict into it, so nothing of the previous client remains
     (train_locally makes a fresh optimizer and clears the gradients). Building a model per
     message spent a few ms on a random initialisation that the load then overwrote.
     """
     cache = _models.__dict__.setdefault("by_task", {})
-    model = cache.get(name)
+    device = torch.device("cpu") if device is None else device
+    model = cache.get((name, device))
     if model is None:
-        model = cache[name] = task.build_model()
+        model = cache[(name, device)] = task.build_model().to(device)
     return model
 
 
@@ -89,6 +94,25 @@ def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
                 seed: int) -> tuple[np.ndarray, ...]:
     parts = task_of(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
+
+
+def client_data(s: TrainSettings, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``key``'s training data: made from its key when the task makes data per client
+    (``tasks.Task.client_data``: nothing is held for the clients not sampled), else its
+    partition of the task's training set."""
+    task = task_of(s.task_spec())
+    if task.client_data is None:
+        parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
+        if not 0 <= key < len(parts):
+            raise ClientProtocolError(f"client key {key} has no partition: the task has "
+                                      f"{len(parts)} partitions (num_clients = "
+                                      f"{s.num_clients})")
+        idx = torch.from_numpy(parts[key])
+        return task.train_x[idx], task.train_y[idx]
+    if not 0 <= key < s.num_clients:
+        raise ClientProtocolError(f"client key {key} has no data: num_clients = "
+                                  f"{s.num_clients}")
+    return task.data_of(key, s.num_clients)
 
 
 def client_key(context: Context) -> int:
@@ -256,33 +280,70 @@ def _load_state(store: ClientStateStore, key: str, ack: int,
         return state
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Train on this client's partition and reply with the encoded pseudo-gradient."""
-    torch.set_num_threads(1)  # one core per simulated client; Ray gives each actor one CPU
+@dataclass
+class RoundInput:
+    """One train message read and checked, up to local training (steps 1-4 of the module
+    docstring): what :func:`train` (and the batched engine, ``simulations.batched_engine``,
+    for all of a round's clients at once) trains, and :func:`reply_round` answers from."""
+
+    msg: Message
+    config: ConfigRecord
+    s: TrainSettings
+    method: methods.Method
+    server_round: int
+    version: int
+    ack: int
+    key: int
+    store: ClientStateStore
+    state: ClientState
+    task: Any
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    global_state: dict[str, torch.Tensor]
+    material: tuple[bytes, Any] | None
+    device: torch.device
+    started: float
+    #: The method's compressor, its residual loaded and what was lost folded back (None: the
+    #: method sends its updates dense), and how many entries that fold-back restored.
+    compressor: Compressor | None
+    restored: int
+    #: The model local training starts from: ``global_state`` unless the method's
+    #: :meth:`~fedgc.methods.Method.prepare` moved it (the pseudo-gradient sent is still taken
+    #: against ``global_state``, see :func:`reply_round`).
+    start: dict[str, torch.Tensor]
+
+    @property
+    def seed(self) -> int:
+        """The seed of this round's local shuffling (:func:`client.training.round_seed`)."""
+        return round_seed(self.s.seed, self.server_round, self.key)
+
+
+def read_round(msg: Message, context: Context) -> RoundInput | Message:
+    """Steps 1-4: the message's settings, this client's state, data, global model and
+    compressor; or the reply itself when the server re-sent a round this client already
+    answered."""
     started = time.perf_counter()
     config = msg.content.config_records.get(P.CONFIG)
     if config is None:
         raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
     s = settings_from(config)
     method = method_of(s, config)
+    try:
+        device = devices.resolve(s.device)
+    except devices.DeviceError as ex:
+        raise ClientProtocolError(str(ex)) from ex
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    keeps_residual = method.keeps_residual
-    state = _load_state(store, str(key), ack, keeps_residual)
+    state = _load_state(store, str(key), ack, method.keeps_residual)
 
     task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
-    if not 0 <= key < len(parts):
-        raise ClientProtocolError(f"client key {key} has no partition: the task has "
-                                  f"{len(parts)} partitions (num_clients = {s.num_clients})")
-    idx = torch.from_numpy(parts[key])
+    train_x, train_y = client_data(s, key)
 
     reply = state.reply
-    if (keeps_residual and reply is not None and state.pending is not None
+    if (method.keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
@@ -301,14 +362,14 @@ def train(msg: Message, context: Context) -> Message:
         except (ValueError, dgc.StateError) as ex:
             raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
 
+    # Step 4: the compressor with this client's residual, and what was lost folded back before
+    # training, since the method may start local training from a model its residual moves
+    # (Method.prepare: step-ahead feedback) or age the residual (rounds away).
     restored = 0
-    shared_data: bytes | None = None
-    shared_entries = 0
-    new_state = ClientState()
-    compressor = method.compressor(s, key, None if material is None else material[1])
     start = global_state
+    compressor = method.compressor(s, key, None if material is None else material[1])
     if compressor is not None:
-        if keeps_residual and state.compressor is not None:
+        if method.keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
@@ -317,50 +378,75 @@ def train(msg: Message, context: Context) -> Message:
                 method, s))
         away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
         start = method.prepare(s, compressor, global_state, away)
-    model = _model(task, s.task_spec())
-    model.load_state_dict(start)
-    local = train_locally(
-        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
-        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
-        momentum=s.client_momentum, weight_decay=s.weight_decay,
-        seed=round_seed(s.seed, server_round, key))
-    pseudo_gradient = local.pseudo_gradient
-    if start is not global_state:  # the pseudo-gradient is taken against the model sent
-        pseudo_gradient = {k: global_state[k] - (start[k] - v) for k, v in pseudo_gradient.items()}
+    return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
+                      task, train_x, train_y, global_state, material, device, started,
+                      compressor, restored, start)
 
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train on this client's partition and reply with the encoded pseudo-gradient."""
+    torch.set_num_threads(1)  # one core per simulated client; Ray gives each actor one CPU
+    r = read_round(msg, context)
+    if isinstance(r, Message):
+        return r
+    s = r.s
+    model = _model(r.task, s.task_spec(), r.device)
+    model.load_state_dict(r.start)
+    local = train_locally(
+        model, r.train_x, r.train_y, r.task.training_loss, lr=s.lr,
+        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
+        momentum=s.client_momentum, weight_decay=s.weight_decay, seed=r.seed)
+    return reply_round(r, local)
+
+
+def reply_round(r: RoundInput, local: LocalResult) -> Message:
+    """Steps 6-8 after local training (step 5, from ``r.start``): compress (on the device the
+    pseudo-gradient is on), encode, store the new state on the host, and the reply."""
+    s, method, server_round, state = r.s, r.method, r.server_round, r.state
+    keeps_residual = method.keeps_residual
+    restored = r.restored
+    shared_data: bytes | None = None
+    shared_entries = 0
+    new_state = ClientState()
+    compressor = r.compressor
+    pseudo_gradient = local.pseudo_gradient
+    if r.start is not r.global_state:  # the pseudo-gradient is taken against the model sent
+        pseudo_gradient = {k: v + (r.global_state[k] - r.start[k]).to(v.device)
+                           for k, v in pseudo_gradient.items()}
     if compressor is None:
         update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        side = (method.side_part(compressor, material[1], server_round)
-                if material is not None else None)
+        side = (method.side_part(compressor, r.material[1], server_round)
+                if r.material is not None else None)
         if side is not None:
             shared_data, shared_entries = side
         if keeps_residual:
-            new_state.compressor = compressor.state_dict()
+            new_state.compressor = compressor.state_dict()  # on the host
     data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and material is not None:
+        if shared_data is not None and r.material is not None:
             new_state.pending_shared = shared_data
-            new_state.pending_mask = material[0]
-    if bool(config.get(P.KEEP_MODEL, False)):
+            new_state.pending_mask = r.material[0]
+    if bool(r.config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
-        new_state.model = global_state
-        new_state.model_version = version
+        new_state.model = r.global_state
+        new_state.model_version = r.version
     metrics = P.reply_metrics(
         num_examples=local.num_examples,
         uplink_bytes=len(data) + (len(shared_data) if shared_data is not None else 0),
         nnz=update.nnz, shared_entries=shared_entries, density=update.density,
-        train_loss=local.train_loss, compute_seconds=time.perf_counter() - started,
-        model_version=version, client_key=key, sequence=server_round, restored=restored,
+        train_loss=local.train_loss, compute_seconds=time.perf_counter() - r.started,
+        model_version=r.version, client_key=r.key, sequence=server_round, restored=restored,
         state_quarantined=state.quarantined > 0)
     if keeps_residual:
         new_state.reply = {k: v for k, v in metrics.items() if k != "compute_seconds"}
-    store.save(str(key), new_state)
+    r.store.save(str(r.key), new_state)
 
-    return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=msg)
+    return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
 
 
 @app.evaluate()
@@ -370,18 +456,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
     s = settings_from(config)
     task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
-    key = client_key(context)
-    idx = torch.from_numpy(parts[key])
-    model = _model(task, s.task_spec())
+    x, y = client_data(s, client_key(context))
+    device = devices.resolve(s.device)
+    model = _model(task, s.task_spec(), device)
     model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())
     model.eval()
+    x, y = x.to(device), y.to(device)
     with torch.no_grad():
-        out = model(task.train_x[idx])
-        loss = float(task.loss_fn(out, task.train_y[idx]))
+        out = model(x)
+        loss = float(task.loss_fn(out, y))
         pred = out.argmax(-1)
-        accuracy = float((pred == task.train_y[idx]).float().mean())
-    metrics = MetricRecord({"num-examples": int(idx.numel()), "loss": loss, "accuracy": accuracy})
+        accuracy = float((pred == y).float().mean())
+    metrics = MetricRecord({"num-examples": int(len(y)), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
 
 

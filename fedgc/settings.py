@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -86,8 +86,11 @@ DOWNLINK_VALUES = ("float16", "int8", "ternary")
 SHARED_VALUES = ("sign", "grid")
 #: How the server ranks the shared indices (dgc.signs.planner).
 SHARED_RANKS = ("aggregates", "displacement")
-#: Simulation engines: Flower's Ray backend, or every client in this process.
-ENGINES = ("ray", "local")
+#: Simulation engines: Flower's Ray backend, every client in this process one after another, or
+#: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
+ENGINES = ("ray", "local", "batched")
+#: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
+DEVICES = ("cpu", "cuda", "auto")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -99,7 +102,7 @@ RENAMED = {"dgc.density": "density", "stc.density": "density",
            "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
            "stc.downlink_density": "downlink_density"}
 
-__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
+__all__ = ["AGGREGATIONS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
            "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF",
            "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
            "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
@@ -326,6 +329,10 @@ class TrainSettings:
                                      "aggregated per round", Check(1))
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
+    device: str = setting("cpu", "sim.device", "where clients train and compress: cpu, cuda, or "
+                          "auto (cuda where torch sees one); models, batches and the compressor "
+                          "on the device, client state on the host; cuda on a machine without "
+                          "it stops the run before round 1", Check(choices=DEVICES))
 
     #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
     #: next method its own).
@@ -488,10 +495,17 @@ class ServerSettings:
                                 "'.[tensorboard]' in the checkout)")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
-                          "one after another (tests, debugging)", Check(choices=ENGINES))
+                          "one after another (tests, debugging); batched: the same, but a "
+                          "round's clients trained at once with torch.func (MLP and CNN "
+                          "models; simulations/batched_engine.py), the local engine's models",
+                          Check(choices=ENGINES))
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+    gpus_per_client: float = setting(0.0, "sim.gpus_per_client", "Ray GPUs per ClientApp "
+                                     "actor (Flower's client_resources.num_gpus; 0.25: four "
+                                     "clients share a GPU); 0 = Ray schedules clients by CPU "
+                                     "alone", Check(0.0))
     ray_address: str = setting("", "sim.ray_address", "attach to a running Ray cluster "
                                "(HEAD:PORT of `ray start --head`, or auto) instead of starting "
                                "Ray here; its nodes declare their CPUs (sim.num_cpus must stay "
@@ -522,8 +536,10 @@ class RunConfig:
     train : TrainSettings
         Task, partition, local training and compression; sent to every client.
     own : mapping of str to value
-        The own keys (:attr:`fedgc.methods.Method.settings`) of every method known to this
-        process, with their values; sent to every client too.
+        The own keys (:attr:`fedgc.methods.Method.settings`) of the run's method, and another
+        method's given at a value other than its default; sent to every client too. (Not
+        every registered method's: a method added to the registry changes no other method's
+        run, its messages or its ``summary.json``.)
     """
 
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -533,7 +549,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         t = self.train
         object.__setattr__(self, "server", _resolve(self.server, methods.get(t.method)))
-        object.__setattr__(self, "own", {**_own_defaults(t.method), **self.own})
+        # Another method's key at its default changes nothing: it is dropped, so that a method
+        # added to the registry (or the next method of a comparison) leaves this run as it was.
+        mine, every = _own_defaults(t.method), _own_defaults_of(methods.loaded())
+        given = {k: v for k, v in self.own.items()
+                 if k in mine or k not in every or v != every[k]}
+        object.__setattr__(self, "own", {**mine, **given})
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
@@ -626,11 +647,15 @@ class RunConfig:
 
 
 def _own_defaults(method: str = "") -> dict[str, Any]:
-    """The own keys of the registered methods, and of ``method`` when it is one loaded by
-    ``module:callable``, at their defaults."""
+    """The own keys at their defaults: of ``method`` (a registered name or ``module:callable``)
+    when given, of every registered method otherwise (the keys a run accepts)."""
+    return _own_defaults_of([methods.get(method)] if method else methods.registered())
+
+
+def _own_defaults_of(these: Sequence[methods.Method]) -> dict[str, Any]:
+    """The own keys of ``these`` methods at their defaults."""
     out: dict[str, Any] = {}
-    mine = [methods.get(method)] if method and method not in methods.names() else []
-    for m in (*methods.registered(), *mine):
+    for m in these:
         if m.settings is not None:
             out.update(to_flat(m.settings()))
     return out

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -19,7 +20,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedgc import devices, methods
 from fedgc.flower_log import drop_noise, report_once
+from fedgc.schema import to_flat
 from fedgc.settings import RunConfig, SettingsError
 from fedgc.task_loader import load_task
 from server import defences
@@ -52,6 +55,9 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
     flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
     for key in config.server.by_method | config.train.by_method:
         flat[key] = ""  # each method's own default, as `python -m simulations run` gives it
+    for m in methods.registered():  # every method's own keys (a run carries its method's)
+        if m.settings is not None:
+            flat.update(to_flat(m.settings()))
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 
@@ -188,12 +194,17 @@ def run_server(grid: Grid, config: RunConfig,
     model = task.build_model()
     run_dir = config.run_dir
     test_x, test_y = evaluation_split(task, s.eval_samples, t.seed)
+    # The global model is evaluated where the clients train (sim.device, checked by
+    # prepare_run_dir); it is kept, aggregated and sent on the host.
+    device = devices.resolve(t.device)
+    judge = model if device.type == "cpu" else copy.deepcopy(model).to(device)
+    test_x, test_y = test_x.to(device), test_y.to(device)
     columns: list[Column] = []
     board = None
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = task.evaluate(model, test_x, test_y)
+        judge.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy = task.evaluate(judge, test_x, test_y)
         return MetricRecord({"accuracy": float(accuracy), "loss": float(loss)})
 
     timed: list[int] = []  # rounds run by this process (a resumed run starts later)

@@ -256,8 +256,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     if budget_method is not None and budget_method not in methods:
         raise SettingsError(f"--budget-method {budget_method!r} is not among the compared "
                             f"methods {list(methods)}")
-    if jobs > 1 and config.server.engine != "local":
-        raise SettingsError(f"--jobs {jobs} needs sim.engine=local (got "
+    if jobs > 1 and config.server.engine == "ray":
+        raise SettingsError(f"--jobs {jobs} needs sim.engine=local or batched (got "
                             f"{config.server.engine!r}): Ray runs each take every CPU")
     per_config = ([config] if seeds is None else
                   [config.with_overrides({"seed": s, "results_dir": str(config.run_dir),

@@ -54,13 +54,14 @@ def backend_config(config: RunConfig) -> dict[str, Any]:
     else:
         init_args = {"address": "local", "num_cpus": s.num_cpus or os.cpu_count() or 1,
                      "include_dashboard": False}
-    return {"client_resources": {"num_cpus": s.cpus_per_client, "num_gpus": 0.0},
+    return {"client_resources": {"num_cpus": s.cpus_per_client, "num_gpus": s.gpus_per_client},
             "init_args": init_args}
 
 
 def ray_environment() -> None:
     """Ray's settings for a simulation, unless the user set them: one copy of a line that many
-    actors print, and no FutureWarning about GPU variables (ClientApp actors ask for no GPU)."""
+    actors print, and no FutureWarning about GPU variables (an actor that asks for no GPU
+    keeps seeing the machine's, so ``sim.device=cuda`` works with ``sim.gpus_per_client=0``)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
@@ -108,6 +109,14 @@ def _run_scenario(config: RunConfig, verbose: bool,
     from client.app import app as client_app
     from server.app import prepare_run_dir, run_server
 
+    if config.server.engine == "batched":
+        if netem is not None and netem.enabled:
+            raise SettingsError("sim.engine=batched does not run the network emulator (its "
+                                "mod charges each client's messages one at a time); use "
+                                "sim.engine=local or ray with netem.enabled")
+        from simulations.batched_engine import check_batched
+
+        check_batched(config)
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
     extra: dict[str, Any] = {}
     if netem is not None and netem.enabled:
@@ -116,6 +125,12 @@ def _run_scenario(config: RunConfig, verbose: bool,
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
         extra["strategy_factory"] = strategy_factory(netem)
+    if config.server.engine == "batched":
+        from simulations.batched_engine import BatchedGrid
+
+        with flower_logging(verbose):
+            return run_server(BatchedGrid(client_app, config.train.num_clients,
+                                          seed=config.train.seed), config, **extra)
     if config.server.engine == "local":
         from server.local_grid import LocalGrid
 

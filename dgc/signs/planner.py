@@ -83,7 +83,7 @@ class SharedIndexPlanner:
             # topk, not a full sort (~9x faster at 2.5M entries). It is deterministic for equal
             # input, so a resumed server (same averages from the checkpoint) plans the same sets.
             top = torch.topk(avg.abs(), self.count(name), sorted=False).indices
-            out[name] = np.sort(top.numpy()).astype(np.int64)
+            out[name] = np.sort(top.cpu().numpy()).astype(np.int64)
             if self.churn < 1.0 and name in self.last:
                 out[name] = self._limit_churn(avg, self.last[name], out[name])
         if self.churn < 1.0:
@@ -95,7 +95,7 @@ class SharedIndexPlanner:
         ``churn * k`` entries, swapping its weakest members for the strongest newcomers of
         ``best``, so that a client away for rounds needs few new indices."""
         k = len(best)
-        score = avg.abs().numpy()
+        score = avg.abs().cpu().numpy()
         newcomers = np.setdiff1d(best, last, assume_unique=True)
         swaps = min(len(newcomers), int(self.churn * k))
         if len(last) != k or swaps == len(newcomers):
@@ -140,7 +140,8 @@ def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, 
     """
     out: Masks = {}
     for name, k in counts.items():
-        now, then = model[name].reshape(-1), initial[name].reshape(-1)
+        # On the host: the sets are numpy, and server and client must rank alike.
+        now, then = model[name].reshape(-1).cpu(), initial[name].reshape(-1).cpu()
         if now.numel() != then.numel() or not 0 < int(k) <= now.numel():
             raise StateError(f"shared set of {name!r}: {k} entries of a tensor of "
                              f"{now.numel()} (version 0 has {then.numel()})")
