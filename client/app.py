@@ -328,9 +328,10 @@ def train(msg: Message, context: Context) -> Message:
     data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and material is not None:
-            new_state.pending_shared = shared_data
+        if material is not None:  # what the payload and its side part answered
             new_state.pending_mask = material[0]
+        if shared_data is not None:
+            new_state.pending_shared = shared_data
     if bool(config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = global_state
