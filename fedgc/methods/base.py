@@ -150,6 +150,9 @@ class Method:
         Where ``compare`` runs it among the registered methods (then by name).
     compared : bool
         ``compare`` runs it when no ``--methods`` are given (the demo's table).
+    family : str
+        The family plots draw in one colour, its methods told apart by line style, and tables
+        list together ("dense", "top-k", "quantization", ...); "" (default): a family of its own.
     prefix : str
         The prefix of its own keys (``dgc``: ``dgc.*``).
     settings : type or None
@@ -166,6 +169,7 @@ class Method:
     baseline: ClassVar[bool] = False
     order: ClassVar[int] = 100
     compared: ClassVar[bool] = True
+    family: ClassVar[str] = ""
     prefix: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
     defaults: ClassVar[Mapping[str, Any]] = {}

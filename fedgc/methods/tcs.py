@@ -388,6 +388,7 @@ class TCS(Method):
     name = "tcs"
     label = "TCS"
     order = 45
+    family = "shared positions"
     compared = False  # a catalogue method: compare --methods ...,tcs
     description = ("the residual's values at the server's mask (`density` of each tensor where "
                    "the last aggregate moved most; no indices) and its top-k outside it "
