@@ -88,6 +88,22 @@ def test_the_client_sends_the_mask_values_and_its_top_k_outside_the_mask():
                                    rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an accelerator (sim.device)")
+def test_a_gradient_on_the_accelerator_gives_the_hosts_payload_and_residual():
+    """With sim.device = cuda the gradients arrive on the accelerator; the mask's values, the
+    top-k, the residual and the wire's bytes are the host's, bit for bit."""
+    config = _config()
+    method, grads = _method(config), _grads()
+    host = method.compressor(config.train, 3, _masks())
+    device = method.compressor(config.train, 3, _masks())
+    codec = method.codec(config.train)
+    want = codec.encode(host.compress(grads, sequence=2))
+    got = codec.encode(device.compress({n: g.cuda() for n, g in grads.items()}, sequence=2))
+    assert got == want
+    assert all(device.residual()[n].device.type == "cpu" for n in SHAPES)
+    assert all(torch.equal(device.residual()[n], host.residual()[n]) for n in SHAPES)
+
+
 def test_without_a_mask_the_client_sends_its_top_k_of_both_shares():
     config = _config()  # density 0.01, tcs.topk_share 0.1, dgc.small_density 0.03
     update = _method(config).compressor(config.train, 0, None).compress(_grads(), sequence=1)

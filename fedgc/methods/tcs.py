@@ -210,7 +210,9 @@ class TCSCompressor:
         masked: dict[str, SparseTensor] = {}
         for name, g in grads.items():
             shape = tuple(g.shape)
-            v = self.memory.accumulate(name, g.detach().reshape(-1).to(torch.float32))
+            # On the host, where the residual, the mask and the wire's bytes live (sim.device =
+            # cuda too).
+            v = self.memory.accumulate(name, g.detach().reshape(-1).to("cpu", torch.float32))
             if self.policy.sends_dense(shape):
                 idx = torch.arange(v.numel(), dtype=torch.int64)
                 values = _cast(v.clone(), self._dtype)  # a copy: v is cleared next
