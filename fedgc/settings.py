@@ -555,8 +555,12 @@ class RunConfig:
 
     def client_config(self) -> dict[str, bool | int | float | str]:
         """The keys every train message carries: the clients' keys (``state_dir`` absolute)
-        and the methods' own keys."""
-        return {**to_flat(self.client_train_settings()), **self.own}
+        and the run's method's own keys (not every registered method's: a message's bytes,
+        which the network emulator charges, do not grow with the registry)."""
+        settings = self.method.settings
+        mine = {f.metadata["key"] for f in fields_of(settings)} if settings is not None else set()
+        return {**to_flat(self.client_train_settings()),
+                **{k: v for k, v in self.own.items() if k in mine}}
 
     @staticmethod
     def describe() -> list[tuple[str, str, str, str, str]]:

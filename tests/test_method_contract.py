@@ -174,3 +174,19 @@ def test_the_server_checks_a_payload_against_the_rounds_material():
     codec.check(payload, Bound({"w": (3, 4)}, 2, mask))
     with pytest.raises(PayloadError, match="not sent at the round's mask"):
         codec.check(payload, Bound({"w": (3, 4)}, 2, {"w": np.array([1, 5])}))
+
+
+def test_a_train_message_carries_its_own_methods_keys_only():
+    """Every run records every registered method's own keys, but a train message carries the
+    run's method's only: its bytes (which the network emulator charges) do not grow with the
+    registry."""
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "powersgd", "powersgd.rank": 3, "fetchsgd.rows": 2,
+                               "run_name": "x"})
+    sent = run.client_config()
+    assert sent["powersgd.rank"] == 3 and not any(k.startswith("fetchsgd.") for k in sent)
+    assert run.to_flat()["fetchsgd.rows"] == 2  # the run's record keeps every key
+    dgc = RunConfig.from_flat({"method": "dgc", "run_name": "x"})
+    assert not any(k.startswith(("powersgd.", "fetchsgd.")) for k in dgc.client_config())
+    assert "powersgd.rank" in dgc.to_flat()

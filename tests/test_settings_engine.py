@@ -6,6 +6,7 @@ import pytest
 
 from dgc import DGCConfig
 from dgc.errors import ConfigError
+from fedgc.methods import registered
 from fedgc.methods.dgc import dgc_config
 from fedgc.settings import (
     ServerSettings,
@@ -36,7 +37,10 @@ def test_keys_lists_every_key_with_its_part(capsys):
     assert listed["lr"] == "client" and listed["rounds"] == "server"
     every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
              for f in fields_of(cls)}
-    assert set(listed) == every
+    own = {f.metadata["key"]: m.prefix for m in registered() if m.settings is not None
+           for f in fields_of(m.settings)}  # the registered methods' own keys, by their prefix
+    assert set(listed) == every | set(own)
+    assert all(listed[k] == prefix for k, prefix in own.items())
 
 
 def test_a_key_of_no_known_part_is_refused():
