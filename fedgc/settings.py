@@ -59,6 +59,7 @@ from fedgc.schema import (
     parse,
     setting,
     to_flat,
+    unknown_keys,
     validate,
 )
 from fedgc.schema import key_table as _key_table
@@ -81,8 +82,11 @@ DOWNLINKS = ("auto", "dense")
 #: How a compressed broadcast moves the entries it sends (``downlink_values``): copied on the
 #: float16 or int8 grid, or moved by sign * mean per tensor (STC's downlink, ``ternary``).
 DOWNLINK_VALUES = ("float16", "int8", "ternary")
-#: Simulation engines: Flower's Ray backend, or every client in this process.
-ENGINES = ("ray", "local")
+#: Simulation engines: Flower's Ray backend, every client in this process one after another, or
+#: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
+ENGINES = ("ray", "local", "batched")
+#: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
+DEVICES = ("cpu", "cuda", "auto")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -94,12 +98,13 @@ RENAMED = {"dgc.density": "density", "stc.density": "density",
            "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
            "stc.downlink_density": "downlink_density"}
 
-__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
+__all__ = ["AGGREGATIONS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
            "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF",
            "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
            "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
            "flatten", "fold_options", "key_table", "known_keys", "load_toml", "method_default",
            "new_run_name", "options_of", "options_text", "parse", "setting", "to_flat",
+           "unknown_keys",
            "validate"]
 
 
@@ -292,6 +297,10 @@ class TrainSettings:
                                      "aggregated per round", Check(1))
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
+    device: str = setting("cpu", "sim.device", "where clients train and compress: cpu, cuda, or "
+                          "auto (cuda where torch sees one); models, batches and the compressor "
+                          "on the device, client state on the host; cuda on a machine without "
+                          "it stops the run before round 1", Check(choices=DEVICES))
 
     #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
     #: next method its own).
@@ -427,13 +436,21 @@ class ServerSettings:
     tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
                                 "(accuracy, loss, MB both ways, clients, seconds) as "
                                 "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
-                                "tensorboard package: pip install 'fedgc[tensorboard]')")
+                                "tensorboard package, in the dev extra: pip install -e "
+                                "'.[tensorboard]' in the checkout)")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
-                          "one after another (tests, debugging)", Check(choices=ENGINES))
+                          "one after another (tests, debugging); batched: the same, but a "
+                          "round's clients trained at once with torch.func (MLP and CNN "
+                          "models; simulations/batched_engine.py), the local engine's models",
+                          Check(choices=ENGINES))
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+    gpus_per_client: float = setting(0.0, "sim.gpus_per_client", "Ray GPUs per ClientApp "
+                                     "actor (Flower's client_resources.num_gpus; 0.25: four "
+                                     "clients share a GPU); 0 = Ray schedules clients by CPU "
+                                     "alone", Check(0.0))
     ray_address: str = setting("", "sim.ray_address", "attach to a running Ray cluster "
                                "(HEAD:PORT of `ray start --head`, or auto) instead of starting "
                                "Ray here; its nodes declare their CPUs (sim.num_cpus must stay "
@@ -507,8 +524,7 @@ class RunConfig:
                     for f in fields_of(m.settings)}
         unknown = sorted(set(values) - set(cls.keys()) - own_keys)
         if unknown:
-            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
-                                f"{sorted(set(cls.keys()) | own_keys)}")
+            raise unknown_keys(unknown, set(cls.keys()) | own_keys)
         server_keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
         return cls(
             server=parse(ServerSettings, {k: v for k, v in values.items() if k in server_keys}),

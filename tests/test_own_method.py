@@ -111,7 +111,8 @@ def test_a_bad_method_callable_is_one_line_before_round_1(
     ({"method": "fedprox"}, r"method = 'fedprox' is outside the accepted range one of "
                             + re.escape(str(list(names()))) + r", or 'module:callable'"),
     ({"method": OWN, "strom.tau": -1}, r"strom.tau = -1.0 is outside the accepted range"),
-    ({"method": OWN, "strom.tua": 0.1}, r"unknown configuration key\(s\) \['strom.tua'\]"),
+    ({"method": OWN, "strom.tua": 0.1},
+     r"unknown configuration key 'strom.tua' \(did you mean 'strom.tau'\?\)"),
 ])
 def test_bad_method_keys_are_named(values: dict, message: str, examples_path: None) -> None:
     with pytest.raises(SettingsError, match=message):
