@@ -197,6 +197,17 @@ def test_the_payload_is_a_sketch_and_the_client_keeps_nothing():
     assert not get("fetchsgd").keeps_residual
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an accelerator (sim.device)")
+def test_a_gradient_on_the_accelerator_is_sketched_on_the_host():
+    """With sim.device = cuda the gradients arrive on the accelerator; the hashes are the host's,
+    and the sketch is bit for bit the same gradients' sketch on the host."""
+    grads = _grads()
+    want = CountSketcher(_own(), 0).compress(grads, sequence=1)
+    got = CountSketcher(_own(), 0).compress({n: g.cuda() for n, g in grads.items()}, sequence=1)
+    codec = SketchCodec(_own())
+    assert codec.encode(got) == codec.encode(want)
+
+
 def _run(tmp_path, name: str, *sets: str) -> list[dict]:
     argv = ["run", "--set", "task=digits", "--set", "sim.engine=local", "--set",
             "num_clients=6", "--set", "clients_per_round=3", "--set", "progress=false",

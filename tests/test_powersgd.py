@@ -136,6 +136,21 @@ def test_an_update_the_server_did_not_aggregate_goes_back_whole():
         other.load_state_dict({"v": {"w": torch.zeros(2, 2)}})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an accelerator (sim.device)")
+def test_a_gradient_on_the_accelerator_gives_the_hosts_payload_and_residual():
+    """With sim.device = cuda the gradients arrive on the accelerator; the factors, the residual
+    and the wire's bytes are the host's, bit for bit those of the same gradients on the host."""
+    grads = _grads()
+    host, _ = _compressor(torch.float16)
+    device, _ = _compressor(torch.float16)
+    want = LowRankCodec().encode(host.compress(grads, sequence=2))
+    on_device = {n: g.cuda() for n, g in grads.items()}
+    got = LowRankCodec().encode(device.compress(on_device, sequence=2))
+    assert got == want
+    assert all(device.residual()[n].device.type == "cpu" for n in SHAPES)
+    assert all(torch.equal(device.residual()[n], host.residual()[n]) for n in SHAPES)
+
+
 def test_a_client_refuses_material_that_does_not_fit_its_model():
     comp = PowerSGDCompressor({"fc1.weight": torch.zeros(31, 2)}, torch.float16)
     with pytest.raises(StateError, match="has 31 rows"):

@@ -138,7 +138,7 @@ class CountSketch:
         """The float32 table of ``tensors`` (summed over all of them)."""
         table = torch.zeros(self.rows, self.cols, dtype=torch.float32)
         for name, t in tensors.items():
-            flat = t.detach().reshape(-1).to(torch.float32)
+            flat = t.detach().reshape(-1).to("cpu", torch.float32)  # the hashes are the host's
             buckets, signs = self.hashes(name, flat.numel())
             for j in range(self.rows):
                 table[j].index_add_(0, buckets[j], signs[j] * flat)

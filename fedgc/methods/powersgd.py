@@ -485,7 +485,8 @@ class PowerSGDCompressor:
         for name, g in grads.items():
             shape = tuple(g.shape)
             held = self.v.get(name)
-            flat = g.detach().reshape(-1).to(torch.float32)
+            # On the host: the factors, the residual and the wire's bytes live there.
+            flat = g.detach().reshape(-1).to("cpu", torch.float32)
             mat = flat.clone() if held is None else held + flat
             q = self.qs.get(name)
             if q is None:
