@@ -176,17 +176,29 @@ def test_the_server_checks_a_payload_against_the_rounds_material():
         codec.check(payload, Bound({"w": (3, 4)}, 2, {"w": np.array([1, 5])}))
 
 
-def test_a_train_message_carries_its_own_methods_keys_only():
-    """Every run records every registered method's own keys, but a train message carries the
-    run's method's only: its bytes (which the network emulator charges) do not grow with the
-    registry."""
+def test_a_methods_own_keys_stay_out_of_the_other_methods_runs():
+    """A method with keys of its own (``settings``) adds them to the keys a run accepts, and to
+    its own runs' messages and summary.json, not to another method's: registering a method
+    changes no other method's run (the fixed-seed snapshots, whose emulator charges every
+    train message's bytes, hold to that)."""
+    from fedgc.methods import get, registered
+    from fedgc.schema import fields_of
     from fedgc.settings import RunConfig
 
-    run = RunConfig.from_flat({"method": "powersgd", "powersgd.rank": 3, "fetchsgd.rows": 2,
-                               "run_name": "x"})
-    sent = run.client_config()
-    assert sent["powersgd.rank"] == 3 and not any(k.startswith("fetchsgd.") for k in sent)
-    assert run.to_flat()["fetchsgd.rows"] == 2  # the run's record keeps every key
-    dgc = RunConfig.from_flat({"method": "dgc", "run_name": "x"})
-    assert not any(k.startswith(("powersgd.", "fetchsgd.")) for k in dgc.client_config())
-    assert "powersgd.rank" in dgc.to_flat()
+    def keys(m: Method) -> set[str]:
+        return {f.metadata["key"] for f in fields_of(m.settings)} if m.settings else set()
+
+    own = {k for m in registered() for k in keys(m)}
+    assert own and own <= set(RunConfig.keys())
+    for m in registered():
+        config = RunConfig.from_flat({"method": m.name, "run_name": "x"})
+        for carried in (config.client_config(), config.to_flat()):
+            assert own & set(carried) == keys(m)
+        # compare's next method gets its own defaults, and no other method's keys...
+        after = config.with_overrides({"method": "dense"})
+        assert not own & set(after.client_config())
+    # ... but a value the user gave applies to every method.
+    levels = get("qsgd").settings().levels + 1
+    given = RunConfig.from_flat({"method": "dense", "run_name": "x", "qsgd.levels": levels})
+    assert given.client_config()["qsgd.levels"] == levels
+    assert given.with_overrides({"method": "qsgd"}).method.own.levels == levels

@@ -99,6 +99,8 @@ def test_the_python_api_runs_and_compares_it(tmp_path: Path, examples_path: None
 def test_a_bad_method_callable_is_one_line_before_round_1(
         tmp_path: Path, examples_path: None, capsys: pytest.CaptureFixture[str], method: str,
         message: str) -> None:
+    import re
+
     argv = ["run", *SMALL, "--set", f"results_dir={tmp_path}", "--set", f"method={method}"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

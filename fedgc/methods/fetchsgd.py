@@ -27,7 +27,7 @@ bytes, FNV-1a 64-bit hash ``f(N)``), row ``j`` and entry ``i``::
     base_j = splitmix64(splitmix64(seed xor f(N)) + j);  x = splitmix64(base_j + i)
     h_j(i) = x mod cols;  sign_j(i) = -1 if x >> 63 else +1            (arithmetic mod 2^64)
 
-The payload (kind ``sketch``, ``docs/wire.md`` section 14)::
+The payload (kind ``sketch``, ``docs/wire.md`` section 16)::
 
     "FGCH" | version u8 = 1 | sequence u64 | seed u64 | rows u32 | cols u32 | value dtype u8
     | rows * cols values, row-major | crc32 u32

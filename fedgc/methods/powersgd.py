@@ -19,7 +19,7 @@ server averages the clients' ``P_i Q_i^T`` in the model's space (the aggregate h
 and warm-starts the next round's ``Q`` from that aggregate by the step the hook takes from its
 all-reduced ``Q``: ``Q' = orth(D^T orth(D Q))``. docs/methods.md sets this beside the paper's.
 
-Payloads (``docs/wire.md`` section 13; framed as every fedgc payload, :mod:`dgc.wire.framing`):
+Payloads (``docs/wire.md`` section 15; framed as every fedgc payload, :mod:`dgc.wire.framing`):
 the reply, kind ``low-rank`` (factors)::
 
     "FGCL" | version u8 = 1 | sequence u64 | count u32
