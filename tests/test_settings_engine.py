@@ -37,15 +37,15 @@ def test_keys_lists_every_key_with_its_part(capsys):
     assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"
     assert listed["density"] == "client" and listed["server_momentum"] == "server"
     assert listed["lr"] == "client" and listed["rounds"] == "server"
-    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
-             for f in fields_of(cls)}
-    # And the registered methods' own keys, each under its method's prefix.
     from fedgc.methods import registered
 
-    own = {f.metadata["key"]: m.prefix for m in registered() if m.settings is not None
-           for f in fields_of(m.settings)}
-    assert set(listed) == every | set(own)
-    assert all(listed[k] == prefix for k, prefix in own.items())
+    own = [m.settings for m in registered() if m.settings is not None]  # the methods' own keys
+    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings, *own)
+             for f in fields_of(cls)}
+    assert set(listed) == every
+    # ... each listed under its method's prefix.
+    assert all(listed[f.metadata["key"]] == m.prefix for m in registered()
+               if m.settings is not None for f in fields_of(m.settings))
 
 
 def test_a_key_of_no_known_part_is_refused():

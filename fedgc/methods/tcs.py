@@ -13,7 +13,7 @@ coordinate stays in the mask while it keeps moving, and one that the clients' to
 enters it. Before the first aggregate there is no mask and a client sends its top-k alone, as
 many entries as mask and top-k together.
 
-The payload (kind ``masked``, magic ``FGCV``, ``docs/wire.md`` section 13) is framed as every
+The payload (kind ``masked``, magic ``FGCV``, ``docs/wire.md`` section 17) is framed as every
 fedgc payload (:mod:`dgc.wire.framing`)::
 
     "FGCV" | version u8 = 1 | count u32
