@@ -56,6 +56,10 @@ _COLUMNS = (("final acc", "final_accuracy", ".4f", 1.0),
             ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0))
 
 
+#: The columns of ratios to dense (:func:`_key`).
+_RATIOS = ("uplink", "downlink", "total")
+
+
 def _key(s: Mapping[str, Any], key: str) -> str:
     if key in ("uplink", "downlink", "total"):
         return f"{key}_vs_dense" if f"{key}_vs_dense" in s else f"{key}_compression"
@@ -87,8 +91,14 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def seeds_table(doc: Mapping[str, Any]) -> str:
-    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds."""
-    head = ["method", "seeds", *(c[0] for c in _COLUMNS)]
+    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds.
+
+    The ratios to dense are given as their means (their spread is that of the bytes, given
+    beside them); the runs per method only when they differ between methods (the line above
+    the table names the seeds), so that a dozen methods fit a terminal's width.
+    """
+    runs = {agg["runs"] for agg in doc["methods"].values()}
+    head = ["method", *(["seeds"] if len(runs) > 1 else []), *(c[0] for c in _COLUMNS)]
     rows = []
     for name, agg in doc["methods"].items():
         mean, std = agg["mean"], agg["std"]
@@ -96,6 +106,6 @@ def seeds_table(doc: Mapping[str, Any]) -> str:
         for _, key, spec, scale in _COLUMNS:
             k = _key(mean, key)
             m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
-            cells.append(m if d == "-" else f"{m} +- {d}")
-        rows.append([name, str(agg["runs"]), *cells])
+            cells.append(m if d == "-" or key in _RATIOS else f"{m} +- {d}")
+        rows.append([name, *([str(agg["runs"])] if len(runs) > 1 else []), *cells])
     return _table(head, rows)
