@@ -428,9 +428,10 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and r.material is not None:
-            new_state.pending_shared = shared_data
+        if r.material is not None:  # what the payload and its side part answered
             new_state.pending_mask = r.material[0]
+        if shared_data is not None:
+            new_state.pending_shared = shared_data
     if bool(r.config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = r.global_state

@@ -67,6 +67,10 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, flo
     return [c for c in _COLUMNS if c[1] not in _OPTIONAL or any(c[1] in r for r in rows)]
 
 
+#: The columns of ratios to dense (:func:`_key`).
+_RATIOS = ("uplink", "downlink", "total")
+
+
 def _key(s: Mapping[str, Any], key: str) -> str:
     if key in ("uplink", "downlink", "total"):
         return f"{key}_vs_dense" if f"{key}_vs_dense" in s else f"{key}_compression"
@@ -99,9 +103,15 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def seeds_table(doc: Mapping[str, Any]) -> str:
-    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds."""
+    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds.
+
+    The ratios to dense are given as their means (their spread is that of the bytes, given
+    beside them); the runs per method only when they differ between methods (the line above
+    the table names the seeds), so that a dozen methods fit a terminal's width.
+    """
     columns = _columns([agg["mean"] for agg in doc["methods"].values()])
-    head = ["method", "seeds", *(c[0] for c in columns)]
+    runs = {agg["runs"] for agg in doc["methods"].values()}
+    head = ["method", *(["seeds"] if len(runs) > 1 else []), *(c[0] for c in columns)]
     rows = []
     for name, agg in doc["methods"].items():
         mean, std = agg["mean"], agg["std"]
@@ -109,6 +119,6 @@ def seeds_table(doc: Mapping[str, Any]) -> str:
         for _, key, spec, scale in columns:
             k = _key(mean, key)
             m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
-            cells.append(m if d == "-" else f"{m} +- {d}")
-        rows.append([name, str(agg["runs"]), *cells])
+            cells.append(m if d == "-" or key in _RATIOS else f"{m} +- {d}")
+        rows.append([name, *([str(agg["runs"])] if len(runs) > 1 else []), *cells])
     return _table(head, rows)

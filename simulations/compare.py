@@ -10,7 +10,9 @@ each method's accuracy at the total traffic of the cheapest one (or of a method 
 methods that end at different byte counts are compared at the same budget; :func:`find_runs`
 finds the run folders of a finished comparison, so that it can be read again at another budget
 (``python -m simulations traffic``). :func:`traffic_area` gives the area under each method's
-accuracy against log10 of its cumulative total bytes, up to its own final bytes.
+accuracy against log10 of its cumulative total bytes, up to its own final bytes. :func:`by_family`
+orders a comparison's methods family by family (``fedgc.methods.Method.family``), as its tables
+and plots list them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedgc import methods as registry
 from fedgc.methods import baseline
 from fedgc.settings import SettingsError
 from server.results import LAST_ROUNDS
 
-__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "find_runs",
-           "over_seeds", "parse_seeds", "reach", "read_summary", "traffic_area", "traffic_curve"]
+__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_family",
+           "family_of", "find_runs", "over_seeds", "parse_seeds", "reach", "read_summary",
+           "traffic_area", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
 #: first ``baseline`` method).
@@ -43,6 +47,26 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
               "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
               "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
+
+
+def family_of(method: str) -> tuple[str, bool]:
+    """``(family, baseline)`` of the method a run names: its ``Method.family`` (or its name
+    without one) and whether it is a baseline; a method this process does not know (removed,
+    or a ``module:callable`` that no longer imports) is a family of its own."""
+    try:
+        m = registry.get(method)
+    except SettingsError:
+        return method, False
+    return m.family or m.name, m.baseline
+
+
+def by_family(methods: Sequence[str]) -> list[str]:
+    """``methods`` family by family: the families in the order of their first method, each
+    family's methods in their order (the default comparison's order does not change)."""
+    families: dict[str, list[str]] = {}
+    for m in methods:
+        families.setdefault(family_of(m)[0], []).append(m)
+    return [m for members in families.values() for m in members]
 
 
 def parse_seeds(text: str) -> list[int]:

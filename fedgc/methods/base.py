@@ -158,6 +158,9 @@ class Method:
         Where ``compare`` runs it among the registered methods (then by name).
     compared : bool
         ``compare`` runs it when no ``--methods`` are given (the demo's table).
+    family : str
+        The family plots draw in one colour, its methods told apart by line style, and tables
+        list together ("dense", "top-k", "quantization", ...); "" (default): a family of its own.
     prefix : str
         The prefix of its own keys (``dgc``: ``dgc.*``).
     settings : type or None
@@ -174,6 +177,7 @@ class Method:
     baseline: ClassVar[bool] = False
     order: ClassVar[int] = 100
     compared: ClassVar[bool] = True
+    family: ClassVar[str] = ""
     prefix: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
     defaults: ClassVar[Mapping[str, Any]] = {}
@@ -256,15 +260,16 @@ class Method:
     def pending_parts(self, train: Any, pending: bytes, side: bytes | None,
                       material: bytes | None, shapes: Mapping[str, tuple[int, ...]],
                       ) -> tuple[int, list[SparseUpdate]]:
-        """(sequence, sparse updates) of what a client sent and stored (``pending``; with a
-        side part, the material it answered): what it folds back when the server did not
-        aggregate it. The client's own bytes: bounded by the model's sizes."""
-        payload = self.codec(train).decode(pending, Bound(shapes))
+        """(sequence, sparse updates) of what a client sent and stored (``pending``; with the
+        round's material, ``material``, the bytes the server sent, which the payload and the
+        side part answered): what it folds back when the server did not aggregate it. The
+        client's own bytes: bounded by the model's sizes."""
+        numels = {n: int(np.prod(s)) for n, s in shapes.items()}
+        answered = None if material is None else self.read_material(material, numels)
+        payload = self.codec(train).decode(pending, Bound(shapes, material=answered))
         parts = payload.parts()
-        if side is not None and material is not None:
-            numels = {n: int(np.prod(s)) for n, s in shapes.items()}
-            parts.append(self.read_side(side, self.read_material(material, numels),
-                                        {n: (numels[n],) for n in numels}))
+        if side is not None and answered is not None:
+            parts.append(self.read_side(side, answered, {n: (numels[n],) for n in numels}))
         return payload.sequence, parts
 
     def uplink_density(self, train: Any) -> float:

@@ -228,6 +228,7 @@ class DGC(Method):
 
     name = "dgc"
     order = 40
+    family = "top-k"
     description = ("DGC's top-k of the residual (`dgc.*`), fp16, and the residual at the "
                    "round's shared indices as signs (`dgc.shared_density`)")
     keeps_residual = True
