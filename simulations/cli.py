@@ -26,13 +26,16 @@ from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
 from simulations.compare import (
+    BASELINE,
     against_dense,
     at_equal_traffic,
     by_family,
     find_runs,
     over_seeds,
     parse_seeds,
+    reach,
     read_summary,
+    traffic_area,
     traffic_curve,
 )
 from simulations.interrupt import RunInterrupted
@@ -205,11 +208,20 @@ def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, 
     """Add every method's reading at ``budget_method``'s total traffic to its summary
     (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``); return
     :func:`simulations.compare.at_equal_traffic`'s result."""
-    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
+    curves = {m: traffic_curve(run) for m, run in runs.items()}
+    equal = at_equal_traffic(curves, budget_method)
+    area = traffic_area(curves)
     for m, s in summaries.items():
         s["equal_traffic_method"] = equal["method"]
         s["equal_traffic_bytes"] = equal["bytes"]
         s["last10_at_equal_traffic"] = equal["last10"][m]
+        s["traffic_auc_floor_bytes"] = area["floor"]
+        s["traffic_auc"] = area["area"].get(m, float("nan"))
+        s["traffic_auc_mean"] = area["mean"].get(m, float("nan"))
+    dense = summaries.get(BASELINE, {}).get("last10_accuracy")
+    if isinstance(dense, (int, float)):
+        for m, s in summaries.items():
+            s["reach_dense_round"], s["reach_dense_bytes"] = reach(curves[m], float(dense))
     return equal
 
 
