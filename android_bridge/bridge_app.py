@@ -23,6 +23,7 @@ from flwr.clientapp import ClientApp
 import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
 from android_bridge.control import RemoteBridge
+from android_bridge.export import check_phone_run
 from client import app as client_module
 from client.state import ClientState, ClientStateStore
 from dgc import SparseUpdate
@@ -97,6 +98,13 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                                    global_state)
         held[device] = ClientState(model=global_state, model_version=version)
         method = client_module.method_of(s, config)
+        # A run whose client phones cannot run as a simulated client does fails the round
+        # here, named, rather than letting the phone train otherwise.
+        if method.phone:
+            try:
+                check_phone_run(s)
+            except dgc.ConfigError as ex:
+                raise BridgeError(str(ex)) from ex
         dgc_config = method.phone_config(s) if method.phone else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,

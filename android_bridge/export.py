@@ -515,6 +515,36 @@ def exact_config(config: DGCConfig) -> DGCConfig:
     return dataclasses.replace(config, selection="exact")
 
 
+#: Switches of the ``dgc`` method (issue 30) that phones do not run, with their defaults: a
+#: phone runs the default client, so a run that sets one is refused before phones train
+#: otherwise than the simulated clients they stand beside.
+PHONE_DEFAULT_SWITCHES = {"dgc.value_levels": ("value_levels", 0.0),
+                          "dgc.shared_first": ("shared_first", False),
+                          "dgc.shared_values": ("shared_values", "sign"),
+                          "dgc.residual_decay": ("residual_decay", 1.0),
+                          "dgc.step_ahead": ("step_ahead", 0.0)}
+
+
+def check_phone_run(train: Any, server: Any = None) -> None:
+    """Raise ``ConfigError`` when phones cannot run a client of this run as a simulated client
+    does: a method phones do not serve (naming those they do), or one of the ``dgc`` switches
+    they lack set (:data:`PHONE_DEFAULT_SWITCHES`; the server's ``dgc.shared_rank``
+    ``displacement``, whose sets clients derive themselves)."""
+    from fedgc.methods import get, registered
+
+    if not get(train.method).phone:
+        raise ConfigError(f"method {train.method!r} is not served by phones: their encoder is "
+                          f"DGC (methods {[m.name for m in registered() if m.phone]})")
+    set_ = [f"{key}={getattr(train, field)!r}" for key, (field, default)
+            in PHONE_DEFAULT_SWITCHES.items() if getattr(train, field, default) != default]
+    if server is not None and getattr(server, "shared_rank", "aggregates") != "aggregates":
+        set_.append(f"dgc.shared_rank={server.shared_rank!r}")
+    if set_:
+        raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
+                          f"switch (docs/android.md); leave it at its default in a run with "
+                          f"phones")
+
+
 def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
                dgc_fields: dict[str, Any] | None = None) -> dict[str, Any]:
     """Export the phone files for the run of ``config`` (a :class:`fedgc.settings.RunConfig`).
@@ -527,15 +557,11 @@ def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
     the model's largest tensor (the encoder's memory plan is sized by it). A method phones do
     not run is a ``ConfigError`` naming the ones they do.
     """
-    from fedgc.methods import registered
     from fedgc.task_loader import load_task
 
+    check_phone_run(config.train, config.server)
     t = config.train
-    method = config.method
-    if not method.phone:
-        raise ConfigError(f"method {t.method!r} is not served by phones: their encoder is DGC "
-                          f"(methods {[m.name for m in registered() if m.phone]})")
-    phone = exact_config(method.phone_config(t))
+    phone = exact_config(config.method.phone_config(t))
     if dgc_fields:
         phone = DGCConfig.from_dict({**phone.to_dict(), **dgc_fields})
     spec = task_model(load_task(t.task_spec()), t.task)

@@ -84,6 +84,8 @@ def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_expo
     (["--phones", "1", "--set", "num_clients=5"],
      "num_clients=5 but --nodes \\+ --phones = 3"),
     (["--phones", "1", "--set", "method=dense"], "method 'dense' is not served by phones"),
+    (["--phones", "1", "--set", "dgc.value_levels=4", "--set", "dgc.shared_rank=displacement"],
+     "dgc.value_levels=4.0, dgc.shared_rank='displacement': phones run dgc's default client"),
 ])
 def test_bad_phone_options_are_refused_before_anything_starts(argv, message, tmp_path,
                                                               capsys):

@@ -98,6 +98,11 @@ def test_export_refusals_name_the_task(tmp_path, capsys):
     assert "--model mlp-digits is a registered model, not a task" in _err(capsys)
     assert main(["export", "--out", str(tmp_path / "o"), "--set", "method=stc"]) == 2
     assert "method 'stc' is not served by phones" in _err(capsys)
+    # issue 30's dgc switches are not on the phone: a run that sets one gets no phone files.
+    assert main(["export", "--out", str(tmp_path / "o"), "--set", "dgc.step_ahead=0.5",
+                 "--set", "dgc.shared_first=true"]) == 2
+    assert ("dgc.shared_first=True, dgc.step_ahead=0.5: phones run dgc's default client"
+            in _err(capsys))
     assert not (tmp_path / "o").exists()
 
 

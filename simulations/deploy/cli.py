@@ -215,11 +215,14 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         raise DeployError(f"--phones {args.phones}: expected 0 or more")
     run_config = deploy_run_config(values, args.nodes + args.phones,
                                    "--nodes + --phones" if args.phones else "--nodes")
-    if args.phones and not run_config.method.phone:
-        from fedgc.methods import registered
+    if args.phones:
+        from android_bridge.export import check_phone_run
+        from dgc.errors import ConfigError
 
-        raise DeployError(f"method {run_config.train.method!r} is not served by phones: their "
-                          f"encoder is DGC (methods {[m.name for m in registered() if m.phone]})")
+        try:
+            check_phone_run(run_config.train, run_config.server)
+        except ConfigError as err:
+            raise DeployError(str(err)) from err
     check_fedgc_run(run_config)  # before any process starts
     fleet = None
     if args.phones:
