@@ -98,13 +98,6 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                                    global_state)
         held[device] = ClientState(model=global_state, model_version=version)
         method = client_module.method_of(s, config)
-        # A run whose client phones cannot run as a simulated client does fails the round
-        # here, named, rather than letting the phone train otherwise.
-        if method.phone:
-            try:
-                check_phone_run(s)
-            except dgc.ConfigError as ex:
-                raise BridgeError(str(ex)) from ex
         dgc_config = method.phone_config(s) if method.phone else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
@@ -170,6 +163,12 @@ def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None, client_key: int = 0,
     if dgc_config is None:
         raise BridgeError(f"method {s.method!r} is not served by phones: their encoder is DGC "
                           f"(methods {phone_methods()})")
+    # A run whose client phones cannot run as a simulated client does (issue 30's switches)
+    # fails the round here, named, rather than letting the phone train otherwise.
+    try:
+        check_phone_run(s)
+    except dgc.ConfigError as ex:
+        raise BridgeError(str(ex)) from ex
     # The phone runs exact top-k whatever the server's simulated clients use: the server only
     # decodes what arrives, and exact is what the exported graph implements.
     phone_dgc = dataclasses.replace(dgc_config, selection="exact")
