@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import stat
+import sys
 import time
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -173,6 +176,10 @@ def options_text(key: str, options: Mapping[str, object]) -> str:
     value is not JSON (numbers, strings, booleans, lists and tables are)."""
     try:
         return json.dumps(dict(options), sort_keys=True)
+    except RecursionError:
+        raise SettingsError(f"{key} is nested too deeply for a table of keyword options "
+                            f"(Python's recursion limit, {sys.getrecursionlimit()} levels); "
+                            f"expected options such as {{'hidden': 64}}") from None
     except (TypeError, ValueError) as ex:
         raise SettingsError(f"{key} must hold JSON values (numbers, strings, booleans, lists, "
                             f"tables), got {dict(options)!r}: {ex}") from None
@@ -198,6 +205,10 @@ def options_of(key: str, text: str) -> dict[str, Any]:
         return {}
     try:
         options = json.loads(text)
+    except RecursionError:
+        raise SettingsError(f"{key} is nested too deeply for a JSON object of keyword options "
+                            f"(Python's recursion limit, {sys.getrecursionlimit()} levels); "
+                            f"expected an object such as '{{\"hidden\": 64}}'") from None
     except json.JSONDecodeError as ex:
         raise SettingsError(f"{key} = {text!r} is not JSON ({ex.msg}); expected an object "
                             f"such as '{{\"hidden\": 64}}'") from None
@@ -640,6 +651,10 @@ class ServerSettings:
         validate(self)
         if "/" in self.run_name or self.run_name in (".", ".."):
             raise SettingsError(f"run_name = {self.run_name!r} must be a plain folder name")
+        if not self.run_name.isprintable():
+            # A newline or an escape sequence in a folder name garbles every line that prints it.
+            raise SettingsError(f"run_name = {self.run_name!r} holds a control character; "
+                                f"expected a plain folder name")
         if self.resume and not self.run_name:
             raise SettingsError("resume=true needs run_name: the name of the run folder to "
                                 "continue (without it, a run starts in a new timestamped folder)")
@@ -751,13 +766,31 @@ def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: The largest configuration file read: a scenario takes a few kB; a file that never ends
+#: (``/dev/zero``) or a huge one is refused before it fills the memory.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Flat keys of a TOML scenario file; a missing or malformed file names itself."""
+    """Flat keys of a TOML scenario file; a missing, malformed, non-regular (a device, a FIFO)
+    or oversized (over :data:`MAX_CONFIG_BYTES`) file names itself."""
     p = Path(path)
     try:
-        with p.open("rb") as fh:
-            return flatten(tomllib.load(fh))
+        # O_NONBLOCK: opening a FIFO must not wait for a writer before it can be refused.
+        with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise SettingsError(f"config file {p} is not a regular file; expected a TOML "
+                                    f"file")
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise SettingsError(f"config file {p} is over {MAX_CONFIG_BYTES} bytes; a "
+                                f"configuration takes a few kB")
+        return flatten(tomllib.loads(data.decode("utf-8")))
     except FileNotFoundError as ex:
         raise SettingsError(f"config file {p} does not exist") from ex
     except tomllib.TOMLDecodeError as ex:
         raise SettingsError(f"config file {p} is not valid TOML: {ex}") from ex
+    except RecursionError:
+        raise SettingsError(f"config file {p} nests tables or arrays too deeply (Python's "
+                            f"recursion limit, {sys.getrecursionlimit()} levels)") from None

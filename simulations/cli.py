@@ -260,6 +260,9 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     """
     from simulations.plots import plot_bands
 
+    if out is not None and (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise SettingsError(f"--out {out} is not a folder; name a folder for compare.json and "
+                            f"accuracy_vs_traffic.png")
     runs = find_runs(folders)
     if budget_method is not None:
         missing = [s for s, by_method in runs.items() if budget_method not in by_method]
@@ -281,7 +284,10 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     print(seeds_table(doc))
     _print_mean_at_budget(doc, budget_method)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as ex:
+            raise SettingsError(f"--out {out} cannot be created: {ex.strerror or ex}") from None
         write_json(out / "compare.json", doc)
         methods = list(doc["methods"])
         plot = plot_bands({m: [by_m[m] for by_m in runs.values() if m in by_m] for m in methods},

@@ -162,3 +162,22 @@ def test_deploy_config_that_is_a_folder(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["--nodes", "2", "--config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"--config {tmp_path} is a folder" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, words", [
+    (["--timeout-s", "-5"], "--timeout-s -5: expected a finite number of seconds > 0"),
+    (["--timeout-s", "nan"], "--timeout-s nan: expected a finite number"),
+    (["--nodes", "0"], "--nodes 0: expected an integer in 1..200"),
+    (["--workdir", "{file}"], "--workdir {file} is not a folder"),
+])
+def test_deploy_options_that_cannot_work_are_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], option: list[str], words: str) -> None:
+    from simulations.deploy.cli import main
+
+    afile = tmp_path / "a-file"
+    afile.write_text("the user's")
+    option = [o.format(file=afile) for o in option]
+    code = main([*option, "--set", "task=digits", "--set", f"results_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and words.format(file=afile) in err, err
+    assert not (tmp_path / "r").exists() and afile.read_text() == "the user's"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -195,9 +196,30 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_run_args(args: argparse.Namespace) -> None:
+    """Refuse options that cannot work before anything is created or started.
+
+    Raises
+    ------
+    DeployError
+        Naming the option, its value and what is accepted.
+    """
+    if not 1 <= args.nodes <= 200:
+        raise DeployError(f"--nodes {args.nodes}: expected an integer in 1..200")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise DeployError(f"--timeout-s {args.timeout_s:g}: expected a finite number of "
+                          f"seconds > 0")
+    if args.workdir:
+        workdir = Path(args.workdir)
+        if (workdir.exists() or workdir.is_symlink()) and not workdir.is_dir():
+            raise DeployError(f"--workdir {workdir} is not a folder; name a folder for the "
+                              f"deployment's logs, certificates and state")
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     """Start the deployment, run the app, print its outcome, shut everything down."""
     args = _run_parser().parse_args(argv)
+    check_run_args(args)
     if args.app == "fedgc":
         return _run_fedgc(args)
     if args.config:
