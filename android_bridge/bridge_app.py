@@ -100,8 +100,10 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
         update = result.update
+        # The bridge checked these when the upload began (android_bridge.bridge.parse_metrics):
+        # num-examples a whole number >= 1, train_loss finite, restored a whole number >= 0.
         metrics = P.reply_metrics(
-            num_examples=int(result.metrics.get("num-examples", 0)),
+            num_examples=result.metrics["num-examples"],
             uplink_bytes=len(result.update_bytes), nnz=update.nnz,
             # The phone encoder has no shared-index channel (dgc.signs): the server aggregates
             # a reply without signs from its top-k update alone.
