@@ -631,6 +631,12 @@ class ServerSettings:
     overwrite: bool = setting(False, "overwrite", "replace an earlier run in the same folder "
                               "(its checkpoint, results and client state)")
     progress: bool = setting(True, "progress", "print one line per round")
+    client_nodes: str = setting("", "client_nodes", "with SuperNode authentication "
+                                "(flower-superlink --enable-supernode-auth): the authenticated "
+                                "node that serves each client key, 'key:node_id,...' (the node "
+                                "id `flwr supernode register` prints); a node not listed, or "
+                                "claiming another key, is never sampled; empty: a node is the "
+                                "client key it claims (docs/threat_model.md)")
     tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
                                 "(accuracy, loss, MB both ways, clients, seconds) as "
                                 "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
@@ -651,6 +657,7 @@ class ServerSettings:
         validate(self)
         if "/" in self.run_name or self.run_name in (".", ".."):
             raise SettingsError(f"run_name = {self.run_name!r} must be a plain folder name")
+        parse_client_nodes(self.client_nodes)
         if not self.run_name.isprintable():
             # A newline or an escape sequence in a folder name garbles every line that prints it.
             raise SettingsError(f"run_name = {self.run_name!r} holds a control character; "
@@ -677,6 +684,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         t = self.train
+        outside = [k for k in parse_client_nodes(self.server.client_nodes) if k >= t.num_clients]
+        if outside:
+            raise SettingsError(f"client_nodes binds client keys {outside[:5]} outside [0, "
+                                f"{t.num_clients}) (num_clients = {t.num_clients})")
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
@@ -735,6 +746,30 @@ class RunConfig:
     def describe() -> list[tuple[str, str, str, str, str]]:
         """(key, type, default, accepted range, doc) of every key."""
         return sorted(describe(ServerSettings) + describe(TrainSettings))
+
+
+def parse_client_nodes(text: str) -> dict[int, int]:
+    """``"0:8421,1:977"`` -> ``{0: 8421, 1: 977}`` (client key -> authenticated node id).
+
+    Raises
+    ------
+    SettingsError
+        An item that is not ``key:node_id`` of whole numbers (keys >= 0, node ids >= 1), or a
+        key or node id listed twice.
+    """
+    out: dict[int, int] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, node = item.partition(":")
+        if not (sep and key.strip().isascii() and key.strip().isdigit()
+                and node.strip().isascii() and node.strip().isdigit()
+                and len(node.strip()) <= 20 and int(node) >= 1):
+            raise SettingsError(f"client_nodes item {item[:60]!r} is not 'key:node_id' (whole "
+                                f"numbers, node ids as `flwr supernode register` prints them)")
+        if int(key) in out or int(node) in out.values():
+            raise SettingsError(f"client_nodes lists client key {int(key)} or node {int(node)} "
+                                f"twice; a node serves one client and a client one node")
+        out[int(key)] = int(node)
+    return out
 
 
 def new_run_name(results_dir: str | Path, label: str) -> str:

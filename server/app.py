@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedgc.flower_log import drop_noise
-from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
+from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, parse_client_nodes, to_flat
 from server.checkpoint import CHECKPOINT_FILE
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
@@ -203,6 +203,9 @@ def run_server(grid: Grid, config: RunConfig,
             on_round(record)
 
     strategy = strategy_factory(**DGCStrategy.arguments(config), on_round=round_done)
+    # A node's client key is its claim: only keys of this run, bound to authenticated nodes
+    # when client_nodes lists them (docs/threat_model.md).
+    strategy.registry.bind(t.num_clients, parse_client_nodes(s.client_nodes))
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
     try:
         result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,

@@ -84,9 +84,10 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
-#: what it computes. Every other key must be the checkpoint's (``check_run_config``).
+#: what it computes (``client_nodes``: node ids change when a deployment starts again). Every
+#: other key must be the checkpoint's (``check_run_config``).
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
-                            "round_timeout_s",
+                            "round_timeout_s", "client_nodes",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
                             "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address"})
 

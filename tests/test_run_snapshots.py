@@ -44,7 +44,7 @@ CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 #: Config keys of where and what a run writes, not what it computes (tensorboard came later).
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 #: Keys added after the snapshots, with the value that computes what the code did before them.
-ADDED_LATER = {"dgc.server_lr": 1.0}
+ADDED_LATER = {"dgc.server_lr": 1.0, "client_nodes": ""}
 
 
 def _same(key: str, got: str | float, want: str | float) -> bool:

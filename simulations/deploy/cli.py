@@ -181,6 +181,10 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
     with Deployment(_deployment_config(args)) as dep:
+        if dep.client_nodes():
+            # With --auth each client key is bound to its node's authenticated id: a node
+            # cannot serve another client's rounds by claiming its key.
+            run_config = run_config.with_overrides({"client_nodes": dep.client_nodes()})
         run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s,
                            progress=run_config.server.progress)
         write_deploy_record(dep, run, started_s)

@@ -132,6 +132,7 @@ class Deployment:
         self.tls: TlsFiles | None = None
         self.superlink_port = 0
         self.restarts: dict[int, int] = {}
+        self.registered: dict[int, int] = {}  # index -> node id (auth only)
         self._held: set[int] = set(config.unregistered)
         self._supervisor: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -273,11 +274,24 @@ class Deployment:
             )
         return proc.stdout
 
-    def register_node(self, index: int) -> None:
-        """Register node ``index``'s public key with the SuperLink (``flwr supernode register``)."""
+    def register_node(self, index: int) -> int:
+        """Register node ``index``'s public key with the SuperLink (``flwr supernode register``)
+        and return the node id the SuperLink gave it (kept in :attr:`registered`): the
+        SuperNode holding that key is that node, authenticated."""
         keys = self.node_keys[index]
-        self.flwr("supernode", "register", str(keys.public_key), CONNECTION,
-                  "--name", f"node{index}")
+        out = self.flwr("supernode", "register", str(keys.public_key), CONNECTION,
+                        "--name", f"node{index}", "--format", "json")
+        match = re.search(r'"node-id":\s*"?(\d+)', out)
+        if match is None:
+            raise DeployError(f"`flwr supernode register` printed no node id:\n{out[-2000:]}")
+        self.registered[index] = int(match.group(1))
+        return self.registered[index]
+
+    def client_nodes(self) -> str:
+        """The run key ``client_nodes`` of this deployment: each registered node's index (its
+        ``partition-id``, the client key it serves) bound to its authenticated node id; empty
+        without ``auth``."""
+        return ",".join(f"{i}:{n}" for i, n in sorted(self.registered.items()))
 
     # ---- SuperNodes ------------------------------------------------------------------------
     def start_supernode(self, index: int) -> ManagedProcess:
