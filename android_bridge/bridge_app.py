@@ -80,8 +80,9 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         # the phone, which holds no model yet, gets the model it produces, dense.
         global_state = client_module.global_model(
             msg.content, config, record,
-            initial=lambda: client_module.initial_model(client_module.task_of(s.task_spec()),
-                                                        s.seed))
+            initial=lambda: client_module.initial_model(
+                client_module.task_of(s.task_spec(), client_module.allowed_callables(context)),
+                s.seed))
         patch = base = None
         if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:
             patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)

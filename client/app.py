@@ -64,11 +64,24 @@ class ClientProtocolError(P.ProtocolError):
 
 
 @lru_cache(maxsize=4)
-def task_of(spec: TaskSpec) -> Any:
-    """The task of ``spec``, loaded once per process (the bridge app shares it)."""
+def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
+    """The task of ``spec``, loaded once per process (the bridge app shares it); a
+    ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
     from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
 
-    return load_task(spec)
+    return load_task(spec, allowed)
+
+
+def allowed_callables(context: Context) -> frozenset[str] | None:
+    """The ``module:callable`` references (tasks, methods) a run may make this node call: those
+    its node config lists in ``allowed-callables`` (comma-separated), so that a train message
+    cannot name code the node was not given; None (any) when the list holds ``*``, and on
+    Flower's simulation engine, whose nodes run the simulating user's own config."""
+    from fedgc.task_loader import ALLOWED_CALLABLES
+
+    refs = frozenset(r.strip() for r in str(context.node_config.get(ALLOWED_CALLABLES, ""))
+                     .split(",") if r.strip())
+    return None if "*" in refs or node.in_simulation_engine() else refs
 
 
 _models = threading.local()
@@ -89,9 +102,9 @@ def _model(task: Any, name: TaskSpec) -> torch.nn.Module:
 
 
 @lru_cache(maxsize=8)
-def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
-                seed: int) -> tuple[np.ndarray, ...]:
-    parts = task_of(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
+def _partitions(task: TaskSpec, allowed: frozenset[str] | None, num_clients: int, scheme: str,
+                alpha: float, seed: int) -> tuple[np.ndarray, ...]:
+    parts = task_of(task, allowed).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
 
 
@@ -214,6 +227,16 @@ def shared_masks(content: RecordDict,
     return data, masks
 
 
+def _task_or_refusal(s: TrainSettings, allowed: frozenset[str] | None) -> Any:
+    """The run's task, or a ClientProtocolError when the node does not allow its callable."""
+    from fedgc.task_loader import CallableNotAllowedError
+
+    try:
+        return task_of(s.task_spec(), allowed)
+    except CallableNotAllowedError as ex:
+        raise ClientProtocolError(str(ex)) from None
+
+
 def _on_node(content: RecordDict) -> RecordDict:
     """``content`` with, on Ray, the node that ran this round (for ``clients.csv``)."""
     if where := node.node_info():
@@ -264,8 +287,9 @@ def train(msg: Message, context: Context) -> Message:
     store = _store(s, context)
     state = _load_state(store, str(key), ack, s.method)
 
-    task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
+    allowed = allowed_callables(context)
+    task = _task_or_refusal(s, allowed)
+    parts = _partitions(s.task_spec(), allowed, s.num_clients, s.partition, s.alpha, s.seed)
     if not 0 <= key < len(parts):
         raise ClientProtocolError(f"client key {key} has no partition: the task has "
                                   f"{len(parts)} partitions (num_clients = {s.num_clients})")
@@ -346,8 +370,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
     s = settings_from(config)
-    task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
+    allowed = allowed_callables(context)
+    task = _task_or_refusal(s, allowed)
+    parts = _partitions(s.task_spec(), allowed, s.num_clients, s.partition, s.alpha, s.seed)
     key = client_key(context)
     idx = torch.from_numpy(parts[key])
     model = _model(task, s.task_spec())

@@ -7,24 +7,43 @@ which must return a :class:`tasks.Task`. Server and clients both call :func:`loa
 same keys (clients get them in every train message), so they agree on the data and the model;
 each client imports the module itself, so it must be importable there too (PYTHONPATH, or an
 installed package).
+
+Importing a module and calling a callable runs code: :func:`resolve_callable`, the one function
+that turns a ``module:callable`` reference (a task's, a method's) into code, takes the set of
+references its caller allows. A client passes what its node allows (``client.app``: node config
+``allowed-callables``), so a train message cannot make it run a callable it was not given; the
+server passes None, its own run config being trusted (docs/threat_model.md).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Collection
 from typing import Any
 
 from fedgc.settings import TASK_REF, TASKS, SettingsError, TaskSpec, options_of
 from tasks import Task, get_task
 
-__all__ = ["load_task", "resolve_callable"]
+#: Node config key of the ``module:callable`` references a client's node lets a run call,
+#: comma-separated; ``*`` lets it call any (simulated nodes: the run config is the simulating
+#: user's own).
+ALLOWED_CALLABLES = "allowed-callables"
+
+__all__ = ["ALLOWED_CALLABLES", "CallableNotAllowedError", "load_task", "resolve_callable"]
 
 
-def load_task(spec: TaskSpec) -> Task:
-    """The Task the keys of ``spec`` describe.
+class CallableNotAllowedError(SettingsError):
+    """A run names a ``module:callable`` that the caller (a client's node) does not allow."""
+
+
+def load_task(spec: TaskSpec, allowed: Collection[str] | None = None) -> Task:
+    """The Task the keys of ``spec`` describe; a ``module:callable`` only if ``allowed`` (None:
+    any) holds it.
 
     Raises
     ------
+    CallableNotAllowedError
+        ``spec.task`` is a ``module:callable`` that ``allowed`` does not hold (nothing imported).
     SettingsError
         A ``module:callable`` whose module or attribute is missing, that raises, or that
         returns something other than a Task; options that are not a JSON object.
@@ -36,7 +55,7 @@ def load_task(spec: TaskSpec) -> Task:
         return get_task(spec.task, model=spec.model or None, data_dir=spec.data_dir or None,
                         model_options=options_of("model_options", spec.model_options) or None,
                         **options)
-    build = resolve_callable(spec.task)
+    build = resolve_callable(spec.task, allowed=allowed)
     try:
         task = build(**options)
     except Exception as ex:
@@ -48,32 +67,53 @@ def load_task(spec: TaskSpec) -> Task:
     return task
 
 
-def resolve_callable(ref: str) -> Any:
-    """The callable ``module:attr`` names (``attr`` may be dotted, e.g. ``Class.build``)."""
+def resolve_callable(ref: str, allowed: Collection[str] | None = None,
+                     key: str = "task") -> Any:
+    """The callable ``module:attr`` names (``attr`` may be dotted, e.g. ``Class.build``).
+
+    ``allowed``: the references the caller may run (None: any); another is refused before
+    its module is imported, since importing runs the module's code. ``key`` names the run key
+    in messages (``task``, ``method``).
+
+    Raises
+    ------
+    CallableNotAllowedError
+        ``ref`` is not in ``allowed``.
+    SettingsError
+        ``ref`` is not ``module:callable``, its module or attribute is missing, or it is not a
+        callable.
+    """
     if TASK_REF.fullmatch(ref) is None:
-        raise SettingsError(f"task = {ref!r} is neither a shipped task {list(TASKS)} nor "
-                            f"'module:callable'")
+        raise SettingsError(f"{key} = {ref!r} is neither a shipped {key} nor "
+                            f"'module:callable'" + (f" (shipped: {list(TASKS)})"
+                                                    if key == "task" else ""))
+    if allowed is not None and ref not in allowed:
+        listed = ", ".join(sorted(allowed)[:5]) or "none"
+        raise CallableNotAllowedError(
+            f"{key} = {ref!r} is not allowed on this node: a client runs only the callables its "
+            f"node config lists in {ALLOWED_CALLABLES!r} (it lists: {listed}), whatever the "
+            f"server sends; add it there on the node to trust it (docs/threat_model.md)")
     module_name, _, attr = ref.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as ex:
         if ex.name is not None and module_name.startswith(ex.name):
-            raise SettingsError(f"task = {ref!r}: no module named {ex.name!r}; it must be "
+            raise SettingsError(f"{key} = {ref!r}: no module named {ex.name!r}; it must be "
                                 f"importable here and on every client (add its folder to "
                                 f"PYTHONPATH, or install it)") from ex
-        raise SettingsError(f"task = {ref!r}: importing {module_name!r} failed: {ex}") from ex
+        raise SettingsError(f"{key} = {ref!r}: importing {module_name!r} failed: {ex}") from ex
     except Exception as ex:
-        raise SettingsError(f"task = {ref!r}: importing {module_name!r} raised "
+        raise SettingsError(f"{key} = {ref!r}: importing {module_name!r} raised "
                             f"{type(ex).__name__}: {ex}") from ex
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise SettingsError(f"task = {ref!r}: {module_name!r} has no attribute "
+            raise SettingsError(f"{key} = {ref!r}: {module_name!r} has no attribute "
                                 f"{attr!r}") from None
     if not callable(obj):
-        raise SettingsError(f"task = {ref!r} is a {type(obj).__name__}, not a callable "
-                            f"returning a tasks.Task")
+        raise SettingsError(f"{key} = {ref!r} is a {type(obj).__name__}, not a callable"
+                            + (" returning a tasks.Task" if key == "task" else ""))
     return obj
 
 

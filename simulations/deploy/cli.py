@@ -17,11 +17,12 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from fedgc.task_loader import ALLOWED_CALLABLES
 from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
 
 from .calibrate import measure, point_to_dict, predicted_transfer_s
-from .cluster import Deployment, DeploymentConfig
+from .cluster import Deployment, DeploymentConfig, default_node_config
 from .errors import DeployError, DeployInterrupted
 from .links import MODES, choose_mode
 from .presets import preset, preset_names
@@ -134,9 +135,18 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     return 0 if worst <= 0.15 else 1
 
 
-def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
+def _deployment_config(args: argparse.Namespace, allowed: str = "") -> DeploymentConfig:
+    """The deployment of ``args``; ``allowed``: the ``module:callable`` references the
+    SuperNodes' node config lets a run call (the run's own task: this command is the nodes'
+    operator too)."""
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
+
+    def node_config(index: int, nodes: int) -> dict[str, object]:
+        extra = {ALLOWED_CALLABLES: allowed} if allowed else {}
+        return {**default_node_config(index, nodes), **extra}
+
     config = DeploymentConfig(
+        node_config=node_config,
         nodes=args.nodes,
         workdir=workdir,
         link=preset(args.link) if args.link else None,
@@ -156,7 +166,7 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from fedgc.settings import SettingsError, new_run_name
+    from fedgc.settings import TASKS, SettingsError, new_run_name
     from simulations.plots import plot_run
 
     from .fedgc_run import (
@@ -180,7 +190,8 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     run_config = deploy_run_config(values, args.nodes)
     check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
-    with Deployment(_deployment_config(args)) as dep:
+    own = "" if run_config.train.task in TASKS else run_config.train.task
+    with Deployment(_deployment_config(args, allowed=own)) as dep:
         if dep.client_nodes():
             # With --auth each client key is bound to its node's authenticated id: a node
             # cannot serve another client's rounds by claiming its key.
