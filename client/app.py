@@ -36,7 +36,7 @@ from flwr.clientapp import ClientApp
 import dgc
 from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
-from client.stores import read_state
+from client.stores import StateMissingError, read_state
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
@@ -245,30 +245,35 @@ def _on_node(content: RecordDict) -> RecordDict:
 
 
 def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> ClientState:
-    """This client's state; a damaged record is moved aside and replaced by a fresh state.
+    """This client's state; a damaged record is moved aside, and a lost one given up, and the
+    client starts over from the global model with an empty residual, counted.
 
-    A ``dgc`` client whose record the server relies on (it acknowledged an update) but which the
-    store lacks, or holds only in an older copy, fails its round (:func:`client.stores.read_state`
-    raises StateMissingError): a node without the shared state folder must not silently restart
-    the residual from zero. A quarantined record is not such a case: its loss was detected and is
-    reported.
+    A ``dgc`` or ``stc`` client whose record the server relies on (it acknowledged an update)
+    but which the store lacks, or holds only in an older copy (:func:`client.stores.read_state`
+    raises StateMissingError: a lost disk, a reinstalled node, a node-local folder on a
+    cluster), would otherwise fail every round it is sampled in for the rest of the run. What the
+    record held since is lost either way; starting over keeps the client in the run and says so.
 
-    What the lost record held (residual, pending update) is gone: its bytes failed their check,
-    so not even its size can be trusted. The fresh state counts the quarantine, which the next
-    reply reports (``state_quarantined``), and is stored at once so that the count survives a
-    round that fails (a patch on the model the client no longer holds).
+    What a damaged record held (residual, pending update) is gone too: its bytes failed their
+    check, so not even its size can be trusted. The fresh state counts the loss, which the next
+    reply reports (``state_quarantined``, summed per round in ``rounds.csv``), and is stored at
+    once so that the count survives a round that fails (a patch on the model the client no
+    longer holds: the server sends the dense model the next time).
     """
     try:
         return read_state(store, key, ack, method, where=node.describe()) or ClientState()
+    except StateMissingError as ex:
+        logger.warning("client %s: %s; it starts over from the global model with an empty "
+                       "residual (reported as state_quarantined)", key, ex)
     except StateCorruptError as ex:
         if ex.path is None:
             raise
         moved = store.quarantine(ex.path)
         logger.warning("client %s: %s; moved it to %s and continues from the global model "
                        "with an empty residual (what the record held is lost)", key, ex, moved)
-        state = ClientState(quarantined=1)
-        store.save(key, state)
-        return state
+    state = ClientState(quarantined=1)
+    store.save(key, state)
+    return state
 
 
 @app.train()
