@@ -93,22 +93,45 @@ RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensor
 
 
 def check_run_config(written: Mapping[str, object] | None,
-                     current: Mapping[str, object] | None) -> None:
+                     current: Mapping[str, object] | None,
+                     defaults: Mapping[str, object] | None = None) -> None:
     """CheckpointError naming every key outside :data:`RESUMABLE_KEYS` whose value differs
     between the checkpointed run (``written``) and the resuming one (``current``).
 
-    Keys only one side knows (added or retired between fedgc versions) are not compared; a
-    checkpoint of a version that stored no configuration is not checked.
+    A key only one side has stands for its default (``defaults``, by default every run key's
+    own: a key added to fedgc since the checkpoint was written, at its default, computes what
+    the run did without it); a key without a default missing on one side is a difference (a
+    ``netem.*`` key of a run with the network emulator, resumed without it, turned the virtual
+    clock off mid-run). A checkpoint of a version that stored no configuration is not checked.
     """
     if written is None or current is None:
         return
-    changed = sorted(k for k in set(written) & set(current) - RESUMABLE_KEYS
-                     if written[k] != current[k])
+    if defaults is None:
+        defaults = run_key_defaults()
+    unset = object()
+
+    def value(side: Mapping[str, object], key: str) -> object:
+        return side[key] if key in side else defaults.get(key, unset)
+
+    changed = sorted(k for k in (set(written) | set(current)) - RESUMABLE_KEYS
+                     if value(written, k) != value(current, k))
     if changed:
-        what = ", ".join(f"{k} = {written[k]!r} (now {current[k]!r})" for k in changed)
+        def shown(side: Mapping[str, object], key: str) -> str:
+            v = value(side, key)
+            return "unset" if v is unset else repr(v)
+
+        what = ", ".join(f"{k} = {shown(written, k)} (now {shown(current, k)})" for k in changed)
         raise CheckpointError(f"the checkpoint was written by a run with {what}; resume it with "
                               f"the same values (only {sorted(RESUMABLE_KEYS)} may change) or "
                               f"start a new run")
+
+
+def run_key_defaults() -> dict[str, object]:
+    """Every run key (``fedgc.settings``' ServerSettings and TrainSettings) with its default."""
+    from fedgc.settings import ServerSettings, TrainSettings, fields_of
+
+    return {f.metadata["key"]: f.default for cls in (ServerSettings, TrainSettings)
+            for f in fields_of(cls)}
 
 
 #: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts of the same

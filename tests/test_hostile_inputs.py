@@ -145,3 +145,27 @@ def test_traffic_out_naming_a_file_is_refused_and_the_file_kept(
     code, err = _main(["traffic", str(base), "--out", str(afile)], capsys)
     assert code == 2 and f"--out {afile} is not a folder" in err
     assert afile.read_text() == "the user's"
+
+
+# ------------------------------------------------------------------ resume and the emulator
+
+
+@pytest.mark.parametrize("first, then, words", [
+    (["netem.enabled=true"], ["netem.enabled=false"], "netem.enabled = True (now unset)"),
+    ([], ["netem.enabled=true"], "netem.enabled = unset (now True)"),
+])
+def test_a_resume_cannot_switch_the_emulator_off_or_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], first: list[str], then: list[str],
+        words: str) -> None:
+    """Issue 26 item 6: ``--set netem.enabled=false`` on a netem checkpoint was accepted (keys
+    one side lacks were not compared) and virtual time dropped to 0 mid-run."""
+    base = ["run", "--set", "task=digits", "--set", "sim.engine=local", "--set", "num_clients=4",
+            "--set", "clients_per_round=2", "--set", "progress=false", "--set", "partition=iid",
+            "--set", f"results_dir={tmp_path}", "--set", "run_name=r"]
+    sets = [x for s in first for x in ("--set", s)]
+    assert main([*base, "--set", "rounds=1", *sets]) == 0
+    capsys.readouterr()
+    again = [x for s in then for x in ("--set", s)]
+    code, err = _main([*base, "--set", "rounds=2", "--set", "resume=true", *again], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and words in err, err
+    assert len((tmp_path / "r" / "rounds.csv").read_text().splitlines()) == 2  # round 1 only
