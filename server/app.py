@@ -22,12 +22,13 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedgc.flower_log import drop_noise
 from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, parse_client_nodes, to_flat
-from server.checkpoint import CHECKPOINT_FILE
-from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
+from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
+from server.folders import make_folders, plan_folders
+from server.preflight import check_run
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
-from server.tensorboard import RoundWriter, clear_events
+from server.tensorboard import RoundWriter
 
 app = ServerApp()
 
@@ -64,51 +65,26 @@ def flwr_app_config_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
-class RunFolderError(RuntimeError):
-    """The run folder holds an earlier run and neither ``resume`` nor ``overwrite`` is set."""
-
-
 class NothingAggregatedError(RuntimeError):
     """A run ended in which no round aggregated a single update: it did not train at all."""
 
 
 def prepare_run_dir(config: RunConfig) -> None:
-    """Create the run folder; refuse to clobber an earlier run unless told to, and refuse a run
-    that cannot work (:func:`server.preflight.check_run`) before its first round.
+    """Check that the run may use its folders and can work, then create them: a run refused
+    here leaves nothing behind (:mod:`server.folders`, :func:`server.preflight.check_run`).
 
     Raises
     ------
     RunFolderError
-        The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), cannot be
-        created or written, or ``overwrite`` would delete files fedgc did not write.
+        The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), belongs to
+        another run or a comparison, or cannot be created or written.
     server.preflight.PreflightError
-        The run cannot work (clients without data, no writable ``state_dir``, a damaged
-        checkpoint to resume).
+        The run cannot work (clients without data, a ``state_dir`` of another run or that
+        cannot be written, a damaged checkpoint to resume).
     """
-    run_dir, s = config.run_dir, config.server
-    try:
-        has_run = (run_dir / CHECKPOINT_FILE).exists() or (run_dir / "rounds.csv").exists()
-        if has_run and not (s.resume or s.overwrite):
-            raise RunFolderError(f"{run_dir} already holds a run; set resume=true to continue "
-                                 f"it, overwrite=true to replace it, or choose another run_name")
-        if has_run and s.overwrite and not s.resume:
-            # Residuals of the replaced run must not leak into the new one; a state_dir that
-            # holds anything else is refused before any file of the old run is deleted.
-            try:
-                clear_state_dir(config.state_dir)
-            except PreflightError as ex:
-                raise RunFolderError(str(ex)) from ex
-            for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
-                (run_dir / name).unlink(missing_ok=True)
-            clear_events(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        check_writable(run_dir, "run folder", "results are written there")
-    except PreflightError as ex:
-        raise RunFolderError(str(ex)) from ex
-    except OSError as ex:
-        raise RunFolderError(f"run folder {run_dir}: {ex.strerror or ex} (results_dir="
-                             f"{s.results_dir!r}, run_name={s.run_name!r})") from ex
+    plan = plan_folders(config)
     check_run(config)
+    make_folders(config, plan)
 
 
 def _clock(seconds: float) -> str:

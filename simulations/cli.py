@@ -206,6 +206,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     that sent the least): ``last10_at_equal_traffic``
     (:func:`simulations.compare.at_equal_traffic`).
     """
+    from server.folders import check_compare_folder, claim_compare_folder
+    from server.preflight import check_run
     from simulations.plots import plot_bands
 
     if not isinstance(jobs, int) or jobs < 1:
@@ -222,6 +224,11 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     if jobs > 1:  # interleaved per-round lines from several runs read as noise
         per_config = [c.with_overrides({"progress": False}) for c in per_config]
     plan = [_method_config(c, m) for c in per_config for m in methods]
+    # The folder is the comparison's alone (not a run's), and nothing is created in it before
+    # the first run's checks pass.
+    compare_id = check_compare_folder(config.run_dir)
+    check_run(plan[0])
+    claim_compare_folder(config.run_dir, compare_id)
     done = iter(zip(plan, _run_all(plan, verbose, netem, jobs), strict=True))
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
