@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import uuid
 from dataclasses import asdict, dataclass
@@ -150,10 +151,17 @@ def written(folder: Path) -> list[str]:
 
 
 def remove_written(folder: Path) -> list[str]:
-    """Delete the files ``folder``'s manifest lists (plain files only), then the manifest; return
-    the names deleted. Nothing else in the folder is touched."""
+    """Delete the files ``folder``'s manifest lists (plain files only) and the temporary files
+    a crash left while writing them (``.<name>.<8 characters>.tmp``, what
+    :func:`fedgc.files.atomic_write` makes), then the manifest; return the names deleted.
+    Nothing else in the folder is touched."""
+    if not Path(folder).is_dir():
+        return []
+    listed = written(folder)
+    temporary = re.compile(r"^\.(" + "|".join(map(re.escape, listed)) + r")\.[a-z0-9_]{8}\.tmp$")
     removed = []
-    for name in written(folder):
+    leftovers = [p.name for p in Path(folder).iterdir() if listed and temporary.match(p.name)]
+    for name in [*listed, *leftovers]:
         path = Path(folder) / name
         try:
             if stat.S_ISDIR(path.lstat().st_mode):

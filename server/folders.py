@@ -38,6 +38,14 @@ COMPARE_FILES = ("compare.json", "compare.png", "accuracy_vs_traffic.png")
 #: A client's record as the store names it (integer client keys), current or legacy: one
 #: such file that the manifest does not list stops an overwrite (it would leak a residual).
 _RECORD = re.compile(r"^\d{1,19}\.(?:state|pt)$")
+#: What the client store of a fedgc that kept no manifest wrote: ``<key>.state``, legacy
+#: ``<key>.pt``, ``<key>.state.corrupt-<n>`` and its temporary ``.<key>.state.<8>.tmp`` files,
+#: integer client keys; deleted only in the default state folder of such a run, replaced.
+_LEGACY_STATE_FILE = re.compile(r"^(?:\d{1,19}\.(?:state|pt)(?:\.corrupt-\d{1,9})?"
+                                r"|\.\d{1,19}\.(?:state|pt)\.[a-z0-9_]{8}\.tmp)$")
+#: The state folder of a run without ``state_dir``, inside its run folder
+#: (``fedgc.settings.RunConfig.state_dir``).
+DEFAULT_STATE_DIR = "client_state"
 
 
 class RunFolderError(RuntimeError):
@@ -52,6 +60,7 @@ class FolderPlan:
 
     run_id: str
     replace: bool
+    legacy_state: bool = False  # replacing a run of a fedgc that marked no folder
 
 
 def _entries(folder: Path) -> list[str]:
@@ -105,7 +114,8 @@ def plan_folders(config: Any) -> FolderPlan:
     run_id = owner.run_id if owner is not None else new_run_id()
     replace = has_run and s.overwrite and not s.resume
     _plan_state_dir(config, run_id, replace)
-    return FolderPlan(run_id, replace)
+    legacy = replace and owner is None and config.state_dir == run_dir / DEFAULT_STATE_DIR
+    return FolderPlan(run_id, replace, legacy)
 
 
 def _plan_state_dir(config: Any, run_id: str, replace: bool) -> None:
@@ -120,11 +130,17 @@ def _plan_state_dir(config: Any, run_id: str, replace: bool) -> None:
             f"(two runs in one folder mix their residuals); choose another state_dir, or resume "
             f"that run")
     entries = _entries(folder)
+    if owner is None and replace and folder == run_dir / DEFAULT_STATE_DIR:
+        # A run written before fedgc marked its folders, replaced in place: its own client
+        # state folder, inside its run folder, holds the store's files (integer client keys)
+        # and perhaps others, which stay.
+        return
     if owner is None and entries and not config.server.resume:
         # Unmarked: the user's, or written before fedgc marked its folders (a resume of such a
         # run may use it). A new run starts from an empty folder.
         raise PreflightError(
-            f"state_dir {folder} holds {len(entries)} entries and no run's mark "
+            f"state_dir {folder} holds {len(entries)} "
+            f"entr{'y' if len(entries) == 1 else 'ies'} and no run's mark "
             f"({_listing(entries)}); a new run keeps its client state in an empty folder "
             f"(fedgc deletes only what it listed there): choose another state_dir or empty it")
     if replace:
@@ -185,6 +201,10 @@ def make_folders(config: Any, plan: FolderPlan) -> None:
     if plan.replace:
         # Residuals of the replaced run must not leak into the new one.
         remove_written(config.state_dir)
+        if plan.legacy_state:
+            for path in config.state_dir.iterdir():
+                if _LEGACY_STATE_FILE.match(path.name) and path.is_file():
+                    path.unlink()
         for name in RUN_FILES:
             (run_dir / name).unlink(missing_ok=True)
         clear_events(run_dir)

@@ -55,7 +55,7 @@ def test_a_state_dir_belongs_to_one_run(tmp_path: Path, capsys: pytest.CaptureFi
     (theirs / "3.state").write_text("someone's")
     code, err = _main(["run", *BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=c",
                        "--set", f"state_dir={theirs}"], capsys)
-    assert code == 2 and "holds 1 entries and no run's mark (3.state)" in err
+    assert code == 2 and "holds 1 entry and no run's mark (3.state)" in err
     assert (theirs / "3.state").read_text() == "someone's"
 
 
@@ -134,6 +134,34 @@ def test_marks_and_manifests(tmp_path: Path) -> None:
     for bad in ("../x", "a/b", MARK):
         with pytest.raises(OwnershipError):
             note_written(state, bad)
+    # What a crash leaves while writing a listed file goes with it; look-alikes stay.
+    for name in (".1.state.ab_4k9z0.tmp", ".1.state.notes.tmp", ".3.state.ab_4k9z0.tmp"):
+        (state / name).write_text("x")
     assert written(state) == ["1.state", "2.state", "never-made.state", "ours"]
-    assert remove_written(state) == ["1.state", "2.state"]
-    assert sorted(p.name for p in state.iterdir()) == ["3.state", "ours"]
+    assert remove_written(state) == ["1.state", "2.state", ".1.state.ab_4k9z0.tmp"]
+    assert sorted(p.name for p in state.iterdir()) == [".1.state.notes.tmp",
+                                                       ".3.state.ab_4k9z0.tmp", "3.state", "ours"]
+
+
+def test_a_run_of_a_fedgc_that_marked_nothing_is_replaced_in_its_own_folders(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`make demo` over the results/demo an earlier fedgc wrote: no marks, no manifest."""
+    argv = ["run", *BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=old",
+            "--set", "method=dgc"]
+    assert _main(argv, capsys)[0] == 0
+    run, state = tmp_path / "old", tmp_path / "old" / "client_state"
+    for folder in (run, state):
+        (folder / MARK).unlink()
+    (state / ".fedgc-written").unlink()
+    (state / "my-notes.txt").write_text("mine")
+    (state / ".0.state.x1y2z3w4.tmp").write_text("a crash's")
+    assert _main([*argv, "--set", "overwrite=true"], capsys)[0] == 0
+    assert (state / "my-notes.txt").read_text() == "mine"
+    assert not (state / ".0.state.x1y2z3w4.tmp").exists()
+    assert owner_of(run).run_id == owner_of(state).run_id
+    # A state_dir of its own choosing, unmarked and not empty, is still refused.
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "0.state").write_text("?")
+    code, err = _main([*argv, "--set", "overwrite=true", "--set", f"state_dir={other}"], capsys)
+    assert code == 2 and "no run's mark" in err and (other / "0.state").read_text() == "?"
