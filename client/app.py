@@ -289,11 +289,11 @@ def train(msg: Message, context: Context) -> Message:
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
+    allowed = allowed_callables(context)
+    task = _task_or_refusal(s, allowed)  # before anything is written: a refusal writes nothing
     store = _store(s, context)
     state = _load_state(store, str(key), ack, s.method)
 
-    allowed = allowed_callables(context)
-    task = _task_or_refusal(s, allowed)
     parts = _partitions(s.task_spec(), allowed, s.num_clients, s.partition, s.alpha, s.seed)
     if not 0 <= key < len(parts):
         raise ClientProtocolError(f"client key {key} has no partition: the task has "

@@ -68,7 +68,7 @@ def test_a_message_cannot_make_a_deployed_node_run_code(
     assert reply.has_error()
     assert f"task = {task!r} is not allowed on this node" in reply.error.reason
     assert ALLOWED_CALLABLES in reply.error.reason
-    assert not marker.exists()
+    assert not marker.exists() and not (evil_module / "state").exists()  # nothing written
     assert not (evil_module / "imported").exists() and not (evil_module / "called").exists()
     assert "evil_mod" not in sys.modules
 
