@@ -11,11 +11,10 @@ One train message, in order:
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
    sequence), fold it back into the residual with the compressor's ``restore``;
-6. compress ("dense" and "fedavgm": all of it in fp32; "topk": no residual, no momentum;
-   "stc": sparse ternary, :mod:`dgc.stc`; "dgc": configured; topk and dgc give small tensors
-   ``dgc.small_density``, :meth:`TrainSettings.compressor`), encode with ``dgc.encode``;
-7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.signs`), send
-   the residual at those indices as scaled signs too;
+6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
+   it in fp32), encode with its codec;
+7. when the message carries the method's round material (DGC's shared index sets,
+   :mod:`dgc.signs`), send the part of the residual that answers it too (the signs);
 8. store the new state and pending update(s), and reply.
 """
 
@@ -40,12 +39,10 @@ from client.stores import StateMissingError, read_state
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
-from dgc.signs.client import take_signs
-from dgc.signs.codec import Masks, decode_mask, encode_signs
+from fedgc import methods
 from fedgc import protocol as P
+from fedgc.refs import ALLOWED_CALLABLES, CallableNotAllowedError, check_allowed, is_ref
 from fedgc.settings import (
-    DENSE_METHODS,
-    RESIDUAL_METHODS,
     SettingsError,
     TaskSpec,
     TrainSettings,
@@ -77,8 +74,6 @@ def allowed_callables(context: Context) -> frozenset[str] | None:
     its node config lists in ``allowed-callables`` (comma-separated), so that a train message
     cannot name code the node was not given; None (any) when the list holds ``*``, and on
     Flower's simulation engine, whose nodes run the simulating user's own config."""
-    from fedgc.task_loader import ALLOWED_CALLABLES
-
     refs = frozenset(r.strip() for r in str(context.node_config.get(ALLOWED_CALLABLES, ""))
                      .split(",") if r.strip())
     return None if "*" in refs or node.in_simulation_engine() else refs
@@ -116,9 +111,21 @@ def client_key(context: Context) -> int:
     return int(context.node_id)
 
 
-def settings_from(config: ConfigRecord) -> TrainSettings:
-    """The TrainSettings keys of a message config (other keys are per-node or Flower's)."""
+def settings_from(config: ConfigRecord, allowed: frozenset[str] | None) -> TrainSettings:
+    """The TrainSettings keys of a message config (other keys are per-node or Flower's).
+
+    ``allowed`` (:func:`allowed_callables`; None: any): a ``task`` or ``method`` naming a
+    ``module:callable`` it lacks is refused here, before parsing, since parsing a method key
+    loads the method (imports its module) to read its defaults.
+    """
     values = {k: v for k, v in config.items() if k in _TRAIN_KEYS}
+    for ref_key in ("task", "method"):
+        ref = values.get(ref_key)
+        if is_ref(ref):
+            try:
+                check_allowed(str(ref), ref_key, allowed)
+            except CallableNotAllowedError as ex:
+                raise ClientProtocolError(str(ex)) from None
     try:
         # Every message of a run carries the same settings: parse them once per process. The
         # key holds each value's type too, since 1, 1.0 and True are equal but parse apart.
@@ -136,6 +143,16 @@ def settings_from(config: ConfigRecord) -> TrainSettings:
 @lru_cache(maxsize=16)
 def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
+
+
+def method_of(settings: TrainSettings, config: Any,
+              allowed: frozenset[str] | None) -> methods.Method:
+    """The run's method, configured with its own keys from the message ``config``; a
+    ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
+    try:
+        return methods.get(settings.method, allowed).with_keys(dict(config.items()))
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
 
 
 def state_root(settings: TrainSettings, context: Context) -> str:
@@ -213,24 +230,23 @@ def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | 
         raise ClientProtocolError(str(ex)) from ex
 
 
-def shared_masks(content: RecordDict,
-                 model: dict[str, torch.Tensor]) -> tuple[bytes, Masks] | None:
-    """The round's shared index sets (with their bytes), or None when the message has none."""
+def round_material(content: RecordDict, model: dict[str, torch.Tensor],
+                   method: methods.Method) -> tuple[bytes, Any] | None:
+    """The round's material (DGC's shared index sets) with its bytes, decoded by ``method``;
+    None when the message has none."""
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
     try:
         data = P.record_to_bytes(record, P.SHARED_MASK)
-        _, masks = decode_mask(data, {k: v.numel() for k, v in model.items()})
+        material = method.read_material(data, {k: v.numel() for k, v in model.items()})
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
-    return data, masks
+    return data, material
 
 
 def _task_or_refusal(s: TrainSettings, allowed: frozenset[str] | None) -> Any:
     """The run's task, or a ClientProtocolError when the node does not allow its callable."""
-    from fedgc.task_loader import CallableNotAllowedError
-
     try:
         return task_of(s.task_spec(), allowed)
     except CallableNotAllowedError as ex:
@@ -244,12 +260,13 @@ def _on_node(content: RecordDict) -> RecordDict:
     return content
 
 
-def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> ClientState:
+def _load_state(store: ClientStateStore, key: str, ack: int,
+                keeps_residual: bool) -> ClientState:
     """This client's state; a damaged record is moved aside, and a lost one given up, and the
     client starts over from the global model with an empty residual, counted.
 
-    A ``dgc`` or ``stc`` client whose record the server relies on (it acknowledged an update)
-    but which the store lacks, or holds only in an older copy (:func:`client.stores.read_state`
+    A client with a residual whose record the server relies on (it acknowledged an update) but
+    which the store lacks, or holds only in an older copy (:func:`client.stores.read_state`
     raises StateMissingError: a lost disk, a reinstalled node, a node-local folder on a
     cluster), would otherwise fail every round it is sampled in for the rest of the run. What the
     record held since is lost either way; starting over keeps the client in the run and says so.
@@ -261,7 +278,8 @@ def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> Cli
     longer holds: the server sends the dense model the next time).
     """
     try:
-        return read_state(store, key, ack, method, where=node.describe()) or ClientState()
+        return read_state(store, key, ack, keeps_residual,
+                          where=node.describe()) or ClientState()
     except StateMissingError as ex:
         logger.warning("client %s: %s; it starts over from the global model with an empty "
                        "residual (reported as state_quarantined)", key, ex)
@@ -284,15 +302,17 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content.config_records.get(P.CONFIG)
     if config is None:
         raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
-    s = settings_from(config)
+    allowed = allowed_callables(context)
+    s = settings_from(config, allowed)
+    method = method_of(s, config, allowed)
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
-    allowed = allowed_callables(context)
     task = _task_or_refusal(s, allowed)  # before anything is written: a refusal writes nothing
     store = _store(s, context)
-    state = _load_state(store, str(key), ack, s.method)
+    keeps_residual = method.keeps_residual
+    state = _load_state(store, str(key), ack, keeps_residual)
 
     parts = _partitions(s.task_spec(), allowed, s.num_clients, s.partition, s.alpha, s.seed)
     if not 0 <= key < len(parts):
@@ -301,7 +321,6 @@ def train(msg: Message, context: Context) -> Message:
     idx = torch.from_numpy(parts[key])
 
     reply = state.reply
-    keeps_residual = s.method in RESIDUAL_METHODS
     if (keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
@@ -313,7 +332,7 @@ def train(msg: Message, context: Context) -> Message:
 
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
-    shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
+    material = round_material(msg.content, global_state, method)
     model = _model(task, s.task_spec())
     model.load_state_dict(global_state)
     local = train_locally(
@@ -326,31 +345,31 @@ def train(msg: Message, context: Context) -> Message:
     shared_data: bytes | None = None
     shared_entries = 0
     new_state = ClientState()
-    if s.method in DENSE_METHODS:
+    compressor = method.compressor(s, key)
+    if compressor is None:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:
-        compressor = s.compressor()
         if keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
-            restored = int(fold_back_pending(compressor, state, ack,
-                                             {k: v.numel() for k, v in global_state.items()}))
+            restored = int(fold_back_pending(
+                compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
+                method, s))
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        if shared is not None:
-            signs = take_signs(compressor.residual(), shared[1], server_round)
-            shared_data = encode_signs(signs)
-            shared_entries = signs.nnz
+        side = (method.side_part(compressor, material[1], server_round)
+                if material is not None else None)
+        if side is not None:
+            shared_data, shared_entries = side
         if keeps_residual:
             new_state.compressor = compressor.state_dict()
-    # STC's values are ternary whatever dgc.ternary says: one sign bit each on the wire.
-    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc")
+    data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and shared is not None:
+        if shared_data is not None and material is not None:
             new_state.pending_shared = shared_data
-            new_state.pending_mask = shared[0]
+            new_state.pending_mask = material[0]
     if bool(config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = global_state
@@ -374,8 +393,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the sent (dense) model on this client's partition (federated evaluation)."""
     torch.set_num_threads(1)
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
-    s = settings_from(config)
     allowed = allowed_callables(context)
+    s = settings_from(config, allowed)
     task = _task_or_refusal(s, allowed)
     parts = _partitions(s.task_spec(), allowed, s.num_clients, s.partition, s.alpha, s.seed)
     key = client_key(context)

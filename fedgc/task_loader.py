@@ -17,23 +17,21 @@ server passes None, its own run config being trusted (docs/threat_model.md).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Collection
 from typing import Any
 
-from fedgc.settings import TASK_REF, TASKS, SettingsError, TaskSpec, options_of
+from fedgc.refs import (
+    ALLOWED_CALLABLES,
+    CallableNotAllowedError,
+    is_ref,
+    resolve_callable,
+    short,
+)
+from fedgc.schema import SettingsError, options_of
+from fedgc.settings import TASKS, TaskSpec
 from tasks import Task, get_task
 
-#: Node config key of the ``module:callable`` references a client's node lets a run call,
-#: comma-separated; ``*`` lets it call any (simulated nodes: the run config is the simulating
-#: user's own).
-ALLOWED_CALLABLES = "allowed-callables"
-
 __all__ = ["ALLOWED_CALLABLES", "CallableNotAllowedError", "load_task", "resolve_callable"]
-
-
-class CallableNotAllowedError(SettingsError):
-    """A run names a ``module:callable`` that the caller (a client's node) does not allow."""
 
 
 def load_task(spec: TaskSpec, allowed: Collection[str] | None = None) -> Task:
@@ -55,7 +53,10 @@ def load_task(spec: TaskSpec, allowed: Collection[str] | None = None) -> Task:
         return get_task(spec.task, model=spec.model or None, data_dir=spec.data_dir or None,
                         model_options=options_of("model_options", spec.model_options) or None,
                         **options)
-    build = resolve_callable(spec.task, allowed=allowed)
+    if not is_ref(spec.task):
+        raise SettingsError(f"task = {spec.task!r} is neither a shipped task {list(TASKS)} nor "
+                            f"'module:callable'")
+    build: Any = resolve_callable(spec.task, "task", "a tasks.Task", allowed=allowed)
     try:
         task = build(**options)
     except Exception as ex:
@@ -63,60 +64,5 @@ def load_task(spec: TaskSpec, allowed: Collection[str] | None = None) -> Task:
                             f"raised {type(ex).__name__}: {ex}") from ex
     if not isinstance(task, Task):
         raise SettingsError(f"task = {spec.task!r} returned {type(task).__name__} "
-                            f"({_short(task)}); expected a tasks.Task")
+                            f"({short(task)}); expected a tasks.Task")
     return task
-
-
-def resolve_callable(ref: str, allowed: Collection[str] | None = None,
-                     key: str = "task") -> Any:
-    """The callable ``module:attr`` names (``attr`` may be dotted, e.g. ``Class.build``).
-
-    ``allowed``: the references the caller may run (None: any); another is refused before
-    its module is imported, since importing runs the module's code. ``key`` names the run key
-    in messages (``task``, ``method``).
-
-    Raises
-    ------
-    CallableNotAllowedError
-        ``ref`` is not in ``allowed``.
-    SettingsError
-        ``ref`` is not ``module:callable``, its module or attribute is missing, or it is not a
-        callable.
-    """
-    if TASK_REF.fullmatch(ref) is None:
-        raise SettingsError(f"{key} = {ref!r} is neither a shipped {key} nor "
-                            f"'module:callable'" + (f" (shipped: {list(TASKS)})"
-                                                    if key == "task" else ""))
-    if allowed is not None and ref not in allowed:
-        listed = ", ".join(sorted(allowed)[:5]) or "none"
-        raise CallableNotAllowedError(
-            f"{key} = {ref!r} is not allowed on this node: a client runs only the callables its "
-            f"node config lists in {ALLOWED_CALLABLES!r} (it lists: {listed}), whatever the "
-            f"server sends; add it there on the node to trust it (docs/threat_model.md)")
-    module_name, _, attr = ref.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as ex:
-        if ex.name is not None and module_name.startswith(ex.name):
-            raise SettingsError(f"{key} = {ref!r}: no module named {ex.name!r}; it must be "
-                                f"importable here and on every client (add its folder to "
-                                f"PYTHONPATH, or install it)") from ex
-        raise SettingsError(f"{key} = {ref!r}: importing {module_name!r} failed: {ex}") from ex
-    except Exception as ex:
-        raise SettingsError(f"{key} = {ref!r}: importing {module_name!r} raised "
-                            f"{type(ex).__name__}: {ex}") from ex
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise SettingsError(f"{key} = {ref!r}: {module_name!r} has no attribute "
-                                f"{attr!r}") from None
-    if not callable(obj):
-        raise SettingsError(f"{key} = {ref!r} is a {type(obj).__name__}, not a callable"
-                            + (" returning a tasks.Task" if key == "task" else ""))
-    return obj
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

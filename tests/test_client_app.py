@@ -15,6 +15,7 @@ from client.app import app as client_app
 from client.state import ClientStateStore
 from dgc.signs.codec import decode_signs, encode_mask
 from fedgc import protocol as P
+from fedgc.methods import get
 from fedgc.settings import TrainSettings, to_flat
 from server.local_grid import LocalGrid
 
@@ -67,7 +68,7 @@ def test_reply_carries_encoded_update_and_metrics(tmp_path, method):
 
 def _residual(settings: TrainSettings, key: str) -> dict[str, torch.Tensor]:
     """The stored residual of a client, read back through the compressor its settings build."""
-    compressor = settings.compressor()
+    compressor = get(settings.method).compressor(settings, 0)
     compressor.load_state_dict(ClientStateStore(settings.state_dir).get(key)["compressor"])
     return compressor.residual()
 
@@ -108,7 +109,7 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, t
 @pytest.mark.parametrize("small_density, small_nnz", [(0.0, 100), (0.1, 200), (0.5, 1000)])
 def test_small_tensors_get_their_own_density(tmp_path, method, small_density, small_nnz):
     """dgc.small_density sets the entries of the 10x200 output layer; the hidden layer keeps
-    dgc.density (ceil(0.05 * 12,800) = 640); biases are sent dense."""
+    density (ceil(0.05 * 12,800) = 640); biases are sent dense."""
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, method=method, small_density=small_density, selection="exact")
     reply = _send(grid, 1, s, 1, -1, _global())
@@ -412,13 +413,14 @@ def test_settings_are_parsed_once_and_their_types_still_checked():
     from client.app import ClientProtocolError, settings_from
 
     flat = to_flat(TrainSettings(task="digits", num_clients=3))
-    first = settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 1}))
+    first = settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 1}), None)
     assert first.batch_size == 1
     # Per-node keys do not take part: the next round's message gets the same object.
-    assert settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 2})) is first
-    assert settings_from(ConfigRecord({**flat, "batch_size": 2})).batch_size == 2
+    assert settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 2}),
+                         None) is first
+    assert settings_from(ConfigRecord({**flat, "batch_size": 2}), None).batch_size == 2
     with pytest.raises(ClientProtocolError, match="batch_size"):
-        settings_from(ConfigRecord({**flat, "batch_size": True}))
+        settings_from(ConfigRecord({**flat, "batch_size": True}), None)
 
 
 def test_reused_model_carries_nothing_between_clients(tmp_path):

@@ -14,8 +14,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from client.app import app as client_app
 from fedgc import protocol as P
+from fedgc.refs import ALLOWED_CALLABLES, CallableNotAllowedError, resolve_callable
 from fedgc.settings import TrainSettings, to_flat
-from fedgc.task_loader import ALLOWED_CALLABLES, CallableNotAllowedError, resolve_callable
 from server.local_grid import LocalGrid
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -90,6 +90,54 @@ def test_a_node_runs_the_callables_its_own_config_lists(
     reply = _send(grid, other)
     assert reply.has_error() and "(it lists: json:loads, own_task.task:build)" in \
         reply.error.reason
+
+
+@pytest.mark.parametrize("kind", [MessageType.TRAIN, MessageType.EVALUATE])
+def test_a_message_cannot_make_a_deployed_node_load_a_method(evil_module: Path,
+                                                             kind: str) -> None:
+    """A method is code too: ``method = "module:callable"`` in a train message is refused
+    before the settings are parsed (parsing a method key loads the method)."""
+    grid = LocalGrid(client_app, 2)
+    node = next(iter(grid.partition_of))
+    flat = {**to_flat(TrainSettings(task="digits", num_clients=2, clients_per_round=2,
+                                    state_dir=str(evil_module / "state"))),
+            "method": "evil_mod:build"}
+    torch.manual_seed(0)
+    from tasks import get_task
+
+    cfg = ConfigRecord({**flat, P.SERVER_ROUND: 1, P.MODEL_VERSION: 0, P.ACK_SEQUENCE: -1,
+                        P.DOWNLINK: "dense"})
+    msg = Message(RecordDict({P.ARRAYS: ArrayRecord(get_task("digits").build_model()
+                                                    .state_dict()), P.CONFIG: cfg}),
+                  dst_node_id=node, message_type=kind)
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error()
+    assert "method = 'evil_mod:build' is not allowed on this node" in reply.error.reason
+    assert "evil_mod" not in sys.modules and not (evil_module / "imported").exists()
+    assert not (evil_module / "state").exists()
+
+
+def test_a_method_loaded_by_the_server_is_still_refused_to_a_node(evil_module: Path) -> None:
+    """The registry keeps a loaded method per process; a node's allow-list is checked first, so
+    a method the server's process loaded (its own config) is not handed to a node that does not
+    allow it."""
+    from fedgc.methods import registry
+
+    (evil_module / "evil_method.py").write_text(
+        "from fedgc.methods.dense import Dense\n"
+        "class EvilDense(Dense):\n"
+        "    name = 'evil_dense'\n"
+        "    baseline = False\n"
+        "def make():\n"
+        "    return EvilDense()\n")
+    ref = "evil_method:make"
+    try:
+        assert registry.get(ref).name == "evil_dense"  # the server: any
+        with pytest.raises(CallableNotAllowedError, match="method = 'evil_method:make'"):
+            registry.get(ref, frozenset({OWN}))
+        assert registry.get(ref, frozenset({ref})).name == "evil_dense"
+    finally:
+        registry._LOADED.pop(ref, None)
 
 
 def test_the_one_loading_function_refuses_before_importing(evil_module: Path) -> None:

@@ -17,7 +17,7 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
-from fedgc.task_loader import ALLOWED_CALLABLES
+from fedgc.refs import ALLOWED_CALLABLES, is_ref
 from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
 
@@ -137,8 +137,8 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
 
 def _deployment_config(args: argparse.Namespace, allowed: str = "") -> DeploymentConfig:
     """The deployment of ``args``; ``allowed``: the ``module:callable`` references the
-    SuperNodes' node config lets a run call (the run's own task: this command is the nodes'
-    operator too)."""
+    SuperNodes' node config lets a run call (the run's own task and method: this command is the
+    nodes' operator too)."""
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
 
     def node_config(index: int, nodes: int) -> dict[str, object]:
@@ -166,7 +166,7 @@ def _deployment_config(args: argparse.Namespace, allowed: str = "") -> Deploymen
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from fedgc.settings import TASKS, SettingsError, new_run_name
+    from fedgc.settings import SettingsError, new_run_name
     from simulations.plots import plot_run
 
     from .fedgc_run import (
@@ -190,7 +190,9 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     run_config = deploy_run_config(values, args.nodes)
     check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
-    own = "" if run_config.train.task in TASKS else run_config.train.task
+    # The run's own task and method, when they are module:callable: the nodes run nothing else.
+    own = ",".join(ref for ref in (run_config.train.task, run_config.train.method)
+                   if is_ref(ref))
     with Deployment(_deployment_config(args, allowed=own)) as dep:
         if dep.client_nodes():
             # With --auth each client key is bound to its node's authenticated id: a node

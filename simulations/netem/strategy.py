@@ -11,7 +11,8 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    acknowledges the aggregated updates; every other client is not acknowledged and folds its
    update back into its residual at its next round (no gradient mass is lost);
 4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
-   and advances the virtual clock to the round's close.
+   through the server's extension point (:class:`NetemColumns`, :mod:`server.extensions`) and
+   advances the virtual clock to the round's close.
 """
 
 from __future__ import annotations
@@ -27,12 +28,80 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedgc import protocol as P
+from server.extensions import Added, Column, RoundExtension
 from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 from server.strategy import DGCStrategy
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply
-from simulations.netem.settings import ROUND_KEY, ROUND_START_KEY, NetemSettings
+from simulations.netem.settings import PREFIX, ROUND_KEY, ROUND_START_KEY, NetemSettings
+
+
+class NetemColumns(RoundExtension):
+    """The emulator's columns: each round's virtual time and the clients its clock dropped, by
+    cause (``rounds.csv``, TensorBoard, the progress line, ``summary.json``)."""
+
+    columns = (Column("virtual_seconds", "time/virtual_seconds", "virtual {:6.1f}s"),
+               Column("dropped_deadline", "clients/dropped_deadline"),
+               Column("dropped_link", "clients/dropped_link"),
+               Column("dropped_rejected", "clients/dropped_rejected"))
+
+    def __init__(self, strategy: NetemStrategy) -> None:
+        self.strategy = strategy
+
+    def after_round(self, record: RoundRecord, rows: list[ClientRow]) -> Added:
+        """Mark the clients the clock dropped, and add the round's virtual time and drops.
+
+        A straggler (in time, but after the K-th arrival closed the round) is over-selection
+        doing its job: its row reads ``surplus`` (reason ``straggler``) and it is not counted
+        as failed. Every other drop is a failure: ``dropped`` with its cause.
+        """
+        outcome = self.strategy.outcomes[record.round]
+        rejected = self.strategy.rejected_finish
+        for row in rows:
+            why = outcome.dropped.get(row.client_key)
+            late = rejected.get(row.client_key, -math.inf) > outcome.end_s
+            if why == REASON_STRAGGLER:
+                if row.status == "timeout":  # the base strategy saw no reply from it
+                    record.clients_failed -= 1
+                row.status, row.reason = "surplus", why
+            elif why is not None:
+                row.status, row.reason = "dropped", why
+            elif late:
+                row.status, row.reason = "dropped", "deadline"
+        return Added({
+            "virtual_seconds": outcome.virtual_seconds,
+            "dropped_deadline": outcome.dropped_deadline + sum(
+                t > outcome.end_s for t in rejected.values()),
+            "dropped_link": outcome.dropped_link,
+            "dropped_rejected": sum(t <= outcome.end_s for t in rejected.values())})
+
+    def summary(self, rounds: Any) -> dict[str, Any]:
+        """The emulator's keys of ``summary.json``."""
+        def total(name: str) -> float:
+            return sum(r.extra.get(name, 0) for r in rounds)
+
+        target = self.strategy.target_accuracy
+        to_target: float | None = None
+        if target > 0:
+            elapsed = 0.0
+            for r in rounds:
+                elapsed += r.extra.get("virtual_seconds", 0.0)
+                if math.isfinite(r.accuracy) and r.accuracy >= target:
+                    to_target = elapsed
+                    break
+        return {"virtual_seconds": total("virtual_seconds"),
+                "virtual_seconds_to_target": to_target, "target_accuracy": target or None,
+                "dropped_deadline": total("dropped_deadline"),
+                "dropped_link": total("dropped_link"),
+                "dropped_rejected": total("dropped_rejected"),
+                "netem": self.strategy.netem.to_config()}
+
+    def run_config(self) -> dict[str, Any]:
+        """The scenario: part of what a resumed run must keep (the target accuracy only
+        reports)."""
+        return {k: v for k, v in self.strategy.netem.to_config().items()
+                if k != PREFIX + "target_accuracy"}
 
 
 class NetemStrategy(DGCStrategy):
@@ -45,14 +114,15 @@ class NetemStrategy(DGCStrategy):
     target_accuracy : float (default: 0.0)
         When > 0, the summary reports the virtual seconds until the global model first reached
         it (``virtual_seconds_to_target``).
-    **kwargs
-        Everything :class:`server.strategy.DGCStrategy` takes (``clients_per_round``,
-        ``over_selection``, ...).
+    *args, **kwargs
+        What :class:`server.strategy.DGCStrategy` takes (``settings``, ``method``,
+        ``on_round``, ``extensions``).
     """
 
     def __init__(self, *args: Any, netem: NetemSettings, target_accuracy: float = 0.0,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.extensions.append(NetemColumns(self))
         if not isinstance(netem, NetemSettings):
             raise TypeError(f"netem must be NetemSettings, got {type(netem).__name__}")
         if not (isinstance(target_accuracy, (int, float)) and 0.0 <= target_accuracy <= 1.0):
@@ -63,7 +133,7 @@ class NetemStrategy(DGCStrategy):
         self.virtual_now_s = 0.0
         self.outcomes: dict[int, RoundOutcome] = {}
         # This round's replies that failed validation: client key -> when they finished.
-        self._rejected_finish: dict[int, float] = {}
+        self.rejected_finish: dict[int, float] = {}
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
@@ -123,7 +193,7 @@ class NetemStrategy(DGCStrategy):
         outcome = self.clock.close(server_round, start_s, timelines)
         in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
         self.outcomes[server_round] = outcome
-        self._rejected_finish = {k: t for k, (_, t) in rejected.items()}
+        self.rejected_finish = {k: t for k, (_, t) in rejected.items()}
         # A client that replied with an update (even too late, or cut on the uplink) trained on
         # the model sent this round, so it holds that version: the download completed, which
         # the server's side of the transfer knows. Later patches may build on it.
@@ -131,56 +201,11 @@ class NetemStrategy(DGCStrategy):
                      + checked[len(finished):] + ignored)
         arrays, metrics = self.aggregate_checked(server_round, forwarded, processed=computed)
         self.virtual_now_s = outcome.end_s
-        if metrics is not None:
-            metrics["virtual_seconds"] = outcome.virtual_seconds
-        record = self.round_record
+        added = self.round_record.extra
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
-            "rejected", server_round, outcome.virtual_seconds, record.dropped_deadline,
-            record.dropped_link, record.dropped_rejected)
+            "rejected", server_round, outcome.virtual_seconds, added["dropped_deadline"],
+            added["dropped_link"], added["dropped_rejected"])
         return arrays, metrics
-
-    def close_round(self, record: RoundRecord, rows: list[ClientRow]) -> None:
-        """Mark the clients the clock dropped, and record the round's virtual time.
-
-        A straggler (in time, but after the K-th arrival closed the round) is over-selection
-        doing its job: its row reads ``surplus`` (reason ``straggler``) and it is not counted
-        as failed. Every other drop is a failure: ``dropped`` with its cause.
-        """
-        outcome = self.outcomes[record.round]
-        for row in rows:
-            why = outcome.dropped.get(row.client_key)
-            late = self._rejected_finish.get(row.client_key, -math.inf) > outcome.end_s
-            if why == REASON_STRAGGLER:
-                if row.status == "timeout":  # the base strategy saw no reply from it
-                    record.clients_failed -= 1
-                row.status, row.reason = "surplus", why
-            elif why is not None:
-                row.status, row.reason = "dropped", why
-            elif late:
-                row.status, row.reason = "dropped", "deadline"
-        record.virtual_seconds = outcome.virtual_seconds
-        record.dropped_deadline = outcome.dropped_deadline + sum(
-            t > outcome.end_s for t in self._rejected_finish.values())
-        record.dropped_link = outcome.dropped_link
-        record.dropped_rejected = sum(t <= outcome.end_s for t in self._rejected_finish.values())
-
-    def summary_extra(self) -> dict[str, Any]:
-        """The emulator's keys of ``summary.json``."""
-        total = sum(r.virtual_seconds for r in self.rounds)
-        to_target: float | None = None
-        if self.target_accuracy > 0:
-            elapsed = 0.0
-            for r in self.rounds:
-                elapsed += r.virtual_seconds
-                if math.isfinite(r.accuracy) and r.accuracy >= self.target_accuracy:
-                    to_target = elapsed
-                    break
-        return {"virtual_seconds": total, "virtual_seconds_to_target": to_target,
-                "target_accuracy": self.target_accuracy or None,
-                "dropped_deadline": sum(r.dropped_deadline for r in self.rounds),
-                "dropped_link": sum(r.dropped_link for r in self.rounds),
-                "dropped_rejected": sum(r.dropped_rejected for r in self.rounds),
-                "netem": self.netem.to_config()}
 
     def state_dict(self) -> dict[str, Any]:
         """DGCStrategy's state plus the virtual clock."""
