@@ -8,7 +8,8 @@ One train message, in order:
    the model version it holds); a damaged record is moved aside and the client starts again
    from the global model, reporting ``state_quarantined`` in its reply;
 3. rebuild the global model: dense arrays, or a patch on the held version;
-4. train locally and form the pseudo-gradient ``global - local``;
+4. train locally and form the pseudo-gradient ``global - local`` (a hostile client of a
+   robustness study, ``attack.clients``, replaces it with its attack: ``client.attacks``);
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
    sequence), fold it back into the residual with the compressor's ``restore``;
 6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
@@ -34,6 +35,7 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from client import node
+from client.attacks import attack_of
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
 from client.training import round_seed, train_locally
@@ -335,11 +337,24 @@ def train(msg: Message, context: Context) -> Message:
     material = round_material(msg.content, global_state, method)
     model = _model(task, s.task_spec())
     model.load_state_dict(global_state)
+    attack = attack_of(s, key)
+    labels = task.train_y[idx]
+    if attack is not None:
+        try:
+            labels = attack.labels(labels, task.num_classes)
+        except ValueError as ex:
+            raise ClientProtocolError(str(ex)) from None
     local = train_locally(
-        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
+        model, task.train_x[idx], labels, task.training_loss, lr=s.lr,
         batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
         momentum=s.client_momentum, weight_decay=s.weight_decay,
         seed=round_seed(s.seed, server_round, key))
+    if attack is not None:
+        # A hostile client of a robustness study (client/attacks.py): its attack replaces its
+        # work before the method compresses it, so it takes the path of every update.
+        local.pseudo_gradient = attack.update(local.pseudo_gradient,
+                                              round_seed(s.seed, server_round, key))
+        local.num_examples = attack.claimed_examples(local.num_examples)
 
     restored = 0
     shared_data: bytes | None = None

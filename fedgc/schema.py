@@ -274,7 +274,8 @@ def describe(cls: type, per_method: Callable[[str, Any], str] | None = None,
             accepted = "true or false"
         elif kind is str and accepted == "any":
             accepted = "text"
-        default = repr(f.default)
+        # Empty: a default the doc explains (one that depends on other keys).
+        default = "''" if f.default is None else repr(f.default)
         if "fallback" in f.metadata:
             fallback = fallback_of(f)
             default = (per_method(f.metadata["key"], fallback) if per_method is not None

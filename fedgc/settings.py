@@ -84,23 +84,39 @@ DOWNLINKS = ("auto", "dense")
 DOWNLINK_VALUES = ("float16", "int8", "ternary")
 #: Simulation engines: Flower's Ray backend, or every client in this process.
 ENGINES = ("ray", "local")
-#: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
-#: robust statistics (``server.aggregation.ROBUST``).
-AGGREGATIONS = ("mean", "trimmed_mean", "median")
+#: How the server combines a round's updates: the weighted mean (FedAvg), coordinate-wise
+#: robust statistics (``server.aggregation``), centered clipping or FLTrust (``server.robust``).
+AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip", "fltrust")
+#: ``robust``: the defaults of the aggregation keys for clients that are not trusted (on: a
+#: deployment's, the phone bridge's) or are (off: a simulation's, plain FedAvg); auto decides by
+#: where the run runs (``server.app.run_server``).
+ROBUST_MODES = ("auto", "on", "off")
+#: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
+ROBUST_PROFILES: dict[str, dict[str, Any]] = {
+    "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0},
+    "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0},
+}
+#: Hostile clients (``client.attacks``).
+ATTACKS = ("sign_flip", "scaled", "targeted", "noise")
+#: How far an attack goes where no bound stops it: the bounds fedgc had before issue 26.
+UNBOUNDED_ATTACK = {"norm_ratio": 10.0, "weight_ratio": 4.0}
+#: An attack stays this fraction under the bounds in force.
+ATTACK_MARGIN = 0.99
 #: The parts of fedgc that own keys (see the module docstring), besides methods' prefixes.
-PARTS = ("client", "server", "dgc", "sim", "netem")
+PARTS = ("client", "server", "dgc", "sim", "netem", "attack")
 #: Keys retired in favour of one key for every method (issue 29): the old name is refused,
 #: naming the new one.
 RENAMED = {"dgc.density": "density", "stc.density": "density",
            "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
            "stc.downlink_density": "downlink_density"}
 
-__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MAX_CONFIG_BYTES",
-           "MODEL_NAMES", "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS",
-           "TASK_REF", "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig",
-           "ServerSettings", "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe",
-           "fields_of", "flatten", "fold_options", "key_table", "known_keys", "load_toml",
-           "method_default", "new_run_name", "options_of", "options_text", "parse",
+__all__ = ["AGGREGATIONS", "ATTACKS", "ROBUST_MODES", "ROBUST_PROFILES", "DOWNLINKS",
+           "DOWNLINK_VALUES", "ENGINES", "MAX_CONFIG_BYTES", "MODEL_NAMES", "OPTION_KEYS",
+           "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF", "VALUE_DTYPES",
+           "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings", "SettingsError",
+           "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of", "flatten",
+           "fold_options", "key_table", "known_keys", "load_toml", "method_default",
+           "new_run_name", "options_of", "options_text", "parse", "parse_attack_clients",
            "parse_client_nodes", "setting", "to_flat", "validate"]
 
 
@@ -293,9 +309,28 @@ class TrainSettings:
                                      "aggregated per round", Check(1))
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
+    attack_clients: str = setting("", "attack.clients", "hostile clients for a robustness "
+                                  "study: their keys, comma-separated ('0,1'); each sends an "
+                                  "attack (attack.kind) instead of its update (client/attacks.py, "
+                                  "docs/threat_model.md); empty = none")
+    attack_kind: str = setting("sign_flip", "attack.kind", "what a hostile client sends: "
+                               "sign_flip (its update negated), scaled (its update scaled up), "
+                               "targeted (trained to predict attack.target_class, scaled up), "
+                               "noise (Gaussian, of the same norm)", Check(choices=ATTACKS))
+    attack_norm_ratio: float | None = setting(
+        None, "attack.norm_ratio", "the norm of a hostile update, as a multiple of the client's "
+        "honest update's norm (its estimate of the round's median); empty = just under the norm "
+        "bound in force: 0.99 x max_norm_ratio, 10 without one", Check(0.0, low_open=True))
+    attack_weight_ratio: float | None = setting(
+        None, "attack.weight_ratio", "the num-examples a hostile client claims, as a multiple of "
+        "its real number; empty = just under the weight cap in force: 0.99 x max_weight_ratio, "
+        "4 without one", Check(0.0, low_open=True))
+    attack_target_class: int = setting(0, "attack.target_class", "the class attack.kind = "
+                                       "targeted trains every input towards", Check(0))
 
-    #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
-    #: next method its own).
+    #: The per-method keys that the run's method filled, and the attack's bounds that the
+    #: server's filled (not the user's: ``compare`` gives the next method its own, and
+    #: ``with_overrides`` fills them again).
     by_method: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -359,21 +394,41 @@ class ServerSettings:
     shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
                                      "of aggregates by which the server ranks shared indices",
                                      Check(0.0, 1.0, high_open=True))
-    max_weight_ratio: float = setting(4.0, "max_weight_ratio", "a client's weight "
-                                      "(num-examples) is capped at this times the median claim "
-                                      "of the round's valid replies (server/defences.py); 0 = "
-                                      "no cap", Check(0.0))
-    max_norm_ratio: float = setting(10.0, "max_norm_ratio", "a client's update (with its "
-                                    "signs) is scaled down to at most this times the median "
-                                    "norm of the round's valid replies; 0 = no clip",
-                                    Check(0.0))
-    aggregation: str = setting("mean", "aggregation", "mean: weighted by num-examples "
-                               "(FedAvg); trimmed_mean or median: coordinate-wise over the "
-                               "round's clients, unweighted, robust to a few hostile ones",
-                               Check(choices=AGGREGATIONS))
+    robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
+                          "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
+                          "(mean, no cap, no clip); on = for clients that are not trusted "
+                          "(centered_clip, weights capped at the round's median); auto = on in "
+                          "deployments and behind the phone bridge, off in simulation "
+                          "(docs/threat_model.md)", Check(choices=ROBUST_MODES))
+    max_weight_ratio: float | None = setting(
+        None, "max_weight_ratio", "a client's weight (num-examples) is capped at this times the "
+        "median claim of the round's valid replies (server/defences.py); 0 = no cap; empty = "
+        "by robust (off: 0, on: 1)", Check(0.0))
+    max_norm_ratio: float | None = setting(
+        None, "max_norm_ratio", "a client's update (with its signs) is scaled down to at most "
+        "this times the median norm of the round's valid replies (1: norm bounding at the "
+        "median, Sun et al. 2019); 0 = no clip; empty = by robust (0)", Check(0.0))
+    aggregation: str | None = setting(
+        None, "aggregation", "mean: weighted by num-examples (FedAvg); trimmed_mean or median: "
+        "coordinate-wise over the round's clients, unweighted (Yin et al. 2018); centered_clip: "
+        "each update's pull on last round's aggregate clipped to clip_radius times the median "
+        "distance (Karimireddy et al. 2021); fltrust: updates scaled to the server's own update "
+        "on root_samples training examples and weighted by their cosine with it (Cao et al. "
+        "2021); empty = by robust (off: mean, on: centered_clip)",
+        Check(choices=AGGREGATIONS))
     trim_fraction: float = setting(0.1, "trim_fraction", "with aggregation = trimmed_mean: the "
-                                   "fraction of clients cut at each end of every coordinate",
+                                   "fraction of clients cut at each end of every coordinate "
+                                   "(at least one client when above 0)",
                                    Check(0.0, 0.5, high_open=True))
+    clip_radius: float = setting(1.0, "clip_radius", "with aggregation = centered_clip: the "
+                                 "clipping radius, in medians of the clients' distances to the "
+                                 "center", Check(0.0, low_open=True))
+    clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
+                                   "clipping iterations per round", Check(1, 100))
+    root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
+                                "examples the server holds (a seeded sample of the task's "
+                                "training split), on which it takes its own round each round",
+                                Check(1))
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
                             Check(choices=DOWNLINKS))
@@ -447,7 +502,8 @@ class ServerSettings:
                                "0) and state_dir must be a folder every node mounts "
                                "(docs/cluster.md); empty = a fresh Ray instance on this machine")
 
-    #: The per-method keys that the run's method filled (see TrainSettings.by_method).
+    #: The per-method keys that the run's method filled, and the aggregation keys that
+    #: ``robust`` filled (see TrainSettings.by_method).
     by_method: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -491,7 +547,15 @@ class RunConfig:
             raise SettingsError(f"client_nodes binds client keys {outside[:5]} outside [0, "
                                 f"{t.num_clients}) (num_clients = {t.num_clients})")
         object.__setattr__(self, "server", _resolve(self.server, methods.get(t.method)))
+        object.__setattr__(self, "server", _resolve_robust(self.server))
+        object.__setattr__(self, "train", _resolve_attack(self.train, self.server))
+        t = self.train
         object.__setattr__(self, "own", {**_own_defaults(), **self.own})
+        hostile = parse_attack_clients(t.attack_clients)
+        outside = sorted(k for k in hostile if k >= t.num_clients)
+        if outside:
+            raise SettingsError(f"attack.clients names client keys {outside[:5]} outside [0, "
+                                f"{t.num_clients}) (num_clients = {t.num_clients})")
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
@@ -601,6 +665,55 @@ def _parse_own(values: Mapping[str, object]) -> dict[str, Any]:
             mine = {f.metadata["key"] for f in fields_of(m.settings)}
             out.update(to_flat(parse(m.settings, {k: v for k, v in values.items() if k in mine})))
     return out
+
+
+def _filled(obj: Any, values: Mapping[str, Any]) -> Any:
+    """``obj`` with the fields named by key in ``values`` replaced, named in ``by_method`` (so
+    that ``with_overrides`` fills them again)."""
+    if not values:
+        return obj
+    names = {f.metadata["key"]: f.name for f in fields_of(type(obj))}
+    out = dataclasses.replace(obj, **{names[k]: v for k, v in values.items()})
+    object.__setattr__(out, "by_method", frozenset(values) | obj.by_method)
+    return out
+
+
+def _resolve_robust(server: ServerSettings) -> ServerSettings:
+    """``server`` with the aggregation keys left empty set by ``robust``'s profile
+    (:data:`ROBUST_PROFILES`; auto: off until the run knows where it runs)."""
+    profile = ROBUST_PROFILES["on" if server.robust == "on" else "off"]
+    keys = {f.metadata["key"]: f.name for f in fields_of(ServerSettings)}
+    return _filled(server, {k: v for k, v in profile.items()
+                            if getattr(server, keys[k]) is None})
+
+
+def _resolve_attack(train: TrainSettings, server: ServerSettings) -> TrainSettings:
+    """``train`` with an empty ``attack.norm_ratio`` / ``attack.weight_ratio`` just under the
+    server's bounds (:data:`ATTACK_MARGIN` of them; :data:`UNBOUNDED_ATTACK` without one)."""
+    bounds = {"norm_ratio": server.max_norm_ratio, "weight_ratio": server.max_weight_ratio}
+    values = {}
+    for name, bound in bounds.items():
+        if getattr(train, f"attack_{name}") is None:
+            values[f"attack.{name}"] = (ATTACK_MARGIN * bound if bound
+                                        else UNBOUNDED_ATTACK[name])
+    return _filled(train, values)
+
+
+def parse_attack_clients(text: str) -> frozenset[int]:
+    """``"0,1, 5"`` -> ``{0, 1, 5}`` (``attack.clients``); ``""`` -> none.
+
+    Raises
+    ------
+    SettingsError
+        An item that is not a whole number >= 0.
+    """
+    out = set()
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        if not (item.isascii() and item.isdigit() and len(item) <= 12):
+            raise SettingsError(f"attack.clients item {item[:30]!r} is not a client key (a "
+                                f"whole number >= 0); expected keys such as '0,1'")
+        out.add(int(item))
+    return frozenset(out)
 
 
 def parse_client_nodes(text: str) -> dict[int, int]:

@@ -143,6 +143,32 @@ def evaluation_split(task: Any, eval_samples: int,
     return task.test_x[keep], task.test_y[keep]
 
 
+def simulated(grid: Grid) -> bool:
+    """Whether ``grid`` reaches simulated clients (fedgc's in-process engine, Flower's
+    simulation engine), which run the user's own code and config, rather than deployed ones."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    from server.local_grid import LocalGrid
+
+    return isinstance(grid, (LocalGrid, InMemoryGrid))
+
+
+def resolve_robust(config: RunConfig, grid: Grid) -> RunConfig:
+    """``config`` with ``robust = auto`` decided by where its clients run: off for simulated
+    clients (the baseline stays plain FedAvg), on for deployed ones, which the server does not
+    trust (SuperNodes, phones behind the bridge). Printed once when it turns robust on."""
+    if config.server.robust != "auto":
+        return config
+    mode = "off" if simulated(grid) else "on"
+    resolved = config.with_overrides({"robust": mode})
+    if mode == "on" and config.server.progress:
+        s = resolved.server
+        print(f"robust aggregation on (deployed clients are not trusted): aggregation "
+              f"{s.aggregation}, max_weight_ratio {s.max_weight_ratio:g}, max_norm_ratio "
+              f"{s.max_norm_ratio:g}; robust=off for plain FedAvg", flush=True)
+    return resolved
+
+
 def run_server(grid: Grid, config: RunConfig,
                on_round: Callable[[RoundRecord], None] | None = None,
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
@@ -154,6 +180,7 @@ def run_server(grid: Grid, config: RunConfig,
     """
     started = time.time()
     torch.set_num_threads(1)
+    config = resolve_robust(config, grid)
     s, t = config.server, config.train
     prepare_run_dir(config)
     task = load_task(t.task_spec())

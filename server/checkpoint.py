@@ -85,12 +85,18 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
-#: what it computes (``client_nodes``: node ids change when a deployment starts again). Every
-#: other key must be the checkpoint's (``check_run_config``).
+#: what it computes (``client_nodes``: node ids change when a deployment starts again;
+#: ``robust`` only chooses the defaults of keys that are compared themselves). Every other key
+#: must be the checkpoint's (``check_run_config``).
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
-                            "round_timeout_s", "client_nodes",
+                            "round_timeout_s", "client_nodes", "robust",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
                             "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address"})
+
+
+#: Keys that compute nothing while the key they serve is empty (or 0).
+INERT_WITHOUT = {"attack.kind": "attack.clients", "attack.norm_ratio": "attack.clients",
+                 "attack.weight_ratio": "attack.clients", "attack.target_class": "attack.clients"}
 
 
 def check_run_config(written: Mapping[str, object] | None,
@@ -114,8 +120,14 @@ def check_run_config(written: Mapping[str, object] | None,
     def value(side: Mapping[str, object], key: str) -> object:
         return side[key] if key in side else defaults.get(key, unset)
 
+    def inert(key: str) -> bool:
+        # A key that computes nothing while the key it serves is empty on both sides (the
+        # attack's keys without hostile clients; a checkpoint of before them has none).
+        serves = INERT_WITHOUT.get(key)
+        return serves is not None and not value(written, serves) and not value(current, serves)
+
     changed = sorted(k for k in (set(written) | set(current)) - RESUMABLE_KEYS
-                     if value(written, k) != value(current, k))
+                     if value(written, k) != value(current, k) and not inert(k))
     if changed:
         def shown(side: Mapping[str, object], key: str) -> str:
             v = value(side, key)

@@ -82,6 +82,9 @@ def test_cli_runs_fedgc_and_writes_the_results_of_a_simulation_run(reference: Pa
     assert summary["uplink_bytes"] == sum(int(r["uplink_bytes"]) for r in rounds)
     record = json.loads((reference / "deploy.json").read_text())
     assert record["status"] == "finished:completed" and record["auth"] is True
+    # Deployed clients are not trusted: robust = auto is on (docs/threat_model.md).
+    assert summary["config"]["robust"] == "on"
+    assert summary["config"]["aggregation"] == "centered_clip"
     bound = summary["config"]["client_nodes"].split(",")
     assert [item.split(":")[0] for item in bound] == ["0", "1"]
     assert record["shaping_mode"] in ("netem", "tbf", "proxy")

@@ -11,6 +11,8 @@ Since issue 29 the emulator's four columns come from its extension of the server
 (``server.extensions``): a run without the emulator no longer writes them (they were all 0), and
 a run with it writes them after the server's own columns. One key per setting for every method
 replaced the per-method copies of the run config (:data:`RENAMED`, the values a run recorded).
+Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
+changes no value of these runs.
 """
 
 from __future__ import annotations
@@ -49,7 +51,14 @@ CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 #: Config keys of where and what a run writes, not what it computes (tensorboard came later).
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 #: Keys added after the snapshots, with the value that computes what the code did before them.
-ADDED_LATER = {"dgc.server_lr": 1.0, "client_nodes": ""}
+ADDED_LATER = {"dgc.server_lr": 1.0, "client_nodes": "", "robust": "off", "clip_radius": 1.0,
+               "clip_iterations": 3, "root_samples": 100, "attack.clients": "",
+               "attack.kind": "sign_flip", "attack.norm_ratio": 10.0,
+               "attack.weight_ratio": 4.0, "attack.target_class": 0}
+#: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
+#: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
+#: client of the snapshots was capped or clipped (asserted on their clients.csv).
+CHANGED_DEFAULTS = {"max_weight_ratio": (4.0, 0.0), "max_norm_ratio": (10.0, 0.0)}
 #: The network emulator's columns: its extension's since issue 29, absent without it.
 EMULATOR = ["virtual_seconds", "dropped_deadline", "dropped_link", "dropped_rejected"]
 #: Issue 29's one key per setting: (new key, the retired key whose value a dgc run read), and
@@ -101,6 +110,11 @@ def test_fixed_seed_run_matches_its_snapshot(name: str, tmp_path: Path) -> None:
     for k, before in ADDED_LATER.items():
         assert k not in want["config"]
         want["config"][k] = before
+    reasons = (golden / "clients.csv").read_text()
+    assert "capped" not in reasons and "clipped" not in reasons
+    for k, (recorded, now) in CHANGED_DEFAULTS.items():
+        assert want["config"][k] == recorded
+        want["config"][k] = now
     for new, old in RENAMED:
         want["config"][new] = want["config"].pop(old)
     for old in RETIRED:
