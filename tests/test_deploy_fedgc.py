@@ -6,7 +6,9 @@ they are slow (the ClientApp starts a fresh process, importing torch, for every 
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import re
 import time
@@ -66,7 +68,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--set", f"results_dir={root / 'results'}", "--set", "run_name=ref"]
     for key, value in BASE.items():
         argv += ["--set", f"{key}={value}"]
-    assert main(argv) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    (root / "results" / "ref" / "stdout.txt").write_text(out.getvalue())
     return root / "results" / "ref"
 
 
@@ -91,6 +96,11 @@ def test_cli_runs_fedgc_and_writes_the_results_of_a_simulation_run(reference: Pa
     # The encoded updates really crossed the shaped links (plus Flower's own messages).
     uplink_through_links = sum(link["uplink_bytes"] for link in record["links"].values())
     assert uplink_through_links >= summary["uplink_bytes"]
+    # ... and the printed table says so, beside the payload.
+    printed = (reference / "stdout.txt").read_text().splitlines()
+    row = next(ln for ln in printed if ln.startswith("uplink "))
+    assert row.split()[1:3] == [f"{summary['uplink_bytes'] / 1e6:.3f}",
+                                f"{uplink_through_links / 1e6:.3f}"]
     assert (reference / "model.pt").is_file()
     assert list(reference.glob("*.png"))
 

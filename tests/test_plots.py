@@ -19,7 +19,7 @@ CONFIG = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition
           "alpha": 0.5, "density": 0.001, "downlink_density": 1.0}
 
 
-def _run(tmp_path, method: str, up: int, netem: bool = False):
+def _run(tmp_path, method: str, up: int, netem: bool = False, deadline_s: float = 60.0):
     d = tmp_path / "some" / "nested" / method
     write_rounds(d, [RoundRecord(i, accuracy=0.1 * i, uplink_bytes=up, downlink_bytes=40 * up,
                                  extra={"virtual_seconds": 3.0 * i, "dropped_deadline": 0,
@@ -29,7 +29,8 @@ def _run(tmp_path, method: str, up: int, netem: bool = False):
     summary = {"method": method, "rounds": 7, "config": {**CONFIG, "method": method},
                "density": 1.0 if method in ("dense", "fedavgm") else 0.001}
     if netem:
-        summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0", "netem.deadline_s": 60.0}
+        summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0",
+                            "netem.deadline_s": deadline_s}
     (d / "summary.json").write_text(json.dumps(summary))
     return d
 
@@ -120,3 +121,9 @@ def test_netem_report_has_the_target_line_and_the_links(tmp_path) -> None:
         ["uplink", "downlink", "total"]
     assert all(re.fullmatch(r"\d+", t) for t in _labels(fig, ax_dur, "x"))
     plt.close(fig)
+
+
+def test_a_run_without_a_deadline_is_titled_so(tmp_path) -> None:
+    # netem.deadline_s = 0 is the default, and means none ("deadline 0 s" read as a bug).
+    title = scenario_title([_run(tmp_path, "dgc", 500, netem=True, deadline_s=0.0)])
+    assert title.endswith("links 3g:1.0, no deadline") and "deadline 0" not in title

@@ -11,8 +11,10 @@ Since issue 29 the emulator's four columns come from its extension of the server
 (``server.extensions``): a run without the emulator no longer writes them (they were all 0), and
 a run with it writes them after the server's own columns. One key per setting for every method
 replaced the per-method copies of the run config (:data:`RENAMED`, the values a run recorded).
-Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
-changes no value of these runs.
+Edited once since, by hand, on 2026-12-04: the stragglers that came in time after the K-th
+(over-selection's surplus) moved from ``dropped_deadline`` to a new column, ``clients_surplus``;
+every other value is as it was. Since issue 26 a simulation's defaults are plain FedAvg
+(:data:`CHANGED_DEFAULTS`), which changes no value of these runs.
 """
 
 from __future__ import annotations
@@ -46,15 +48,19 @@ RUNS = {
                    "--set", "netem.mix=3g:0.5,edge:0.5", "--set", "netem.intermittent=0.5",
                    "--set", "netem.deadline_s=30"],
 }
-MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds"}
+MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds",
+           # The transport's name for a node, not a result: Ray draws new ones every run, and
+           # the in-process grid computes them from the partition id since issue 28.
+           "node_id"}
 CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 #: Config keys of where and what a run writes, not what it computes (tensorboard came later).
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 #: Keys added after the snapshots, with the value that computes what the code did before them.
-ADDED_LATER = {"dgc.server_lr": 1.0, "client_nodes": "", "robust": "off", "clip_radius": 1.0,
-               "clip_iterations": 3, "root_samples": 100, "attack.clients": "",
-               "attack.kind": "sign_flip", "attack.norm_ratio": 10.0,
-               "attack.weight_ratio": 4.0, "attack.target_class": 0}
+ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client": 0.0,
+               "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
+               "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
+               "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
+               "attack.target_class": 0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
 #: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).

@@ -2,9 +2,11 @@
 
 ``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
 plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
-a mobile mix) with the target accuracy as a line, the per-round virtual duration, drops by cause
-and MB up, down and in total, titled with the methods, scenario and links; and prints the
-time-to-accuracy table (target: the first run's final accuracy unless ``--target``).
+a mobile mix) with the target accuracy as a line, the per-round virtual duration, the updates not
+aggregated by cause (drops, and the surplus of over-selection) and MB up, down and in total,
+titled with the methods, scenario and links; and prints the time-to-accuracy table (target: the
+first run's final accuracy unless ``--target``), whose virtual seconds are the run's total, as
+the progress line's ``total``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from simulations.plots import (  # noqa: E402
 
 #: The ``rounds.csv`` columns of the drops, by cause.
 DROP_CAUSES = ("dropped_deadline", "dropped_link", "dropped_rejected")
+#: Valid updates that came in time but after the round had its K: not drops, not failures.
+SURPLUS = "clients_surplus"
 
 
 def virtual_times(rows: Sequence[Mapping[str, float]]) -> list[float]:
@@ -76,6 +80,7 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
             "dropped_deadline": sum(r["dropped_deadline"] for r in rows),
             "dropped_link": sum(r["dropped_link"] for r in rows),
             "dropped_rejected": sum(r["dropped_rejected"] for r in rows),
+            "surplus": sum(r.get(SURPLUS, 0.0) for r in rows),  # runs before it had none
             "uplink_bytes": sum(r["uplink_bytes"] for r in rows),
             "downlink_bytes": sum(r["downlink_bytes"] for r in rows),
         }
@@ -108,7 +113,7 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
             ax_acc.axvline(hit, color=color, linestyle=":", linewidth=1)
         ax_dur.plot([r["round"] for r in rows], [r["virtual_seconds"] for r in rows],
                     color=color)
-        drops.append([sum(r[c] for r in rows) for c in DROP_CAUSES])
+        drops.append([sum(r.get(c, 0.0) for r in rows) for c in (*DROP_CAUSES, SURPLUS)])
         up, down = (sum(r[c] for r in rows) / 1e6 for c in ("uplink_bytes", "downlink_bytes"))
         traffic.append([up, down, up + down])
     if target is not None:
@@ -123,9 +128,10 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
     readable_log(ax_dur, "y")
     integer_rounds(ax_dur)
     ax_dur.set(xlabel="round", ylabel="virtual seconds", title="round duration")
-    _grouped_bars(ax_drop, names, drops, [c.replace("dropped_", "") for c in DROP_CAUSES], 0)
+    _grouped_bars(ax_drop, names, drops,
+                  [*(c.replace("dropped_", "") for c in DROP_CAUSES), "surplus"], 0)
     ax_drop.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_drop.set(ylabel="clients", title="dropped updates by cause")
+    ax_drop.set(ylabel="clients", title="updates not aggregated: drops by cause, and surplus")
     _grouped_bars(ax_bytes, names, traffic, ["uplink", "downlink", "total"], 3, log=True)
     ax_bytes.set(ylabel="MB", title="traffic by direction")
     for ax in axes:
@@ -181,14 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NetemError as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2
-    print(f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s':>10} {'s to target':>12} "
-          f"{'deadline':>8} {'link':>5} {'rejected':>8} {'up MB':>8} {'down MB':>8}")
+    print(f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s total':>15} "
+          f"{'s to target':>12} {'deadline':>8} {'link':>5} {'rejected':>8} {'surplus':>7} "
+          f"{'up MB':>8} {'down MB':>8}")
     for name, r in table.items():
         tt = r["virtual_seconds_to_target"]
         print(f"{name:<12} {r['final_accuracy']:9.4f} {r['rounds']:6.0f} "
-              f"{r['virtual_seconds']:10.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
+              f"{r['virtual_seconds']:15.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
               f"{r['dropped_deadline']:8.0f} {r['dropped_link']:5.0f} "
-              f"{r['dropped_rejected']:8.0f} {r['uplink_bytes'] / 1e6:8.2f} "
+              f"{r['dropped_rejected']:8.0f} {r['surplus']:7.0f} {r['uplink_bytes'] / 1e6:8.2f} "
               f"{r['downlink_bytes'] / 1e6:8.2f}")
     print(f"target accuracy {next(iter(table.values()))['target_accuracy']:.4f}; plot: {args.out}")
     return 0

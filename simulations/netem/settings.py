@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from fedgc.settings import Check, SettingsError, coerce, fields_of, parse, setting, validate
+from fedgc.settings import (
+    Check,
+    SettingsError,
+    coerce,
+    fields_of,
+    parse,
+    setting,
+    unknown_keys,
+    validate,
+)
 from simulations.netem.errors import NetemError
 from simulations.netem.link import OUTAGE_POLICIES
 from simulations.netem.presets import DEVICE_PRESETS, LINK_PRESETS, LinkProfile
@@ -159,7 +168,7 @@ class NetemSettings:
             if not key.startswith(PREFIX) or key in (ROUND_KEY, ROUND_START_KEY):
                 continue
             if key not in known:
-                raise SettingsError(f"unknown key {key!r}; known netem keys: {sorted(known)}")
+                raise unknown_keys([key], known)
             values[key] = value
         return parse(cls, values)
 

@@ -11,8 +11,9 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    acknowledges the aggregated updates; every other client is not acknowledged and folds its
    update back into its residual at its next round (no gradient mass is lost);
 4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
-   through the server's extension point (:class:`NetemColumns`, :mod:`server.extensions`) and
-   advances the virtual clock to the round's close.
+   through the server's extension point (:class:`NetemColumns`, :mod:`server.extensions`);
+   the stragglers that came in time but after the K-th are over-selection's surplus
+   (``clients_surplus``), not drops; and advances the virtual clock to the round's close.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ class NetemColumns(RoundExtension):
     """The emulator's columns: each round's virtual time and the clients its clock dropped, by
     cause (``rounds.csv``, TensorBoard, the progress line, ``summary.json``)."""
 
-    columns = (Column("virtual_seconds", "time/virtual_seconds", "virtual {:6.1f}s"),
+    # The progress line shows the round's virtual seconds and the run's so far: the report's
+    # axis and its "virtual s total".
+    columns = (Column("virtual_seconds", "time/virtual_seconds",
+                      "virtual s: round {0:.1f} total {1:.1f}"),
                Column("dropped_deadline", "clients/dropped_deadline"),
                Column("dropped_link", "clients/dropped_link"),
                Column("dropped_rejected", "clients/dropped_rejected"))
@@ -69,6 +73,7 @@ class NetemColumns(RoundExtension):
                 row.status, row.reason = "dropped", why
             elif late:
                 row.status, row.reason = "dropped", "deadline"
+        record.clients_surplus = sum(row.status == "surplus" for row in rows)
         return Added({
             "virtual_seconds": outcome.virtual_seconds,
             "dropped_deadline": outcome.dropped_deadline + sum(
@@ -203,8 +208,9 @@ class NetemStrategy(DGCStrategy):
         self.virtual_now_s = outcome.end_s
         added = self.round_record.extra
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
-            "rejected", server_round, outcome.virtual_seconds, added["dropped_deadline"],
-            added["dropped_link"], added["dropped_rejected"])
+            "rejected; %d surplus", server_round, outcome.virtual_seconds,
+            added["dropped_deadline"], added["dropped_link"], added["dropped_rejected"],
+            self.round_record.clients_surplus)
         return arrays, metrics
 
     def state_dict(self) -> dict[str, Any]:
