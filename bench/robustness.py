@@ -43,6 +43,8 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "robust_on": {"robust": "on"},
     "centered_clip_r2": {"aggregation": "centered_clip", "clip_radius": 2,
                          "max_weight_ratio": 1, "max_norm_ratio": 0},
+    "centered_clip_r05": {"aggregation": "centered_clip", "clip_radius": 0.5,
+                          "max_weight_ratio": 1, "max_norm_ratio": 0},
     "fltrust": {"aggregation": "fltrust", "max_weight_ratio": 0, "max_norm_ratio": 0},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted")
@@ -143,15 +145,19 @@ def _table(rows: list[dict[str, Any]]) -> str:
                    == (task, method, "fedavg")]
         lines += [f"\n{task}, {method}: final accuracy (mean of seeds)", "",
                   "| aggregation | clean | vs FedAvg | " + " | ".join(
-                      f"{a} (loss)" for a in ATTACKS[1:]) + " | combine ms/round | x mean |",
+                      f"{a} (vs clean)" for a in ATTACKS[1:]) + " | combine ms/round | x mean |",
                   "|---" * (5 + len(ATTACKS[1:])) + "|"]
         for agg in aggs:
             clean = acc(task, method, agg, "none")
             cells = []
             for attack in ATTACKS[1:]:
                 a = acc(task, method, agg, attack)
-                cells.append("" if a is None or clean is None
-                             else f"{a:.3f} ({100 * (clean - a):+.1f})")
+                cell = "" if a is None or clean is None else f"{a:.3f} ({100 * (a - clean):+.1f})"
+                got = by.get((task, method, agg, attack))
+                if attack == "targeted" and got:
+                    share = statistics.mean(r["target_share"] for r in got)
+                    cell += f", {100 * share:.0f}% class c"
+                cells.append(cell)
             ms = [r["combine_ms"] for r in rows if (r["task"], r["method"], r["aggregation"])
                   == (task, method, agg)]
             ratio = (statistics.median(ms) / statistics.median(mean_ms)

@@ -88,7 +88,7 @@ class Attack:
         if self.kind == "noise":
             generator = torch.Generator().manual_seed(seed)
             noise = {k: torch.randn(v.shape, generator=generator, dtype=torch.float32)
-                     for k, v in honest.items()}
+                     .to(v.device) for k, v in honest.items()}
             ratio = self.norm_ratio * _norm(honest) / max(_norm(noise), 1e-30)
             return {k: v * ratio for k, v in noise.items()}
         sign = -1.0 if self.kind == "sign_flip" else 1.0
