@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -548,8 +548,10 @@ class RunConfig:
     train : TrainSettings
         Task, partition, local training and compression; sent to every client.
     own : mapping of str to value
-        The own keys (:attr:`fedgc.methods.Method.settings`) of every method known to this
-        process, with their values; sent to every client too.
+        The own keys (:attr:`fedgc.methods.Method.settings`) of the run's method, and another
+        method's given at a value other than its default; sent to every client too. (Not
+        every registered method's: a method added to the registry changes no other method's
+        run, its messages or its ``summary.json``.)
     """
 
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -566,7 +568,12 @@ class RunConfig:
         object.__setattr__(self, "server", _resolve_robust(self.server))
         object.__setattr__(self, "train", _resolve_attack(self.train, self.server))
         t = self.train
-        object.__setattr__(self, "own", {**_own_defaults(t.method), **self.own})
+        # Another method's key at its default changes nothing: it is dropped, so that a method
+        # added to the registry (or the next method of a comparison) leaves this run as it was.
+        mine, every = _own_defaults(t.method), _own_defaults_of(methods.loaded())
+        given = {k: v for k, v in self.own.items()
+                 if k in mine or k not in every or v != every[k]}
+        object.__setattr__(self, "own", {**mine, **given})
         hostile = parse_attack_clients(t.attack_clients)
         outside = sorted(k for k in hostile if k >= t.num_clients)
         if outside:
@@ -664,11 +671,15 @@ class RunConfig:
 
 
 def _own_defaults(method: str = "") -> dict[str, Any]:
-    """The own keys of the registered methods, and of ``method`` when it is one loaded by
-    ``module:callable``, at their defaults."""
+    """The own keys at their defaults: of ``method`` (a registered name or ``module:callable``)
+    when given, of every registered method otherwise (the keys a run accepts)."""
+    return _own_defaults_of([methods.get(method)] if method else methods.registered())
+
+
+def _own_defaults_of(these: Sequence[methods.Method]) -> dict[str, Any]:
+    """The own keys of ``these`` methods at their defaults."""
     out: dict[str, Any] = {}
-    mine = [methods.get(method)] if method and method not in methods.names() else []
-    for m in (*methods.registered(), *mine):
+    for m in these:
         if m.settings is not None:
             out.update(to_flat(m.settings()))
     return out

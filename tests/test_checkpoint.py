@@ -159,8 +159,14 @@ def test_a_checkpoint_from_before_the_method_plugins_resumes_bit_for_bit(tmp_pat
     run("run_name=whole", "rounds=4")
     for name in ("rounds.csv", "clients.csv"):
         got, want = (list(csv.DictReader((tmp_path / d / name).open())) for d in ("v1", "whole"))
-        assert [{k: v for k, v in r.items() if "seconds" not in k} for r in got] == \
-            [{k: v for k, v in r.items() if "seconds" not in k} for r in want]
+        # The fixture's rounds 1-2 carry the node ids of the local engine it was written by;
+        # those ids are an engine detail (they changed when LocalGrid made nodes on demand).
+        # The resumed rounds must carry today's.
+        def same(row: dict[str, str]) -> dict[str, str]:
+            return {k: v for k, v in row.items() if "seconds" not in k
+                    and not (k == "node_id" and int(row["round"]) <= 2)}
+
+        assert [same(r) for r in got] == [same(r) for r in want]
     a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("v1", "whole"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -171,8 +171,12 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     crashed_id = dep.node_id(1)
     dep.kill_supernode(1)  # mid-round: its ClientApp is starting or training
     assert not node.group_alive()
-    # The crash came before the round-2 reply was stored, so it was never sent.
-    assert _stored_round(store, 1) == 1, "node 1 answered round 2 before it was killed"
+    # The crash comes as the round-2 message arrives, almost always before the reply is stored
+    # (then it was never sent). A test process starved for the seconds a ClientApp takes to
+    # start and train (seen in CI) kills it later: the reply may then be stored, and sent or
+    # not. Either way no update may be lost or applied twice, which is what follows checks.
+    answered = _stored_round(store, 1)
+    assert answered in (1, 2), answered
     # Bring it back once the SuperLink has noticed (missed heartbeats), which also ends round 2.
     _wait_for(lambda: dep.node_statuses().get(crashed_id) != "online", 200,
               "the SuperLink to mark the crashed node offline", poll_s=3.0)
@@ -186,8 +190,11 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     clients = _rows(config.run_dir / "clients.csv")
     status = {(int(r["round"]), int(r["client_key"])): r["status"] for r in clients}
     reason = {(int(r["round"]), int(r["client_key"])): r["reason"] for r in clients}
-    # The crashed node's round-2 update never arrived; the SuperLink ended its wait.
-    assert status[(2, 1)] == "error" and "Node Unavailable" in reason[(2, 1)]
+    if answered == 1:
+        # The crashed node's round-2 update never arrived; the SuperLink ended its wait.
+        assert status[(2, 1)] == "error" and "Node Unavailable" in reason[(2, 1)]
+    else:
+        assert status[(2, 1)] in ("aggregated", "error"), reason[(2, 1)]
     # The restarted node is served again.
     assert "aggregated" in (status.get((3, 1)), status.get((4, 1))), status
     aggregated = Counter((int(r["round"]), int(r["client_key"])) for r in clients

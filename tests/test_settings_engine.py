@@ -37,7 +37,10 @@ def test_keys_lists_every_key_with_its_part(capsys):
     assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"
     assert listed["density"] == "client" and listed["server_momentum"] == "server"
     assert listed["lr"] == "client" and listed["rounds"] == "server"
-    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
+    from fedgc.methods import registered
+
+    own = [m.settings for m in registered() if m.settings is not None]  # the methods' own keys
+    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings, *own)
              for f in fields_of(cls)}
     assert set(listed) == every
 
