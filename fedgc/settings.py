@@ -657,8 +657,13 @@ class RunConfig:
 
     def client_config(self) -> dict[str, bool | int | float | str]:
         """The keys every train message carries: the clients' keys (``state_dir`` absolute)
-        and the methods' own keys."""
-        return {**to_flat(self.client_train_settings()), **self.own}
+        and the methods' own keys. The attack keys only where a client attacks: without them
+        a client has no attack (their defaults), and a run's messages stay the size they were
+        before the keys existed (the emulator charges their bytes to the links)."""
+        flat = to_flat(self.client_train_settings())
+        if not self.train.attack_clients:
+            flat = {k: v for k, v in flat.items() if not k.startswith("attack.")}
+        return {**flat, **self.own}
 
     @staticmethod
     def describe() -> list[tuple[str, str, str, str, str]]:

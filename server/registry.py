@@ -193,9 +193,14 @@ class ClientRegistry:
         Waits for ``min_nodes`` connected nodes, and asks new ones for their key first
         (``timeout``: seconds to wait for their answers).
         """
-        if isinstance(grid, KeyedGrid) and grid.keys_are_partitions \
+        # The fast path trusts the grid, not the nodes: a node's key is the partition the grid
+        # gave it, asked of no one. Keys outside the run stay unsampled (bind), and with
+        # client_nodes every node is identified and checked against its binding instead.
+        if isinstance(grid, KeyedGrid) and grid.keys_are_partitions and self.bound is None \
                 and grid.num_keys >= min_nodes:
-            keys = self.sample(server_round, range(grid.num_keys), count)
+            known = (grid.num_keys if self.num_clients is None
+                     else min(grid.num_keys, self.num_clients))
+            keys = self.sample(server_round, range(known), count)
             node_of = {k: grid.node_of_key(k) for k in keys}
             self.register({node: key for key, node in node_of.items()})
             return node_of, grid.num_keys

@@ -136,7 +136,10 @@ def test_a_checkpoint_of_the_older_layout_is_migrated() -> None:
 V1_RUN = Path(__file__).parent / "fixtures" / "checkpoint_v1"
 V1_KEYS = ["task=digits", "sim.engine=local", "num_clients=3", "clients_per_round=3",
            "progress=false", "seed=1", "density=0.05", "downlink_density=0.1",
-           'model_options={"hidden": [16]}']
+           'model_options={"hidden": [16]}',
+           # Its bounds, the defaults of before issue 26 (a simulation's are plain FedAvg since):
+           # a resume that changes a bound is refused, naming it.
+           "max_weight_ratio=4", "max_norm_ratio=10"]
 
 
 def test_a_checkpoint_from_before_the_method_plugins_resumes_bit_for_bit(tmp_path: Path) -> None:

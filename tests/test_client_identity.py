@@ -51,6 +51,7 @@ def test_keys_outside_the_run_are_refused_never_sampled_and_not_asked_again() ->
     hostile = {2: -1, 3: 100, 4: 2**62, 5: 10**300}
     asked: list[int] = []
     grid = LocalGrid(_claiming(hostile, asked), 6, seed=1)
+    grid.keys_are_partitions = False  # nodes that say their keys, as a deployment's do
     registry = ClientRegistry(seed=0)
     registry.bind(num_clients=4)
     chosen, connected = registry.sample_round(grid, 1, 6, min_nodes=6, timeout=30)
