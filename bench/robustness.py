@@ -1,10 +1,11 @@
 """What each aggregation costs and holds: accuracy on clean runs and under bounded attacks.
 
 Runs ``task x method x aggregation x attack x seed`` on the in-process engine, each a fresh
-run folder under ``--out``, and prints one table per task and method: the final accuracy
-(mean over seeds), its loss against the same aggregation's clean run and against plain FedAvg
-(``mean`` with no bounds) on clean runs, and the server's combine time per round (defences and
-combine, ms; as a ratio to ``mean``'s, measured in the same process). Every row is appended to
+run folder under ``--out``, and prints one table per task and method: the mean accuracy of the
+last 10 rounds (mean over seeds), its points against plain FedAvg's clean run (``robust =
+off``: ``mean`` with no bounds), and the server's combine time per round (defences and combine,
+ms; as a ratio to FedAvg's, measured in the same process). The figures and what they say:
+docs/threat_model.md, "Robust aggregation". Every row is appended to
 ``--jsonl`` as it finishes, so a long study can be read while it runs and resumed (rows
 already there are skipped).
 
@@ -12,7 +13,11 @@ The attacks (``client/attacks.py``): ``attack.clients`` hostile clients, each ju
 bounds in force (0.99 of ``max_weight_ratio`` and ``max_norm_ratio``; 4 and 10, the bounds of
 before issue 26, where none is in force).
 
-    nice -n 10 python bench/robustness.py --tasks digits --seeds 0 1 2 --rounds 20
+    nice -n 10 python bench/robustness.py --tasks digits --aggregations fedavg robust_on \
+        centered_clip_r05 fltrust --seeds 0 1 2 --rounds 20
+
+``--attacks silent`` adds a reference, not an attack: the hostile clients' updates x1e-6 (what
+the honest clients' data alone trains).
 """
 
 from __future__ import annotations
