@@ -193,11 +193,13 @@ class ReferencePhone:
         metrics = {"num-examples": len(self.x), "train_loss": float(np.mean(losses)),
                    "compute_seconds": time.perf_counter() - started,
                    "restored": int(restored)}
+        if not math.isfinite(metrics["train_loss"]):
+            del metrics["train_loss"]  # NaN is not JSON: the bridge refuses it
         upload_id = f"{self.device_id}-{task.task_id}"
         starts = self.upload(task, upload_id, data, metrics, cut_after_bytes, max_streams)
         ack = self.stub.Ack(pb.AckRequest(session_id=self.session_id, upload_id=upload_id))
         return RoundReport(task.task_id, int(task.server_round), upload_id, len(data), starts,
-                           restored, metrics["train_loss"], ack.state)
+                           restored, metrics.get("train_loss", float("nan")), ack.state)
 
     def upload(self, task: pb.FetchTaskReply, upload_id: str, data: bytes,
                metrics: dict[str, Any], cut_after_bytes: int | None = None,

@@ -64,6 +64,7 @@ from server.records import (
 )
 from server.registry import ClientRegistry, RoundOutcome
 from server.replies import CheckedReply, ReplyChecker, ReplyRejected
+from server.robust import RootUpdate
 
 __all__ = ["ClientRow", "DGCStrategy", "ReplyRejected", "RoundRecord"]
 
@@ -134,14 +135,16 @@ class DGCStrategy(FedAvg):
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)
         self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
-                                 s.downlink_deltas)
+                                 s.downlink_deltas, s.downlink_deadband, s.downlink_vectors)
         self.downlink_lookahead = s.downlink_lookahead
         self.optimizer = (self.method.optimizer(settings)
                           or ServerOptimizer(s.server_lr, s.server_momentum))
         self.aggregator = self.method.aggregator(settings)
         self.checker = ReplyChecker(self.method, self.method.codec(t), self.weighted_by_key)
         self.bounds = Bounds(s.max_weight_ratio, s.max_norm_ratio)
-        self.combine = Combine(s.aggregation, s.trim_fraction)
+        self.root_update = RootUpdate(settings) if s.aggregation == "fltrust" else None
+        self.combine = Combine(s.aggregation, s.trim_fraction, s.clip_radius, s.clip_iterations,
+                               root=self._root)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0
@@ -201,6 +204,8 @@ class DGCStrategy(FedAvg):
         self._model_changed()
         if self.channel is None:
             self.channel = self.method.channel(self.settings, self.shapes)
+        if self.channel is not None:
+            self.channel.hold(self.sent_model, 0, self.downlink.initial_on_grid)
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)
@@ -248,6 +253,8 @@ class DGCStrategy(FedAvg):
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), connected)
         state = _Round(server_round, sampled, node_of, self.model_version)
         shared_record, shared_nbytes = None, 0
+        if self.channel is not None:
+            self.channel.hold(self.sent_model, self.model_version, self.downlink.initial_on_grid)
         planned = self.channel.plan(server_round) if self.channel is not None else None
         if planned is not None:
             data, state.material = planned
@@ -343,6 +350,12 @@ class DGCStrategy(FedAvg):
             return False
         return self.step(self.aggregator.finish(combined, self.shapes))
 
+    def _root(self, space: Mapping[str, tuple[int, ...]]) -> torch.Tensor:
+        """FLTrust's root update: the server's own round on its root set, from the model
+        clients were sent this round."""
+        assert self.root_update is not None and self._round is not None
+        return self.root_update(self.sent_model, self._round.server_round, space)
+
     def _current(self, server_round: int) -> _Round:
         if self._round is None or self._round.server_round != server_round or self.model is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for "
@@ -371,7 +384,7 @@ class DGCStrategy(FedAvg):
                 "completed_rounds": self.completed_rounds, "run_config": self.run_config,
                 **self.downlink.state_dict(),
                 **self.optimizer.state_dict(), **self.registry.state_dict(),
-                **self.records.state_dict(),
+                **self.records.state_dict(), "combine": self.combine.state_dict(),
                 "method": {"aggregator": self.aggregator.state_dict(),
                            "channel": None if self.channel is None
                            else self.channel.state_dict()},
@@ -395,6 +408,7 @@ class DGCStrategy(FedAvg):
         self.registry.load_state_dict(state)
         self.records.load_state_dict(state)
         self.aggregator.load_state_dict(state["method"]["aggregator"])
+        self.combine.load_state_dict(state.get("combine", {}))  # none before issue 26
         if self.channel is not None and state["method"]["channel"] is not None:
             self.channel.load_state_dict(state["method"]["channel"])
         for ext, ext_state in zip(self.extensions, state.get("extensions", []), strict=False):

@@ -26,13 +26,16 @@ from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
 from simulations.compare import (
+    BASELINE,
     against_dense,
     at_equal_traffic,
     by_family,
     find_runs,
     over_seeds,
     parse_seeds,
+    reach,
     read_summary,
+    traffic_area,
     traffic_curve,
 )
 from simulations.interrupt import RunInterrupted
@@ -205,11 +208,20 @@ def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, 
     """Add every method's reading at ``budget_method``'s total traffic to its summary
     (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``); return
     :func:`simulations.compare.at_equal_traffic`'s result."""
-    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
+    curves = {m: traffic_curve(run) for m, run in runs.items()}
+    equal = at_equal_traffic(curves, budget_method)
+    area = traffic_area(curves)
     for m, s in summaries.items():
         s["equal_traffic_method"] = equal["method"]
         s["equal_traffic_bytes"] = equal["bytes"]
         s["last10_at_equal_traffic"] = equal["last10"][m]
+        s["traffic_auc_floor_bytes"] = area["floor"]
+        s["traffic_auc"] = area["area"].get(m, float("nan"))
+        s["traffic_auc_mean"] = area["mean"].get(m, float("nan"))
+    dense = summaries.get(BASELINE, {}).get("last10_accuracy")
+    if isinstance(dense, (int, float)):
+        for m, s in summaries.items():
+            s["reach_dense_round"], s["reach_dense_bytes"] = reach(curves[m], float(dense))
     return equal
 
 
@@ -252,6 +264,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     that sent the least): ``last10_at_equal_traffic``
     (:func:`simulations.compare.at_equal_traffic`).
     """
+    from server.folders import check_compare_folder, claim_compare_folder
+    from server.preflight import check_run
     from simulations.plots import plot_bands
 
     methods = by_family(registry.compared() if methods is None
@@ -270,6 +284,11 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     if jobs > 1:  # interleaved per-round lines from several runs read as noise
         per_config = [c.with_overrides({"progress": False}) for c in per_config]
     plan = [_method_config(c, m) for c in per_config for m in methods]
+    # The folder is the comparison's alone (not a run's), and nothing is created in it before
+    # the first run's checks pass.
+    compare_id = check_compare_folder(config.run_dir)
+    check_run(plan[0])
+    claim_compare_folder(config.run_dir, compare_id)
     done = iter(zip(plan, _run_all(plan, verbose, netem, jobs), strict=True))
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
@@ -308,6 +327,9 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     """
     from simulations.plots import plot_bands
 
+    if out is not None and (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise SettingsError(f"--out {out} is not a folder; name a folder for compare.json and "
+                            f"accuracy_vs_traffic.png")
     runs = find_runs(folders)
     if budget_method is not None:
         missing = [s for s, by_method in runs.items() if budget_method not in by_method]
@@ -329,7 +351,10 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     print(seeds_table(doc))
     _print_mean_at_budget(doc, budget_method)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as ex:
+            raise SettingsError(f"--out {out} cannot be created: {ex.strerror or ex}") from None
         write_json(out / "compare.json", doc)
         methods = list(doc["methods"])
         plot = plot_bands({m: [by_m[m] for by_m in runs.values() if m in by_m] for m in methods},

@@ -53,7 +53,18 @@ _COLUMNS = (("final acc", "final_accuracy", ".4f", 1.0),
             ("last10 acc", "last10_accuracy", ".4f", 1.0),
             ("uplink MB", "uplink_bytes", ".3f", 1e-6), ("x dense", "uplink", ".1f", 1.0),
             ("downlink MB", "downlink_bytes", ".2f", 1e-6), ("x dense", "downlink", ".1f", 1.0),
-            ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0))
+            ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0),
+            ("acc/decade", "traffic_auc_mean", ".4f", 1.0),
+            ("rounds to dense", "reach_dense_round", ".0f", 1.0),
+            ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
+#: Columns a table shows only when one of its rows has the key (a comparison's readings:
+#: the mean accuracy per decade of total bytes, simulations.compare.traffic_area; the round
+#: and total MB at which the last-10 mean first reaches dense's, simulations.compare.reach).
+_OPTIONAL = ("traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:
+    return [c for c in _COLUMNS if c[1] not in _OPTIONAL or any(c[1] in r for r in rows)]
 
 
 #: The columns of ratios to dense (:func:`_key`).
@@ -82,9 +93,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """A plain-text table of the headline numbers of one or more runs (method -> summary)."""
-    head = ["method", *(c[0] for c in _COLUMNS), "failed", "wall s"]
+    columns = _columns(list(summaries.values()))
+    head = ["method", *(c[0] for c in columns), "failed", "wall s"]
     rows = [[name, *(_fmt(_scaled(s.get(_key(s, key)), scale), spec)
-                     for _, key, spec, scale in _COLUMNS),
+                     for _, key, spec, scale in columns),
              str(s.get("clients_failed", 0)), _fmt(s.get("wall_seconds"), ".1f")]
             for name, s in summaries.items()]
     return _table(head, rows)
@@ -97,13 +109,14 @@ def seeds_table(doc: Mapping[str, Any]) -> str:
     beside them); the runs per method only when they differ between methods (the line above
     the table names the seeds), so that a dozen methods fit a terminal's width.
     """
+    columns = _columns([agg["mean"] for agg in doc["methods"].values()])
     runs = {agg["runs"] for agg in doc["methods"].values()}
-    head = ["method", *(["seeds"] if len(runs) > 1 else []), *(c[0] for c in _COLUMNS)]
+    head = ["method", *(["seeds"] if len(runs) > 1 else []), *(c[0] for c in columns)]
     rows = []
     for name, agg in doc["methods"].items():
         mean, std = agg["mean"], agg["std"]
         cells = []
-        for _, key, spec, scale in _COLUMNS:
+        for _, key, spec, scale in columns:
             k = _key(mean, key)
             m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
             cells.append(m if d == "-" or key in _RATIOS else f"{m} +- {d}")

@@ -9,8 +9,10 @@ deviation per method (``compare.json`` of ``compare --seeds``). :func:`at_equal_
 each method's accuracy at the total traffic of the cheapest one (or of a method named), so that
 methods that end at different byte counts are compared at the same budget; :func:`find_runs`
 finds the run folders of a finished comparison, so that it can be read again at another budget
-(``python -m simulations traffic``). :func:`by_family` orders a comparison's methods family by
-family (``fedgc.methods.Method.family``), as its tables and plots list them.
+(``python -m simulations traffic``). :func:`traffic_area` gives the area under each method's
+accuracy against log10 of its cumulative total bytes, up to its own final bytes. :func:`by_family`
+orders a comparison's methods family by family (``fedgc.methods.Method.family``), as its tables
+and plots list them.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from typing import Any
 from fedgc import methods as registry
 from fedgc.methods import baseline
 from fedgc.settings import SettingsError
+from server.results import LAST_ROUNDS
 
 __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_family",
-           "family_of", "find_runs", "over_seeds", "parse_seeds", "read_summary",
-           "traffic_curve"]
+           "check_regular", "family_of", "find_runs", "over_seeds", "parse_seeds", "reach",
+           "read_summary", "traffic_area", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
 #: first ``baseline`` method).
@@ -42,7 +45,8 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "uplink_vs_dense", "downlink_vs_dense", "total_vs_dense",
               "uplink_compression", "downlink_compression", "total_compression",
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
-              "equal_traffic_bytes", "last10_at_equal_traffic")
+              "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
+              "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
 
 
 def family_of(method: str) -> tuple[str, bool]:
@@ -136,20 +140,43 @@ def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[
 
 
 def traffic_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """``(cumulative uplink + downlink bytes, accuracy)`` after each round of a run folder."""
+    """``(cumulative uplink + downlink bytes, accuracy)`` after each round of a run folder.
+
+    A ``rounds.csv`` that is not a regular file (a folder, a FIFO), has no header, or holds a
+    negative byte count is a SettingsError naming it; one with a header and no row is a run
+    without a round (an empty curve).
+    """
     path = Path(run_dir) / "rounds.csv"
+    check_regular(path)
     curve, total = [], 0
     try:
         with path.open() as fh:
-            for row in csv.DictReader(fh):
-                total += int(row["uplink_bytes"]) + int(row["downlink_bytes"])
+            reader = csv.DictReader(fh)
+            if reader.fieldnames is None:
+                raise SettingsError(f"{path} is empty: not a fedgc rounds.csv")
+            for row in reader:
+                sent = [int(row["uplink_bytes"]), int(row["downlink_bytes"])]
+                if min(sent) < 0:
+                    raise SettingsError(f"{path}: row {len(curve) + 1} has a negative byte "
+                                        f"count {min(sent)}")
+                total += sum(sent)
                 curve.append((total, float(row["accuracy"])))
+    except SettingsError:
+        raise
     except OSError as ex:
         raise SettingsError(f"{path}: cannot be read ({ex.strerror or ex})") from None
     except (KeyError, TypeError, ValueError) as ex:  # a missing column, a short row, a bad number
         raise SettingsError(f"{path}: not a fedgc rounds.csv (row {len(curve) + 1}: "
                             f"{type(ex).__name__} {ex})") from None
     return curve
+
+
+def check_regular(path: Path) -> None:
+    """SettingsError when ``path`` exists but is not a regular file (a folder, a FIFO, a
+    device): reading a FIFO would wait for ever, and a folder named like a result file is not
+    one to skip silently."""
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        raise SettingsError(f"{path} is not a regular file; expected a fedgc {path.name}")
 
 
 def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
@@ -166,7 +193,7 @@ def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
     """
     finished = {m: c for m, c in curves.items() if c}
     if not finished:
-        raise ValueError("at_equal_traffic needs at least one run with a round")
+        raise SettingsError(f"no run of {sorted(curves)} has a round: nothing to compare")
     if budget_method is None:
         budget_method = min(finished, key=lambda m: finished[m][-1][0])
     elif budget_method not in finished:
@@ -179,7 +206,51 @@ def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
         within = [acc for total, acc in curve if total <= budget]
         rounds[m] = len(within)
         last10[m] = statistics.fmean(within[-10:]) if within else float("nan")
+    for m in curves.keys() - finished.keys():  # a run without a round reads as nothing
+        last10[m], rounds[m] = float("nan"), 0
     return {"method": budget_method, "bytes": budget, "last10": last10, "rounds": rounds}
+
+
+def traffic_area(curves: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Any]:
+    """The area under each method's accuracy against log10 of its cumulative total bytes.
+
+    Read as a user with a byte budget reads the band plots: the accuracy reached after round
+    ``i`` holds from that round's cumulative total to the next round's, and before a method's
+    first round ends its accuracy counts as 0. Every area starts at the same floor, the
+    smallest first-round total among ``curves``, and ends at the method's own final total.
+    Returns ``{"floor": bytes, "area": {method: accuracy x decades}, "mean": {method: area /
+    decades from the floor to its final total}}``; ``mean`` is the method's accuracy averaged
+    over its byte range on the log axis (NaN for a method whose range is empty).
+    """
+    finished = {m: c for m, c in curves.items() if c}
+    if not finished:
+        raise ValueError("traffic_area needs at least one run with a round")
+    floor = min(c[0][0] for c in finished.values())
+    area: dict[str, float] = {}
+    mean: dict[str, float] = {}
+    for m, curve in finished.items():
+        total = 0.0
+        for (b0, acc), (b1, _) in zip(curve, curve[1:], strict=False):
+            if b1 > b0 > 0:
+                total += acc * (math.log10(b1) - math.log10(b0))
+        area[m] = total
+        decades = math.log10(curve[-1][0]) - math.log10(floor) if floor > 0 else 0.0
+        mean[m] = total / decades if decades > 0 else float("nan")
+    return {"floor": floor, "area": area, "mean": mean}
+
+
+def reach(curve: Sequence[tuple[int, float]], target: float) -> tuple[float, float]:
+    """``(round, cumulative total bytes)`` after which the mean accuracy of the last 10 rounds
+    (of all rounds so far, before round 10) first reaches ``target``; NaNs when it never does.
+
+    With ``target`` the dense run's ``last10_accuracy``, this reads when a method first stands
+    where dense FedAvg ends, in rounds and in bytes.
+    """
+    for i in range(len(curve)):
+        window = [acc for _, acc in curve[max(0, i - LAST_ROUNDS + 1):i + 1]]
+        if statistics.fmean(window) >= target:
+            return float(i + 1), float(curve[i][0])
+    return float("nan"), float("nan")
 
 
 def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
@@ -203,11 +274,14 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise SettingsError(f"no such comparison folder: {folder}")
+        check_regular(folder / "rounds.csv")
         if (folder / "rounds.csv").is_file():
             summary = read_summary(folder)
             add(_seed_of(summary), summary.get("method", folder.name), folder)
             continue
-        seeded = sorted(d for d in folder.glob("seed-*") if d.name[5:].isdigit())
+        # ASCII digits: str.isdigit() also accepts 'seed-²', which int() refuses.
+        seeded = sorted(d for d in folder.glob("seed-*")
+                        if d.name[5:].isascii() and d.name[5:].isdigit())
         runs = [(int(d.name[5:]), run) for d in seeded for run in _runs_in(d)]
         # One seed's comparison: each run's seed is in its summary.
         runs += [(_seed_of(read_summary(run)) if (run / "summary.json").is_file() else None, run)
@@ -221,7 +295,12 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
 
 
 def _runs_in(folder: Path) -> list[Path]:
-    return sorted(d for d in folder.iterdir() if (d / "rounds.csv").is_file())
+    runs = []
+    for d in sorted(folder.iterdir()):
+        check_regular(d / "rounds.csv")  # a method whose rounds.csv is a folder is not skipped
+        if (d / "rounds.csv").is_file():
+            runs.append(d)
+    return runs
 
 
 def _seed_of(summary: Mapping[str, Any]) -> int | None:
@@ -233,10 +312,18 @@ def _seed_of(summary: Mapping[str, Any]) -> int | None:
 def read_summary(run: Path) -> dict[str, Any]:
     """A run folder's ``summary.json``; SettingsError naming the folder when it is missing,
     unreadable or not a JSON object."""
+    check_regular(run / "summary.json")
     try:
         summary = json.loads((run / "summary.json").read_text())
+    except RecursionError:
+        raise SettingsError(f"{run}: summary.json nests too deeply to be a fedgc summary") \
+            from None
     except (OSError, ValueError) as ex:
         raise SettingsError(f"{run}: no readable summary.json ({ex})") from None
     if not isinstance(summary, dict):
         raise SettingsError(f"{run}: summary.json is not a JSON object")
+    for key in (*AGGREGATED, "dense_uplink_bytes", "dense_downlink_bytes", "dense_total_bytes"):
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise SettingsError(f"{run}/summary.json: {key} = {value!r} is not a number")
     return summary

@@ -109,6 +109,14 @@ class Channel:
     :meth:`Method.read_side` (the reply's part that answers the material).
     """
 
+    def hold(self, sent_model: Mapping[str, torch.Tensor], version: int,
+             initial_on_grid: bool) -> None:
+        """The model sampled clients hold (version 0 from ``set_model``, also before a resume,
+        then each round's before :meth:`plan`; ``initial_on_grid``: version 0 has its matrices
+        on the int8 grid, ``dgc.int8_grid.round_initial``). For a channel whose material
+        clients derive from the model they hold (DGC's sets ranked by displacement); does
+        nothing here."""
+
     def plan(self, server_round: int) -> tuple[bytes, Any] | None:
         """This round's material: its bytes (sent) and its decoded form (what replies are
         checked against, :attr:`Bound.material`); None: nothing this round."""
@@ -217,6 +225,25 @@ class Method:
         """The round material of a train message, decoded (a DecodeError or ValueError for
         bytes that do not decode)."""
         raise ValueError(f"method {self.name!r} sends no round material")
+
+    def hold_material(self, data: bytes, material: Any, model: Mapping[str, torch.Tensor],
+                      initial: Any) -> tuple[bytes, Any]:
+        """The round material once the client holds the round's ``model`` (``initial()``
+        builds version 0 from the run's seed): as read, here. A method whose material clients
+        derive from the model (DGC's sets ranked by displacement, ``dgc.shared_rank``) returns
+        it derived, with bytes that :meth:`read_material` reads back to the same (kept to fold
+        the side part back, :meth:`pending_parts`)."""
+        return data, material
+
+    def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
+                rounds_away: int) -> dict[str, torch.Tensor]:
+        """Before local training, with the client's state loaded (and an update the server did
+        not aggregate folded back): the model local training starts from (here ``model``, the
+        one sent). ``rounds_away``: rounds since this client's last update, less one (0 for a
+        client sampled in consecutive rounds; -1 for none). A method may act on the residual
+        (DGC's aged residuals and step-ahead, ``dgc.residual_decay``, ``dgc.step_ahead``); the
+        pseudo-gradient is taken against the model sent either way."""
+        return model
 
     def side_part(self, compressor: Compressor, material: Any,
                   server_round: int) -> tuple[bytes, int] | None:

@@ -213,17 +213,21 @@ class SparseCodec(Codec):
     sign_coding : bool (default: False)
         Send a tensor whose values share one magnitude as one sign bit each plus the magnitude
         (ternary updates).
+    grid_coding : bool (default: False)
+        Send a float32 tensor whose values sit on a power-of-two int8 grid as the grid's step
+        and its integers, Rice-coded where smaller (``dgc.value_levels``).
     """
 
     kind = "sparse"
 
-    def __init__(self, sign_coding: bool = False) -> None:
+    def __init__(self, sign_coding: bool = False, grid_coding: bool = False) -> None:
         self.sign_coding = sign_coding
+        self.grid_coding = grid_coding
         self._checked: set[TensorLayout] = set()  # layouts that matched the model
 
     def encode(self, payload: Any) -> bytes:
         update = payload.update if isinstance(payload, SparsePayload) else payload
-        return dgc.encode(update, sign_coding=self.sign_coding)
+        return dgc.encode(update, sign_coding=self.sign_coding, grid_coding=self.grid_coding)
 
     def decode(self, data: bytes, bound: Bound) -> SparsePayload:
         return SparsePayload(dgc.decode(data, max_numel=bound.max_numel))
