@@ -75,7 +75,8 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
         if config is None:
             raise client_module.ClientProtocolError(f"train message has no {P.CONFIG!r} "
                                                     f"ConfigRecord")
-        s = client_module.settings_from(config)
+        allowed = client_module.allowed_callables(context)
+        s = client_module.settings_from(config, allowed)
         server_round = int(config[P.SERVER_ROUND])  # type: ignore[arg-type]
         version = int(config[P.MODEL_VERSION])  # type: ignore[arg-type]
         ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
@@ -87,8 +88,8 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
         # the phone, which holds no model yet, gets the model it produces, dense.
         global_state = client_module.global_model(
             msg.content, config, record,
-            initial=lambda: client_module.initial_model(client_module.task_of(s.task_spec()),
-                                                        s.seed))
+            initial=lambda: client_module.initial_model(
+                client_module.task_of(s.task_spec(), allowed), s.seed))
         patch = base = None
         if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:
             patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
@@ -97,7 +98,7 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                 patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
                                    global_state)
         held[device] = ClientState(model=global_state, model_version=version)
-        method = client_module.method_of(s, config)
+        method = client_module.method_of(s, config, allowed)
         dgc_config = method.phone_config(s) if method.phone else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
@@ -109,10 +110,12 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
         result = bridge.wait(task.task_id, timeout_s)
         update = result.update
         # The phone answers the round's shared index sets as a simulated client does: its
-        # signs travel beside the update, and the server aggregates them alike.
+        # signs travel beside the update, and the server aggregates them alike. The bridge
+        # checked the metrics when the upload began (android_bridge.bridge.parse_metrics):
+        # num-examples a whole number >= 1, train_loss finite, restored a whole number >= 0.
         side = result.side_bytes or None
         metrics = P.reply_metrics(
-            num_examples=int(result.metrics.get("num-examples", 0)),
+            num_examples=result.metrics["num-examples"],
             uplink_bytes=len(result.update_bytes) + len(result.side_bytes), nnz=update.nnz,
             shared_entries=result.side_entries, density=update.density,
             train_loss=float(result.metrics.get("train_loss", float("nan"))),

@@ -215,12 +215,15 @@ class ReferencePhone:
                    "train_loss": sum(losses) / max(len(losses), 1),
                    "compute_seconds": time.perf_counter() - started,
                    "restored": int(restored)}
+        if not math.isfinite(metrics["train_loss"]):
+            del metrics["train_loss"]  # NaN is not JSON: the bridge refuses it
         upload_id = f"{self.device_id}-{task.task_id}"
         starts = self.upload(task, upload_id, data + side, metrics, cut_after_bytes, max_streams,
                              side_bytes=len(side))
         ack = self.stub.Ack(pb.AckRequest(session_id=self.session_id, upload_id=upload_id))
         return RoundReport(task.task_id, int(task.server_round), upload_id, len(data) + len(side),
-                           starts, restored, metrics["train_loss"], ack.state, len(side),
+                           starts, restored, metrics.get("train_loss", float("nan")), ack.state,
+                           len(side),
                            data + side)
 
     def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:

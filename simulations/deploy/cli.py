@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from fedgc.refs import ALLOWED_CALLABLES, is_ref
 from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
 
@@ -151,13 +153,18 @@ def _workdir(args: argparse.Namespace) -> Path:
     return Path(args.workdir)
 
 
-def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None
-                       ) -> DeploymentConfig:
+def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None,
+                       allowed: str = "") -> DeploymentConfig:
+    """The deployment of ``args``, with the phone bridge's SuperNodes of ``fleet``; ``allowed``:
+    the ``module:callable`` references the SuperNodes' node config lets a run call (the run's
+    own task and method: this command is the nodes' operator too)."""
     workdir = _workdir(args)
     phones = fleet.count if fleet is not None else 0
 
     def node_config(index: int, nodes: int) -> dict[str, object]:
         config = dict(default_node_config(index, nodes))
+        if allowed:
+            config[ALLOWED_CALLABLES] = allowed
         if fleet is not None and fleet.owns(index):
             config.update(fleet.node_config(index))
         return config
@@ -235,7 +242,14 @@ def _run_fedgc(args: argparse.Namespace) -> int:
                   f"{t.method}); minutes on a busy machine", flush=True)
         fleet.export(run_config, reuse)
     started_s = time.monotonic()
-    with Deployment(_deployment_config(args, fleet)) as dep:
+    # The run's own task and method, when they are module:callable: the nodes run nothing else.
+    own = ",".join(ref for ref in (run_config.train.task, run_config.train.method)
+                   if is_ref(ref))
+    with Deployment(_deployment_config(args, fleet, allowed=own)) as dep:
+        if dep.client_nodes():
+            # With --auth each client key is bound to its node's authenticated id: a node
+            # cannot serve another client's rounds by claiming its key.
+            run_config = run_config.with_overrides({"client_nodes": dep.client_nodes()})
         try:
             if fleet is not None:
                 fleet.env = dict(dep.env)
@@ -288,9 +302,30 @@ def phones_record(fleet: PhoneFleet) -> dict[str, object]:
     }
 
 
+def check_run_args(args: argparse.Namespace) -> None:
+    """Refuse options that cannot work before anything is created or started.
+
+    Raises
+    ------
+    DeployError
+        Naming the option, its value and what is accepted.
+    """
+    if not 1 <= args.nodes <= 200:
+        raise DeployError(f"--nodes {args.nodes}: expected an integer in 1..200")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise DeployError(f"--timeout-s {args.timeout_s:g}: expected a finite number of "
+                          f"seconds > 0")
+    if args.workdir:
+        workdir = Path(args.workdir)
+        if (workdir.exists() or workdir.is_symlink()) and not workdir.is_dir():
+            raise DeployError(f"--workdir {workdir} is not a folder; name a folder for the "
+                              f"deployment's logs, certificates and state")
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     """Start the deployment, run the app, print its outcome, shut everything down."""
     args = _run_parser().parse_args(argv)
+    check_run_args(args)
     if args.app == "fedgc":
         return _run_fedgc(args)
     if args.phones:

@@ -29,7 +29,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
-from client.app import client_key, method_of, settings_from, state_root
+from client.app import allowed_callables, client_key, method_of, settings_from, state_root
 from client.state import ClientState, ClientStateStore, StateCorruptError
 from fedgc.protocol import ACK_SEQUENCE, NUM_EXAMPLES
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
@@ -129,7 +129,8 @@ def _age_residual(config: dict, context: Context, key: int, round_index: int,
     # that state before the client loads it.
     if settings.stale_policy == "keep":
         return None
-    train = settings_from(config)
+    allowed = allowed_callables(context)
+    train = settings_from(config, allowed)
     root = state_root(train, context)
     if not root:
         return None
@@ -141,7 +142,7 @@ def _age_residual(config: dict, context: Context, key: int, round_index: int,
     if state is None:
         return None
     record = state.to_record()
-    method = method_of(train, config)
+    method = method_of(train, config, allowed)
     report = apply_stale_policy_to_record(record, round_index,
                                           int(config.get(ACK_SEQUENCE, -1)), settings.stale,
                                           lambda: method.compressor(train, key), method, train)
