@@ -111,8 +111,9 @@ def phone_data(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
         if not 0 <= args.partition_id < t.num_clients:
             raise PhoneCliError(f"--partition-id {args.partition_id}: expected 0.."
                                 f"{t.num_clients - 1} (num_clients = {t.num_clients})")
-        # The data client.app trains on for the same key.
-        x, y = client_data(t, args.partition_id)
+        # The data client.app trains on for the same key. The task's module:callable is the
+        # command's own --set (this user's config, as for export): any is allowed (None).
+        x, y = client_data(t, args.partition_id, None)
     except SettingsError as ex:
         raise PhoneCliError(str(ex)) from None
     return x.numpy(), y.numpy()

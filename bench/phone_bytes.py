@@ -54,7 +54,7 @@ def main() -> None:
     started = time.monotonic()
     manifest = export_run(config, f"{out}/export")
     print(f"exported in {time.monotonic() - started:.0f} s")
-    x, y = client_data(t, 0)
+    x, y = client_data(t, 0, None)
     rows: list[tuple[int, int, str, int, int]] = []
     stop = threading.Event()
     with PhoneBridge({DEVICE: TOKEN}, "127.0.0.1:0") as bridge:

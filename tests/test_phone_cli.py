@@ -86,7 +86,7 @@ def test_phone_data_is_what_client_app_trains_on():
                                 "--token", "t", "--partition-id", "4",
                                 *[a for k, v in keys.items() for a in ("--set", f"{k}={v}")]])
     x, y = phone_data(args)
-    want_x, want_y = client_data(RunConfig.from_flat(keys).train, 4)
+    want_x, want_y = client_data(RunConfig.from_flat(keys).train, 4, None)
     assert np.array_equal(x, want_x.numpy()) and np.array_equal(y, want_y.numpy())
 
 

@@ -119,7 +119,7 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
     t = config.train
     assert (t.client_momentum, t.small_density, config.server.shared_density) == (0.5, 0.03, 0.03)
     task = get_task("digits")
-    x, y = client_data(t, PHONE_KEY)  # what client.app trains on for that key
+    x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []
     errors: list[BaseException] = []
     stop = threading.Event()
