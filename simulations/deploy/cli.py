@@ -77,6 +77,9 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="logs, certificates and state (default: a new temporary folder)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0, help="seeds the links' jitter and outages")
+    p.add_argument("--capture", action="store_true",
+                   help="record every packet of each link (tcpdump; needs shaping tbf or "
+                        "netem) and print where the bytes go (`python -m simulations wire`)")
     return p
 
 
@@ -145,6 +148,7 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         seed=args.seed,
         # A device's service manager restarts a SuperNode that gave up on a bad link.
         restart_on_exit=True,
+        capture=args.capture,
     )
     print(f"[deploy] {args.nodes} SuperNodes, link {args.link or 'none'}, "
           f"tls={'on' if config.tls else 'off'}, auth={'on' if config.auth else 'off'}, "
@@ -191,7 +195,13 @@ def _run_fedgc(args: argparse.Namespace) -> int:
             return 1
     plot = plot_run(run.run_dir)
     print(summary_table({str(run.summary.get("method", "run")): run.summary}))
-    print(f"results: {run.run_dir}/rounds.csv, summary.json, deploy.json, {plot.name}")
+    written = ["rounds.csv", "summary.json", "deploy.json", plot.name]
+    if args.capture:
+        from .capture_report import write_capture_ledger
+
+        print(write_capture_ledger(dep, run))
+        written.append("wire.json")
+    print(f"results: {run.run_dir}/{', '.join(written)}")
     return 0
 
 
