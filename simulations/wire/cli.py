@@ -12,7 +12,18 @@ from .report import format_table, read_wire
 
 
 def main(argv: Sequence[str]) -> int:
-    """Print the wire ledger (``wire.json``) of each run folder; 2 on a bad folder or file."""
+    """Print the wire ledger (``wire.json``) of each run folder; 2 on a bad folder or file.
+
+    ``bridge ...`` measures the phone bridge path instead (:mod:`.bridge_run`).
+    """
+    if argv and argv[0] == "bridge":
+        from .bridge_run import main as bridge_main
+
+        try:
+            return bridge_main(argv[1:])
+        except WireError as err:
+            print(f"python -m simulations wire bridge: error: {err}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(
         prog="python -m simulations wire",
         description="Print where the bytes of a run captured with `python -m simulations "
