@@ -18,6 +18,12 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from fedgc.settings import Check, SettingsError, coerce, fields_of, parse, setting, validate
+from simulations.netem.energy import (
+    POWER_MODELS,
+    PowerModelError,
+    RadioPowerModel,
+    load_power_models,
+)
 from simulations.netem.errors import NetemError
 from simulations.netem.link import OUTAGE_POLICIES
 from simulations.netem.presets import DEVICE_PRESETS, LINK_PRESETS, LinkProfile
@@ -99,6 +105,9 @@ class NetemSettings:
     trace_latency_ms: float = setting(50.0, "netem.trace_latency_ms", "round-trip latency of "
                                       "the 'trace' link preset (the traces carry throughput "
                                       "only)", Check(0.0))
+    power_model: str = setting("", "netem.power_model", "JSON file of radio power models "
+                               "laid over the presets (simulations.netem.energy: lte, 3g, "
+                               "wifi from Huang et al., MobiSys 2012); empty = the presets")
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
@@ -108,6 +117,7 @@ class NetemSettings:
                                                     hints[f.name]))
         validate(self)
         self._check_traces()
+        self.power_models()  # a bad file is named now, before round 1
         for name, presets in (("mix", self.link_presets()), ("device_mix", DEVICE_PRESETS)):
             text = getattr(self, name)
             fractions = parse_fractions(text, name)
@@ -134,6 +144,15 @@ class NetemSettings:
                                 f"replays them (e.g. {PREFIX}mix={TRACE_PRESET}:1.0)")
         for k in given:
             trace_file(PREFIX + k, getattr(self, k))
+
+    def power_models(self) -> dict[str, RadioPowerModel]:
+        """The radio power models: the presets, with ``power_model``'s file laid over them."""
+        if not self.power_model:
+            return dict(POWER_MODELS)
+        try:
+            return load_power_models(self.power_model)
+        except PowerModelError as ex:
+            raise SettingsError(f"{PREFIX}power_model = {self.power_model!r}: {ex}") from None
 
     def link_presets(self) -> dict[str, LinkProfile]:
         """The link presets ``mix`` may name: the built-in ones, and ``trace`` with the trace
