@@ -101,6 +101,10 @@ class ReferencePhone:
         self.model_version = -1
         self.pending: dgc.SparseUpdate | None = None
         self.poll_interval_s = 0.05
+        self.max_wait_s = 0.0
+        # The task config last received, by digest: the bridge sends it only when it changes.
+        self.config_json = ""
+        self.config_sha256 = ""
 
     def close(self) -> None:
         """Close the gRPC channel."""
@@ -112,18 +116,24 @@ class ReferencePhone:
         reply = self.stub.Register(pb.RegisterRequest(device_id=self.device_id,
                                                       token=self.token, manifest_sha256=digest))
         self.session_id, self.poll_interval_s = reply.session_id, reply.poll_interval_s
+        self.max_wait_s = reply.max_wait_s
 
     def wait_for_task(self, timeout_s: float) -> pb.FetchTaskReply:
-        """Poll FetchTask until a task arrives."""
+        """Ask FetchTask until a task arrives: a long poll (each call held up to the bridge's
+        ``max_wait_s``) when the bridge offers one, else a poll every ``poll_interval_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
+            started = time.monotonic()
+            wait_s = min(self.max_wait_s, max(0.0, deadline - started))
             task = self.stub.FetchTask(pb.FetchTaskRequest(
-                session_id=self.session_id, held_model_version=self.model_version))
+                session_id=self.session_id, held_model_version=self.model_version,
+                wait_s=wait_s, held_config_sha256=self.config_sha256))
             if task.has_task:
                 return task
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no task for device {self.device_id!r} in {timeout_s} s")
-            time.sleep(self.poll_interval_s)
+            if time.monotonic() - started < max(wait_s / 2, self.poll_interval_s):
+                time.sleep(self.poll_interval_s)  # answered at once: the bridge did not hold it
 
     # -- one round ------------------------------------------------------------------------
 
@@ -163,7 +173,7 @@ class ReferencePhone:
                   max_streams: int = 8) -> RoundReport:
         """Train, compress and upload for ``task``; ``cut_after_bytes`` cuts the first stream
         after that many bytes to exercise resumption."""
-        config = json.loads(task.config_json)
+        config = json.loads(self._config_of(task))
         train = config["train"]
         dgc_config = DGCConfig.from_dict(config["dgc"])
         self.encoder.reconfigure(dgc_config)
@@ -194,16 +204,36 @@ class ReferencePhone:
                    "compute_seconds": time.perf_counter() - started,
                    "restored": int(restored)}
         upload_id = f"{self.device_id}-{task.task_id}"
-        starts = self.upload(task, upload_id, data, metrics, cut_after_bytes, max_streams)
-        ack = self.stub.Ack(pb.AckRequest(session_id=self.session_id, upload_id=upload_id))
+        starts, state = self.upload(task, upload_id, data, metrics, cut_after_bytes,
+                                    max_streams)
+        if state in (pb.UPDATE_STATE_UNSPECIFIED, pb.INCOMPLETE):
+            # The stream's answer did not say how the upload ended: ask.
+            state = self.stub.Ack(pb.AckRequest(session_id=self.session_id,
+                                                upload_id=upload_id)).state
         return RoundReport(task.task_id, int(task.server_round), upload_id, len(data), starts,
-                           restored, metrics["train_loss"], ack.state)
+                           restored, metrics["train_loss"], state)
+
+    def _config_of(self, task: pb.FetchTaskReply) -> str:
+        """The task's config JSON: as sent, or the one held when the bridge left it out."""
+        if task.config_json:
+            digest = hashlib.sha256(task.config_json.encode()).hexdigest()
+            if task.config_sha256 and digest != task.config_sha256:
+                raise PhoneError(f"task config digest {task.config_sha256} does not match its "
+                                 f"config_json ({digest})")
+            self.config_json, self.config_sha256 = task.config_json, digest
+        elif not task.config_sha256 or task.config_sha256 != self.config_sha256:
+            raise PhoneError(f"task {task.task_id!r} carries no config and names "
+                             f"{task.config_sha256!r}, which this phone does not hold")
+        return self.config_json
 
     def upload(self, task: pb.FetchTaskReply, upload_id: str, data: bytes,
                metrics: dict[str, Any], cut_after_bytes: int | None = None,
-               max_streams: int = 8) -> list[int]:
+               max_streams: int = 8) -> tuple[list[int], int]:
         """Send ``data`` in chunks, resuming from QueryUpload after a cut; return the offset
-        each stream started at."""
+        each stream started at and the upload's state as the last answer gave it.
+
+        The first stream starts at 0 without asking (a new upload id has nothing stored);
+        QueryUpload is asked only after a stream broke."""
         digest = hashlib.sha256(data).hexdigest()
         chunk_bytes = int(task.max_chunk_bytes) or 64 * 1024
         metrics_json = json.dumps(metrics, sort_keys=True)
@@ -229,16 +259,19 @@ class ReferencePhone:
                                      metrics_json=metrics_json)
 
         starts: list[int] = []
+        offset = 0
         for stream in range(1, max_streams + 1):
-            status = self.stub.QueryUpload(pb.QueryUploadRequest(session_id=self.session_id,
-                                                                 upload_id=upload_id))
-            if status.complete:
-                return starts
+            if stream > 1:
+                status = self.stub.QueryUpload(pb.QueryUploadRequest(
+                    session_id=self.session_id, upload_id=upload_id))
+                if status.complete:
+                    return starts, int(status.state)
+                offset = int(status.received_bytes)
             cut = cut_after_bytes if stream == 1 else None
-            starts.append(int(status.received_bytes))
+            starts.append(offset)
             try:
                 status = self.stub.UploadUpdate(
-                    chunks(starts[-1], cut), metadata=((SESSION_METADATA_KEY, self.session_id),))
+                    chunks(offset, cut), metadata=((SESSION_METADATA_KEY, self.session_id),))
             except grpc.RpcError as ex:
                 # CANCELLED also ends a stream the bridge found idle too long.
                 if ex.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
@@ -246,7 +279,7 @@ class ReferencePhone:
                     raise
                 continue  # the link dropped: ask where to resume
             if status.complete:
-                return starts
+                return starts, int(status.state)
         raise ConnectionError(f"upload {upload_id!r} incomplete after {max_streams} streams")
 
 

@@ -45,7 +45,8 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
               meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ledger of a run from each node's attributed connections (see the module docstring).
 
-    Per client-round: the exchanges of its train message and its reply. Idle per minute: a
+    Per client-round: the exchanges of its train message and its reply; "later rounds" leave
+    out each node's first round (its first model and config). Idle per minute: a
     poll's and a heartbeat's mean bytes, times how many of each a minute holds at the intervals
     measured on the link. Per node: registration, activation, run and app-bundle fetches.
     """
@@ -55,6 +56,12 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
                     for d in (0, 1)]
     rounds = sorted({(node, x.round) for node, x in exchanges if x.kind in ROUND_KINDS})
     per_round = _sum([x for _, x in exchanges if x.kind in ROUND_KINDS])
+    # A node's first round carries what it learns once (a first model, a first config).
+    first = {node: min((r for n, r in rounds if n == node and r is not None), default=None)
+             for node in nodes}
+    later = [(n, r) for n, r in rounds if r is not None and r != first.get(n)]
+    per_later = _sum([x for n, x in exchanges if x.kind in ROUND_KINDS
+                      and x.round is not None and x.round != first.get(n)])
     idle: dict[str, Any] = {}
     idle_minute = [dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)]
     for kind, longest_s in (("poll", 20.0), ("heartbeat", 120.0)):
@@ -91,6 +98,8 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
         "unattributed_bytes": dict(zip(DIRECTIONS, unattributed, strict=True)),
         "attributed_fraction": dict(zip(DIRECTIONS, coverage, strict=True)),
         "per_client_round": _scaled(per_round, 1 / n_rounds if n_rounds else 0.0),
+        "later_client_rounds": len(later),
+        "per_later_client_round": _scaled(per_later, 1 / len(later) if later else 0.0),
         "idle_per_minute": _scaled(idle_minute, 1.0),
         "idle": idle,
         "setup_per_node": _scaled(_sum([x for _, x in exchanges if x.kind == "setup"]),
@@ -134,9 +143,11 @@ def _row(name: str, cols: Sequence[Mapping[str, Mapping[str, float]]], key: str 
 
 def format_table(summary: Mapping[str, Any]) -> str:
     """The ledger as a text table (bytes; up and down per column group)."""
-    cols = [summary["per_client_round"], summary["idle_per_minute"], summary["setup_per_node"],
+    cols = [summary["per_client_round"], summary.get("per_later_client_round", {}),
+            summary["idle_per_minute"], summary["setup_per_node"],
             summary["whole_run_per_client_round"]]
-    names = ["per client-round", "idle per minute", "setup per node", "all / client-round"]
+    names = ["per client-round", "later rounds", "idle per minute", "setup per node",
+             "all / client-round"]
     lines = [
         f"where the bytes go ({summary['protocol']}): {summary['nodes']} nodes, "
         f"{summary['client_rounds']} client-rounds, link {summary.get('link') or 'none'}, "

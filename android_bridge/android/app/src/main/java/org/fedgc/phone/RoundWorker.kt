@@ -29,10 +29,17 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             val manifestSha = MessageDigest.getInstance("SHA-256")
                 .digest(model.manifestText.toByteArray()).joinToString("") { "%02x".format(it) }
             bridge.register(deviceId, token, manifestSha)
-            val task = bridge.fetchTask(state.modelVersion)
+            val task = bridge.fetchTask(state.modelVersion, state.configSha256)
             if (!task.hasTask) return Result.retry()
 
-            val config = JSONObject(task.configJson)
+            // The bridge sends the config only when it changed; it names it by digest always.
+            if (task.configJson.isNotEmpty()) {
+                state.configJson = task.configJson
+                state.configSha256 = task.configSha256
+            } else check(task.configSha256 == state.configSha256) {
+                "task carries no config and names ${task.configSha256}, which this phone does not hold"
+            }
+            val config = JSONObject(state.configJson)
             val train = config.getJSONObject("train")
             // Refuse what the exported files cannot run (as android_bridge.phone does): a baked
             // DGC field or another batch size needs a re-export, not a different computation.
@@ -67,10 +74,11 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             val metrics = JSONObject().put("num-examples", LocalData.size(applicationContext))
                 .put("train_loss", losses.average()).put("restored", if (restored) 1 else 0).toString()
             val uploadId = "$deviceId-${task.taskId}"
-            val starts = bridge.upload(task, uploadId, data, metrics)
-            val ack = bridge.ack(uploadId)
+            val (starts, status) = bridge.upload(task, uploadId, data, metrics)
+            // The stream's answer carries the final state; ask Ack only when it did not.
+            val ackState = status?.takeIf { it.complete }?.stateValue ?: bridge.ack(uploadId).stateValue
             return Result.success(workDataOf("uplink_bytes" to data.size, "streams" to starts.size,
-                "ack_state" to ack.stateValue))
+                "ack_state" to ackState))
         }
     }
 
@@ -110,6 +118,8 @@ class PhoneState private constructor(model: ExportedModel) {
     var pending: SparseUpdate? = null
     var model: Map<String, FloatArray>? = null
     var modelVersion: Long = -1
+    var configJson: String = ""
+    var configSha256: String = ""
 
     companion object {
         @Volatile private var instance: PhoneState? = null
