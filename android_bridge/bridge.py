@@ -35,6 +35,11 @@ DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
 SESSION_METADATA_KEY = "fedgc-session"
 #: Largest ``metrics_json`` accepted: a few numbers need a few hundred bytes.
 MAX_METRICS_BYTES = 4096
+#: gRPC options for the phone's link, on both ends. BDP probing sends an HTTP/2 PING with a
+#: stream's first data to size the flow-control window for bulk transfers; on a link that moves
+#: a few kB a round it cost four PINGs and their ACKs, ~570 bytes a round, more than the rest
+#: of gRPC's framing.
+PHONE_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),)
 # Worker threads kept free of upload streams, so Register, FetchTask, QueryUpload and Ack are
 # answered however many streams are open.
 _UNARY_WORKERS = 8
@@ -271,7 +276,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=self.max_streams + self.max_waiting + _UNARY_WORKERS),
-            options=[("grpc.max_receive_message_length", max_message)])
+            options=[("grpc.max_receive_message_length", max_message), *PHONE_CHANNEL_OPTIONS])
         pb_grpc.add_FedgcBridgeServicer_to_server(self, server)
         if self._credentials is None:
             port = server.add_insecure_port(self.address)

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 import dgc
-from android_bridge.bridge import SESSION_METADATA_KEY
+from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
@@ -85,10 +85,12 @@ class ReferencePhone:
         if len(self.x) != len(self.y) or len(self.x) == 0:
             raise PhoneError(f"phone data needs as many labels as inputs and at least one "
                              f"example, got {len(self.x)} inputs and {len(self.y)} labels")
+        options = list(PHONE_CHANNEL_OPTIONS)
         if root_certificates is None:
-            self.channel = grpc.insecure_channel(target)
+            self.channel = grpc.insecure_channel(target, options=options)
         else:
-            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
             self.channel = grpc.secure_channel(
                 target, grpc.ssl_channel_credentials(root_certificates=root_certificates),
                 options=options)
@@ -181,7 +183,6 @@ class ReferencePhone:
         if int(train["batch_size"]) != batch:
             raise PhoneError(f"task asks for batch_size {train['batch_size']}, the exported "
                              f"training step has {batch}")
-        started = time.perf_counter()
         global_model = self._global_model(task)
         self.trainer.set_parameters(global_model)
         self.trainer.set_learning_rate(float(train["lr"]))
@@ -200,9 +201,11 @@ class ReferencePhone:
         data = dgc.encode(update)
         self.pending = update
         self.model, self.model_version = global_model, int(task.model_version)
-        metrics = {"num-examples": len(self.x), "train_loss": float(np.mean(losses)),
-                   "compute_seconds": time.perf_counter() - started,
-                   "restored": int(restored)}
+        # What the bridge app reads (it times the round itself); "restored" only when 1.
+        metrics: dict[str, Any] = {"num-examples": len(self.x),
+                                   "train_loss": float(np.mean(losses))}
+        if restored:
+            metrics["restored"] = 1
         upload_id = f"{self.device_id}-{task.task_id}"
         starts, state = self.upload(task, upload_id, data, metrics, cut_after_bytes,
                                     max_streams)
@@ -252,7 +255,8 @@ class ReferencePhone:
                     while delivered() < offset and time.monotonic() < deadline:
                         time.sleep(0.005)
                     raise LinkCut(f"link cut after {offset} bytes")
-                yield pb.UploadChunk(session_id=self.session_id, task_id=task.task_id,
+                # The session travels in the stream's metadata; the chunk leaves it out.
+                yield pb.UploadChunk(task_id=task.task_id,
                                      upload_id=upload_id, offset=offset,
                                      data=data[offset:offset + chunk_bytes],
                                      total_bytes=len(data), sha256=digest,

@@ -38,6 +38,10 @@ def write_capture_ledger(dep: Deployment, run: FedgcRun) -> str:
         "task": run.summary.get("task"),
         "run_id": run.result.run_id,
         "kernel_drops": sum(dep.capture_drops.values()),
+        "capture_dir": str(dep.capture_dir),
+        "poll_interval_s": dep.config.poll_interval_s,
+        "heartbeat_interval_s": dep.config.heartbeat_interval_s,
+        "keep_alive_s": dep.config.keep_alive_s,
         "payload_clients_csv": payload_in_clients_csv(run.run_dir),
     })
     write_wire(run.run_dir, summary)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 import tempfile
@@ -77,6 +78,16 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="logs, certificates and state (default: a new temporary folder)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0, help="seeds the links' jitter and outages")
+    p.add_argument("--poll-interval-s", type=float, default=None,
+                   help="an idle SuperNode's pull interval (Flower's: 3 s)")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None,
+                   help="SuperNode heartbeat interval (Flower's: 30 s; offline after 2)")
+    p.add_argument("--keep-alive-s", type=float, default=None,
+                   help="how long the SuperLink keeps an idle connection (Flower's: 5 s)")
+    p.add_argument("--phone-settings", action="store_true",
+                   help="fedgc's pick for phones (docs/deploy.md): "
+                        + ", ".join(f"{k.replace('_', '-')} {v:g}"
+                                    for k, v in PHONE_SETTINGS.items()))
     p.add_argument("--capture", action="store_true",
                    help="record every packet of each link (tcpdump; needs shaping tbf or "
                         "netem) and print where the bytes go (`python -m simulations wire`)")
@@ -136,6 +147,33 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     return 0 if worst <= 0.15 else 1
 
 
+#: Flower settings fedgc picks for SuperNodes on phones (docs/deploy.md, "Settings for phones"):
+#: a poll every 20 s lets an LTE radio leave its 11.6 s tail between polls; heartbeats every
+#: 120 s (a dead node is marked offline within 240 s); connections kept 60 s so polls and
+#: heartbeats reuse one connection instead of a TCP and TLS handshake each.
+PHONE_SETTINGS = {"poll_interval_s": 20.0, "heartbeat_interval_s": 120.0, "keep_alive_s": 60.0}
+
+
+def flower_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The poll, heartbeat and keep-alive settings of the command line (``--phone-settings``
+    first, explicit options over it).
+
+    Raises
+    ------
+    DeployError
+        A value outside (0, 3600] seconds.
+    """
+    out = dict(PHONE_SETTINGS) if args.phone_settings else {}
+    for key in PHONE_SETTINGS:
+        value = getattr(args, key)
+        if value is not None:
+            if not (math.isfinite(value) and 0 < value <= 3600):
+                raise DeployError(f"--{key.replace('_', '-')} {value!r}: expected seconds in "
+                                  f"(0, 3600]")
+            out[key] = float(value)
+    return out
+
+
 def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
     config = DeploymentConfig(
@@ -149,6 +187,7 @@ def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         # A device's service manager restarts a SuperNode that gave up on a bad link.
         restart_on_exit=True,
         capture=args.capture,
+        **flower_settings(args),
     )
     print(f"[deploy] {args.nodes} SuperNodes, link {args.link or 'none'}, "
           f"tls={'on' if config.tls else 'off'}, auth={'on' if config.auth else 'off'}, "

@@ -73,6 +73,11 @@ class DeploymentConfig:
         Supervise the SuperNodes and restart one that exits, as a service manager does on a
         device. Needed on intermittent links: Flower's SuperNode gives up when a connection reset
         makes one of its non-idempotent requests (node activation) fail for good.
+    poll_interval_s, heartbeat_interval_s : float, optional
+        An idle SuperNode's pull interval (Flower: 3 s) and its heartbeat interval (Flower:
+        30 s); None keeps Flower's (:mod:`simulations.deploy.launch`).
+    keep_alive_s : float, optional
+        How long the SuperLink keeps an idle HTTP connection (Flower's uvicorn: 5 s).
     capture : bool
         Record every packet of each node's link with tcpdump (``<workdir>/capture/node<i>.pcap``)
         and, with TLS, the SuperNodes' session keys (``node<i>.keys``) for
@@ -90,6 +95,9 @@ class DeploymentConfig:
     seed: int = 0
     startup_timeout_s: float = 90.0
     restart_on_exit: bool = False
+    poll_interval_s: float | None = None
+    heartbeat_interval_s: float | None = None
+    keep_alive_s: float | None = None
     capture: bool = False
 
     def __post_init__(self) -> None:
@@ -255,6 +263,9 @@ class Deployment:
             argv.append("--insecure")
         if self.config.auth:
             argv.append("--enable-supernode-auth")
+        if self.config.keep_alive_s is not None:
+            argv = [sys.executable, "-m", LAUNCHER, "superlink",
+                    "--keep-alive-s", str(self.config.keep_alive_s), "--", *argv[1:]]
         self.superlink = ManagedProcess("superlink", argv, self.workdir / "logs" / "superlink.log",
                                         env=self.env)
         self.superlink.start()
@@ -324,10 +335,16 @@ class Deployment:
             argv.append("--insecure")
         if self.config.auth:
             argv += ["--auth-supernode-private-key", str(self.node_keys[index].private_key)]
+        extra: list[str] = []
         if self.config.capture and self.tls is not None:
             # The node's TLS secrets, so that the capture of its link can be decrypted.
-            argv = [sys.executable, "-m", LAUNCHER, "supernode",
-                    "--keylog", str(self.capture_dir / f"node{index}.keys"), "--", *argv[1:]]
+            extra += ["--keylog", str(self.capture_dir / f"node{index}.keys")]
+        for flag, value in (("--poll-interval-s", self.config.poll_interval_s),
+                            ("--heartbeat-interval-s", self.config.heartbeat_interval_s)):
+            if value is not None:
+                extra += [flag, str(value)]
+        if extra:
+            argv = [sys.executable, "-m", LAUNCHER, "supernode", *extra, "--", *argv[1:]]
         proc = existing or ManagedProcess(
             f"supernode{index}", argv, self.workdir / "logs" / f"supernode{index}.log",
             env=self.env, netns=link.netns,

@@ -119,14 +119,16 @@ def _owners(conn: Connection, calls: list[dict[str, Any]], exchanges: list[Excha
             units: list[list[tuple[int, int, float]]]) -> None:
     """Give each unit (plaintext range with its time) to the call in flight, and set the
     exchanges' plaintext spans from them (calls are sequential, so spans are contiguous)."""
-    ends = [c["t_end"] for c in calls]
+    # A packet belongs to the last call that had started when it was captured: the phone
+    # stamps a call's start before its first byte leaves and its end after its last arrives.
+    starts = [c["t_start"] for c in calls]
     for d in (UP, DOWN):
         lo: list[float | None] = [None] * len(calls)
         hi: list[float | None] = [None] * len(calls)
         for start, end, t in units[d]:
             if end <= start:
                 continue
-            i = min(bisect.bisect_left(ends, t - 1e-3), len(calls) - 1)
+            i = max(0, bisect.bisect_right(starts, t) - 1)
             lo[i] = start if lo[i] is None else min(lo[i], start)
             hi[i] = end if hi[i] is None else max(hi[i], end)
         # Calls without bytes of their own in this direction get an empty span where they are.

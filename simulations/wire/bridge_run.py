@@ -147,6 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "bridge_options": dict(args.bridge_options or {}),
         "final_accuracy": summary.get("final_accuracy"),
         "payload_clients_csv": payload_in_clients_csv(config.run_dir),
+        "capture_dir": str(work),
     })
     write_wire(config.run_dir, ledger)
     return ledger

@@ -6,9 +6,40 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .errors import WireError
-from .report import format_table, read_wire
+from .report import format_table, read_wire, summarize, write_wire
+
+#: Keys of ``wire.json`` that :func:`.report.summarize` computes (the rest describes the run).
+_COMPUTED = ("protocol", "nodes", "client_rounds", "captured_bytes", "payload_bytes",
+             "unattributed_bytes", "attributed_fraction", "per_client_round",
+             "later_client_rounds", "per_later_client_round", "idle_per_minute", "idle",
+             "setup_per_node", "other_messages", "whole_run_per_client_round", "timeline",
+             "messages")
+
+
+def reanalyse(run: Path, capture_dir: Path | None) -> dict[str, Any]:
+    """Analyse a run's captures again (after the analysis changed) and rewrite its wire.json."""
+    old = read_wire(run)
+    folder = Path(capture_dir or old.get("capture_dir") or "")
+    if not folder.is_dir():
+        raise WireError(f"{run}: capture folder {str(folder) or '(not recorded)'} not found; "
+                        f"pass --capture-dir")
+    meta = {k: v for k, v in old.items() if k not in _COMPUTED}
+    meta["capture_dir"] = str(folder)
+    if old["protocol"] == "bridge":
+        from .bridge_link import analyse_phone
+
+        nodes = {i: analyse_phone(folder / f"phone{i}.pcap", folder / f"phone{i}.calls.json")
+                 for i in range(int(old["nodes"]))}
+    else:
+        from .supernode import analyse_deployment
+
+        nodes = analyse_deployment(folder, int(old["nodes"]))
+    summary = summarize(nodes, str(old["protocol"]), meta)
+    write_wire(run, summary)
+    return summary
 
 
 def main(argv: Sequence[str]) -> int:
@@ -27,15 +58,23 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m simulations wire",
         description="Print where the bytes of a run captured with `python -m simulations "
-                    "deploy --capture` went: payload, fedgc, Flower, HTTP, TLS, TCP/IP, per "
-                    "client-round, per idle minute and per node.")
+                    "deploy --capture` (or `python -m simulations wire bridge`) went: payload, "
+                    "fedgc, Flower, HTTP, TLS, TCP/IP, per client-round, per idle minute and "
+                    "per node.")
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR",
                         help="run folders holding wire.json (or wire.json files)")
+    parser.add_argument("--reanalyse", action="store_true",
+                        help="analyse the run's captures again and rewrite its wire.json")
+    parser.add_argument("--capture-dir", type=Path, default=None,
+                        help="with --reanalyse and one run: where its captures are")
     args = parser.parse_args(list(argv))
     try:
-        tables = [format_table(read_wire(run)) for run in args.runs]
+        if args.reanalyse:
+            summaries = [reanalyse(run, args.capture_dir) for run in args.runs]
+        else:
+            summaries = [read_wire(run) for run in args.runs]
     except WireError as err:
         print(f"python -m simulations wire: error: {err}", file=sys.stderr)
         return 2
-    print("\n\n".join(tables))
+    print("\n\n".join(format_table(s) for s in summaries))
     return 0

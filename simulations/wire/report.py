@@ -107,7 +107,30 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
         "other_messages": other,
         "whole_run_per_client_round": _scaled(total, 1 / n_rounds if n_rounds else 0.0),
         "timeline": timeline(exchanges),
+        "messages": message_rows(exchanges),
     }
+
+
+#: RPCs that move one object of a message (SuperNode path).
+_OBJECT_RPCS = ("PullObject", "PushObject")
+
+
+def message_rows(exchanges: Sequence[tuple[int, Exchange]]) -> list[dict[str, Any]]:
+    """Per message moved (node, round, kind): its RPCs, objects, content and bytes per
+    direction: what :mod:`simulations.netem.protocol` is calibrated from."""
+    out: dict[tuple[int, int | None, str], dict[str, Any]] = {}
+    for node, x in exchanges:
+        if x.kind in IDLE_KINDS or x.kind in ("setup", "other") or x.round is None:
+            continue
+        row = out.setdefault((node, x.round, x.kind), {
+            "node": node, "round": x.round, "kind": x.kind, "rpcs": 0, "objects": 0,
+            "content": {"up": 0, "down": 0}, "bytes": {"up": 0, "down": 0}})
+        row["rpcs"] += 1
+        row["objects"] += int(x.rpc in _OBJECT_RPCS)
+        for d, name in enumerate(DIRECTIONS):
+            row["content"][name] += x.bytes[d]["payload"] + x.bytes[d]["fedgc"]
+            row["bytes"][name] += x.total(d)
+    return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1] or 0, k[2]))]
 
 
 def timeline(exchanges: Sequence[tuple[int, Exchange]]) -> list[dict[str, Any]]:

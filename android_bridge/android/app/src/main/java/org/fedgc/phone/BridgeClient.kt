@@ -110,7 +110,8 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
             var offset = start
             while (offset < data.size) {
                 val end = minOf(data.size, offset + chunkBytes)
-                requests.onNext(UploadChunk.newBuilder().setSessionId(sessionId).setTaskId(task.taskId)
+                // The session travels in the stream's metadata; the chunk leaves it out.
+                requests.onNext(UploadChunk.newBuilder().setTaskId(task.taskId)
                     .setUploadId(uploadId).setOffset(offset.toLong())
                     .setData(ByteString.copyFrom(data, offset, end - offset))
                     .setTotalBytes(data.size.toLong()).setSha256(digest).setMetricsJson(metricsJson).build())
