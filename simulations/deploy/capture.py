@@ -23,6 +23,9 @@ from .files import private_dir
 
 #: Seconds tcpdump gets to flush and exit after SIGINT.
 _STOP_TIMEOUT_S = 10.0
+#: Before SIGINT: how long the capture file must stay the same size, and the bound on waiting.
+_SETTLE_POLL_S = 0.5
+_SETTLE_TIMEOUT_S = 10.0
 
 
 class CaptureError(DeployError):
@@ -55,12 +58,16 @@ class PacketCapture:
         Where the packets go (created 0600; its folder 0700).
     netns : str, optional
         Capture inside this network namespace instead of the root one.
+    bpf_filter : str
+        Which packets (tcpdump's filter expression; TCP by default).
     """
 
-    def __init__(self, device: str, pcap_path: Path, netns: str | None = None) -> None:
+    def __init__(self, device: str, pcap_path: Path, netns: str | None = None,
+                 bpf_filter: str = "tcp") -> None:
         self.device = device
         self.pcap_path = pcap_path
         self.netns = netns
+        self.bpf_filter = bpf_filter
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = pcap_path.with_suffix(".tcpdump.log")
 
@@ -79,16 +86,17 @@ class PacketCapture:
         # An empty 0600 file first: tcpdump then writes into it with our mode, never 0644.
         self.pcap_path.unlink(missing_ok=True)
         os.close(os.open(self.pcap_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        # -Z root: keep writing as root into the 0600 file (tcpdump drops to user tcpdump by
+        # default, who could not write to it).
         argv = [str(tcpdump_path()), "-i", self.device, "-s", "0", "-U", "-n",
-                "--immediate-mode", "-w", str(self.pcap_path), "tcp"]
+                "--immediate-mode", "-Z", "root", "-w", str(self.pcap_path),
+                *self.bpf_filter.split()]
         if self.netns is not None:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         self._log.unlink(missing_ok=True)
         with os.fdopen(os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
                        "wb") as log:
-            # -Z root: keep writing as root into the 0600 file (tcpdump drops to user tcpdump
-            # by default, who could not write to it).
-            self._proc = subprocess.Popen([*argv[:-1], "-Z", "root", argv[-1]], stdout=log,
+            self._proc = subprocess.Popen(argv, stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -108,6 +116,16 @@ class PacketCapture:
         if self._proc is None:
             return 0
         if self._proc.poll() is None:
+            # tcpdump exits on SIGINT without writing what the kernel handed it but it has not
+            # processed yet: let it catch up first (the file stops growing), within a bound.
+            deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+            size = -1
+            while time.monotonic() < deadline:
+                now = self.pcap_path.stat().st_size if self.pcap_path.exists() else 0
+                if now == size:
+                    break
+                size = now
+                time.sleep(_SETTLE_POLL_S)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGINT)
             try:

@@ -340,7 +340,8 @@ class Deployment:
             # The node's TLS secrets, so that the capture of its link can be decrypted.
             extra += ["--keylog", str(self.capture_dir / f"node{index}.keys")]
         for flag, value in (("--poll-interval-s", self.config.poll_interval_s),
-                            ("--heartbeat-interval-s", self.config.heartbeat_interval_s)):
+                            ("--heartbeat-interval-s", self.config.heartbeat_interval_s),
+                            ("--keep-alive-s", self.config.keep_alive_s)):
             if value is not None:
                 extra += [flag, str(value)]
         if extra:

@@ -16,9 +16,11 @@ fedgc's deployment adds to them (Flower 1.42 has no options for them).
 - ``--heartbeat-interval-s``: the interval a SuperNode announces and heartbeats at (Flower:
   ``HEARTBEAT_DEFAULT_INTERVAL`` = 30 s, sent every ~0.8 x (interval - 5 s)). The SuperLink
   marks a node offline 2 intervals after its last heartbeat, so a dead node is noticed later.
-- ``--keep-alive-s``: how long the SuperLink's HTTP server keeps an idle connection open
-  (uvicorn's ``timeout_keep_alive``, 5 s by default). Shorter than a node's poll interval, every
-  poll opens a new TCP connection and, with TLS, a full handshake.
+- ``--keep-alive-s``: how long an idle connection is kept open: by the SuperLink's HTTP server
+  (uvicorn's ``timeout_keep_alive``) and by the SuperNode's HTTP client (httpx's
+  ``keepalive_expiry``), both 5 s by default. Shorter than a node's poll interval, every poll
+  opens a new TCP connection and, with TLS, a full handshake (Flower's client does not resume
+  TLS sessions).
 
 Everything else is Flower's own command line, unchanged. These patch module attributes of
 ``flwr`` 1.42; another Flower version is refused rather than patched blindly.
@@ -94,6 +96,26 @@ def set_heartbeat_interval(seconds: float) -> None:
     fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL = seconds  # type: ignore[attr-defined]
 
 
+def set_client_keep_alive(seconds: float) -> None:
+    """The SuperNode's HTTP client keeps idle connections ``seconds`` instead of 5 s (httpx's
+    ``keepalive_expiry``): both ends must keep a connection for it to be reused."""
+    _check_flower()
+    import httpx
+
+    base = httpx.Client
+
+    class KeepAliveClient(base):  # type: ignore[misc, valid-type]
+        """httpx.Client with a longer keep-alive for idle connections."""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            kwargs.setdefault("limits", httpx.Limits(max_connections=100,
+                                                     max_keepalive_connections=20,
+                                                     keepalive_expiry=seconds))
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    httpx.Client = KeepAliveClient  # type: ignore[misc]
+
+
 def set_keep_alive(seconds: float) -> None:
     """The SuperLink's HTTP server keeps idle connections ``seconds`` instead of 5 s."""
     _check_flower()
@@ -133,7 +155,10 @@ def main(argv: Sequence[str]) -> int:
     if args.heartbeat_interval_s is not None:
         set_heartbeat_interval(args.heartbeat_interval_s)
     if args.keep_alive_s is not None:
-        set_keep_alive(args.keep_alive_s)
+        if args.component == "superlink":
+            set_keep_alive(args.keep_alive_s)
+        else:
+            set_client_keep_alive(args.keep_alive_s)
     if args.component == "superlink":
         from flwr.superlink.cli.flower_superlink import flower_superlink
 

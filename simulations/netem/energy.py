@@ -151,10 +151,11 @@ class RadioEnergy:
 
 
 def radio_energy(model: RadioPowerModel, transfers: Sequence[Transfer],
-                 until_s: float | None = None) -> RadioEnergy:
+                 until_s: float | None = None, warm: bool = False) -> RadioEnergy:
     """The radio's energy over ``transfers`` (see the module docstring).
 
-    The radio is idle before the first transfer. ``until_s`` cuts the last tail there (energy
+    The radio is idle before the first transfer, unless ``warm`` (other traffic kept it out of
+    idle: no promotion for the first transfer). ``until_s`` cuts the last tail there (energy
     within a window); without it the last tail runs its full length.
     """
     n = len(transfers)
@@ -181,7 +182,8 @@ def radio_energy(model: RadioPowerModel, transfers: Sequence[Transfer],
         gap = math.inf if previous_end is None else start - previous_end
         if previous_last is not None:
             out.tail_j[previous_last] += model.tail_mw * min(gap, tail_s) / 1000.0
-        if gap > tail_s:  # the radio went idle (or never woke): promote for the first transfer
+        if gap > tail_s and not (warm and previous_end is None):
+            # The radio went idle (or never woke): promote for the first transfer.
             out.promotion_j[members[0]] += promotion_j
             out.promotions += 1
         _active(model, transfers, members, out)

@@ -186,14 +186,27 @@ def message_objects(arrays: Iterable[int], records: int) -> int:
 # ---- calibration ----------------------------------------------------------------------------
 
 
-def _fit(rows: Sequence[tuple[float, float, float]]) -> Direction:
+#: Per content byte when the runs do not span enough sizes to fit it: the TCP/IP headers of
+#: full 1500-byte segments (52 of 1500 bytes) and a TLS record's 22 bytes per 16 KiB, the way
+#: the content goes; one 52-byte acknowledgement per two segments the other way.
+PER_CONTENT_SENT = 1500 / 1448 + 22 / 16384
+PER_CONTENT_ACKS = 52 / (2 * 1448)
+
+
+def _fit(rows: Sequence[tuple[float, float, float]], per_content: float) -> Direction:
     """Least squares ``y = fixed + per_object * objects + per_content * content`` over
-    ``(objects, content, y)``; a column that does not vary is left out (its weight 0)."""
+    ``(objects, content, y)``. Objects are left out when they do not vary; the content term is
+    fitted only over runs whose contents span at least a factor 2 (dense and compressed runs),
+    else ``per_content`` is taken as given."""
     x = np.array([[1.0, o, c] for o, c, _ in rows])
     y = np.array([r[2] for r in rows])
-    keep = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
+    contents = x[:, 2]
+    fit_content = contents.min() > 0 and contents.max() >= 2 * contents.min()
+    if not fit_content:
+        y = y - per_content * contents
+    keep = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0 and (j == 1 or fit_content)]
     coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-    full = dict.fromkeys((0, 1, 2), 0.0)
+    full = {0: 0.0, 1: 0.0, 2: per_content}
     full.update(zip(keep, (float(c) for c in coef), strict=True))
     return Direction(full[0], full[1], full[2])
 
@@ -202,8 +215,9 @@ def calibrate(name: str, ledgers: Sequence[Mapping[str, Any]],
               rounds: Sequence[Mapping[str, Any]] = ()) -> ProtocolModel:
     """Fit a protocol's model from wire ledgers (``wire.json``) of runs of that protocol.
 
-    ``rounds`` are per-round timings (:func:`round_split` rows) for the clock terms; without
-    them the start-up and server time are 0.
+    ``rounds`` are per-round timings (``simulations.wire.timing.round_split`` rows) for the
+    clock terms; a node's first round (first contact: the app bundle, the identification
+    query) is left out of them. Without rounds the start-up and server time are 0.
     """
     down_sent, down_acks, up_sent, up_acks = [], [], [], []
     rpcs_down, rpcs_up = [], []
@@ -235,11 +249,15 @@ def calibrate(name: str, ledgers: Sequence[Mapping[str, Any]],
         return (interval, float(np.mean(each[0::2])), float(np.mean(each[1::2])))
 
     poll, heartbeat = idle("poll"), idle("heartbeat")
-    startup = [r["startup_s"] for r in rounds if r.get("startup_s") is not None]
-    server = [r["server_s"] for r in rounds if r.get("server_s") is not None]
+    later = [r for r in rounds if r["round"] > 1 and r.get("startup_s") is not None]
+    startup = [r["startup_s"] for r in later]
+    # What is left of a round's orchestration once the message's wait for a poll (half an
+    # interval on average) and the ClientApp's start-up are taken out: the server's work.
+    server = [max(0.0, r["orchestration_s"] - r["startup_s"] - poll[0] / 2) for r in later]
     return ProtocolModel(
-        name=name, down_sent=_fit(down_sent), down_acks=_fit(down_acks),
-        up_sent=_fit(up_sent), up_acks=_fit(up_acks),
+        name=name, down_sent=_fit(down_sent, PER_CONTENT_SENT),
+        down_acks=_fit(down_acks, PER_CONTENT_ACKS), up_sent=_fit(up_sent, PER_CONTENT_SENT),
+        up_acks=_fit(up_acks, PER_CONTENT_ACKS),
         rpcs_down_fixed=round(float(np.median(rpcs_down))),
         rpcs_up_fixed=round(float(np.median(rpcs_up))),
         poll_interval_s=poll[0], poll_bytes_up=poll[1], poll_bytes_down=poll[2],

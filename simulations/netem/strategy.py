@@ -31,8 +31,15 @@ from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 from server.strategy import DGCStrategy
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
-from simulations.netem.mod import timeline_from_reply
-from simulations.netem.settings import ROUND_KEY, ROUND_START_KEY, NetemSettings
+from simulations.netem.energy import LINK_RADIO, RadioPowerModel, Transfer, radio_energy
+from simulations.netem.mod import reply_metrics, timeline_from_reply
+from simulations.netem.protocol import ProtocolModel
+from simulations.netem.settings import (
+    ROUND_KEY,
+    ROUND_START_KEY,
+    NetemSettings,
+    parse_fractions,
+)
 
 
 class NetemStrategy(DGCStrategy):
@@ -62,6 +69,9 @@ class NetemStrategy(DGCStrategy):
         self.clock = RoundClock(self.clients_per_round, netem.deadline, self.over_selection)
         self.virtual_now_s = 0.0
         self.outcomes: dict[int, RoundOutcome] = {}
+        #: Per round: the protocol's and the radio's totals over the clients that worked
+        #: (:data:`WIRE_KEYS`), and the idle nodes' bytes and joules.
+        self.wire_rounds: dict[int, dict[str, float]] = {}
         # This round's replies that failed validation: client key -> when they finished.
         self._rejected_finish: dict[int, float] = {}
 
@@ -121,6 +131,10 @@ class NetemStrategy(DGCStrategy):
                 valid[tl.client_id] = c
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
+        proto = self.netem.protocol_model()
+        server_s = proto.server_s if proto is not None else 0.0
+        self.wire_rounds[server_round] = self._wire_round(
+            [m for m, _ in arrived], outcome.virtual_seconds + server_s)
         in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
         self.outcomes[server_round] = outcome
         self._rejected_finish = {k: t for k, (_, t) in rejected.items()}
@@ -130,9 +144,11 @@ class NetemStrategy(DGCStrategy):
         forwarded = ([valid[k] for k in outcome.aggregated] + in_time_rejected
                      + checked[len(finished):] + ignored)
         arrays, metrics = self.aggregate_checked(server_round, forwarded, processed=computed)
-        self.virtual_now_s = outcome.end_s
+        # The server's own work between rounds (aggregation, evaluation, scheduling), as the
+        # protocol's calibration measured it.
+        self.virtual_now_s = outcome.end_s + server_s
         if metrics is not None:
-            metrics["virtual_seconds"] = outcome.virtual_seconds
+            metrics["virtual_seconds"] = outcome.virtual_seconds + server_s
         record = self.round_record
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
             "rejected", server_round, outcome.virtual_seconds, record.dropped_deadline,
@@ -158,11 +174,56 @@ class NetemStrategy(DGCStrategy):
                 row.status, row.reason = "dropped", why
             elif late:
                 row.status, row.reason = "dropped", "deadline"
-        record.virtual_seconds = outcome.virtual_seconds
+        proto = self.netem.protocol_model()
+        record.virtual_seconds = outcome.virtual_seconds + (
+            proto.server_s if proto is not None else 0.0)
         record.dropped_deadline = outcome.dropped_deadline + sum(
             t > outcome.end_s for t in self._rejected_finish.values())
         record.dropped_link = outcome.dropped_link
         record.dropped_rejected = sum(t <= outcome.end_s for t in self._rejected_finish.values())
+
+    def _wire_round(self, replies: list[Message], round_s: float) -> dict[str, float]:
+        """Totals of one round: what the clients that worked moved and spent (from their
+        ``netem`` records), and what every other online node's idle traffic cost meanwhile."""
+        out = dict.fromkeys(WIRE_KEYS, 0.0)
+        busy_s = 0.0
+        for msg in replies:
+            values = reply_metrics(msg)
+            out["client_rounds"] += 1
+            for key in WIRE_KEYS[1:]:
+                out[key] += values.get(key, 0.0)
+            busy_s += values.get("transfer_s", 0.0) + values.get("compute_s", 0.0)
+        idle_node_s = max(0.0, self.netem.num_clients * round_s - busy_s)
+        up, down, joules = idle_rates(self.netem)
+        out.update(idle_up_bytes=up * idle_node_s, idle_down_bytes=down * idle_node_s,
+                   idle_j=joules * idle_node_s, round_s=round_s)
+        return out
+
+    def wire_summary(self) -> dict[str, Any]:
+        """Payload and link bytes per client-round both ways, joules per client-round, in all
+        and to the target accuracy (``summary.json``'s ``wire`` entry)."""
+        rounds = [self.wire_rounds[r.round] for r in self.rounds if r.round in self.wire_rounds]
+        n = sum(w["client_rounds"] for w in rounds)
+        total = {k: sum(w[k] for w in rounds) for k in (*WIRE_KEYS, *IDLE_KEYS)}
+        per = {k: (total[k] / n if n else None) for k in WIRE_KEYS[1:]}
+        joules = total["radio_j"] + total["compute_j"] + total["idle_j"]
+        to_target: float | None = None
+        if self.target_accuracy > 0:
+            spent = 0.0
+            for r in self.rounds:
+                w = self.wire_rounds.get(r.round)
+                if w is not None:
+                    spent += w["radio_j"] + w["compute_j"] + w["idle_j"]
+                if math.isfinite(r.accuracy) and r.accuracy >= self.target_accuracy:
+                    to_target = spent
+                    break
+        return {"protocol": self.netem.protocol, "client_rounds": int(n),
+                **{f"{k}_per_client_round": v for k, v in per.items()},
+                "joules_per_client_round": ((total["radio_j"] + total["compute_j"]) / n
+                                            if n else None),
+                "idle_joules": total["idle_j"], "idle_up_bytes": total["idle_up_bytes"],
+                "idle_down_bytes": total["idle_down_bytes"], "joules_total": joules,
+                "joules_to_target": to_target}
 
     def summary_extra(self) -> dict[str, Any]:
         """The emulator's keys of ``summary.json``."""
@@ -180,13 +241,58 @@ class NetemStrategy(DGCStrategy):
                 "dropped_deadline": sum(r.dropped_deadline for r in self.rounds),
                 "dropped_link": sum(r.dropped_link for r in self.rounds),
                 "dropped_rejected": sum(r.dropped_rejected for r in self.rounds),
+                "wire": self.wire_summary(),
                 "netem": self.netem.to_config()}
 
     def state_dict(self) -> dict[str, Any]:
-        """DGCStrategy's state plus the virtual clock."""
-        return {**super().state_dict(), "virtual_now_s": self.virtual_now_s}
+        """DGCStrategy's state plus the virtual clock and the rounds' wire totals."""
+        return {**super().state_dict(), "virtual_now_s": self.virtual_now_s,
+                "wire_rounds": {int(k): dict(v) for k, v in self.wire_rounds.items()}}
 
     def load_state_dict(self, state: Any) -> None:
         """Continue from :meth:`state_dict`, virtual clock included."""
         super().load_state_dict(state)
         self.virtual_now_s = float(state.get("virtual_now_s", 0.0))
+        self.wire_rounds = {int(k): dict(v) for k, v in state.get("wire_rounds", {}).items()}
+
+
+#: Per-round sums of the clients' ``netem`` records (``client_rounds`` counts them).
+WIRE_KEYS = ("client_rounds", "payload_up_bytes", "payload_down_bytes", "link_up_bytes",
+             "link_down_bytes", "transfer_s", "orchestration_s", "radio_j", "compute_j")
+IDLE_KEYS = ("idle_up_bytes", "idle_down_bytes", "idle_j")
+
+
+def idle_rates(netem: NetemSettings) -> tuple[float, float, float]:
+    """An online idle node's bytes per second up and down, and its radio's watts (averaged over
+    the scenario's link mix), from the protocol's polls and heartbeats."""
+    proto = netem.protocol_model()
+    if proto is None:
+        return 0.0, 0.0, 0.0
+    up, down = proto.idle_bytes(1.0)
+    models = netem.power_models()
+    watts = 0.0
+    for link, fraction in parse_fractions(netem.mix, "mix").items():
+        radio = LINK_RADIO.get(link)
+        if radio is not None and radio in models:
+            watts += fraction * idle_watts(models[radio], proto)
+    return up, down, watts
+
+
+def idle_watts(model: RadioPowerModel, proto: ProtocolModel, span_s: float = 3600.0) -> float:
+    """Mean radio power of an idle node over an hour of its polls and heartbeats (each a
+    transfer lasting one round trip's worth of bytes at no more than 1 Mbit/s)."""
+    transfers = []
+    for interval, up, down in ((proto.poll_interval_s, proto.poll_bytes_up,
+                                proto.poll_bytes_down),
+                               (proto.heartbeat_interval_s, proto.heartbeat_bytes_up,
+                                proto.heartbeat_bytes_down)):
+        if interval <= 0:
+            continue
+        duration = max(0.05, 8.0 * (up + down) / 1e6)
+        t = interval
+        while t < span_s:
+            transfers.append(Transfer(t, t + duration, up_bytes=int(up), down_bytes=int(down)))
+            t += interval
+    if not transfers:
+        return 0.0
+    return radio_energy(model, transfers, until_s=span_s, warm=True).total_j / span_s

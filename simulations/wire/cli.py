@@ -42,11 +42,58 @@ def reanalyse(run: Path, capture_dir: Path | None) -> dict[str, Any]:
     return summary
 
 
+def protocol_name(ledger: dict[str, Any]) -> str:
+    """The emulator's name of a ledger's protocol: ``supernode`` or ``bridge``, then ``-tls``,
+    then ``-phone`` for a SuperNode run with fedgc's poll, heartbeat or keep-alive settings."""
+    tuned = any(ledger.get(k) for k in ("poll_interval_s", "heartbeat_interval_s",
+                                        "keep_alive_s"))
+    return (f"{ledger['protocol']}{'-tls' if ledger.get('tls') else ''}"
+            f"{'-phone' if tuned else ''}")
+
+
+def calibrate_main(argv: Sequence[str]) -> int:
+    """Fit the emulator's protocol models from captured runs and write them as JSON."""
+    import json
+
+    from simulations.netem.protocol import calibrate
+
+    from .timing import round_split
+
+    parser = argparse.ArgumentParser(
+        prog="python -m simulations wire calibrate",
+        description="Fit simulations.netem.protocol models (per protocol and TLS) from the "
+                    "wire ledgers of captured runs, and print or write them.")
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--out", type=Path, default=None, help="write the models here")
+    args = parser.parse_args(list(argv))
+    groups: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
+    for run in args.runs:
+        ledger = read_wire(run)
+        groups.setdefault(protocol_name(ledger), []).append((run, ledger))
+    models = {}
+    for name, runs in sorted(groups.items()):
+        splits = [row for run, ledger in runs for row in round_split(run, ledger)]
+        models[name] = calibrate(name, [ledger for _, ledger in runs], splits).to_dict()
+        models[name].pop("name")
+        models[name]["source"] += ": " + ", ".join(run.name for run, _ in runs)
+    text = json.dumps(models, indent=2) + "\n"
+    if args.out:
+        args.out.write_text(text, encoding="utf-8")
+    print(text, end="")
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     """Print the wire ledger (``wire.json``) of each run folder; 2 on a bad folder or file.
 
     ``bridge ...`` measures the phone bridge path instead (:mod:`.bridge_run`).
     """
+    if argv and argv[0] == "calibrate":
+        try:
+            return calibrate_main(argv[1:])
+        except (WireError, ValueError) as err:
+            print(f"python -m simulations wire calibrate: error: {err}", file=sys.stderr)
+            return 2
     if argv and argv[0] == "bridge":
         from .bridge_run import main as bridge_main
 

@@ -111,19 +111,25 @@ def attribute(conn: Connection, exchanges: list[Exchange],
                 record_owner[d].append(owner)
             unplaced[d] += tls[d].trailing
 
-    def by_stream(direction: int, offset: int) -> Exchange:
+    def by_stream(direction: int, offset: int) -> tuple[Exchange, bool]:
+        """The exchange owning a stream byte, and whether the byte is application data (a
+        TLS alert or ticket is not: it must not stretch the exchange's time)."""
         if tls is None:
-            return by_plain(direction, offset)
+            return by_plain(direction, offset), True
         i = bisect.bisect_right(record_starts[direction], offset) - 1
-        return record_owner[direction][max(0, i)] if record_owner[direction] else exchanges[0]
+        if not record_owner[direction]:
+            return exchanges[0], False
+        record = tls[direction].records[max(0, i)]
+        return record_owner[direction][max(0, i)], record.plain_end > record.plain_start
 
     for seg in conn.segments:
         if seg.payload:
-            owner = by_stream(seg.direction, seg.new_start)
-            owner.t_start = min(owner.t_start, seg.t)
-            owner.t_end = max(owner.t_end, seg.t)
+            owner, data = by_stream(seg.direction, seg.new_start)
+            if data:
+                owner.t_start = min(owner.t_start, seg.t)
+                owner.t_end = max(owner.t_end, seg.t)
         elif seg.ack_offset:
-            owner = by_stream(1 - seg.direction, seg.ack_offset - 1)
+            owner = by_stream(1 - seg.direction, seg.ack_offset - 1)[0]
         else:
             owner = exchanges[0]  # SYN, and the ACK of the SYN-ACK
         owner.bytes[seg.direction]["tcpip"] += seg.header_bytes + seg.retransmitted

@@ -64,7 +64,9 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
                       and x.round is not None and x.round != first.get(n)])
     idle: dict[str, Any] = {}
     idle_minute = [dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)]
-    for kind, longest_s in (("poll", 20.0), ("heartbeat", 120.0)):
+    # The median spacing: gaps across a node's busy stretches (no polls while it trains) are
+    # the exception; anything over 10 minutes is not a period.
+    for kind, longest_s in (("poll", 600.0), ("heartbeat", 600.0)):
         picked = [(node, x) for node, x in exchanges if x.kind == kind]
         intervals = [_interval_s(sorted(x.t_start for n, x in picked if n == node), longest_s)
                      for node in nodes]
@@ -116,19 +118,23 @@ _OBJECT_RPCS = ("PullObject", "PushObject")
 
 
 def message_rows(exchanges: Sequence[tuple[int, Exchange]]) -> list[dict[str, Any]]:
-    """Per message moved (node, round, kind): its RPCs, objects, content and bytes per
-    direction: what :mod:`simulations.netem.protocol` is calibrated from."""
+    """Per message moved (node, round, kind): its RPCs, objects, payload, fedgc content and
+    bytes per direction: what :mod:`simulations.netem.protocol` is calibrated from (on the
+    payload: the rest of fedgc's content is nearly the same in every message, so it joins the
+    protocol's fixed bytes)."""
     out: dict[tuple[int, int | None, str], dict[str, Any]] = {}
     for node, x in exchanges:
         if x.kind in IDLE_KINDS or x.kind in ("setup", "other") or x.round is None:
             continue
         row = out.setdefault((node, x.round, x.kind), {
             "node": node, "round": x.round, "kind": x.kind, "rpcs": 0, "objects": 0,
-            "content": {"up": 0, "down": 0}, "bytes": {"up": 0, "down": 0}})
+            "content": {"up": 0, "down": 0}, "fedgc": {"up": 0, "down": 0},
+            "bytes": {"up": 0, "down": 0}})
         row["rpcs"] += 1
         row["objects"] += int(x.rpc in _OBJECT_RPCS)
         for d, name in enumerate(DIRECTIONS):
-            row["content"][name] += x.bytes[d]["payload"] + x.bytes[d]["fedgc"]
+            row["content"][name] += x.bytes[d]["payload"]
+            row["fedgc"][name] += x.bytes[d]["fedgc"]
             row["bytes"][name] += x.total(d)
     return [out[k] for k in sorted(out, key=lambda k: (k[0], k[1] or 0, k[2]))]
 
