@@ -88,7 +88,9 @@ class PacketCapture:
         os.close(os.open(self.pcap_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         # -Z root: keep writing as root into the 0600 file (tcpdump drops to user tcpdump by
         # default, who could not write to it).
-        argv = [str(tcpdump_path()), "-i", self.device, "-s", "0", "-U", "-n",
+        # -B: a 32 MiB kernel buffer, so that a busy machine does not drop packets of a
+        # dense model's burst before tcpdump reads them.
+        argv = [str(tcpdump_path()), "-i", self.device, "-s", "0", "-U", "-n", "-B", "32768",
                 "--immediate-mode", "-Z", "root", "-w", str(self.pcap_path),
                 *self.bpf_filter.split()]
         if self.netns is not None:

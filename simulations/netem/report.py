@@ -2,18 +2,22 @@
 
 ``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
 plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
-a mobile mix) with the target accuracy as a line, the per-round virtual duration, drops by cause
-and MB up, down and in total, titled with the methods, scenario and links; and prints the
-time-to-accuracy table (target: the first run's final accuracy unless ``--target``).
+a mobile mix) with the target accuracy as a line, accuracy against cumulative joules (runs with
+the emulator's energy accounting), the per-round virtual duration, drops by cause and MB up,
+down and in total, titled with the methods, scenario and links; and prints the
+time-to-accuracy table (target: the first run's final accuracy unless ``--target``), with link
+bytes and joules when the run recorded them (``netem.protocol``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -58,9 +62,46 @@ def time_to_accuracy(rows: Sequence[Mapping[str, float]], target: float) -> floa
     return None
 
 
+def wire_of(run_dir: str | Path) -> dict[str, Any]:
+    """The emulator's ``wire`` entry of a run's ``summary.json`` (empty when it has none)."""
+    try:
+        summary = json.loads(Path(run_dir, "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    wire = summary.get("wire") if isinstance(summary, dict) else None
+    return wire if isinstance(wire, dict) else {}
+
+
+def cumulative_joules(rows: Sequence[Mapping[str, float]], wire: Mapping[str, Any]
+                      ) -> list[float] | None:
+    """Joules spent by the end of each round (clients that worked and idle nodes), or None
+    when the run recorded none."""
+    per = {int(r["round"]): float(r["joules"]) for r in wire.get("per_round", [])}
+    if not per:
+        return None
+    out, total = [], 0.0
+    for r in rows:
+        total += per.get(int(r["round"]), 0.0)
+        out.append(total)
+    return out
+
+
+def energy_to_accuracy(rows: Sequence[Mapping[str, float]], wire: Mapping[str, Any],
+                       target: float) -> float | None:
+    """Joules until the accuracy first reached ``target`` (None: never, or not recorded)."""
+    joules = cumulative_joules(rows, wire)
+    if joules is None:
+        return None
+    for j, r in zip(joules, rows, strict=True):
+        if math.isfinite(r["accuracy"]) and r["accuracy"] >= target:
+            return j
+    return None
+
+
 def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
                    ) -> dict[str, dict[str, float | None]]:
-    """Per run: final accuracy, virtual seconds, time to ``target``, drops and bytes."""
+    """Per run: final accuracy, virtual seconds, time to ``target``, drops and bytes (payload
+    and, with ``netem.protocol``, on the link), joules per client-round and to ``target``."""
     table: dict[str, dict[str, float | None]] = {}
     rows_of = {name: read_rounds(Path(d)) for name, d in runs.items()}
     if target is None:
@@ -79,6 +120,17 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
             "uplink_bytes": sum(r["uplink_bytes"] for r in rows),
             "downlink_bytes": sum(r["downlink_bytes"] for r in rows),
         }
+        wire = wire_of(runs[name])
+        per_round = wire.get("per_round", [])
+        table[name].update({
+            "link_uplink_bytes": sum(r["link_up_bytes"] for r in per_round) if per_round
+            else None,
+            "link_downlink_bytes": sum(r["link_down_bytes"] for r in per_round) if per_round
+            else None,
+            "joules_per_client_round": wire.get("joules_per_client_round"),
+            "joules_total": wire.get("joules_total"),
+            "joules_to_target": energy_to_accuracy(rows, wire, target),
+        })
     return table
 
 
@@ -95,8 +147,8 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
 
     ``title`` defaults to the methods and scenario (:func:`simulations.plots.scenario_title`).
     """
-    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
-    ax_acc, ax_dur, ax_drop, ax_bytes = axes
+    fig, axes = plt.subplots(1, 5, figsize=(26, 5))
+    ax_acc, ax_energy, ax_dur, ax_drop, ax_bytes = axes
     names, handles = list(runs), []
     drops, traffic = [], []
     for i, run_dir in enumerate(runs.values()):
@@ -106,6 +158,9 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
         handles.append(line)
         if target is not None and (hit := time_to_accuracy(rows, target)) is not None:
             ax_acc.axvline(hit, color=color, linestyle=":", linewidth=1)
+        joules = cumulative_joules(rows, wire_of(run_dir))
+        if joules is not None:
+            ax_energy.plot(joules, [r["accuracy"] for r in rows], marker=".", color=color)
         ax_dur.plot([r["round"] for r in rows], [r["virtual_seconds"] for r in rows],
                     color=color)
         drops.append([sum(r[c] for r in rows) for c in DROP_CAUSES])
@@ -120,6 +175,15 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
     ax_acc.set(xlabel="virtual seconds (cumulative)", ylabel="test accuracy",
                title="accuracy vs emulated time" + ("" if target is None else
                                                     " (dotted: target reached)"))
+    if ax_energy.lines:
+        readable_log(ax_energy, "x")
+        if target is not None:
+            ax_energy.axhline(target, color="0.4", linestyle="--", linewidth=1)
+    else:
+        ax_energy.text(0.5, 0.5, "no energy recorded\n(emulated before issue 25)",
+                       ha="center", va="center", transform=ax_energy.transAxes, color="0.4")
+    ax_energy.set(xlabel="joules, all clients (cumulative)", ylabel="test accuracy",
+                  title="accuracy vs energy")
     readable_log(ax_dur, "y")
     integer_rounds(ax_dur)
     ax_dur.set(xlabel="round", ylabel="virtual seconds", title="round duration")
@@ -182,14 +246,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {ex}", file=sys.stderr)
         return 2
     print(f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s':>10} {'s to target':>12} "
-          f"{'deadline':>8} {'link':>5} {'rejected':>8} {'up MB':>8} {'down MB':>8}")
+          f"{'deadline':>8} {'link':>5} {'rejected':>8} {'up MB':>8} {'down MB':>8} "
+          f"{'link up':>8} {'link dn':>8} {'J/c-round':>9} {'J to tgt':>9}")
+
+    def cell(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
     for name, r in table.items():
         tt = r["virtual_seconds_to_target"]
         print(f"{name:<12} {r['final_accuracy']:9.4f} {r['rounds']:6.0f} "
               f"{r['virtual_seconds']:10.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
               f"{r['dropped_deadline']:8.0f} {r['dropped_link']:5.0f} "
               f"{r['dropped_rejected']:8.0f} {r['uplink_bytes'] / 1e6:8.2f} "
-              f"{r['downlink_bytes'] / 1e6:8.2f}")
+              f"{r['downlink_bytes'] / 1e6:8.2f} {cell(r['link_uplink_bytes'], 1e6):>8} "
+              f"{cell(r['link_downlink_bytes'], 1e6):>8} "
+              f"{cell(r['joules_per_client_round'], 1, 1):>9} "
+              f"{cell(r['joules_to_target'], 1, 0):>9}")
     print(f"target accuracy {next(iter(table.values()))['target_accuracy']:.4f}; plot: {args.out}")
     return 0
 

@@ -187,12 +187,22 @@ class NetemStrategy(DGCStrategy):
         ``netem`` records), and what every other online node's idle traffic cost meanwhile."""
         out = dict.fromkeys(WIRE_KEYS, 0.0)
         busy_s = 0.0
+        last: dict[str, float] = {}
         for msg in replies:
             values = reply_metrics(msg)
             out["client_rounds"] += 1
             for key in WIRE_KEYS[1:]:
                 out[key] += values.get(key, 0.0)
             busy_s += values.get("transfer_s", 0.0) + values.get("compute_s", 0.0)
+            if values.get("ok") and values.get("finish_s", -1.0) > last.get("finish_s", -1.0):
+                last = values
+        # The round's time split as the deployment's is measured: the client whose reply came
+        # last, and the server's own time counted as orchestration.
+        proto = self.netem.protocol_model()
+        out.update(critical_compute_s=last.get("compute_s", 0.0),
+                   critical_transfer_s=last.get("transfer_s", 0.0),
+                   critical_orchestration_s=last.get("orchestration_s", 0.0) + (
+                       proto.server_s if proto is not None else 0.0))
         idle_node_s = max(0.0, self.netem.num_clients * round_s - busy_s)
         up, down, joules = idle_rates(self.netem)
         out.update(idle_up_bytes=up * idle_node_s, idle_down_bytes=down * idle_node_s,
@@ -217,13 +227,24 @@ class NetemStrategy(DGCStrategy):
                 if math.isfinite(r.accuracy) and r.accuracy >= self.target_accuracy:
                     to_target = spent
                     break
+        later = [w for r, w in sorted(self.wire_rounds.items()) if r > 1] or rounds
+        split = {k: (sum(w.get(f"critical_{k}_s", 0.0) for w in later) / len(later)
+                     if later else None) for k in ("compute", "transfer", "orchestration")}
         return {"protocol": self.netem.protocol, "client_rounds": int(n),
+                # Mean over rounds after the first (a deployment's first carries start-up).
+                "round_split_s": split,
                 **{f"{k}_per_client_round": v for k, v in per.items()},
                 "joules_per_client_round": ((total["radio_j"] + total["compute_j"]) / n
                                             if n else None),
                 "idle_joules": total["idle_j"], "idle_up_bytes": total["idle_up_bytes"],
                 "idle_down_bytes": total["idle_down_bytes"], "joules_total": joules,
-                "joules_to_target": to_target}
+                "joules_to_target": to_target,
+                # Per round (until the server's records take extra columns): joules of the
+                # clients that worked and of the idle nodes, and link bytes both ways.
+                "per_round": [{"round": r, "joules": w["radio_j"] + w["compute_j"] + w["idle_j"],
+                               "link_up_bytes": w["link_up_bytes"] + w["idle_up_bytes"],
+                               "link_down_bytes": w["link_down_bytes"] + w["idle_down_bytes"]}
+                              for r, w in sorted(self.wire_rounds.items())]}
 
     def summary_extra(self) -> dict[str, Any]:
         """The emulator's keys of ``summary.json``."""

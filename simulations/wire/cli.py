@@ -13,7 +13,7 @@ from .report import format_table, read_wire, summarize, write_wire
 
 #: Keys of ``wire.json`` that :func:`.report.summarize` computes (the rest describes the run).
 _COMPUTED = ("protocol", "nodes", "client_rounds", "captured_bytes", "payload_bytes",
-             "unattributed_bytes", "attributed_fraction", "per_client_round",
+             "unattributed_bytes", "missed_bytes", "attributed_fraction", "per_client_round",
              "later_client_rounds", "per_later_client_round", "idle_per_minute", "idle",
              "setup_per_node", "other_messages", "whole_run_per_client_round", "timeline",
              "messages")

@@ -69,6 +69,7 @@ class Attribution:
     exchanges: list[Exchange]
     wire_bytes: tuple[int, int]
     unattributed: tuple[int, int]
+    missed: tuple[int, int] = (0, 0)  # stream bytes the capture never saw (kernel drops)
 
 
 def attribute(conn: Connection, exchanges: list[Exchange],
@@ -82,7 +83,7 @@ def attribute(conn: Connection, exchanges: list[Exchange],
     wire = (sum(s.wire_bytes for s in conn.segments if s.direction == UP),
             sum(s.wire_bytes for s in conn.segments if s.direction == DOWN))
     if not exchanges:
-        return Attribution([], wire, wire)
+        return Attribution([], wire, wire, conn.missing)
     starts = [[x.spans[d][0] for x in exchanges] for d in (UP, DOWN)]
 
     def by_plain(direction: int, offset: int) -> Exchange:
@@ -109,7 +110,8 @@ def attribute(conn: Connection, exchanges: list[Exchange],
                 owner.bytes[d]["tls"] += r.overhead
                 record_starts[d].append(r.start)
                 record_owner[d].append(owner)
-            unplaced[d] += tls[d].trailing
+            # An unreadable record's bytes were captured in part (the rest is a hole).
+            unplaced[d] += tls[d].trailing + max(0, tls[d].unreadable - conn.missing[d])
 
     def by_stream(direction: int, offset: int) -> tuple[Exchange, bool]:
         """The exchange owning a stream byte, and whether the byte is application data (a
@@ -133,9 +135,7 @@ def attribute(conn: Connection, exchanges: list[Exchange],
         else:
             owner = exchanges[0]  # SYN, and the ACK of the SYN-ACK
         owner.bytes[seg.direction]["tcpip"] += seg.header_bytes + seg.retransmitted
-    for d in (UP, DOWN):
-        unplaced[d] += conn.missing[d]
-    return Attribution(exchanges, wire, (unplaced[0], unplaced[1]))
+    return Attribution(exchanges, wire, (unplaced[0], unplaced[1]), conn.missing)
 
 
 def add(into: dict[str, int], other: dict[str, int]) -> None:

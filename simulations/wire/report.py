@@ -35,10 +35,26 @@ def _scaled(parts: Sequence[Mapping[str, float]], factor: float) -> dict[str, di
             for d, name in enumerate(DIRECTIONS)}
 
 
-def _interval_s(times: list[float], longest_s: float) -> float | None:
-    """Median spacing of consecutive events closer than ``longest_s`` (None when too few)."""
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if 0 < b - a < longest_s]
+def _interval_s(runs: list[list[float]], longest_s: float) -> float | None:
+    """Median spacing of consecutive events within each run of events, closer than
+    ``longest_s`` (None when too few)."""
+    gaps = [b - a for times in runs for a, b in zip(times, times[1:], strict=False)
+            if 0 < b - a < longest_s]
     return statistics.median(gaps) if gaps else None
+
+
+def _idle_times(exchanges: Sequence[tuple[int, Exchange]], node: int,
+                kind: str) -> list[list[float]]:
+    """Start times of a node's ``kind`` exchanges; polls are cut into runs wherever a message
+    (not a poll or heartbeat) was moved in between."""
+    runs: list[list[float]] = [[]]
+    for x in sorted((x for n, x in exchanges if n == node and math.isfinite(x.t_start)),
+                    key=lambda x: x.t_start):
+        if x.kind == kind:
+            runs[-1].append(x.t_start)
+        elif kind == "poll" and x.kind not in IDLE_KINDS and runs[-1]:
+            runs.append([])  # heartbeats go on while a node works; polls stop
+    return runs
 
 
 def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
@@ -54,6 +70,7 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
     captured = [sum(a.wire_bytes[d] for atts in nodes.values() for a in atts) for d in (0, 1)]
     unattributed = [sum(a.unattributed[d] for atts in nodes.values() for a in atts)
                     for d in (0, 1)]
+    missed = [sum(a.missed[d] for atts in nodes.values() for a in atts) for d in (0, 1)]
     rounds = sorted({(node, x.round) for node, x in exchanges if x.kind in ROUND_KINDS})
     per_round = _sum([x for _, x in exchanges if x.kind in ROUND_KINDS])
     # A node's first round carries what it learns once (a first model, a first config).
@@ -64,11 +81,11 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
                       and x.round is not None and x.round != first.get(n)])
     idle: dict[str, Any] = {}
     idle_minute = [dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)]
-    # The median spacing: gaps across a node's busy stretches (no polls while it trains) are
-    # the exception; anything over 10 minutes is not a period.
+    # The median spacing of consecutive events of a kind with no message moved between them
+    # (a node does not poll while it works on a message).
     for kind, longest_s in (("poll", 600.0), ("heartbeat", 600.0)):
         picked = [(node, x) for node, x in exchanges if x.kind == kind]
-        intervals = [_interval_s(sorted(x.t_start for n, x in picked if n == node), longest_s)
+        intervals = [_interval_s(_idle_times(exchanges, node, kind), longest_s)
                      for node in nodes]
         known = [i for i in intervals if i is not None]
         interval = statistics.median(known) if known else None
@@ -98,6 +115,7 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
         "captured_bytes": dict(zip(DIRECTIONS, captured, strict=True)),
         "payload_bytes": payload,
         "unattributed_bytes": dict(zip(DIRECTIONS, unattributed, strict=True)),
+        "missed_bytes": dict(zip(DIRECTIONS, missed, strict=True)),
         "attributed_fraction": dict(zip(DIRECTIONS, coverage, strict=True)),
         "per_client_round": _scaled(per_round, 1 / n_rounds if n_rounds else 0.0),
         "later_client_rounds": len(later),
@@ -202,6 +220,10 @@ def format_table(summary: Mapping[str, Any]) -> str:
     lines.append(f"captured {cap['up']:,} B up, {cap['down']:,} B down; attributed "
                  f"{frac['up']:.2%} up, {frac['down']:.2%} down (unattributed {una['up']:,} / "
                  f"{una['down']:,} B)" + (f"; {', '.join(notes)}" if notes else ""))
+    missed = summary.get("missed_bytes", {})
+    if any(missed.values()):
+        lines.append(f"the capture missed {missed['up']:,} B up, {missed['down']:,} B down "
+                     f"(packets the kernel dropped before tcpdump read them)")
     if "payload_clients_csv" in summary:
         csv_bytes, seen = summary["payload_clients_csv"], summary["payload_bytes"]
         lines.append(f"payload on the link {seen['up']:,} B up, {seen['down']:,} B down; "

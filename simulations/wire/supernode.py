@@ -42,7 +42,7 @@ def analyse_supernode(pcap: Path, keylog: Path | None = None) -> list[Attributio
             if random not in secrets:
                 raise WireError(f"{where}: the key log {keylog} has no secrets for client "
                                 f"random {random.hex() if random else '?'}")
-            tls = decrypt_connection(up, down, secrets[random], where)
+            tls = decrypt_connection(up, down, secrets[random], where, conn.missing)
             up, down = tls[UP].plaintext, tls[DOWN].plaintext
         requests, rest_up = parse_messages(up, responses=False)
         responses, rest_down = parse_messages(down, responses=True)

@@ -45,10 +45,14 @@ class Record:
     inner_type: int | None = None
     plain_start: int = 0
     plain_end: int = 0
+    unreadable: bool = False  # the capture missed some of its bytes: it could not be opened
 
     @property
     def overhead(self) -> int:
-        """Bytes TLS added: the whole record less the application data it carried."""
+        """Bytes TLS added: the whole record less the application data it carried (0 for an
+        unreadable record, whose bytes are nobody's)."""
+        if self.unreadable:
+            return 0
         return (self.end - self.start) - (self.plain_end - self.plain_start)
 
 
@@ -59,6 +63,11 @@ class TlsStream:
     records: list[Record]
     plaintext: bytes
     trailing: int  # stream bytes after the last whole record (cut by the capture's end)
+
+    @property
+    def unreadable(self) -> int:
+        """Bytes of records that could not be opened (the capture missed part of them)."""
+        return sum(r.end - r.start for r in self.records if r.unreadable)
 
 
 def looks_like_tls(stream: bytes) -> bool:
@@ -159,14 +168,20 @@ def _server_hello(server_stream: bytes) -> tuple[int, int] | None:
 
 
 def decrypt_connection(client_stream: bytes, server_stream: bytes,
-                       secrets: dict[str, bytes], where: str) -> tuple[TlsStream, TlsStream]:
+                       secrets: dict[str, bytes], where: str,
+                       holes: tuple[int, int] = (0, 0)) -> tuple[TlsStream, TlsStream]:
     """Both directions of a TLS 1.3 connection, decrypted with its ``secrets``.
+
+    ``holes`` are the stream bytes the capture missed per direction: where there are some, a
+    record that does not authenticate is marked unreadable (its bytes nobody's) and the next
+    ones still open (each record has its own nonce).
 
     Raises
     ------
     WireError
         When the connection is not TLS 1.3 with a known suite, a secret is missing, or a
-        record does not authenticate (``where`` names the connection in the message).
+        record of a fully captured stream does not authenticate (``where`` names the
+        connection in the message).
     """
     hello = _server_hello(server_stream)
     if hello is None:
@@ -176,7 +191,8 @@ def decrypt_connection(client_stream: bytes, server_stream: bytes,
         raise WireError(f"{where}: TLS version {version:#06x} suite {suite:#06x}; decryption "
                         f"handles TLS 1.3 (0x0304) with suites {sorted(_SUITES)}")
     out = []
-    for stream, side in ((client_stream, "CLIENT"), (server_stream, "SERVER")):
+    for stream, side, missing in ((client_stream, "CLIENT", holes[0]),
+                                  (server_stream, "SERVER", holes[1])):
         try:
             handshake = _Cipher(suite, secrets[f"{side}_HANDSHAKE_TRAFFIC_SECRET"])
             application = _Cipher(suite, secrets[f"{side}_TRAFFIC_SECRET_0"])
@@ -197,6 +213,9 @@ def decrypt_connection(client_stream: bytes, server_stream: bytes,
             try:
                 inner_type, content = cipher.open(header, fragment)
             except (InvalidTag, ValueError):
+                if missing:
+                    record.unreadable = True
+                    continue
                 raise WireError(f"{where}: {side.lower()} record at stream byte {record.start} "
                                 f"does not decrypt with the logged secrets") from None
             record.inner_type = inner_type
