@@ -89,6 +89,8 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
                      for node in nodes]
         known = [i for i in intervals if i is not None]
         interval = statistics.median(known) if known else None
+        if interval is None:  # too few idle stretches captured: the interval the run set
+            interval = dict(meta or {}).get(f"{kind}_interval_s")
         mean = _sum([x for _, x in picked])
         idle[kind] = {"count": len(picked), "interval_s": interval,
                       "bytes_each": _scaled(mean, 1 / len(picked) if picked else 0.0)}
