@@ -29,7 +29,7 @@ def test_keys_lists_every_key_with_its_part(capsys):
     lines = capsys.readouterr().out.splitlines()
     listed = {line.split()[0]: line.split()[1] for line in lines}
     netem = {f.metadata["key"] for f in fields_of(NetemSettings)}
-    assert len(netem) == 20 and all(listed[k] == "netem" for k in netem)
+    assert len(netem) == 22 and all(listed[k] == "netem" for k in netem)
     assert listed["dgc.density"] == "dgc" and listed["sim.engine"] == "sim"
     assert listed["lr"] == "client" and listed["rounds"] == "server"
     every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
