@@ -110,8 +110,8 @@ class NetemSettings:
     protocol: str = setting("none", "netem.protocol", "what the protocol adds on the wire and "
                             "the clock (simulations.netem.protocol, calibrated from captured "
                             "deployments): none (the payload only), supernode, supernode-tls, "
-                            "supernode-tls-phone (fedgc's settings for phones) or bridge-tls "
-                            "(the phone bridge)")
+                            "supernode-tls-phone (deploy --phone-settings) or bridge-tls (the "
+                            "phone bridge)")
     power_model: str = setting("", "netem.power_model", "JSON file of radio power models "
                                "laid over the presets (simulations.netem.energy: lte, 3g, "
                                "wifi from Huang et al., MobiSys 2012); empty = the presets")
