@@ -24,10 +24,8 @@ from client import app as client_module
 from client.state import ClientState
 from dgc import SparseUpdate
 from dgc.wire import max_numel_of
+from fedgc import methods
 from fedgc import protocol as P
-
-#: The methods a phone's exported encoder runs (DGC's top-k, with or without its residual).
-PHONE_METHODS = ("topk", "dgc")
 
 DEVICE_KEY = "device-id"
 
@@ -90,7 +88,8 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
                 patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
                                    global_state)
         held[device] = ClientState(model=global_state, model_version=version)
-        dgc_config = s.dgc_config() if s.method in PHONE_METHODS else None
+        method = client_module.method_of(s, config)
+        dgc_config = method.phone_config(s) if method.phone else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
             sequence=server_round, ack_sequence=ack,
@@ -135,10 +134,16 @@ def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any]) -> byte
     return dgc.encode(SparseUpdate(tensors, update.sequence), grid_coding=True)
 
 
+def phone_methods() -> list[str]:
+    """The registered methods a phone's exported encoder runs (DGC's top-k, with or without its
+    residual: :attr:`fedgc.methods.Method.phone`)."""
+    return [m.name for m in methods.registered() if m.phone]
+
+
 def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None) -> dict[str, Any]:
     if dgc_config is None:
         raise BridgeError(f"method {s.method!r} is not served by phones: their encoder is DGC "
-                          f"(methods {list(PHONE_METHODS)})")
+                          f"(methods {phone_methods()})")
     # The phone runs exact top-k whatever the server's simulated clients use: the server only
     # decodes what arrives, and exact is what the exported graph implements.
     phone_dgc = dataclasses.replace(dgc_config, selection="exact")

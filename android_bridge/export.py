@@ -196,10 +196,11 @@ def federation_defaults() -> dict[str, Any]:
     """What a default fedgc run (``method = "dgc"``, ``fedgc.settings.TrainSettings()``) asks
     a phone for: the DGC config (exact selection, as phones run), batch size and learning rate,
     and the run-config keys (``--run-config`` / pyproject) whose values the export bakes in."""
+    from fedgc.methods import get
     from fedgc.settings import TrainSettings
 
     s = TrainSettings()
-    config = exact_config(s.dgc_config())
+    config = exact_config(get(s.method).phone_config(s))
     return {"task": s.task, "config": config, "batch_size": s.batch_size,
             "learning_rate": s.lr, "run_config": _run_config_keys(config, s.batch_size, s.lr)}
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import dgc  # noqa: E402
 from bench.common import interleaved_wall_cpu_ms, machine_line  # noqa: E402
 from dgc import SparseTensor, SparseUpdate  # noqa: E402
+from fedgc.settings import RunConfig  # noqa: E402
 from server.strategy import DGCStrategy  # noqa: E402
 
 
@@ -51,8 +52,10 @@ def mlp(seed: int) -> OrderedDict[str, torch.Tensor]:
 def follow(deltas: bool, rounds: int, density: float, seed: int) -> DGCStrategy:
     """A strategy after ``rounds`` aggregations of the same seeded steps."""
     start = mlp(seed)
-    s = DGCStrategy(clients_per_round=2, downlink_density=density, downlink_values="int8",
-                    downlink_history=rounds, downlink_deltas=deltas)
+    s = DGCStrategy(RunConfig.from_flat({
+        "clients_per_round": 2, "downlink_density": density, "downlink_values": "int8",
+        "downlink_history": rounds, "downlink_deltas": deltas, "checkpoint": False,
+        "clients_build_initial_model": False, "run_name": "bench"}))
     s.set_model(ArrayRecord(OrderedDict((k, v.clone()) for k, v in start.items())))
     g = torch.Generator().manual_seed(seed + 1)
     for rnd in range(1, rounds + 1):

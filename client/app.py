@@ -11,11 +11,10 @@ One train message, in order:
 4. train locally and form the pseudo-gradient ``global - local``;
 5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
    sequence), fold it back into the residual with the compressor's ``restore``;
-6. compress ("dense" and "fedavgm": all of it in fp32; "topk": no residual, no momentum;
-   "stc": sparse ternary, :mod:`dgc.stc`; "dgc": configured; topk and dgc give small tensors
-   ``dgc.small_density``, :meth:`TrainSettings.compressor`), encode with ``dgc.encode``;
-7. for "dgc", when the message carries the round's shared index sets (:mod:`dgc.signs`), send
-   the residual at those indices as scaled signs too;
+6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
+   it in fp32), encode with its codec;
+7. when the message carries the method's round material (DGC's shared index sets,
+   :mod:`dgc.signs`), send the part of the residual that answers it too (the signs);
 8. store the new state and pending update(s), and reply.
 """
 
@@ -40,12 +39,9 @@ from client.stores import read_state
 from client.training import round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
-from dgc.signs.client import take_signs
-from dgc.signs.codec import Masks, decode_mask, encode_signs
+from fedgc import methods
 from fedgc import protocol as P
 from fedgc.settings import (
-    DENSE_METHODS,
-    RESIDUAL_METHODS,
     SettingsError,
     TaskSpec,
     TrainSettings,
@@ -125,6 +121,14 @@ def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
+def method_of(settings: TrainSettings, config: Any) -> methods.Method:
+    """The run's method, configured with its own keys from the message ``config``."""
+    try:
+        return methods.get(settings.method).with_keys(dict(config.items()))
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
 def state_root(settings: TrainSettings, context: Context) -> str:
     """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
     when neither is set."""
@@ -200,18 +204,19 @@ def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | 
         raise ClientProtocolError(str(ex)) from ex
 
 
-def shared_masks(content: RecordDict,
-                 model: dict[str, torch.Tensor]) -> tuple[bytes, Masks] | None:
-    """The round's shared index sets (with their bytes), or None when the message has none."""
+def round_material(content: RecordDict, model: dict[str, torch.Tensor],
+                   method: methods.Method) -> tuple[bytes, Any] | None:
+    """The round's material (DGC's shared index sets) with its bytes, decoded by ``method``;
+    None when the message has none."""
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
     try:
         data = P.record_to_bytes(record, P.SHARED_MASK)
-        _, masks = decode_mask(data, {k: v.numel() for k, v in model.items()})
+        material = method.read_material(data, {k: v.numel() for k, v in model.items()})
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
-    return data, masks
+    return data, material
 
 
 def _on_node(content: RecordDict) -> RecordDict:
@@ -221,14 +226,16 @@ def _on_node(content: RecordDict) -> RecordDict:
     return content
 
 
-def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> ClientState:
+def _load_state(store: ClientStateStore, key: str, ack: int,
+                keeps_residual: bool) -> ClientState:
     """This client's state; a damaged record is moved aside and replaced by a fresh state.
 
-    A ``dgc`` client whose record the server relies on (it acknowledged an update) but which the
-    store lacks, or holds only in an older copy, fails its round (:func:`client.stores.read_state`
-    raises StateMissingError): a node without the shared state folder must not silently restart
-    the residual from zero. A quarantined record is not such a case: its loss was detected and is
-    reported.
+    A client with a residual whose record the server relies on (it acknowledged an update) but which
+    the store lacks, or holds only in an older copy, fails its round
+    (:func:`client.stores.read_state` raises StateMissingError): a node without the shared state
+    folder must not silently restart the residual from zero. A quarantined record is not such a
+    case: its loss was detected and is reported.
+
 
     What the lost record held (residual, pending update) is gone: its bytes failed their check,
     so not even its size can be trusted. The fresh state counts the quarantine, which the next
@@ -236,7 +243,8 @@ def _load_state(store: ClientStateStore, key: str, ack: int, method: str) -> Cli
     round that fails (a patch on the model the client no longer holds).
     """
     try:
-        return read_state(store, key, ack, method, where=node.describe()) or ClientState()
+        return read_state(store, key, ack, keeps_residual,
+                          where=node.describe()) or ClientState()
     except StateCorruptError as ex:
         if ex.path is None:
             raise
@@ -257,12 +265,14 @@ def train(msg: Message, context: Context) -> Message:
     if config is None:
         raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
     s = settings_from(config)
+    method = method_of(s, config)
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    state = _load_state(store, str(key), ack, s.method)
+    keeps_residual = method.keeps_residual
+    state = _load_state(store, str(key), ack, keeps_residual)
 
     task = task_of(s.task_spec())
     parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
@@ -272,7 +282,6 @@ def train(msg: Message, context: Context) -> Message:
     idx = torch.from_numpy(parts[key])
 
     reply = state.reply
-    keeps_residual = s.method in RESIDUAL_METHODS
     if (keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
@@ -284,7 +293,7 @@ def train(msg: Message, context: Context) -> Message:
 
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
-    shared = shared_masks(msg.content, global_state) if s.method == "dgc" else None
+    material = round_material(msg.content, global_state, method)
     model = _model(task, s.task_spec())
     model.load_state_dict(global_state)
     local = train_locally(
@@ -297,31 +306,31 @@ def train(msg: Message, context: Context) -> Message:
     shared_data: bytes | None = None
     shared_entries = 0
     new_state = ClientState()
-    if s.method in DENSE_METHODS:
+    compressor = method.compressor(s, key)
+    if compressor is None:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:
-        compressor = s.compressor()
         if keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
-            restored = int(fold_back_pending(compressor, state, ack,
-                                             {k: v.numel() for k, v in global_state.items()}))
+            restored = int(fold_back_pending(
+                compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
+                method, s))
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        if shared is not None:
-            signs = take_signs(compressor.residual(), shared[1], server_round)
-            shared_data = encode_signs(signs)
-            shared_entries = signs.nnz
+        side = (method.side_part(compressor, material[1], server_round)
+                if material is not None else None)
+        if side is not None:
+            shared_data, shared_entries = side
         if keeps_residual:
             new_state.compressor = compressor.state_dict()
-    # STC's values are ternary whatever dgc.ternary says: one sign bit each on the wire.
-    data = dgc.encode(update, sign_coding=s.ternary or s.method == "stc")
+    data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and shared is not None:
+        if shared_data is not None and material is not None:
             new_state.pending_shared = shared_data
-            new_state.pending_mask = shared[0]
+            new_state.pending_mask = material[0]
     if bool(config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = global_state

@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-import dgc
 from dgc import Compressor
-from dgc.signs.codec import decode_mask, decode_signs
 from fedgc.files import atomic_write_bytes
+from fedgc.methods.dgc import DGC
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -422,26 +421,28 @@ class ClientState:
 
 
 def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, Any],
-                      ack_sequence: int, numels: dict[str, int]) -> bool:
+                      ack_sequence: int, shapes: Mapping[str, tuple[int, ...]],
+                      method: Any = None, train: Any = None) -> bool:
     """Restore a state's last update into ``compressor`` unless the server aggregated it.
 
-    The state keeps the update it sent as ``pending`` (wire bytes) and, with the shared sign
-    channel, the signs sent beside it (``pending_shared``) with the index sets they answer
-    (``pending_mask``). When the update's sequence is not ``ack_sequence`` both go back into the
-    residual, so nothing the client computed is lost. ``numels`` gives each tensor's size.
-    Returns whether anything was restored. ``state`` may be a store record (the emulator's stale
-    policy works on those).
+    The state keeps the payload it sent as ``pending`` (wire bytes) and, with a side part (the
+    shared sign channel), the side part sent beside it (``pending_shared``) with the round
+    material it answers (``pending_mask``). When the payload's sequence is not ``ack_sequence``
+    they go back into the residual, so nothing the client computed is lost. ``shapes`` gives
+    each tensor's shape; ``method`` (a :class:`fedgc.methods.Method`, default DGC's) reads
+    the bytes (:meth:`~fedgc.methods.Method.pending_parts`) with the run's ``train`` settings.
+    Returns whether anything was restored. ``state`` may be a store record (the emulator's
+    stale policy works on those).
     """
     if not isinstance(state, ClientState):
         state = ClientState.from_record(state)
     if state.pending is None:
         return False
-    pending = dgc.decode(state.pending, max_numel=max(numels.values(), default=0))
-    if pending.sequence == ack_sequence:
+    method = DGC() if method is None else method
+    sequence, parts = method.pending_parts(train, state.pending, state.pending_shared,
+                                           state.pending_mask, shapes)
+    if sequence == ack_sequence:
         return False
-    compressor.restore(pending)
-    if state.pending_shared is not None and state.pending_mask is not None:
-        _, masks = decode_mask(state.pending_mask, numels)
-        compressor.restore(decode_signs(state.pending_shared, masks,
-                                        {name: (n,) for name, n in numels.items()}))
+    for part in parts:
+        compressor.restore(part)
     return True

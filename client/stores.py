@@ -7,20 +7,19 @@ momentum, pending update) must then live in a store every node reaches: the fold
 (a node-local folder, a mount missing on one node), a client would find no record, or the
 record of an older round, and DGC's error feedback would silently restart from zero.
 
-The server tells every client which of its updates it last aggregated (``ack_sequence``). A
-``dgc`` client's record is rewritten every time it trains, with the round it answered; so a
-client that was aggregated in round ``a`` must find a record of round ``a`` or later.
-:func:`read_state` checks that, and a client that cannot read what it should have fails its
-round with a :class:`StateMissingError` that says so: it writes nothing, so whatever record
-exists elsewhere is kept, and the server counts the round as an error for that client.
-"""
+The server tells every client which of its updates it last aggregated (``ack_sequence``). A client's
+record (of a method that keeps a residual) is rewritten every time it trains, with the round it
+answered; so a client that was aggregated in round ``a`` must find a record of round ``a`` or later.
+:func:`read_state` checks that, and a client that cannot read what it should have fails its round
+with a :class:`StateMissingError` that says so: it writes nothing, so whatever record exists
+elsewhere is kept, and the server counts the round as an error for that client. """
+
 
 from __future__ import annotations
 
 import dgc
 from client.state import ClientState, ClientStateStore, StateStoreError
 from dgc.wire import MAX_NUMEL
-from fedgc.settings import RESIDUAL_METHODS
 
 
 class StateMissingError(StateStoreError):
@@ -37,20 +36,20 @@ def state_sequence(state: ClientState) -> int | None:
     return None
 
 
-def read_state(store: ClientStateStore, key: str, ack_sequence: int, method: str,
+def read_state(store: ClientStateStore, key: str, ack_sequence: int, keeps_residual: bool,
                where: str = "") -> ClientState | None:
     """``key``'s state from ``store`` (None for a client without one yet), checked against the
     server's ``ack_sequence``.
 
-    Only ``dgc`` and ``stc`` clients keep state the server's aggregate depends on (their
-    residual); for
-    them a missing record, or one older than ``ack_sequence``, is a StateMissingError that
-    names the store and ``where`` (this process's node). The fresh state that replaced a
+    Only clients whose method keeps a residual (``keeps_residual``: dgc, stc) keep state the
+    server's aggregate depends on; for them a missing record, or one older than
+    ``ack_sequence``, is a StateMissingError that names the store and ``where`` (this
+    process's node). The fresh state that replaced a
     quarantined record passes: its loss was detected and is reported. A damaged record is the
     store's StateCorruptError (``client.app`` quarantines it). Neither writes anything.
     """
     state = store.load(key)
-    if (method not in RESIDUAL_METHODS or ack_sequence < 0
+    if (not keeps_residual or ack_sequence < 0
             or (state is not None and state.quarantined)):
         # A fresh state after a quarantine: the loss is known and reported, not silent.
         return state

@@ -1,22 +1,23 @@
-"""The settings engine: every run-config key of fedgc, its owner, default and accepted range.
+"""The run's keys: every key of fedgc's server and clients, its owner, default and accepted range.
 
-A schema is a frozen dataclass whose fields carry their external key (``dgc.density``), a
-docstring and an accepted range (a :class:`dgc.config.Check`) in field metadata, so that parsing,
-validation, error messages, ``python -m simulations keys`` and the documentation table all come
-from one place. Values are validated once, when a schema object is built; every bad value is a
-:class:`SettingsError` that names the key and the accepted range.
-
-Each key belongs to one part of fedgc, named by its prefix where it has one:
+Declared with the settings engine (:mod:`fedgc.schema`: ``setting``, parsing, checks, the
+``keys`` table), each key once. Each key belongs to one part of fedgc, named by its prefix where
+it has one:
 
 - ``client``: what a client needs to train a round (:class:`TrainSettings`, sent in every train
   message);
 - ``server``: rounds, server optimizer, downlink, checkpoints, results (:class:`ServerSettings`);
-- ``dgc``: compression, on either side (``dgc.*``); the ranges of the keys that configure
-  :class:`dgc.DGCConfig` are that class's own (:meth:`dgc.DGCConfig.check`);
-- ``stc``: sparse ternary compression's densities, up and down (``stc.*``, ``method = stc``);
+- ``dgc``: the DGC family's compression keys, on either side (``dgc.*``); the ranges of the keys
+  that configure :class:`dgc.DGCConfig` are that class's own (:meth:`dgc.DGCConfig.check`);
+- a method's own keys under its prefix (:attr:`fedgc.methods.Method.settings`);
 - ``sim``: the simulation engine (``sim.*``);
 - ``netem``: the network emulator (``netem.*``, ``simulations.netem.settings.NetemSettings``,
-  built on this engine).
+  built on the same engine).
+
+Keys a compression method may give its own default (``server_lr``, ``server_momentum``,
+``density``, ``downlink_density``, ``downlink_values``) hold "" (the method's) until the run's
+method fills them (:class:`RunConfig`), so that ``compare`` runs every method at its own
+defaults and a value set for the comparison applies to all of them.
 
 :class:`RunConfig` is the server's and clients' keys together (what ``flwr run`` reads); the
 emulator's keys are split off by the simulation CLI. Keys are flat and dotted, so one dict
@@ -27,44 +28,47 @@ serves a Flower run config (``[tool.flwr.app.config]``, ``flwr run --run-config`
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
-import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar, get_type_hints
+from typing import Any, NamedTuple
 
-from dgc import Compressor, DGCCompressor, DGCConfig
-from dgc.config import SELECTIONS, WARMUP_SCHEDULES, Check
+from dgc import DGCConfig
+from dgc.config import SELECTIONS, WARMUP_SCHEDULES
 from dgc.sparse import VALUE_DTYPES as _VALUE_DTYPES
-from dgc.stc import STC_DENSITY, STCCompressor, stc_config
-from dgc.two_density import TwoDensityCompressor
+from fedgc import methods
+from fedgc.refs import REF as TASK_REF
+from fedgc.refs import is_ref
+from fedgc.schema import (
+    OPTION_KEYS,
+    Check,
+    KeyInfo,
+    SettingsError,
+    coerce,
+    describe,
+    fallback_of,
+    fields_of,
+    flatten,
+    fold_options,
+    known_keys,
+    load_toml,
+    options_of,
+    options_text,
+    parse,
+    setting,
+    to_flat,
+    validate,
+)
+from fedgc.schema import key_table as _key_table
 from tasks.partition import SCHEMES
 
-#: Compression methods, in the order ``compare`` runs them: dense fp32 (FedAvg), dense with
-#: DGC's server momentum (FedAvgM), top-k without error feedback, sparse ternary compression
-#: both ways (STC, ``dgc.stc``), DGC.
-METHODS = ("dense", "fedavgm", "topk", "stc", "dgc")
-#: Methods whose clients send every entry in fp32: the baseline of every compression ratio;
-#: their clients always get the exact global model.
-DENSE_METHODS = ("dense", "fedavgm")
-#: Methods whose clients keep a residual between rounds (error feedback), which the server's
-#: acknowledgements keep whole.
-RESIDUAL_METHODS = ("stc", "dgc")
-#: Methods whose server applies ``dgc.server_momentum`` and ``dgc.server_lr`` (the others
-#: ``server_momentum`` and ``server_lr``).
-SERVER_MOMENTUM_METHODS = ("fedavgm", "dgc")
 #: Shipped tasks a run may name (``tasks.DATASETS``); mnist and cifar10 read their files from
 #: ``data_dir``. A run may also name a callable of its own, ``module:callable`` (:data:`TASK_REF`).
 TASKS = ("mnist5k", "digits", "fashion-mnist", "shakespeare", "mnist", "cifar10")
-#: A task of the user's own: ``pkg.module:callable`` (the callable may be ``Class.method``).
-TASK_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 #: Models a run may name for a shipped task (``tasks.MODELS``); empty = the task's default.
 MODEL_NAMES = ("", "mlp", "cnn", "lstm")
-#: Keys whose value is a JSON object of keyword options; a TOML table or a dict is accepted too.
-OPTION_KEYS = ("model_options", "task_options")
 #: How the training set is split into clients (``tasks.partition``).
 PARTITIONS = SCHEMES
 #: Warm-up schedules a run key may name: DGCConfig's, but "list", whose per-round densities
@@ -82,199 +86,51 @@ ENGINES = ("ray", "local")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
-#: The parts of fedgc that own keys (see the module docstring).
-PARTS = ("client", "server", "dgc", "stc", "sim", "netem")
+#: The parts of fedgc that own keys (see the module docstring), besides methods' prefixes.
+PARTS = ("client", "server", "dgc", "sim", "netem")
+#: Keys retired in favour of one key for every method (issue 29): the old name is refused,
+#: naming the new one.
+RENAMED = {"dgc.density": "density", "stc.density": "density",
+           "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
+           "stc.downlink_density": "downlink_density"}
 
-__all__ = ["DENSE_METHODS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "METHODS", "MODEL_NAMES",
-           "OPTION_KEYS", "PARTITIONS", "PARTS", "RESIDUAL_METHODS", "SELECTIONS",
-           "SERVER_MOMENTUM_METHODS", "TASKS", "TASK_REF", "VALUE_DTYPES", "WARMUPS", "Check",
-           "KeyInfo", "RunConfig", "ServerSettings", "SettingsError", "TaskSpec",
-           "TrainSettings", "describe", "fields_of", "flatten", "key_table", "load_toml",
-           "new_run_name", "options_of", "parse", "setting", "to_flat", "validate"]
-
-T = TypeVar("T")
-
-
-class SettingsError(ValueError):
-    """A configuration key is unknown, or its value is outside the accepted range."""
-
-
-def setting(default: Any, key: str, doc: str, check: Check | None = None) -> Any:
-    """A dataclass field with its external key, documentation and accepted range.
-
-    A schema class names the part that owns its keys in a ``PART`` class attribute; a dotted
-    key's prefix (``dgc.``, ``sim.``, ``netem.``) names it instead.
-    """
-    return dataclasses.field(default=default,
-                             metadata={"key": key, "doc": doc, "check": check or Check()})
+__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
+           "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF",
+           "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
+           "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
+           "flatten", "fold_options", "key_table", "known_keys", "load_toml", "method_default",
+           "new_run_name", "options_of", "options_text", "parse", "setting", "to_flat",
+           "validate"]
 
 
-def fields_of(cls: type) -> list[dataclasses.Field]:
-    """The schema fields of a settings class (those declared with :func:`setting`)."""
-    return [f for f in dataclasses.fields(cls) if "key" in f.metadata]
+def method_default(key: str, fallback: Any) -> str:
+    """How the ``keys`` table writes a per-method key's default: the registered methods that
+    set their own, then the others'."""
+    own = [f"{m.name} {m.defaults[key]!r}" for m in methods.registered() if key in m.defaults]
+    return f"{fallback!r}; " + ", ".join(own) if own else repr(fallback)
 
 
-def coerce(key: str, value: object, kind: type) -> Any:
-    """Convert ``value`` (typed, or a ``--set`` string) to ``kind``, naming ``key`` on error."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-            return False
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise SettingsError(f"{key} must be a boolean (true/false), got {value!r}")
-    if kind is int or kind is float:
-        noun = "an integer" if kind is int else "a number"
-        if isinstance(value, bool):
-            raise SettingsError(f"{key} must be {noun}, got {value!r}")
-        if kind is int and isinstance(value, int):
-            return value
-        if kind is int and isinstance(value, float) and value.is_integer():
-            return int(value)
-        if kind is float and isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return kind(value.strip())
-            except ValueError:
-                pass
-        raise SettingsError(f"{key} must be {noun}, got {value!r}")
-    if kind is str:
-        if isinstance(value, str):
-            return value
-        raise SettingsError(f"{key} must be a string, got {value!r}")
-    raise SettingsError(f"{key}: unsupported setting type {kind!r}")
+def key_table(classes: list[type]) -> list[KeyInfo]:
+    """Every key of ``classes`` with its part (:data:`PARTS` and the methods' prefixes)."""
+    parts = PARTS + tuple(m.prefix for m in methods.loaded() if m.prefix)
+    return _key_table(classes, parts, method_default)
 
 
-def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) -> T:
-    """Build ``cls`` from external keys; with ``strict`` an unknown key is an error."""
-    hints = get_type_hints(cls)
-    by_key = {f.metadata["key"]: f for f in fields_of(cls)}
-    if strict:
-        unknown = sorted(set(values) - set(by_key))
-        if unknown:
-            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
-                                f"{sorted(by_key)}")
-    kwargs: dict[str, Any] = {}
-    for key, f in by_key.items():
-        if key in values:
-            value = values[key]
-            if key in OPTION_KEYS and isinstance(value, Mapping):
-                value = options_text(key, value)
-            kwargs[f.name] = coerce(key, value, hints[f.name])
-    return cls(**kwargs)
-
-
-def options_text(key: str, options: Mapping[str, object]) -> str:
-    """The JSON text of an options table (what the run config carries), naming ``key`` when a
-    value is not JSON (numbers, strings, booleans, lists and tables are)."""
-    try:
-        return json.dumps(dict(options), sort_keys=True)
-    except (TypeError, ValueError) as ex:
-        raise SettingsError(f"{key} must hold JSON values (numbers, strings, booleans, lists, "
-                            f"tables), got {dict(options)!r}: {ex}") from None
-
-
-def fold_options(values: Mapping[str, object]) -> dict[str, object]:
-    """``{"task_options.n": 3}`` -> ``{"task_options": {"n": 3}}``, merged into the key's own
-    value (a dict, or JSON text) when it is given too."""
-    out = {k: v for k, v in values.items() if not any(k.startswith(o + ".") for o in OPTION_KEYS)}
-    for key in OPTION_KEYS:
-        dotted = {k[len(key) + 1:]: v for k, v in values.items() if k.startswith(key + ".")}
-        if not dotted:
-            continue
-        base = values.get(key, "")
-        merged = dict(base) if isinstance(base, Mapping) else options_of(key, str(base))
-        out[key] = {**merged, **dotted}
-    return out
-
-
-def options_of(key: str, text: str) -> dict[str, Any]:
-    """The keyword options of an options key: ``""`` is none, else a JSON object."""
-    if not text.strip():
-        return {}
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as ex:
-        raise SettingsError(f"{key} = {text!r} is not JSON ({ex.msg}); expected an object "
-                            f"such as '{{\"hidden\": 64}}'") from None
-    if not isinstance(options, dict):
-        raise SettingsError(f"{key} = {text!r} must be a JSON object of keyword options, such "
-                            f"as '{{\"hidden\": 64}}'")
-    bad = [k for k in options if not k.isidentifier()]
-    if bad:
-        raise SettingsError(f"{key} = {text!r}: option names {bad} are not Python identifiers")
-    return options
-
-
-def validate(obj: object) -> None:
-    """Check every schema field of ``obj`` against its accepted range."""
-    hints = get_type_hints(type(obj))
+def _resolve(obj: Any, method: methods.Method) -> Any:
+    """``obj`` with its per-method keys that are still None set to ``method``'s defaults (the
+    generic one where it has none), and ``by_method`` naming them."""
+    filled, named = {}, []
     for f in fields_of(type(obj)):
-        key, check = f.metadata["key"], f.metadata["check"]
-        value = getattr(obj, f.name)
-        kind = hints[f.name]
-        if kind in (int, float) and (isinstance(value, bool) or
-                                     not isinstance(value, (int, float))):
-            raise SettingsError(f"{key} must be a number, got {value!r}")
-        if kind is int and not isinstance(value, int):
-            raise SettingsError(f"{key} must be an integer, got {value!r}")
-        if not check.accepts(value):
-            raise SettingsError(f"{key} = {value!r} is outside the accepted range "
-                                f"{check.describe()}")
-
-
-def to_flat(obj: object) -> dict[str, bool | int | float | str]:
-    """External-key form of a settings object (what travels in a Flower ConfigRecord)."""
-    return {f.metadata["key"]: getattr(obj, f.name) for f in fields_of(type(obj))}
-
-
-def part_of(cls: type, key: str) -> str:
-    """The part of fedgc that owns ``key`` of schema ``cls`` (one of :data:`PARTS`)."""
-    prefix, dot, _ = key.partition(".")
-    part = prefix if dot else getattr(cls, "PART", "")
-    if part not in PARTS:
-        raise SettingsError(f"key {key!r} of {cls.__name__} names no part of {list(PARTS)}")
-    return part
-
-
-class KeyInfo(NamedTuple):
-    """One key as ``python -m simulations keys`` lists it."""
-
-    key: str
-    part: str
-    kind: str
-    default: str
-    accepted: str
-    doc: str
-
-
-def key_table(classes: Sequence[type]) -> list[KeyInfo]:
-    """Every key of the given schema classes with its part, sorted by key."""
-    rows = []
-    for cls in classes:
-        for key, kind, default, accepted, doc in describe(cls):
-            rows.append(KeyInfo(key, part_of(cls, key), kind, default, accepted, doc))
-    return sorted(rows)
-
-
-def describe(cls: type) -> list[tuple[str, str, str, str, str]]:
-    """(key, type, default, accepted range, doc) for every key of ``cls``, for docs and --help."""
-    hints = get_type_hints(cls)
-    rows = []
-    for f in fields_of(cls):
-        kind = hints[f.name]
-        accepted = f.metadata["check"].describe()
-        if kind is bool:
-            accepted = "true or false"
-        elif kind is str and accepted == "any":
-            accepted = "text"
-        rows.append((f.metadata["key"], kind.__name__, repr(f.default), accepted,
-                     f.metadata["doc"]))
-    return rows
+        if "fallback" in f.metadata and getattr(obj, f.name) is None:
+            key = f.metadata["key"]
+            filled[f.name] = method.defaults.get(key, fallback_of(f))
+            named.append(key)
+    if not filled:
+        return obj
+    out = dataclasses.replace(obj, **filled)
+    object.__setattr__(out, "by_method", frozenset(named) | obj.by_method)
+    validate(out)  # a method's own default must be in range too
+    return out
 
 
 @dataclass(frozen=True)
@@ -287,6 +143,17 @@ class _TaskCheck(Check):
 
     def describe(self) -> str:
         return f"one of {list(self.choices)}, or 'module:callable'"
+
+
+@dataclass(frozen=True)
+class _MethodCheck(Check):
+    """The ``method`` key's range: a registered method, or ``module:callable``."""
+
+    def accepts(self, value: object) -> bool:
+        return methods.is_known(value)
+
+    def describe(self) -> str:
+        return f"one of {list(methods.names())}, or 'module:callable'"
 
 
 @dataclass(frozen=True)
@@ -359,10 +226,10 @@ class TrainSettings:
     alpha: float = setting(0.5, "alpha", "Dirichlet concentration (smaller = more label skew)",
                            Check(0.0, low_open=True))
     seed: int = setting(0, "seed", "seed of partitioning, sampling and local shuffling", Check(0))
-    method: str = setting("dgc", "method", "compression: dense fp32 (FedAvg), fedavgm (dense "
-                          "with dgc.server_momentum), top-k without error feedback, stc (sparse "
-                          "ternary compression of both directions, stc.*), or DGC",
-                          Check(choices=METHODS))
+    method: str = setting("dgc", "method", "the compression method (docs/methods.md: what each "
+                          "client sends and the server does), or your own: 'module:callable' "
+                          "returning a fedgc.methods.Method (importable by every client, as a "
+                          "task)", _MethodCheck())
     local_epochs: int = setting(2, "local_epochs", "local passes over the client's data (used "
                                 "when local_steps is 0)", Check(0))
     local_steps: int = setting(0, "local_steps", "local SGD steps per round; 0 = use "
@@ -373,8 +240,9 @@ class TrainSettings:
                                      "round (reset every round)", _momentum())
     weight_decay: float = setting(0.0, "weight_decay", "client SGD weight decay (applied "
                                   "locally, never sent)", Check(0.0))
-    density: float = setting(0.001, "dgc.density", "fraction of each sparsified tensor sent "
-                             "per round after warm-up (topk and dgc)", _dgc("density"))
+    density: float | None = setting(None, "density", "fraction of each sparsified tensor a "
+                                    "client sends per round (after dgc.warmup_rounds); empty = "
+                                    "the method's default", _dgc("density"), fallback=0.001)
     dgc_momentum: float = setting(0.0, "dgc.momentum", "momentum m of DGC's momentum "
                                   "correction on the pseudo-gradient; 0 = residual only",
                                   _dgc("momentum"))
@@ -408,10 +276,6 @@ class TrainSettings:
     ternary: bool = setting(False, "dgc.ternary", "send sparsified tensors' entries as "
                             "sign * mean magnitude, one bit each on the wire (sparse ternary "
                             "compression; not for phones)")
-    stc_density: float = setting(STC_DENSITY, "stc.density", "STC's p_up: the fraction of "
-                                 "every tensor (biases too) a stc client sends per round, as "
-                                 "sign * mean magnitude; the paper's 1/400",
-                                 _dgc("density"))
     min_sparse_numel: int = setting(512, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and 1-D ones unless dgc.sparse_vectors) are sent dense; "
                                     "512 (DGCConfig's 1024 sent the LSTM's embedding dense; 256 "
@@ -429,6 +293,10 @@ class TrainSettings:
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
 
+    #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
+    #: next method its own).
+    by_method: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
     def __post_init__(self) -> None:
         validate(self)
         if self.local_epochs == 0 and self.local_steps == 0:
@@ -442,62 +310,15 @@ class TrainSettings:
                 raise SettingsError(f"{', '.join(shipped_only)} set with task = {self.task!r}: "
                                     f"they configure the shipped tasks {list(TASKS)}; pass your "
                                     f"callable's options in task_options")
+        resolved = _resolve(self, methods.get(self.method))
+        if resolved is not self:
+            for f in dataclasses.fields(self):
+                object.__setattr__(self, f.name, getattr(resolved, f.name))
 
     def task_spec(self) -> TaskSpec:
         """The keys that make this run's Task."""
         return TaskSpec(self.task, self.model, self.model_options, self.data_dir,
                         self.task_options)
-
-    def load_task(self) -> Any:
-        """This run's :class:`tasks.Task` (:func:`fedgc.task_loader.load_task`)."""
-        from fedgc.task_loader import load_task
-
-        return load_task(self.task_spec())
-
-    def dgc_config(self) -> DGCConfig:
-        # The run keys of DGCConfig's fields were validated against its own ranges (_dgc); the
-        # renames are the run's vocabulary: rounds are the paper's epochs, 0 turns clipping off.
-        """The compressor configuration of this method (None-like for dense: density 1)."""
-        common = dict(
-            density=self.density, selection=self.selection, value_dtype=self.value_dtype,
-            ternary=self.ternary,
-            min_sparse_numel=self.min_sparse_numel, sparse_vectors=self.sparse_vectors,
-            warmup="exponential" if self.warmup == "exponential" and self.warmup_rounds else "none",
-            warmup_epochs=max(self.warmup_rounds, 0),
-        )
-        if self.method == "topk":
-            # Same bytes as DGC, but nothing is remembered between rounds: the contrast case.
-            return DGCConfig(momentum=0.0, momentum_correction=False, momentum_masking=False,
-                             error_feedback=False, **common)
-        if self.method == "stc":
-            return stc_config(self.stc_density, self.value_dtype)
-        if self.method == "dgc":
-            return DGCConfig(
-                momentum=self.dgc_momentum, momentum_correction=self.momentum_correction,
-                nesterov=self.nesterov, dampening=self.dampening,
-                momentum_masking=self.momentum_masking, error_feedback=True,
-                clip_norm=self.clip_norm or None, num_workers=self.clients_per_round, **common)
-        raise SettingsError(f"method {self.method!r} has no compressor (it sends dense fp32)")
-
-    def compressor(self) -> Compressor:
-        """A fresh compressor of this method: one density, or two when dgc.small_density > 0.
-
-        Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output
-        layer) get ``dgc.small_density``: at ``dgc.density`` alone they would send 2 entries per
-        update (docs/federated_momentum.md). ``topk`` uses the same split, so that it differs
-        from ``dgc`` only in keeping no residual.
-        """
-        config = self.dgc_config()
-        if self.method == "stc":
-            return STCCompressor(config)  # one density for every tensor, as STC has
-        if self.small_density == 0.0:
-            return DGCCompressor(config)
-        return TwoDensityCompressor(config, self.small_density, small_numel=self.small_numel)
-
-
-def known_keys(classes: Sequence[type]) -> list[str]:
-    """Every external key of the given schema classes, sorted."""
-    return sorted(f.metadata["key"] for cls in classes for f in fields_of(cls))
 
 
 @dataclass(frozen=True)
@@ -517,13 +338,15 @@ class ServerSettings:
                                     "over_selection) clients, aggregate the first "
                                     "clients_per_round valid replies (straggler defence)",
                                     Check(1.0, 10.0))
-    server_lr: float = setting(1.0, "server_lr", "server learning rate of dense, topk and stc "
-                               "runs: global -= server_lr * momentum buffer; fedavgm and dgc "
-                               "runs use dgc.server_lr", Check(0.0, low_open=True))
-    server_momentum: float = setting(0.0, "server_momentum", "server momentum of dense, topk "
-                                     "and stc runs (FedAvgM convention: buf = m*buf + avg); "
-                                     "fedavgm and dgc runs use dgc.server_momentum",
-                                     Check(0.0, 1.0, high_open=True))
+    server_lr: float | None = setting(None, "server_lr", "server learning rate: global -= "
+                                      "server_lr * momentum buffer; empty = the method's "
+                                      "default", Check(0.0, low_open=True), fallback=1.0)
+    server_momentum: float | None = setting(None, "server_momentum", "server momentum "
+                                            "(FedAvgM convention: buf = m*buf + avg), DGC's "
+                                            "momentum applied once per round to the aggregate, "
+                                            "where it is never stale; empty = the method's "
+                                            "default", Check(0.0, 1.0, high_open=True),
+                                            fallback=0.0)
     shared_density: float = setting(0.03, "dgc.shared_density", "shared-index sign channel "
                                     "(dgc only): fraction of each sparsified tensor at which "
                                     "every client of a round sends its residual as scaled signs, "
@@ -535,14 +358,6 @@ class ServerSettings:
     shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
                                      "of aggregates by which the server ranks shared indices",
                                      Check(0.0, 1.0, high_open=True))
-    dgc_server_momentum: float = setting(0.5, "dgc.server_momentum", "server momentum of "
-                                         "dgc and fedavgm runs (replaces server_momentum "
-                                         "there): DGC's "
-                                         "momentum applied once per round to the aggregate, "
-                                         "where it is never stale", Check(0.0, 1.0, high_open=True))
-    dgc_server_lr: float = setting(1.0, "dgc.server_lr", "server learning rate of dgc and "
-                                   "fedavgm runs (replaces server_lr there), applied to "
-                                   "dgc.server_momentum's buffer", Check(0.0, low_open=True))
     max_weight_ratio: float = setting(4.0, "max_weight_ratio", "a client's weight "
                                       "(num-examples) is capped at this times the median claim "
                                       "of the round's valid replies (server/defences.py); 0 = "
@@ -565,31 +380,20 @@ class ServerSettings:
                                     "span; a client holding an older version gets the dense "
                                     "model (memory: one int32 per parameter, whatever the "
                                     "value)", Check(0))
-    downlink_density: float = setting(0.05, "downlink_density", "1: clients are sent the "
-                                      "global model exactly; below 1 (topk and dgc runs; stc "
-                                      "runs use stc.downlink_density): a "
-                                      "compressed broadcast, each round the server copies "
-                                      "this fraction of the matrix entries of the global "
-                                      "model, those that differ most, into the model clients "
-                                      "hold (error feedback on the server; 1-D tensors whole); "
-                                      "dense and fedavgm runs always get the exact model",
-                                      Check(0.0, 1.0, low_open=True))
-    stc_downlink_density: float = setting(STC_DENSITY, "stc.downlink_density", "STC's p_down "
-                                          "(stc runs): each round the server moves this "
-                                          "fraction of every tensor of the model clients hold, "
-                                          "where it differs most from the global model, by "
-                                          "sign * mean difference (downlink_values ternary; "
-                                          "error feedback on the server); the paper's 1/400; 1 "
-                                          "= the exact model", Check(0.0, 1.0, low_open=True))
-    downlink_values: str = setting("int8", "downlink_values", "with downlink_density < 1: "
-                                   "the grid the broadcast's matrix entries are rounded to; "
-                                   "float16 (2 bytes per patch value) or int8 (a byte or less: per "
-                                   "tensor a power-of-two step whose range is 8x its largest "
-                                   "initial entry, doubled when the model outgrows it); or "
-                                   "ternary: per tensor (1-D too) the entries move by sign * "
-                                   "their mean difference, a bit each in a one-round patch "
-                                   "(STC's downlink; what stc runs use)",
-                                   Check(choices=DOWNLINK_VALUES))
+    downlink_density: float | None = setting(
+        None, "downlink_density", "1: clients are sent the global model exactly; below 1: a "
+        "compressed broadcast, each round the server moves this fraction of the matrix entries "
+        "of the model clients hold, those that differ most from the global model, by "
+        "downlink_values (error feedback on the server; 1-D tensors whole, except with "
+        "ternary); dense and fedavgm runs always get the exact model; empty = the method's "
+        "default", Check(0.0, 1.0, low_open=True), fallback=0.05)
+    downlink_values: str | None = setting(
+        None, "downlink_values", "with downlink_density < 1: the grid the broadcast's matrix "
+        "entries are rounded to; float16 (2 bytes per patch value) or int8 (a byte or less: per "
+        "tensor a power-of-two step whose range is 8x its largest initial entry, doubled when "
+        "the model outgrows it); or ternary: per tensor (1-D too) the entries move by sign * "
+        "their mean difference, a bit each in a one-round patch (STC's downlink); empty = the "
+        "method's default", Check(choices=DOWNLINK_VALUES), fallback="int8")
     downlink_deltas: bool = setting(True, "downlink_deltas", "with downlink_values int8: version "
                                     "0 is broadcast on the grid too, and a patch on the one "
                                     "version a client is known to hold carries differences "
@@ -636,6 +440,9 @@ class ServerSettings:
                                "0) and state_dir must be a folder every node mounts "
                                "(docs/cluster.md); empty = a fresh Ray instance on this machine")
 
+    #: The per-method keys that the run's method filled (see TrainSettings.by_method).
+    by_method: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
     def __post_init__(self) -> None:
         validate(self)
         if "/" in self.run_name or self.run_name in (".", ".."):
@@ -647,7 +454,8 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The whole configuration of a run: ``server`` keys and the clients' ``train`` keys.
+    """The whole configuration of a run: ``server`` keys, the clients' ``train`` keys, and the
+    methods' own keys.
 
     Parameters
     ----------
@@ -655,52 +463,79 @@ class RunConfig:
         Rounds, server optimizer, downlink, checkpointing, results and Ray resources.
     train : TrainSettings
         Task, partition, local training and compression; sent to every client.
+    own : mapping of str to value
+        The own keys (:attr:`fedgc.methods.Method.settings`) of every method known to this
+        process, with their values; sent to every client too.
     """
 
     server: ServerSettings = field(default_factory=ServerSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
+    own: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         t = self.train
+        object.__setattr__(self, "server", _resolve(self.server, methods.get(t.method)))
+        object.__setattr__(self, "own", {**_own_defaults(), **self.own})
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
         if not self.server.run_name:
             # Named once, here: to_flat() and with_overrides() then carry the same folder.
+            label = t.method if not is_ref(t.method) else methods.get(t.method).title
             named = dataclasses.replace(self.server, run_name=new_run_name(
-                self.server.results_dir, f"{t.task}-{t.method}"))
+                self.server.results_dir, f"{t.task}-{label}"))
+            object.__setattr__(named, "by_method", self.server.by_method)
             object.__setattr__(self, "server", named)
 
     @classmethod
     def from_flat(cls, values: Mapping[str, object]) -> RunConfig:
-        """Parse flat dotted keys; an unknown key names itself and lists the known ones.
+        """Parse flat dotted keys; an unknown key names itself and lists the known ones, a
+        retired one names its successor.
 
         ``model_options.hidden = [64]`` (how Flower flattens a ``[model_options]`` table of
-        ``[tool.flwr.app.config]``) is option ``hidden`` of ``model_options``.
+        ``[tool.flwr.app.config]``) is option ``hidden`` of ``model_options``. A method named
+        by ``module:callable`` is loaded here, so that its own keys are known.
         """
         values = fold_options(values)
+        renamed = sorted(k for k in values if k in RENAMED)
+        if renamed:
+            raise SettingsError("; ".join(f"{k} is now {RENAMED[k]} (one key for every method)"
+                                          for k in renamed))
+        if isinstance(values.get("method"), str) and is_ref(values["method"]):
+            methods.get(str(values["method"]))  # a SettingsError naming the reference
         unknown = sorted(set(values) - set(cls.keys()))
         if unknown:
             raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
                                 f"{cls.keys()}")
         server_keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
+        own_keys = set(_own_defaults())
         return cls(
             server=parse(ServerSettings, {k: v for k, v in values.items() if k in server_keys}),
-            train=parse(TrainSettings, {k: v for k, v in values.items() if k not in server_keys}),
+            train=parse(TrainSettings, {k: v for k, v in values.items()
+                                        if k not in server_keys and k not in own_keys}),
+            own=_parse_own({k: v for k, v in values.items() if k in own_keys}),
         )
 
     @staticmethod
     def keys() -> list[str]:
         """Every accepted key, sorted."""
-        return known_keys([ServerSettings, TrainSettings])
+        return sorted(known_keys([ServerSettings, TrainSettings]) + list(_own_defaults()))
+
+    @property
+    def method(self) -> methods.Method:
+        """The run's method, configured with its own keys."""
+        return methods.get(self.train.method).with_keys(self.own)
 
     def to_flat(self) -> dict[str, bool | int | float | str]:
         """All keys with their values (what ``summary.json`` records as the run's config)."""
-        return {**to_flat(self.server), **to_flat(self.train)}
+        return {**to_flat(self.server), **to_flat(self.train), **self.own}
 
     def with_overrides(self, values: Mapping[str, object]) -> RunConfig:
-        """A copy with some keys replaced (validated like :meth:`from_flat`)."""
-        return RunConfig.from_flat({**self.to_flat(), **values})
+        """A copy with some keys replaced (validated like :meth:`from_flat`); the keys the
+        method filled go back to "" (the next method's default)."""
+        mine = self.server.by_method | self.train.by_method
+        return RunConfig.from_flat({**{k: ("" if k in mine else v)
+                                       for k, v in self.to_flat().items()}, **values})
 
     @property
     def run_dir(self) -> Path:
@@ -716,10 +551,40 @@ class RunConfig:
         """TrainSettings with ``state_dir`` resolved to an absolute path (clients run elsewhere)."""
         return dataclasses.replace(self.train, state_dir=str(self.state_dir.resolve()))
 
+    def client_config(self) -> dict[str, bool | int | float | str]:
+        """The keys every train message carries: the clients' keys (``state_dir`` absolute)
+        and the methods' own keys."""
+        return {**to_flat(self.client_train_settings()), **self.own}
+
     @staticmethod
     def describe() -> list[tuple[str, str, str, str, str]]:
         """(key, type, default, accepted range, doc) of every key."""
-        return sorted(describe(ServerSettings) + describe(TrainSettings))
+        rows = describe(ServerSettings, method_default) + describe(TrainSettings, method_default)
+        for m in methods.loaded():
+            if m.settings is not None:
+                rows += describe(m.settings, method_default)
+        return sorted(rows)
+
+
+def _own_defaults() -> dict[str, Any]:
+    """The own keys of every known method (registered, or loaded by reference), with their
+    defaults."""
+    out: dict[str, Any] = {}
+    for m in methods.loaded():
+        if m.settings is not None:
+            out.update(to_flat(m.settings()))
+    return out
+
+
+def _parse_own(values: Mapping[str, object]) -> dict[str, Any]:
+    """The methods' own keys of ``values``, checked by their schemas, with every other own key
+    at its default."""
+    out = _own_defaults()
+    for m in methods.loaded():
+        if m.settings is not None:
+            mine = {f.metadata["key"] for f in fields_of(m.settings)}
+            out.update(to_flat(parse(m.settings, {k: v for k, v in values.items() if k in mine})))
+    return out
 
 
 def new_run_name(results_dir: str | Path, label: str) -> str:
@@ -734,30 +599,3 @@ def new_run_name(results_dir: str | Path, label: str) -> str:
     while (Path(results_dir) / name).exists():
         name, n = f"{stamp}-{n}", n + 1
     return name
-
-
-def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"dgc": {"density": 0.01}}`` -> ``{"dgc.density": 0.01}`` (TOML tables to keys).
-
-    The tables of :data:`OPTION_KEYS` stay whole: they are one key's keyword options.
-    """
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and key not in OPTION_KEYS:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Flat keys of a TOML scenario file; a missing or malformed file names itself."""
-    p = Path(path)
-    try:
-        with p.open("rb") as fh:
-            return flatten(tomllib.load(fh))
-    except FileNotFoundError as ex:
-        raise SettingsError(f"config file {p} does not exist") from ex
-    except tomllib.TOMLDecodeError as ex:
-        raise SettingsError(f"config file {p} is not valid TOML: {ex}") from ex

@@ -11,10 +11,11 @@ installed package).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from fedgc.settings import TASK_REF, TASKS, SettingsError, TaskSpec, options_of
+from fedgc.refs import is_ref, resolve_callable, short
+from fedgc.schema import SettingsError, options_of
+from fedgc.settings import TASKS, TaskSpec
 from tasks import Task, get_task
 
 __all__ = ["load_task", "resolve_callable"]
@@ -36,7 +37,10 @@ def load_task(spec: TaskSpec) -> Task:
         return get_task(spec.task, model=spec.model or None, data_dir=spec.data_dir or None,
                         model_options=options_of("model_options", spec.model_options) or None,
                         **options)
-    build = resolve_callable(spec.task)
+    if not is_ref(spec.task):
+        raise SettingsError(f"task = {spec.task!r} is neither a shipped task {list(TASKS)} nor "
+                            f"'module:callable'")
+    build: Any = resolve_callable(spec.task, "task", "a tasks.Task")
     try:
         task = build(**options)
     except Exception as ex:
@@ -44,39 +48,5 @@ def load_task(spec: TaskSpec) -> Task:
                             f"raised {type(ex).__name__}: {ex}") from ex
     if not isinstance(task, Task):
         raise SettingsError(f"task = {spec.task!r} returned {type(task).__name__} "
-                            f"({_short(task)}); expected a tasks.Task")
+                            f"({short(task)}); expected a tasks.Task")
     return task
-
-
-def resolve_callable(ref: str) -> Any:
-    """The callable ``module:attr`` names (``attr`` may be dotted, e.g. ``Class.build``)."""
-    if TASK_REF.fullmatch(ref) is None:
-        raise SettingsError(f"task = {ref!r} is neither a shipped task {list(TASKS)} nor "
-                            f"'module:callable'")
-    module_name, _, attr = ref.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as ex:
-        if ex.name is not None and module_name.startswith(ex.name):
-            raise SettingsError(f"task = {ref!r}: no module named {ex.name!r}; it must be "
-                                f"importable here and on every client (add its folder to "
-                                f"PYTHONPATH, or install it)") from ex
-        raise SettingsError(f"task = {ref!r}: importing {module_name!r} failed: {ex}") from ex
-    except Exception as ex:
-        raise SettingsError(f"task = {ref!r}: importing {module_name!r} raised "
-                            f"{type(ex).__name__}: {ex}") from ex
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise SettingsError(f"task = {ref!r}: {module_name!r} has no attribute "
-                                f"{attr!r}") from None
-    if not callable(obj):
-        raise SettingsError(f"task = {ref!r} is a {type(obj).__name__}, not a callable "
-                            f"returning a tasks.Task")
-    return obj
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,15 +1,24 @@
-"""The weighted average of a round's sparse updates, scattered in O(total nonzeros) into one
-buffer that is reused every round."""
+"""The combine stage of the server's aggregation: the round's payloads, after the defences
+(:mod:`server.defences`), to one sum in the aggregator's space.
+
+``aggregation = mean``: the weighted average of the payloads' sparse parts, scattered in
+O(total nonzeros) into one buffer that is reused every round (:class:`SparseAverage`); a
+robust statistic (``trimmed_mean``, ``median``): coordinate-wise over the union of the round's
+indices, never densifying more (:func:`robust_average`). Both read payloads only through
+:class:`fedgc.methods.Payload` (``parts``), so every method and payload kind goes through the
+same stage; the method's aggregator then finishes the round (:class:`fedgc.methods.Aggregator`).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 import dgc
 from dgc import SparseUpdate
+from fedgc.methods import Payload
 from fedgc.settings import AGGREGATIONS
 
 
@@ -101,3 +110,35 @@ def robust_average(clients: list[list[SparseUpdate]], factors: list[float], how:
     out.index_add_(0, idx[keep], val[keep] / (k - 2 * trim))
     return {n: out[offsets[n]:offsets[n] + math.prod(shapes[n])].to(torch.float32)
             .view(shapes[n]) for n in names}
+
+
+class Combine:
+    """The combine stage: ``how`` = "mean" (weighted by the capped weights, each payload scaled
+    by its clip factor) or one of :data:`ROBUST` (unweighted, ``trim_fraction`` for the trimmed
+    mean)."""
+
+    def __init__(self, how: str = "mean", trim_fraction: float = 0.1) -> None:
+        if how not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
+        self.how, self.trim_fraction = how, float(trim_fraction)
+        self._average = SparseAverage()
+
+    def __call__(self, payloads: Sequence[Payload], weights: Sequence[float],
+                 factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
+                 ) -> dict[str, torch.Tensor]:
+        """The round's sum in the space of ``shapes``; ``dgc.AggregationError`` when the
+        weights total zero."""
+        if self.how in ROBUST:
+            return robust_average([p.parts() for p in payloads], list(factors), self.how,
+                                  self.trim_fraction, shapes)
+        scaled = [w * f for w, f in zip(weights, factors, strict=True)]
+        parts = [p.parts() for p in payloads]
+        # Each payload's first part, then the others (a client's shared signs) with its weight.
+        updates = [ps[0] for ps in parts] + [q for ps in parts for q in ps[1:]]
+        ws = scaled + [w for w, ps in zip(scaled, parts, strict=True) for _ in ps[1:]]
+        return self.average(updates, ws, float(sum(weights)), shapes)
+
+    def average(self, updates: list[SparseUpdate], weights: list[float], total_weight: float,
+                shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """``sum(w * u) / total_weight`` (:class:`SparseAverage`)."""
+        return self._average(updates, weights, total_weight, shapes)

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +21,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedgc.flower_log import drop_noise
-from fedgc.settings import DENSE_METHODS, RunConfig, SettingsError, to_flat
+from fedgc.settings import RunConfig, SettingsError
+from fedgc.task_loader import load_task
 from server.checkpoint import CHECKPOINT_FILE
+from server.extensions import Column, columns_of
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
@@ -45,8 +47,11 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
 
     Flower accepts ``flwr run -c key=value`` only for keys this table holds.
     """
-    flat = RunConfig().to_flat()
+    config = RunConfig()
+    flat = config.to_flat()
     flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
+    for key in config.server.by_method | config.train.by_method:
+        flat[key] = ""  # each method's own default, as `python -m simulations run` gives it
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 
@@ -119,13 +124,15 @@ def _clock(seconds: float) -> str:
 
 
 def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None,
-                  rounds_timed: int = 0, surplus: int = 0) -> str:
+                  rounds_timed: int = 0, surplus: int = 0,
+                  columns: Sequence[Column] = ()) -> str:
     """One human-readable line per round.
 
     ``elapsed``: seconds since this process started its first round, of which ``rounds_timed``
     rounds are done (a resumed run times only its own rounds); with them the line ends with the
     elapsed time and an estimate of the time left. ``surplus``: over-selected clients whose valid
-    update was not needed (not failures). A network-emulator run shows its virtual time.
+    update was not needed (not failures). ``columns``: the extensions' columns, each shown by
+    its ``progress`` format (a network-emulator run's virtual time).
     """
     ratio = record.dense_uplink_bytes / record.uplink_bytes if record.uplink_bytes else 0.0
     line = (f"round {record.round:>4}/{rounds}  acc {record.accuracy:.4f}  loss {record.loss:.4f}"
@@ -136,8 +143,9 @@ def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None
     if surplus:
         line += f" surplus {surplus}"
     line += f"  {record.wall_seconds:5.1f}s"
-    if record.virtual_seconds:
-        line += f"  virtual {record.virtual_seconds:6.1f}s"
+    for c in columns:
+        if c.progress and record.extra.get(c.name):
+            line += "  " + c.progress.format(record.extra[c.name])
     if elapsed is not None and rounds_timed > 0:
         left = elapsed / rounds_timed * max(rounds - record.round, 0)
         line += f"  elapsed {_clock(elapsed)} ETA {_clock(left)}"
@@ -164,20 +172,21 @@ def run_server(grid: Grid, config: RunConfig,
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
     """Run a whole federation on ``grid`` and write the results files; return the summary.
 
-    ``strategy_factory`` builds the strategy from DGCStrategy's keyword arguments, which
-    :meth:`DGCStrategy.arguments` derives from ``config`` (the network emulator passes a
-    NetemStrategy); a ``summary_extra()`` method adds keys to the summary.
+    ``strategy_factory(config, on_round=...)`` builds the strategy (the network emulator passes
+    one that builds a NetemStrategy); its extensions add columns to the results and keys to
+    the summary (:mod:`server.extensions`).
     """
     started = time.time()
     torch.set_num_threads(1)
     s, t = config.server, config.train
     prepare_run_dir(config)
-    task = t.load_task()
+    task = load_task(t.task_spec())
     torch.manual_seed(t.seed)
     model = task.build_model()
     run_dir = config.run_dir
     test_x, test_y = evaluation_split(task, s.eval_samples, t.seed)
-    board = RoundWriter(run_dir) if s.tensorboard else None
+    columns: list[Column] = []
+    board = None
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
@@ -197,13 +206,16 @@ def run_server(grid: Grid, config: RunConfig,
                 if row.round != record.round:
                     break
                 surplus += row.status == "surplus"
-            print(progress_line(record, s.rounds, time.time() - started, len(timed), surplus),
-                  flush=True)
+            print(progress_line(record, s.rounds, time.time() - started, len(timed), surplus,
+                                columns), flush=True)
         if on_round is not None:
             on_round(record)
 
-    strategy = strategy_factory(**DGCStrategy.arguments(config), on_round=round_done)
-    train_config = ConfigRecord(to_flat(config.client_train_settings()))
+    strategy = strategy_factory(config, on_round=round_done)
+    columns = columns_of(strategy.extensions)
+    if s.tensorboard:
+        board = RoundWriter(run_dir, columns)
+    train_config = ConfigRecord(config.client_config())
     try:
         result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
                                 timeout=s.round_timeout_s, train_config=train_config,
@@ -214,14 +226,16 @@ def run_server(grid: Grid, config: RunConfig,
     torch.save(result.arrays.to_torch_state_dict(), run_dir / "model.pt")
     write_rounds(run_dir, strategy.rounds)
     write_clients(run_dir, strategy.client_rows)
+    extra: dict[str, Any] = {}
+    for ext in strategy.extensions:
+        extra.update(ext.summary(strategy.rounds))
     summary = summarize(strategy.rounds, t.method, {
+        "label": strategy.method.title,
         "task": t.task, "num_clients": t.num_clients, "clients_per_round": t.clients_per_round,
-        "density": (1.0 if t.method in DENSE_METHODS
-                    else t.stc_density if t.method == "stc" else t.density),
+        "density": strategy.method.uplink_density(t),
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
-        "config": config.to_flat(),
-        **(strategy.summary_extra() if hasattr(strategy, "summary_extra") else {}),
+        "config": config.to_flat(), **extra,
     })
     write_summary(run_dir, summary)
     check_something_aggregated(strategy.rounds, strategy.client_rows, run_dir)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fedgc.files import atomic_write
+from fedgc.methods.registry import upgrade_run_config
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -110,22 +111,52 @@ def check_run_config(written: Mapping[str, object] | None,
                               f"start a new run")
 
 
-#: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts of the same
-#: version are upgraded by :func:`migrate_strategy_state`).
-STRATEGY_STATE_VERSION = 1
+#: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts are upgraded by
+#: :func:`migrate_strategy_state`). 2: the method's state under ``method`` (its aggregator and
+#: round channel: DGC's ``shared_planner`` of 1), extensions' columns under ``extra``, the run
+#: config in one key per setting for every method.
+STRATEGY_STATE_VERSION = 2
+#: Round record fields of version 1 that the network emulator now adds as its columns.
+_EMULATOR_FIELDS = ("virtual_seconds", "dropped_deadline", "dropped_link", "dropped_rejected")
+
+
+def _from_version_1(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 state in version 2's layout: the sign channel's planner becomes the method's
+    channel state; the emulator's four round fields become extension columns (of a run that
+    had the emulator: some virtual time; others drop them, all zeros); renamed keys of the run
+    config (:func:`fedgc.methods.registry.upgrade_run_config`)."""
+    emulated = any(r.get("virtual_seconds") for r in state["rounds"])
+    rounds = []
+    for r in state["rounds"]:
+        r = dict(r)
+        extra = {k: r.pop(k) for k in _EMULATOR_FIELDS if k in r}
+        r["extra"] = extra if emulated else {}
+        rounds.append(r)
+    state["rounds"] = rounds
+    state["client_rows"] = [{**row, "extra": {}} for row in state["client_rows"]]
+    state["method"] = {"aggregator": {}, "channel": state.pop("shared_planner", None)}
+    if state.get("run_config") is not None:
+        state["run_config"] = upgrade_run_config(dict(state["run_config"]))
+    state["strategy_state_version"] = STRATEGY_STATE_VERSION
+    return state
 
 
 def migrate_strategy_state(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` in the current layout; CheckpointError for another strategy state version.
+    """``state`` in the current layout; CheckpointError for a strategy state version this fedgc
+    does not read.
 
-    Older checkpoints kept one ``version`` per client (-1: unknown) instead of ``versions``,
-    and past models instead of ``changed_at`` (then every entry counts as changed at the
-    checkpoint's version: patches only from then on).
+    Version 1 is upgraded (:func:`_from_version_1`). Older checkpoints of version 1 kept one
+    ``version`` per client (-1: unknown) instead of ``versions``, and past models instead of
+    ``changed_at`` (then every entry counts as changed at the checkpoint's version: patches
+    only from then on).
     """
-    if state.get("strategy_state_version") != STRATEGY_STATE_VERSION:
-        raise CheckpointError(f"strategy state version {state.get('strategy_state_version')}"
-                              f" is not {STRATEGY_STATE_VERSION}")
+    version = state.get("strategy_state_version")
+    if version not in (1, STRATEGY_STATE_VERSION):
+        raise CheckpointError(f"strategy state version {version} is not one this fedgc reads "
+                              f"(1 or {STRATEGY_STATE_VERSION}); start a new run")
     state = dict(state)
+    if version == 1:
+        state = _from_version_1(state)
     clients = {}
     for key, info in state["clients"].items():
         if "versions" in info:

@@ -1,6 +1,10 @@
 """Bounds on one client's sway over a round's aggregate: a cap on its weight and a clip of its
 update's norm, both relative to the round's median over its valid replies.
 
+The defence stage of the server's aggregation, before the combine (:mod:`server.aggregation`):
+it reads each payload through :class:`fedgc.methods.Payload` (its norm), so it holds for every
+method and payload kind.
+
 A client claims its weight (``num-examples``) and sends its update; without bounds a claim of
 1e12 examples, or values of 1e30, make that one update the whole aggregate. Both bounds leave an
 honest round untouched (the weights and factors are then exactly the claims and 1.0, so results
@@ -15,22 +19,15 @@ import math
 import statistics
 from dataclasses import dataclass
 
-import torch
-
 from dgc import SparseUpdate
+from fedgc.methods import SparsePayload
 from server.replies import CheckedReply
 
 
 def update_norm(update: SparseUpdate, signs: SparseUpdate | None = None) -> float:
-    """The L2 norm of a decoded update and its signs together, in float64 (values near the
-    float32 limit would overflow when squared in float32). Reads the packed form without
-    unpacking it."""
-    parts = [] if signs is None else [t.values for t in signs.tensors.values()]
-    if update.packed is not None:
-        parts += [update.packed.sparse_values, update.packed.dense_values]
-    else:
-        parts += [t.values for t in update.tensors.values()]
-    return math.sqrt(sum(float(p.to(torch.float64).square().sum()) for p in parts))
+    """The L2 norm of a decoded update and its signs together, in float64
+    (:meth:`fedgc.methods.Payload.norm`, which the bounds use for every payload kind)."""
+    return SparsePayload(update, [] if signs is None else [signs]).norm()
 
 
 @dataclass(frozen=True)
@@ -79,8 +76,7 @@ class Bounds:
                     notes.setdefault(c.client_key, []).append(
                         f"weight {c.num_examples} capped at {cap:g}")
         if self.max_norm_ratio and valid:
-            norms = {c.client_key: update_norm(c.update, c.signs) for c in valid
-                     if c.update is not None}
+            norms = {c.client_key: c.payload.norm() for c in valid if c.payload is not None}
             bound = self.max_norm_ratio * statistics.median(norms.values())
             for i, c in enumerate(chosen):
                 norm = norms[c.client_key]

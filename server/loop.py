@@ -4,22 +4,46 @@ after every round (Flower 1.42's loop always starts at round 1 and has no hook a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
-
-if TYPE_CHECKING:
-    from server.strategy import DGCStrategy
+from server.records import RoundRecord
 
 
-def run_rounds(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
+class RoundStrategy(Protocol):
+    """What the loop asks of a strategy (:class:`server.strategy.DGCStrategy` is one)."""
+
+    resume: bool
+    checkpoint_dir: Path | None
+    completed_rounds: int
+    round_record: RoundRecord
+    rounds: list[RoundRecord]
+    fraction_evaluate: float
+
+    def summary(self) -> None: ...
+    def set_model(self, arrays: ArrayRecord) -> None: ...
+    def load_state_dict(self, state: Any) -> None: ...
+    def model_arrays(self) -> ArrayRecord: ...
+    def keep_round(self, record: RoundRecord) -> None: ...
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]: ...
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]: ...
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]: ...
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]
+                           ) -> MetricRecord | None: ...
+
+
+def run_rounds(strategy: RoundStrategy, grid: Grid, initial_arrays: ArrayRecord,
                num_rounds: int = 3, timeout: float = 3600,
                train_config: ConfigRecord | None = None,
                evaluate_config: ConfigRecord | None = None,
@@ -29,7 +53,7 @@ def run_rounds(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
 
     As Flower's loop: train, federated evaluation (with ``fraction_evaluate > 0``), centralized
     evaluation (``evaluate_fn``, whose ``accuracy`` and ``loss`` fill the round's record). Each
-    finished round goes to :meth:`DGCStrategy.keep_round` (records, checkpoint, ``on_round``).
+    finished round goes to the strategy's ``keep_round`` (records, checkpoint, ``on_round``).
     """
     log(INFO, "Starting %s strategy:", strategy.__class__.__name__)
     strategy.summary()

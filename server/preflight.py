@@ -55,11 +55,12 @@ def check_partitions(config: Any) -> None:
     Loading the task here also makes a task of the user's own fail before round 1, with the
     :class:`fedgc.settings.SettingsError` that names it.
     """
+    from fedgc.task_loader import load_task
     from tasks.errors import DataError
 
     t = config.train
     try:
-        task = t.load_task()
+        task = load_task(t.task_spec())
     except DataError as ex:
         raise PreflightError(f"task {t.task!r}: {ex}") from ex
     try:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
@@ -20,7 +20,7 @@ class ClientRow:
     round: int
     client_key: int
     node_id: int
-    status: str  # aggregated | rejected | error | timeout | surplus (| dropped, by netem)
+    status: str  # aggregated | rejected | error | timeout | surplus (| an extension's, dropped)
     reason: str = ""
     downlink: str = ""
     downlink_bytes: int = 0
@@ -34,6 +34,8 @@ class ClientRow:
     restored: int = 0
     ray_node: str = ""  # the Ray node that ran the round, as its reply names it (client.node)
     state_quarantined: int = 0  # damaged state records the client set aside (client.app)
+    # Columns of extensions (server.extensions), by name: the core names none of them.
+    extra: dict[str, int | float | str] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,12 +59,10 @@ class RoundRecord:
     compute_seconds_max: float = 0.0
     wall_seconds: float = 0.0
     model_version: int = 0
-    # Filled by the network emulator (simulations.netem.strategy.NetemStrategy); 0 without it.
-    virtual_seconds: float = 0.0
-    dropped_deadline: int = 0
-    dropped_link: int = 0
-    dropped_rejected: int = 0
     state_quarantined: int = 0  # sum over the round's replies (damaged client state set aside)
+    # Columns of extensions (server.extensions: the network emulator's virtual time and drops),
+    # by name: the core names none of them.
+    extra: dict[str, int | float] = field(default_factory=dict)
 
 
 def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int],
@@ -72,8 +72,8 @@ def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int]
     row = ClientRow(server_round, reply.client_key, reply.node_id, reply.status, reply.reason,
                     downlink[0], downlink[1], reply.uplink_bytes, ray_node=reply.ray_node,
                     state_quarantined=reply.state_quarantined)
-    if reply.update is not None:
-        row.nnz, row.density = reply.update.nnz, reply.update.density
+    if reply.payload is not None:
+        row.nnz, row.density = reply.payload.nnz, reply.payload.density
         row.compression_ratio = dense_update_nbytes / reply.uplink_bytes
         row.num_examples, row.train_loss = reply.num_examples, reply.train_loss
         row.compute_seconds, row.restored = reply.compute_seconds, reply.restored
@@ -206,8 +206,10 @@ class RunRecords:
 
 
 def train_metrics(record: RoundRecord) -> dict[str, int | float]:
-    """The round's MetricRecord entries (what Flower's ``Result`` keeps per round)."""
+    """The round's MetricRecord entries (what Flower's ``Result`` keeps per round), the
+    extensions' columns included."""
     return {"uplink_bytes": record.uplink_bytes, "downlink_bytes": record.downlink_bytes,
             "clients_aggregated": record.clients_aggregated,
             "clients_failed": record.clients_failed, "nnz": record.nnz,
-            "train_loss": record.train_loss if math.isfinite(record.train_loss) else 0.0}
+            "train_loss": record.train_loss if math.isfinite(record.train_loss) else 0.0,
+            **record.extra}

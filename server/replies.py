@@ -1,9 +1,10 @@
 """Train replies: decode and validate each one into an accepted update, or a rejection with
 its reason.
 
-A rejected reply never touches the model; the strategy logs and counts it. The round's update
-bytes are decoded in one ``dgc.decode_many`` call: the replies of a round share their
-structure, so the headers of all but the first are read against it.
+A rejected reply never touches the model; the strategy logs and counts it. The round's payload
+bytes are decoded by the method's codec (:mod:`fedgc.methods.payloads`) in one ``decode_many``
+call, against the model's tensors and the round's material; a reply's side part (what answers
+the round material, DGC's shared signs) by the method's ``read_side``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from flwr.app import Message, MetricRecord
 
-import dgc
-from dgc import DecodeError, SparseUpdate, TensorLayout
-from dgc.signs.codec import Masks, decode_signs
+from dgc import DecodeError
 from fedgc import protocol as P
+from fedgc.methods import Bound, Method, Payload, PayloadError
 
 
 class ReplyRejected(ValueError):
@@ -30,7 +29,7 @@ class ReplyRejected(ValueError):
 class CheckedReply:
     """One train reply, checked: whose it is and what became of it.
 
-    ``status`` is "valid" (``update`` and the metrics below are set), "rejected" (``reason``
+    ``status`` is "valid" (``payload`` and the metrics below are set), "rejected" (``reason``
     says why), "error" (the reply is an error message; ``reason`` is its text) or "ignored"
     (from a node that was not sampled, or a client's second reply).
     """
@@ -41,8 +40,7 @@ class CheckedReply:
     status: str
     reason: str = ""
     uplink_bytes: int = 0
-    update: SparseUpdate | None = None
-    signs: SparseUpdate | None = None  # the shared sign channel's part of a valid reply
+    payload: Payload | None = None  # decoded by the method's codec, side part attached
     num_examples: int = 0
     train_loss: float = float("nan")
     compute_seconds: float = 0.0
@@ -113,49 +111,42 @@ def payload_nbytes(msg: Message) -> int:
     return sum(P.record_nbytes(r) for r in msg.content.array_records.values())
 
 
-def _check_tensors(sent: Mapping[str, tuple[int, ...]],
-                   shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """ReplyRejected unless the update's tensors are the model's, by name and shape."""
-    missing = sorted(set(shapes) - set(sent))
-    extra = sorted(set(sent) - set(shapes))
-    if missing or extra:
-        raise ReplyRejected(f"tensor names differ from the model: missing {missing}, "
-                            f"unknown {extra}")
-    for name, shape in sent.items():
-        if shape != shapes[name]:
-            raise ReplyRejected(f"tensor {name!r} has shape {shape}, the model has "
-                                f"{shapes[name]}")
-
-
 class ReplyChecker:
-    """Validates train replies against the model's tensors (set with :meth:`expect`).
+    """Validates train replies against the model's tensors (set with :meth:`expect`), with the
+    run's method's codec.
 
     Parameters
     ----------
+    method : fedgc.methods.Method
+        The run's method: its codec reads the payloads, its ``read_side`` the side parts.
+    codec : fedgc.methods.Codec
+        The method's codec for the run's settings.
     weighted_by_key : str (default: "num-examples")
         The reply metric that weighs each update.
     """
 
-    def __init__(self, weighted_by_key: str = "num-examples") -> None:
+    def __init__(self, method: Method, codec: Any,
+                 weighted_by_key: str = "num-examples") -> None:
+        self.method, self.codec = method, codec
         self.weighted_by_key = weighted_by_key
         self.shapes: dict[str, tuple[int, ...]] = {}
-        self.max_numel = 0
-        self._checked_layouts: set[TensorLayout] = set()  # update layouts that match the model
 
     def expect(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        """Check replies against a model of these tensor shapes from now on."""
+        """Check replies against a model of these tensor shapes from now on (a forged header
+        cannot make the server allocate more than the largest tensor)."""
         self.shapes = dict(shapes)
-        # A forged header cannot make the server allocate more than the largest tensor.
-        self.max_numel = max((math.prod(s) for s in self.shapes.values()), default=0)
-        self._checked_layouts = set()
+
+    def bound(self, server_round: int, material: Any = None) -> Bound:
+        """What a payload of ``server_round`` is decoded and checked against."""
+        return Bound(self.shapes, server_round, material)
 
     def check_round(self, server_round: int, replies: Iterable[Message],
                     key_of: Callable[[Message], tuple[int, int]], sampled: Iterable[int],
-                    masks: Masks) -> list[CheckedReply]:
+                    material: Any = None) -> list[CheckedReply]:
         """Every reply of ``server_round``, checked, in order.
 
-        ``key_of(msg)`` gives (client key, node id) of a reply; ``masks`` are the shared index
-        sets sent this round (empty: none).
+        ``key_of(msg)`` gives (client key, node id) of a reply; ``material`` is the round
+        material sent this round, decoded (None: none).
         """
         wanted = set(sampled)
         seen: set[int] = set()
@@ -166,7 +157,9 @@ class ReplyChecker:
                 "error" if msg.has_error() else "check")
             seen.add(key)
             plan.append((msg, key, node, status))
-        decoded = iter(self._decode([msg for msg, _, _, status in plan if status == "check"]))
+        bound = self.bound(server_round, material)
+        decoded = iter(self._decode([msg for msg, _, _, status in plan if status == "check"],
+                                    bound))
         out = []
         for msg, key, node, status in plan:
             if status == "ignored":
@@ -176,12 +169,12 @@ class ReplyChecker:
             elif status == "error":
                 out.append(CheckedReply(msg, key, node, "error", msg.error.reason))
             else:
-                out.append(self.check(msg, key, node, server_round, masks, next(decoded)))
+                out.append(self.check(msg, key, node, server_round, material, next(decoded)))
         return out
 
-    def _decode(self, replies: list[Message]) -> list[SparseUpdate | DecodeError | None]:
-        """The decoded update bytes of each of ``replies``, in one ``dgc.decode_many`` call
-        (None for a reply without readable update bytes: :meth:`check` names why)."""
+    def _decode(self, replies: list[Message], bound: Bound) -> list[Payload | DecodeError | None]:
+        """The decoded payload bytes of each of ``replies``, in one ``decode_many`` call (None
+        for a reply without readable payload bytes: :meth:`check` names why)."""
         blobs: list[bytes | None] = []
         for msg in replies:
             arrays = msg.content.array_records.get(P.UPDATE)
@@ -189,37 +182,37 @@ class ReplyChecker:
                 blobs.append(None if arrays is None else P.record_to_bytes(arrays, P.UPDATE))
             except ValueError:
                 blobs.append(None)
-        results = iter(dgc.decode_many([b for b in blobs if b is not None],
-                                       max_numel=self.max_numel))
+        results = iter(self.codec.decode_many([b for b in blobs if b is not None], bound))
         return [None if b is None else next(results) for b in blobs]
 
-    def check(self, msg: Message, key: int, node: int, server_round: int, masks: Masks,
-              decoded: SparseUpdate | DecodeError | None = None) -> CheckedReply:
+    def check(self, msg: Message, key: int, node: int, server_round: int, material: Any = None,
+              decoded: Payload | DecodeError | None = None) -> CheckedReply:
         """One reply, "valid" or "rejected" with its reason.
 
-        ``decoded``, if given, is what ``dgc.decode_many`` gave for this reply's update bytes:
-        it stands in for decoding them here. The checks and their order are the same either way.
+        ``decoded``, if given, is what the codec's ``decode_many`` gave for this reply's
+        payload bytes: it stands in for decoding them here. The checks and their order are the
+        same either way.
         """
         recorded = recorded_fields(msg)
         try:
-            update, numbers, nbytes, signs = self._validate(msg, server_round, masks, decoded)
+            payload, numbers, nbytes = self._validate(msg, server_round, material, decoded)
         except ReplyRejected as ex:
             return CheckedReply(msg, key, node, "rejected", str(ex),
                                 uplink_bytes=payload_nbytes(msg), **recorded)
-        return CheckedReply(msg, key, node, "valid", uplink_bytes=nbytes, update=update,
-                            signs=signs, num_examples=numbers.num_examples,
+        return CheckedReply(msg, key, node, "valid", uplink_bytes=nbytes, payload=payload,
+                            num_examples=numbers.num_examples,
                             train_loss=numbers.train_loss,
                             compute_seconds=numbers.compute_seconds, restored=numbers.restored,
                             **recorded)
 
-    def _validate(self, msg: Message, server_round: int, masks: Masks,
-                  decoded: SparseUpdate | DecodeError | None,
-                  ) -> tuple[SparseUpdate, ReplyNumbers, int, SparseUpdate | None]:
-        """(update, its metrics, uplink bytes, signs) of a valid reply; ReplyRejected if not.
+    def _validate(self, msg: Message, server_round: int, material: Any,
+                  decoded: Payload | DecodeError | None,
+                  ) -> tuple[Payload, ReplyNumbers, int]:
+        """(payload, its metrics, uplink bytes) of a valid reply; ReplyRejected if not.
 
-        A reply to a message with shared index sets may carry the client's signs (a client
-        without the channel, such as the phone encoder, sends none); they are decoded against
-        the sets sent.
+        A reply to a message with round material may carry a side part that answers it (a
+        client without it, such as the phone encoder, sends none); it is decoded against the
+        material sent.
         """
         content = msg.content
         metrics = content.metric_records.get(P.METRICS)
@@ -233,43 +226,36 @@ class ReplyChecker:
         except ValueError as ex:
             raise ReplyRejected(str(ex)) from ex
         numbers = reply_numbers(metrics, self.weighted_by_key)
+        bound = self.bound(server_round, material)
         try:
             if isinstance(decoded, DecodeError):
                 raise decoded
-            update = decoded if decoded is not None else dgc.decode(data,
-                                                                    max_numel=self.max_numel)
+            payload = decoded if decoded is not None else self.codec.decode(data, bound)
         except DecodeError as ex:
             raise ReplyRejected(f"undecodable update ({len(data)} bytes): {ex}") from ex
-        if update.sequence != server_round:
-            raise ReplyRejected(f"update sequence {update.sequence} is not the round "
+        if payload.sequence != server_round:
+            raise ReplyRejected(f"update sequence {payload.sequence} is not the round "
                                 f"{server_round}")
-        if update.packed is not None:
-            # Straight from decode, whose checks cover indices and values: only the names and
-            # shapes are left, once per layout (replies of one round share theirs).
-            layout = update.packed.layout
-            if layout not in self._checked_layouts:
-                _check_tensors(dict(zip(layout.names, layout.shapes, strict=True)), self.shapes)
-                self._checked_layouts.add(layout)
-        else:
-            _check_tensors({name: t.shape for name, t in update.tensors.items()}, self.shapes)
-            for name, t in update.tensors.items():
-                if t.nnz and (int(t.indices.min()) < 0 or int(t.indices.max()) >= t.numel):
-                    raise ReplyRejected(f"tensor {name!r} has indices outside [0, {t.numel})")
-                if not torch.isfinite(t.values).all():
-                    raise ReplyRejected(f"tensor {name!r} carries NaN or Inf values")
+        try:
+            self.codec.check(payload, bound)
+        except PayloadError as ex:
+            raise ReplyRejected(str(ex)) from ex
         nbytes = len(data)
         shared = content.array_records.get(P.SHARED)
-        signs = None
         if shared is not None:
-            if not masks:
+            if material is None:
                 raise ReplyRejected("shared signs in reply to a round without shared index sets")
             try:
-                signs_data = P.record_to_bytes(shared, P.SHARED_SIGNS)
-                signs = decode_signs(signs_data, masks, {n: self.shapes[n] for n in masks})
+                side_data = P.record_to_bytes(shared, P.SHARED_SIGNS)
+                side = self.method.read_side(side_data, material, self.shapes)
             except (ValueError, DecodeError) as ex:
                 raise ReplyRejected(f"undecodable shared signs: {ex}") from ex
-            if signs.sequence != server_round:
-                raise ReplyRejected(f"shared signs sequence {signs.sequence} is not the round "
+            if side.sequence != server_round:
+                raise ReplyRejected(f"shared signs sequence {side.sequence} is not the round "
                                     f"{server_round}")
-            nbytes += len(signs_data)
-        return update, numbers, nbytes, signs
+            try:
+                payload = payload.attach(side)
+            except PayloadError as ex:
+                raise ReplyRejected(str(ex)) from ex
+            nbytes += len(side_data)
+        return payload, numbers, nbytes

@@ -38,26 +38,41 @@ def _csv_text(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
     writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: row[k] for k in columns})
+        writer.writerow({k: row.get(k, "") for k in columns})
     return buf.getvalue()
 
 
-def round_columns() -> list[str]:
-    """Every column of ``rounds.csv``: the schema's first, then the extras."""
-    extra = [f.name for f in fields(RoundRecord) if f.name not in ROUND_COLUMNS]
-    return list(ROUND_COLUMNS) + extra
+def _flat_rows(records: Sequence[RoundRecord | ClientRow]) -> tuple[list[str], list[dict]]:
+    """(the columns, the rows) of records whose ``extra`` holds extensions' columns: their own
+    fields first, then every extension column in the order first seen."""
+    rows, extra = [], {}
+    for r in records:
+        row = asdict(r)
+        more = row.pop("extra")
+        extra.update(dict.fromkeys(more))
+        rows.append({**row, **more})
+    return list(extra), rows
+
+
+def round_columns(extra: Sequence[str] = ()) -> list[str]:
+    """Every column of ``rounds.csv``: the schema's first, the record's other fields, then the
+    extensions' (``extra``)."""
+    own = [f.name for f in fields(RoundRecord) if f.name not in ROUND_COLUMNS
+           and f.name != "extra"]
+    return list(ROUND_COLUMNS) + own + list(extra)
 
 
 def write_rounds(run_dir: Path, rounds: Sequence[RoundRecord]) -> None:
     """(Re)write ``rounds.csv`` from all rounds so far (a resumed run keeps earlier rounds)."""
-    _atomic_write(run_dir / "rounds.csv", _csv_text(round_columns(),
-                                                    [asdict(r) for r in rounds]))
+    extra, rows = _flat_rows(rounds)
+    _atomic_write(run_dir / "rounds.csv", _csv_text(round_columns(extra), rows))
 
 
 def write_clients(run_dir: Path, rows: Sequence[ClientRow]) -> None:
     """Write ``clients.csv``: one line per sampled client per round."""
-    cols = [f.name for f in fields(ClientRow)]
-    _atomic_write(run_dir / "clients.csv", _csv_text(cols, [asdict(r) for r in rows]))
+    extra, flat = _flat_rows(rows)
+    cols = [f.name for f in fields(ClientRow) if f.name != "extra"] + extra
+    _atomic_write(run_dir / "clients.csv", _csv_text(cols, flat))
 
 
 def last_mean(accuracies: Sequence[float], n: int = LAST_ROUNDS) -> float:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,19 +37,11 @@ from flwr.supercore import log
 
 import dgc
 from dgc import SparseUpdate
-from dgc.signs.codec import Masks, encode_mask
-from dgc.signs.planner import SharedIndexPlanner
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.settings import (
-    AGGREGATIONS,
-    DENSE_METHODS,
-    SERVER_MOMENTUM_METHODS,
-    RunConfig,
-    ServerSettings,
-    TrainSettings,
-)
-from server.aggregation import ROBUST, SparseAverage, robust_average
+from fedgc.methods import Channel, Method
+from fedgc.settings import RunConfig, ServerSettings, fields_of
+from server.aggregation import Combine
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
     CheckpointError,
@@ -60,6 +51,7 @@ from server.checkpoint import (
 )
 from server.defences import Bounds
 from server.downlink import Downlink
+from server.extensions import RoundExtension, apply_extensions
 from server.loop import run_rounds
 from server.optimizer import ServerOptimizer
 from server.records import (
@@ -85,7 +77,7 @@ class _Round:
     node_of: dict[int, int]  # client key -> node id
     version_sent: int
     downlink: dict[int, tuple[str, int]] = field(default_factory=dict)  # key -> (kind, bytes)
-    masks: Masks = field(default_factory=dict)  # the shared index sets sent
+    material: Any = None  # the method's round material sent (DGC: the shared index sets)
     # Client key -> its train message's metadata (not the message: no model held past the round).
     sent: dict[int, Metadata] = field(default_factory=dict)
 
@@ -102,195 +94,77 @@ class _Round:
 
 
 class DGCStrategy(FedAvg):
-    """Federated Averaging of Deep Gradient Compression updates (Lin et al., ICLR 2018).
+    """Federated Averaging of compressed pseudo-gradients: Deep Gradient Compression (Lin et
+    al., ICLR 2018) and every other :class:`fedgc.methods.Method`.
 
-    Clients reply with ``dgc.encode``-d pseudo-gradients ``global - local`` (see
-    :mod:`client.app`). With dense updates, ``server_learning_rate = 1`` and no momentum it
-    computes exactly Flower's FedAvg. Values are checked once, by the settings engine
-    (``fedgc.settings``); :meth:`from_settings` builds the strategy of a run config.
+    Clients reply with their method's encoded pseudo-gradient ``global - local`` (see
+    :mod:`client.app`). With dense updates, ``server_lr = 1`` and no momentum it computes
+    exactly Flower's FedAvg. Every setting is a run key, documented and checked once by the
+    settings engine (``fedgc.settings``, ``python -m simulations keys``).
 
     Parameters
     ----------
-    clients_per_round : int (default: 10)
-        Clients whose updates are aggregated each round.
-    over_selection : float (default: 1.0)
-        Sample ``ceil(clients_per_round * over_selection)`` clients and aggregate the first
-        ``clients_per_round`` valid replies in sampling order (straggler defence); the others
-        are "surplus": not acknowledged, so those clients restore their update.
-    server_learning_rate, server_momentum : float (default: 1.0, 0.0)
-        The server optimizer (:class:`server.optimizer.ServerOptimizer`, FedAvgM's convention).
-    downlink : {"auto", "dense"} (default: "auto")
-        "auto" sends a client a patch valid on every version it may hold when none is more than
-        ``downlink_history`` versions old and the patch is smaller than the dense model.
-    downlink_history : int (default: 1)
-        The most versions a patch may span.
-    downlink_density : float (default: 1.0)
-        Below 1: clients hold a broadcast model that follows the global model by this fraction
-        of its matrix entries each round, those that differ most, rounded to ``downlink_values``
-        (float16 or int8 grid); what is not sent stays in the difference (error feedback).
-    downlink_values : {"float16", "int8", "ternary"} (default: "float16")
-        The grid of the compressed broadcast's matrix entries; "ternary": per tensor, the
-        entries sent move by sign * their mean difference (STC's downlink, Sattler et al. 2019).
-    downlink_deltas : bool (default: True)
-        With int8: version 0 is on the grid too, and a patch on one known version carries
-        differences where those encode smaller.
-    downlink_lookahead : float (default: 1.0)
-        With server momentum: the broadcast follows ``G - a * lr * m * buf`` (Nesterov's
-        look-ahead) instead of ``G``; 0 follows ``G``.
-    clients_build_initial_model : bool (default: False)
-        Clients build version 0 themselves, so a first message may be a patch on version 0.
-    seed : int (default: 0)
-        Seed of client sampling.
-    checkpoint_dir : str or Path, optional (default: None)
-        Where to write ``checkpoint.pt`` after every round. None: no checkpoints.
-    resume : bool (default: False)
-        Continue from ``checkpoint_dir``'s checkpoint in :meth:`start` (an error without one).
-    max_weight_ratio, max_norm_ratio : float (default: 4.0, 10.0)
-        A client's weight is capped at, and its update clipped to, this times the round's
-        median (:class:`server.defences.Bounds`; 0 turns a bound off).
-    aggregation : {"mean", "trimmed_mean", "median"} (default: "mean")
-        "mean": the weighted mean (FedAvg). The others, for users who want them: the
-        coordinate-wise trimmed mean (``trim_fraction`` of the clients cut at each end) or
-        median, unweighted (:func:`server.aggregation.robust_average`). A sparse update's
-        unsent entries count as zeros, so at low density these move the model far less.
-    trim_fraction : float (default: 0.1)
-        The fraction of a round's clients the trimmed mean cuts at each end, in [0, 0.5).
-    run_config : mapping, optional (default: None)
-        The run's configuration keys (``RunConfig.to_flat()``), kept with every checkpoint: a
-        resume that changes one that matters is refused, naming it
-        (:func:`server.checkpoint.check_run_config`).
-    on_round : callable, optional (default: None)
+    settings : RunConfig
+        The run's keys (default: every key's default). ``checkpoint`` writes
+        ``<run_dir>/checkpoint.pt`` after every round; a resume that changes a key that matters
+        is refused, naming it (:func:`server.checkpoint.check_run_config`).
+    method : fedgc.methods.Method, optional
+        The run's method (default: ``settings.method``, the one its ``method`` key names).
+    on_round : callable, optional
         Called with each finished :class:`RoundRecord` (progress display, results files).
-    probe_timeout : float (default: 120.0)
-        Seconds to wait for the query replies that identify new nodes.
-    fraction_evaluate, min_evaluate_nodes, min_available_nodes, weighted_by_key
-        As in Flower's FedAvg (defaults 0.0, 2, 2, "num-examples").
-    shared_density, shared_small_density, shared_small_numel, shared_momentum : optional
-        The shared-index sign channel (:mod:`dgc.signs`; defaults 0.0 = off, 0.0, 10000, 0.9).
-    min_sparse_numel, sparse_vectors : int, bool (default: 1024, False)
-        Tensors smaller than ``min_sparse_numel``, and 1-D ones unless ``sparse_vectors``, are
-        sent dense and get no shared set (:meth:`dgc.DGCConfig.sends_dense`).
+    extensions : sequence of server.extensions.RoundExtension
+        Columns added to every round (the network emulator's virtual time and drops).
     """
 
-    # pylint: disable=too-many-arguments,too-many-locals
-    def __init__(self, clients_per_round: int = 10, over_selection: float = 1.0,
-                 server_learning_rate: float = 1.0, server_momentum: float = 0.0,
-                 downlink: str = "auto", downlink_history: int = 1, downlink_density: float = 1.0,
-                 downlink_values: str = "float16", downlink_deltas: bool = True,
-                 downlink_lookahead: float = 1.0, clients_build_initial_model: bool = False,
-                 seed: int = 0, checkpoint_dir: str | Path | None = None, resume: bool = False,
+    def __init__(self, settings: RunConfig | None = None, method: Method | None = None, *,
                  on_round: Callable[[RoundRecord], None] | None = None,
-                 probe_timeout: float = 120.0, fraction_evaluate: float = 0.0,
-                 min_evaluate_nodes: int = 2, min_available_nodes: int = 2,
-                 weighted_by_key: str = "num-examples", shared_density: float = 0.0,
-                 shared_small_density: float = 0.0, shared_small_numel: int = 10_000,
-                 shared_momentum: float = 0.9, min_sparse_numel: int = 1024,
-                 sparse_vectors: bool = False,
-                 max_weight_ratio: float = 4.0, max_norm_ratio: float = 10.0,
-                 aggregation: str = "mean", trim_fraction: float = 0.1,
-                 run_config: Mapping[str, bool | int | float | str] | None = None) -> None:
-        super().__init__(fraction_train=1.0, fraction_evaluate=fraction_evaluate,
-                         min_train_nodes=clients_per_round, min_evaluate_nodes=min_evaluate_nodes,
-                         min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
+                 extensions: Sequence[RoundExtension] = ()) -> None:
+        settings = RunConfig() if settings is None else settings
+        s, t = settings.server, settings.train
+        super().__init__(fraction_train=1.0, fraction_evaluate=s.fraction_evaluate,
+                         min_train_nodes=t.clients_per_round,
+                         min_available_nodes=t.clients_per_round,
                          arrayrecord_key=P.ARRAYS, configrecord_key=P.CONFIG)
-        # The settings engine checks every value (its SettingsError names the key).
-        ServerSettings(over_selection=over_selection, server_lr=server_learning_rate,
-                       server_momentum=server_momentum, downlink=downlink,
-                       downlink_history=downlink_history, downlink_density=downlink_density,
-                       downlink_values=downlink_values, downlink_deltas=downlink_deltas,
-                       downlink_lookahead=downlink_lookahead, fraction_evaluate=fraction_evaluate,
-                       round_timeout_s=probe_timeout, shared_density=shared_density,
-                       shared_small_density=shared_small_density, shared_momentum=shared_momentum)
-        policy = TrainSettings(clients_per_round=clients_per_round, small_numel=shared_small_numel,
-                               min_sparse_numel=min_sparse_numel,
-                               sparse_vectors=sparse_vectors).dgc_config()
-        self.clients_per_round, self.over_selection = clients_per_round, float(over_selection)
-        self.downlink_lookahead = float(downlink_lookahead)
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.resume, self.on_round, self.probe_timeout = resume, on_round, probe_timeout
-        self.run_config = None if run_config is None else dict(run_config)
-        self.shared = (float(shared_density), shared_small_density, shared_small_numel,
-                       shared_momentum, policy)
-        self.registry = ClientRegistry(seed, [0] if clients_build_initial_model else [])
-        self.downlink = Downlink(downlink, downlink_history, downlink_density, downlink_values,
-                                 downlink_deltas)
-        self.optimizer = ServerOptimizer(server_learning_rate, server_momentum)
-        self.checker = ReplyChecker(weighted_by_key)
-        self.bounds = Bounds(max_weight_ratio, max_norm_ratio)
-        # Not run config keys yet: checked here until the settings engine has them.
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got "
-                             f"{aggregation!r}")
-        if not (isinstance(trim_fraction, (int, float)) and 0 <= trim_fraction < 0.5):
-            raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}")
-        self.aggregation, self.trim_fraction = aggregation, float(trim_fraction)
+        self.settings = settings
+        self.method = settings.method if method is None else method
+        self.clients_per_round, self.over_selection = t.clients_per_round, s.over_selection
+        self.checkpoint_dir = settings.run_dir if s.checkpoint else None
+        self.resume, self.on_round, self.probe_timeout = s.resume, on_round, s.round_timeout_s
+        self.extensions = list(extensions)
+        self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
+        policy = self.method.downlink(settings)
+        self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
+                                 s.downlink_deltas)
+        self.downlink_lookahead = s.downlink_lookahead
+        self.optimizer = (self.method.optimizer(settings)
+                          or ServerOptimizer(s.server_lr, s.server_momentum))
+        self.aggregator = self.method.aggregator(settings)
+        self.checker = ReplyChecker(self.method, self.method.codec(t), self.weighted_by_key)
+        self.bounds = Bounds(s.max_weight_ratio, s.max_norm_ratio)
+        self.combine = Combine(s.aggregation, s.trim_fraction)
+        self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
-        self.shared_planner: SharedIndexPlanner | None = None
         self.completed_rounds = 0
         self.round_record = RoundRecord(0)  # the last aggregated round's, until start() keeps it
         self._round: _Round | None = None
-        self._average = SparseAverage()
         self._dense_update_nbytes = self._dense_model_nbytes = 0
 
-    @classmethod
-    def from_settings(cls, config: RunConfig, **hooks: Any) -> DGCStrategy:
-        """The strategy of a validated run config; ``hooks`` add ``on_round`` and the like."""
-        return cls(**cls.arguments(config), **hooks)
-
-    @staticmethod
-    def arguments(config: RunConfig) -> dict[str, Any]:
-        """The constructor's keyword arguments for a validated run config."""
-        s, t = config.server, config.train
-        # Dense FedAvg (and FedAvgM) is the baseline: it always broadcasts the exact model. STC
-        # compresses its downlink at its own density, ternary (STC's "updown").
-        downlink_density, downlink_values = s.downlink_density, s.downlink_values
-        if t.method in DENSE_METHODS:
-            downlink_density = 1.0
-        elif t.method == "stc":
-            downlink_density, downlink_values = s.stc_downlink_density, "ternary"
-        return dict(
-            clients_per_round=t.clients_per_round, over_selection=s.over_selection,
-            # FedAvgM is dense FedAvg with DGC's server optimizer: DGC's gain over it is the
-            # compression's alone.
-            server_learning_rate=(s.dgc_server_lr if t.method in SERVER_MOMENTUM_METHODS
-                                  else s.server_lr),
-            server_momentum=(s.dgc_server_momentum if t.method in SERVER_MOMENTUM_METHODS
-                             else s.server_momentum),
-            downlink=s.downlink, downlink_history=s.downlink_history,
-            downlink_density=downlink_density,
-            downlink_values=downlink_values, downlink_deltas=s.downlink_deltas,
-            downlink_lookahead=s.downlink_lookahead,
-            clients_build_initial_model=s.clients_build_initial_model, seed=t.seed,
-            checkpoint_dir=config.run_dir if s.checkpoint else None, resume=s.resume,
-            fraction_evaluate=s.fraction_evaluate, min_available_nodes=t.clients_per_round,
-            # Node identification happens in round 1, with Ray's start-up: the round's time.
-            probe_timeout=s.round_timeout_s,
-            # The sign channel needs a residual to send from: DGC only.
-            shared_density=s.shared_density if t.method == "dgc" else 0.0,
-            shared_small_density=s.shared_small_density, shared_small_numel=t.small_numel,
-            shared_momentum=s.shared_momentum, min_sparse_numel=t.min_sparse_numel,
-            sparse_vectors=t.sparse_vectors,
-            max_weight_ratio=s.max_weight_ratio, max_norm_ratio=s.max_norm_ratio,
-            aggregation=s.aggregation, trim_fraction=s.trim_fraction,
-            run_config=config.to_flat())
+    @property
+    def run_config(self) -> dict[str, Any]:
+        """The keys a checkpoint keeps and a resume must match: the run's, and the
+        extensions'."""
+        out = self.settings.to_flat()
+        for ext in self.extensions:
+            out.update(ext.run_config())
+        return out
 
     def summary(self) -> None:
-        """Log summary configuration of the strategy."""
-        d, o = self.downlink, self.optimizer
-        log(INFO, "\t├──> DGCStrategy settings:")
-        log(INFO, "\t│\t├── Clients per round: %d (over-selection %.2f)",
-            self.clients_per_round, self.over_selection)
-        log(INFO, "\t│\t├── Server learning rate: %s", o.learning_rate)
-        log(INFO, "\t│\t├── Server momentum: %s", o.momentum)
-        log(INFO, "\t│\t├── Downlink: %s (history %d, density %g%s%s)", d.mode, d.history,
-            d.density, f", {d.values} values" if d.density < 1.0 else "",
-            ", clients build version 0" if self.registry.initial_versions else "")
-        log(INFO, "\t│\t├── Shared sign channel: %s", "off" if not self.shared[0] else
-            f"density {self.shared[0]:g} (small tensors {self.shared[1]:g}), "
-            f"momentum {self.shared[3]:g}")
-        log(INFO, "\t│\t├── Sampling seed: %d", self.registry.seed)
-        log(INFO, "\t│\t└── Checkpoints: %s%s", self.checkpoint_dir or "off",
-            " (resume)" if self.resume else "")
+        """Log the strategy's settings: the method and every server key."""
+        log(INFO, "\t├──> DGCStrategy settings (method %s):", self.method.title)
+        keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
+        for key, value in sorted(self.settings.to_flat().items()):
+            if key in keys or key == "clients_per_round":
+                log(INFO, "\t│\t├── %s = %s", key, value)
         super().summary()
 
     # ------------------------------------------------------------------ the model
@@ -325,12 +199,8 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
         self._model_changed()
-        density, small, small_numel, momentum, policy = self.shared
-        if density > 0 and self.shared_planner is None:
-            self.shared_planner = SharedIndexPlanner(
-                {n: tuple(t.shape) for n, t in model.items()
-                 if not policy.sends_dense(tuple(t.shape))}, density, small, small_numel,
-                momentum)
+        if self.channel is None:
+            self.channel = self.method.channel(self.settings, self.shapes)
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)
@@ -349,7 +219,7 @@ class DGCStrategy(FedAvg):
         """One server step on the weighted average of ``updates`` (divided by ``total_weight``,
         default the sum of ``weights``); False, the model unchanged, if it is not finite."""
         total = float(sum(weights)) if total_weight is None else float(total_weight)
-        return self.step(self._average(updates, weights, total, self.shapes))
+        return self.step(self.combine.average(updates, weights, total, self.shapes))
 
     def step(self, avg: Mapping[str, torch.Tensor]) -> bool:
         """One server step on the round's aggregate ``avg``; False, the model unchanged, if it
@@ -360,8 +230,8 @@ class DGCStrategy(FedAvg):
             return False
         self.downlink.advance(new, new if self.downlink.broadcast is None
                               else self.optimizer.heading(new, self.downlink_lookahead))
-        if self.shared_planner is not None:
-            self.shared_planner.observe(avg)
+        if self.channel is not None:
+            self.channel.observe(avg)
         return True
 
     # ------------------------------------------------------------------ a round
@@ -378,12 +248,10 @@ class DGCStrategy(FedAvg):
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), connected)
         state = _Round(server_round, sampled, node_of, self.model_version)
         shared_record, shared_nbytes = None, 0
-        if self.shared_planner is not None:
-            state.masks = self.shared_planner.plan()
-            if state.masks:
-                data = encode_mask(state.masks, {n: self.model[n].numel() for n in state.masks},
-                                   server_round)
-                shared_record, shared_nbytes = P.bytes_to_record(data, P.SHARED_MASK), len(data)
+        planned = self.channel.plan(server_round) if self.channel is not None else None
+        if planned is not None:
+            data, state.material = planned
+            shared_record, shared_nbytes = P.bytes_to_record(data, P.SHARED_MASK), len(data)
         offers = self.downlink.offers(reg.held(key) for key in sampled)
         messages = []
         for key in sampled:
@@ -420,7 +288,7 @@ class DGCStrategy(FedAvg):
         state = self._current(server_round)
         return self.checker.check_round(server_round, replies,
                                         lambda msg: state.sender(msg, self.registry),
-                                        state.sampled, state.masks)
+                                        state.sampled, state.material)
 
     def aggregate_checked(self, server_round: int, checked: Iterable[CheckedReply],
                           processed: Iterable[int] = ()
@@ -449,39 +317,29 @@ class DGCStrategy(FedAvg):
         self.records.client_rows.extend(ordered)
         record = round_record(server_round, ordered, taken.uplink_bytes, self._dense_update_nbytes,
                               self._dense_model_nbytes, self.model_version)
-        self.close_round(record, ordered)
+        apply_extensions(self.extensions, record, ordered)
         self.round_record = record
         log(INFO, "aggregate_train: %d aggregated, %d rejected, %d failed; uplink %d B",
             record.clients_aggregated, record.clients_rejected, record.clients_failed,
             record.uplink_bytes)
         return (self.model_arrays() if applied else None), MetricRecord(train_metrics(record))
 
-    def close_round(self, record: RoundRecord, rows: list[ClientRow]) -> None:
-        """Extension point: amend the round's record and client rows before they are kept
-        (the network emulator marks its drops and virtual time). Does nothing here."""
-
     def _aggregate(self, server_round: int, chosen: list[CheckedReply],
                    valid: list[CheckedReply], rows: Mapping[int, ClientRow]) -> bool:
-        """Apply the weighted average of ``chosen`` (and their signs) within the bounds, noting
-        a bounded client in its row; whether it was finite."""
+        """Defences, combine, the method's aggregator, the server step (module docstring),
+        noting a bounded client in its row; whether the step was finite."""
         chosen = sorted(chosen, key=lambda c: c.client_key)  # a fixed order: a reproducible sum
         weights, factors, notes = self.bounds.apply(chosen, valid)
         for key, note in notes.items():
             rows[key].reason = note
             log(WARNING, "\t> Client %d: %s", key, note)
-        # A client's signs (dgc.signs) are one more sparse update with its weight.
-        signed = [i for i, c in enumerate(chosen) if c.signs is not None]
-        scaled = [w * f for w, f in zip(weights, factors, strict=True)]
-        if self.aggregation in ROBUST:
-            return self.step(robust_average(
-                [[c.update] + ([c.signs] if c.signs is not None else []) for c in chosen],
-                factors, self.aggregation, self.trim_fraction, self.shapes))
+        space = self.aggregator.space(self.shapes)
         try:
-            return self.apply([c.update for c in chosen] + [chosen[i].signs for i in signed],
-                              scaled + [scaled[i] for i in signed], total_weight=sum(weights))
+            combined = self.combine([c.payload for c in chosen], weights, factors, space)
         except dgc.AggregationError as ex:
             log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s", server_round, ex)
             return False
+        return self.step(self.aggregator.finish(combined, self.shapes))
 
     def _current(self, server_round: int) -> _Round:
         if self._round is None or self._round.server_round != server_round or self.model is None:
@@ -512,8 +370,10 @@ class DGCStrategy(FedAvg):
                 **self.downlink.state_dict(),
                 **self.optimizer.state_dict(), **self.registry.state_dict(),
                 **self.records.state_dict(),
-                "shared_planner": (None if self.shared_planner is None
-                                   else self.shared_planner.state_dict())}
+                "method": {"aggregator": self.aggregator.state_dict(),
+                           "channel": None if self.channel is None
+                           else self.channel.state_dict()},
+                "extensions": [ext.state_dict() for ext in self.extensions]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`; a refused state (another configuration, model or
@@ -532,8 +392,11 @@ class DGCStrategy(FedAvg):
         self.optimizer.load_state_dict(state)
         self.registry.load_state_dict(state)
         self.records.load_state_dict(state)
-        if self.shared_planner is not None and state.get("shared_planner") is not None:
-            self.shared_planner.load_state_dict(state["shared_planner"])
+        self.aggregator.load_state_dict(state["method"]["aggregator"])
+        if self.channel is not None and state["method"]["channel"] is not None:
+            self.channel.load_state_dict(state["method"]["channel"])
+        for ext, ext_state in zip(self.extensions, state.get("extensions", []), strict=False):
+            ext.load_state_dict(ext_state)
 
     def keep_round(self, record: RoundRecord) -> None:
         """Keep a finished, evaluated round: records, checkpoint, then ``on_round``."""

@@ -5,8 +5,9 @@ folder's ``tensorboard/`` side by side, named by its run folder. Each finished r
 as scalars at step = round, from the same :class:`server.records.RoundRecord` that
 ``rounds.csv`` holds, in four groups: ``eval/`` (test accuracy and loss, mean train loss),
 ``traffic/`` (MB per round both ways and their total, the cumulative total, the uplink's
-compression against dense fp32), ``clients/`` (sampled, aggregated, failed, rejected; the
-emulator's drops) and ``time/`` (wall seconds; the emulator's virtual seconds). The package is
+compression against dense fp32), ``clients/`` (sampled, aggregated, failed, rejected) and
+``time/`` (wall seconds), and the tags of the extensions' columns
+(:class:`server.extensions.Column`: the emulator's virtual seconds and drops). The package is
 optional (``pip install 'fedgc[tensorboard]'``); without it a run that asks for it is refused
 before round 1.
 """
@@ -17,6 +18,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from server.extensions import Column
 from server.preflight import PreflightError
 from server.records import RoundRecord
 
@@ -28,9 +30,11 @@ EVENTS_DIR = "tensorboard"
 EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
-def scalars(record: RoundRecord, earlier: Sequence[RoundRecord] = ()) -> dict[str, float]:
+def scalars(record: RoundRecord, earlier: Sequence[RoundRecord] = (),
+            columns: Sequence[Column] = ()) -> dict[str, float]:
     """The tags and values of one round; ``earlier``: the rounds before it (for the cumulative
-    total). Values that are not finite (no evaluation yet, no train loss) are left out."""
+    total); ``columns``: the extensions' columns, written under their tags. Values that are not
+    finite (no evaluation yet, no train loss) are left out."""
     total_mb = (record.uplink_bytes + record.downlink_bytes) / 1e6
     out = {
         "eval/accuracy": record.accuracy,
@@ -49,11 +53,8 @@ def scalars(record: RoundRecord, earlier: Sequence[RoundRecord] = ()) -> dict[st
         "clients/rejected": record.clients_rejected,
         "time/wall_seconds": record.wall_seconds,
     }
-    if record.virtual_seconds:  # an emulated run (simulations.netem)
-        out.update({"time/virtual_seconds": record.virtual_seconds,
-                    "clients/dropped_deadline": record.dropped_deadline,
-                    "clients/dropped_link": record.dropped_link,
-                    "clients/dropped_rejected": record.dropped_rejected})
+    out.update({c.tag: record.extra[c.name] for c in columns
+                if c.tag and c.name in record.extra})
     return {tag: float(v) for tag, v in out.items() if math.isfinite(v)}
 
 
@@ -67,18 +68,19 @@ class RoundWriter:
         The ``tensorboard`` package is not installed (named, with the install command).
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, columns: Sequence[Column] = ()) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as ex:
             raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
                                  "'fedgc[tensorboard]' (or tensorboard==2.21.0)") from ex
         self.log_dir = Path(run_dir) / EVENTS_DIR
+        self.columns = list(columns)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def write(self, record: RoundRecord, earlier: Sequence[RoundRecord] = ()) -> None:
         """Write round ``record.round`` (``earlier``: the rounds before it) and flush."""
-        for tag, value in scalars(record, earlier).items():
+        for tag, value in scalars(record, earlier, self.columns).items():
             self._writer.add_scalar(tag, value, global_step=record.round)
         self._writer.flush()
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedgc.settings import METHODS, RunConfig, SettingsError
+from fedgc.settings import RunConfig
 from simulations.scenario import load_scenario
 
 __all__ = ["CompareResult", "RunResult", "compare", "config_of", "run"]
@@ -156,22 +156,21 @@ def run(scenario: str | None = None, config: str | Path | Mapping[str, Any] | No
 
 
 def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
-            *, methods: Sequence[str] = METHODS, seeds: Sequence[int] | None = None,
+            *, methods: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
             jobs: int = 1, verbose: bool = False, **keys: Any) -> CompareResult:
-    """Run the same scenario with each of ``methods`` as ``python -m simulations compare``
-    does (``seeds``: once per seed; ``jobs``: runs at a time, ``sim__engine="local"`` only);
-    returns ``compare.json`` and the runs."""
-    from simulations.cli import cmd_compare
+    """Run the same scenario with each of ``methods`` (default: those ``compare`` runs; your own
+    as ``"module:callable"``) as ``python -m simulations compare`` does (``seeds``: once per
+    seed; ``jobs``: runs at a time, ``sim__engine="local"`` only); returns ``compare.json`` and
+    the runs."""
+    from fedgc.methods import compared
+    from simulations.cli import check_methods, cmd_compare, method_folder
 
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise SettingsError(f"methods must be a non-empty subset of {list(METHODS)}, got "
-                            f"{list(methods)!r}")
+    methods = list(compared()) if methods is None else check_methods(list(methods), "methods")
     run_config, netem = config_of(scenario, config, **keys)
-    doc = cmd_compare(run_config, verbose, list(methods), netem,
+    doc = cmd_compare(run_config, verbose, methods, netem,
                       list(seeds) if seeds is not None else None, jobs)
     base = run_config.run_dir
-    folders = {m: [base / m] for m in methods} if seeds is None else {
-        m: [base / f"seed-{s}" / m for s in seeds] for m in methods}
+    folders = {m: [base / method_folder(m)] for m in methods} if seeds is None else {
+        m: [base / f"seed-{s}" / method_folder(m) for s in seeds] for m in methods}
     return CompareResult(base, doc, {m: [RunResult.read(f) for f in fs]
                                      for m, fs in folders.items()})

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedgc import methods as registry
 from fedgc.settings import (
-    METHODS,
     RunConfig,
     ServerSettings,
     SettingsError,
@@ -82,21 +83,45 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     from simulations.plots import plot_run
     from simulations.runner import run_scenario
 
-    print(f"fedgc: running {config.train.method} on {config.train.task}, "
+    print(f"fedgc: running {config.method.title} on {config.train.task}, "
           f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
           f"{config.server.rounds} rounds -> {config.run_dir}", flush=True)
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
-    print(summary_table({config.train.method: summary}))
+    print(summary_table({config.method.title: summary}))
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
 
 
 def _method_config(config: RunConfig, method: str) -> RunConfig:
-    """``config`` for one method of a comparison, in ``<run_dir>/<method>/``."""
+    """``config`` for one method of a comparison, in ``<run_dir>/<folder of the method>/``."""
     return config.with_overrides({"method": method, "results_dir": str(config.run_dir),
-                                  "run_name": method, "state_dir": ""})
+                                  "run_name": method_folder(method), "state_dir": ""})
+
+
+def method_folder(method: str) -> str:
+    """The folder of one method's run in a comparison: its name, or for ``module:callable``
+    its label (a folder name of letters, digits, ``.``, ``_`` and ``-``)."""
+    if method in registry.names():
+        return method
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", registry.get(method).title)
+
+
+def check_methods(methods: Sequence[str], what: str) -> list[str]:
+    """``methods`` (registered names or ``module:callable``) after loading each; SettingsError
+    naming ``what`` when there are none, one is unknown, or two share a folder."""
+    bad = [m for m in methods if not registry.is_known(m)]
+    if bad or not methods:
+        raise SettingsError(f"{what} must be a non-empty subset of {list(registry.names())} "
+                            f"or 'module:callable' references, got {list(methods)!r}")
+    for m in methods:
+        registry.get(m)  # a SettingsError naming a reference that does not load
+    folders = [method_folder(m) for m in methods]
+    if len(set(folders)) != len(folders):
+        raise SettingsError(f"{what} lists a method twice, or two whose labels share a "
+                            f"folder: {list(methods)!r}")
+    return list(methods)
 
 
 def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, Any]:
@@ -115,8 +140,8 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
     from simulations.runner import run_scenario
 
     def started(c: RunConfig, verb: str = "") -> None:
-        print(f"fedgc: {verb}[{c.train.method}] seed {c.train.seed}, {c.server.rounds} rounds -> "
-              f"{c.run_dir}", flush=True)
+        print(f"fedgc: {verb}[{c.method.title}] seed {c.train.seed}, {c.server.rounds} rounds "
+              f"-> {c.run_dir}", flush=True)
 
     if jobs == 1:
         out = []
@@ -137,7 +162,7 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
             i = futures[future]
             out_by_index[i] = future.result()
             c = configs[i]
-            print(f"fedgc: [{c.train.method}] seed {c.train.seed} done ({done}/{len(configs)}): "
+            print(f"fedgc: [{c.method.title}] seed {c.train.seed} done ({done}/{len(configs)}): "
                   f"final accuracy {out_by_index[i].get('final_accuracy', float('nan')):.4f}",
                   flush=True)
     return [out_by_index[i] for i in range(len(configs))]
@@ -187,7 +212,7 @@ def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) 
     return f"last-10 accuracy at {whose} total traffic ({budget / 1e6:.2f} MB): {accs}"
 
 
-def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHODS,
+def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None = None,
                 netem: Any = None, seeds: Sequence[int] | None = None,
                 jobs: int = 1, budget_method: str | None = None) -> dict[str, Any]:
     """The same scenario with each method; ``compare.json`` and a plot in one folder.
@@ -208,6 +233,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] = METHO
     """
     from simulations.plots import plot_bands
 
+    methods = registry.compared() if methods is None else check_methods(methods, "methods")
     if not isinstance(jobs, int) or jobs < 1:
         raise SettingsError(f"--jobs must be an integer >= 1, got {jobs!r}")
     if budget_method is not None and budget_method not in methods:
@@ -291,7 +317,8 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
 
 
 def _method_order(method: str) -> tuple[int, str]:
-    return (METHODS.index(method) if method in METHODS else len(METHODS), method)
+    names = registry.names()
+    return (names.index(method) if method in names else len(names), method)
 
 
 def cmd_keys(flwr_toml: bool = False) -> None:
@@ -305,7 +332,8 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    for row in key_table([ServerSettings, TrainSettings, NetemSettings]):
+    own = [m.settings for m in registry.loaded() if m.settings is not None]
+    for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
         print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
               f"{row.accepted:<32} {row.doc}")
 
@@ -330,9 +358,11 @@ def _parser() -> argparse.ArgumentParser:
         return q
 
     scenario("run", "run one scenario")
-    c = scenario("compare", f"run {', '.join(METHODS)} on the same scenario and plot them")
-    c.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)}")
+    compared = registry.compared()
+    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
+    c.add_argument("--methods", default=",".join(compared),
+                   help=f"comma-separated methods among {','.join(registry.names())}, or your "
+                        f"own as module:callable")
     c.add_argument("--seeds", metavar="S,S,...",
                    help="run the comparison once per seed (e.g. 0,1,2) into seed-<s>/, and "
                         "write the mean and std over seeds")
@@ -392,11 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "run":
             cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":
-            methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-            bad = [m for m in methods if m not in METHODS]
-            if bad or not methods:
-                raise SettingsError(f"--methods must be a comma-separated subset of "
-                                    f"{list(METHODS)}, got {args.methods!r}")
+            methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()],
+                                    "--methods")
             seeds = parse_seeds(args.seeds) if args.seeds is not None else None
             cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds,
                         args.jobs, args.budget_method)

@@ -22,13 +22,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedgc.methods import baseline
 from fedgc.settings import SettingsError
 
 __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "find_runs",
            "over_seeds", "parse_seeds", "read_summary", "traffic_curve"]
 
-#: The method every ratio of a comparison is taken against (dense FedAvg).
-BASELINE = "dense"
+#: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
+#: first ``baseline`` method).
+BASELINE = baseline()
 #: ``<direction>_bytes`` keys of a summary, each with its ``<direction>_vs_dense`` ratio.
 DIRECTIONS = ("uplink", "downlink", "total")
 #: The summary keys that ``over_seeds`` averages (those a run has; NaN and null are skipped).

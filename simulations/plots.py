@@ -87,15 +87,18 @@ def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) 
     if not summaries:
         return ""
     c = summaries[0].get("config", {})
-    methods = list(methods) or list(dict.fromkeys(s.get("method", "?") for s in summaries))
+    methods = list(methods) or list(dict.fromkeys(s.get("label", s.get("method", "?"))
+                                                  for s in summaries))
     parts = [f"{c.get('num_clients', '?')} clients, {c.get('clients_per_round', '?')} per "
              f"round"]
     partition = c.get("partition")
     if partition:
         parts.append(f"Dirichlet({c.get('alpha')})" if partition == "dirichlet" else partition)
     parts.append(f"{summaries[0].get('rounds', c.get('rounds', '?'))} rounds")
-    if any(m not in ("dense", "fedavgm") for m in methods) and "dgc.density" in c:
-        parts.append(f"density {c['dgc.density']:g}")
+    densities = sorted({s["density"] for s in summaries
+                        if isinstance(s.get("density"), (int, float)) and s["density"] < 1})
+    if densities:
+        parts.append("density " + ", ".join(f"{d:g}" for d in densities))
     if c.get("downlink_density", 1.0) < 1.0:
         parts.append(f"downlink density {c['downlink_density']:g}")
     netem = summaries[0].get("netem") or {}
@@ -105,6 +108,14 @@ def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) 
         parts.append(f"links {netem.get('netem.mix')}, deadline {deadline} s")
     task = c.get("task", summaries[0].get("task", "?"))
     return f"{' vs '.join(methods)} on {task}: {', '.join(parts)}"
+
+
+def _label(run_dir: str | Path, name: str) -> str:
+    """How a run's method is named in a legend: its summary's label (a method of the user's
+    own is named ``module:callable``), else ``name``."""
+    summary = _summary(Path(run_dir))
+    return str(summary["label"]) if summary.get("method") == name and "label" in summary \
+        else name
 
 
 def _cumulative_mb(rows: Sequence[Mapping[str, float]], *columns: str) -> np.ndarray:
@@ -149,8 +160,9 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
                     ["uplink", "downlink"], loc="best")
     for ax in (ax_total, ax_up, ax_bytes):
         ax.grid(True, which="major", alpha=0.3)
-    legend_below(fig, handles, list(runs))
-    fig.suptitle(textwrap.fill(title or scenario_title(runs.values(), list(runs)), 110))
+    labels = [_label(d, name) for name, d in runs.items()]
+    legend_below(fig, handles, labels)
+    fig.suptitle(textwrap.fill(title or scenario_title(runs.values(), labels), 110))
     return fig
 
 
@@ -166,9 +178,10 @@ def save(fig: Figure, out: str | Path, legend_room: float = 0.07) -> Path:
 
 
 def plot_run(run_dir: str | Path) -> Path:
-    """``<run_dir>/plots.png`` for a single run, named by its method."""
+    """``<run_dir>/plots.png`` for a single run, named by its method's label."""
     run_dir = Path(run_dir)
-    name = _summary(run_dir).get("method", run_dir.name)
+    summary = _summary(run_dir)
+    name = summary.get("label", summary.get("method", run_dir.name))
     return plot_runs({name: run_dir}, run_dir / "plots.png")
 
 
@@ -189,7 +202,8 @@ def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title:
         mb = np.array([_cumulative_mb(c[:n], "uplink_bytes", "downlink_bytes") for c in curves])
         x, mean = mb.mean(axis=0), acc.mean(axis=0)
         count = f"{len(curves)} seed{'s' if len(curves) != 1 else ''}"
-        (line,) = ax.plot(x, mean, label=f"{name} ({count})")
+        label = _label(dirs[0], name) if dirs else name
+        (line,) = ax.plot(x, mean, label=f"{label} ({count})")
         if len(curves) > 1:
             std = acc.std(axis=0, ddof=1)
             ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25,

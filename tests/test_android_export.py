@@ -308,11 +308,12 @@ def test_default_export_takes_a_default_runs_tasks():
     export default) are refused with the re-export message."""
     from android_bridge.bridge_app import _phone_config
     from android_bridge.export import federation_defaults
+    from fedgc.methods import get
     from fedgc.settings import TrainSettings
 
     defaults = federation_defaults()
     s = TrainSettings()
-    sent = _phone_config(s, s.dgc_config())
+    sent = _phone_config(s, get(s.method).phone_config(s))
     requested = DGCConfig.from_dict(sent["dgc"])
     check_compatible(defaults["config"], requested)
     assert defaults["config"] == requested

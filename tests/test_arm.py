@@ -138,9 +138,9 @@ def test_encoder_and_training_step_on_aarch64_match_the_host(arm, tmp_path):
 
 PHONES = {0: "phone-a", 1: "phone-b"}
 FEDERATION = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "partition": "iid",
-              "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
+              "density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
               "rounds": 3, "seed": 0, "dgc.small_density": 0.0, "client_momentum": 0.0,
-              "dgc.server_momentum": 0.0}
+              "server_momentum": 0.0}
 
 
 def _federation(tmp_path_factory, name: str, phones_on_arm: ArmEnv | None) -> tuple[dict, dict]:

@@ -26,13 +26,13 @@ torch.set_num_threads(1)
 
 PHONES = {0: "phone-a", 1: "phone-b"}
 SETTINGS = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "partition": "iid",
-            "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
+            "density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 4,
             "batch_size": BATCH, "lr": 0.1, "rounds": 3, "seed": 0,
             # What the phones were exported for (fedgc's defaults differ: see docs/android.md).
             "dgc.momentum_correction": True, "dgc.small_density": 0.0, "client_momentum": 0.0,
             # Plain FedAvg on the server: the test's 3 rounds must show progress, and server
             # momentum 0.5 (dgc runs' default) overshot within them here (0.198 -> 0.153).
-            "dgc.server_momentum": 0.0}
+            "server_momentum": 0.0}
 
 
 def _phone_loop(phone: ReferencePhone, stop: threading.Event, reports: list, errors: list,
@@ -133,5 +133,7 @@ def test_methods_phones_do_not_run_are_refused_by_name(method):
     s = RunConfig.from_flat({"method": method}).train
     with pytest.raises(BridgeError, match=rf"method '{method}' is not served by phones"):
         _phone_config(s, None)
-    assert _phone_config(RunConfig.from_flat({"method": "topk"}).train,
-                         RunConfig.from_flat({}).train.dgc_config())["train"]["method"] == "topk"
+    from fedgc.methods import get
+
+    topk = RunConfig.from_flat({"method": "topk"}).train
+    assert _phone_config(topk, get("topk").phone_config(topk))["train"]["method"] == "topk"

@@ -23,15 +23,16 @@ from server.checkpoint import (
     save_checkpoint,
 )
 from server.strategy import DGCStrategy
+from tests.strategies import make_strategy
 
 
-def _strategy() -> DGCStrategy:
+def _strategy(**keys: object) -> DGCStrategy:
     g = torch.Generator().manual_seed(0)
     model = OrderedDict([("fc1.weight", torch.randn(40, 30, generator=g)),
                          ("fc1.bias", torch.randn(40, generator=g)),
                          ("fc2.weight", torch.randn(10, 40, generator=g))])
-    s = DGCStrategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
-                    downlink_values="int8")
+    s = make_strategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
+                      downlink_values="int8", **keys)
     s.set_model(ArrayRecord(model))
     for rnd in (1, 2):
         s.apply([SparseUpdate({k: SparseTensor(torch.arange(v.numel()),
@@ -74,8 +75,8 @@ def test_an_unsealed_checkpoint_of_an_earlier_version_still_loads(tmp_path: Path
     s = _strategy()
     torch.save({"checkpoint_version": CHECKPOINT_VERSION, **s.state_dict()},
                tmp_path / CHECKPOINT_FILE)
-    again = DGCStrategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
-                        downlink_values="int8")
+    again = make_strategy(clients_per_round=2, server_momentum=0.5, downlink_density=0.1,
+                            downlink_values="int8")
     again.set_model(ArrayRecord(OrderedDict((k, torch.zeros_like(v))
                                             for k, v in s.model.items())))
     again.load_state_dict(load_checkpoint(tmp_path))
@@ -92,14 +93,12 @@ def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed()
     check_run_config(written, {**written, "rounds": 9, "progress": False, "run_name": "moved"})
     check_run_config(written, {**written, "a.key.from.a.later.version": 1})
     check_run_config(None, written)  # a checkpoint of an earlier fedgc: nothing to compare
-    with pytest.raises(CheckpointError, match=r"dgc.density = 0.001 \(now 0.02\), seed = 2 "
+    with pytest.raises(CheckpointError, match=r"density = 0.001 \(now 0.02\), seed = 2 "
                                               r"\(now 3\)"):
-        check_run_config(written, {**written, "seed": 3, "dgc.density": 0.02})
+        check_run_config(written, {**written, "seed": 3, "density": 0.02})
     s = _strategy()
-    s.run_config = written
     state = s.state_dict()
-    other = _strategy()
-    other.run_config = {**written, "lr": 0.5}
+    other = _strategy(lr=0.5)
     with pytest.raises(CheckpointError, match="lr = "):
         other.load_state_dict(state)
     assert other.model_version == 2 and other.registry.clients == {}  # refused: unchanged

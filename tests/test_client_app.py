@@ -15,6 +15,7 @@ from client.app import app as client_app
 from client.state import ClientStateStore
 from dgc.signs.codec import decode_signs, encode_mask
 from fedgc import protocol as P
+from fedgc.methods import get
 from fedgc.settings import TrainSettings, to_flat
 from server.local_grid import LocalGrid
 
@@ -67,7 +68,7 @@ def test_reply_carries_encoded_update_and_metrics(tmp_path, method):
 
 def _residual(settings: TrainSettings, key: str) -> dict[str, torch.Tensor]:
     """The stored residual of a client, read back through the compressor its settings build."""
-    compressor = settings.compressor()
+    compressor = get(settings.method).compressor(settings, 0)
     compressor.load_state_dict(ClientStateStore(settings.state_dir).get(key)["compressor"])
     return compressor.residual()
 
@@ -108,7 +109,7 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, t
 @pytest.mark.parametrize("small_density, small_nnz", [(0.0, 100), (0.1, 200), (0.5, 1000)])
 def test_small_tensors_get_their_own_density(tmp_path, method, small_density, small_nnz):
     """dgc.small_density sets the entries of the 10x200 output layer; the hidden layer keeps
-    dgc.density (ceil(0.05 * 12,800) = 640); biases are sent dense."""
+    density (ceil(0.05 * 12,800) = 640); biases are sent dense."""
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, method=method, small_density=small_density, selection="exact")
     reply = _send(grid, 1, s, 1, -1, _global())

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from client.state import ClientStateStore, StateStoreError
+from fedgc.methods import get
 
 
 def test_round_trip_and_replace(tmp_path):
@@ -57,13 +58,13 @@ def test_compressor_state_round_trips_through_the_store(tmp_path, small_density)
 
     settings = TrainSettings(density=0.01, small_density=small_density, warmup="none",
                              selection="exact", min_sparse_numel=100)
-    kept = settings.compressor()
+    kept = get(settings.method).compressor(settings, 0)
     assert type(kept).__name__ == ("DGCCompressor" if small_density == 0 else
                                    "TwoDensityCompressor")
     pending = kept.compress(_grads(0), sequence=1)
     store = ClientStateStore(tmp_path)
     store.put("3", {"compressor": kept.state_dict()})
-    loaded = settings.compressor()
+    loaded = get(settings.method).compressor(settings, 0)
     loaded.load_state_dict(store.get("3")["compressor"])
     for k, v in kept.residual().items():
         assert torch.equal(loaded.residual()[k], v)
@@ -138,7 +139,7 @@ def test_a_client_record_continues_the_compressor_bit_for_bit(tmp_path):
 
     settings = TrainSettings(density=0.01, small_density=0.1, warmup="none",
                              selection="exact", min_sparse_numel=100)
-    c = settings.compressor()
+    c = get(settings.method).compressor(settings, 0)
     update = c.compress(_grads(0), sequence=1)
     store = ClientStateStore(tmp_path)
     data = dgc.encode(update)
@@ -146,7 +147,7 @@ def test_a_client_record_continues_the_compressor_bit_for_bit(tmp_path):
                     "pending": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
     record = store.get("4")
     assert bytes(record["pending"].numpy().tobytes()) == data
-    loaded = settings.compressor()
+    loaded = get(settings.method).compressor(settings, 0)
     loaded.load_state_dict(record["compressor"])
     assert dgc.encode(loaded.compress(_grads(1), sequence=2)) == \
         dgc.encode(c.compress(_grads(1), sequence=2))

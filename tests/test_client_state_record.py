@@ -21,6 +21,7 @@ from client.state import (
     StateVersionError,
 )
 from fedgc import protocol as P
+from fedgc.methods import get
 from fedgc.settings import RunConfig, TrainSettings, to_flat
 from server.app import run_server
 from server.local_grid import LocalGrid
@@ -71,7 +72,7 @@ def test_a_record_written_before_the_typed_state_loads(tmp_path):
     assert state.pending_shared is not None and state.pending_mask is not None
     assert state.model_version == 0 and set(state.model) == set(_global())
     assert state.quarantined == 0
-    compressor = _settings(tmp_path).compressor()
+    compressor = get("dgc").compressor(_settings(tmp_path), 0)
     compressor.load_state_dict(state.compressor)  # the residual of the same compressor kind
     assert sum(float(v.abs().sum()) for v in compressor.residual().values()) > 0
 
@@ -149,8 +150,8 @@ def test_a_damaged_record_is_quarantined_and_the_client_trains_from_the_global_m
 class _CorruptingStrategy(DGCStrategy):
     """Damages client 0's state file before round 3 and keeps every reply's metrics."""
 
-    def __init__(self, state_dir: Path, **kw: object) -> None:
-        super().__init__(**kw)
+    def __init__(self, state_dir: Path, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)
         self.state_dir = state_dir
         self.metrics: dict[tuple[int, int], dict] = {}
 
@@ -170,13 +171,13 @@ class _CorruptingStrategy(DGCStrategy):
 
 def test_a_client_whose_state_was_damaged_between_rounds_is_aggregated_again(tmp_path):
     c = RunConfig.from_flat({"task": "digits", "num_clients": 3, "clients_per_round": 3,
-                             "partition": "iid", "dgc.density": 0.05, "dgc.warmup_rounds": 0,
+                             "partition": "iid", "density": 0.05, "dgc.warmup_rounds": 0,
                              "progress": False, "local_steps": 2, "rounds": 4,
                              "results_dir": str(tmp_path), "run_name": "q"})
     made: list[_CorruptingStrategy] = []
 
-    def factory(**kw):
-        made.append(_CorruptingStrategy(c.state_dir, **kw))
+    def factory(*args, **kw):
+        made.append(_CorruptingStrategy(c.state_dir, *args, **kw))
         return made[0]
 
     run_server(LocalGrid(client_app, 3, seed=1), c, strategy_factory=factory)

@@ -21,7 +21,7 @@ from simulations.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--set", "task=digits", "--set", "num_clients=4", "--set", "clients_per_round=2",
-       "--set", "rounds=3", "--set", "seed=2", "--set", "dgc.density=0.01",
+       "--set", "rounds=3", "--set", "seed=2", "--set", "density=0.01",
        "--set", "dgc.warmup_rounds=1", "--set", "progress=false"]
 
 

@@ -143,9 +143,9 @@ def test_flwr_run_trains_and_takes_dotted_keys(flwr_env, tmp_path):
 
 @pytest.mark.slow
 def test_a_bad_value_is_named_in_the_runs_log(flwr_env, tmp_path):
-    proc = _flwr_run(flwr_env, f"{SMALL} dgc.density=2.0 results_dir='{tmp_path}'")
+    proc = _flwr_run(flwr_env, f"{SMALL} density=2.0 results_dir='{tmp_path}'")
     output = proc.stdout + proc.stderr
-    assert "dgc.density = 2.0 is outside the accepted range" in output, output[-3000:]
+    assert "density = 2.0 is outside the accepted range" in output, output[-3000:]
     assert not (tmp_path / "default" / "rounds.csv").exists()
 
 

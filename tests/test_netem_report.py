@@ -12,8 +12,9 @@ from simulations.netem.report import main, plot_virtual_time, summarize_runs, ti
 
 def _run(tmp_path, name: str, accs: list[float], secs: list[float]):
     d = tmp_path / name
-    write_rounds(d, [RoundRecord(i + 1, accuracy=a, virtual_seconds=s, dropped_link=i % 2,
-                                 uplink_bytes=100 * (i + 1))
+    write_rounds(d, [RoundRecord(i + 1, accuracy=a, uplink_bytes=100 * (i + 1),
+                                 extra={"virtual_seconds": s, "dropped_deadline": 0,
+                                        "dropped_link": i % 2, "dropped_rejected": 0})
                      for i, (a, s) in enumerate(zip(accs, secs, strict=True))])
     return d
 

@@ -15,7 +15,7 @@ def test_cli_run_with_netem_writes_virtual_time_and_drops(tmp_path) -> None:
     rc = main(["run", "--set", "task=digits", "--set", "num_clients=12", "--set",
                "clients_per_round=4", "--set", "over_selection=1.5", "--set", "rounds=3",
                "--set", f"results_dir={tmp_path}", "--set", "run_name=emu", "--set",
-               "dgc.density=0.05", "--set", "netem.enabled=true", "--set",
+               "density=0.05", "--set", "netem.enabled=true", "--set",
                "netem.mix=3g:0.5,edge:0.5", "--set", "netem.intermittent=0.5", "--set",
                "netem.deadline_s=30", "--set", "netem.target_accuracy=0.05"])
     assert rc == 0

@@ -15,7 +15,7 @@ from simulations.netem.settings import NetemSettings
 
 RUN = ["run", "--set", "task=digits", "--set", "sim.engine=local", "--set", "num_clients=4",
        "--set", "clients_per_round=2", "--set", "rounds=2", "--set", "progress=false",
-       "--set", "dgc.density=0.05", "--set", "netem.enabled=true",
+       "--set", "density=0.05", "--set", "netem.enabled=true",
        "--set", "netem.mix=trace:1.0", "--set", "netem.trace_latency_ms=0",
        # Every client is sent the dense model, so that its bytes dominate each download.
        "--set", "downlink_density=1", "--set", "clients_build_initial_model=false"]

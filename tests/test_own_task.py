@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fedgc.settings import RunConfig, SettingsError
+from fedgc.task_loader import load_task
 from simulations.cli import main
 from tasks import Task
 
@@ -100,16 +101,16 @@ def test_options_keys_take_toml_tables_and_dicts(tmp_path: Path) -> None:
     from fedgc.settings import load_toml
 
     path = tmp_path / "run.toml"
-    path.write_text('task = "mnist5k"\n[model_options]\nhidden = [64, 32]\n[dgc]\ndensity = 0.01\n')
+    path.write_text('task = "mnist5k"\ndensity = 0.01\n[model_options]\nhidden = [64, 32]\n')
     from_toml = RunConfig.from_flat(load_toml(path))
-    from_dict = RunConfig.from_flat({"model_options": {"hidden": [64, 32]}, "dgc.density": 0.01})
+    from_dict = RunConfig.from_flat({"model_options": {"hidden": [64, 32]}, "density": 0.01})
     from_text = RunConfig.from_flat({"model_options": '{"hidden": [64, 32]}',
-                                     "dgc.density": "0.01"})
+                                     "density": "0.01"})
     # What Flower makes of a [tool.flwr.app.config.model_options] table: dotted keys.
-    from_flower = RunConfig.from_flat({"model_options.hidden": [64, 32], "dgc.density": 0.01})
+    from_flower = RunConfig.from_flat({"model_options.hidden": [64, 32], "density": 0.01})
     assert from_toml == from_dict == from_text == from_flower
     assert from_toml.train.model_options == '{"hidden": [64, 32]}'
-    model = from_toml.train.load_task().build_model()
+    model = load_task(from_toml.train.task_spec()).build_model()
     assert [m.out_features for m in model.modules() if hasattr(m, "out_features")] == [64, 32, 10]
     with pytest.raises(SettingsError, match=r"model_options must hold JSON values"):
         RunConfig.from_flat({"model_options": {"hidden": {1, 2}}})
@@ -149,9 +150,9 @@ def test_the_python_api_runs_compares_and_plots(tmp_path: Path, examples_path: N
     options = {"num_train": 600, "num_test": 200}
     result = run(config={"task": OWN, "sim.engine": "local", "results_dir": str(tmp_path)},
                  task_options=options, num_clients=4, clients_per_round=2, rounds=2,
-                 run_name="api", progress=False, dgc__density=0.01)
+                 run_name="api", progress=False, density=0.01)
     assert result.folder == tmp_path / "api"
-    assert result.summary["config"]["dgc.density"] == 0.01
+    assert result.summary["config"]["density"] == 0.01
     assert [r["round"] for r in result.rounds] == [1, 2]
     assert isinstance(result.rounds[0]["uplink_bytes"], int)
     assert result.summary["final_accuracy"] == result.rounds[-1]["accuracy"]

@@ -16,15 +16,18 @@ from simulations.plots import plot_bands, plot_run, readable_log, runs_figure, s
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CONFIG = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition": "dirichlet",
-          "alpha": 0.5, "dgc.density": 0.001, "downlink_density": 1.0}
+          "alpha": 0.5, "density": 0.001, "downlink_density": 1.0}
 
 
 def _run(tmp_path, method: str, up: int, netem: bool = False):
     d = tmp_path / "some" / "nested" / method
     write_rounds(d, [RoundRecord(i, accuracy=0.1 * i, uplink_bytes=up, downlink_bytes=40 * up,
-                                 virtual_seconds=3.0 * i if netem else 0.0)
+                                 extra={"virtual_seconds": 3.0 * i, "dropped_deadline": 0,
+                                        "dropped_link": 0, "dropped_rejected": 0}
+                                 if netem else {})
                      for i in range(1, 8)])
-    summary = {"method": method, "rounds": 7, "config": {**CONFIG, "method": method}}
+    summary = {"method": method, "rounds": 7, "config": {**CONFIG, "method": method},
+               "density": 1.0 if method in ("dense", "fedavgm") else 0.001}
     if netem:
         summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0", "netem.deadline_s": 60.0}
     (d / "summary.json").write_text(json.dumps(summary))

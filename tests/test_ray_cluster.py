@@ -27,6 +27,7 @@ import dgc
 from client.state import ClientState, ClientStateStore
 from client.stores import StateMissingError, read_state
 from fedgc import protocol as P
+from fedgc.methods import get
 from fedgc.settings import RunConfig, TrainSettings, to_flat
 from server.local_grid import LocalGrid
 from simulations.cli import main
@@ -91,17 +92,17 @@ def test_a_client_with_an_older_record_fails_its_round_and_keeps_it(tmp_path):
 
 def test_read_state_asks_for_a_record_only_of_dgc_clients_the_server_acked(tmp_path):
     store = ClientStateStore(tmp_path)
-    assert read_state(store, "4", -1, "dgc") is None
-    assert read_state(store, "4", 3, "topk") is None  # topk and dense keep no residual
+    assert read_state(store, "4", -1, True) is None
+    assert read_state(store, "4", 3, False) is None  # topk and dense keep no residual
     with pytest.raises(StateMissingError, match="round 3.*holds no record"):
-        read_state(store, "4", 3, "dgc", where="Ray node abc")
+        read_state(store, "4", 3, True, where="Ray node abc")
     store.save("4", ClientState(reply={"sequence": 5}))
-    assert read_state(store, "4", 5, "dgc") == ClientState(reply={"sequence": 5})
+    assert read_state(store, "4", 5, True) == ClientState(reply={"sequence": 5})
     with pytest.raises(StateMissingError, match="written in round 5"):
-        read_state(store, "4", 6, "dgc")
+        read_state(store, "4", 6, True)
     # The fresh state that replaced a quarantined record is not a silent loss: it is reported.
     store.save("5", ClientState(quarantined=1))
-    assert read_state(store, "5", 3, "dgc") == ClientState(quarantined=1)
+    assert read_state(store, "5", 3, True) == ClientState(quarantined=1)
 
 
 # ---------------------------------------------------------------- the cluster cannot be used
@@ -199,7 +200,7 @@ def test_clients_move_between_two_nodes_and_lose_no_gradient_mass(ray_cluster, t
     monkeypatch.setattr(client_app_module, "app", recording_app)  # what the runner ships
     results = tmp_path / "results"  # both nodes see it: the shared filesystem
     sets = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "over_selection": 1.5,
-            "rounds": 5, "dgc.density": 0.05, "dgc.warmup": "none", "dgc.shared_density": 0.0,
+            "rounds": 5, "density": 0.05, "dgc.warmup": "none", "dgc.shared_density": 0.0,
             "seed": 4, "results_dir": str(results), "run_name": "two", "checkpoint": False,
             "sim.ray_address": ray_cluster.address}
     argv = ["run"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -232,7 +233,7 @@ def test_clients_move_between_two_nodes_and_lose_no_gradient_mass(ray_cluster, t
                       for r in mine if r["status"] == "aggregated"]
         acked = max((int(r["round"]) for r in mine if r["status"] == "aggregated"), default=-1)
         record = store.get(str(key))
-        c = config.train.compressor()
+        c = get(config.train.method).compressor(config.train, 0)
         c.load_state_dict(record["compressor"])
         pending = dgc.decode(bytes(record["pending"].numpy().tobytes()),
                              max_numel=dgc.wire.MAX_NUMEL)

@@ -6,6 +6,11 @@ settings and the wire code (issue 13), which must change no result: every column
 what measures the machine (wall and compute seconds). ``virtual_seconds`` is compared to 2e-3
 relative: a reply carries its measured compute seconds, and the emulator charges the reply's
 encoded size, so two runs of the same code differ by up to ~1e-3 s in a round.
+
+Since issue 29 the emulator's four columns come from its extension of the server's records
+(``server.extensions``): a run without the emulator no longer writes them (they were all 0), and
+a run with it writes them after the server's own columns. One key per setting for every method
+replaced the per-method copies of the run config (:data:`RENAMED`, the values a run recorded).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ RUNS = {
     # The emulator with half the clients intermittent: deadline and link drops, fold-backs.
     "netem_drop": ["--set", "num_clients=16", "--set", "clients_per_round=4",
                    "--set", "over_selection=1.5", "--set", "seed=5",
-                   "--set", "dgc.density=0.05", "--set", "netem.enabled=true",
+                   "--set", "density=0.05", "--set", "netem.enabled=true",
                    "--set", "netem.mix=3g:0.5,edge:0.5", "--set", "netem.intermittent=0.5",
                    "--set", "netem.deadline_s=30"],
 }
@@ -45,6 +50,13 @@ CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 #: Keys added after the snapshots, with the value that computes what the code did before them.
 ADDED_LATER = {"dgc.server_lr": 1.0}
+#: The network emulator's columns: its extension's since issue 29, absent without it.
+EMULATOR = ["virtual_seconds", "dropped_deadline", "dropped_link", "dropped_rejected"]
+#: Issue 29's one key per setting: (new key, the retired key whose value a dgc run read), and
+#: the retired keys no dgc run read.
+RENAMED = [("server_momentum", "dgc.server_momentum"), ("server_lr", "dgc.server_lr"),
+           ("density", "dgc.density")]
+RETIRED = ["stc.density", "stc.downlink_density"]
 
 
 def _same(key: str, got: str | float, want: str | float) -> bool:
@@ -54,13 +66,19 @@ def _same(key: str, got: str | float, want: str | float) -> bool:
     return str(got) == str(want)
 
 
-def _compare_csv(got: Path, want: Path) -> None:
+def _compare_csv(got: Path, want: Path, emulated: bool) -> None:
     with got.open() as fh:
         rows = list(csv.DictReader(fh))
     with want.open() as fh:
         golden = list(csv.DictReader(fh))
     assert len(rows) == len(golden)
-    assert list(rows[0]) == list(golden[0]), f"{got.name}: columns changed"
+    columns = [c for c in golden[0] if c not in EMULATOR]
+    if got.name == "rounds.csv" and not emulated:
+        assert all(float(g[c]) == 0 for g in golden for c in EMULATOR)
+        golden = [{c: g[c] for c in columns} for g in golden]
+    elif got.name == "rounds.csv":
+        columns += EMULATOR  # after the server's own columns
+    assert list(rows[0]) == columns, f"{got.name}: columns changed"
     for i, (r, g) in enumerate(zip(rows, golden, strict=True)):
         diff = {k: (r[k], g[k]) for k in g if k not in MACHINE and not _same(k, r[k], g[k])}
         assert not diff, f"{got.name} row {i + 1}: {diff}"
@@ -72,15 +90,23 @@ def test_fixed_seed_run_matches_its_snapshot(name: str, tmp_path: Path) -> None:
             "--set", f"run_name={name}"]
     assert main(argv) == 0
     out, golden = tmp_path / name, GOLDEN / name
-    _compare_csv(out / "rounds.csv", golden / "rounds.csv")
-    _compare_csv(out / "clients.csv", golden / "clients.csv")
+    emulated = "netem.enabled=true" in RUNS[name]
+    _compare_csv(out / "rounds.csv", golden / "rounds.csv", emulated)
+    _compare_csv(out / "clients.csv", golden / "clients.csv", emulated)
     got = json.loads((out / "summary.json").read_text())
     want = json.loads((golden / "summary.json").read_text())
     for doc in (got, want):
         for k in RUN_FOLDER:
             doc["config"].pop(k, None)
     for k, before in ADDED_LATER.items():
-        assert k not in want["config"] and got["config"].pop(k) == before
+        assert k not in want["config"]
+        want["config"][k] = before
+    for new, old in RENAMED:
+        want["config"][new] = want["config"].pop(old)
+    for old in RETIRED:
+        want["config"].pop(old)
+    want["config"] = dict(sorted(want["config"].items()))
+    assert "label" in got and got.pop("label") == got["method"]
     diff = {k: (got.get(k), v) for k, v in want.items()
             if k not in MACHINE and not _same(k, got.get(k), v)}
     assert not diff, f"summary.json: {diff}"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedgc.settings import METHODS, RunConfig, SettingsError
+from fedgc.methods import compared
+from fedgc.settings import RunConfig, SettingsError
 from server.records import RoundRecord
 from server.results import summarize
 from simulations.cli import DEMO, _parser, build_config, main
@@ -39,12 +40,12 @@ def test_the_shipped_scenarios_are_valid_runs() -> None:
 
 def test_precedence_defaults_scenario_config_set(tmp_path: Path) -> None:
     cfg = tmp_path / "mine.toml"
-    cfg.write_text('rounds = 50\nlr = 0.05\n[dgc]\ndensity = 0.01\n')
+    cfg.write_text('rounds = 50\nlr = 0.05\ndensity = 0.01\n')
     c = build_config(_args(scenario="fashion-mnist", config=str(cfg),
                            set=["rounds=7", "seed=4"])).to_flat()
     default = RunConfig().to_flat()
     assert c["rounds"] == 7 and c["seed"] == 4                  # --set wins
-    assert c["lr"] == 0.05 and c["dgc.density"] == 0.01          # --config over the scenario
+    assert c["lr"] == 0.05 and c["density"] == 0.01              # --config over the scenario
     assert c["task"] == "fashion-mnist"                          # the scenario
     assert c["batch_size"] == default["batch_size"]              # defaults below all
 
@@ -64,7 +65,7 @@ def test_bad_seeds_are_named(seeds: str, capsys) -> None:
 
 
 def test_compare_takes_every_method_by_default() -> None:
-    assert _parser().parse_args(["compare"]).methods.split(",") == list(METHODS)
+    assert _parser().parse_args(["compare"]).methods.split(",") == list(compared())
 
 
 def test_summary_traffic_and_last10_of_the_last_ten_rounds() -> None:

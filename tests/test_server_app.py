@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from flwr.app import ArrayRecord
 
 from client.app import app as client_app
 from client.state import ClientStateStore
@@ -19,7 +20,7 @@ from server.results import ROUND_COLUMNS, SUMMARY_KEYS
 from server.strategy import DGCStrategy
 
 BASE = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition": "iid",
-        "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3}
+        "density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3}
 
 
 def _config(tmp_path, **kw) -> RunConfig:
@@ -38,7 +39,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     written = (part.run_dir / "rounds.csv").read_text()
     # A resume that changes what the run computes is refused, naming the key, and changes
     # nothing on disk (issue 14, item 6).
-    for key, value in (("seed", 1), ("dgc.density", 0.02), ("num_clients", 5), ("lr", 0.2)):
+    for key, value in (("seed", 1), ("density", 0.02), ("num_clients", 5), ("lr", 0.2)):
         changed = _config(tmp_path, run_name="part", rounds=5, resume=True, **{key: value})
         with pytest.raises(CheckpointError, match=f"{key} = "):
             run_server(LocalGrid(client_app, 6, seed=3), changed)
@@ -93,8 +94,8 @@ def test_results_schema_and_accuracy_rises(tmp_path):
 class RecordingStrategy(DGCStrategy):
     """DGCStrategy that keeps a copy of every model version it sent (what clients may hold)."""
 
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
         self.sent_versions: dict[int, dict[str, torch.Tensor]] = {}
         self.additive_patches = 0  # messages whose patch adds differences (patch_add)
 
@@ -110,8 +111,8 @@ class RecordingStrategy(DGCStrategy):
 def _run_recording(c: RunConfig, grid: LocalGrid) -> tuple[dict, RecordingStrategy]:
     made = []
 
-    def factory(**kw):
-        made.append(RecordingStrategy(**kw))
+    def factory(*args, **kw):
+        made.append(RecordingStrategy(*args, **kw))
         return made[0]
 
     return run_server(grid, c, strategy_factory=factory), made[0]
@@ -139,7 +140,7 @@ def test_patches_keep_client_models_bit_identical_to_the_server(tmp_path):
     # exact model; the first round's dense).
     c = _config(tmp_path, run_name="patch", rounds=4, num_clients=3, clients_per_round=3,
                 downlink_density=1, clients_build_initial_model=False,
-                **{"dgc.density": 0.001, "dgc.warmup": "none"})
+                **{"density": 0.001, "dgc.warmup": "none"})
     summary, strategy = _run_recording(c, LocalGrid(client_app, 3))
     rows = list(csv.DictReader((c.run_dir / "rounds.csv").open()))
     assert [int(r["patches_sent"]) for r in rows] == [0, 3, 3, 3]
@@ -249,7 +250,7 @@ def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
     lost: list[int] = []
     drop_some = _dropping_even_rounds(lost)
     c = _config(tmp_path, run_name="stc", rounds=6, method="stc", downlink_history=6,
-                clients_build_initial_model=True, **{"stc.downlink_density": 0.02})
+                clients_build_initial_model=True, downlink_density=0.02)
     summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
     assert strategy.downlink.values == "ternary" and strategy.optimizer.momentum == 0.0
     assert strategy.additive_patches > 0
@@ -266,12 +267,12 @@ def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
 
 
 def test_fedavgm_is_dense_with_dgc_server_momentum(tmp_path):
-    """fedavgm: dense updates, dgc.server_momentum on the server, the exact model broadcast; the
-    same model as dense with server_momentum set to the same value by hand."""
+    """fedavgm: dense updates, its default server_momentum (0.5, DGC's) on the server, the exact
+    model broadcast; the same model as dense with server_momentum set to 0.5 by hand."""
     by_hand = _config(tmp_path, run_name="by_hand", rounds=3, method="dense",
                       server_momentum=0.5)
     fedavgm = _config(tmp_path, run_name="fedavgm", rounds=3, method="fedavgm",
-                      downlink_density=0.01, **{"dgc.server_momentum": 0.5})
+                      downlink_density=0.01)
     plain = _config(tmp_path, run_name="plain", rounds=3, method="dense")
     summaries = [run_server(LocalGrid(client_app, 6), c) for c in (by_hand, fedavgm, plain)]
     a, b, p = (_model(c.run_dir) for c in (by_hand, fedavgm, plain))
@@ -314,39 +315,32 @@ def test_clients_that_build_the_initial_model_get_patches_from_the_start(tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-class _Built(Exception):
-    """Raised by the spy factory below once it has the strategy's arguments."""
-
-
-@pytest.mark.parametrize("method, momentum, lr, shared", [
-    ("dense", 0.2, 1.5, 0.0), ("fedavgm", 0.5, 2.5, 0.0), ("topk", 0.2, 1.5, 0.0),
-    ("stc", 0.2, 1.5, 0.0), ("dgc", 0.5, 2.5, 0.03)])
-def test_only_dgc_runs_get_the_sign_channel_and_dgc_server_optimizer(tmp_path, method, momentum,
-                                                                     lr, shared):
-    """Dense stays the FedAvg baseline (here with server_momentum 0.2 and server_lr 1.5) and
-    fedavgm is dense with DGC's server momentum and learning rate; dgc uses its own keys."""
-    seen: dict = {}
-
-    def spy(**kwargs):
-        seen.update(kwargs)
-        raise _Built
-
-    c = _config(tmp_path, method=method, server_momentum=0.2, server_lr=1.5,
-                **{"dgc.server_lr": 2.5})
-    with pytest.raises(_Built):
-        run_server(LocalGrid(client_app, 2), c, strategy_factory=spy)
-    assert seen["server_momentum"] == momentum and seen["shared_density"] == shared
-    assert seen["server_learning_rate"] == lr
+@pytest.mark.parametrize("method, momentum, channel", [
+    ("dense", 0.0, False), ("fedavgm", 0.5, False), ("topk", 0.0, False), ("stc", 0.0, False),
+    ("dgc", 0.5, True)])
+def test_only_dgc_runs_get_the_sign_channel_and_each_method_its_server_momentum(
+        tmp_path, method, momentum, channel):
+    """Each method's own server momentum (0.5 for fedavgm and dgc, 0 for the others), unless
+    the run sets one for every method; the sign channel for dgc only."""
+    for keys, want in (({}, momentum), ({"server_momentum": 0.2, "server_lr": 1.5}, 0.2)):
+        c = _config(tmp_path, method=method, **keys)
+        s = DGCStrategy(c)
+        s.set_model(ArrayRecord({"w": torch.zeros(40, 40)}))
+        assert (s.optimizer.momentum, s.optimizer.learning_rate) == (
+            want, keys.get("server_lr", 1.0))
+        assert (s.channel is not None) == channel
 
 
 def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
     from server.app import progress_line
     from server.records import RoundRecord
+    from simulations.netem.strategy import NetemColumns
 
     record = RoundRecord(round=3, accuracy=0.5, loss=1.0, uplink_bytes=1000,
                          dense_uplink_bytes=100_000, clients_sampled=6, clients_aggregated=4,
-                         wall_seconds=2.0, virtual_seconds=41.5)
-    line = progress_line(record, 10, elapsed=90.0, rounds_timed=3, surplus=2)
+                         wall_seconds=2.0, extra={"virtual_seconds": 41.5})
+    line = progress_line(record, 10, elapsed=90.0, rounds_timed=3, surplus=2,
+                         columns=NetemColumns.columns)
     assert "failed 0 surplus 2" in line
     assert "virtual   41.5s" in line
     # 30 s per round so far, 7 rounds left: 3:30.

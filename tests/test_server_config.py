@@ -2,6 +2,9 @@
 
 import pytest
 
+from fedgc.methods import get
+from fedgc.methods.dgc import dgc_config
+from fedgc.methods.topk import TopK
 from fedgc.settings import RunConfig, SettingsError, flatten, load_toml
 
 
@@ -10,7 +13,7 @@ def test_defaults_and_round_trip():
     assert c.train.method == "dgc" and c.train.density == 0.001
     again = RunConfig.from_flat(c.to_flat())
     assert again == c
-    assert c.with_overrides({"dgc.density": "0.01"}).train.density == 0.01
+    assert c.with_overrides({"density": "0.01"}).train.density == 0.01
 
 
 def test_defaults_are_the_researched_federated_settings():
@@ -24,27 +27,29 @@ def test_defaults_are_the_researched_federated_settings():
     # The layer policy of issue 19: the LSTM's biases and embedding are sparsified, the CNN's
     # first convolution (16x1x5x5) and the MLP's biases are not.
     assert (t.min_sparse_numel, t.sparse_vectors) == (512, True)
-    policy = t.compressor().large.config
+    policy = get("dgc").compressor(t, 0).large.config
     assert not policy.sends_dense((512,)) and not policy.sends_dense((76, 8))
     assert policy.sends_dense((16, 1, 5, 5)) and policy.sends_dense((200,))
     assert (s.downlink_density, s.downlink_values, s.downlink_history,
             s.clients_build_initial_model) == (0.05, "int8", 1000, True)
-    assert (s.server_lr, s.server_momentum, s.dgc_server_lr) == (1.0, 0.0, 1.0)
-    # Section 6: the shared sign channel and server momentum, for dgc runs only.
-    assert (s.shared_density, s.shared_small_density, s.shared_momentum,
-            s.dgc_server_momentum) == (0.03, 0.0, 0.9, 0.5)
-    comp = t.compressor()
+    # Section 6: the shared sign channel and server momentum 0.5, dgc's default (dense FedAvg's
+    # is 0).
+    assert (s.shared_density, s.shared_small_density, s.shared_momentum) == (0.03, 0.0, 0.9)
+    assert (s.server_lr, s.server_momentum) == (1.0, 0.5)
+    dense = RunConfig.from_flat({"method": "dense"}).server
+    assert (dense.server_lr, dense.server_momentum) == (1.0, 0.0)
+    comp = get("dgc").compressor(t, 0)
     assert type(comp).__name__ == "TwoDensityCompressor" and comp.small_numel == 10_000
     assert comp.small.config.density == 0.03 and comp.large.config.density == 0.001
     assert comp.large.config.error_feedback and not comp.large.config.momentum_correction
-    off = RunConfig.from_flat({"dgc.small_density": 0}).train.compressor()
+    off = get("dgc").compressor(RunConfig.from_flat({"dgc.small_density": 0}).train, 0)
     assert type(off).__name__ == "DGCCompressor"
 
 
 @pytest.mark.parametrize("values, words", [
-    ({"dgc.densty": 0.1}, ["unknown", "dgc.densty", "dgc.density"]),
-    ({"dgc.density": 0.0}, ["dgc.density", "(0, 1]"]),
-    ({"dgc.density": 1.5}, ["dgc.density", "(0, 1]"]),
+    ({"dgc.densty": 0.1}, ["unknown", "dgc.densty", "density"]),
+    ({"density": 0.0}, ["density", "(0, 1]"]),
+    ({"density": 1.5}, ["density", "(0, 1]"]),
     ({"rounds": -3}, ["rounds", "[1, inf)"]),
     ({"rounds": "ten"}, ["rounds", "integer"]),
     ({"rounds": 2.5}, ["rounds", "integer"]),
@@ -63,7 +68,7 @@ def test_defaults_are_the_researched_federated_settings():
     ({"dgc.shared_density": 1.5}, ["dgc.shared_density", "[0, 1]"]),
     ({"dgc.shared_small_density": -0.5}, ["dgc.shared_small_density", "[0, 1]"]),
     ({"dgc.shared_momentum": 1.0}, ["dgc.shared_momentum", "[0, 1)"]),
-    ({"dgc.server_momentum": -0.1}, ["dgc.server_momentum", "[0, 1)"]),
+    ({"server_momentum": -0.1}, ["server_momentum", "[0, 1)"]),
     ({"max_weight_ratio": -1}, ["max_weight_ratio", "[0, inf)"]),
     ({"max_norm_ratio": float("inf")}, ["max_norm_ratio"]),
     ({"aggregation": "krum"}, ["aggregation", "trimmed_mean", "median"]),
@@ -78,17 +83,18 @@ def test_bad_values_name_key_and_range(values, words):
 
 def test_strings_from_the_command_line_are_typed():
     c = RunConfig.from_flat({"rounds": "7", "dgc.momentum_correction": "false", "lr": "0.1",
-                             "dgc.density": "1"})
+                             "density": "1"})
     assert c.server.rounds == 7 and c.train.momentum_correction is False
     assert c.train.lr == 0.1 and c.train.density == 1.0
 
 
 def test_toml_tables_flatten(tmp_path):
     f = tmp_path / "s.toml"
-    f.write_text('rounds = 3\n[dgc]\ndensity = 0.01\n[sim]\nengine = "local"\n')
+    f.write_text('rounds = 3\ndensity = 0.01\n[dgc]\nmomentum = 0.5\n[sim]\nengine = "local"\n')
     assert flatten({"a": {"b": {"c": 1}}}) == {"a.b.c": 1}
     c = RunConfig.from_flat(load_toml(f))
     assert (c.server.rounds, c.train.density, c.server.engine) == (3, 0.01, "local")
+    assert c.train.dgc_momentum == 0.5
     with pytest.raises(SettingsError, match="does not exist"):
         load_toml(tmp_path / "missing.toml")
     (tmp_path / "bad.toml").write_text("rounds = = 3")
@@ -103,13 +109,14 @@ def test_every_key_is_documented():
 
 
 def test_topk_drops_residual_and_dgc_keeps_it():
-    t = RunConfig.from_flat({"method": "topk"}).train.dgc_config()
+    topk = RunConfig.from_flat({"method": "topk"}).train
+    t = TopK.config(topk)
     assert not t.error_feedback and not t.momentum_correction
     # topk splits the densities like dgc, so that the two differ only in the residual.
-    k = RunConfig.from_flat({"method": "topk"}).train.compressor()
+    k = get("topk").compressor(topk, 0)
     assert k.small.config.density == 0.03 and not k.small.config.error_feedback
-    d = RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5,
-                             "dgc.dampening": 0.5}).train.dgc_config()
+    d = dgc_config(RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5,
+                                        "dgc.dampening": 0.5}).train)
     assert d.error_feedback and d.momentum == 0.5 and d.dampening == 0.5
 
 
@@ -132,17 +139,17 @@ def test_downlink_density_out_of_range_is_named(value):
 
 def test_the_defence_keys_reach_the_strategy():
     """max_weight_ratio, max_norm_ratio, aggregation and trim_fraction are run-config keys that
-    DGCStrategy.from_settings hands to the strategy (defaults on: 4x weight, 10x norm)."""
+    reach the strategy's defence and combine stages (defaults on: 4x weight, 10x norm)."""
     from server.strategy import DGCStrategy
 
-    default = DGCStrategy.from_settings(RunConfig.from_flat({}))
+    default = DGCStrategy(RunConfig.from_flat({}))
     assert (default.bounds.max_weight_ratio, default.bounds.max_norm_ratio) == (4.0, 10.0)
-    assert default.aggregation == "mean"
-    s = DGCStrategy.from_settings(RunConfig.from_flat({
+    assert default.combine.how == "mean"
+    s = DGCStrategy(RunConfig.from_flat({
         "max_weight_ratio": 0, "max_norm_ratio": "2.5", "aggregation": "trimmed_mean",
         "trim_fraction": 0.2}))
     assert (s.bounds.max_weight_ratio, s.bounds.max_norm_ratio) == (0.0, 2.5)
-    assert (s.aggregation, s.trim_fraction) == ("trimmed_mean", 0.2)
+    assert (s.combine.how, s.combine.trim_fraction) == ("trimmed_mean", 0.2)
 
 
 def test_a_run_without_run_name_gets_a_new_folder(tmp_path, monkeypatch):
@@ -173,3 +180,32 @@ def test_resume_needs_the_run_name():
     with pytest.raises(SettingsError, match="resume=true needs run_name"):
         RunConfig.from_flat({"resume": True})
     assert RunConfig.from_flat({"resume": True, "run_name": "r"}).server.run_name == "r"
+
+
+@pytest.mark.parametrize("old, new", [("dgc.density", "density"), ("stc.density", "density"),
+                                      ("dgc.server_lr", "server_lr"),
+                                      ("dgc.server_momentum", "server_momentum"),
+                                      ("stc.downlink_density", "downlink_density")])
+def test_a_retired_key_names_its_successor(old, new):
+    with pytest.raises(SettingsError, match=rf"{old} is now {new} \(one key for every method\)"):
+        RunConfig.from_flat({old: 0.5})
+
+
+def test_each_method_has_its_own_defaults_for_the_shared_keys():
+    """server_momentum: 0.5 for fedavgm and dgc, 0 for the others; STC's 1/400 both ways and
+    its ternary broadcast; a value given applies to every method, and a comparison's next method
+    gets its own default back (with_overrides)."""
+    def keys(method, **given):
+        c = RunConfig.from_flat({"method": method, **given})
+        return (c.server.server_momentum, c.train.density, c.server.downlink_density,
+                c.server.downlink_values)
+
+    assert keys("dense") == keys("topk") == (0.0, 0.001, 0.05, "int8")
+    assert keys("fedavgm") == keys("dgc") == (0.5, 0.001, 0.05, "int8")
+    assert keys("stc") == (0.0, 0.0025, 0.0025, "ternary")
+    assert keys("stc", server_momentum=0.3, density="") == (0.3, 0.0025, 0.0025, "ternary")
+    stc = RunConfig.from_flat({"method": "stc", "downlink_values": "float16"})
+    dgc = stc.with_overrides({"method": "dgc"})
+    assert (dgc.server.server_momentum, dgc.train.density) == (0.5, 0.001)
+    assert dgc.server.downlink_values == "float16"  # given, not the method's
+    assert RunConfig().to_flat()["server_momentum"] == 0.5

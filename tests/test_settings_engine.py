@@ -6,6 +6,7 @@ import pytest
 
 from dgc import DGCConfig
 from dgc.errors import ConfigError
+from fedgc.methods.dgc import dgc_config
 from fedgc.settings import (
     ServerSettings,
     SettingsError,
@@ -18,7 +19,7 @@ from simulations.cli import main
 from simulations.netem.settings import NetemSettings
 
 #: Run keys that set a DGCConfig field of the same range (the name on DGCConfig's side).
-DGC_FIELDS = {"dgc.density": "density", "dgc.momentum": "momentum",
+DGC_FIELDS = {"density": "density", "dgc.momentum": "momentum",
               "dgc.dampening": "dampening", "dgc.warmup_rounds": "warmup_epochs",
               "dgc.selection": "selection", "dgc.value_dtype": "value_dtype",
               "dgc.min_sparse_numel": "min_sparse_numel"}
@@ -30,7 +31,8 @@ def test_keys_lists_every_key_with_its_part(capsys):
     listed = {line.split()[0]: line.split()[1] for line in lines}
     netem = {f.metadata["key"] for f in fields_of(NetemSettings)}
     assert len(netem) == 22 and all(listed[k] == "netem" for k in netem)
-    assert listed["dgc.density"] == "dgc" and listed["sim.engine"] == "sim"
+    assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"
+    assert listed["density"] == "client" and listed["server_momentum"] == "server"
     assert listed["lr"] == "client" and listed["rounds"] == "server"
     every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
              for f in fields_of(cls)}
@@ -59,7 +61,7 @@ def test_clip_norm_is_dgc_configs_range_plus_zero_for_off():
     check = next(f.metadata["check"] for f in fields_of(TrainSettings)
                  if f.metadata["key"] == "dgc.clip_norm")
     assert check.accepts(0.0) and not DGCConfig.check("clip_norm").accepts(0.0)
-    assert TrainSettings(clip_norm=0.0).dgc_config().clip_norm is None
+    assert dgc_config(TrainSettings(clip_norm=0.0)).clip_norm is None
     with pytest.raises(SettingsError, match=r"dgc.clip_norm = -1.0 .*\[0, inf\)"):
         TrainSettings(clip_norm=-1.0)
     with pytest.raises(ConfigError, match="clip_norm must be a number in \\(0, inf\\)"):

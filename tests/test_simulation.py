@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["run", "--set", "dgc.density=2"], ["dgc.density", "(0, 1]"]),
+    (["run", "--set", "density=2"], ["density", "(0, 1]"]),
     (["run", "--set", "rounds=-1"], ["rounds", "[1, inf)"]),
     (["run", "--set", "colour=blue"], ["unknown", "colour"]),
     (["run", "--set", "rounds"], ["key=value", "rounds"]),
@@ -33,7 +33,7 @@ def test_bad_config_stops_with_key_and_range(argv, words, capsys):
 
 
 def test_parse_sets():
-    assert parse_sets(["a=1", "dgc.density = 0.1", "s=x=y"]) == {"a": "1", "dgc.density": "0.1",
+    assert parse_sets(["a=1", "density = 0.1", "s=x=y"]) == {"a": "1", "density": "0.1",
                                                               "s": "x=y"}
 
 
@@ -54,12 +54,19 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     # The dense baseline is the dense fp32 update on the same wire: dense sends exactly that.
     assert m["dense"]["uplink_compression"] == pytest.approx(1.0)
     assert m["dense"]["uplink_bytes"] == m["dense"]["dense_uplink_bytes"]
-    # The methods run the same scenario: their recorded configs differ in method and folder only.
+    # The methods run the same scenario: their recorded configs differ in method and folder,
+    # and in the keys each method sets its own default for.
     per_method = {name: dict(s["config"]) for name, s in m.items()}
-    for cfg in per_method.values():
+    own = {}
+    for name, cfg in per_method.items():
         for k in ("method", "run_name", "results_dir", "state_dir"):
             cfg.pop(k, None)
+        own[name] = {k: cfg.pop(k) for k in ("server_lr", "server_momentum", "density",
+                                              "downlink_density", "downlink_values")}
     assert all(cfg == per_method["dense"] for cfg in per_method.values())
+    assert own["dgc"]["server_momentum"] == own["fedavgm"]["server_momentum"] == 0.5
+    assert own["dense"]["server_momentum"] == own["stc"]["server_momentum"] == 0.0
+    assert own["stc"]["density"] == 0.0025 and own["dgc"]["density"] == 0.001
     # ... and the same clients, sampled by the run's seed whatever the method.
     sampled = {name: [(r["round"], r["client_key"]) for r in
                       csv.DictReader((tmp_path / "cmp" / name / "clients.csv").open())]
@@ -92,7 +99,7 @@ def test_flower_simulation_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "simulations", "run", "--set", f"results_dir={tmp_path}",
            "--set", "run_name=e2e", "--set", "task=digits", "--set", "num_clients=8",
            "--set", "clients_per_round=4", "--set", "rounds=5", "--set", "lr=0.1",
-           "--set", "dgc.density=0.01", "--set", "dgc.warmup_rounds=2",
+           "--set", "density=0.01", "--set", "dgc.warmup_rounds=2",
            "--set", "sim.cpus_per_client=1"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

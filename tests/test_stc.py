@@ -12,6 +12,7 @@ import torch
 import dgc
 from dgc.stc import STC_DENSITY, STCCompressor, stc_config
 from fedgc import protocol as P
+from fedgc.methods import get
 from fedgc.settings import RunConfig
 from server.downlink import Downlink, copy_model
 
@@ -22,17 +23,17 @@ def _grads(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_settings_build_stc_as_its_paper_has_it():
-    """method = stc: exact top-k at stc.density (1/400), ternary, error feedback, no momentum,
-    masking, clipping or warm-up; every tensor sparsified."""
-    comp = RunConfig.from_flat({"method": "stc"}).train.compressor()
+    """method = stc: exact top-k at its density (1/400 by default), ternary, error feedback, no
+    momentum, masking, clipping or warm-up; every tensor sparsified."""
+    comp = get("stc").compressor(RunConfig.from_flat({"method": "stc"}).train, 0)
     assert isinstance(comp, STCCompressor)
     c = comp.config
     assert c.density == STC_DENSITY == 0.0025 and c.selection == "exact" and c.ternary
     assert c.error_feedback and c.momentum == 0 and not c.momentum_correction
     assert not c.momentum_masking and c.clip_norm is None and c.density_at(0.0) == c.density
     assert not comp.is_dense_tensor((10,)) and not comp.is_dense_tensor((2, 2))
-    assert RunConfig.from_flat({"method": "stc", "stc.density": 0.01}).train \
-        .compressor().config.density == 0.01
+    assert get("stc").compressor(RunConfig.from_flat({"method": "stc", "density": 0.01}).train,
+                                 0).config.density == 0.01
 
 
 def test_sent_values_are_plus_or_minus_the_mean_of_the_kept_magnitudes():
@@ -147,23 +148,25 @@ def test_ternary_broadcast_keeps_on_the_server_what_it_did_not_send():
         assert all(torch.equal(rebuilt[k], down.sent_model[k]) for k in model)
 
 
-@pytest.mark.parametrize("method, downlink", [
-    ("dense", (1.0, "int8")), ("fedavgm", (1.0, "int8")), ("topk", (0.3, "int8")),
-    ("stc", (0.0025, "ternary")), ("dgc", (0.3, "int8"))])
-def test_each_method_gets_its_downlink(method, downlink):
-    """The dense family always broadcasts the exact model; stc its ternary broadcast at
-    stc.downlink_density, whatever downlink_density and downlink_values say."""
+@pytest.mark.parametrize("method, default, given", [
+    ("dense", (1.0, "int8"), (1.0, "float16")), ("fedavgm", (1.0, "int8"), (1.0, "float16")),
+    ("topk", (0.05, "int8"), (0.3, "float16")), ("stc", (0.0025, "ternary"), (0.3, "float16")),
+    ("dgc", (0.05, "int8"), (0.3, "float16"))])
+def test_each_method_gets_its_downlink(method, default, given):
+    """The dense family always broadcasts the exact model; stc its ternary broadcast at 1/400
+    by default; a downlink_density or downlink_values given applies to the others."""
     from server.strategy import DGCStrategy
 
-    args = DGCStrategy.arguments(RunConfig.from_flat({"method": method,
-                                                      "downlink_density": 0.3}))
-    assert (args["downlink_density"], args["downlink_values"]) == downlink
+    for keys, want in (({}, default), ({"downlink_density": 0.3, "downlink_values": "float16"},
+                                       given)):
+        s = DGCStrategy(RunConfig.from_flat({"method": method, **keys}))
+        assert (s.downlink.density, s.downlink.values) == want
 
 
 @pytest.mark.parametrize("density", [0.0, 1.5])
 def test_stc_densities_out_of_range_are_named(density):
     from fedgc.settings import SettingsError
 
-    for key in ("stc.density", "stc.downlink_density"):
+    for key in ("density", "downlink_density"):
         with pytest.raises(SettingsError, match=rf"{key}.*\(0, 1\]"):
-            RunConfig.from_flat({key: density})
+            RunConfig.from_flat({"method": "stc", key: density})

@@ -15,9 +15,10 @@ from server.local_grid import LocalGrid
 from server.preflight import PreflightError
 from server.records import RoundRecord
 from server.tensorboard import EVENTS_DIR, RoundWriter, scalars
+from simulations.netem.strategy import NetemColumns
 
 BASE = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition": "iid",
-        "dgc.density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3,
+        "density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3,
         "sim.engine": "local"}
 
 
@@ -70,7 +71,9 @@ def test_scalars_leave_out_what_a_round_lacks_and_add_the_emulators_clock():
                     [RoundRecord(round=0, uplink_bytes=1_000_000)])
     assert "eval/accuracy" not in plain and "traffic/uplink_compression" in plain
     assert plain["traffic/cumulative_total_MB"] == pytest.approx(6.0)
-    emulated = scalars(RoundRecord(round=1, virtual_seconds=12.5, dropped_deadline=2))
+    emulated = scalars(RoundRecord(round=1, extra={"virtual_seconds": 12.5,
+                                                   "dropped_deadline": 2}),
+                       columns=NetemColumns.columns)
     assert emulated["time/virtual_seconds"] == 12.5
     assert emulated["clients/dropped_deadline"] == 2.0
 

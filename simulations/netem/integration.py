@@ -55,13 +55,7 @@ def strategy_factory(netem: NetemSettings) -> Callable[..., Any]:
     """A DGCStrategy-compatible constructor that builds :class:`NetemStrategy` for ``netem``."""
     from simulations.netem.strategy import NetemStrategy
 
-    def make(**kwargs: Any) -> NetemStrategy:
-        if kwargs.get("run_config") is not None:
-            # The scenario is part of what a resumed run must keep (its checkpoint checks it);
-            # the target accuracy only reports.
-            scenario = {k: v for k, v in netem.to_config().items()
-                        if k != PREFIX + "target_accuracy"}
-            kwargs["run_config"] = {**kwargs["run_config"], **scenario}
-        return NetemStrategy(netem=netem, target_accuracy=netem.target_accuracy, **kwargs)
+    def make(*args: Any, **kwargs: Any) -> NetemStrategy:
+        return NetemStrategy(*args, netem=netem, target_accuracy=netem.target_accuracy, **kwargs)
 
     return make

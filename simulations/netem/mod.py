@@ -31,7 +31,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
-from client.app import client_key, settings_from, state_root
+from client.app import client_key, method_of, settings_from, state_root
 from client.state import ClientState, ClientStateStore, StateCorruptError
 from fedgc.protocol import ACK_SEQUENCE, NUM_EXAMPLES
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
@@ -197,9 +197,10 @@ def _age_residual(config: dict, context: Context, key: int, round_index: int,
     if state is None:
         return None
     record = state.to_record()
+    method = method_of(train, config)
     report = apply_stale_policy_to_record(record, round_index,
                                           int(config.get(ACK_SEQUENCE, -1)), settings.stale,
-                                          make_compressor=train.compressor)
+                                          lambda: method.compressor(train, key), method, train)
     if report is not None:
         store.save(str(key), ClientState.from_record(record, f"client state {key}"))
     return report

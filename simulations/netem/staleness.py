@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-import dgc
 from client.state import fold_back_pending
 from dgc import Compressor, DGCCompressor, DGCConfig, StateError
 from dgc.wire import MAX_NUMEL
+from fedgc.methods import Bound
+from fedgc.methods.dgc import DGC
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
 
@@ -100,12 +101,13 @@ def apply_stale_policy(compressor: Compressor, rounds_away: int,
 def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_sequence: int,
                                  policy: StalePolicy,
                                  make_compressor: Callable[[], Compressor] | None = None,
-                                 ) -> StaleReport | None:
+                                 method: Any = None, train: Any = None) -> StaleReport | None:
     """Apply ``policy`` to a client's stored record (``client.app``'s format), in place.
 
-    ``make_compressor`` builds an empty compressor of the client's kind (the client's
-    ``TrainSettings.compressor``); without it the record must hold a plain
-    ``DGCCompressor.state_dict()``, whose config it carries.
+    ``make_compressor`` builds an empty compressor of the client's kind (its method's
+    ``compressor``); without it the record must hold a plain ``DGCCompressor.state_dict()``,
+    whose config it carries. ``method`` and ``train`` read the stored payload (default: DGC's
+    format, :func:`client.state.fold_back_pending`).
     The record holds ``compressor`` (the compressor's ``state_dict()``) and ``pending`` (the
     encoded last update, a uint8 tensor; with the shared sign channel also ``pending_shared``
     and ``pending_mask``). The client was last trained in round
@@ -117,7 +119,9 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     if policy.mode == "keep" or "compressor" not in record or record.get("pending") is None:
         return None
     # The client's own bytes, from its own store: bounded by the format alone.
-    pending = dgc.decode(bytes(record["pending"].numpy().tobytes()), max_numel=MAX_NUMEL)
+    method = DGC() if method is None else method
+    pending = method.codec(train).decode(bytes(record["pending"].numpy().tobytes()),
+                                         Bound({}, limit=MAX_NUMEL))
     rounds_away = max(0, round_index - pending.sequence - 1)
     if policy.factor(rounds_away) == 1.0:
         return None
@@ -129,7 +133,7 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
         raise StateError("the stored compressor state carries no config; pass make_compressor")
     compressor.load_state_dict(record["compressor"])
     fold_back_pending(compressor, record, ack_sequence,
-                      {n: v.numel() for n, v in compressor.residual().items()})
+                      {n: (v.numel(),) for n, v in compressor.residual().items()}, method, train)
     report = apply_stale_policy(compressor, rounds_away, policy)
     record["compressor"] = compressor.state_dict()
     for key in ("pending", "pending_shared", "pending_mask"):

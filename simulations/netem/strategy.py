@@ -11,7 +11,10 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    acknowledges the aggregated updates; every other client is not acknowledged and folds its
    update back into its residual at its next round (no gradient mass is lost);
 4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
-   and advances the virtual clock to the round's close.
+   (:class:`NetemColumns`), and the payload and link bytes with their ratios to dense, joules
+   and the round's time split (:class:`~simulations.netem.wire_columns.WireColumns`), through
+   the server's extension point (:mod:`server.extensions`), and advances the virtual clock to
+   the round's close (plus the server's own time, with ``netem.protocol``).
 """
 
 from __future__ import annotations
@@ -27,19 +30,81 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedgc import protocol as P
+from server.extensions import Added, Column, RoundExtension
 from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 from server.strategy import DGCStrategy
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
-from simulations.netem.energy import LINK_RADIO, RadioPowerModel, Transfer, radio_energy
-from simulations.netem.mod import reply_metrics, timeline_from_reply
-from simulations.netem.protocol import ProtocolModel
-from simulations.netem.settings import (
-    ROUND_KEY,
-    ROUND_START_KEY,
-    NetemSettings,
-    parse_fractions,
-)
+from simulations.netem.mod import timeline_from_reply
+from simulations.netem.settings import PREFIX, ROUND_KEY, ROUND_START_KEY, NetemSettings
+from simulations.netem.wire_columns import WireColumns
+
+
+class NetemColumns(RoundExtension):
+    """The emulator's columns: each round's virtual time and the clients its clock dropped, by
+    cause (``rounds.csv``, TensorBoard, the progress line, ``summary.json``)."""
+
+    columns = (Column("virtual_seconds", "time/virtual_seconds", "virtual {:6.1f}s"),
+               Column("dropped_deadline", "clients/dropped_deadline"),
+               Column("dropped_link", "clients/dropped_link"),
+               Column("dropped_rejected", "clients/dropped_rejected"))
+
+    def __init__(self, strategy: NetemStrategy) -> None:
+        self.strategy = strategy
+
+    def after_round(self, record: RoundRecord, rows: list[ClientRow]) -> Added:
+        """Mark the clients the clock dropped, and add the round's virtual time and drops.
+
+        A straggler (in time, but after the K-th arrival closed the round) is over-selection
+        doing its job: its row reads ``surplus`` (reason ``straggler``) and it is not counted
+        as failed. Every other drop is a failure: ``dropped`` with its cause.
+        """
+        outcome = self.strategy.outcomes[record.round]
+        rejected = self.strategy.rejected_finish
+        for row in rows:
+            why = outcome.dropped.get(row.client_key)
+            late = rejected.get(row.client_key, -math.inf) > outcome.end_s
+            if why == REASON_STRAGGLER:
+                if row.status == "timeout":  # the base strategy saw no reply from it
+                    record.clients_failed -= 1
+                row.status, row.reason = "surplus", why
+            elif why is not None:
+                row.status, row.reason = "dropped", why
+            elif late:
+                row.status, row.reason = "dropped", "deadline"
+        return Added({
+            "virtual_seconds": outcome.virtual_seconds + self.strategy.server_s,
+            "dropped_deadline": outcome.dropped_deadline + sum(
+                t > outcome.end_s for t in rejected.values()),
+            "dropped_link": outcome.dropped_link,
+            "dropped_rejected": sum(t <= outcome.end_s for t in rejected.values())})
+
+    def summary(self, rounds: Any) -> dict[str, Any]:
+        """The emulator's keys of ``summary.json``."""
+        def total(name: str) -> float:
+            return sum(r.extra.get(name, 0) for r in rounds)
+
+        target = self.strategy.target_accuracy
+        to_target: float | None = None
+        if target > 0:
+            elapsed = 0.0
+            for r in rounds:
+                elapsed += r.extra.get("virtual_seconds", 0.0)
+                if math.isfinite(r.accuracy) and r.accuracy >= target:
+                    to_target = elapsed
+                    break
+        return {"virtual_seconds": total("virtual_seconds"),
+                "virtual_seconds_to_target": to_target, "target_accuracy": target or None,
+                "dropped_deadline": total("dropped_deadline"),
+                "dropped_link": total("dropped_link"),
+                "dropped_rejected": total("dropped_rejected"),
+                "netem": self.strategy.netem.to_config()}
+
+    def run_config(self) -> dict[str, Any]:
+        """The scenario: part of what a resumed run must keep (the target accuracy only
+        reports)."""
+        return {k: v for k, v in self.strategy.netem.to_config().items()
+                if k != PREFIX + "target_accuracy"}
 
 
 class NetemStrategy(DGCStrategy):
@@ -52,14 +117,16 @@ class NetemStrategy(DGCStrategy):
     target_accuracy : float (default: 0.0)
         When > 0, the summary reports the virtual seconds until the global model first reached
         it (``virtual_seconds_to_target``).
-    **kwargs
-        Everything :class:`server.strategy.DGCStrategy` takes (``clients_per_round``,
-        ``over_selection``, ...).
+    *args, **kwargs
+        What :class:`server.strategy.DGCStrategy` takes (``settings``, ``method``,
+        ``on_round``, ``extensions``).
     """
 
     def __init__(self, *args: Any, netem: NetemSettings, target_accuracy: float = 0.0,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.wire = WireColumns(self)
+        self.extensions += [NetemColumns(self), self.wire]
         if not isinstance(netem, NetemSettings):
             raise TypeError(f"netem must be NetemSettings, got {type(netem).__name__}")
         if not (isinstance(target_accuracy, (int, float)) and 0.0 <= target_accuracy <= 1.0):
@@ -69,11 +136,15 @@ class NetemStrategy(DGCStrategy):
         self.clock = RoundClock(self.clients_per_round, netem.deadline, self.over_selection)
         self.virtual_now_s = 0.0
         self.outcomes: dict[int, RoundOutcome] = {}
-        #: Per round: the protocol's and the radio's totals over the clients that worked
-        #: (:data:`WIRE_KEYS`), and the idle nodes' bytes and joules.
-        self.wire_rounds: dict[int, dict[str, float]] = {}
         # This round's replies that failed validation: client key -> when they finished.
-        self._rejected_finish: dict[int, float] = {}
+        self.rejected_finish: dict[int, float] = {}
+
+    @property
+    def server_s(self) -> float:
+        """The server's own seconds between rounds, as the protocol's calibration measured
+        them (0 without ``netem.protocol``)."""
+        proto = self.netem.protocol_model()
+        return proto.server_s if proto is not None else 0.0
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
@@ -131,13 +202,11 @@ class NetemStrategy(DGCStrategy):
                 valid[tl.client_id] = c
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
-        proto = self.netem.protocol_model()
-        server_s = proto.server_s if proto is not None else 0.0
-        self.wire_rounds[server_round] = self._wire_round(
-            [m for m, _ in arrived], outcome.virtual_seconds + server_s)
+        self.wire.take(server_round, [(tl.client_id, m) for m, tl in arrived],
+                       outcome.virtual_seconds + self.server_s)
         in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
         self.outcomes[server_round] = outcome
-        self._rejected_finish = {k: t for k, (_, t) in rejected.items()}
+        self.rejected_finish = {k: t for k, (_, t) in rejected.items()}
         # A client that replied with an update (even too late, or cut on the uplink) trained on
         # the model sent this round, so it holds that version: the download completed, which
         # the server's side of the transfer knows. Later patches may build on it.
@@ -146,174 +215,19 @@ class NetemStrategy(DGCStrategy):
         arrays, metrics = self.aggregate_checked(server_round, forwarded, processed=computed)
         # The server's own work between rounds (aggregation, evaluation, scheduling), as the
         # protocol's calibration measured it.
-        self.virtual_now_s = outcome.end_s + server_s
-        if metrics is not None:
-            metrics["virtual_seconds"] = outcome.virtual_seconds + server_s
-        record = self.round_record
+        self.virtual_now_s = outcome.end_s + self.server_s
+        added = self.round_record.extra
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
-            "rejected", server_round, outcome.virtual_seconds, record.dropped_deadline,
-            record.dropped_link, record.dropped_rejected)
+            "rejected", server_round, outcome.virtual_seconds, added["dropped_deadline"],
+            added["dropped_link"], added["dropped_rejected"])
         return arrays, metrics
 
-    def close_round(self, record: RoundRecord, rows: list[ClientRow]) -> None:
-        """Mark the clients the clock dropped, and record the round's virtual time.
-
-        A straggler (in time, but after the K-th arrival closed the round) is over-selection
-        doing its job: its row reads ``surplus`` (reason ``straggler``) and it is not counted
-        as failed. Every other drop is a failure: ``dropped`` with its cause.
-        """
-        outcome = self.outcomes[record.round]
-        for row in rows:
-            why = outcome.dropped.get(row.client_key)
-            late = self._rejected_finish.get(row.client_key, -math.inf) > outcome.end_s
-            if why == REASON_STRAGGLER:
-                if row.status == "timeout":  # the base strategy saw no reply from it
-                    record.clients_failed -= 1
-                row.status, row.reason = "surplus", why
-            elif why is not None:
-                row.status, row.reason = "dropped", why
-            elif late:
-                row.status, row.reason = "dropped", "deadline"
-        proto = self.netem.protocol_model()
-        record.virtual_seconds = outcome.virtual_seconds + (
-            proto.server_s if proto is not None else 0.0)
-        record.dropped_deadline = outcome.dropped_deadline + sum(
-            t > outcome.end_s for t in self._rejected_finish.values())
-        record.dropped_link = outcome.dropped_link
-        record.dropped_rejected = sum(t <= outcome.end_s for t in self._rejected_finish.values())
-
-    def _wire_round(self, replies: list[Message], round_s: float) -> dict[str, float]:
-        """Totals of one round: what the clients that worked moved and spent (from their
-        ``netem`` records), and what every other online node's idle traffic cost meanwhile."""
-        out = dict.fromkeys(WIRE_KEYS, 0.0)
-        busy_s = 0.0
-        last: dict[str, float] = {}
-        for msg in replies:
-            values = reply_metrics(msg)
-            out["client_rounds"] += 1
-            for key in WIRE_KEYS[1:]:
-                out[key] += values.get(key, 0.0)
-            busy_s += values.get("transfer_s", 0.0) + values.get("compute_s", 0.0)
-            if values.get("ok") and values.get("finish_s", -1.0) > last.get("finish_s", -1.0):
-                last = values
-        # The round's time split as the deployment's is measured: the client whose reply came
-        # last, and the server's own time counted as orchestration.
-        proto = self.netem.protocol_model()
-        out.update(critical_compute_s=last.get("compute_s", 0.0),
-                   critical_transfer_s=last.get("transfer_s", 0.0),
-                   critical_orchestration_s=last.get("orchestration_s", 0.0) + (
-                       proto.server_s if proto is not None else 0.0))
-        idle_node_s = max(0.0, self.netem.num_clients * round_s - busy_s)
-        up, down, joules = idle_rates(self.netem)
-        out.update(idle_up_bytes=up * idle_node_s, idle_down_bytes=down * idle_node_s,
-                   idle_j=joules * idle_node_s, round_s=round_s)
-        return out
-
-    def wire_summary(self) -> dict[str, Any]:
-        """Payload and link bytes per client-round both ways, joules per client-round, in all
-        and to the target accuracy (``summary.json``'s ``wire`` entry)."""
-        rounds = [self.wire_rounds[r.round] for r in self.rounds if r.round in self.wire_rounds]
-        n = sum(w["client_rounds"] for w in rounds)
-        total = {k: sum(w[k] for w in rounds) for k in (*WIRE_KEYS, *IDLE_KEYS)}
-        per = {k: (total[k] / n if n else None) for k in WIRE_KEYS[1:]}
-        joules = total["radio_j"] + total["compute_j"] + total["idle_j"]
-        to_target: float | None = None
-        if self.target_accuracy > 0:
-            spent = 0.0
-            for r in self.rounds:
-                w = self.wire_rounds.get(r.round)
-                if w is not None:
-                    spent += w["radio_j"] + w["compute_j"] + w["idle_j"]
-                if math.isfinite(r.accuracy) and r.accuracy >= self.target_accuracy:
-                    to_target = spent
-                    break
-        later = [w for r, w in sorted(self.wire_rounds.items()) if r > 1] or rounds
-        split = {k: (sum(w.get(f"critical_{k}_s", 0.0) for w in later) / len(later)
-                     if later else None) for k in ("compute", "transfer", "orchestration")}
-        return {"protocol": self.netem.protocol, "client_rounds": int(n),
-                # Mean over rounds after the first (a deployment's first carries start-up).
-                "round_split_s": split,
-                **{f"{k}_per_client_round": v for k, v in per.items()},
-                "joules_per_client_round": ((total["radio_j"] + total["compute_j"]) / n
-                                            if n else None),
-                "idle_joules": total["idle_j"], "idle_up_bytes": total["idle_up_bytes"],
-                "idle_down_bytes": total["idle_down_bytes"], "joules_total": joules,
-                "joules_to_target": to_target,
-                # Per round (until the server's records take extra columns): joules of the
-                # clients that worked and of the idle nodes, and link bytes both ways.
-                "per_round": [{"round": r, "joules": w["radio_j"] + w["compute_j"] + w["idle_j"],
-                               "link_up_bytes": w["link_up_bytes"] + w["idle_up_bytes"],
-                               "link_down_bytes": w["link_down_bytes"] + w["idle_down_bytes"]}
-                              for r, w in sorted(self.wire_rounds.items())]}
-
-    def summary_extra(self) -> dict[str, Any]:
-        """The emulator's keys of ``summary.json``."""
-        total = sum(r.virtual_seconds for r in self.rounds)
-        to_target: float | None = None
-        if self.target_accuracy > 0:
-            elapsed = 0.0
-            for r in self.rounds:
-                elapsed += r.virtual_seconds
-                if math.isfinite(r.accuracy) and r.accuracy >= self.target_accuracy:
-                    to_target = elapsed
-                    break
-        return {"virtual_seconds": total, "virtual_seconds_to_target": to_target,
-                "target_accuracy": self.target_accuracy or None,
-                "dropped_deadline": sum(r.dropped_deadline for r in self.rounds),
-                "dropped_link": sum(r.dropped_link for r in self.rounds),
-                "dropped_rejected": sum(r.dropped_rejected for r in self.rounds),
-                "wire": self.wire_summary(),
-                "netem": self.netem.to_config()}
-
     def state_dict(self) -> dict[str, Any]:
-        """DGCStrategy's state plus the virtual clock and the rounds' wire totals."""
-        return {**super().state_dict(), "virtual_now_s": self.virtual_now_s,
-                "wire_rounds": {int(k): dict(v) for k, v in self.wire_rounds.items()}}
+        """DGCStrategy's state plus the virtual clock."""
+        return {**super().state_dict(), "virtual_now_s": self.virtual_now_s}
 
     def load_state_dict(self, state: Any) -> None:
         """Continue from :meth:`state_dict`, virtual clock included."""
         super().load_state_dict(state)
         self.virtual_now_s = float(state.get("virtual_now_s", 0.0))
-        self.wire_rounds = {int(k): dict(v) for k, v in state.get("wire_rounds", {}).items()}
 
-
-#: Per-round sums of the clients' ``netem`` records (``client_rounds`` counts them).
-WIRE_KEYS = ("client_rounds", "payload_up_bytes", "payload_down_bytes", "link_up_bytes",
-             "link_down_bytes", "transfer_s", "orchestration_s", "radio_j", "compute_j")
-IDLE_KEYS = ("idle_up_bytes", "idle_down_bytes", "idle_j")
-
-
-def idle_rates(netem: NetemSettings) -> tuple[float, float, float]:
-    """An online idle node's bytes per second up and down, and its radio's watts (averaged over
-    the scenario's link mix), from the protocol's polls and heartbeats."""
-    proto = netem.protocol_model()
-    if proto is None:
-        return 0.0, 0.0, 0.0
-    up, down = proto.idle_bytes(1.0)
-    models = netem.power_models()
-    watts = 0.0
-    for link, fraction in parse_fractions(netem.mix, "mix").items():
-        radio = LINK_RADIO.get(link)
-        if radio is not None and radio in models:
-            watts += fraction * idle_watts(models[radio], proto)
-    return up, down, watts
-
-
-def idle_watts(model: RadioPowerModel, proto: ProtocolModel, span_s: float = 3600.0) -> float:
-    """Mean radio power of an idle node over an hour of its polls and heartbeats (each a
-    transfer lasting one round trip's worth of bytes at no more than 1 Mbit/s)."""
-    transfers = []
-    for interval, up, down in ((proto.poll_interval_s, proto.poll_bytes_up,
-                                proto.poll_bytes_down),
-                               (proto.heartbeat_interval_s, proto.heartbeat_bytes_up,
-                                proto.heartbeat_bytes_down)):
-        if interval <= 0:
-            continue
-        duration = max(0.05, 8.0 * (up + down) / 1e6)
-        t = interval
-        while t < span_s:
-            transfers.append(Transfer(t, t + duration, up_bytes=int(up), down_bytes=int(down)))
-            t += interval
-    if not transfers:
-        return 0.0
-    return radio_energy(model, transfers, until_s=span_s, warm=True).total_j / span_s

@@ -1,0 +1,32 @@
+"""``dense``: every entry of the pseudo-gradient in float32, FedAvg (McMahan et al., 2017).
+
+The baseline of every compression ratio: its clients always get the exact global model
+(``downlink_density`` does not apply) and keep nothing between rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedgc.methods.base import DownlinkPolicy, Method
+from fedgc.methods.registry import register
+
+__all__ = ["Dense"]
+
+
+class Dense(Method):
+    """Dense float32 updates and the exact model both ways (module docstring)."""
+
+    name = "dense"
+    order = 0
+    description = "every entry, fp32; clients are always sent the exact model"
+    baseline = True
+
+    def uplink_density(self, train: Any) -> float:
+        return 1.0
+
+    def downlink(self, config: Any) -> DownlinkPolicy:
+        return DownlinkPolicy(1.0, config.server.downlink_values)
+
+
+register(Dense())

@@ -1,0 +1,43 @@
+"""``stc``: Sparse Ternary Compression both ways (Sattler et al., IEEE TNNLS 2019).
+
+Clients send the top ``density`` fraction of every tensor (biases too) of their residual plus
+pseudo-gradient as ``sign * mean magnitude`` (:class:`dgc.stc.STCCompressor`), one sign bit each
+on the wire, and keep the rest; the server broadcasts ternary steps of ``downlink_density``
+(``downlink_values = ternary``, ``server/downlink.py``). Its defaults are the paper's: 1/400
+both ways. docs/methods.md sets them beside the reference code's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dgc import Compressor
+from dgc.stc import STC_DENSITY, STCCompressor, stc_config
+from fedgc.methods.base import Method
+from fedgc.methods.payloads import Codec, SparseCodec
+from fedgc.methods.registry import register
+
+__all__ = ["STC"]
+
+
+class STC(Method):
+    """Sparse ternary compression of both directions (module docstring)."""
+
+    name = "stc"
+    order = 30
+    description = ("top-k at `density` of every tensor as sign * mean magnitude, one bit each; "
+                   "a ternary broadcast down")
+    keeps_residual = True
+    prefix = "dgc"
+    defaults = {"density": STC_DENSITY, "downlink_density": STC_DENSITY,
+                "downlink_values": "ternary"}
+
+    def compressor(self, train: Any, client_key: int) -> Compressor:
+        # One density for every tensor, as STC has; the scale's precision is dgc.value_dtype.
+        return STCCompressor(stc_config(train.density, train.value_dtype))
+
+    def codec(self, train: Any) -> Codec:
+        return SparseCodec(sign_coding=True)  # ternary whatever dgc.ternary says
+
+
+register(STC())
