@@ -49,15 +49,33 @@ def _fmt(x: Any, spec: str) -> str:
 # (header, summary key, format, scale). "x dense" is the ratio to dense FedAvg: the dense run of
 # the same comparison where there is one (<dir>_vs_dense), else the run's own <dir>_compression
 # (dense fp32 for the same messages); both are dense bytes over the method's.
+# "uplink MB" and the like are fedgc's payload; "wire ..." what the links carried for it
+# (runs under the network emulator, whose protocol model adds Flower's messages, HTTP, TLS and
+# TCP/IP: simulations.netem.wire_columns), shown when a run has them, with joules.
 _COLUMNS = (("final acc", "final_accuracy", ".4f", 1.0),
             ("last10 acc", "last10_accuracy", ".4f", 1.0),
             ("uplink MB", "uplink_bytes", ".3f", 1e-6), ("x dense", "uplink", ".1f", 1.0),
             ("downlink MB", "downlink_bytes", ".2f", 1e-6), ("x dense", "downlink", ".1f", 1.0),
             ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0))
+_WIRE_COLUMNS = (("wire up MB", "wire_uplink_bytes", ".3f", 1e-6),
+                 ("x dense", "wire_uplink", ".1f", 1.0),
+                 ("wire down MB", "wire_downlink_bytes", ".2f", 1e-6),
+                 ("x dense", "wire_downlink", ".1f", 1.0),
+                 ("wire total MB", "wire_total_bytes", ".2f", 1e-6),
+                 ("x dense", "wire_total", ".1f", 1.0),
+                 ("J/client-round", "joules_per_client_round", ".1f", 1.0),
+                 ("J to target", "joules_to_target", ".0f", 1.0))
+_RATIOS = ("uplink", "downlink", "total", "wire_uplink", "wire_downlink", "wire_total")
+
+
+def _columns(summaries: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str, str, float], ...]:
+    """The table's columns: the payload's, and the wire's and joules where a run has them."""
+    wire = any("wire_uplink_bytes" in s for s in summaries)
+    return _COLUMNS + (_WIRE_COLUMNS if wire else ())
 
 
 def _key(s: Mapping[str, Any], key: str) -> str:
-    if key in ("uplink", "downlink", "total"):
+    if key in _RATIOS:
         return f"{key}_vs_dense" if f"{key}_vs_dense" in s else f"{key}_compression"
     return key
 
@@ -78,9 +96,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """A plain-text table of the headline numbers of one or more runs (method -> summary)."""
-    head = ["method", *(c[0] for c in _COLUMNS), "failed", "wall s"]
+    columns = _columns(list(summaries.values()))
+    head = ["method", *(c[0] for c in columns), "failed", "wall s"]
     rows = [[name, *(_fmt(_scaled(s.get(_key(s, key)), scale), spec)
-                     for _, key, spec, scale in _COLUMNS),
+                     for _, key, spec, scale in columns),
              str(s.get("clients_failed", 0)), _fmt(s.get("wall_seconds"), ".1f")]
             for name, s in summaries.items()]
     return _table(head, rows)
@@ -88,12 +107,13 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 def seeds_table(doc: Mapping[str, Any]) -> str:
     """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds."""
-    head = ["method", "seeds", *(c[0] for c in _COLUMNS)]
+    columns = _columns([agg["mean"] for agg in doc["methods"].values()])
+    head = ["method", "seeds", *(c[0] for c in columns)]
     rows = []
     for name, agg in doc["methods"].items():
         mean, std = agg["mean"], agg["std"]
         cells = []
-        for _, key, spec, scale in _COLUMNS:
+        for _, key, spec, scale in columns:
             k = _key(mean, key)
             m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
             cells.append(m if d == "-" else f"{m} +- {d}")

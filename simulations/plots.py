@@ -10,6 +10,7 @@ shared with the network emulator's report (``simulations.netem.report``).
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -127,15 +128,23 @@ def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") 
     return save(runs_figure(runs, title), out)
 
 
+def _recorded(rows: Sequence[Mapping[str, float]], column: str) -> bool:
+    return bool(rows) and all(math.isfinite(r.get(column, math.nan)) for r in rows)
+
+
 def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
-    """One figure for several runs (name -> run folder), three panels: accuracy against
-    cumulative total MB (uplink + downlink), accuracy against cumulative uplink MB, and the
-    MB of each round both ways (uplink solid, downlink dashed). ``title`` defaults to
-    :func:`scenario_title`."""
-    fig, (ax_total, ax_up, ax_bytes) = plt.subplots(1, 3, figsize=(17, 5))
+    """One figure for several runs (name -> run folder): accuracy against cumulative total MB
+    (uplink + downlink), accuracy against cumulative uplink MB, and the MB of each round both
+    ways (uplink solid, downlink dashed), all as fedgc's payload. Runs under the network
+    emulator add the link's bytes (dotted in the panels above: Flower's protocol, HTTP, TLS and
+    TCP/IP with ``netem.protocol``) and a panel of accuracy against cumulative joules.
+    ``title`` defaults to :func:`scenario_title`."""
+    loaded = [read_rounds(Path(d)) for d in runs.values()]
+    wire = any(_recorded(rows, "wire_uplink_bytes") for rows in loaded)
+    fig, axes = plt.subplots(1, 4 if wire else 3, figsize=(22 if wire else 17, 5))
+    ax_total, ax_up, ax_bytes = axes[:3]
     handles = []
-    for i, run_dir in enumerate(runs.values()):
-        rows = read_rounds(Path(run_dir))
+    for i, rows in enumerate(loaded):
         color, acc = f"C{i}", [r["accuracy"] for r in rows]
         marker = "." if len(rows) <= 50 else None  # a dot per round, while they stay apart
         (line,) = ax_total.plot(_cumulative_mb(rows, "uplink_bytes", "downlink_bytes"), acc,
@@ -146,19 +155,39 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
         ax_bytes.plot(rounds, [max(r["uplink_bytes"], 1.0) for r in rows], color=color)
         ax_bytes.plot(rounds, [max(r["downlink_bytes"], 1.0) for r in rows], color=color,
                       linestyle="--")
+        if _recorded(rows, "wire_uplink_bytes"):
+            ax_total.plot(_cumulative_mb(rows, "wire_uplink_bytes", "wire_downlink_bytes"), acc,
+                          color=color, linestyle=":")
+            ax_up.plot(_cumulative_mb(rows, "wire_uplink_bytes"), acc, color=color,
+                       linestyle=":")
+            ax_bytes.plot(rounds, [max(r["wire_uplink_bytes"], 1.0) for r in rows],
+                          color=color, linestyle=":")
+        if wire and _recorded(rows, "joules"):
+            joules = np.cumsum([r["joules"] + (r["idle_joules"] if math.isfinite(
+                r.get("idle_joules", math.nan)) else 0.0) for r in rows])
+            axes[3].plot(joules, acc, marker=marker, color=color)
         handles.append(line)
     readable_log(ax_total, "x")
+    dotted = " (dotted: on the wire)" if wire else ""
     ax_total.set(xlabel="cumulative total traffic, uplink + downlink (MB)",
-                 ylabel="test accuracy", title="accuracy vs total traffic")
+                 ylabel="test accuracy", title="accuracy vs total traffic" + dotted)
     readable_log(ax_up, "x")
     ax_up.set(xlabel="cumulative uplink (MB)", ylabel="test accuracy",
-              title="accuracy vs uplink")
+              title="accuracy vs uplink" + dotted)
     readable_log(ax_bytes, "y", unit="B")
     integer_rounds(ax_bytes)
     ax_bytes.set(xlabel="round", ylabel="bytes per round", title="traffic per round")
-    ax_bytes.legend([Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linestyle="--")],
-                    ["uplink", "downlink"], loc="best")
-    for ax in (ax_total, ax_up, ax_bytes):
+    keys = [Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linestyle="--")]
+    names = ["payload uplink", "payload downlink"]
+    if wire:
+        keys.append(Line2D([], [], color="0.3", linestyle=":"))
+        names.append("uplink on the wire")
+    ax_bytes.legend(keys, names, loc="best")
+    if wire:
+        readable_log(axes[3], "x")
+        axes[3].set(xlabel="joules, all clients (cumulative)", ylabel="test accuracy",
+                    title="accuracy vs energy")
+    for ax in axes:
         ax.grid(True, which="major", alpha=0.3)
     labels = [_label(d, name) for name, d in runs.items()]
     legend_below(fig, handles, labels)

@@ -17,12 +17,14 @@ first, whose start-up the emulator does not model).
 
 from __future__ import annotations
 
+import csv
 import json
 import statistics
 from pathlib import Path
 
 import pytest
 
+from server.results import read_rounds
 from simulations.cli import main
 from simulations.netem.protocol import load_protocols, message_objects
 
@@ -31,6 +33,11 @@ FIXTURES = Path(__file__).parent / "fixtures" / "wire"
 CASES = [("dgc", "lte"), pytest.param("dense", "lte", marks=pytest.mark.slow),
          pytest.param("dgc", "3g", marks=pytest.mark.slow),
          pytest.param("dense", "3g", marks=pytest.mark.slow)]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
 
 
 def _fixture(method: str, link: str) -> dict:
@@ -47,7 +54,8 @@ def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, met
             f"results_dir={tmp_path}", "--set", "run_name=emu", "--set", "netem.enabled=true",
             "--set", f"netem.mix={link}:1.0", "--set", "netem.protocol=supernode-tls"]
     assert main(argv) == 0
-    wire = json.loads((tmp_path / "emu" / "summary.json").read_text())["wire"]
+    summary = json.loads((tmp_path / "emu" / "summary.json").read_text())
+    wire = summary["wire"]
     assert wire["client_rounds"] == deployed["client_rounds"] == 6
     for d in ("up", "down"):
         captured = deployed["per_client_round"][d]
@@ -56,10 +64,36 @@ def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, met
         on_link = sum(captured.values())
         emulated = wire[f"link_{d}_bytes_per_client_round"]
         assert abs(emulated / on_link - 1) <= 0.10, (d, emulated, on_link)
+    _check_the_columns_add_up(tmp_path / "emu", summary, method)
     later = [r for r in deployed["rounds"] if r["round"] > 1]
     orchestration = statistics.fmean(r["orchestration_s"] for r in later)
     emulated = wire["round_split_s"]["orchestration"]
     assert abs(emulated / orchestration - 1) <= 0.25, (emulated, orchestration)
+
+
+def _check_the_columns_add_up(run: Path, summary: dict, method: str) -> None:
+    """rounds.csv's wire columns are the sums of clients.csv's, summary.json's their totals,
+    each ratio the dense bytes over the method's; joules were spent."""
+    rounds, clients = read_rounds(run), read_csv(run / "clients.csv")
+    for d in ("uplink", "downlink"):
+        for r in rounds:
+            mine = [c for c in clients if int(c["round"]) == r["round"]]
+            assert r[f"wire_{d}_bytes"] == sum(int(c[f"wire_{d}_bytes"]) for c in mine) > 0
+            assert r[f"wire_{d}_compression"] == pytest.approx(
+                r[f"dense_wire_{d}_bytes"] / r[f"wire_{d}_bytes"])
+            assert r[f"{d}_compression"] == pytest.approx(
+                r[f"dense_{d}_bytes"] / r[f"{d}_bytes"])
+        assert summary[f"wire_{d}_bytes"] == sum(r[f"wire_{d}_bytes"] for r in rounds)
+        assert summary[f"wire_{d}_compression"] == pytest.approx(
+            summary[f"dense_wire_{d}_bytes"] / summary[f"wire_{d}_bytes"])
+        # The protocol's overhead is the same for both: on the wire the ratio is smaller.
+        if method == "dgc":
+            assert 1 < summary[f"wire_{d}_compression"] < summary[f"{d}_compression"]
+    assert all(r["joules"] > 0 for r in rounds)
+    assert summary["joules_per_client_round"] == pytest.approx(
+        sum(r["joules"] for r in rounds) / summary["wire"]["client_rounds"])
+    assert summary["joules_total"] == pytest.approx(
+        sum(r["joules"] + r["idle_joules"] for r in rounds))
 
 
 def test_protocol_models_cost_what_their_parts_say() -> None:

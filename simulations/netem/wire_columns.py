@@ -151,7 +151,8 @@ class WireColumns(RoundExtension):
             return sum(float(r.extra.get(name, 0.0)) for r in rounds)
 
         n = total("client_rounds")
-        wire = {f"wire_{k}": v for k, v in traffic(
+        wire = {(f"dense_wire_{k[6:]}" if k.startswith("dense_") else f"wire_{k}"): v
+                for k, v in traffic(
             round(total("wire_uplink_bytes")), round(total("wire_downlink_bytes")),
             round(total("dense_wire_uplink_bytes")),
             round(total("dense_wire_downlink_bytes"))).items()}
@@ -183,12 +184,13 @@ class WireColumns(RoundExtension):
             "idle_joules": total("idle_joules"),
             "wire": {"protocol": self.strategy.netem.protocol, "client_rounds": int(n),
                      "round_split_s": split,
-                     "payload_up_per_client_round": per("payload_up_bytes"),
-                     "payload_down_per_client_round": per("payload_down_bytes"),
-                     "link_up_per_client_round": per("wire_uplink_bytes"),
-                     "link_down_per_client_round": per("wire_downlink_bytes"),
-                     "dense_link_up_per_client_round": per("dense_wire_uplink_bytes"),
-                     "dense_link_down_per_client_round": per("dense_wire_downlink_bytes")},
+                     **{f"{k}_per_client_round": per(c) for k, c in (
+                         ("payload_up_bytes", "payload_up_bytes"),
+                         ("payload_down_bytes", "payload_down_bytes"),
+                         ("link_up_bytes", "wire_uplink_bytes"),
+                         ("link_down_bytes", "wire_downlink_bytes"),
+                         ("dense_link_up_bytes", "dense_wire_uplink_bytes"),
+                         ("dense_link_down_bytes", "dense_wire_downlink_bytes"))}},
         }
 
     # ---- dense FedAvg on the same links --------------------------------------------------------
