@@ -62,16 +62,12 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         started = time.perf_counter()
-        config = msg.content.config_records.get(P.CONFIG)
-        if config is None:
-            raise client_module.ClientProtocolError(f"train message has no {P.CONFIG!r} "
-                                                    f"ConfigRecord")
+        config = client_module.message_config(msg.content, context)
         s = client_module.settings_from(config)
         server_round = int(config[P.SERVER_ROUND])  # type: ignore[arg-type]
         version = int(config[P.MODEL_VERSION])  # type: ignore[arg-type]
         ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
         device = device_for(context, devices)
-        key = client_module.client_key(context)
         record = held.get(device)
         # A first contact may be sent a patch on version 0 (clients_build_initial_model, a
         # default): the bridge builds version 0 from the run's seed as a ClientApp does, and
@@ -98,16 +94,12 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             base_version=-1 if base is None else base)
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
-        update = result.update
+        # The phone encoder has no shared-index channel (dgc.signs): the server aggregates a
+        # reply without signs from its top-k update alone.
         metrics = P.reply_metrics(
             num_examples=int(result.metrics.get("num-examples", 0)),
-            uplink_bytes=len(result.update_bytes), nnz=update.nnz,
-            # The phone encoder has no shared-index channel (dgc.signs): the server aggregates
-            # a reply without signs from its top-k update alone.
-            shared_entries=0, density=update.density,
             train_loss=float(result.metrics.get("train_loss", float("nan"))),
-            compute_seconds=time.perf_counter() - started, model_version=version,
-            client_key=key, sequence=server_round,
+            compute_seconds=time.perf_counter() - started,
             restored=int(result.metrics.get("restored", 0)))
         return Message(P.reply_content(result.update_bytes, metrics), reply_to=msg)
 

@@ -31,7 +31,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
-from client.app import client_key, method_of, settings_from, state_root
+from client.app import client_key, message_config, method_of, settings_from, state_root
 from client.state import ClientState, ClientStateStore, StateCorruptError
 from fedgc.protocol import ACK_SEQUENCE, NUM_EXAMPLES
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
@@ -179,12 +179,14 @@ def _early_reply(msg: Message, key: int, reason: str, end_s: float,
     return Message(RecordDict({RECORD: _record(values)}), reply_to=msg)
 
 
-def _age_residual(config: dict, context: Context, key: int, round_index: int,
+def _age_residual(msg: Message, context: Context, key: int, round_index: int,
                   settings: NetemSettings) -> StaleReport | None:
     # The client keeps its residual in client.state.ClientStateStore; the stale policy acts on
     # that state before the client loads it.
     if settings.stale_policy == "keep":
         return None
+    # The run's config as the client reads it (whole, or known by its digest).
+    config = message_config(msg.content, context)
     train = settings_from(config)
     root = state_root(train, context)
     if not root:
@@ -242,7 +244,7 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         return _early_reply(msg, key, down.reason, down.end_s, down)
     download_end = down.end_s + rtt_down
 
-    stale = _age_residual(config, context, key, round_index, settings)
+    stale = _age_residual(msg, context, key, round_index, settings)
     reply = call_next(msg, context)
     if reply.has_error() or not reply.has_content():
         return reply
