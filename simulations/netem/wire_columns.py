@@ -45,7 +45,7 @@ from simulations.netem.settings import NetemSettings, parse_fractions
 if TYPE_CHECKING:
     from simulations.netem.strategy import NetemStrategy
 
-__all__ = ["WireColumns", "idle_rates", "idle_watts"]
+__all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "WireColumns", "idle_rates", "idle_watts"]
 
 #: Records of a dense FedAvg message each way (the arrays and the config, the arrays and the
 #: metrics): the objects the protocol model charges besides the arrays.
@@ -217,6 +217,11 @@ class WireColumns(RoundExtension):
             msg, acks = proto.upload(update, objects)
             up, down = up + msg, down + acks
         return up, down
+
+
+#: What WireColumns adds to ``rounds.csv`` and ``clients.csv``, in order.
+ROUND_COLUMNS = (*(c.name for c in WireColumns.columns), "payload_up_bytes", "payload_down_bytes")
+CLIENT_COLUMNS = ("wire_uplink_bytes", "wire_downlink_bytes", "joules", "radio_joules")
 
 
 def idle_rates(netem: NetemSettings) -> tuple[float, float, float]:
