@@ -108,6 +108,10 @@ class PhoneTask:
         dense model when the phone holds ``base_version``.
     base_version : int
         The version ``patch`` applies to (-1 when there is no patch).
+    base_sha256 : str
+        For a patch on version 0 to a phone that was never sent a model: the digest of that
+        version 0 (:mod:`android_bridge.initial_model`). The patch goes only to a phone that
+        offers it among the versions 0 its export can build; any other gets the dense model.
     """
 
     device_id: str
@@ -119,6 +123,7 @@ class PhoneTask:
     config: dict[str, Any]
     patch: bytes | None = None
     base_version: int = -1
+    base_sha256: str = ""
     task_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
@@ -442,7 +447,13 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                     self._waiting.pop(device, None)
             if task is None:
                 return pb.FetchTaskReply(has_task=False)
-            use_patch = task.patch is not None and request.held_model_version == task.base_version
+            offered = list(request.initial_model_sha256)[:8]  # a phone builds two forms
+            use_patch = (task.patch is not None
+                         and request.held_model_version == task.base_version
+                         # A phone that holds only what its export builds gets a patch on the
+                         # version 0 it names; one that holds a model it was sent, on that.
+                         and (not offered or bool(task.base_sha256)
+                              and task.base_sha256 in offered))
             config_json = json.dumps(task.config, sort_keys=True)
             digest = hashlib.sha256(config_json.encode()).hexdigest()
             return pb.FetchTaskReply(
@@ -451,6 +462,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 encoding=pb.SPARSE_PATCH if use_patch else pb.DENSE,
                 base_version=task.base_version if use_patch else -1,
                 model_bytes=task.patch if use_patch else task.dense_model,
+                base_sha256=task.base_sha256 if use_patch and offered else "",
                 # What the phone already holds is not sent again (it names it by digest).
                 config_json="" if request.held_config_sha256 == digest else config_json,
                 config_sha256=digest,

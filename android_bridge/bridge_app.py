@@ -20,9 +20,11 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
+from android_bridge.initial_model import model_digest
 from client import app as client_module
 from client.state import ClientState
 from dgc import SparseUpdate
+from dgc.int8_grid import round_initial
 from dgc.wire import max_numel_of
 from fedgc import methods
 from fedgc import protocol as P
@@ -69,20 +71,34 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
         device = device_for(context, devices)
         record = held.get(device)
-        # A first contact may be sent a patch on version 0 (clients_build_initial_model, a
+        # A first contact is sent a patch on version 0 (clients_build_initial_model, a
         # default): the bridge builds version 0 from the run's seed as a ClientApp does, and
-        # the phone, which holds no model yet, gets the model it produces, dense.
-        global_state = client_module.global_model(
-            msg.content, config, record,
-            initial=lambda: client_module.initial_model(client_module.task_of(s.task_spec()),
-                                                        s.seed))
+        # hands the phone the patch if its export builds that same version 0 (a phone exported
+        # with the run's seed), the dense model it produces if not.
+        initial: dict[str, Any] = {}
+
+        def version_0() -> dict[str, Any]:
+            initial.update(client_module.initial_model(
+                client_module.task_of(s.task_spec()), s.seed))
+            return dict(initial)
+
+        global_state = client_module.global_model(msg.content, config, record,
+                                                  initial=version_0)
         patch = base = None
-        if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:
-            patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
-            base = int(config[P.BASE_VERSION])  # type: ignore[arg-type]
-            if config.get(P.PATCH_ADD):
-                patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
-                                   global_state)
+        base_sha256 = ""
+        if str(config.get(P.DOWNLINK, "dense")) == "patch":
+            bases = [int(v) for v in config.get(P.BASE_VERSIONS,  # type: ignore[union-attr]
+                                                [config[P.BASE_VERSION]])]
+            if record is not None or 0 in bases:
+                patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
+                base = int(config[P.BASE_VERSION]) if record is not None else 0
+                if config.get(P.PATCH_ADD):
+                    patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
+                                       global_state)
+            if record is None and patch is not None:
+                start = (round_initial(initial) if bool(config.get(P.INITIAL_GRID, False))
+                         else initial)
+                base_sha256 = model_digest(start) if start else ""
         held[device] = ClientState(model=global_state, model_version=version)
         method = client_module.method_of(s, config)
         dgc_config = method.phone_config(s) if method.phone else None
@@ -91,7 +107,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             sequence=server_round, ack_sequence=ack,
             dense_model=dgc.encode(SparseUpdate.from_dense(global_state, "float32", version)),
             config=_phone_config(s, dgc_config), patch=patch,
-            base_version=-1 if base is None else base)
+            base_version=-1 if base is None else base, base_sha256=base_sha256)
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
         # The phone encoder has no shared-index channel (dgc.signs): the server aggregates a

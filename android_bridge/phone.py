@@ -26,6 +26,7 @@ import numpy as np
 
 import dgc
 from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
+from android_bridge.initial_model import FORMS, initial_form
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
@@ -53,6 +54,8 @@ class RoundReport:
     restored: bool
     train_loss: float
     ack_state: int
+    downlink: str = "dense"  # how the model came: "dense", or "patch" on the held version
+    downlink_bytes: int = 0  # its wire-format bytes
 
 
 class ReferencePhone:
@@ -101,6 +104,11 @@ class ReferencePhone:
         self.session_id: str | None = None
         self.model: dict[str, np.ndarray] | None = None
         self.model_version = -1
+        # Version 0 as the export baked it (train_step.pte's parameters before any task), and
+        # the digests of the forms of it the phone can build (android_bridge.initial_model).
+        initial = self.manifest.get("initial_model") or {}
+        self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
+        self.initial = self.trainer.parameters() if self.initial_sha256 else None
         self.pending: dgc.SparseUpdate | None = None
         self.poll_interval_s = 0.05
         self.max_wait_s = 0.0
@@ -127,9 +135,12 @@ class ReferencePhone:
         while True:
             started = time.monotonic()
             wait_s = min(self.max_wait_s, max(0.0, deadline - started))
+            # A phone that was never sent a model offers the version 0 its export builds.
+            first = self.model is None and self.initial is not None
             task = self.stub.FetchTask(pb.FetchTaskRequest(
-                session_id=self.session_id, held_model_version=self.model_version,
-                wait_s=wait_s, held_config_sha256=self.config_sha256))
+                session_id=self.session_id, held_model_version=0 if first else self.model_version,
+                wait_s=wait_s, held_config_sha256=self.config_sha256,
+                initial_model_sha256=self.initial_sha256 if first else []))
             if task.has_task:
                 return task
             if time.monotonic() > deadline:
@@ -142,10 +153,19 @@ class ReferencePhone:
     def _global_model(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
         update = dgc.decode(task.model_bytes, max_numel=max_numel_of(self.shapes.values()))
         if task.encoding == pb.SPARSE_PATCH:
-            if self.model is None or self.model_version != task.base_version:
+            held = self.model
+            if held is None and task.base_version == 0 and task.base_sha256 \
+                    and self.initial is not None:
+                # The first task, a patch on version 0: built from the export, in the form
+                # (as built, or on the int8 grid) whose digest the bridge named.
+                held = initial_form(self.initial, task.base_sha256)
+                if held is None:
+                    raise PhoneError(f"patch on version 0 {task.base_sha256[:12]}, which this "
+                                     f"phone's export does not build")
+            elif held is None or self.model_version != task.base_version:
                 raise PhoneError(f"patch on version {task.base_version}, phone holds "
                                  f"{self.model_version}")
-            model = {k: v.copy() for k, v in self.model.items()}
+            model = {k: v.copy() for k, v in held.items()}
             for name, t in update.tensors.items():
                 flat = model[name].reshape(-1)
                 flat[t.indices.numpy()] = t.values.float().numpy()
@@ -214,7 +234,9 @@ class ReferencePhone:
             state = self.stub.Ack(pb.AckRequest(session_id=self.session_id,
                                                 upload_id=upload_id)).state
         return RoundReport(task.task_id, int(task.server_round), upload_id, len(data), starts,
-                           restored, metrics["train_loss"], state)
+                           restored, metrics["train_loss"], state,
+                           "patch" if task.encoding == pb.SPARSE_PATCH else "dense",
+                           len(task.model_bytes))
 
     def _config_of(self, task: pb.FetchTaskReply) -> str:
         """The task's config JSON: as sent, or the one held when the bridge left it out."""

@@ -377,3 +377,52 @@ def test_a_round_takes_one_fetch_and_one_stream(bridge, certs, export_dir):
     assert reports[0].ack_state == pb.DELIVERED
     assert [c["method"] for c in log.calls] == ["Register", "FetchTask", "UploadUpdate"]
     phone.close()
+
+
+def test_a_first_task_is_a_patch_on_the_version_0_the_phones_export_builds(bridge, certs,
+                                                                            export_dir):
+    """The export names the version 0 train_step.pte bakes in (as built and on the int8 grid):
+    that of a run with its seed, bit for bit. A phone that holds no model offers those digests
+    and is sent a patch on the version 0 the bridge names, which it applies to its own; a phone
+    that offers another digest, or none, gets the dense model."""
+    import json
+
+    from android_bridge.initial_model import model_digest
+    from android_bridge.runtime import PteTrainer
+    from client.app import initial_model
+    from dgc.int8_grid import round_initial
+    from tasks import get_task
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())["initial_model"]
+    v0 = initial_model(get_task("digits"), 0)
+    grid = round_initial(v0)
+    assert manifest["sha256"] == model_digest(v0) == model_digest(
+        PteTrainer(export_dir).parameters())
+    assert manifest["int8_grid_sha256"] == model_digest(grid) != manifest["sha256"]
+    # Version 1: a few entries of the grid version 0 changed; the patch carries only them.
+    v1 = {k: v.clone() for k, v in grid.items()}
+    v1["net.1.weight"].view(-1)[:5] = torch.arange(5, dtype=torch.float32)
+    patch = dgc.encode(SparseUpdate({"net.1.weight": dgc.SparseTensor(
+        torch.arange(5), torch.arange(5, dtype=torch.float32), tuple(v1["net.1.weight"].shape))},
+        1))
+    dense = dgc.encode(SparseUpdate.from_dense(v1, "float32"))
+    task, _ = _task("phone-a", server_round=2)
+    task.patch, task.base_version, task.base_sha256 = patch, 0, model_digest(grid)
+    task.dense_model = dense
+    bridge.submit(task)
+    phone = _phone(export_dir, bridge, certs)
+    phone.register()
+    got = phone.wait_for_task(5.0)
+    assert got.encoding == pb.SPARSE_PATCH and got.base_version == 0
+    assert got.base_sha256 == manifest["int8_grid_sha256"] and len(got.model_bytes) < 100
+    model = phone._global_model(got)
+    assert all(np.array_equal(model[k], v1[k].numpy()) for k in v1)
+    phone.close()
+    # Another digest, or none: the dense model.
+    stub = pb_grpc.FedgcBridgeStub(_channel(bridge, certs))
+    session = stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-a"]))
+    for held, offered in ((0, ["0" * 64]), (-1, [])):
+        reply = stub.FetchTask(pb.FetchTaskRequest(session_id=session.session_id,
+                                                   held_model_version=held,
+                                                   initial_model_sha256=offered))
+        assert reply.encoding == pb.DENSE and reply.model_bytes == dense and not reply.base_sha256

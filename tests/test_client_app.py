@@ -253,7 +253,6 @@ def test_shared_signs_leave_the_residual_and_are_counted(tmp_path, small_density
     assert P.SHARED not in without.content.array_records
     m = with_mask.content.metric_records[P.METRICS]
     signs = _signs(with_mask)
-    update_bytes = len(P.record_to_bytes(with_mask.content.array_records[P.UPDATE]))
     signs_bytes = len(P.record_to_bytes(with_mask.content.array_records[P.SHARED],
                                         P.SHARED_SIGNS))
     assert tuple(m) == P.REPLY_METRICS  # sizes and counts are the server's to read
