@@ -60,12 +60,16 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
     /**
      * The open task, waiting for one up to [maxWaitS] (long poll). [heldConfigSha256] names the
      * config the phone holds: the bridge then leaves configJson empty when it is unchanged.
+     * [initialModelSha256]: a phone that holds no model yet offers the version 0 its export
+     * builds (heldModelVersion 0 then), so that its first task is a patch on it.
      */
-    fun fetchTask(heldModelVersion: Long, heldConfigSha256: String = ""): FetchTaskReply =
+    fun fetchTask(heldModelVersion: Long, heldConfigSha256: String = "",
+                  initialModelSha256: List<String> = emptyList()): FetchTaskReply =
         blocking.withDeadlineAfter((maxWaitS * 1000).toLong() + 30_000, TimeUnit.MILLISECONDS)
             .fetchTask(FetchTaskRequest.newBuilder().setSessionId(sessionId)
                 .setHeldModelVersion(heldModelVersion).setWaitS(maxWaitS)
-                .setHeldConfigSha256(heldConfigSha256).build())
+                .setHeldConfigSha256(heldConfigSha256)
+                .addAllInitialModelSha256(initialModelSha256).build())
 
     /**
      * Send [data] for [task] from offset 0; after a cut stream, ask QueryUpload where the bridge

@@ -29,7 +29,10 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             val manifestSha = MessageDigest.getInstance("SHA-256")
                 .digest(model.manifestText.toByteArray()).joinToString("") { "%02x".format(it) }
             bridge.register(deviceId, token, manifestSha)
-            val task = bridge.fetchTask(state.modelVersion, state.configSha256)
+            // A phone that was never sent a model offers the version 0 its export builds.
+            val first = state.model == null && state.initial != null
+            val task = bridge.fetchTask(if (first) 0 else state.modelVersion, state.configSha256,
+                if (first) model.initialSha256.values.toList() else emptyList())
             if (!task.hasTask) return Result.retry()
 
             // The bridge sends the config only when it changed; it names it by digest always.
@@ -48,7 +51,8 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             check(batch == model.batchSize) {
                 "task asks for batch_size $batch, the exported training step has ${model.batchSize}"
             }
-            val global = globalModel(model, state, task.encoding, task.baseVersion, task.modelBytes.toByteArray())
+            val global = globalModel(model, state, task.encoding, task.baseVersion, task.baseSha256,
+                task.modelBytes.toByteArray())
 
             state.trainer.setParameters(global)
             // local_steps 0 (a default run) means local_epochs passes over the phone's data.
@@ -84,12 +88,22 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
 
     /** The dense global model from a DENSE task, or the held model patched by a SPARSE_PATCH. */
     private fun globalModel(model: ExportedModel, state: PhoneState, encoding: ModelEncoding,
-                            baseVersion: Long, bytes: ByteArray): Map<String, FloatArray> {
+                            baseVersion: Long, baseSha256: String, bytes: ByteArray): Map<String, FloatArray> {
         val update: SparseUpdate = WireCodec.decode(bytes, model.parameters.maxOf { it.numel })
         if (encoding == ModelEncoding.SPARSE_PATCH) {
-            val held = state.model
-            check(held != null && state.modelVersion == baseVersion) {
-                "patch on version $baseVersion, phone holds ${state.modelVersion}"
+            val initial = state.initial
+            val held = if (state.model == null && baseVersion == 0L && baseSha256.isNotEmpty() && initial != null) {
+                // The first task, a patch on version 0: the export's own, in the form the bridge named.
+                when (baseSha256) {
+                    model.initialSha256["sha256"] -> initial
+                    model.initialSha256["int8_grid_sha256"] -> Int8Grid.roundInitial(initial, model.parameters)
+                    else -> error("patch on version 0 $baseSha256, which this phone's export does not build")
+                }
+            } else {
+                check(state.model != null && state.modelVersion == baseVersion) {
+                    "patch on version $baseVersion, phone holds ${state.modelVersion}"
+                }
+                state.model!!
             }
             val patched = held.mapValues { it.value.copyOf() }
             for ((name, t) in update.tensors()) {
@@ -115,6 +129,8 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
 class PhoneState private constructor(model: ExportedModel) {
     val encoder = DgcEncoder(model)
     val trainer = LocalTrainer(model, LocalData.batchShape(model))
+    /** Version 0 as train_step.pte bakes it, read before any task overwrites it (null: an old export). */
+    val initial: Map<String, FloatArray>? = if (model.initialSha256.isEmpty()) null else trainer.parameters()
     var pending: SparseUpdate? = null
     var model: Map<String, FloatArray>? = null
     var modelVersion: Long = -1
