@@ -94,6 +94,11 @@ def _check_the_columns_add_up(run: Path, summary: dict, method: str) -> None:
         sum(r["joules"] for r in rounds) / summary["wire"]["client_rounds"])
     assert summary["joules_total"] == pytest.approx(
         sum(r["joules"] + r["idle_joules"] for r in rounds))
+    # Every client is on the one link of the mix: its energy is the per-link figure.
+    assert {c["link"] for c in clients} == set(summary["joules_per_client_round_by_link"])
+    (link,) = summary["joules_per_client_round_by_link"]
+    assert summary["joules_per_client_round_by_link"][link] == pytest.approx(
+        summary["joules_per_client_round"])
 
 
 def test_protocol_models_cost_what_their_parts_say() -> None:

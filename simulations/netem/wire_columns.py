@@ -14,7 +14,8 @@ processor spent. :class:`WireColumns` (a :class:`server.extensions.RoundExtensio
   (``wire_*_compression``), the idle nodes' traffic, the joules of the clients that worked and
   of the idle nodes, and the round's compute / transfer / orchestration split (the client whose
   reply came last, the server's own time counted as orchestration);
-- ``clients.csv``: each client's link bytes both ways and its joules (radio and compute);
+- ``clients.csv``: each client's link preset, its link bytes both ways and its joules (radio
+  and compute; ``radio_joules`` the radio's part);
 - ``summary.json``: the same totals with their ratios (``wire_total_compression``, ...), per
   client-round means, ``joules_per_client_round``, ``joules_total`` and ``joules_to_target``,
   and a ``wire`` entry with the protocol and the round split.
@@ -40,7 +41,7 @@ from server.results import traffic
 from simulations.netem.energy import LINK_RADIO, RadioPowerModel, Transfer, radio_energy
 from simulations.netem.mod import reply_metrics
 from simulations.netem.protocol import ProtocolModel, message_objects
-from simulations.netem.settings import NetemSettings, parse_fractions
+from simulations.netem.settings import NetemSettings, assignment_for, parse_fractions
 
 if TYPE_CHECKING:
     from simulations.netem.strategy import NetemStrategy
@@ -80,6 +81,8 @@ class WireColumns(RoundExtension):
     def __init__(self, strategy: NetemStrategy) -> None:
         self.strategy = strategy
         self._taken: dict[int, tuple[dict[int, dict[str, float]], float]] = {}
+        # Per link preset: [joules, client-rounds] of the clients that worked on it.
+        self.by_link: dict[str, list[float]] = {}
 
     # ---- what the strategy hands over --------------------------------------------------------
     def take(self, server_round: int, replies: Sequence[tuple[int, Message]],
@@ -111,8 +114,13 @@ class WireColumns(RoundExtension):
             busy_s += v.get("transfer_s", 0.0) + v.get("compute_s", 0.0)
             if v.get("ok") and v.get("finish_s", -1.0) > last.get("finish_s", -1.0):
                 last = v
+            link = self._link_of(key)
+            spent = self.by_link.setdefault(link, [0.0, 0])
+            spent[0] += v.get("radio_j", 0.0) + v.get("compute_j", 0.0)
+            spent[1] += 1
             if key in rows_of:
-                clients[key] = {"wire_uplink_bytes": int(v.get("link_up_bytes", 0)),
+                clients[key] = {"link": link,
+                                "wire_uplink_bytes": int(v.get("link_up_bytes", 0)),
                                 "wire_downlink_bytes": int(v.get("link_down_bytes", 0)),
                                 "joules": v.get("radio_j", 0.0) + v.get("compute_j", 0.0),
                                 "radio_joules": v.get("radio_j", 0.0)}
@@ -179,6 +187,9 @@ class WireColumns(RoundExtension):
             "idle_uplink_bytes": round(total("idle_uplink_bytes")),
             "idle_downlink_bytes": round(total("idle_downlink_bytes")),
             "joules_per_client_round": per("joules"),
+            "joules_per_client_round_by_link": {
+                link: (j / n_link if n_link else None)
+                for link, (j, n_link) in sorted(self.by_link.items())},
             "joules_total": joules,
             "joules_to_target": to_target,
             "idle_joules": total("idle_joules"),
@@ -192,6 +203,20 @@ class WireColumns(RoundExtension):
                          ("dense_link_up_bytes", "dense_wire_uplink_bytes"),
                          ("dense_link_down_bytes", "dense_wire_downlink_bytes"))}},
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-link joules so far (the rest is in the rounds' columns)."""
+        return {"by_link": {k: list(v) for k, v in self.by_link.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        self.by_link = {str(k): [float(v[0]), int(v[1])]
+                        for k, v in state.get("by_link", {}).items()}
+
+    def _link_of(self, key: int) -> str:
+        """The link preset of client ``key`` in the scenario ("" when it has none)."""
+        assignment = assignment_for(self.strategy.netem)
+        return assignment.link_name(key) if 0 <= key < len(assignment) else ""
 
     # ---- dense FedAvg on the same links --------------------------------------------------------
     def _dense_link(self, v: Mapping[str, float], proto: ProtocolModel | None
@@ -221,7 +246,7 @@ class WireColumns(RoundExtension):
 
 #: What WireColumns adds to ``rounds.csv`` and ``clients.csv``, in order.
 ROUND_COLUMNS = (*(c.name for c in WireColumns.columns), "payload_up_bytes", "payload_down_bytes")
-CLIENT_COLUMNS = ("wire_uplink_bytes", "wire_downlink_bytes", "joules", "radio_joules")
+CLIENT_COLUMNS = ("link", "wire_uplink_bytes", "wire_downlink_bytes", "joules", "radio_joules")
 
 
 def idle_rates(netem: NetemSettings) -> tuple[float, float, float]:

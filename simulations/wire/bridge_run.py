@@ -9,7 +9,9 @@ bridge through its link (a veth pair shaped with ``tbf``, the userspace proxy fo
 ``deploy`` does for SuperNodes); the federation is ``server.app.run_server`` on a
 ``LocalGrid`` whose ClientApp hands every train round to the node's phone
 (``android_bridge.bridge_app``). ``--method dense`` runs what dense FedAvg sends through the
-bridge: the phone's update at density 1 in float32 (``method=topk``) and the exact model down.
+bridge: the phone's update with every tensor dense in float32 (``method=topk`` at density 1,
+every tensor below ``dgc.min_sparse_numel``: the bytes of dense FedAvg's update, no indices) and
+the exact model down.
 The ledger goes to ``<out>/<run>/wire.json`` and is printed.
 """
 
@@ -39,9 +41,10 @@ from .report import format_table, summarize, write_wire
 VARIANTS: dict[str, dict[str, object]] = {
     # A default fedgc run, as a phone exported with no options takes it.
     "dgc": {"method": "dgc"},
-    # Dense FedAvg through the bridge: every entry of the update in float32 up, the exact
-    # model down.
-    "dense": {"method": "topk", "dgc.density": 1.0, "dgc.value_dtype": "float32",
+    # Dense FedAvg through the bridge: every tensor of the update dense in float32 up (the
+    # phone's encode_dense: values only, as dense FedAvg's arrays), the exact model down.
+    "dense": {"method": "topk", "density": 1.0, "dgc.value_dtype": "float32",
+              "dgc.min_sparse_numel": 2**31 - 1, "dgc.small_density": 0.0,
               "downlink_density": 1.0, "dgc.shared_density": 0.0},
 }
 
@@ -68,7 +71,7 @@ def export_for(config: Any, out: Path) -> Path:
         return out
     model = t.load_task().build_model()
     largest = max(p.numel() for p in model.parameters())
-    export_all(t.task, out, exact_config(t.dgc_config()), batch_size=t.batch_size,
+    export_all(t.task, out, exact_config(config.method.phone_config(t)), batch_size=t.batch_size,
                learning_rate=t.lr, seed=t.seed, max_numel=largest)
     return out
 
