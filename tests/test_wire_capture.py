@@ -150,3 +150,18 @@ def test_a_deployment_capture_adds_up(tmp_path: Path) -> None:
     pcr = ledger["per_client_round"]["up"]
     assert pcr["flower"] > pcr["payload"] > 0
     assert ledger["idle"]["poll"]["interval_s"] == pytest.approx(3.0, abs=1.0)
+
+
+def test_the_bridge_measurements_variants_are_dgc_and_dense_fedavgs_bytes() -> None:
+    """``wire bridge --method dense`` is dense FedAvg through the bridge: every tensor of the
+    phone's update dense in float32 (no indices), the exact model down; ``dgc`` a default run."""
+    from simulations.wire.bridge_run import run_config
+    from tasks import get_task
+
+    dense = run_config("digits", "dense", 2, 3, 0, Path("/nonexistent"), "d")
+    phone = dense.method.phone_config(dense.train)
+    largest = max(p.numel() for p in get_task("digits").build_model().parameters())
+    assert phone.min_sparse_numel > largest and phone.value_dtype == "float32"
+    assert phone.density == 1.0 and dense.server.downlink_density == 1.0
+    dgc = run_config("digits", "dgc", 2, 3, 0, Path("/nonexistent"), "g")
+    assert dgc.method.name == "dgc" and dgc.method.phone_config(dgc.train).density < 0.01

@@ -65,11 +65,12 @@ def run_config(task: str, variant: str, phones: int, rounds: int, seed: int,
 def export_for(config: Any, out: Path) -> Path:
     """The phone files for ``config`` (exported once into ``out``)."""
     from android_bridge.export import exact_config, export_all
+    from client.app import task_of
 
     t = config.train
     if (out / "manifest.json").exists():
         return out
-    model = t.load_task().build_model()
+    model = task_of(t.task_spec()).build_model()
     largest = max(p.numel() for p in model.parameters())
     export_all(t.task, out, exact_config(config.method.phone_config(t)), batch_size=t.batch_size,
                learning_rate=t.lr, seed=t.seed, max_numel=largest)
