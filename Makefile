@@ -1,10 +1,11 @@
-# fedgc: `make demo` and `make test` each create .venv, install the pinned dependencies and run.
+# fedgc: `make install` creates .venv and installs the pinned dependencies (nothing runs);
+# `make demo` and `make test` do that too, then run.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint clean arm
+.PHONY: install demo test test-fast bench lint clean arm
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,9 @@ $(STAMP): pyproject.toml Makefile
 	  else echo "note: apt unavailable; capture tests will be skipped"; fi; \
 	fi
 	touch $(STAMP)
+
+install: $(STAMP)
+	@echo "fedgc is installed in $(VENV): source $(VENV)/bin/activate"
 
 demo: $(STAMP)
 	$(PY) -m simulations demo

@@ -14,6 +14,13 @@ It prints the wall time per round of each (round 1 includes Ray start-up and the
 of the 10,000 nodes; the ratio uses rounds 2..R), their ratio, and the peak memory of all
 processes of the run (PSS summed over the benchmark process, Ray's processes and its workers,
 sampled every 0.25 s): ``python bench/scale.py [--clients 10000] [--per-round 100] [--rounds 5]``.
+
+With ``--engine local|batched|ray`` it measures instead how one engine carries many clients of
+a task whose data each client makes from its own seed (``own_task.task:build_per_client``,
+``examples/own_task``: nothing is held for clients not sampled): for each count of
+``--clients`` (e.g. ``1000,10000,100000,1000000``) one fedgc DGC run in a fresh process, and
+its peak memory (PSS of the process tree), its first round and its later rounds' wall time:
+``python bench/scale.py --engine local --clients 1000,1000000 --per-round 100 --rounds 5``.
 """
 
 from __future__ import annotations
@@ -226,7 +233,7 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
     config = RunConfig.from_flat({
         "task": "fashion-mnist", "num_clients": args.clients, "clients_per_round": args.per_round,
         "partition": "iid", "rounds": args.rounds, "seed": args.seed, "method": "dgc",
-        "dgc.density": 0.001, "downlink": "dense", "checkpoint": False, "progress": True,
+        "density": 0.001, "downlink": "dense", "checkpoint": False, "progress": True,
         # The local settings of the vanilla ClientApp (run_vanilla): one epoch of plain SGD.
         "local_epochs": 1, "lr": VANILLA_LR, "batch_size": VANILLA_BATCH, "client_momentum": 0.0,
         "results_dir": str(results), "run_name": "fedgc", "overwrite": True,
@@ -254,15 +261,87 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
         return [float(r["wall_seconds"]) for r in csv.DictReader(fh)]
 
 
+# ---------------------------------------------------------------------------- one engine, N clients
+PER_CLIENT_TASK = "own_task.task:build_per_client"
+
+
+def engine_run(engine: str, clients: int, per_round: int, rounds: int, seed: int,
+               results: Path) -> list[float]:
+    """One fedgc DGC run of the per-client task on ``engine``; its rounds' wall seconds."""
+    import csv
+
+    from simulations.api import run
+
+    keys = {"task": PER_CLIENT_TASK, "num_clients": clients, "clients_per_round": per_round,
+            "rounds": rounds, "seed": seed, "method": "dgc", "sim.engine": engine,
+            "results_dir": str(results), "run_name": f"{engine}-{clients}", "overwrite": True,
+            "checkpoint": False, "progress": False, "eval_samples": 500,
+            "round_timeout_s": 36_000.0}
+    result = run(**{k.replace(".", "__"): v for k, v in keys.items()})
+    with (result.folder / "rounds.csv").open() as fh:
+        return [float(r["wall_seconds"]) for r in csv.DictReader(fh)]
+
+
+def _engine_child(args: argparse.Namespace) -> None:
+    """Run one count in this (fresh) process and print its figures as one JSON line."""
+    import json
+
+    mem = PeakMemory()
+    mem.start()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fedgc-scale-") as results:
+        walls = engine_run(args.engine, int(args.clients), args.per_round, args.rounds,
+                           args.seed, Path(results))
+    total = time.perf_counter() - started
+    print(json.dumps({"walls": walls, "peak_bytes": mem.stop(), "total_s": total}))
+
+
+def run_engine_counts(args: argparse.Namespace) -> None:
+    """Each count of ``--clients`` in a fresh process (its own peak memory)."""
+    import json
+    import subprocess
+
+    counts = [int(c) for c in str(args.clients).split(",")]
+    print(f"scale: engine {args.engine}, task {PER_CLIENT_TASK}, {args.per_round} per round, "
+          f"{args.rounds} rounds, DGC; {os.cpu_count()} CPU(s)", flush=True)
+    print(f"{'clients':>9} {'peak GiB':>9} {'round 1 s':>10} {'rounds 2.. s':>13} "
+          f"{'whole run s':>12}", flush=True)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), str(root / "examples"), os.environ.get("PYTHONPATH", "")])}
+    for n in counts:
+        out = subprocess.run([sys.executable, __file__, "--engine", args.engine, "--clients",
+                              str(n), "--per-round", str(args.per_round), "--rounds",
+                              str(args.rounds), "--seed", str(args.seed), "--child"],
+                             check=True, capture_output=True, text=True, env=env)
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        walls = figures["walls"]
+        later = sum(walls[1:]) / max(1, len(walls) - 1)
+        print(f"{n:>9} {figures['peak_bytes'] / 2**30:>9.2f} {walls[0]:>10.2f} {later:>13.2f} "
+              f"{figures['total_s']:>12.1f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--clients", type=int, default=10_000)
+    p.add_argument("--clients", default="10000",
+                   help="clients (with --engine: a comma-separated list of counts)")
     p.add_argument("--per-round", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=("local", "batched", "ray"), default=None,
+                   help="measure one engine on the per-client task instead")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help="results and client state (default: a temp "
                    "folder, removed at the end)")
     args = p.parse_args()
+    if args.engine is not None:
+        if args.child:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+            _engine_child(args)
+        else:
+            run_engine_counts(args)
+        return
+    args.clients = int(args.clients)
     import logging
 
     logging.getLogger("flwr").setLevel(logging.WARNING)

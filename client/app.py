@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -38,10 +39,10 @@ import dgc
 from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import read_state
-from client.training import round_seed, train_locally
+from client.training import LocalResult, round_seed, train_locally
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
-from fedgc import methods
+from fedgc import devices, methods
 from fedgc import protocol as P
 from fedgc.settings import (
     SettingsError,
@@ -75,17 +76,19 @@ def task_of(spec: TaskSpec) -> Any:
 _models = threading.local()
 
 
-def _model(task: Any, name: TaskSpec) -> torch.nn.Module:
-    """This thread's model for the task of ``name``, built once and reused by every message.
+def _model(task: Any, name: TaskSpec, device: torch.device | None = None) -> torch.nn.Module:
+    """This thread's model for the task of ``name`` on ``device`` (default the host), built
+    once and reused by every message.
 
     Each message loads the whole state dict into it, so nothing of the previous client remains
     (train_locally makes a fresh optimizer and clears the gradients). Building a model per
     message spent a few ms on a random initialisation that the load then overwrote.
     """
     cache = _models.__dict__.setdefault("by_task", {})
-    model = cache.get(name)
+    device = torch.device("cpu") if device is None else device
+    model = cache.get((name, device))
     if model is None:
-        model = cache[name] = task.build_model()
+        model = cache[(name, device)] = task.build_model().to(device)
     return model
 
 
@@ -94,6 +97,25 @@ def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
                 seed: int) -> tuple[np.ndarray, ...]:
     parts = task_of(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
+
+
+def client_data(s: TrainSettings, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``key``'s training data: made from its key when the task makes data per client
+    (``tasks.Task.client_data``: nothing is held for the clients not sampled), else its
+    partition of the task's training set."""
+    task = task_of(s.task_spec())
+    if task.client_data is None:
+        parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
+        if not 0 <= key < len(parts):
+            raise ClientProtocolError(f"client key {key} has no partition: the task has "
+                                      f"{len(parts)} partitions (num_clients = "
+                                      f"{s.num_clients})")
+        idx = torch.from_numpy(parts[key])
+        return task.train_x[idx], task.train_y[idx]
+    if not 0 <= key < s.num_clients:
+        raise ClientProtocolError(f"client key {key} has no data: num_clients = "
+                                  f"{s.num_clients}")
+    return task.data_of(key, s.num_clients)
 
 
 def client_key(context: Context) -> int:
@@ -296,31 +318,59 @@ def _load_state(store: ClientStateStore, key: str, ack: int,
         return state
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Train on this client's partition and reply with the encoded pseudo-gradient."""
-    torch.set_num_threads(1)  # one core per simulated client; Ray gives each actor one CPU
+@dataclass
+class RoundInput:
+    """One train message read and checked, up to local training (steps 1-3 of the module
+    docstring): what :func:`train` (and the batched engine, ``simulations.batched_engine``,
+    for all of a round's clients at once) trains, and :func:`reply_round` answers from."""
+
+    msg: Message
+    config: ConfigRecord
+    s: TrainSettings
+    method: methods.Method
+    server_round: int
+    version: int
+    ack: int
+    key: int
+    store: ClientStateStore
+    state: ClientState
+    task: Any
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    global_state: dict[str, torch.Tensor]
+    material: tuple[bytes, Any] | None
+    device: torch.device
+    started: float
+
+    @property
+    def seed(self) -> int:
+        """The seed of this round's local shuffling (:func:`client.training.round_seed`)."""
+        return round_seed(self.s.seed, self.server_round, self.key)
+
+
+def read_round(msg: Message, context: Context) -> RoundInput | Message:
+    """Steps 1-3: the message's settings, this client's state, data and global model; or the
+    reply itself when the server re-sent a round this client already answered."""
     started = time.perf_counter()
     config = message_config(msg.content, context)
     s = settings_from(config)
     method = method_of(s, config)
+    try:
+        device = devices.resolve(s.device)
+    except devices.DeviceError as ex:
+        raise ClientProtocolError(str(ex)) from ex
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     store = _store(s, context)
-    keeps_residual = method.keeps_residual
-    state = _load_state(store, str(key), ack, keeps_residual)
+    state = _load_state(store, str(key), ack, method.keeps_residual)
 
     task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
-    if not 0 <= key < len(parts):
-        raise ClientProtocolError(f"client key {key} has no partition: the task has "
-                                  f"{len(parts)} partitions (num_clients = {s.num_clients})")
-    idx = torch.from_numpy(parts[key])
+    train_x, train_y = client_data(s, key)
 
     reply = state.reply
-    if (keeps_residual and reply is not None and state.pending is not None
+    if (method.keeps_residual and reply is not None and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
@@ -333,18 +383,36 @@ def train(msg: Message, context: Context) -> Message:
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
     material = round_material(msg.content, global_state, method)
-    model = _model(task, s.task_spec())
-    model.load_state_dict(global_state)
-    local = train_locally(
-        model, task.train_x[idx], task.train_y[idx], task.training_loss, lr=s.lr,
-        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
-        momentum=s.client_momentum, weight_decay=s.weight_decay,
-        seed=round_seed(s.seed, server_round, key))
+    return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
+                      task, train_x, train_y, global_state, material, device, started)
 
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train on this client's partition and reply with the encoded pseudo-gradient."""
+    torch.set_num_threads(1)  # one core per simulated client; Ray gives each actor one CPU
+    r = read_round(msg, context)
+    if isinstance(r, Message):
+        return r
+    s = r.s
+    model = _model(r.task, s.task_spec(), r.device)
+    model.load_state_dict(r.global_state)
+    local = train_locally(
+        model, r.train_x, r.train_y, r.task.training_loss, lr=s.lr,
+        batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
+        momentum=s.client_momentum, weight_decay=s.weight_decay, seed=r.seed)
+    return reply_round(r, local)
+
+
+def reply_round(r: RoundInput, local: LocalResult) -> Message:
+    """Steps 5-8: fold back what was lost, compress (on the device the pseudo-gradient is on),
+    encode, store the new state on the host, and the reply."""
+    s, method, server_round, state = r.s, r.method, r.server_round, r.state
+    keeps_residual = method.keeps_residual
     restored = 0
     shared_data: bytes | None = None
     new_state = ClientState()
-    compressor = method.compressor(s, key)
+    compressor = method.compressor(s, r.key, None if r.material is None else r.material[1])
     if compressor is None:
         update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
     else:
@@ -353,36 +421,36 @@ def train(msg: Message, context: Context) -> Message:
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual, so that nothing this client computed is lost.
             restored = int(fold_back_pending(
-                compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
-                method, s))
+                compressor, state, r.ack,
+                {k: tuple(v.shape) for k, v in r.global_state.items()}, method, s))
         update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        side = (method.side_part(compressor, material[1], server_round)
-                if material is not None else None)
+        side = (method.side_part(compressor, r.material[1], server_round)
+                if r.material is not None else None)
         if side is not None:
             shared_data = side[0]
         if keeps_residual:
-            new_state.compressor = compressor.state_dict()
+            new_state.compressor = compressor.state_dict()  # on the host
     data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and material is not None:
+        if shared_data is not None and r.material is not None:
             new_state.pending_shared = shared_data
-            new_state.pending_mask = material[0]
-    if bool(config.get(P.KEEP_MODEL, False)):
+            new_state.pending_mask = r.material[0]
+    if bool(r.config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
-        new_state.model = global_state
-        new_state.model_version = version
+        new_state.model = r.global_state
+        new_state.model_version = r.version
     metrics = P.reply_metrics(
         num_examples=local.num_examples, train_loss=local.train_loss,
-        compute_seconds=time.perf_counter() - started, restored=restored,
+        compute_seconds=time.perf_counter() - r.started, restored=restored,
         state_quarantined=state.quarantined > 0)
     if keeps_residual:
         new_state.reply = {**{k: v for k, v in metrics.items() if k != "compute_seconds"},
-                           "sequence": server_round, "model_version": version}
-    store.save(str(key), new_state)
+                           "sequence": server_round, "model_version": r.version}
+    r.store.save(str(r.key), new_state)
 
-    return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=msg)
+    return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
 
 
 @app.evaluate()
@@ -392,18 +460,18 @@ def evaluate(msg: Message, context: Context) -> Message:
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
     s = settings_from(config)
     task = task_of(s.task_spec())
-    parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
-    key = client_key(context)
-    idx = torch.from_numpy(parts[key])
-    model = _model(task, s.task_spec())
+    x, y = client_data(s, client_key(context))
+    device = devices.resolve(s.device)
+    model = _model(task, s.task_spec(), device)
     model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())
     model.eval()
+    x, y = x.to(device), y.to(device)
     with torch.no_grad():
-        out = model(task.train_x[idx])
-        loss = float(task.loss_fn(out, task.train_y[idx]))
+        out = model(x)
+        loss = float(task.loss_fn(out, y))
         pred = out.argmax(-1)
-        accuracy = float((pred == task.train_y[idx]).float().mean())
-    metrics = MetricRecord({"num-examples": int(idx.numel()), "loss": loss, "accuracy": accuracy})
+        accuracy = float((pred == y).float().mean())
+    metrics = MetricRecord({"num-examples": int(len(y)), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
 
 

@@ -61,37 +61,60 @@ def train_locally(
     epochs); otherwise ``local_epochs`` full passes. A fresh SGD optimizer each round: client
     momentum does not survive between rounds (a client takes part rarely, and its momentum
     would be stale).
+
+    Training runs where the model's parameters are (the data is moved there once); the losses
+    are read back once, at the end, so that an accelerator never waits for the host between
+    steps. A non-finite loss raises :class:`FloatingPointError` naming its step, as soon as the
+    loss is seen: at that step on the host, after the last on an accelerator.
     """
     n = int(x.shape[0])
     if n == 0:
         raise ValueError("the client's partition is empty: nothing to train on")
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    x, y = x.to(device), y.to(device)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout and any other module randomness
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                                 weight_decay=weight_decay)
-    batches_per_epoch = math.ceil(n / batch_size)
-    total_steps = local_steps if local_steps > 0 else local_epochs * batches_per_epoch
+    total_steps = steps_of(n, batch_size, local_epochs, local_steps)
     model.train()
-    loss_sum, steps = 0.0, 0
-    order = torch.randperm(n, generator=generator)
+    on_host = device.type == "cpu"
+    losses: list[torch.Tensor] = []
+    order = torch.randperm(n, generator=generator).to(device)
     cursor = 0
-    while steps < total_steps:
+    while len(losses) < total_steps:
         if cursor >= n:
-            order, cursor = torch.randperm(n, generator=generator), 0
+            order, cursor = torch.randperm(n, generator=generator).to(device), 0
         idx = order[cursor:cursor + batch_size]
         cursor += batch_size
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model, x[idx], y[idx])
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"local training diverged at step {steps}: loss {float(loss)}"
-                                     f" (lower lr, now {lr})")
+        if on_host and not torch.isfinite(loss):
+            _diverged(len(losses), float(loss), lr)
         loss.backward()
         optimizer.step()
-        loss_sum += float(loss.detach())
-        steps += 1
-    return LocalResult(pseudo_gradient(start, model.state_dict()), loss_sum / max(steps, 1), n,
-                       steps)
+        losses.append(loss.detach())
+    values = torch.stack(losses).tolist() if losses else []
+    for step, value in enumerate(values):
+        if not math.isfinite(value):
+            _diverged(step, value, lr)
+    loss_sum = 0.0
+    for value in values:  # summed in order, in float64, whatever the device
+        loss_sum += value
+    return LocalResult(pseudo_gradient(start, model.state_dict()), loss_sum / max(len(values), 1),
+                       n, len(values))
+
+
+def steps_of(n: int, batch_size: int, local_epochs: int, local_steps: int) -> int:
+    """Local steps of a round on ``n`` samples: ``local_steps``, else ``local_epochs`` passes."""
+    return local_steps if local_steps > 0 else local_epochs * math.ceil(n / batch_size)
+
+
+def _diverged(step: int, loss: float, lr: float) -> None:
+    raise FloatingPointError(f"local training diverged at step {step}: loss {loss} "
+                             f"(lower lr, now {lr})")
 
 
 def pseudo_gradient(global_state: Mapping[str, torch.Tensor],

@@ -13,14 +13,17 @@ from dgc.errors import AggregationError
 from dgc.sparse import SparseUpdate, TensorLayout
 
 
-def aggregate_buffers(shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+def aggregate_buffers(shapes: Mapping[str, Sequence[int]],
+                      device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Zeroed float32 buffers for ``aggregate(..., out=...)``, views of one flat block.
 
     With the buffers laid out back to back in the model's order, :func:`aggregate` scatters a
     decoded update's entries of all tensors in one call instead of one call per tensor.
+    ``device``: where the sum is formed (default the host); updates decoded on the host are
+    moved there, one copy of each update's packed arrays.
     """
     offsets, total = _flat_offsets(shapes)
-    block = torch.zeros(total, dtype=torch.float32)
+    block = torch.zeros(total, dtype=torch.float32, device=device)
     return {name: block[offsets[name]:offsets[name] + math.prod(s)].view(tuple(s))
             for name, s in shapes.items()}
 
@@ -34,6 +37,18 @@ def _flat_offsets(shapes: Mapping[str, Sequence[int]]) -> tuple[dict[str, int], 
     return offsets, total
 
 
+def _device_of(updates: Sequence[SparseUpdate],
+               flat_out: Mapping[str, torch.Tensor] | None) -> torch.device:
+    """Where a sum of per-tensor updates is formed: on ``out``'s device, else on the device of
+    the first update tensor (the host when there is none)."""
+    if flat_out:
+        return next(iter(flat_out.values())).device
+    for u in updates:
+        for t in u.tensors.values():
+            return t.values.device
+    return torch.device("cpu")
+
+
 def _check_weights(updates: Sequence[SparseUpdate], weights: Sequence[float]) -> None:
     if len(updates) != len(weights):
         raise AggregationError(f"{len(updates)} updates but {len(weights)} weights")
@@ -44,7 +59,8 @@ def _check_weights(updates: Sequence[SparseUpdate], weights: Sequence[float]) ->
 
 def _check_out(out: Mapping[str, torch.Tensor],
                shapes: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
-    """Flat views of the caller's buffers, after checking that each one can take the sum."""
+    """Flat views of the caller's buffers, after checking that each one can take the sum (one
+    device for all of them)."""
     if not isinstance(out, Mapping):
         raise AggregationError(f"out must be a dict of tensors by name, got {type(out).__name__}")
     missing = [name for name in shapes if name not in out]
@@ -54,6 +70,7 @@ def _check_out(out: Mapping[str, torch.Tensor],
     if extra:
         raise AggregationError(f"out has buffers {extra} that the model does not have")
     flat = {}
+    devices = {out[name].device for name in shapes if isinstance(out[name], torch.Tensor)}
     for name, s in shapes.items():
         buf = out[name]
         if not isinstance(buf, torch.Tensor):
@@ -62,8 +79,9 @@ def _check_out(out: Mapping[str, torch.Tensor],
         if buf.dtype != torch.float32 or tuple(buf.shape) != tuple(s):
             raise AggregationError(f"out[{name!r}] is {buf.dtype} of shape {tuple(buf.shape)}, "
                                    f"expected torch.float32 of shape {tuple(s)}")
-        if not buf.is_contiguous() or buf.device.type != "cpu":
-            raise AggregationError(f"out[{name!r}] must be a contiguous CPU tensor")
+        if not buf.is_contiguous() or len(devices) > 1:
+            raise AggregationError(f"out[{name!r}] must be a contiguous tensor on the device "
+                                   f"of the other buffers (found {sorted(map(str, devices))})")
         flat[name] = buf.view(-1)
     return flat
 
@@ -90,7 +108,9 @@ def aggregate(
     normalize
         Divide by the total weight (which must then be positive when there are updates).
     out
-        Optional float32 contiguous CPU buffers, one per name in ``shapes`` with that shape. The
+        Optional float32 contiguous buffers on one device, one per name in ``shapes`` with that
+        shape (the sum is formed on their device; without ``out``, on the device of the first
+        update's tensors, the host for decoded updates). The
         weighted sum is *added* to what they hold (pass zeroed buffers for the plain average;
         a server reuses them across rounds with ``zero_()`` in between, saving the allocation
         of a fresh model-sized output). The returned dict holds these same tensors.
@@ -114,6 +134,7 @@ def aggregate(
     flat_out = _check_out(out, shapes) if out is not None else None
     if updates and all(getattr(u, "packed", None) is not None for u in updates):
         return _aggregate_packed(updates, weights, shapes, normalize, out)
+    device = _device_of(updates, flat_out)
     # Structural checks (cheap, per piece) first; the index range is checked below on the
     # concatenation of each tensor's indices, still before anything is written.
     pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {n: [] for n in shapes}
@@ -127,12 +148,13 @@ def aggregate(
                 raise AggregationError(f"update {i} tensor {name!r} has shape {t.shape}, "
                                        f"the model has {expected}")
             if t.indices.numel():
-                pieces[name].append((i, t.indices, t.values))
+                pieces[name].append((i, t.indices.to(device), t.values.to(device)))
     total = float(sum(weights))
     if normalize and total <= 0 and updates:
         raise AggregationError("total weight is zero; nothing to average")
     scale = 1.0 / total if normalize and total > 0 else 1.0
-    factors = torch.tensor([float(w) * scale for w in weights], dtype=torch.float32)
+    factors = torch.tensor([float(w) * scale for w in weights], dtype=torch.float32,
+                           device=device)
     factors64 = [float(w) * scale for w in weights]
 
     scatters = []
@@ -146,7 +168,7 @@ def aggregate(
         # is summed as one matrix-vector product rather than a scatter.
         dense = (len(parts) > 1 and all(c == numel for c in counts)
                  and bool((indices.view(len(parts), numel)
-                           == torch.arange(numel, dtype=torch.int64)).all()))
+                           == torch.arange(numel, dtype=torch.int64, device=device)).all()))
         if not dense:
             lo, hi = torch.aminmax(indices)
             if int(lo) < 0 or int(hi) >= numel:
@@ -157,7 +179,8 @@ def aggregate(
         scatters.append((name, numel, indices, parts, counts, dense))
 
     if flat_out is None:
-        result = {name: torch.zeros(s, dtype=torch.float32) for name, s in model_shapes.items()}
+        result = {name: torch.zeros(s, dtype=torch.float32, device=device)
+                  for name, s in model_shapes.items()}
         flat_out = {name: t.view(-1) for name, t in result.items()}
     else:
         result = {name: out[name] for name in model_shapes}
@@ -168,12 +191,14 @@ def aggregate(
             continue
         # cat promotes mixed value dtypes to float32 exactly; one conversion, not one per piece
         values = torch.cat([p[2] for p in parts]).to(torch.float32)
-        piece_factors = factors[torch.tensor([p[0] for p in parts], dtype=torch.int64)]
+        piece_factors = factors[torch.tensor([p[0] for p in parts], dtype=torch.int64,
+                                             device=device)]
         if dense:
             flat_out[name].addmv_(values.view(len(parts), numel).t(), piece_factors)
             continue
         values.mul_(torch.repeat_interleave(piece_factors,
-                                            torch.tensor(counts, dtype=torch.int64)))
+                                            torch.tensor(counts, dtype=torch.int64,
+                                                         device=device)))
         flat_out[name].index_add_(0, indices, values)
     return result
 
@@ -251,7 +276,9 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
     block = _flat_block(out, model_offsets, total_numel) if out is not None else None
     into_out = block is not None
     if block is None:
-        block = torch.zeros(total_numel, dtype=torch.float32)
+        device = next(iter(out.values())).device if out else torch.device("cpu")
+        block = torch.zeros(total_numel, dtype=torch.float32, device=device)
+    device = block.device
     # Indices and shapes were checked by decode against the layout, and the layout against the
     # model above: every position is inside its tensor's range of the block.
     dense_sums: dict[int, torch.Tensor] = {}  # per layout: its dense tensors' weighted sum
@@ -265,18 +292,19 @@ def _aggregate_packed(updates: Sequence[SparseUpdate], weights: Sequence[float],
             if plan.sparse_shifts is not None:  # the update's tensor order is not the model's
                 counts = [packed.counts[k] for k in plan.sparse_tensors]
                 indices = indices + torch.from_numpy(np.repeat(plan.sparse_shifts, counts))
+            indices = indices.to(device)
             # scatter_add_ of pre-scaled values: same sums as index_add_(alpha=...), about a
             # third faster on CPU (torch 2.x) for these scattered single-entry writes.
-            values = packed.sparse_values.to(torch.float32, copy=True).mul_(factor)
+            values = packed.sparse_values.to(device, torch.float32, copy=True).mul_(factor)
             block.scatter_add_(0, indices, values)
         if packed.dense_values.numel():
             dense_sum = dense_sums.get(key)
             if dense_sum is None:
                 dense_sum = dense_sums[key] = torch.zeros(packed.dense_values.numel(),
-                                                         dtype=torch.float32)
-            dense_sum.add_(packed.dense_values, alpha=factor)
+                                                         dtype=torch.float32, device=device)
+            dense_sum.add_(packed.dense_values.to(device), alpha=factor)
     for key, dense_sum in dense_sums.items():
-        block.scatter_add_(0, plans[key].dense_positions, dense_sum)
+        block.scatter_add_(0, plans[key].dense_positions.to(device), dense_sum)
 
     views = {name: block[model_offsets[name]:model_offsets[name] + math.prod(s)].view(tuple(s))
              for name, s in shapes.items()}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from dgc.base import check_factor
+from dgc.batched import BatchedSelector
 from dgc.config import DGCConfig
 from dgc.errors import StateError
 from dgc.memory import DGCMemory
@@ -50,10 +51,18 @@ class DGCCompressor:
     ----------
     config : DGCConfig, optional
         The hyperparameters; the paper's defaults when omitted.
+    batched : bool or None, default None
+        Compress the whole model at once from flat buffers (:mod:`dgc.batched`: one pass per
+        step over all tensors, no host synchronisation until the result is read) instead of
+        tensor by tensor. None: batched when the gradients live on an accelerator, where
+        launches and round trips dominate, and tensor by tensor on the host, where they do
+        not. Both give the same updates (up to which of equal magnitudes at the ``k``-th place
+        is kept).
     """
 
-    def __init__(self, config: DGCConfig | None = None) -> None:
+    def __init__(self, config: DGCConfig | None = None, batched: bool | None = None) -> None:
         self.config = config or DGCConfig()
+        self.batched = batched
         c = self.config
         self.memory = DGCMemory(c.momentum, c.momentum_correction, c.nesterov, c.dampening)
         self.step = 0
@@ -62,6 +71,9 @@ class DGCCompressor:
         # costs page faults that take longer than the pass itself on large tensors. It holds
         # the largest sparsified tensor, is scratch only and is not part of the state.
         self._magnitude = torch.empty(0)
+        # Batched selection plans by (sparse tensor sizes, density, device): built once each.
+        self._selectors: dict[tuple[tuple[int, ...], float, torch.device], BatchedSelector] = {}
+        self._aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def is_dense_tensor(self, shape: tuple[int, ...] | torch.Size) -> bool:
         """Whether the layer policy sends a tensor of this shape dense."""
@@ -76,6 +88,8 @@ class DGCCompressor:
         """
         c = self.config
         density = c.density_at(epoch)
+        if self._use_batched(grads):
+            return self._compress_batched(grads, density, sequence)
         flat = self._validated(grads)
         self._clip(flat)
         out: dict[str, SparseTensor] = {}
@@ -84,7 +98,7 @@ class DGCCompressor:
             v = self.memory.accumulate(name, g)
             sparse = not self.is_dense_tensor(shape)
             if not sparse:
-                idx = torch.arange(v.numel(), dtype=torch.int64)
+                idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
                 mask = False  # dense layers keep ordinary momentum, as in the paper
             else:
                 k = num_selected(v.numel(), density)
@@ -105,6 +119,180 @@ class DGCCompressor:
             out[name] = SparseTensor(idx, values, shape)
         self.step += 1
         return SparseUpdate(out, self.step if sequence is None else sequence)
+
+    def _use_batched(self, grads: Mapping[str, torch.Tensor]) -> bool:
+        if self.batched is not None:
+            return self.batched and bool(grads)
+        return any(isinstance(g, torch.Tensor) and g.device.type != "cpu"
+                   for g in grads.values())
+
+    def _compress_batched(self, grads: Mapping[str, torch.Tensor], density: float,
+                          sequence: int | None) -> SparseUpdate:
+        """:meth:`compress` of every tensor at once (see ``batched``).
+
+        1. Check the gradients (one read of a single flag from the device) and lay them out
+           flat: the sparsified tensors first, then the dense ones, in the caller's order.
+        2. Clip, accumulate and take the dense tensors' values on whole blocks.
+        3. Select every sparsified tensor's entries with :class:`dgc.batched.BatchedSelector`,
+           round them, take them out of the residual and mask the momentum there, all on
+           fixed-size buffers: nothing in 2-3 waits for the device.
+        4. Read the per-tensor counts (one small copy to the host), run the exact selection on
+           the rare tensors the batched one flagged, and hand out views of the buffers.
+        """
+        c = self.config
+        names, numels, sparse_count = self._flat_layout(grads)
+        device = grads[names[0]].device
+        g = torch.cat([grads[n].detach().reshape(-1).to(device, torch.float32) for n in names])
+        if c.check_finite and not all_finite(g):
+            bad = next(n for n in names if not all_finite(grads[n].detach().float()))
+            raise StateError(f"gradient {bad!r} contains NaN or Inf; nothing was changed")
+        selector, selection, sent, dense_values = self.batched_step(names, numels, sparse_count,
+                                                                    g, density)
+        return self._finish_batched(grads, names, numels, sparse_count, selector, selection,
+                                    sent, dense_values, sequence)
+
+    def batched_step(self, names: tuple[str, ...], numels: tuple[int, ...], sparse_count: int,
+                     g: torch.Tensor, density: float,
+                     ) -> tuple[BatchedSelector, Any, torch.Tensor, torch.Tensor]:
+        """Steps 2-3 of the batched compress, the hot path: nothing here waits for the device.
+
+        ``g`` holds the checked gradients of ``names`` back to back (the first
+        ``sparse_count`` sparsified, of ``numels`` entries each). Returns the selector, its
+        :class:`~dgc.batched.Selection`, the values sent per slot (zero in invalid slots) and
+        the dense tensors' values, all on ``g``'s device.
+        """
+        c = self.config
+        device = g.device
+        if c.clip_norm is not None and g.numel():
+            # float64, as the per-tensor path; the scale is applied where the norm exceeds the
+            # threshold, decided on the device.
+            threshold = c.clip_norm / math.sqrt(c.num_workers)
+            total = g.double().pow(2).sum().sqrt()
+            scale = torch.where(total > threshold, threshold / total, 1.0).to(torch.float32)
+            g = g * scale
+        v, u = self.memory.accumulate_flat(names, numels, g)
+        split = sum(numels[:sparse_count])
+        dense_values = self._round(v[split:])
+        if dense_values.data_ptr() == v[split:].data_ptr():  # float32 values: not a copy
+            dense_values = dense_values.clone()
+        v[split:].sub_(dense_values.to(torch.float32))
+        selector = self._selector(numels[:sparse_count], density, device)
+        sparse_v = v[:split]
+        selection = selector.select(torch.abs(sparse_v, out=self._scratch(split, device)),
+                                    self.step)
+        positions, valid = selection.positions, selection.valid
+        selected = sparse_v[positions]
+        values = self._round(selected)
+        if c.ternary:
+            values = self._ternary_segments(selected, values, valid, selection.slot_segment,
+                                            len(selector.sizes))
+        sent = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=device))
+        # index_add of -sent: invalid slots add zero wherever they point, so no write races
+        # with a valid one (v - s and v + (-s) are the same float).
+        sparse_v.index_add_(0, positions, -sent.to(torch.float32))
+        if c.momentum_masking and u is not None:
+            sparse_u = u[:split]
+            sparse_u.index_add_(0, positions, torch.where(valid, -sparse_u[positions], 0.0))
+        return selector, selection, sent, dense_values
+
+    def _finish_batched(self, grads: Mapping[str, torch.Tensor], names: tuple[str, ...],
+                        numels: tuple[int, ...], sparse_count: int, selector: BatchedSelector,
+                        selection: Any, sent: torch.Tensor, dense_values: torch.Tensor,
+                        sequence: int | None) -> SparseUpdate:
+        c = self.config
+        device = sent.device
+        both = torch.stack([selection.counts, selection.fallback.to(torch.int64)])
+        counts, fallback = both.tolist()  # the one read of the step: sizes for the views
+        local = selection.positions - selector._offsets[selection.slot_segment]  # noqa: SLF001
+        out: dict[str, SparseTensor] = {}
+        for t in range(sparse_count):
+            name = names[t]
+            if fallback[t]:
+                out[name] = self._select_one_exact(name, selector.ks[t])
+                continue
+            start = selector.slot_offsets[t]
+            out[name] = SparseTensor(local[start:start + counts[t]],
+                                     sent[start:start + counts[t]], tuple(grads[name].shape))
+        at = 0
+        for name, n in zip(names[sparse_count:], numels[sparse_count:], strict=True):
+            out[name] = SparseTensor(self._arange(n, device), dense_values[at:at + n],
+                                     tuple(grads[name].shape))
+            at += n
+        if not c.error_feedback:
+            for name in names:
+                self.memory.clear_residual(name)
+        self.step += 1
+        return SparseUpdate({name: out[name] for name in grads},
+                            self.step if sequence is None else sequence)
+
+    def _select_one_exact(self, name: str, k: int) -> SparseTensor:
+        """The per-tensor exact selection of one tensor the batched selection flagged."""
+        c = self.config
+        v = self.memory.v[name]
+        idx = select_exact(torch.abs(v), k)
+        selected = v[idx]
+        values = self._round(selected)
+        if c.ternary:
+            values = self._ternary(selected, values)
+        self.memory.mark_sent(name, idx, values, c.momentum_masking)
+        return SparseTensor(idx, values, (v.numel(),))
+
+    def _flat_layout(self, grads: Mapping[str, torch.Tensor],
+                     ) -> tuple[tuple[str, ...], tuple[int, ...], int]:
+        """Names in flat order (sparsified tensors first), their sizes, how many are sparse;
+        after the checks of :meth:`_validated` that need no data."""
+        sparse, dense = [], []
+        for name, g in grads.items():
+            if not isinstance(g, torch.Tensor) or not g.is_floating_point():
+                raise StateError(f"gradient {name!r} must be a floating-point tensor, "
+                                 f"got {type(g).__name__}")
+            held = self.memory.v.get(name)
+            if held is not None and held.numel() != g.numel():
+                raise StateError(f"gradient {name!r} has {g.numel()} entries, the residual holds "
+                                 f"{held.numel()}")
+            (dense if self.is_dense_tensor(tuple(g.shape)) else sparse).append(name)
+        devices = {grads[n].device for n in grads}
+        if len(devices) > 1:
+            raise StateError(f"gradients must be on one device, got {sorted(map(str, devices))}")
+        names = tuple(sparse + dense)
+        return names, tuple(grads[n].numel() for n in names), len(sparse)
+
+    def _selector(self, sizes: tuple[int, ...], density: float,
+                  device: torch.device) -> BatchedSelector:
+        key = (sizes, density, device)
+        selector = self._selectors.get(key)
+        if selector is None:
+            if len(self._selectors) >= 8:  # warm-up densities come and go
+                self._selectors.clear()
+            selector = self._selectors[key] = BatchedSelector(sizes, density, self.config,
+                                                              device)
+        return selector
+
+    def _scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        if self._magnitude.numel() < numel or self._magnitude.device != device:
+            self._magnitude = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._magnitude[:numel]
+
+    def _arange(self, n: int, device: torch.device) -> torch.Tensor:
+        key = (n, device)
+        if key not in self._aranges:
+            self._aranges[key] = torch.arange(n, dtype=torch.int64, device=device)
+        return self._aranges[key]
+
+    def _ternary_segments(self, selected: torch.Tensor, rounded: torch.Tensor,
+                          valid: torch.Tensor, segment: torch.Tensor,
+                          segments: int) -> torch.Tensor:
+        """:meth:`_ternary` of every segment at once: its mean |v| over its valid slots."""
+        device = selected.device
+        magnitude = torch.where(valid, selected.abs().double(), 0.0)
+        total = torch.zeros(segments, dtype=torch.float64, device=device)
+        total.index_add_(0, segment, magnitude)
+        count = torch.zeros(segments, dtype=torch.float64, device=device)
+        count.index_add_(0, segment, valid.double())
+        mean = (total / count.clamp(min=1.0)).to(torch.float32)
+        scale = self._round(mean)[segment]
+        ternary = torch.where(selected < 0, -scale, scale)
+        return torch.where(scale > 0, ternary, rounded)
 
     def restore(self, update: SparseUpdate) -> None:
         """Fold an update that was sent but never applied back into the residual.
@@ -185,8 +373,8 @@ class DGCCompressor:
                 flat[name] = flat[name] * scale
 
     def _magnitude_of(self, v: torch.Tensor) -> torch.Tensor:
-        if self._magnitude.numel() < v.numel():
-            self._magnitude = torch.empty(v.numel(), dtype=torch.float32)
+        if self._magnitude.numel() < v.numel() or self._magnitude.device != v.device:
+            self._magnitude = torch.empty(v.numel(), dtype=torch.float32, device=v.device)
         return torch.abs(v, out=self._magnitude[: v.numel()])
 
     def _round(self, values: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,12 @@ class RowwiseCompressor:
     def __init__(self, config: DGCConfig | None = None) -> None:
         self.config = config or DGCConfig()
         self._policy = DGCCompressor(self.config)
-        # Rows are handed over as (1, row_size) tensors: sparsified whatever their size.
-        self.inner = DGCCompressor(dataclasses.replace(self.config, min_sparse_numel=1))
+        # Rows are handed over as (1, row_size) tensors: sparsified whatever their size. Tensor
+        # by tensor: _join_rows keeps the rows as views of its own flat tensors, which the
+        # batched path would lay out anew (on an accelerator this compressor is correct, not
+        # fast).
+        self.inner = DGCCompressor(dataclasses.replace(self.config, min_sparse_numel=1),
+                                   batched=False)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._flat: dict[str, torch.Tensor] = {}
 

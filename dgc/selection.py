@@ -43,7 +43,7 @@ def select_exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries of a flat non-negative tensor, sorted, zeros dropped."""
     n = magnitude.numel()
     if k >= n:
-        idx = torch.arange(n, dtype=torch.int64)
+        idx = torch.arange(n, dtype=torch.int64, device=magnitude.device)
     else:
         idx = torch.topk(magnitude, k, sorted=False).indices
     idx = idx[magnitude[idx] > 0]

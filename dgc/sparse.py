@@ -59,8 +59,8 @@ class SparseTensor:
 
     def to_dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense tensor, zeros where nothing was sent."""
-        out = torch.zeros(self.numel, dtype=dtype)
-        out.index_put_((self.indices,), self.values.to(dtype))
+        out = torch.zeros(self.numel, dtype=dtype, device=self.values.device)
+        out.index_put_((self.indices.to(out.device),), self.values.to(dtype))
         return out.view(self.shape)
 
 
@@ -183,6 +183,39 @@ class SparseUpdate:
         n = self.numel
         return self.nnz / n if n else 0.0
 
+    def cpu(self) -> SparseUpdate:
+        """This update with every tensor on the host: ``self`` when all are there already, else
+        a new update built from one device-to-host copy of everything it carries (its indices
+        and values packed into one byte buffer on the device, copied, and viewed back), so that
+        an update selected on an accelerator costs one transfer, not two per tensor."""
+        if self.packed is not None:
+            return self
+        away = [p.device for t in self.tensors.values() for p in (t.indices, t.values)
+                if p.device.type != "cpu"]
+        return self.moved(away[0], torch.device("cpu")) if away else self
+
+    def moved(self, source: torch.device | str, target: torch.device | str) -> SparseUpdate:
+        """A copy of this update on ``target``, made by packing every index and value into one
+        byte buffer on ``source`` (tensors elsewhere are brought there first), one copy of it,
+        and views of the result (which they share)."""
+        tensors = self.tensors
+        parts = [p for t in tensors.values() for p in (t.indices, t.values)]
+        # Widest elements first, so that every piece starts at a multiple of its own size in
+        # the byte buffer (a view as int64 or float32 needs that alignment).
+        order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
+        flat = [parts[i].detach().to(source).contiguous().reshape(-1).view(torch.uint8)
+                for i in order]
+        host = torch.cat(flat).to(target, copy=True) if flat else \
+            torch.empty(0, dtype=torch.uint8, device=target)
+        moved: list[torch.Tensor] = [torch.empty(0)] * len(parts)
+        at = 0
+        for i, piece in zip(order, flat, strict=True):
+            moved[i] = host[at:at + piece.numel()].view(parts[i].dtype)
+            at += piece.numel()
+        out = {name: SparseTensor(moved[2 * j], moved[2 * j + 1], t.shape)
+               for j, (name, t) in enumerate(tensors.items())}
+        return SparseUpdate(out, self.sequence)
+
     def to_dense(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Dense tensors, one per name, zeros where nothing was sent."""
         return {name: t.to_dense(dtype) for name, t in self.tensors.items()}
@@ -195,6 +228,7 @@ class SparseUpdate:
         out = {}
         for name, t in tensors.items():
             flat = t.detach().reshape(-1)
-            out[name] = SparseTensor(torch.arange(flat.numel(), dtype=torch.int64),
+            out[name] = SparseTensor(torch.arange(flat.numel(), dtype=torch.int64,
+                                                  device=flat.device),
                                      flat.to(dtype), tuple(t.shape))
         return cls(out, sequence)

@@ -27,11 +27,32 @@ NOISE = (
 QUIET_WORKER_ENV = {"FLWR_LOG_LEVEL": "ERROR", "RAY_COLOR_PREFIX": "0"}
 
 
+#: The attribute that marks an exception fedgc has already reported in one line.
+REPORTED = "fedgc_reported"
+
+
 class FlowerNoiseFilter(logging.Filter):
-    """Drops the records of :data:`NOISE`; passes every other record."""
+    """Drops the records of :data:`NOISE`, and Flower's traceback of an exception fedgc has
+    already reported in one line (:func:`report_once`); passes every other record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and getattr(record.exc_info[1], REPORTED, False):
+            return False
         return not record.getMessage().startswith(NOISE)
+
+
+def report_once(ex: BaseException) -> None:
+    """Log ``ex`` as one line on Flower's log (``fedgc: <its first line>``) and mark it, so
+    that Flower, which then fails the run with it, does not log it again with a traceback.
+
+    For the ServerApp under ``flwr run``: a bad value or a federation of the wrong size is the
+    user's to fix, and one line says how; the run still fails, with that line as its reason.
+    """
+    from flwr.supercore import log
+
+    lines = str(ex).strip().splitlines() or [type(ex).__name__]
+    log(logging.ERROR, "fedgc: %s", lines[0])
+    setattr(ex, REPORTED, True)
 
 
 def _console_handlers() -> list[logging.Handler]:
@@ -42,7 +63,7 @@ def _console_handlers() -> list[logging.Handler]:
 
 def drop_noise() -> None:
     """Install :class:`FlowerNoiseFilter` on Flower's logger (once) for the rest of the process,
-    unless Flower logs at DEBUG (its verbose mode).
+    unless Flower logs at DEBUG (its verbose mode: every traceback is shown there).
 
     For the ServerApp under ``flwr run``, where Flower owns the process and its log settings
     (the federation's ``verbose = true`` sets its console handler to DEBUG).

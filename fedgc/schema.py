@@ -18,10 +18,11 @@ methods' own keys (:mod:`fedgc.methods`) and the network emulator's
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import tomllib
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -125,6 +126,21 @@ def coerce(key: str, value: object, kind: Any) -> Any:
     raise SettingsError(f"{key}: unsupported setting type {kind!r}")
 
 
+def unknown_keys(unknown: Iterable[str], known: Iterable[str]) -> SettingsError:
+    """The error for keys no setting has: each named with the closest known key, if one is
+    close (a misspelling), rather than a list of every key."""
+    known = sorted(known)
+    named = []
+    for key in unknown:
+        # A key given without its prefix (``density``) has several owners: name them all.
+        close = ([k for k in known if k.rsplit(".", 1)[-1] == key]
+                 or difflib.get_close_matches(key, known, n=1, cutoff=0.6))
+        hint = " or ".join(repr(k) for k in close)
+        named.append(f"{key!r} (did you mean {hint}?)" if close else repr(key))
+    return SettingsError(f"unknown configuration key{'s' if len(named) > 1 else ''} "
+                         f"{', '.join(named)}; `python -m simulations keys` lists every key")
+
+
 def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) -> T:
     """Build ``cls`` from external keys; with ``strict`` an unknown key is an error."""
     hints = get_type_hints(cls)
@@ -132,8 +148,7 @@ def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) ->
     if strict:
         unknown = sorted(set(values) - set(by_key))
         if unknown:
-            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
-                                f"{sorted(by_key)}")
+            raise unknown_keys(unknown, by_key)
     kwargs: dict[str, Any] = {}
     for key, f in by_key.items():
         if key in values:

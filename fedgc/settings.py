@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -59,6 +59,7 @@ from fedgc.schema import (
     parse,
     setting,
     to_flat,
+    unknown_keys,
     validate,
 )
 from fedgc.schema import key_table as _key_table
@@ -81,8 +82,11 @@ DOWNLINKS = ("auto", "dense")
 #: How a compressed broadcast moves the entries it sends (``downlink_values``): copied on the
 #: float16 or int8 grid, or moved by sign * mean per tensor (STC's downlink, ``ternary``).
 DOWNLINK_VALUES = ("float16", "int8", "ternary")
-#: Simulation engines: Flower's Ray backend, or every client in this process.
-ENGINES = ("ray", "local")
+#: Simulation engines: Flower's Ray backend, every client in this process one after another, or
+#: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
+ENGINES = ("ray", "local", "batched")
+#: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
+DEVICES = ("cpu", "cuda", "auto")
 #: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
 #: robust statistics (``server.aggregation.ROBUST``).
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -94,12 +98,13 @@ RENAMED = {"dgc.density": "density", "stc.density": "density",
            "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
            "stc.downlink_density": "downlink_density"}
 
-__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
+__all__ = ["AGGREGATIONS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
            "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF",
            "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
            "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
            "flatten", "fold_options", "key_table", "known_keys", "load_toml", "method_default",
            "new_run_name", "options_of", "options_text", "parse", "setting", "to_flat",
+           "unknown_keys",
            "validate"]
 
 
@@ -256,12 +261,12 @@ class TrainSettings:
                                      "sent coordinates (momentum factor masking)")
     small_density: float = setting(0.03, "dgc.small_density", "density of the sparsified "
                                    "tensors of at most dgc.small_numel entries (an output "
-                                   "layer; topk and dgc); 0 = off, they use dgc.density",
+                                   "layer; topk and dgc); 0 = off, they use density",
                                    Check(0.0, 1.0))
     small_numel: int = setting(10_000, "dgc.small_numel", "size limit, in entries, of a tensor "
                                "that gets dgc.small_density", Check(1))
     warmup: str = setting("exponential", "dgc.warmup", "density warm-up schedule over the "
-                          "first rounds: 4**-(r+1) until it reaches dgc.density",
+                          "first rounds: 4**-(r+1) until it reaches density",
                           Check(choices=WARMUPS))
     warmup_rounds: int = setting(0, "dgc.warmup_rounds", "rounds the warm-up lasts (the "
                                  "paper's warm-up epochs, counted in server rounds; 0 = none: "
@@ -292,6 +297,10 @@ class TrainSettings:
                                      "aggregated per round", Check(1))
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
+    device: str = setting("cpu", "sim.device", "where clients train and compress: cpu, cuda, or "
+                          "auto (cuda where torch sees one); models, batches and the compressor "
+                          "on the device, client state on the host; cuda on a machine without "
+                          "it stops the run before round 1", Check(choices=DEVICES))
 
     #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
     #: next method its own).
@@ -427,13 +436,21 @@ class ServerSettings:
     tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
                                 "(accuracy, loss, MB both ways, clients, seconds) as "
                                 "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
-                                "tensorboard package: pip install 'fedgc[tensorboard]')")
+                                "tensorboard package, in the dev extra: pip install -e "
+                                "'.[tensorboard]' in the checkout)")
     engine: str = setting("ray", "sim.engine", "ray: Flower's simulation engine (Ray backend); "
                           "local: server.local_grid.LocalGrid, every client in this process "
-                          "one after another (tests, debugging)", Check(choices=ENGINES))
+                          "one after another (tests, debugging); batched: the same, but a "
+                          "round's clients trained at once with torch.func (MLP and CNN "
+                          "models; simulations/batched_engine.py), the local engine's models",
+                          Check(choices=ENGINES))
     cpus_per_client: float = setting(1.0, "sim.cpus_per_client", "Ray CPUs per ClientApp "
                                      "actor (fractional allowed)", Check(0.0, low_open=True))
     num_cpus: int = setting(0, "sim.num_cpus", "CPUs Ray may use; 0 = all", Check(0))
+    gpus_per_client: float = setting(0.0, "sim.gpus_per_client", "Ray GPUs per ClientApp "
+                                     "actor (Flower's client_resources.num_gpus; 0.25: four "
+                                     "clients share a GPU); 0 = Ray schedules clients by CPU "
+                                     "alone", Check(0.0))
     ray_address: str = setting("", "sim.ray_address", "attach to a running Ray cluster "
                                "(HEAD:PORT of `ray start --head`, or auto) instead of starting "
                                "Ray here; its nodes declare their CPUs (sim.num_cpus must stay "
@@ -464,8 +481,10 @@ class RunConfig:
     train : TrainSettings
         Task, partition, local training and compression; sent to every client.
     own : mapping of str to value
-        The own keys (:attr:`fedgc.methods.Method.settings`) of every method known to this
-        process, with their values; sent to every client too.
+        The own keys (:attr:`fedgc.methods.Method.settings`) of the run's method, and another
+        method's given at a value other than its default; sent to every client too. (Not
+        every registered method's: a method added to the registry changes no other method's
+        run, its messages or its ``summary.json``.)
     """
 
     server: ServerSettings = field(default_factory=ServerSettings)
@@ -475,7 +494,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         t = self.train
         object.__setattr__(self, "server", _resolve(self.server, methods.get(t.method)))
-        object.__setattr__(self, "own", {**_own_defaults(), **self.own})
+        # Another method's key at its default changes nothing: it is dropped, so that a method
+        # added to the registry (or the next method of a comparison) leaves this run as it was.
+        mine, every = _own_defaults(t.method), _own_defaults_of(methods.loaded())
+        given = {k: v for k, v in self.own.items()
+                 if k in mine or k not in every or v != every[k]}
+        object.__setattr__(self, "own", {**mine, **given})
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
@@ -503,12 +527,12 @@ class RunConfig:
                                           for k in renamed))
         if isinstance(values.get("method"), str) and is_ref(values["method"]):
             methods.get(str(values["method"]))  # a SettingsError naming the reference
-        unknown = sorted(set(values) - set(cls.keys()))
+        own_keys = {f.metadata["key"] for m in methods.loaded() if m.settings is not None
+                    for f in fields_of(m.settings)}
+        unknown = sorted(set(values) - set(cls.keys()) - own_keys)
         if unknown:
-            raise SettingsError(f"unknown configuration key(s) {unknown}; known keys: "
-                                f"{cls.keys()}")
+            raise unknown_keys(unknown, set(cls.keys()) | own_keys)
         server_keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
-        own_keys = set(_own_defaults())
         return cls(
             server=parse(ServerSettings, {k: v for k, v in values.items() if k in server_keys}),
             train=parse(TrainSettings, {k: v for k, v in values.items()
@@ -518,7 +542,8 @@ class RunConfig:
 
     @staticmethod
     def keys() -> list[str]:
-        """Every accepted key, sorted."""
+        """Every key of fedgc and of its registered methods, sorted (a method loaded by
+        ``module:callable`` adds its own keys to those a run accepts)."""
         return sorted(known_keys([ServerSettings, TrainSettings]) + list(_own_defaults()))
 
     @property
@@ -558,32 +583,41 @@ class RunConfig:
 
     @staticmethod
     def describe() -> list[tuple[str, str, str, str, str]]:
-        """(key, type, default, accepted range, doc) of every key."""
+        """(key, type, default, accepted range, doc) of every key of :meth:`keys`."""
         rows = describe(ServerSettings, method_default) + describe(TrainSettings, method_default)
-        for m in methods.loaded():
+        for m in methods.registered():
             if m.settings is not None:
                 rows += describe(m.settings, method_default)
         return sorted(rows)
 
 
-def _own_defaults() -> dict[str, Any]:
-    """The own keys of every known method (registered, or loaded by reference), with their
-    defaults."""
+def _own_defaults(method: str = "") -> dict[str, Any]:
+    """The own keys at their defaults: of ``method`` (a registered name or ``module:callable``)
+    when given, of every registered method otherwise (the keys a run accepts)."""
+    return _own_defaults_of([methods.get(method)] if method else methods.registered())
+
+
+def _own_defaults_of(these: Sequence[methods.Method]) -> dict[str, Any]:
+    """The own keys of ``these`` methods at their defaults."""
     out: dict[str, Any] = {}
-    for m in methods.loaded():
+    for m in these:
         if m.settings is not None:
             out.update(to_flat(m.settings()))
     return out
 
 
 def _parse_own(values: Mapping[str, object]) -> dict[str, Any]:
-    """The methods' own keys of ``values``, checked by their schemas, with every other own key
-    at its default."""
-    out = _own_defaults()
+    """The methods' own keys given in ``values``, checked by their schemas (of every method
+    this process knows)."""
+    out: dict[str, Any] = {}
     for m in methods.loaded():
         if m.settings is not None:
             mine = {f.metadata["key"] for f in fields_of(m.settings)}
-            out.update(to_flat(parse(m.settings, {k: v for k, v in values.items() if k in mine})))
+            given = {k: v for k, v in values.items() if k in mine}
+            if given:
+                own = parse(m.settings, given)
+                validate(own)  # a method's schema need not check itself
+                out.update({k: v for k, v in to_flat(own).items() if k in given})
     return out
 
 

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,10 +20,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedgc.flower_log import drop_noise
+from fedgc import devices, methods
+from fedgc.flower_log import drop_noise, report_once
+from fedgc.schema import to_flat
 from fedgc.settings import RunConfig, SettingsError
 from fedgc.task_loader import load_task
-from server.checkpoint import CHECKPOINT_FILE
+from server import defences
+from server.checkpoint import CHECKPOINT_FILE, CheckpointError
 from server.extensions import Column, columns_of
 from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
 from server.records import RoundRecord
@@ -52,6 +55,9 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
     flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
     for key in config.server.by_method | config.train.by_method:
         flat[key] = ""  # each method's own default, as `python -m simulations run` gives it
+    for m in methods.registered():  # every method's own keys (a run carries its method's)
+        if m.settings is not None:
+            flat.update(to_flat(m.settings()))
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 
@@ -124,15 +130,17 @@ def _clock(seconds: float) -> str:
 
 
 def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None,
-                  rounds_timed: int = 0, surplus: int = 0,
-                  columns: Sequence[Column] = ()) -> str:
+                  rounds_timed: int = 0, columns: Sequence[Column] = (),
+                  totals: Sequence[float] = ()) -> str:
     """One human-readable line per round.
 
     ``elapsed``: seconds since this process started its first round, of which ``rounds_timed``
     rounds are done (a resumed run times only its own rounds); with them the line ends with the
-    elapsed time and an estimate of the time left. ``surplus``: over-selected clients whose valid
-    update was not needed (not failures). ``columns``: the extensions' columns, each shown by
-    its ``progress`` format (a network-emulator run's virtual time).
+    elapsed time and an estimate of the time left. Over-selected clients whose valid update was
+    not needed show as ``surplus`` (not failures). ``columns``: the extensions' columns, each
+    shown by its ``progress`` format with the round's value and ``totals``' (the run's so far:
+    a network-emulator run shows the round's virtual seconds and the run's, what its report
+    plots).
     """
     ratio = record.dense_uplink_bytes / record.uplink_bytes if record.uplink_bytes else 0.0
     line = (f"round {record.round:>4}/{rounds}  acc {record.accuracy:.4f}  loss {record.loss:.4f}"
@@ -140,12 +148,13 @@ def progress_line(record: RoundRecord, rounds: int, elapsed: float | None = None
             f"  down {record.downlink_bytes / 1e6:7.2f} MB"
             f"  clients {record.clients_aggregated}/{record.clients_sampled}"
             f" failed {record.clients_failed}")
-    if surplus:
-        line += f" surplus {surplus}"
+    if record.clients_surplus:
+        line += f" surplus {record.clients_surplus}"
     line += f"  {record.wall_seconds:5.1f}s"
-    for c in columns:
+    for i, c in enumerate(columns):
         if c.progress and record.extra.get(c.name):
-            line += "  " + c.progress.format(record.extra[c.name])
+            total = totals[i] if i < len(totals) else record.extra[c.name]
+            line += "  " + c.progress.format(record.extra[c.name], total)
     if elapsed is not None and rounds_timed > 0:
         left = elapsed / rounds_timed * max(rounds - record.round, 0)
         line += f"  elapsed {_clock(elapsed)} ETA {_clock(left)}"
@@ -185,12 +194,17 @@ def run_server(grid: Grid, config: RunConfig,
     model = task.build_model()
     run_dir = config.run_dir
     test_x, test_y = evaluation_split(task, s.eval_samples, t.seed)
+    # The global model is evaluated where the clients train (sim.device, checked by
+    # prepare_run_dir); it is kept, aggregated and sent on the host.
+    device = devices.resolve(t.device)
+    judge = model if device.type == "cpu" else copy.deepcopy(model).to(device)
+    test_x, test_y = test_x.to(device), test_y.to(device)
     columns: list[Column] = []
     board = None
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = task.evaluate(model, test_x, test_y)
+        judge.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy = task.evaluate(judge, test_x, test_y)
         return MetricRecord({"accuracy": float(accuracy), "loss": float(loss)})
 
     timed: list[int] = []  # rounds run by this process (a resumed run starts later)
@@ -201,13 +215,9 @@ def run_server(grid: Grid, config: RunConfig,
             board.write(record, strategy.rounds[:-1])
         timed.append(record.round)
         if s.progress:
-            surplus = 0
-            for row in reversed(strategy.client_rows):  # this round's rows are the last ones
-                if row.round != record.round:
-                    break
-                surplus += row.status == "surplus"
-            print(progress_line(record, s.rounds, time.time() - started, len(timed), surplus,
-                                columns), flush=True)
+            totals = [sum(r.extra.get(c.name, 0) for r in strategy.rounds) for c in columns]
+            print(progress_line(record, s.rounds, time.time() - started, len(timed), columns,
+                                totals), flush=True)
         if on_round is not None:
             on_round(record)
 
@@ -215,6 +225,9 @@ def run_server(grid: Grid, config: RunConfig,
     columns = columns_of(strategy.extensions)
     if s.tensorboard:
         board = RoundWriter(run_dir, columns)
+    guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction)
+    if s.progress:
+        print(f"fedgc: {defences.describe(*guard)}", flush=True)
     train_config = ConfigRecord(config.client_config())
     try:
         result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,
@@ -236,6 +249,8 @@ def run_server(grid: Grid, config: RunConfig,
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
         "config": config.to_flat(), **extra,
+        "defences": defences.in_force(*guard, [r.reason for r in strategy.client_rows
+                                               if r.status == "aggregated"]),
     })
     write_summary(run_dir, summary)
     check_something_aggregated(strategy.rounds, strategy.client_rows, run_dir)
@@ -254,13 +269,64 @@ def check_something_aggregated(rounds: list[RoundRecord], rows: list[Any], run_d
                                  f"model never trained (see {run_dir}/clients.csv){first}")
 
 
+class FederationSizeError(RuntimeError):
+    """Under Flower's simulation runtime, the federation has not one SuperNode per client."""
+
+
+#: Seconds the simulation runtime may take to register its SuperNodes (it does so as the
+#: ServerApp starts; 10,000 in well under a second here).
+NODES_SETTLE_S = 10.0
+
+
+def check_federation(grid: Grid, config: RunConfig) -> None:
+    """Under Flower's simulation runtime (``flwr run`` on a local SuperLink), refuse a
+    federation without one SuperNode per client, saying how to size it.
+
+    The runtime registers all of its ``num-supernodes`` nodes as the ServerApp starts, and
+    none joins later: a run needing more would wait for ever, and a node beyond ``num_clients``
+    would hold no data. On a deployment (SuperNodes connecting over the network) nodes come
+    and go, and the registry waits for them instead.
+    """
+    from flwr.superlink.grid import InMemoryGrid
+
+    if not isinstance(grid, InMemoryGrid):
+        return
+    deadline, count, since = time.monotonic() + NODES_SETTLE_S, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = len(list(grid.get_node_ids()))
+        if now != count:
+            count, since = now, time.monotonic()
+        elif count > 0 and time.monotonic() - since >= 1.0:
+            break
+        time.sleep(0.1)
+    wanted = config.train.num_clients
+    if count != wanted:
+        fit = min(config.train.clients_per_round, max(count, 1))
+        raise FederationSizeError(
+            f"the federation has {count} simulated SuperNodes and this run num_clients = "
+            f"{wanted} (one SuperNode per client): run it with `flwr run . --federation-config "
+            f"num-supernodes={wanted}`, or size the run to the federation with -c "
+            f"\"num_clients={max(count, 1)} clients_per_round={fit}\"")
+
+
+#: What the ServerApp under ``flwr run`` reports in one line (the user's to fix), not with a
+#: traceback; the run still fails.
+USER_ERRORS = (SettingsError, PreflightError, FederationSizeError, RunFolderError,
+               NothingAggregatedError, CheckpointError)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md)."""
+    """``flwr run .`` entry: the run config holds the RunConfig keys (see docs/federation.md).
+
+    A bad value, a federation of the wrong size, a run refused before its first round: one
+    line on the run's log (:func:`fedgc.flower_log.report_once`) and a failed run.
+    """
     drop_noise()
     try:
         config = RunConfig.from_flat(dict(context.run_config))
-    except SettingsError as ex:
-        print(f"fedgc: bad run config: {ex}", file=sys.stderr)
+        check_federation(grid, config)
+        run_server(grid, config)
+    except USER_ERRORS as ex:
+        report_once(ex)
         raise
-    run_server(grid, config)

@@ -89,7 +89,8 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
                             "round_timeout_s",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
-                            "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address"})
+                            "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address",
+                            "sim.device", "sim.gpus_per_client"})
 
 
 def check_run_config(written: Mapping[str, object] | None,

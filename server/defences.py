@@ -23,6 +23,9 @@ from dgc import SparseUpdate
 from fedgc.methods import SparsePayload
 from server.replies import CheckedReply
 
+#: The words of a bounded client's note (its row's ``reason``), counted by :func:`in_force`.
+CAPPED, CLIPPED = "capped at", "clipped to"
+
 
 def update_norm(update: SparseUpdate, signs: SparseUpdate | None = None) -> float:
     """The L2 norm of a decoded update and its signs together, in float64
@@ -74,7 +77,7 @@ class Bounds:
                 if weights[i] > cap:
                     weights[i] = cap
                     notes.setdefault(c.client_key, []).append(
-                        f"weight {c.num_examples} capped at {cap:g}")
+                        f"weight {c.num_examples} {CAPPED} {cap:g}")
         if self.max_norm_ratio and valid:
             norms = {c.client_key: c.payload.norm() for c in valid if c.payload is not None}
             bound = self.max_norm_ratio * statistics.median(norms.values())
@@ -83,5 +86,33 @@ class Bounds:
                 if norm > bound:
                     factors[i] = bound / norm
                     notes.setdefault(c.client_key, []).append(
-                        f"update norm {norm:.3g} clipped to {bound:.3g}")
+                        f"update norm {norm:.3g} {CLIPPED} {bound:.3g}")
         return weights, factors, {k: "; ".join(v) for k, v in notes.items()}
+
+
+def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
+             trim_fraction: float) -> str:
+    """The defences a run aggregates with, in one line (the run's header): they make the
+    ``dense`` method something other than plain FedAvg where a client claims far more examples
+    than the others, or sends a far larger update."""
+    cap = (f"weight cap {max_weight_ratio:g}x the round's median" if max_weight_ratio
+           else "no weight cap")
+    clip = (f"update clip {max_norm_ratio:g}x the median norm" if max_norm_ratio
+            else "no update clip")
+    how = {"mean": "weighted mean", "median": "coordinate-wise median",
+           "trimmed_mean": f"coordinate-wise trimmed mean ({trim_fraction:g} cut)"}
+    plain = " ".join(f"{k}={v}" for k, v, off in (
+        ("max_weight_ratio", 0, not max_weight_ratio), ("max_norm_ratio", 0, not max_norm_ratio),
+        ("aggregation", "mean", aggregation == "mean")) if not off)
+    plain = f" ({plain}: plain FedAvg)" if plain else ""
+    return f"defences: {cap}, {clip}, {how.get(aggregation, aggregation)}{plain}"
+
+
+def in_force(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
+             trim_fraction: float, reasons: list[str]) -> dict[str, object]:
+    """``summary.json``'s ``defences``: the settings, and how many aggregated updates were
+    capped or clipped (``reasons``: the aggregated rows' notes)."""
+    return {"max_weight_ratio": max_weight_ratio, "max_norm_ratio": max_norm_ratio,
+            "aggregation": aggregation, "trim_fraction": trim_fraction,
+            "weights_capped": sum(CAPPED in r for r in reasons),
+            "updates_clipped": sum(CLIPPED in r for r in reasons)}

@@ -35,8 +35,9 @@ class Column:
     tag : str
         Its TensorBoard tag (``group/name``), or "" for none.
     progress : str
-        Its fragment of the progress line, a format with one field (``"virtual {:6.1f}s"``),
-        or "" for none.
+        Its fragment of the progress line, a format given the round's value and the run's total
+        so far (``"virtual s: round {0:.1f} total {1:.1f}"``; one field takes the round's), or
+        "" for none.
     """
 
     name: str

@@ -10,9 +10,8 @@ can see the other's objects. Flower's simulation engine (Ray backend,
 from __future__ import annotations
 
 import copy
-import random
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -24,8 +23,76 @@ from flwr.supercore.task_identity import TaskIdentity
 CLIENT_APP_RAISED_EXCEPTION = 2
 
 
+_MASK63 = (1 << 63) - 1
+_MIX = (0x5DEECE66D2B7E151, 0x27D4EB2F165667C5)  # odd: invertible modulo 2**63
+_UNMIX = tuple(pow(c, -1, 1 << 63) for c in _MIX)
+_PID_BITS = 39  # partition ids below 2**39 (5.5e11); the seed takes the bits above
+
+
+def _unshift(x: int, s: int) -> int:
+    """The inverse of ``x ^= x >> s`` on 63 bits."""
+    out, shift = x, s
+    while shift < 63:
+        out ^= x >> shift
+        shift += s
+    return out
+
+
+def node_id(partition: int, seed: int) -> int:
+    """The node id of ``partition``: a bijection of (seed, partition) onto random-looking
+    nonzero 63-bit ids, so that ids need no table (a million nodes cost nothing held)."""
+    x = ((seed & 0xFFFFFF) << _PID_BITS) | (partition + 1)
+    x = (x * _MIX[0]) & _MASK63
+    x ^= x >> 31
+    x = (x * _MIX[1]) & _MASK63
+    return x ^ (x >> 29)
+
+
+def partition_of_node(node: int, seed: int) -> int | None:
+    """The partition whose :func:`node_id` is ``node`` for ``seed``, else None."""
+    if not 0 < node <= _MASK63:
+        return None
+    x = (_unshift(node, 29) * _UNMIX[1]) & _MASK63
+    x = (_unshift(x, 31) * _UNMIX[0]) & _MASK63
+    if x >> _PID_BITS != seed & 0xFFFFFF:
+        return None
+    return (x & ((1 << _PID_BITS) - 1)) - 1
+
+
+def error_reply(msg: Message, ex: BaseException) -> Message:
+    """The reply Flower makes of an exception raised by a ClientApp on ``msg``."""
+    return Message(Error(code=CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(ex).__name__}: {ex}"),
+                   reply_to=msg)
+
+
+class _Partitions(Mapping[int, int]):
+    """Node id -> partition id of a LocalGrid, computed, not stored."""
+
+    def __init__(self, num_nodes: int, seed: int) -> None:
+        self.num_nodes, self.seed = num_nodes, seed
+
+    def __getitem__(self, node: int) -> int:
+        pid = partition_of_node(node, self.seed) if isinstance(node, int) else None
+        if pid is None or not 0 <= pid < self.num_nodes:
+            raise KeyError(node)
+        return pid
+
+    def __iter__(self) -> Iterator[int]:
+        return (node_id(pid, self.seed) for pid in range(self.num_nodes))
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+
 class LocalGrid(Grid):
     """Runs ``client_app`` for ``num_nodes`` virtual nodes with partition ids ``0..n-1``.
+
+    Nothing is held per node until it is sent a message (its node id is computed from its
+    partition id, its Context made then), so a grid of a million nodes costs what the
+    clients it runs cost. The nodes' client keys are their partition ids (fedgc's
+    ``client.app.client_key``), which :meth:`node_of_key` lets the server's registry use
+    without a query per node (:class:`server.registry.KeyedGrid`), unless ``node_config``
+    sets a ``client-key`` of its own.
 
     Parameters
     ----------
@@ -50,21 +117,39 @@ class LocalGrid(Grid):
             # in the same way for the in-process ServerApp.
             TaskIdentity.run_id, TaskIdentity.task_id = 1, 1
             TaskIdentity.node_id = SUPERLINK_NODE_ID
-        rng = random.Random(seed)
         self.client_app = client_app
         self.intercept = intercept
-        self.partition_of: dict[int, int] = {}
-        while len(self.partition_of) < num_nodes:
-            self.partition_of.setdefault(rng.getrandbits(63) or 1, len(self.partition_of))
-        self.contexts = {
-            node: Context(run_id=1, node_id=node,
-                          node_config={"partition-id": pid, "num-partitions": num_nodes,
-                                       **dict(node_config or {})},
-                          state=RecordDict(), run_config={})
-            for node, pid in self.partition_of.items()
-        }
+        self.seed = int(seed)
+        self.num_nodes = int(num_nodes)
+        self.partition_of: Mapping[int, int] = _Partitions(self.num_nodes, self.seed)
+        self.node_config = dict(node_config or {})
+        #: Whether the nodes' client keys are their partition ids (KeyedGrid).
+        self.keys_are_partitions = "client-key" not in self.node_config
+        self.contexts: dict[int, Context] = {}  # made when a node is first sent a message
         self._inbox: dict[str, Message] = {}
         self._run = None
+
+    def context_of(self, node: int) -> Context:
+        """The Context of ``node``, made on its first message and kept for the run (a
+        ClientApp may keep state in it, as on Flower's engines)."""
+        context = self.contexts.get(node)
+        if context is None:
+            pid = self.partition_of[node]
+            context = self.contexts[node] = Context(
+                run_id=1, node_id=node,
+                node_config={"partition-id": pid, "num-partitions": self.num_nodes,
+                             **self.node_config},
+                state=RecordDict(), run_config={})
+        return context
+
+    @property
+    def num_keys(self) -> int:
+        """Client keys are ``0..num_keys-1`` (KeyedGrid)."""
+        return self.num_nodes
+
+    def node_of_key(self, key: int) -> int:
+        """The node whose client key is ``key`` (KeyedGrid)."""
+        return node_id(key, self.seed)
 
     def set_run(self, run) -> None:  # noqa: ANN001 - Flower's Run
         """Remember the run (unused: one run per LocalGrid)."""
@@ -82,13 +167,13 @@ class LocalGrid(Grid):
 
     def get_node_ids(self) -> Iterable[int]:
         """Node ids, in no meaningful order (like Flower's in-memory state)."""
-        return set(self.partition_of)
+        return set(self.partition_of)  # one id per node: the registry asks KeyedGrid instead
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Queue messages for their nodes."""
         ids = []
         for msg in messages:
-            if msg.metadata.dst_node_id not in self.contexts:
+            if msg.metadata.dst_node_id not in self.partition_of:
                 raise ValueError(f"message for unknown node {msg.metadata.dst_node_id}")
             msg.metadata.__dict__["_message_id"] = str(uuid.uuid4())
             self._inbox[msg.metadata.message_id] = copy.deepcopy(msg)
@@ -102,18 +187,21 @@ class LocalGrid(Grid):
             msg = self._inbox.pop(mid, None)
             if msg is None:
                 continue
-            context = self.contexts[msg.metadata.dst_node_id]
+            context = self.context_of(msg.metadata.dst_node_id)
             try:
                 reply = self.client_app(msg, context)
             except Exception as ex:  # a ClientApp exception becomes an error reply, as in Flower
-                reply = Message(Error(code=CLIENT_APP_RAISED_EXCEPTION,
-                                      reason=f"{type(ex).__name__}: {ex}"), reply_to=msg)
-            reply = copy.deepcopy(reply)
-            if self.intercept is not None:
-                reply = self.intercept(reply)
+                reply = error_reply(msg, ex)
+            reply = self.deliver(reply)
             if reply is not None:
                 replies.append(reply)
         return replies
+
+    def deliver(self, reply: Message) -> Message | None:
+        """A reply as the server receives it: copied, as a transport would, then
+        ``intercept``-ed (None: dropped)."""
+        reply = copy.deepcopy(reply)
+        return self.intercept(reply) if self.intercept is not None else reply
 
     def send_and_receive(self, messages: Iterable[Message], *,
                          timeout: float | None = None) -> Iterable[Message]:

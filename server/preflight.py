@@ -37,16 +37,36 @@ def check_run(config: Any) -> None:
     PreflightError
         Naming the setting or path and the problem.
     """
+    check_device(config)
     check_partitions(config)
     check_writable(config.state_dir, "state_dir", "clients keep their residuals there")
     if config.server.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
-                             "'fedgc[tensorboard]' (or tensorboard==2.21.0)")
+        raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
+                             "'.[tensorboard]'` in the fedgc checkout (or tensorboard==2.21.0)")
     if config.server.resume and (config.run_dir / CHECKPOINT_FILE).exists():
         try:
             load_checkpoint(config.run_dir)
         except CheckpointError as ex:
             raise PreflightError(f"resume=true: {ex}") from ex
+
+
+def check_device(config: Any) -> None:
+    """``sim.device`` is a device this machine has, and Ray is not asked for GPUs it lacks
+    (its actors would wait for them for ever)."""
+    import torch
+
+    from fedgc.devices import DeviceError, resolve
+
+    try:
+        resolve(config.train.device)
+    except DeviceError as ex:
+        raise PreflightError(str(ex)) from ex
+    s = config.server
+    if s.engine == "ray" and s.gpus_per_client > 0 and not s.ray_address \
+            and not torch.cuda.is_available():
+        raise PreflightError(f"sim.gpus_per_client = {s.gpus_per_client} but torch sees no "
+                             f"CUDA device on this machine: Ray would never start a client; "
+                             f"use 0, or a Ray cluster with GPUs (sim.ray_address)")
 
 
 def check_partitions(config: Any) -> None:
@@ -63,6 +83,16 @@ def check_partitions(config: Any) -> None:
         task = load_task(t.task_spec())
     except DataError as ex:
         raise PreflightError(f"task {t.task!r}: {ex}") from ex
+    if task.client_data is not None:
+        # Made per client on demand: check the first and the last, without a million calls.
+        for key in sorted({0, t.num_clients - 1}):
+            try:
+                x, _ = task.data_of(key, t.num_clients)
+            except DataError as ex:
+                raise PreflightError(f"task {t.task!r}: {ex}") from ex
+            if len(x) == 0:
+                raise PreflightError(f"task {t.task!r}: client_data({key}) holds no sample")
+        return
     try:
         parts = task.partition(t.num_clients, scheme=t.partition, alpha=t.alpha, seed=t.seed)
     except DataError as ex:

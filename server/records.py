@@ -53,6 +53,7 @@ class RoundRecord:
     clients_aggregated: int = 0
     clients_failed: int = 0
     clients_rejected: int = 0
+    clients_surplus: int = 0  # valid replies not needed (over-selection): not failures
     patches_sent: int = 0
     nnz: int = 0
     train_loss: float = float("nan")
@@ -169,6 +170,7 @@ def round_record(server_round: int, rows: list[ClientRow], uplink_bytes: int,
         clients_aggregated=len(aggregated),
         clients_failed=sum(r.status in ("error", "timeout", "rejected") for r in rows),
         clients_rejected=sum(r.status == "rejected" for r in rows),
+        clients_surplus=sum(r.status == "surplus" for r in rows),
         patches_sent=sum(r.downlink == "patch" for r in rows),
         nnz=sum(r.nnz for r in aggregated),
         train_loss=(sum(r.train_loss * r.num_examples for r in aggregated) / weight

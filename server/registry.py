@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -23,6 +23,21 @@ from fedgc import protocol as P
 #: Seconds of waiting for SuperNodes after which :meth:`ClientRegistry.wait_for_nodes` says how
 #: to size a simulated federation.
 HINT_AFTER_S = 10.0
+
+
+@runtime_checkable
+class KeyedGrid(Protocol):
+    """A grid that knows its nodes' client keys (``server.local_grid.LocalGrid``): the keys are
+    ``0..num_keys-1`` and :meth:`node_of_key` names each one's node, so the registry samples a
+    round without a query per node nor a list of them (a million nodes cost nothing per
+    round). Used only while ``keys_are_partitions`` is true."""
+
+    keys_are_partitions: bool
+
+    @property
+    def num_keys(self) -> int: ...
+
+    def node_of_key(self, key: int) -> int: ...
 
 
 @dataclass
@@ -141,17 +156,25 @@ class ClientRegistry:
         Waits for ``min_nodes`` connected nodes, and asks new ones for their key first
         (``timeout``: seconds to wait for their answers).
         """
+        if isinstance(grid, KeyedGrid) and grid.keys_are_partitions \
+                and grid.num_keys >= min_nodes:
+            keys = self.sample(server_round, range(grid.num_keys), count)
+            node_of = {k: grid.node_of_key(k) for k in keys}
+            self.register({node: key for key, node in node_of.items()})
+            return node_of, grid.num_keys
         node_ids = self.wait_for_nodes(grid, min_nodes)
         self.identify(grid, node_ids, timeout)
         node_of = self.nodes_by_key(node_ids)
         return {k: node_of[k] for k in self.sample(server_round, list(node_of), count)}, \
             len(node_ids)
 
-    def sample(self, server_round: int, keys: list[int], count: int) -> list[int]:
+    def sample(self, server_round: int, keys: Sequence[int], count: int) -> list[int]:
         """``count`` of ``keys`` (all when fewer), reproducible from the seed and the round,
-        whatever order ``keys`` come in."""
+        whatever order ``keys`` come in. A ``range`` is sampled as the sorted list it equals,
+        without building it (the same draw, in O(count))."""
         rng = random.Random(self.seed * 1_000_003 + server_round)
-        return rng.sample(sorted(keys), min(len(keys), count))
+        population = keys if isinstance(keys, range) and keys.step > 0 else sorted(keys)
+        return rng.sample(population, min(len(keys), count))
 
     def held(self, key: int) -> tuple[int, ...]:
         """The model versions client ``key`` may hold, sorted (``()``: none known)."""

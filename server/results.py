@@ -120,6 +120,7 @@ def summarize(rounds: Sequence[RoundRecord], method: str, extra: dict[str, Any])
         "clients_aggregated": sum(r.clients_aggregated for r in rounds),
         "clients_failed": sum(r.clients_failed for r in rounds),
         "clients_rejected": sum(r.clients_rejected for r in rounds),
+        "clients_surplus": sum(r.clients_surplus for r in rounds),
         "wall_seconds": sum(r.wall_seconds for r in rounds),
         **extra,
     }

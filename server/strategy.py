@@ -341,6 +341,8 @@ class DGCStrategy(FedAvg):
         for key, note in notes.items():
             rows[key].reason = note
             log(WARNING, "\t> Client %d: %s", key, note)
+        if not self.aggregator.weighted:
+            weights = [1.0] * len(chosen)
         space = self.aggregator.space(self.shapes)
         try:
             combined = self.combine([c.payload for c in chosen], weights, factors, space)

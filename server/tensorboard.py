@@ -5,11 +5,11 @@ folder's ``tensorboard/`` side by side, named by its run folder. Each finished r
 as scalars at step = round, from the same :class:`server.records.RoundRecord` that
 ``rounds.csv`` holds, in four groups: ``eval/`` (test accuracy and loss, mean train loss),
 ``traffic/`` (MB per round both ways and their total, the cumulative total, the uplink's
-compression against dense fp32), ``clients/`` (sampled, aggregated, failed, rejected) and
-``time/`` (wall seconds), and the tags of the extensions' columns
+compression against dense fp32), ``clients/`` (sampled, aggregated, failed, rejected, surplus)
+and ``time/`` (wall seconds), and the tags of the extensions' columns
 (:class:`server.extensions.Column`: the emulator's virtual seconds and drops). The package is
-optional (``pip install 'fedgc[tensorboard]'``); without it a run that asks for it is refused
-before round 1.
+optional (``pip install -e '.[tensorboard]'`` in the checkout); without it a run that asks for
+it is refused before round 1.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def scalars(record: RoundRecord, earlier: Sequence[RoundRecord] = (),
         "clients/aggregated": record.clients_aggregated,
         "clients/failed": record.clients_failed,
         "clients/rejected": record.clients_rejected,
+        "clients/surplus": record.clients_surplus,
         "time/wall_seconds": record.wall_seconds,
     }
     out.update({c.tag: record.extra[c.name] for c in columns
@@ -72,8 +73,9 @@ class RoundWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as ex:
-            raise PreflightError("tensorboard=true needs the tensorboard package: pip install "
-                                 "'fedgc[tensorboard]' (or tensorboard==2.21.0)") from ex
+            raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
+                                 "'.[tensorboard]'` in the fedgc checkout (or "
+                                 "tensorboard==2.21.0)") from ex
         self.log_dir = Path(run_dir) / EVENTS_DIR
         self.columns = list(columns)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))

@@ -16,7 +16,9 @@ of keys) < ``**keys``. A keyword's ``__`` stands for the key's dot (``dgc__densi
 ``dgc.density``); dotted keys can also go in ``config``. Options keys take dicts
 (``model_options={"hidden": [64]}``). Errors are the command line's: a
 :class:`fedgc.settings.SettingsError` names a bad key, a ``PreflightError`` a run that cannot
-work, before round 1.
+work, before round 1. An interrupt (a notebook's stop button, Ctrl-C) stops the run within
+seconds and raises :class:`simulations.interrupt.RunInterrupted`, a KeyboardInterrupt that
+says which round the run folder kept.
 """
 
 from __future__ import annotations

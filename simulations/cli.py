@@ -1,5 +1,5 @@
-"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys`` and (other packages')
-``deploy`` and ``wire``."""
+"""The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``methods``, ``flwr``
+(the run through Flower's ``flwr run .``) and (other packages') ``deploy`` and ``wire``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from simulations.compare import (
     read_summary,
     traffic_curve,
 )
+from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
 from simulations.scenario import load_scenario, scenario_names
 
@@ -89,6 +90,10 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.method.title: summary}))
+    bounded = summary.get("defences", {})
+    if bounded.get("weights_capped") or bounded.get("updates_clipped"):
+        print(f"defences: {bounded['weights_capped']} weights capped, "
+              f"{bounded['updates_clipped']} updates clipped (clients.csv's reason)")
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
@@ -179,7 +184,7 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
-    print(summary_table(summaries))
+    print(summary_table({s.get("label", m): s for m, s in summaries.items()}))
     print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
@@ -239,8 +244,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     if budget_method is not None and budget_method not in methods:
         raise SettingsError(f"--budget-method {budget_method!r} is not among the compared "
                             f"methods {list(methods)}")
-    if jobs > 1 and config.server.engine != "local":
-        raise SettingsError(f"--jobs {jobs} needs sim.engine=local (got "
+    if jobs > 1 and config.server.engine == "ray":
+        raise SettingsError(f"--jobs {jobs} needs sim.engine=local or batched (got "
                             f"{config.server.engine!r}): Ray runs each take every CPU")
     per_config = ([config] if seeds is None else
                   [config.with_overrides({"seed": s, "results_dir": str(config.run_dir),
@@ -332,10 +337,51 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    own = [m.settings for m in registry.loaded() if m.settings is not None]
+    own = [m.settings for m in registry.registered() if m.settings is not None]
     for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
-        print(f"{row.key:<30} {row.part:<6} {row.kind:<5} {row.default:<16} "
-              f"{row.accepted:<32} {row.doc}")
+        print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
+                                   row.doc)))
+
+
+#: The width of ``keys``' lines (the project's line length).
+KEYS_WIDTH = 100
+
+
+def key_lines(key: str, part: str, kind: str, default: str, accepted: str, doc: str,
+              width: int = KEYS_WIDTH) -> list[str]:
+    """One key of ``keys``: its name, part, type, default and range on a line (the range
+    under it when it does not fit), then its description, indented, wrapped to ``width``."""
+    import textwrap
+
+    head = f"{key:<30} {part:<6} {kind:<5} {default}"
+    if len(f"{head:<58} {accepted}") <= width:
+        head, text = f"{head:<58} {accepted}", doc
+    else:
+        text = f"accepted: {accepted}. {doc}"
+    wrap = textwrap.TextWrapper(width=width, initial_indent="    ", subsequent_indent="    ",
+                                break_long_words=True, break_on_hyphens=False)
+    return textwrap.wrap(head, width, subsequent_indent="    ") + wrap.wrap(text)
+
+
+def methods_table() -> list[str]:
+    """The methods table of ``docs/methods.md``, from the registry: every registered method's
+    client, payload, residual, defaults, downlink and phone support (``python -m simulations
+    methods``; ``tests/test_methods.py`` checks the docs hold it)."""
+    lines = ["| method | a client sends | it keeps | payload | its defaults | clients are sent "
+             "| phones | compare |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in registry.registered():
+        config = RunConfig.from_flat({"method": m.name, "run_name": "table"})
+        down = m.downlink(config)
+        sent = ("the exact model" if down.density >= 1.0 else
+                f"the {down.values} broadcast at `downlink_density` {down.density:g}")
+        defaults = ", ".join(f"`{k}` {v!r}" for k, v in m.defaults.items()) or "-"
+        label = f"`{m.name}`" + (f" ({m.label})" if m.label and m.label != m.name else "")
+        lines.append(f"| {label} | {m.description} | "
+                     f"{'its residual' if m.keeps_residual else 'nothing'} | "
+                     f"`{m.codec(config.train).kind}` | {defaults} | {sent} | "
+                     f"{'yes' if m.phone else 'no'} | {'yes' if m.compared else 'named'} |")
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -358,6 +404,9 @@ def _parser() -> argparse.ArgumentParser:
         return q
 
     scenario("run", "run one scenario")
+    scenario("flwr", "run one scenario with Flower's `flwr run .`: keys checked first, the "
+                     "federation sized to num_clients, a local SuperLink started and stopped "
+                     "if none runs, the run's status as exit status")
     compared = registry.compared()
     c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
     c.add_argument("--methods", default=",".join(compared),
@@ -386,6 +435,8 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keys", help="list every configuration key")
     k.add_argument("--flwr-toml", action="store_true",
                    help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
+    sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
+                                   "table")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
     sub.add_parser("wire", help="where a captured run's bytes go (simulations.wire)",
                    add_help=False)
@@ -419,6 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "keys":
             cmd_keys(args.flwr_toml)
+        elif args.command == "methods":
+            print("\n".join(methods_table()))
         elif args.command == "run":
             cmd_run(build_config(args), args.verbose, build_netem(args))
         elif args.command == "compare":
@@ -429,6 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.jobs, args.budget_method)
         elif args.command == "traffic":
             cmd_traffic(args.folders, args.budget_method, args.out)
+        elif args.command == "flwr":
+            from simulations.flwr_run import cmd_flwr
+
+            return cmd_flwr(_values(args, None), args.verbose)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
@@ -439,4 +496,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m simulations {args.command}: run failed: {_one_line(ex)}",
               file=sys.stderr)
         return 1
+    except RunInterrupted as ex:
+        print(f"python -m simulations {args.command}: {ex}{_resume_hint(args.command, ex)}",
+              file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"python -m simulations {args.command}: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
     return 0
+
+
+#: The exit status of a run stopped by Ctrl-C: the shell's for a command ended by SIGINT.
+INTERRUPTED = 130
+
+
+def _resume_hint(command: str, ex: RunInterrupted) -> str:
+    """How to continue an interrupted ``run`` (a comparison's runs are resumed one by one)."""
+    if command != "run" or not ex.checkpoint or ex.last_round == 0:
+        return ""
+    where = ("" if ex.run_dir.parent == Path(ServerSettings.results_dir)
+             else f" --set results_dir={ex.run_dir.parent}")
+    return (f"; to continue it, run the same command with --set run_name={ex.run_dir.name}"
+            f"{where} --set resume=true")

@@ -105,8 +105,10 @@ def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) 
     netem = summaries[0].get("netem") or {}
     if netem.get("netem.enabled"):
         deadline = netem.get("netem.deadline_s")
-        deadline = f"{deadline:g}" if isinstance(deadline, (int, float)) else deadline
-        parts.append(f"links {netem.get('netem.mix')}, deadline {deadline} s")
+        # 0 (the default) means none: the round waits for its K, or for every client.
+        deadline = (f"deadline {deadline:g} s" if isinstance(deadline, (int, float))
+                    and deadline > 0 else "no deadline")
+        parts.append(f"links {netem.get('netem.mix')}, {deadline}")
     task = c.get("task", summaries[0].get("task", "?"))
     return f"{' vs '.join(methods)} on {task}: {', '.join(parts)}"
 

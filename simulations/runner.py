@@ -14,6 +14,7 @@ travel, and its federation config has no Ray address (``sim.ray_address``).
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from fedgc.flower_log import flower_logging
@@ -22,6 +23,7 @@ from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
 from simulations import cluster
+from simulations.interrupt import GridStopped, RunInterrupted, StoppableGrid, last_kept_round
 from simulations.netem.settings import NetemSettings
 
 if TYPE_CHECKING:
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
 RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError)
+#: Seconds a Ctrl-C waits for the ServerApp thread to leave its round (it polls every 0.1 s;
+#: an evaluation or a checkpoint under way finishes first).
+STOP_WAIT_S = 5.0
 
 
 def backend_config(config: RunConfig) -> dict[str, Any]:
@@ -49,13 +54,14 @@ def backend_config(config: RunConfig) -> dict[str, Any]:
     else:
         init_args = {"address": "local", "num_cpus": s.num_cpus or os.cpu_count() or 1,
                      "include_dashboard": False}
-    return {"client_resources": {"num_cpus": s.cpus_per_client, "num_gpus": 0.0},
+    return {"client_resources": {"num_cpus": s.cpus_per_client, "num_gpus": s.gpus_per_client},
             "init_args": init_args}
 
 
 def ray_environment() -> None:
     """Ray's settings for a simulation, unless the user set them: one copy of a line that many
-    actors print, and no FutureWarning about GPU variables (ClientApp actors ask for no GPU)."""
+    actors print, and no FutureWarning about GPU variables (an actor that asks for no GPU
+    keeps seeing the machine's, so ``sim.device=cuda`` works with ``sim.gpus_per_client=0``)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
@@ -83,8 +89,19 @@ def run_scenario(config: RunConfig, verbose: bool = False,
                  netem: NetemSettings | None = None) -> dict[str, Any]:
     """Run ``config`` with ``num_clients`` simulated SuperNodes; write and return the summary.
 
-    With ``netem.enabled`` the rounds run on the network emulator's virtual clock.
+    With ``netem.enabled`` the rounds run on the network emulator's virtual clock. Ctrl-C
+    (KeyboardInterrupt) stops the run on either engine within seconds and raises
+    :class:`simulations.interrupt.RunInterrupted`, which names the round kept.
     """
+    try:
+        return _run_scenario(config, verbose, netem)
+    except KeyboardInterrupt:
+        raise RunInterrupted(config.run_dir, last_kept_round(config.run_dir),
+                             config.server.rounds, config.server.checkpoint) from None
+
+
+def _run_scenario(config: RunConfig, verbose: bool,
+                  netem: NetemSettings | None) -> dict[str, Any]:
     # Imported here so that `python -m simulations --help` stays fast.
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
@@ -92,6 +109,14 @@ def run_scenario(config: RunConfig, verbose: bool = False,
     from client.app import app as client_app
     from server.app import prepare_run_dir, run_server
 
+    if config.server.engine == "batched":
+        if netem is not None and netem.enabled:
+            raise SettingsError("sim.engine=batched does not run the network emulator (its "
+                                "mod charges each client's messages one at a time); use "
+                                "sim.engine=local or ray with netem.enabled")
+        from simulations.batched_engine import check_batched
+
+        check_batched(config)
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
     extra: dict[str, Any] = {}
     if netem is not None and netem.enabled:
@@ -100,6 +125,12 @@ def run_scenario(config: RunConfig, verbose: bool = False,
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
         extra["strategy_factory"] = strategy_factory(netem)
+    if config.server.engine == "batched":
+        from simulations.batched_engine import BatchedGrid
+
+        with flower_logging(verbose):
+            return run_server(BatchedGrid(client_app, config.train.num_clients,
+                                          seed=config.train.seed), config, **extra)
     if config.server.engine == "local":
         from server.local_grid import LocalGrid
 
@@ -117,17 +148,28 @@ def run_scenario(config: RunConfig, verbose: bool = False,
 
     outcome: dict[str, Any] = {}
     server_app = ServerApp()
+    stop, server_done = threading.Event(), threading.Event()
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         del context  # the scenario's RunConfig replaces the (empty) simulation run config
         try:
-            outcome["summary"] = run_server(grid, config, **extra)
+            outcome["summary"] = run_server(StoppableGrid(grid, stop), config, **extra)
         except RUN_ERRORS as ex:
             outcome["error"] = ex  # raised again below, to the caller: a message, no traceback
+        except GridStopped:
+            pass  # Ctrl-C: the main thread reports it
+        finally:
+            server_done.set()
 
     try:
         run_engine(server_app, client_app, config.train.num_clients, backend, verbose)
+    except KeyboardInterrupt:
+        # Flower has stopped its runtime and Ray; the ServerApp thread still waits for replies.
+        stop.set()
+        server_done.wait(STOP_WAIT_S)
+        _shutdown_ray(config)
+        raise
     finally:
         if config.server.ray_address:
             cluster.detach()
@@ -137,3 +179,14 @@ def run_scenario(config: RunConfig, verbose: bool = False,
         raise RuntimeError(f"the simulation of {config.run_dir} ended without a summary; see "
                            f"the log above")
     return outcome["summary"]
+
+
+def _shutdown_ray(config: RunConfig) -> None:
+    """Stop the Ray instance this run started, if a Ctrl-C came before Flower's runtime could
+    (while Ray was starting); a cluster (``sim.ray_address``) is only detached from."""
+    if config.server.ray_address:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -49,6 +49,12 @@ class Task:
         Builds the model with no arguments (your own ``nn.Module``, e.g. a class); None builds
         ``model_name`` of :data:`tasks.MODELS` with ``model_options``. ``model_name`` then only
         names the model in results.
+    client_data : callable or None
+        ``client_data(key) -> (x, y)``: client ``key``'s training data, made from the key
+        (its own seed), so that a run of a million clients holds the data of the clients it
+        samples and nothing else. Set, it replaces the partition of ``train_x`` (``partition``
+        and ``alpha`` are then unused, and ``train_x`` may hold no sample: its trailing shape
+        is the input's).
 
     A task of your own (``task = "my_pkg.my_task:build"``, docs/tasks.md) is one of these with
     ``model_fn`` set::
@@ -70,6 +76,7 @@ class Task:
         info: dict | None = None,
         sequence_loss: bool = False,
         model_fn: Callable[[], nn.Module] | None = None,
+        client_data: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.name = name
         self.model_name = model_name
@@ -86,6 +93,10 @@ class Task:
             raise DataError(f"model_fn must be callable (e.g. an nn.Module class), got "
                             f"{model_fn!r}")
         self.model_fn = model_fn
+        if client_data is not None and not callable(client_data):
+            raise DataError(f"client_data must be callable (key -> (x, y)), got "
+                            f"{client_data!r}")
+        self.client_data = client_data
 
     def __repr__(self) -> str:
         clients = None if self.natural_clients is None else len(self.natural_clients)
@@ -161,6 +172,35 @@ class Task:
         finally:
             model.train(was_training)
         return loss_sum / len(x), correct / len(x)
+
+    def data_of(self, key: int, num_clients: int, scheme: str = "dirichlet",
+                alpha: float = 0.5, seed: int = 0,
+                parts: list[np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client ``key``'s training data: ``client_data(key)`` when the task makes it per
+        client, else its partition of ``train_x`` (``parts``: the partition, when the caller
+        keeps it; else computed).
+
+        Raises
+        ------
+        DataError
+            A key outside ``[0, num_clients)``, or ``client_data`` returning something other
+            than an ``(x, y)`` pair of tensors of one length.
+        """
+        if not 0 <= key < num_clients:
+            raise DataError(f"client key {key} has no data: the run has {num_clients} clients "
+                            f"(keys 0..{num_clients - 1})")
+        if self.client_data is not None:
+            data = self.client_data(key)
+            if not (isinstance(data, tuple) and len(data) == 2
+                    and all(isinstance(t, torch.Tensor) for t in data)
+                    and len(data[0]) == len(data[1])):
+                raise DataError(f"task {self.name!r}: client_data({key}) must return (x, y), "
+                                f"two tensors of one length")
+            return data
+        if parts is None:
+            parts = self.partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
+        idx = torch.from_numpy(np.asarray(parts[key], dtype=np.int64))
+        return self.train_x[idx], self.train_y[idx]
 
     def partition(
         self,

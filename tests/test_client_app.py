@@ -429,7 +429,8 @@ def test_reused_model_carries_nothing_between_clients(tmp_path):
     s = _settings(tmp_path, method="dgc")
     app_module._models.__dict__.pop("by_task", None)
     alone = _send(LocalGrid(client_app, 3), 2, s, 1, -1, _global())
-    assert app_module._models.by_task[s.task_spec()] is not None  # the model was kept
+    # the model was kept, one per task and device
+    assert app_module._models.by_task[(s.task_spec(), torch.device("cpu"))] is not None
 
     s2 = dataclasses.replace(s, state_dir=str(tmp_path / "state2"))
     grid = LocalGrid(client_app, 3)

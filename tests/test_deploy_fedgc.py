@@ -6,7 +6,9 @@ they are slow (the ClientApp starts a fresh process, importing torch, for every 
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import re
 import time
@@ -65,7 +67,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--set", f"results_dir={root / 'results'}", "--set", "run_name=ref"]
     for key, value in BASE.items():
         argv += ["--set", f"{key}={value}"]
-    assert main(argv) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    (root / "results" / "ref" / "stdout.txt").write_text(out.getvalue())
     return root / "results" / "ref"
 
 
@@ -85,6 +90,11 @@ def test_cli_runs_fedgc_and_writes_the_results_of_a_simulation_run(reference: Pa
     # The encoded updates really crossed the shaped links (plus Flower's own messages).
     uplink_through_links = sum(link["uplink_bytes"] for link in record["links"].values())
     assert uplink_through_links >= summary["uplink_bytes"]
+    # ... and the printed table says so, beside the payload.
+    printed = (reference / "stdout.txt").read_text().splitlines()
+    row = next(ln for ln in printed if ln.startswith("uplink "))
+    assert row.split()[1:3] == [f"{summary['uplink_bytes'] / 1e6:.3f}",
+                                f"{uplink_through_links / 1e6:.3f}"]
     assert (reference / "model.pt").is_file()
     assert list(reference.glob("*.png"))
 
@@ -155,8 +165,12 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     crashed_id = dep.node_id(1)
     dep.kill_supernode(1)  # mid-round: its ClientApp is starting or training
     assert not node.group_alive()
-    # The crash came before the round-2 reply was stored, so it was never sent.
-    assert _stored_round(store, 1) == 1, "node 1 answered round 2 before it was killed"
+    # The crash comes as the round-2 message arrives, almost always before the reply is stored
+    # (then it was never sent). A test process starved for the seconds a ClientApp takes to
+    # start and train (seen in CI) kills it later: the reply may then be stored, and sent or
+    # not. Either way no update may be lost or applied twice, which is what follows checks.
+    answered = _stored_round(store, 1)
+    assert answered in (1, 2), answered
     # Bring it back once the SuperLink has noticed (missed heartbeats), which also ends round 2.
     _wait_for(lambda: dep.node_statuses().get(crashed_id) != "online", 200,
               "the SuperLink to mark the crashed node offline", poll_s=3.0)
@@ -170,8 +184,11 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     clients = _rows(config.run_dir / "clients.csv")
     status = {(int(r["round"]), int(r["client_key"])): r["status"] for r in clients}
     reason = {(int(r["round"]), int(r["client_key"])): r["reason"] for r in clients}
-    # The crashed node's round-2 update never arrived; the SuperLink ended its wait.
-    assert status[(2, 1)] == "error" and "Node Unavailable" in reason[(2, 1)]
+    if answered == 1:
+        # The crashed node's round-2 update never arrived; the SuperLink ended its wait.
+        assert status[(2, 1)] == "error" and "Node Unavailable" in reason[(2, 1)]
+    else:
+        assert status[(2, 1)] in ("aggregated", "error"), reason[(2, 1)]
     # The restarted node is served again.
     assert "aggregated" in (status.get((3, 1)), status.get((4, 1))), status
     aggregated = Counter((int(r["round"]), int(r["client_key"])) for r in clients

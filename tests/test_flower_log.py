@@ -62,3 +62,33 @@ def test_quiet_settings_are_restored_after_the_run():
         assert not logging.getLogger("flwr").filter(record)
     assert [(h.level, h.colored) for h in handlers] == before
     assert logging.getLogger("flwr").filters == filters
+
+
+def test_an_error_reported_in_one_line_loses_flowers_traceback():
+    from fedgc.flower_log import FlowerNoiseFilter, report_once
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    flwr_logger, seen, quiet = logging.getLogger("flwr"), Seen(), FlowerNoiseFilter()
+    flwr_logger.addHandler(seen)
+    flwr_logger.addFilter(quiet)
+    try:
+        mine = ValueError("dgc.density = 2.0 is outside the accepted range (0, 1]\nmore")
+        report_once(mine)
+        # What Flower's simulation process then does with the exception it fails the run with.
+        flwr_logger.error("Simulation raised an exception", exc_info=mine)
+        other = RuntimeError("a bug")
+        flwr_logger.error("Simulation raised an exception", exc_info=other)
+    finally:
+        flwr_logger.removeHandler(seen)
+        flwr_logger.removeFilter(quiet)
+    assert [r.getMessage() for r in seen.records] == [
+        "fedgc: dgc.density = 2.0 is outside the accepted range (0, 1]",
+        "Simulation raised an exception"]
+    assert seen.records[1].exc_info[1] is other  # a bug keeps its traceback

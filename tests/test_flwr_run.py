@@ -142,11 +142,36 @@ def test_flwr_run_trains_and_takes_dotted_keys(flwr_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_bad_value_is_named_in_the_runs_log(flwr_env, tmp_path):
+def test_a_bad_value_is_one_line_in_the_runs_log_and_fails_the_run(flwr_env, tmp_path):
     proc = _flwr_run(flwr_env, f"{SMALL} density=2.0 results_dir='{tmp_path}'")
     output = proc.stdout + proc.stderr
-    assert "density = 2.0 is outside the accepted range" in output, output[-3000:]
-    assert not (tmp_path / "default" / "rounds.csv").exists()
+    assert "fedgc: density = 2.0 is outside the accepted range (0, 1]" in output, \
+        output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert not list(tmp_path.iterdir())
+    assert _status(flwr_env, output) == ("finished:failed", "Simulation failed with exception: "
+                                         "density = 2.0 is outside the accepted range (0, 1]")
+
+
+@pytest.mark.slow
+def test_a_federation_without_a_supernode_per_client_stops_with_how_to_size_it(flwr_env):
+    # Flower's default federation has 2 SuperNodes; the run has 3 clients.
+    proc = _flwr_run(flwr_env, SMALL, supernodes=2)
+    output = proc.stdout + proc.stderr
+    line = ("fedgc: the federation has 2 simulated SuperNodes and this run num_clients = 3 (one "
+            "SuperNode per client): run it with `flwr run . --federation-config "
+            "num-supernodes=3`, or size the run to the federation with -c \"num_clients=2 "
+            "clients_per_round=2\"")
+    assert line in output and "Traceback" not in output, output[-3000:]
+    assert _status(flwr_env, output)[0] == "finished:failed"
+
+
+def _status(env: dict[str, str], output: str) -> tuple[str, str]:
+    """Flower's status and reason of the run ``output`` started."""
+    from simulations.flwr_run import run_status
+
+    run_id = output.split("Successfully started run ", 1)[1].split()[0]
+    return run_status(run_id, env)
 
 
 def test_a_bad_key_is_refused_and_named_in_the_superlinks_log(flwr_env):
@@ -188,3 +213,71 @@ def test_keys_flwr_toml_prints_the_table_it_checks(capsys):
     assert main(["keys", "--flwr-toml"]) == 0
     printed = tomllib.loads(capsys.readouterr().out)
     assert flatten(printed["tool"]["flwr"]["app"]["config"]) == flwr_app_config()
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["dgc.shared_densty=0"], "unknown configuration key 'dgc.shared_densty' (did you mean "
+                              "'dgc.shared_density'?)"),
+    (["density=2"], "density = 2.0 is outside the accepted range (0, 1]"),
+    (["netem.enabled=true"], "netem.enabled: not settable under flwr run"),
+    (["sim.engine=local"], "sim.engine: not settable under flwr run"),
+])
+def test_python_m_simulations_flwr_checks_the_keys_before_anything_starts(sets, words, capsys,
+                                                                          monkeypatch):
+    from simulations import flwr_run
+    from simulations.cli import main
+
+    def started(*args, **kwargs):
+        raise AssertionError("nothing may start for a bad key")
+
+    monkeypatch.setattr(flwr_run.subprocess, "Popen", started)
+    argv = ["flwr"] + [x for kv in sets for x in ("--set", kv)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_the_flwr_command_sizes_the_federation_and_passes_only_the_given_keys(tmp_path):
+    from simulations.flwr_run import flwr_command, run_overrides
+
+    config, given = run_overrides({"task": "digits", "num_clients": "7", "rounds": "3",
+                                   "clients_per_round": "2", "density": "0.01",
+                                   "results_dir": "rel"})
+    assert given == {"task": "digits", "num_clients": 7, "rounds": 3, "clients_per_round": 2,
+                     "density": 0.01,
+                     "results_dir": str(Path("rel").resolve()),
+                     "run_name": config.server.run_name,
+                     "state_dir": str(config.state_dir.resolve())}
+    command = flwr_command(given, config.train.num_clients)
+    assert command[1:5] == ["run", str(ROOT), "--stream", "--federation-config"]
+    assert command[5] == "num-supernodes=7"
+    pairs = tomllib.loads(command[-1].replace(" ", "\n"))
+    assert flatten(pairs) == given
+
+
+@pytest.mark.slow
+def test_python_m_simulations_flwr_from_a_fresh_flwr_home(tmp_path):
+    """The wrapper starts the local SuperLink `flwr run` would start, runs, reports the run's
+    status as its own, and stops the SuperLink and everything it started."""
+    home = tmp_path / "flwr_home"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_HOME": str(home),
+           "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    argv = [sys.executable, "-m", "simulations", "flwr"]
+    for kv in ("task=digits", "num_clients=3", "clients_per_round=2", "rounds=2",
+               f"results_dir={tmp_path / 'results'}", "run_name=wrapped"):
+        argv += ["--set", kv]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=400)
+    output = proc.stdout + proc.stderr
+    try:
+        assert proc.returncode == 0, output[-3000:]
+        assert "started a local SuperLink" in output and "num-supernodes=3" in output
+        rows = list(csv.DictReader((tmp_path / "results" / "wrapped" / "rounds.csv").open()))
+        assert [int(r["round"]) for r in rows] == [1, 2]
+        assert "final acc" in output  # the summary table, as `run` prints it
+    finally:
+        left = _processes_with(f"FLWR_HOME={home}")
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], "the SuperLink, or a process it started, outlived the command"

@@ -323,3 +323,92 @@ def test_java_half_float_rounding_matches_torch(java_classpath: Path) -> None:
             mismatches.append((f"{b & 0xFFFFFFFF:08x}", answer, f"{h & 0xFFFF:04x}",
                                f"{bf & 0xFFFF:04x}"))
     assert not mismatches, mismatches[:10]
+
+
+# -- the ``signs`` payload kind (docs/wire.md section 14): EF-signSGD's and the vote's --------
+
+SIGNS_GOLDEN = ROOT / "tests" / "golden" / "payloads" / "signs.json"
+
+# fedgc.methods.efsign.SignsCodec.decode's messages, classified into the Java reasons.
+SIGNS_REASONS = [
+    (r"^truncated input", "TRUNCATED"),
+    (r"^bad magic", "BAD_MAGIC"),
+    (r"^unsupported version", "UNSUPPORTED_VERSION"),
+    (r"^trailing or oversized", "TRAILING"),
+    (r"^bad checksum", "BAD_CHECKSUM"),
+    (r"is not valid utf-8", "BAD_UTF8"),
+    (r"appears twice", "DUPLICATE_NAME"),
+    (r"above the bound", "TOO_LARGE"),
+    (r"scale is NaN or Inf", "NON_FINITE_VALUE"),
+    (r"scale is negative|padding after its last sign", "BAD_VALUE_SECTION"),
+]
+
+
+def _signs_reason(message: str) -> str:
+    for pattern, reason in SIGNS_REASONS:
+        if re.search(pattern, message):
+            return reason
+    raise AssertionError(f"unclassified signs decode message: {message}")
+
+
+def _signs_messages() -> list[bytes]:
+    """Real EF-signSGD and vote payloads: odd sizes (padding bits), a scalar, an empty tensor,
+    zeros, a second round with a residual."""
+    from fedgc.methods import get
+    from fedgc.settings import RunConfig
+
+    g = torch.Generator().manual_seed(7)
+    grads = {"conv.weight": torch.randn(16, 8, 3, 3, generator=g),
+             "fc.weight": torch.randn(10, 255, generator=g), "fc.bias": torch.zeros(10),
+             "scalar": torch.randn((), generator=g), "empty": torch.zeros(0, 4)}
+    out = []
+    for name in ("efsign", "signvote"):
+        train = RunConfig.from_flat({"method": name, "run_name": "java"}).train
+        method = get(name)
+        comp = method.compressor(train, 3)
+        for r in (1, 2):
+            out.append(method.codec(train).encode(comp.compress(grads, sequence=r)))
+    return out
+
+
+def test_java_signs_driver_passes_golden_vectors_and_rejections(java_classpath: Path) -> None:
+    done = subprocess.run(["java", "-cp", str(java_classpath), "org.fedgc.wire.SignsCodecTest",
+                           str(SIGNS_GOLDEN)], capture_output=True, text=True,
+                          timeout=JVM_TIMEOUT_S)
+    assert done.returncode == 0, f"Java signs driver failed:\n{done.stdout}\n{done.stderr}"
+    summary = re.search(r"^OK (\d+)/(\d+) checks passed$", done.stdout, re.MULTILINE)
+    assert summary is not None and summary.group(1) == summary.group(2), done.stdout
+
+
+def test_java_reencodes_ef_signsgd_and_vote_payloads_byte_for_byte(java_classpath: Path) -> None:
+    messages = _signs_messages()
+    answers = run_tool(java_classpath, [f"signs {MAX_NUMEL} {m.hex()}" for m in messages])
+    assert answers == [f"OK {m.hex()}" for m in messages]
+
+
+def test_java_and_python_agree_on_mutated_signs_messages(java_classpath: Path) -> None:
+    import json
+
+    from fedgc.methods import Bound
+    from fedgc.methods.efsign import SignsCodec
+
+    golden = [bytes.fromhex(c["hex"]) for c in json.loads(SIGNS_GOLDEN.read_text())["cases"]]
+    rng = random.Random(29)
+    messages = [m for base in golden + _signs_messages()[:2] for m in _mutations(base, rng, 150)]
+    bound = 4096  # the caller's bound: the largest tensor above has 1,152 entries
+    answers = run_tool(java_classpath, [f"signs {bound} {m.hex()}" for m in messages])
+    seen, accepted = set(), 0
+    for message, answer in zip(messages, answers, strict=True):
+        try:
+            SignsCodec().decode(message, Bound({}, limit=bound))
+        except DecodeError as e:
+            reason = _signs_reason(str(e))
+            assert answer == f"REJECT {reason}", f"Python: {e}; Java: {answer}"
+            seen.add(reason)
+            continue
+        assert answer.startswith("OK "), answer
+        # Java re-encodes what it read: Python's decoding, encoded again, is that message.
+        assert bytes.fromhex(answer[3:]) == message
+        accepted += 1
+    assert accepted > 0
+    assert {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "TOO_LARGE"} <= seen, seen

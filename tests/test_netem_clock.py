@@ -48,7 +48,8 @@ def test_first_k_finishers_make_the_round_and_the_rest_are_counted() -> None:
     third = 0.1 + 0.08 + 1.0 + 0.1 + 8e6 / 2e6
     assert out.end_s == pytest.approx(third) and out.virtual_seconds == pytest.approx(third)
     assert out.dropped == {1: "straggler", 0: "straggler"}
-    assert out.dropped_deadline == 2 and out.dropped_link == 0
+    # In time, after the K-th: over-selection's surplus, not drops.
+    assert out.surplus == 2 and out.dropped_deadline == 0 and out.dropped_link == 0
 
 
 def test_deadline_closes_a_round_short_of_k() -> None:
@@ -59,7 +60,7 @@ def test_deadline_closes_a_round_short_of_k() -> None:
     assert out.aggregated == (4, 3, 2)
     assert out.end_s == pytest.approx(56.0)  # lost and slow clients look alike: wait it out
     assert out.dropped == {1: "deadline", 0: "deadline"}
-    assert out.dropped_deadline == 2
+    assert out.dropped_deadline == 2 and out.surplus == 0
 
 
 def test_link_failures_are_dropped_with_their_cause() -> None:

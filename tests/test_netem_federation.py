@@ -158,8 +158,10 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     assert {r.reason for r in dropped} <= {"link_down", "unavailable", "deadline", "straggler"}
     for rec in strategy.rounds:  # every sampled client is aggregated or dropped for a reason
         e = rec.extra
-        assert rec.clients_aggregated + e["dropped_deadline"] + e["dropped_link"] \
-            + e["dropped_rejected"] == rec.clients_sampled == 6
+        assert rec.clients_aggregated + rec.clients_surplus + e["dropped_deadline"] \
+            + e["dropped_link"] + e["dropped_rejected"] == rec.clients_sampled == 6
+        assert rec.clients_surplus == sum(r.status == "surplus" for r in rows
+                                          if r.round == rec.round)
         assert 0 < e["virtual_seconds"] <= 40.0 + 1e-9  # closed by the deadline at most
     clock = sum(r.extra["virtual_seconds"] for r in strategy.rounds)
     assert strategy.state_dict()["virtual_now_s"] == pytest.approx(clock)

@@ -130,7 +130,7 @@ def test_missing_round_keys_and_bad_settings_are_named() -> None:
                   dst_node_id=1, message_type=MessageType.TRAIN)
     with pytest.raises(LinkConfigError, match="netem.round"):
         netem_mod(msg, _context(0), lambda m, c: m)
-    with pytest.raises(SettingsError, match="unknown key 'netem.speed'"):
+    with pytest.raises(SettingsError, match="unknown configuration key 'netem.speed'"):
         NetemSettings.from_config({"netem.speed": 3})
     with pytest.raises(SettingsError, match="netem.mix"):
         NetemSettings(mix="lte:0.5,5g:0.5")

@@ -12,14 +12,15 @@ from simulations.netem.report import main, plot_virtual_time, summarize_runs, ti
 
 def _run(tmp_path, name: str, accs: list[float], secs: list[float]):
     d = tmp_path / name
-    write_rounds(d, [RoundRecord(i + 1, accuracy=a, uplink_bytes=100 * (i + 1),
+    write_rounds(d, [RoundRecord(i + 1, accuracy=a, uplink_bytes=100 * (i + 1), clients_surplus=1,
                                  extra={"virtual_seconds": s, "dropped_deadline": 0,
                                         "dropped_link": i % 2, "dropped_rejected": 0})
                      for i, (a, s) in enumerate(zip(accs, secs, strict=True))])
     return d
 
 
-def test_time_to_accuracy_is_the_cumulative_virtual_time_of_the_first_hit(tmp_path) -> None:
+def test_time_to_accuracy_is_the_cumulative_virtual_time_of_the_first_hit(tmp_path,
+                                                                          capsys) -> None:
     dense = _run(tmp_path, "dense", [0.5, 0.7, 0.8], [10.0, 10.0, 10.0])
     dgc = _run(tmp_path, "dgc", [0.6, 0.79, 0.81, 0.7], [1.0, 2.0, 3.0, 1.0])
     table = summarize_runs({"dense": dense, "dgc": dgc})
@@ -28,12 +29,18 @@ def test_time_to_accuracy_is_the_cumulative_virtual_time_of_the_first_hit(tmp_pa
     assert table["dgc"]["virtual_seconds_to_target"] == pytest.approx(6.0)
     assert table["dgc"]["virtual_seconds"] == pytest.approx(7.0)
     assert table["dgc"]["dropped_link"] == 2 and table["dgc"]["uplink_bytes"] == 1000
+    assert table["dgc"]["surplus"] == 4 and table["dgc"]["dropped_deadline"] == 0
     from server.results import read_rounds
 
     assert time_to_accuracy(read_rounds(dgc), 0.9) is None
     out = plot_virtual_time({"dense": dense, "dgc": dgc}, tmp_path / "v.png")
     assert out.stat().st_size > 10_000
+    capsys.readouterr()
     assert main([str(tmp_path / "w.png"), f"dense={dense}", f"dgc={dgc}"]) == 0
+    head, dense_row, dgc_row = capsys.readouterr().out.splitlines()[:3]
+    # The virtual seconds are the run's total, as labelled (the progress line's "total").
+    assert "virtual s total" in head and "surplus" in head
+    assert dgc_row.split()[3] == "7.0" and dgc_row.split()[8] == "4"
     assert main([str(tmp_path / "w.png"), f"dense={tmp_path / 'missing'}"]) == 2
 
 

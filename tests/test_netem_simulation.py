@@ -25,7 +25,8 @@ def test_cli_run_with_netem_writes_virtual_time_and_drops(tmp_path) -> None:
     for r in rows:
         assert 0 < float(r["virtual_seconds"]) <= 30.0 + 1e-9
         dropped = int(r["dropped_deadline"]) + int(r["dropped_link"])
-        assert int(r["clients_aggregated"]) + dropped + int(r["dropped_rejected"]) == 6
+        assert int(r["clients_aggregated"]) + int(r["clients_surplus"]) + dropped \
+            + int(r["dropped_rejected"]) == 6
     summary = json.loads((tmp_path / "emu" / "summary.json").read_text())
     assert summary["virtual_seconds"] == pytest.approx(sum(float(r["virtual_seconds"])
                                                            for r in rows))

@@ -24,7 +24,8 @@ WIRE = {"wire_uplink_bytes": 30_000, "wire_downlink_bytes": 60_000, "joules": 20
         "idle_joules": 5.0}
 
 
-def _run(tmp_path, method: str, up: int, netem: bool = False, wire: bool = False):
+def _run(tmp_path, method: str, up: int, netem: bool = False, deadline_s: float = 60.0,
+         wire: bool = False):
     d = tmp_path / "some" / "nested" / method
     write_rounds(d, [RoundRecord(i, accuracy=0.1 * i, uplink_bytes=up, downlink_bytes=40 * up,
                                  extra={"virtual_seconds": 3.0 * i, "dropped_deadline": 0,
@@ -35,7 +36,8 @@ def _run(tmp_path, method: str, up: int, netem: bool = False, wire: bool = False
     summary = {"method": method, "rounds": 7, "config": {**CONFIG, "method": method},
                "density": 1.0 if method in ("dense", "fedavgm") else 0.001}
     if netem:
-        summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0", "netem.deadline_s": 60.0}
+        summary["netem"] = {"netem.enabled": True, "netem.mix": "3g:1.0",
+                            "netem.deadline_s": deadline_s}
     (d / "summary.json").write_text(json.dumps(summary))
     return d
 
@@ -147,3 +149,9 @@ def test_runs_with_wire_bytes_show_them_beside_the_payload_and_energy(tmp_path) 
         ["payload up", "payload down", "payload total", "wire up", "wire down", "wire total"]
     assert ax_energy.lines[0].get_xdata()[-1] == pytest.approx(7 * 25.0)
     plt.close(fig)
+
+
+def test_a_run_without_a_deadline_is_titled_so(tmp_path) -> None:
+    # netem.deadline_s = 0 is the default, and means none ("deadline 0 s" read as a bug).
+    title = scenario_title([_run(tmp_path, "dgc", 500, netem=True, deadline_s=0.0)])
+    assert title.endswith("links 3g:1.0, no deadline") and "deadline 0" not in title

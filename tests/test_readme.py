@@ -41,13 +41,35 @@ def test_readme_quick_commands_run(tmp_path: Path) -> None:
     assert len(commands) >= 4, f"the README's {MARKER} block is missing or lost commands"
     env = {**os.environ, "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    printed = {}
     for command in commands:
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, text=True,
                               capture_output=True, timeout=600, check=False)
         assert done.returncode == 0 and "Traceback" not in done.stderr, \
             f"README command failed ({done.returncode}): {command}\n{done.stderr[-3000:]}"
+        printed[command.split()[3]] = done.stdout
+    # The figures the text after the block states are those the run prints.
+    weight, norm = _stated_defences(readme)
+    assert (f"defences: weight cap {weight}x the round's median, update clip {norm}x the median "
+            f"norm") in printed["run"], printed["run"][:2000]
     # What the text after the block promises.
     runs = list((tmp_path / "results").glob("*-digits-dgc"))
     assert len(runs) == 1 and (runs[0] / "plots.png").exists()
     assert list((runs[0] / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "results" / "quick" / "virtual.png").exists()
+
+
+def _stated_defences(readme: str) -> tuple[str, str]:
+    """The weight cap and the norm clip the quick start says a run has by default."""
+    found = re.search(r"weight is capped at (\d+)x the round's median and its update clipped "
+                      r"at (\d+)x the median norm", re.sub(r"\s+", " ", readme))
+    assert found, "the quick start no longer states the default defences"
+    return found.group(1), found.group(2)
+
+
+def test_the_stated_defences_are_the_defaults() -> None:
+    from fedgc.settings import ServerSettings
+
+    weight, norm = _stated_defences((ROOT / "README.md").read_text())
+    s = ServerSettings()
+    assert (float(weight), float(norm)) == (s.max_weight_ratio, s.max_norm_ratio)

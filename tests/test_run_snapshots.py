@@ -11,6 +11,9 @@ Since issue 29 the emulator's four columns come from its extension of the server
 (``server.extensions``): a run without the emulator no longer writes them (they were all 0), and
 a run with it writes them after the server's own columns. One key per setting for every method
 replaced the per-method copies of the run config (:data:`RENAMED`, the values a run recorded).
+Edited once since, by hand, on 2026-12-04: the stragglers that came in time after the K-th
+(over-selection's surplus) moved from ``dropped_deadline`` to a new column, ``clients_surplus``;
+every other value is as it was.
 
 Since issue 25 a train message names the run's config by its digest once the client holds it,
 and a reply carries only the metrics the server reads: the emulator charges smaller messages,
@@ -50,12 +53,15 @@ RUNS = {
                    "--set", "netem.mix=3g:0.5,edge:0.5", "--set", "netem.intermittent=0.5",
                    "--set", "netem.deadline_s=30"],
 }
-MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds"}
+MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds",
+           # The transport's name for a node, not a result: Ray draws new ones every run, and
+           # the in-process grid computes them from the partition id since issue 28.
+           "node_id"}
 CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 #: Config keys of where and what a run writes, not what it computes (tensorboard came later).
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 #: Keys added after the snapshots, with the value that computes what the code did before them.
-ADDED_LATER = {"dgc.server_lr": 1.0}
+ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client": 0.0}
 #: The emulator's keys added after the snapshots (issue 25), with the values that compute what
 #: it did before them: no protocol model, the preset power models.
 NETEM_ADDED_LATER = {"netem.power_model": "", "netem.protocol": "none"}

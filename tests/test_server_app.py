@@ -348,11 +348,12 @@ def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
 
     record = RoundRecord(round=3, accuracy=0.5, loss=1.0, uplink_bytes=1000,
                          dense_uplink_bytes=100_000, clients_sampled=6, clients_aggregated=4,
-                         wall_seconds=2.0, extra={"virtual_seconds": 41.5})
-    line = progress_line(record, 10, elapsed=90.0, rounds_timed=3, surplus=2,
-                         columns=NetemColumns.columns)
+                         clients_surplus=2, wall_seconds=2.0, extra={"virtual_seconds": 41.5})
+    line = progress_line(record, 10, elapsed=90.0, rounds_timed=3,
+                         columns=NetemColumns.columns, totals=[123.25])
     assert "failed 0 surplus 2" in line
-    assert "virtual   41.5s" in line
+    # The round's virtual seconds, and the run's so far: the report's (cumulative) axis.
+    assert "virtual s: round 41.5 total 123.2" in line
     # 30 s per round so far, 7 rounds left: 3:30.
     assert line.endswith("elapsed 1:30 ETA 3:30")
     plain = progress_line(RoundRecord(round=1), 5)

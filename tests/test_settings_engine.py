@@ -28,13 +28,19 @@ DGC_FIELDS = {"density": "density", "dgc.momentum": "momentum",
 def test_keys_lists_every_key_with_its_part(capsys):
     assert main(["keys"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    listed = {line.split()[0]: line.split()[1] for line in lines}
+    assert max(map(len, lines)) <= 100  # the project's line length: a terminal reads it
+    # A key's line starts at the margin; its description follows, indented.
+    listed = {line.split()[0]: line.split()[1] for line in lines if not line.startswith(" ")}
+    assert lines[1].startswith("    ") and "weighted by num-examples" in lines[1]
     netem = {f.metadata["key"] for f in fields_of(NetemSettings)}
     assert len(netem) == 22 and all(listed[k] == "netem" for k in netem)
     assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"
     assert listed["density"] == "client" and listed["server_momentum"] == "server"
     assert listed["lr"] == "client" and listed["rounds"] == "server"
-    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings)
+    from fedgc.methods import registered
+
+    own = [m.settings for m in registered() if m.settings is not None]  # the methods' own keys
+    every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings, *own)
              for f in fields_of(cls)}
     assert set(listed) == every
 
@@ -88,3 +94,16 @@ def test_netem_strings_convert_like_every_key():
                                    "netem.deadline_s": "30"})
     assert s.enabled is True and s.seed == 4 and s.deadline == 30.0
     assert NetemSettings(seed="4") == NetemSettings(seed=4)  # type: ignore[arg-type]
+
+
+def test_a_misspelt_key_is_named_with_the_key_it_resembles(capsys):
+    assert main(["run", "--set", "dgc.shared_densty=0", "--set", "colour=blue"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("python -m simulations run: error: unknown configuration keys 'colour', "
+                   "'dgc.shared_densty' (did you mean 'dgc.shared_density'?); `python -m "
+                   "simulations keys` lists every key")
+    # A key without its prefix is named with it; the emulator's keys are suggested too.
+    assert main(["run", "--set", "shared_density=0.1"]) == 2
+    assert "'shared_density' (did you mean 'dgc.shared_density'?)" in capsys.readouterr().err
+    assert main(["run", "--set", "netem.deadline=30"]) == 2
+    assert "'netem.deadline' (did you mean 'netem.deadline_s'?)" in capsys.readouterr().err

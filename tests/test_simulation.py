@@ -115,3 +115,35 @@ def test_flower_simulation_end_to_end(tmp_path):
     assert summary["uplink_compression"] > 5
     assert (run_dir / "plots.png").exists() and (run_dir / "checkpoint.pt").exists()
     assert "round    5/5" in proc.stdout  # the progress display
+
+
+def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsys):
+    # max_weight_ratio 1: every client claiming more than the round's median is capped.
+    argv = ["run", "--set", f"results_dir={tmp_path}", "--set", "run_name=bounded",
+            "--set", "task=digits", "--set", "num_clients=6", "--set", "clients_per_round=3",
+            "--set", "rounds=2", "--set", "sim.engine=local", "--set", "max_weight_ratio=1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("fedgc: defences: weight cap 1x the round's median, update clip 10x the "
+                      "median norm, weighted mean (max_weight_ratio=0 max_norm_ratio=0: plain "
+                      "FedAvg)"), out[:3]
+    run = tmp_path / "bounded"
+    summary = json.loads((run / "summary.json").read_text())
+    reasons = [r["reason"] for r in csv.DictReader((run / "clients.csv").open())
+               if r["status"] == "aggregated"]
+    capped = sum("capped at" in r for r in reasons)
+    assert capped > 0
+    assert summary["defences"] == {"max_weight_ratio": 1.0, "max_norm_ratio": 10.0,
+                                   "aggregation": "mean", "trim_fraction": 0.1,
+                                   "weights_capped": capped, "updates_clipped": 0}
+    assert f"defences: {capped} weights capped, 0 updates clipped" in "\n".join(out)
+
+
+def test_plain_fedavg_says_so():
+    from server.defences import describe
+
+    assert describe(0, 0, "mean", 0.1) == ("defences: no weight cap, no update clip, "
+                                           "weighted mean")
+    assert describe(0, 5, "trimmed_mean", 0.2) == (
+        "defences: no weight cap, update clip 5x the median norm, coordinate-wise trimmed mean "
+        "(0.2 cut) (max_norm_ratio=0 aggregation=mean: plain FedAvg)")

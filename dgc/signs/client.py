@@ -32,6 +32,7 @@ def take_signs(residual: Mapping[str, torch.Tensor], masks: Mapping[str, np.ndar
         idx = torch.from_numpy(np.asarray(mask, dtype=np.int64))
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= v.numel()):
             raise StateError(f"shared index set for {name!r} falls outside [0, {v.numel()})")
+        idx = idx.to(v.device)  # the residual may live on an accelerator
         vm = v[idx]
         scale = float(vm.abs().mean()) if vm.numel() else 0.0
         sent = torch.where(vm < 0, -scale, scale).to(torch.float32)

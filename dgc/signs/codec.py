@@ -105,7 +105,7 @@ def encode_signs(sent: SparseUpdate) -> bytes:
     server holds them)."""
     parts = [SIGN_PREAMBLE.pack(sent.sequence, len(sent.tensors))]
     for name, t in sent.tensors.items():
-        values = t.values.to(torch.float32)
+        values = t.values.to("cpu", torch.float32)
         scale = float(values.abs().max()) if t.nnz else 0.0
         if not math.isfinite(scale) or not bool((values.abs() == scale).all()):
             raise StateError(f"shared values of {name!r} are not +-one finite scale")

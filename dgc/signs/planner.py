@@ -80,7 +80,7 @@ class SharedIndexPlanner:
             # topk, not a full sort (~9x faster at 2.5M entries). It is deterministic for equal
             # input, so a resumed server (same averages from the checkpoint) plans the same sets.
             top = torch.topk(avg.abs(), self.count(name), sorted=False).indices
-            out[name] = np.sort(top.numpy()).astype(np.int64)
+            out[name] = np.sort(top.cpu().numpy()).astype(np.int64)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -108,6 +108,7 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
         tensor (``"all"`` on a sparse one, ``"raw"`` beyond 2**32 entries).
     """
     _check_update(update)
+    update = update.cpu()  # one device-to-host copy of what is sent, wherever it was selected
     parts = [PREAMBLE.pack(0, update.sequence, len(update.tensors))]
     for name, t in update.tensors.items():
         indices = _check_tensor(name, t)
@@ -124,6 +125,7 @@ def encoded_size(update: SparseUpdate, index_coding: str = "auto",
     """``len(encode(update, index_coding, sign_coding, grid_coding))``, computed without
     building the bytes."""
     _check_update(update)
+    update = update.cpu()
     total = EMPTY_MESSAGE_BYTES
     for name, t in update.tensors.items():
         indices = _check_tensor(name, t)

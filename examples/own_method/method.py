@@ -31,7 +31,7 @@ from fedgc.schema import Check, setting
 class StromSettings:
     """The method's own keys, under its prefix: ``--set strom.tau=0.002``."""
 
-    tau: float = setting(0.001, "strom.tau", "Strom's threshold: a client sends every entry "
+    tau: float = setting(0.03, "strom.tau", "Strom's threshold: a client sends every entry "
                          "whose residual is at least this in magnitude, as +-tau",
                          Check(0.0, low_open=True))
 
@@ -101,7 +101,7 @@ class Strom(Method):
     prefix = "strom"
     settings = StromSettings
 
-    def compressor(self, train: Any, client_key: int) -> StromCompressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> StromCompressor:
         return StromCompressor(self.own.tau)
 
     def codec(self, train: Any) -> Codec:

@@ -11,7 +11,8 @@ One round, as a method sees it (``Method`` hooks in bold)::
     server  configure_train   channel = **channel**(config, shapes); bytes = channel.plan(r)
                               (round material, sent beside the model to every sampled client)
     client  train             material = **read_material**(bytes, numels)
-                              compressor = **compressor**(train, key)   (None: dense fp32)
+                              compressor = **compressor**(train, key, material)
+                              (None: dense fp32)
                               payload = compressor.compress(global - local)
                               reply = **codec**(train).encode(payload)
                                       + **side_part**(compressor, material, r)
@@ -47,7 +48,7 @@ import torch
 
 from dgc import Compressor, DGCConfig, SparseUpdate
 from fedgc.methods.payloads import Bound, Codec, SparseCodec
-from fedgc.schema import fields_of, parse
+from fedgc.schema import fields_of, parse, validate
 
 __all__ = ["Aggregator", "Channel", "DownlinkPolicy", "Method"]
 
@@ -76,6 +77,10 @@ class Aggregator:
     factors; a majority vote's ``finish`` takes signs), and keeps what it needs across rounds
     in :meth:`state_dict`, which the checkpoint stores.
     """
+
+    #: Whether the combine weighs each payload by its client's (capped) weight, as FedAvg; False:
+    #: every client counts once (a majority vote).
+    weighted: bool = True
 
     def space(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The shapes of the space the payloads' parts live in (the model's by default)."""
@@ -189,12 +194,15 @@ class Method:
         configured = copy.copy(self)
         configured._own = parse(self.settings, {k: v for k, v in values.items() if k in mine},
                                 strict=False)
+        validate(configured._own)
         return configured
 
     # ------------------------------------------------------------------ client half
-    def compressor(self, train: Any, client_key: int) -> Compressor | None:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor | None:
         """A fresh compressor for one client's round (its state is loaded after), or None:
-        the client sends its pseudo-gradient whole, in float32."""
+        the client sends its pseudo-gradient whole, in float32. ``material``: the round's
+        material, decoded (:meth:`read_material`; a shared matrix its payload projects on, a
+        mask it sends values at), None when the server sent none."""
         return None
 
     def codec(self, train: Any) -> Codec:

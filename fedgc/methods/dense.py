@@ -19,7 +19,7 @@ class Dense(Method):
 
     name = "dense"
     order = 0
-    description = "every entry, fp32; clients are always sent the exact model"
+    description = "every entry, fp32"
     baseline = True
 
     def uplink_density(self, train: Any) -> float:

@@ -93,14 +93,14 @@ class DGC(Method):
 
     name = "dgc"
     order = 40
-    description = ("fedgc's DGC (`dgc.*`): top-k of the residual, fp16, plus the residual at "
-                   "the round's shared indices as signs (`dgc.shared_density`)")
+    description = ("DGC's top-k of the residual (`dgc.*`), fp16, and the residual at the "
+                   "round's shared indices as signs (`dgc.shared_density`)")
     keeps_residual = True
     phone = True
     prefix = "dgc"
     defaults = {"server_momentum": 0.5}
 
-    def compressor(self, train: Any, client_key: int) -> Compressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         return split_compressor(train, dgc_config(train))
 
     def codec(self, train: Any) -> Codec:

@@ -25,14 +25,14 @@ class STC(Method):
 
     name = "stc"
     order = 30
-    description = ("top-k at `density` of every tensor as sign * mean magnitude, one bit each; "
-                   "a ternary broadcast down")
+    description = ("top-k at `density` of every tensor (biases too) as sign * mean "
+                   "magnitude, one bit each")
     keeps_residual = True
     prefix = "dgc"
     defaults = {"density": STC_DENSITY, "downlink_density": STC_DENSITY,
                 "downlink_values": "ternary"}
 
-    def compressor(self, train: Any, client_key: int) -> Compressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         # One density for every tensor, as STC has; the scale's precision is dgc.value_dtype.
         return STCCompressor(stc_config(train.density, train.value_dtype))
 

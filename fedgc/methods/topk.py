@@ -23,7 +23,7 @@ class TopK(Method):
 
     name = "topk"
     order = 20
-    description = "top-k at `density`, fp16, nothing kept (no error feedback)"
+    description = "top-k at `density`, fp16; no error feedback"
     phone = True
     prefix = "dgc"
 
@@ -33,7 +33,7 @@ class TopK(Method):
         return layer_config(train, momentum=0.0, momentum_correction=False,
                             momentum_masking=False, error_feedback=False)
 
-    def compressor(self, train: Any, client_key: int) -> Compressor:
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         return split_compressor(train, self.config(train))
 
     def codec(self, train: Any) -> Codec:

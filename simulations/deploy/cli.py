@@ -202,6 +202,7 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     from simulations.plots import plot_run
 
     from .fedgc_run import (
+        bytes_table,
         check_fedgc_run,
         deploy_run_config,
         finish_fedgc,
@@ -234,6 +235,7 @@ def _run_fedgc(args: argparse.Namespace) -> int:
             return 1
     plot = plot_run(run.run_dir)
     print(summary_table({str(run.summary.get("method", "run")): run.summary}))
+    print(bytes_table(run.summary, json.loads((run.run_dir / "deploy.json").read_text())))
     written = ["rounds.csv", "summary.json", "deploy.json", plot.name]
     if args.capture:
         from .capture_report import write_capture_ledger

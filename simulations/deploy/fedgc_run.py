@@ -131,6 +131,31 @@ def finish_fedgc(dep: Deployment, config: Any, run_id: int, timeout_s: float,
     return FedgcRun(result, run_dir, summary)
 
 
+def bytes_table(summary: dict[str, Any], record: dict[str, Any]) -> str:
+    """The payload (fedgc's encoded messages, ``summary.json``) beside the bytes that crossed
+    the shaped links (``deploy.json``: Flower's messages, gRPC/HTTP2, TLS and idle polling
+    included), per direction, with their ratio."""
+    links = [v for v in (record.get("links") or {}).values() if v]
+    head = f"{'bytes':<9} {'payload MB':>11} {'on the links MB':>16} {'links/payload':>14}"
+    lines = [head, "-" * len(head)]
+    totals = [0.0, 0.0]
+    for direction in ("uplink", "downlink"):
+        payload = float(summary.get(f"{direction}_bytes", 0))
+        wire = float(sum(v[f"{direction}_bytes"] for v in links)) if links else math.nan
+        totals = [totals[0] + payload, totals[1] + wire]
+        lines.append(_bytes_row(direction, payload, wire))
+    lines.append(_bytes_row("total", *totals))
+    if not links:
+        lines.append("(no shaped link, so nothing counted the bytes on the wire: --link)")
+    return "\n".join(lines)
+
+
+def _bytes_row(name: str, payload: float, wire: float) -> str:
+    on_links = "-" if math.isnan(wire) else f"{wire / 1e6:.3f}"
+    ratio = "-" if math.isnan(wire) or not payload else f"{wire / payload:.1f}x"
+    return f"{name:<9} {payload / 1e6:>11.3f} {on_links:>16} {ratio:>14}"
+
+
 def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Path:
     """``<run_dir>/deploy.json``: how the run was deployed (mode, link, nodes, TLS, auth)."""
     link = dep.config.link

@@ -113,8 +113,15 @@ class RoundOutcome:
 
     @property
     def dropped_deadline(self) -> int:
-        """Updates that arrived too late: past the deadline or after the round closed."""
-        return sum(r in (REASON_DEADLINE, REASON_STRAGGLER) for r in self.dropped.values())
+        """Updates that arrived too late: past the deadline, or after the round closed short
+        of K at its deadline."""
+        return sum(r == REASON_DEADLINE for r in self.dropped.values())
+
+    @property
+    def surplus(self) -> int:
+        """Updates that arrived in time, after the K-th had closed the round: over-selection
+        doing its job, not a failure."""
+        return sum(r == REASON_STRAGGLER for r in self.dropped.values())
 
     @property
     def dropped_link(self) -> int:

@@ -3,13 +3,15 @@
 ``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
 plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
 a mobile mix) with the target accuracy as a line, accuracy against cumulative joules (runs with
-the emulator's energy accounting), the per-round virtual duration, drops by cause and MB up,
-down and in total, as payload and on the wire, titled with the methods, scenario and links; and
-prints the time-to-accuracy table (target: the first run's final accuracy unless ``--target``)
-with payload and link bytes both ways, each with its ratio to dense (the run of method
-``dense`` among them, else dense FedAvg for the run's own client-rounds), and joules per
-client-round and to the target (:mod:`simulations.netem.wire_columns`; link bytes count
-Flower's protocol with ``netem.protocol``).
+the emulator's energy accounting), the per-round virtual duration, the updates not aggregated by
+cause (drops, and the surplus of over-selection) and MB up, down and in total, as payload and on
+the wire, titled with the methods, scenario and links; and prints the time-to-accuracy table
+(target: the first run's final accuracy unless ``--target``), whose virtual seconds are the run's
+total, as the progress line's ``total``, with payload and link bytes both ways, each with its
+ratio to dense (the run of method ``dense`` among them, else dense FedAvg for the run's own
+client-rounds), and joules per client-round and to the target
+(:mod:`simulations.netem.wire_columns`; link bytes count Flower's protocol with
+``netem.protocol``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from simulations.plots import (  # noqa: E402
 
 #: The ``rounds.csv`` columns of the drops, by cause.
 DROP_CAUSES = ("dropped_deadline", "dropped_link", "dropped_rejected")
+#: Valid updates that came in time but after the round had its K: not drops, not failures.
+SURPLUS = "clients_surplus"
 
 
 def virtual_times(rows: Sequence[Mapping[str, float]]) -> list[float]:
@@ -143,6 +147,7 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
             "dropped_deadline": sum(r["dropped_deadline"] for r in rows),
             "dropped_link": sum(r["dropped_link"] for r in rows),
             "dropped_rejected": sum(r["dropped_rejected"] for r in rows),
+            "surplus": sum(r.get(SURPLUS, 0.0) for r in rows),  # runs before it had none
             "joules_per_client_round": (sum(r["joules"] for r in rows) / client_rounds
                                         if joules is not None and client_rounds else None),
             "joules_total": joules[-1] if joules else None,
@@ -191,7 +196,7 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
             ax_energy.plot(joules, [r["accuracy"] for r in rows], marker=".", color=color)
         ax_dur.plot([r["round"] for r in rows], [r["virtual_seconds"] for r in rows],
                     color=color)
-        drops.append([sum(r[c] for r in rows) for c in DROP_CAUSES])
+        drops.append([sum(r.get(c, 0.0) for r in rows) for c in (*DROP_CAUSES, SURPLUS)])
         up, down = (sum(r[c] for r in rows) / 1e6 for c in ("uplink_bytes", "downlink_bytes"))
         bars = [up, down, up + down]
         if _has(rows, "wire_uplink_bytes"):
@@ -220,9 +225,10 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
     readable_log(ax_dur, "y")
     integer_rounds(ax_dur)
     ax_dur.set(xlabel="round", ylabel="virtual seconds", title="round duration")
-    _grouped_bars(ax_drop, names, drops, [c.replace("dropped_", "") for c in DROP_CAUSES], 0)
+    _grouped_bars(ax_drop, names, drops,
+                  [*(c.replace("dropped_", "") for c in DROP_CAUSES), "surplus"], 0)
     ax_drop.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax_drop.set(ylabel="clients", title="dropped updates by cause")
+    ax_drop.set(ylabel="clients", title="updates not aggregated: drops by cause, and surplus")
     labels = ["payload up", "payload down", "payload total"]
     if all(len(t) == 6 for t in traffic):  # every run recorded its link bytes
         labels += ["wire up", "wire down", "wire total"]
@@ -259,24 +265,25 @@ def _grouped_bars(ax: Axes, names: Sequence[str], values: Sequence[Sequence[floa
 
 
 def table_text(table: Mapping[str, Mapping[str, float | None]]) -> str:
-    """The printed time-to-accuracy table: accuracy, time, drops, payload and wire MB both ways
-    with their ratios to dense, joules per client-round and to the target."""
+    """The printed time-to-accuracy table: accuracy, time, drops, surplus, payload and wire MB
+    both ways with their ratios to dense, joules per client-round and to the target."""
     def cell(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
         return "-" if value is None or not math.isfinite(value) else f"{value / scale:.{digits}f}"
 
-    head = (f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s':>10} {'s to target':>12} "
-            f"{'drops d/l/r':>11} {'up MB':>8} {'x dense':>7} {'down MB':>8} {'x dense':>7} "
+    head = (f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s total':>15} "
+            f"{'s to target':>12} {'deadline':>8} {'link':>5} {'rejected':>8} {'surplus':>7} "
+            f"{'up MB':>8} {'x dense':>7} {'down MB':>8} {'x dense':>7} "
             f"{'wire up':>8} {'x dense':>7} {'wire dn':>8} {'x dense':>7} {'x total':>7} "
             f"{'J/c-round':>9} {'J to tgt':>9}")
     lines = [head]
     for name, r in table.items():
         tt = r["virtual_seconds_to_target"]
-        drops = (f"{r['dropped_deadline']:.0f}/{r['dropped_link']:.0f}/"
-                 f"{r['dropped_rejected']:.0f}")
         lines.append(
             f"{name:<12} {r['final_accuracy']:9.4f} {r['rounds']:6.0f} "
-            f"{r['virtual_seconds']:10.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
-            f"{drops:>11} {cell(r['uplink_bytes'], 1e6, 3):>8} "
+            f"{r['virtual_seconds']:15.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
+            f"{r['dropped_deadline']:8.0f} {r['dropped_link']:5.0f} "
+            f"{r['dropped_rejected']:8.0f} {r['surplus']:7.0f} "
+            f"{cell(r['uplink_bytes'], 1e6, 3):>8} "
             f"{cell(r['uplink_vs_dense'], 1, 1):>7} "
             f"{cell(r['downlink_bytes'], 1e6):>8} {cell(r['downlink_vs_dense'], 1, 1):>7} "
             f"{cell(r['wire_uplink_bytes'], 1e6, 3):>8} "

@@ -18,7 +18,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from fedgc.settings import Check, SettingsError, coerce, fields_of, parse, setting, validate
+from fedgc.settings import (
+    Check,
+    SettingsError,
+    coerce,
+    fields_of,
+    parse,
+    setting,
+    unknown_keys,
+    validate,
+)
 from simulations.netem.energy import (
     POWER_MODELS,
     PowerModelError,
@@ -196,7 +205,7 @@ class NetemSettings:
             if not key.startswith(PREFIX) or key in (ROUND_KEY, ROUND_START_KEY):
                 continue
             if key not in known:
-                raise SettingsError(f"unknown key {key!r}; known netem keys: {sorted(known)}")
+                raise unknown_keys([key], known)
             values[key] = value
         return parse(cls, values)
 

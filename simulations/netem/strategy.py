@@ -13,8 +13,10 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
 4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
    (:class:`NetemColumns`), and the payload and link bytes with their ratios to dense, joules
    and the round's time split (:class:`~simulations.netem.wire_columns.WireColumns`), through
-   the server's extension point (:mod:`server.extensions`), and advances the virtual clock to
-   the round's close (plus the server's own time, with ``netem.protocol``).
+   the server's extension point (:mod:`server.extensions`); the stragglers that came in time
+   but after the K-th are over-selection's surplus (``clients_surplus``), not drops; and
+   advances the virtual clock to the round's close (plus the server's own time, with
+   ``netem.protocol``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ class NetemColumns(RoundExtension):
     """The emulator's columns: each round's virtual time and the clients its clock dropped, by
     cause (``rounds.csv``, TensorBoard, the progress line, ``summary.json``)."""
 
-    columns = (Column("virtual_seconds", "time/virtual_seconds", "virtual {:6.1f}s"),
+    # The progress line shows the round's virtual seconds and the run's so far: the report's
+    # axis and its "virtual s total".
+    columns = (Column("virtual_seconds", "time/virtual_seconds",
+                      "virtual s: round {0:.1f} total {1:.1f}"),
                Column("dropped_deadline", "clients/dropped_deadline"),
                Column("dropped_link", "clients/dropped_link"),
                Column("dropped_rejected", "clients/dropped_rejected"))
@@ -72,6 +77,7 @@ class NetemColumns(RoundExtension):
                 row.status, row.reason = "dropped", why
             elif late:
                 row.status, row.reason = "dropped", "deadline"
+        record.clients_surplus = sum(row.status == "surplus" for row in rows)
         return Added({
             "virtual_seconds": outcome.virtual_seconds + self.strategy.server_s,
             "dropped_deadline": outcome.dropped_deadline + sum(
@@ -218,8 +224,9 @@ class NetemStrategy(DGCStrategy):
         self.virtual_now_s = outcome.end_s + self.server_s
         added = self.round_record.extra
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
-            "rejected", server_round, outcome.virtual_seconds, added["dropped_deadline"],
-            added["dropped_link"], added["dropped_rejected"])
+            "rejected; %d surplus", server_round, outcome.virtual_seconds,
+            added["dropped_deadline"], added["dropped_link"], added["dropped_rejected"],
+            self.round_record.clients_surplus)
         return arrays, metrics
 
     def state_dict(self) -> dict[str, Any]:

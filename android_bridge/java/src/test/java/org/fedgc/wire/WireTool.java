@@ -11,6 +11,8 @@ import java.nio.charset.StandardCharsets;
  * <pre>
  * codec CODING HEX   ->  OK HEX2           (HEX2 = encode(decode(HEX), CODING))
  *                    ->  REJECT REASON     (decode threw DecodeException)
+ * signs MAXNUMEL HEX ->  OK HEX2           (HEX2 = SignsCodec.encode(SignsCodec.decode(HEX)))
+ *                    ->  REJECT REASON
  * half BITS32HEX     ->  F16HEX BF16HEX    (HalfFloats.floatToFloat16 / floatToBfloat16)
  * </pre>
  */
@@ -31,6 +33,14 @@ public final class WireTool {
                     SparseUpdate u = WireCodec.decode(data);
                     out.println("OK " + WireCodecTest.hex(
                             WireCodec.encode(u, IndexCoding.fromName(parts[1]))));
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("signs")) {
+                byte[] data = WireCodecTest.unhex(parts.length > 2 ? parts[2] : "");
+                try {
+                    SignsUpdate u = SignsCodec.decode(data, Long.parseLong(parts[1]));
+                    out.println("OK " + WireCodecTest.hex(SignsCodec.encode(u)));
                 } catch (DecodeException e) {
                     out.println("REJECT " + e.reason());
                 }

@@ -1,0 +1,132 @@
+"""``signvote``: signSGD with majority vote (Bernstein, Zhao, Azizzadenesheli, Anandkumar,
+"signSGD with Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019).
+
+The paper's Algorithm 1 (with momentum ``beta = 0``, plain signSGD): every worker sends the sign
+of its gradient, one bit per entry; the server sends back the sign of their sum, the majority
+vote; every worker steps ``x -= eta * sign(sum_m sign(g_m))``. In federated rounds a client's
+gradient is its pseudo-gradient ``global - local``; clients keep nothing between rounds (no
+residual, no momentum); the server counts every client once (``weighted = False``: a vote, not
+a mean by examples) and steps by ``server_lr`` times the vote, each entry moving by exactly
+``server_lr`` or not at all (a tie). ``server_lr`` is this method's own default, set on the
+tasks fedgc ships (docs/methods.md). An entry of the pseudo-gradient that is exactly 0 (an
+input pixel no client's data lights) is sent with a coin-flip sign: with one fixed sign every
+client would vote for it every round and the server would move it by ``server_lr`` each round
+for nothing.
+
+A vote travels as the ``signs`` payload (``fedgc.methods.efsign``, docs/wire.md section 14)
+with scale 1; the server refuses any other scale, so that no client weighs its vote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from dgc import Compressor, SparseUpdate, StateError
+from fedgc.methods.base import Aggregator, Method
+from fedgc.methods.efsign import SignsCodec, SignsUpdate, dense_signs
+from fedgc.methods.payloads import Bound, Codec, PayloadError
+from fedgc.methods.registry import register
+
+__all__ = ["MajorityVote", "SignVote", "VoteCodec", "VoteCompressor"]
+
+#: The server's step per round and entry on fedgc's tasks (docs/methods.md, "signSGD with
+#: majority vote": tuned on mnist5k, seed 0, 50 rounds).
+SERVER_LR = 0.003
+
+
+class VoteCompressor:
+    """The sign of each entry of the pseudo-gradient, a coin flip for an exact 0 (implements
+    :class:`dgc.base.Compressor`; it keeps no state).
+
+    Parameters
+    ----------
+    seed : int
+        This client's seed; round ``r`` flips its coins with ``numpy.random.default_rng([seed,
+        r])``.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+
+    def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
+                 sequence: int | None = None) -> SignsUpdate:
+        """The signs of ``grads``, scale 1."""
+        for name, g in grads.items():
+            if not torch.isfinite(g).all():
+                raise StateError(f"gradient {name!r} contains NaN or Inf")
+        sequence = 0 if sequence is None else int(sequence)
+        rng = np.random.default_rng([self.seed, sequence])
+        out = SignsUpdate({}, sequence)
+        for name, g in grads.items():
+            flat = g.detach().reshape(-1).cpu()  # the coins and the bits are the host's
+            coin = torch.from_numpy(rng.random(flat.numel()) < 0.5)
+            negative = torch.where(flat == 0, coin, flat < 0)
+            out.tensors[name], out.scales[name] = dense_signs(tuple(g.shape), negative, 1.0), 1.0
+        return out
+
+    def restore(self, update: SparseUpdate) -> None:
+        """Nothing to restore: a vote that was not counted is lost, as in the paper."""
+
+    def residual(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def scale_state(self, factor: float) -> None:
+        """No state to scale."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """No state to load."""
+
+
+class VoteCodec(SignsCodec):
+    """The ``signs`` payload, every scale 1: a vote, that no client may weigh."""
+
+    def check(self, payload: Any, bound: Bound) -> None:
+        super().check(payload, bound)
+        for name, scale in payload.scales.items():
+            if scale != 1.0:
+                raise PayloadError(f"tensor {name!r} carries scale {scale!r}; a vote's signs "
+                                   f"have scale 1")
+
+
+class MajorityVote(Aggregator):
+    """The sign of the round's unweighted sum of signs (ties: 0, the entry stays)."""
+
+    weighted = False
+
+    def finish(self, combined: Mapping[str, torch.Tensor],
+               shapes: Mapping[str, tuple[int, ...]]) -> Mapping[str, torch.Tensor]:
+        return {name: torch.sign(t) for name, t in combined.items()}
+
+
+class SignVote(Method):
+    """signSGD with majority vote, stateless clients (module docstring)."""
+
+    name = "signvote"
+    label = "signSGD-MV"
+    order = 52
+    compared = False  # a catalogue method: compare --methods ...,signvote
+    description = ("the sign of every entry of the pseudo-gradient, one bit each; the server "
+                   "steps by `server_lr` times the sign of the unweighted sum (majority vote)")
+    defaults = {"server_lr": SERVER_LR}
+
+    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+        return VoteCompressor((int(train.seed) << 32) + int(client_key))
+
+    def codec(self, train: Any) -> Codec:
+        return VoteCodec()
+
+    def aggregator(self, config: Any) -> Aggregator:
+        return MajorityVote()
+
+    def uplink_density(self, train: Any) -> float:
+        return 1.0  # one bit for every entry
+
+
+register(SignVote())
