@@ -10,9 +10,11 @@ One train message, in order:
    the model version it holds); a damaged record is moved aside and the client starts again
    from the global model, reporting ``state_quarantined`` in its reply;
 3. rebuild the global model: dense arrays, or a patch on the held version;
-4. train locally and form the pseudo-gradient ``global - local``;
-5. if the previous update was not aggregated (the server's ``ack_sequence`` is not its
-   sequence), fold it back into the residual with the compressor's ``restore``;
+4. load the run's method's compressor with this client's residual; if the previous update was
+   not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
+   residual with the compressor's ``restore``; the method may age that residual and move the
+   model training starts from (:meth:`fedgc.methods.Method.prepare`);
+5. train locally and form the pseudo-gradient ``global - local`` (against the model sent);
 6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
    it in fp32), encode with its codec;
 7. when the message carries the method's round material (DGC's shared index sets,
@@ -40,7 +42,7 @@ from client import node
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import read_state
 from client.training import LocalResult, round_seed, train_locally
-from dgc import SparseUpdate
+from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
 from fedgc import protocol as P
@@ -320,7 +322,7 @@ def _load_state(store: ClientStateStore, key: str, ack: int,
 
 @dataclass
 class RoundInput:
-    """One train message read and checked, up to local training (steps 1-3 of the module
+    """One train message read and checked, up to local training (steps 1-4 of the module
     docstring): what :func:`train` (and the batched engine, ``simulations.batched_engine``,
     for all of a round's clients at once) trains, and :func:`reply_round` answers from."""
 
@@ -341,6 +343,14 @@ class RoundInput:
     material: tuple[bytes, Any] | None
     device: torch.device
     started: float
+    #: The method's compressor, its residual loaded and what was lost folded back (None: the
+    #: method sends its updates dense), and how many entries that fold-back restored.
+    compressor: Compressor | None
+    restored: int
+    #: The model local training starts from: ``global_state`` unless the method's
+    #: :meth:`~fedgc.methods.Method.prepare` moved it (the pseudo-gradient sent is still taken
+    #: against ``global_state``, see :func:`reply_round`).
+    start: dict[str, torch.Tensor]
 
     @property
     def seed(self) -> int:
@@ -349,8 +359,9 @@ class RoundInput:
 
 
 def read_round(msg: Message, context: Context) -> RoundInput | Message:
-    """Steps 1-3: the message's settings, this client's state, data and global model; or the
-    reply itself when the server re-sent a round this client already answered."""
+    """Steps 1-4: the message's settings, this client's state, data, global model and
+    compressor; or the reply itself when the server re-sent a round this client already
+    answered."""
     started = time.perf_counter()
     config = message_config(msg.content, context)
     s = settings_from(config)
@@ -383,8 +394,32 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
     material = round_material(msg.content, global_state, method)
+    if material is not None:
+        try:
+            material = method.hold_material(*material, global_state,
+                                            lambda: initial_model(task, s.seed))
+        except (ValueError, dgc.StateError) as ex:
+            raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
+
+    # Step 4: the compressor with this client's residual, and what was lost folded back before
+    # training, since the method may start local training from a model its residual moves
+    # (Method.prepare: step-ahead feedback) or age the residual (rounds away).
+    restored = 0
+    start = global_state
+    compressor = method.compressor(s, key, None if material is None else material[1])
+    if compressor is not None:
+        if method.keeps_residual and state.compressor is not None:
+            compressor.load_state_dict(state.compressor)
+            # An update the server never aggregated (deadline, lost link, rejected) goes back
+            # into the residual, so that nothing this client computed is lost.
+            restored = int(fold_back_pending(
+                compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
+                method, s))
+        away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
+        start = method.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
-                      task, train_x, train_y, global_state, material, device, started)
+                      task, train_x, train_y, global_state, material, device, started,
+                      compressor, restored, start)
 
 
 @app.train()
@@ -396,7 +431,7 @@ def train(msg: Message, context: Context) -> Message:
         return r
     s = r.s
     model = _model(r.task, s.task_spec(), r.device)
-    model.load_state_dict(r.global_state)
+    model.load_state_dict(r.start)
     local = train_locally(
         model, r.train_x, r.train_y, r.task.training_loss, lr=s.lr,
         batch_size=s.batch_size, local_epochs=s.local_epochs, local_steps=s.local_steps,
@@ -405,25 +440,22 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def reply_round(r: RoundInput, local: LocalResult) -> Message:
-    """Steps 5-8: fold back what was lost, compress (on the device the pseudo-gradient is on),
-    encode, store the new state on the host, and the reply."""
+    """Steps 6-8 after local training (step 5, from ``r.start``): compress (on the device the
+    pseudo-gradient is on), encode, store the new state on the host, and the reply."""
     s, method, server_round, state = r.s, r.method, r.server_round, r.state
     keeps_residual = method.keeps_residual
-    restored = 0
+    restored = r.restored
     shared_data: bytes | None = None
     new_state = ClientState()
-    compressor = method.compressor(s, r.key, None if r.material is None else r.material[1])
+    compressor = r.compressor
+    pseudo_gradient = local.pseudo_gradient
+    if r.start is not r.global_state:  # the pseudo-gradient is taken against the model sent
+        pseudo_gradient = {k: v + (r.global_state[k] - r.start[k]).to(v.device)
+                           for k, v in pseudo_gradient.items()}
     if compressor is None:
-        update = SparseUpdate.from_dense(local.pseudo_gradient, "float32", sequence=server_round)
+        update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
-        if keeps_residual and state.compressor is not None:
-            compressor.load_state_dict(state.compressor)
-            # An update the server never aggregated (deadline, lost link, rejected) goes back
-            # into the residual, so that nothing this client computed is lost.
-            restored = int(fold_back_pending(
-                compressor, state, r.ack,
-                {k: tuple(v.shape) for k, v in r.global_state.items()}, method, s))
-        update = compressor.compress(local.pseudo_gradient, epoch=float(server_round - 1),
+        update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
         side = (method.side_part(compressor, r.material[1], server_round)
                 if r.material is not None else None)
@@ -434,9 +466,10 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     data = method.codec(s).encode(update)
     if keeps_residual:
         new_state.pending = data
-        if shared_data is not None and r.material is not None:
-            new_state.pending_shared = shared_data
+        if r.material is not None:  # what the payload and its side part answered
             new_state.pending_mask = r.material[0]
+        if shared_data is not None:
+            new_state.pending_shared = shared_data
     if bool(r.config.get(P.KEEP_MODEL, False)):
         # Keep the model this client now holds, so the server may send a patch next time.
         new_state.model = r.global_state

@@ -353,8 +353,9 @@ class ClientState:
         The ``dgc.encode``-d update last sent. The next round folds it back into the residual
         unless the server acknowledged its sequence (``ack_sequence``).
     pending_shared, pending_mask : bytes or None
-        With the shared sign channel: the signs sent beside ``pending``, and the index sets
-        (``dgc.signs.codec.encode_mask``) they answer; folded back with it.
+        The side part sent beside ``pending`` (DGC's shared signs), and the round material
+        that ``pending`` and the side part answered (the index sets or mask,
+        ``dgc.signs.codec.encode_mask``); folded back with it.
     reply : dict or None
         The last reply's metrics without ``compute_seconds``: a round the server re-sends (after
         a resume) is answered with the same bytes instead of being trained again.

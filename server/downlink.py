@@ -67,12 +67,18 @@ class Downlink:
     (:class:`server.strategy.DGCStrategy`) for what each setting means."""
 
     def __init__(self, mode: str = "auto", history: int = 1, density: float = 1.0,
-                 values: str = "float16", deltas: bool = True) -> None:
+                 values: str = "float16", deltas: bool = True, deadband: float = 0.5,
+                 vectors: str = "float32") -> None:
         self.mode = mode
         self.history = history
         self.density = float(density)
         self.values = values
         self.deltas = deltas
+        # int8 grid: an entry moves only when the model is more than this many steps from it
+        # (0.5: whenever it rounds to another grid point).
+        self.deadband = float(deadband)
+        # One-dimensional tensors of the broadcast: copied exactly, or rounded to float16.
+        self.vectors = vectors
         self.model: Model | None = None  # the global model, float32
         self.broadcast: Model | None = None  # what clients hold, with density < 1
         self.version = 0  # aggregations applied so far = version of the sent model
@@ -154,7 +160,9 @@ class Downlink:
         matrices = [k for k, v in model.items() if v.dim() > 1]
         for k, v in model.items():
             if v.dim() <= 1:
-                out[k].copy_(v)
+                # float16: a bias whose float16 value did not move stays out of every patch,
+                # and those that did travel in two bytes (the rounding stays in G - B).
+                out[k].copy_(float16_grid(v) if self.vectors == "float16" else v)
         if not matrices:
             return out
         if self.grid_exponents:
@@ -168,6 +176,13 @@ class Downlink:
                     out[k].copy_(target[k])  # a coarser grid: every entry moves onto it
         else:
             target = {k: float16_grid(model[k]) for k in matrices}
+        if self.grid_exponents and self.deadband > 0.5:
+            for k in matrices:
+                e = self.grid_exponents[k]
+                if e is not None:
+                    # Hysteresis: an entry the model hovers around keeps its grid point.
+                    near = (model[k] - out[k]).abs() <= self.deadband * 2.0 ** e
+                    target[k] = torch.where(near, out[k], target[k])
         diff = torch.cat([(target[k] - out[k]).abs().view(-1) for k in matrices])
         count = min(diff.numel(), math.ceil(self.density * diff.numel()))
         # Ties are broken by position (stable sort), so the selection is reproducible.

@@ -135,7 +135,7 @@ class DGCStrategy(FedAvg):
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)
         self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
-                                 s.downlink_deltas)
+                                 s.downlink_deltas, s.downlink_deadband, s.downlink_vectors)
         self.downlink_lookahead = s.downlink_lookahead
         self.optimizer = (self.method.optimizer(settings)
                           or ServerOptimizer(s.server_lr, s.server_momentum))
@@ -202,6 +202,8 @@ class DGCStrategy(FedAvg):
         self._model_changed()
         if self.channel is None:
             self.channel = self.method.channel(self.settings, self.shapes)
+        if self.channel is not None:
+            self.channel.hold(self.sent_model, 0, self.downlink.initial_on_grid)
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)
@@ -252,6 +254,8 @@ class DGCStrategy(FedAvg):
         digest = P.config_digest(config)
         state = _Round(server_round, sampled, node_of, self.model_version, digest)
         shared_record, shared_nbytes = None, 0
+        if self.channel is not None:
+            self.channel.hold(self.sent_model, self.model_version, self.downlink.initial_on_grid)
         planned = self.channel.plan(server_round) if self.channel is not None else None
         if planned is not None:
             data, state.material = planned

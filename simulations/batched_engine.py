@@ -76,7 +76,7 @@ class BatchedGrid(LocalGrid):
         model = client._model(first.task, s.task_spec(), first.device)  # noqa: SLF001
         try:
             results: list = train_batched(
-                model, [BatchedClient(r.global_state, r.train_x, r.train_y, r.seed)
+                model, [BatchedClient(r.start, r.train_x, r.train_y, r.seed)
                         for _, r in group],
                 lr=s.lr, batch_size=s.batch_size, local_epochs=s.local_epochs,
                 local_steps=s.local_steps, momentum=s.client_momentum,

@@ -26,12 +26,16 @@ from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
 from simulations.compare import (
+    BASELINE,
     against_dense,
     at_equal_traffic,
+    by_family,
     find_runs,
     over_seeds,
     parse_seeds,
+    reach,
     read_summary,
+    traffic_area,
     traffic_curve,
 )
 from simulations.interrupt import RunInterrupted
@@ -113,13 +117,22 @@ def method_folder(method: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", registry.get(method).title)
 
 
+#: What ``--methods`` takes for every registered method (in ``compare``'s order).
+ALL_METHODS = "all"
+
+
 def check_methods(methods: Sequence[str], what: str) -> list[str]:
-    """``methods`` (registered names or ``module:callable``) after loading each; SettingsError
-    naming ``what`` when there are none, one is unknown, or two share a folder."""
+    """``methods`` (registered names or ``module:callable``; ``all``: every registered method)
+    after loading each; SettingsError naming ``what`` when there are none, one is unknown, or
+    two share a folder."""
+    if ALL_METHODS in methods:
+        at = list(methods).index(ALL_METHODS)
+        methods = [*methods[:at], *registry.names(), *methods[at + 1:]]
     bad = [m for m in methods if not registry.is_known(m)]
     if bad or not methods:
         raise SettingsError(f"{what} must be a non-empty subset of {list(registry.names())} "
-                            f"or 'module:callable' references, got {list(methods)!r}")
+                            f"or 'module:callable' references ('{ALL_METHODS}': every "
+                            f"registered one), got {list(methods)!r}")
     for m in methods:
         registry.get(m)  # a SettingsError naming a reference that does not load
     folders = [method_folder(m) for m in methods]
@@ -195,11 +208,20 @@ def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, 
     """Add every method's reading at ``budget_method``'s total traffic to its summary
     (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``); return
     :func:`simulations.compare.at_equal_traffic`'s result."""
-    equal = at_equal_traffic({m: traffic_curve(run) for m, run in runs.items()}, budget_method)
+    curves = {m: traffic_curve(run) for m, run in runs.items()}
+    equal = at_equal_traffic(curves, budget_method)
+    area = traffic_area(curves)
     for m, s in summaries.items():
         s["equal_traffic_method"] = equal["method"]
         s["equal_traffic_bytes"] = equal["bytes"]
         s["last10_at_equal_traffic"] = equal["last10"][m]
+        s["traffic_auc_floor_bytes"] = area["floor"]
+        s["traffic_auc"] = area["area"].get(m, float("nan"))
+        s["traffic_auc_mean"] = area["mean"].get(m, float("nan"))
+    dense = summaries.get(BASELINE, {}).get("last10_accuracy")
+    if isinstance(dense, (int, float)):
+        for m, s in summaries.items():
+            s["reach_dense_round"], s["reach_dense_bytes"] = reach(curves[m], float(dense))
     return equal
 
 
@@ -213,8 +235,14 @@ def _print_mean_at_budget(doc: Mapping[str, Any], budget_method: str | None) -> 
 
 
 def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) -> str:
-    accs = ", ".join(f"{m} {a:.4f}" for m, a in last10.items())
-    return f"last-10 accuracy at {whose} total traffic ({budget / 1e6:.2f} MB): {accs}"
+    # Many methods make a long line: wrapped at 100 columns between "method accuracy" pairs.
+    lines = [f"last-10 accuracy at {whose} total traffic ({budget / 1e6:.2f} MB):"]
+    for i, (m, a) in enumerate(last10.items()):
+        item = f"{m} {a:.4f}" + ("," if i < len(last10) - 1 else "")
+        if len(lines[-1]) + 1 + len(item) > 100:
+            lines.append(" ")
+        lines[-1] += " " + item
+    return "\n".join(lines)
 
 
 def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None = None,
@@ -238,7 +266,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     """
     from simulations.plots import plot_bands
 
-    methods = registry.compared() if methods is None else check_methods(methods, "methods")
+    methods = by_family(registry.compared() if methods is None
+                        else check_methods(methods, "methods"))
     if not isinstance(jobs, int) or jobs < 1:
         raise SettingsError(f"--jobs must be an integer >= 1, got {jobs!r}")
     if budget_method is not None and budget_method not in methods:
@@ -299,7 +328,7 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
                                 f"seed(s) {missing}")
     per_seed: dict[Any, dict[str, dict[str, Any]]] = {}
     for seed, by_method in sorted(runs.items(), key=lambda kv: (kv[0] is None, kv[0])):
-        by_method = dict(sorted(by_method.items(), key=lambda kv: _method_order(kv[0])))
+        by_method = {m: by_method[m] for m in by_family(sorted(by_method, key=_method_order))}
         summaries = against_dense({m: read_summary(r) for m, r in by_method.items()})
         equal = _read_at_budget(summaries, by_method, budget_method)
         per_seed[seed] = summaries
@@ -411,7 +440,8 @@ def _parser() -> argparse.ArgumentParser:
     c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
     c.add_argument("--methods", default=",".join(compared),
                    help=f"comma-separated methods among {','.join(registry.names())}, or your "
-                        f"own as module:callable")
+                        f"own as module:callable; '{ALL_METHODS}': every registered method "
+                        f"(the catalogue)")
     c.add_argument("--seeds", metavar="S,S,...",
                    help="run the comparison once per seed (e.g. 0,1,2) into seed-<s>/, and "
                         "write the mean and std over seeds")

@@ -65,13 +65,24 @@ _WIRE_COLUMNS = (("wire up MB", "wire_uplink_bytes", ".3f", 1e-6),
                  ("x dense", "wire_total", ".1f", 1.0),
                  ("J/client-round", "joules_per_client_round", ".1f", 1.0),
                  ("J to target", "joules_to_target", ".0f", 1.0))
+#: A comparison's readings: the mean accuracy per decade of total bytes
+#: (simulations.compare.traffic_area); the round and total MB at which the last-10 mean first
+#: reaches dense's (simulations.compare.reach).
+_READINGS = (("acc/decade", "traffic_auc_mean", ".4f", 1.0),
+             ("rounds to dense", "reach_dense_round", ".0f", 1.0),
+             ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:
+    """The table's columns: the payload's; the wire's and joules where a run has them; each
+    of the readings where one of the rows has it."""
+    wire = any("wire_uplink_bytes" in r for r in rows)
+    return [*_COLUMNS, *(_WIRE_COLUMNS if wire else ()),
+            *(c for c in _READINGS if any(c[1] in r for r in rows))]
+
+
+#: The columns of ratios to dense (:func:`_key`).
 _RATIOS = ("uplink", "downlink", "total", "wire_uplink", "wire_downlink", "wire_total")
-
-
-def _columns(summaries: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str, str, float], ...]:
-    """The table's columns: the payload's, and the wire's and joules where a run has them."""
-    wire = any("wire_uplink_bytes" in s for s in summaries)
-    return _COLUMNS + (_WIRE_COLUMNS if wire else ())
 
 
 def _key(s: Mapping[str, Any], key: str) -> str:
@@ -106,9 +117,15 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def seeds_table(doc: Mapping[str, Any]) -> str:
-    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds."""
+    """The table of ``compare --seeds``' aggregate ``compare.json``: mean +- std over seeds.
+
+    The ratios to dense are given as their means (their spread is that of the bytes, given
+    beside them); the runs per method only when they differ between methods (the line above
+    the table names the seeds), so that a dozen methods fit a terminal's width.
+    """
     columns = _columns([agg["mean"] for agg in doc["methods"].values()])
-    head = ["method", "seeds", *(c[0] for c in columns)]
+    runs = {agg["runs"] for agg in doc["methods"].values()}
+    head = ["method", *(["seeds"] if len(runs) > 1 else []), *(c[0] for c in columns)]
     rows = []
     for name, agg in doc["methods"].items():
         mean, std = agg["mean"], agg["std"]
@@ -116,6 +133,6 @@ def seeds_table(doc: Mapping[str, Any]) -> str:
         for _, key, spec, scale in columns:
             k = _key(mean, key)
             m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
-            cells.append(m if d == "-" else f"{m} +- {d}")
-        rows.append([name, str(agg["runs"]), *cells])
+            cells.append(m if d == "-" or key in _RATIOS else f"{m} +- {d}")
+        rows.append([name, *([str(agg["runs"])] if len(runs) > 1 else []), *cells])
     return _table(head, rows)

@@ -9,7 +9,10 @@ deviation per method (``compare.json`` of ``compare --seeds``). :func:`at_equal_
 each method's accuracy at the total traffic of the cheapest one (or of a method named), so that
 methods that end at different byte counts are compared at the same budget; :func:`find_runs`
 finds the run folders of a finished comparison, so that it can be read again at another budget
-(``python -m simulations traffic``).
+(``python -m simulations traffic``). :func:`traffic_area` gives the area under each method's
+accuracy against log10 of its cumulative total bytes, up to its own final bytes. :func:`by_family`
+orders a comparison's methods family by family (``fedgc.methods.Method.family``), as its tables
+and plots list them.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedgc import methods as registry
 from fedgc.methods import baseline
 from fedgc.settings import SettingsError
+from server.results import LAST_ROUNDS
 
-__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "find_runs",
-           "over_seeds", "parse_seeds", "read_summary", "traffic_curve"]
+__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_family",
+           "family_of", "find_runs", "over_seeds", "parse_seeds", "reach", "read_summary",
+           "traffic_area", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
 #: first ``baseline`` method).
@@ -45,7 +51,28 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "wire_uplink_compression", "wire_downlink_compression", "wire_total_compression",
               "joules_per_client_round", "joules_total", "joules_to_target",
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
-              "equal_traffic_bytes", "last10_at_equal_traffic")
+              "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
+              "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
+
+
+def family_of(method: str) -> tuple[str, bool]:
+    """``(family, baseline)`` of the method a run names: its ``Method.family`` (or its name
+    without one) and whether it is a baseline; a method this process does not know (removed,
+    or a ``module:callable`` that no longer imports) is a family of its own."""
+    try:
+        m = registry.get(method)
+    except SettingsError:
+        return method, False
+    return m.family or m.name, m.baseline
+
+
+def by_family(methods: Sequence[str]) -> list[str]:
+    """``methods`` family by family: the families in the order of their first method, each
+    family's methods in their order (the default comparison's order does not change)."""
+    families: dict[str, list[str]] = {}
+    for m in methods:
+        families.setdefault(family_of(m)[0], []).append(m)
+    return [m for members in families.values() for m in members]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -164,6 +191,48 @@ def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
         rounds[m] = len(within)
         last10[m] = statistics.fmean(within[-10:]) if within else float("nan")
     return {"method": budget_method, "bytes": budget, "last10": last10, "rounds": rounds}
+
+
+def traffic_area(curves: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Any]:
+    """The area under each method's accuracy against log10 of its cumulative total bytes.
+
+    Read as a user with a byte budget reads the band plots: the accuracy reached after round
+    ``i`` holds from that round's cumulative total to the next round's, and before a method's
+    first round ends its accuracy counts as 0. Every area starts at the same floor, the
+    smallest first-round total among ``curves``, and ends at the method's own final total.
+    Returns ``{"floor": bytes, "area": {method: accuracy x decades}, "mean": {method: area /
+    decades from the floor to its final total}}``; ``mean`` is the method's accuracy averaged
+    over its byte range on the log axis (NaN for a method whose range is empty).
+    """
+    finished = {m: c for m, c in curves.items() if c}
+    if not finished:
+        raise ValueError("traffic_area needs at least one run with a round")
+    floor = min(c[0][0] for c in finished.values())
+    area: dict[str, float] = {}
+    mean: dict[str, float] = {}
+    for m, curve in finished.items():
+        total = 0.0
+        for (b0, acc), (b1, _) in zip(curve, curve[1:], strict=False):
+            if b1 > b0 > 0:
+                total += acc * (math.log10(b1) - math.log10(b0))
+        area[m] = total
+        decades = math.log10(curve[-1][0]) - math.log10(floor) if floor > 0 else 0.0
+        mean[m] = total / decades if decades > 0 else float("nan")
+    return {"floor": floor, "area": area, "mean": mean}
+
+
+def reach(curve: Sequence[tuple[int, float]], target: float) -> tuple[float, float]:
+    """``(round, cumulative total bytes)`` after which the mean accuracy of the last 10 rounds
+    (of all rounds so far, before round 10) first reaches ``target``; NaNs when it never does.
+
+    With ``target`` the dense run's ``last10_accuracy``, this reads when a method first stands
+    where dense FedAvg ends, in rounds and in bytes.
+    """
+    for i in range(len(curve)):
+        window = [acc for _, acc in curve[max(0, i - LAST_ROUNDS + 1):i + 1]]
+        if statistics.fmean(window) >= target:
+            return float(i + 1), float(curve[i][0])
+    return float("nan"), float("nan")
 
 
 def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:

@@ -3,8 +3,11 @@
 Every figure is titled with its methods and scenario (read from the runs' ``summary.json``),
 shows total traffic (uplink + downlink: the downlink is most of the bytes), labels log axes in
 plain numbers (0.05, 1, 20 MB; 5 kB), rounds as integers, and keeps its legend off the data
-(one legend for the runs, under the panels). :func:`readable_log` and :func:`integer_rounds` are
-shared with the network emulator's report (``simulations.netem.report``).
+(one legend for the runs, under the panels, as many rows as it needs). A comparison of many
+methods stays readable: each method family (``fedgc.methods.Method.family``) has one colour,
+its methods are told apart by line style, and the legend lists them family by family
+(:func:`method_styles`). :func:`readable_log` and :func:`integer_rounds` are shared with the
+network emulator's report (``simulations.netem.report``).
 """
 
 from __future__ import annotations
@@ -34,9 +37,20 @@ from matplotlib.ticker import (  # noqa: E402
 )
 
 from server.results import read_rounds  # noqa: E402
+from simulations.compare import by_family, family_of  # noqa: E402
 
-__all__ = ["integer_rounds", "legend_below", "plot_bands", "plot_run", "plot_runs",
-           "readable_log", "runs_figure", "save", "scenario_title"]
+__all__ = ["family_sizes", "integer_rounds", "legend_below", "method_styles", "plot_bands",
+           "plot_run", "plot_runs", "readable_log", "runs_figure", "save", "scenario_title"]
+
+#: Line styles of a family's methods, in the order they come; a fifth and later also get a
+#: marker.
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v")
+#: Family colours (matplotlib's tab10 without its grey); the family of the baseline (dense
+#: FedAvg) is drawn in black, a tenth family on takes tab20's lighter tones.
+_COLOURS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9")
+#: Height of a legend row, in inches (10-point text and its spacing).
+_LEGEND_ROW_IN = 0.26
 
 
 def _plain(value: float, _pos: object = None) -> str:
@@ -65,10 +79,77 @@ def integer_rounds(ax: Axes) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True, min_n_ticks=1))
 
 
-def legend_below(fig: Figure, handles: Sequence[Any], labels: Sequence[str]) -> None:
-    """One legend for the whole figure, under its panels (it covers no data)."""
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), frameon=False,
+def legend_below(fig: Figure, handles: Sequence[Any], labels: Sequence[str],
+                 max_columns: int = 6, groups: Sequence[int] = ()) -> float:
+    """One legend for the whole figure, under its panels (it covers no data), in rows of at
+    most ``max_columns`` entries; returns the fraction of the figure's height it needs (pass it
+    to :func:`save` as ``legend_room``).
+
+    ``groups``: the sizes of consecutive groups of entries (a family's methods); when there are
+    at most ``max_columns`` groups of at most 4 entries, each group gets a column of its own.
+    """
+    handles, labels = list(handles), list(labels)
+    if groups and sum(groups) == len(labels) and len(groups) <= max_columns \
+            and 1 < max(groups) <= 4:
+        rows, at = max(groups), 0
+        padded_h: list[Any] = []
+        padded_l: list[str] = []
+        for size in groups:  # matplotlib fills a legend column by column
+            padded_h += handles[at:at + size] + [Line2D([], [], alpha=0)] * (rows - size)
+            padded_l += labels[at:at + size] + [""] * (rows - size)
+            at += size
+        handles, labels, columns = padded_h, padded_l, len(groups)
+    else:
+        columns = max(1, min(len(labels), max_columns))
+        rows = math.ceil(len(labels) / columns) if labels else 0
+    fig.legend(handles, labels, loc="lower center", ncol=columns, frameon=False,
                bbox_to_anchor=(0.5, 0.0))
+    return min(0.45, (rows * _LEGEND_ROW_IN + 0.15) / fig.get_figheight())
+
+
+def family_sizes(styles: Mapping[str, Mapping[str, Any]]) -> list[int]:
+    """The sizes of the consecutive families of :func:`method_styles`' order (for
+    :func:`legend_below`'s ``groups``)."""
+    sizes: list[int] = []
+    last = None
+    for style in styles.values():
+        if style["family"] != last:
+            sizes.append(0)
+            last = style["family"]
+        sizes[-1] += 1
+    return sizes
+
+
+def method_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A ``color``, ``linestyle`` and ``marker`` per method, and the order in which a legend
+    lists them (the dict's): family by family, families in the order of their first method.
+
+    A family (``Method.family``; a method without one, or one this process does not know, is
+    a family of its own) has one colour, black for the baseline's (dense FedAvg); its methods
+    take the line styles ``-``, ``--``, ``:``, ``-.`` in turn, and a marker from the fifth on.
+    Each style also names its ``family``.
+    """
+    families: dict[str, list[str]] = {}
+    black: set[str] = set()
+    for name in by_family(names):
+        family, is_baseline = family_of(name)
+        families.setdefault(family, []).append(name)
+        if is_baseline:
+            black.add(family)
+    out: dict[str, dict[str, Any]] = {}
+    colours = iter([*_COLOURS, *(plt.get_cmap("tab20")(i) for i in range(1, 20, 2))] * 4)
+    for family, members in families.items():
+        colour = "black" if family in black else next(colours)
+        for i, name in enumerate(members):
+            out[name] = {"color": colour, "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+                         "marker": _MARKERS[(i // len(_LINESTYLES) - 1) % len(_MARKERS)]
+                         if i >= len(_LINESTYLES) else None, "family": family}
+    return out
+
+
+def _line(style: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``plot`` in a :func:`method_styles` style."""
+    return {k: style[k] for k in ("color", "linestyle", "marker")}
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
@@ -90,6 +171,8 @@ def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) 
     c = summaries[0].get("config", {})
     methods = list(methods) or list(dict.fromkeys(s.get("label", s.get("method", "?"))
                                                   for s in summaries))
+    # More than a few names make a title of several lines: the legend lists them.
+    who = " vs ".join(methods) if len(methods) <= 4 else f"{len(methods)} methods"
     parts = [f"{c.get('num_clients', '?')} clients, {c.get('clients_per_round', '?')} per "
              f"round"]
     partition = c.get("partition")
@@ -110,7 +193,7 @@ def scenario_title(run_dirs: Iterable[str | Path], methods: Sequence[str] = ()) 
                     and deadline > 0 else "no deadline")
         parts.append(f"links {netem.get('netem.mix')}, {deadline}")
     task = c.get("task", summaries[0].get("task", "?"))
-    return f"{' vs '.join(methods)} on {task}: {', '.join(parts)}"
+    return f"{who} on {task}: {', '.join(parts)}"
 
 
 def _label(run_dir: str | Path, name: str) -> str:
@@ -137,53 +220,56 @@ def _recorded(rows: Sequence[Mapping[str, float]], column: str) -> bool:
 def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
     """One figure for several runs (name -> run folder): accuracy against cumulative total MB
     (uplink + downlink), accuracy against cumulative uplink MB, and the MB of each round both
-    ways (uplink solid, downlink dashed), all as fedgc's payload. Runs under the network
-    emulator add the link's bytes (dotted in the panels above: Flower's protocol, HTTP, TLS and
-    TCP/IP with ``netem.protocol``) and a panel of accuracy against cumulative joules.
-    ``title`` defaults to :func:`scenario_title`."""
-    loaded = [read_rounds(Path(d)) for d in runs.values()]
-    wire = any(_recorded(rows, "wire_uplink_bytes") for rows in loaded)
+    ways (uplink a line, downlink thick and pale), all as fedgc's payload. Runs under the network
+    emulator add the link's bytes (thin pale lines of the run's style in the panels above, gid
+    ``wire``: Flower's protocol, HTTP, TLS and TCP/IP with ``netem.protocol``) and a panel of
+    accuracy against cumulative joules. ``title`` defaults to :func:`scenario_title`."""
+    loaded = {name: read_rounds(Path(d)) for name, d in runs.items()}
+    wire = any(_recorded(rows, "wire_uplink_bytes") for rows in loaded.values())
     fig, axes = plt.subplots(1, 4 if wire else 3, figsize=(22 if wire else 17, 5))
     ax_total, ax_up, ax_bytes = axes[:3]
-    handles = []
-    for i, rows in enumerate(loaded):
-        color, acc = f"C{i}", [r["accuracy"] for r in rows]
-        marker = "." if len(rows) <= 50 else None  # a dot per round, while they stay apart
+    styles = method_styles(list(runs))
+    handles = {}
+    for name, rows in loaded.items():
+        style, acc = _line(styles[name]), [r["accuracy"] for r in rows]
+        if style["marker"] is None and len(rows) <= 50:
+            style["marker"] = "."  # a dot per round, while they stay apart
         (line,) = ax_total.plot(_cumulative_mb(rows, "uplink_bytes", "downlink_bytes"), acc,
-                                marker=marker, color=color)
-        ax_up.plot(_cumulative_mb(rows, "uplink_bytes"), acc, marker=marker, color=color)
+                                **style)
+        ax_up.plot(_cumulative_mb(rows, "uplink_bytes"), acc, **style)
         rounds = [r["round"] for r in rows]
         # A round that sent nothing (every client failed) sits at 1 byte, on the log axis.
-        ax_bytes.plot(rounds, [max(r["uplink_bytes"], 1.0) for r in rows], color=color)
-        ax_bytes.plot(rounds, [max(r["downlink_bytes"], 1.0) for r in rows], color=color,
-                      linestyle="--")
+        plain = {"color": style["color"], "linestyle": style["linestyle"]}
+        ax_bytes.plot(rounds, [max(r["uplink_bytes"], 1.0) for r in rows], **plain)
+        ax_bytes.plot(rounds, [max(r["downlink_bytes"], 1.0) for r in rows], **plain,
+                      linewidth=4, alpha=0.3)
         if _recorded(rows, "wire_uplink_bytes"):
+            # The method's colour and line style, thin and pale: the same run on the wire.
+            thin = {**plain, "linewidth": 0.8, "alpha": 0.6, "gid": "wire"}
             ax_total.plot(_cumulative_mb(rows, "wire_uplink_bytes", "wire_downlink_bytes"), acc,
-                          color=color, linestyle=":")
-            ax_up.plot(_cumulative_mb(rows, "wire_uplink_bytes"), acc, color=color,
-                       linestyle=":")
-            ax_bytes.plot(rounds, [max(r["wire_uplink_bytes"], 1.0) for r in rows],
-                          color=color, linestyle=":")
+                          **thin)
+            ax_up.plot(_cumulative_mb(rows, "wire_uplink_bytes"), acc, **thin)
+            ax_bytes.plot(rounds, [max(r["wire_uplink_bytes"], 1.0) for r in rows], **thin)
         if wire and _recorded(rows, "joules"):
             joules = np.cumsum([r["joules"] + (r["idle_joules"] if math.isfinite(
                 r.get("idle_joules", math.nan)) else 0.0) for r in rows])
-            axes[3].plot(joules, acc, marker=marker, color=color)
-        handles.append(line)
+            axes[3].plot(joules, acc, **style)
+        handles[name] = line
     readable_log(ax_total, "x")
-    dotted = " (dotted: on the wire)" if wire else ""
+    wire_note = " (thin, pale: on the wire)" if wire else ""
     ax_total.set(xlabel="cumulative total traffic, uplink + downlink (MB)",
-                 ylabel="test accuracy", title="accuracy vs total traffic" + dotted)
+                 ylabel="test accuracy", title="accuracy vs total traffic" + wire_note)
     readable_log(ax_up, "x")
     ax_up.set(xlabel="cumulative uplink (MB)", ylabel="test accuracy",
-              title="accuracy vs uplink" + dotted)
+              title="accuracy vs uplink" + wire_note)
     readable_log(ax_bytes, "y", unit="B")
     integer_rounds(ax_bytes)
     ax_bytes.set(xlabel="round", ylabel="bytes per round", title="traffic per round")
-    keys = [Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linestyle="--")]
+    keys = [Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linewidth=4, alpha=0.3)]
     names = ["payload uplink", "payload downlink"]
     if wire:
-        keys.append(Line2D([], [], color="0.3", linestyle=":"))
-        names.append("uplink on the wire")
+        keys.append(Line2D([], [], color="0.3", linewidth=0.8, alpha=0.6))
+        names.append("uplink on the wire (thin, pale)")
     ax_bytes.legend(keys, names, loc="best")
     if wire:
         readable_log(axes[3], "x")
@@ -191,15 +277,21 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
                     title="accuracy vs energy")
     for ax in axes:
         ax.grid(True, which="major", alpha=0.3)
-    labels = [_label(d, name) for name, d in runs.items()]
-    legend_below(fig, handles, labels)
-    fig.suptitle(textwrap.fill(title or scenario_title(runs.values(), labels), 110))
+    labels = {name: _label(d, name) for name, d in runs.items()}
+    fig.legend_room = legend_below(  # type: ignore[attr-defined]
+        fig, [handles[n] for n in styles], [labels[n] for n in styles],
+        groups=family_sizes(styles))
+    fig.suptitle(textwrap.fill(title or scenario_title(runs.values(), list(labels.values())),
+                               110))
     return fig
 
 
-def save(fig: Figure, out: str | Path, legend_room: float = 0.07) -> Path:
-    """Lay out ``fig`` (``legend_room``: the bottom fraction kept for :func:`legend_below`),
-    write it as a PNG (creating the folder) and close it."""
+def save(fig: Figure, out: str | Path, legend_room: float | None = None) -> Path:
+    """Lay out ``fig`` (``legend_room``: the bottom fraction kept for :func:`legend_below`;
+    default: what the figure's legend asked for, else 0.07), write it as a PNG (creating the
+    folder) and close it."""
+    if legend_room is None:
+        legend_room = getattr(fig, "legend_room", 0.07)
     fig.tight_layout(rect=(0, legend_room, 1, 1))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,28 +317,36 @@ def plot_bands(runs: Mapping[str, Sequence[str | Path]], out: str | Path, title:
     shortest. ``title`` defaults to :func:`scenario_title`.
     """
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    handles = []
+    styles = method_styles(list(runs))
+    counts = {len(d) for d in runs.values()}
+    handles = {}
     for name, dirs in runs.items():
         curves = [read_rounds(Path(d)) for d in dirs]
         n = min(len(c) for c in curves)
         acc = np.array([[r["accuracy"] for r in c[:n]] for c in curves])
         mb = np.array([_cumulative_mb(c[:n], "uplink_bytes", "downlink_bytes") for c in curves])
         x, mean = mb.mean(axis=0), acc.mean(axis=0)
-        count = f"{len(curves)} seed{'s' if len(curves) != 1 else ''}"
         label = _label(dirs[0], name) if dirs else name
-        (line,) = ax.plot(x, mean, label=f"{label} ({count})")
+        if len(counts) > 1:  # the title says the count when every method has the same
+            label += f" ({len(curves)} seed{'s' if len(curves) != 1 else ''})"
+        style = _line(styles[name])
+        (line,) = ax.plot(x, mean, label=label, **style,
+                          markevery=max(1, n // 8) if style["marker"] else None)
         if len(curves) > 1:
             std = acc.std(axis=0, ddof=1)
-            ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25,
-                            linewidth=0)
-        handles.append(line)
+            # Many bands over each other hide the lines: fainter the more there are.
+            ax.fill_between(x, mean - std, mean + std, color=line.get_color(),
+                            alpha=0.25 if len(runs) <= 5 else 0.12, linewidth=0)
+        handles[name] = line
     readable_log(ax, "x")
     ax.set(xlabel="cumulative total traffic, uplink + downlink (MB)",
            ylabel="test accuracy (mean +- std over seeds)")
     ax.grid(True, which="major", alpha=0.3)
-    legend_below(fig, handles, [h.get_label() for h in handles])
+    room = legend_below(fig, [handles[n] for n in styles],
+                        [handles[n].get_label() for n in styles], max_columns=6,
+                        groups=family_sizes(styles))
     first = [Path(d[0]) for d in runs.values() if d]
-    seeds = max((len(d) for d in runs.values()), default=0)
+    seeds = max(counts, default=0)
     ax.set_title(textwrap.fill(title or f"{scenario_title(first, list(runs))}; "
                                         f"{seeds} seed{'s' if seeds != 1 else ''}", 90))
-    return save(fig, out, legend_room=0.07)
+    return save(fig, out, legend_room=room)

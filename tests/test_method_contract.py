@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from dgc import SparseTensor, SparseUpdate
+from dgc import DecodeError, SparseTensor, SparseUpdate
 from dgc.signs.codec import decode_mask, encode_mask
 from fedgc.methods import Aggregator, Bound, Channel, Codec, Method, PayloadError, SparseCodec
 from simulations.cli import main
+from tests.golden.payload_golden import records
 
 FRACTION = 0.05
 
@@ -174,6 +175,49 @@ def test_the_server_checks_a_payload_against_the_rounds_material():
     codec.check(payload, Bound({"w": (3, 4)}, 2, mask))
     with pytest.raises(PayloadError, match="not sent at the round's mask"):
         codec.check(payload, Bound({"w": (3, 4)}, 2, {"w": np.array([1, 5])}))
+
+
+class NeedsMask(MaskedCodec):
+    """A payload read against the round's mask (as TCS's values at the server's mask are):
+    without the material it does not decode."""
+
+    kind = "toy"
+    MASK = {"w": np.array([1, 4])}
+
+    def __init__(self) -> None:
+        super().__init__(sign_coding=True)
+        self.seen: list[Any] = []
+
+    def decode(self, data: bytes, bound: Bound) -> Any:
+        self.seen.append(bound.material)
+        if bound.material is None:
+            raise DecodeError("this payload is read against the round's mask")
+        return super().decode(data, bound)
+
+    def golden_cases(self) -> list[tuple[str, Any]]:
+        return [("one", SignsAtMask(self.MASK).compress({"w": torch.arange(12.0) - 6},
+                                                          sequence=3))]
+
+    def golden_bound(self, case: str) -> Bound:
+        return Bound({"w": (12,)}, material=self.MASK, limit=2**62)
+
+
+def test_golden_vectors_are_decoded_against_the_bound_their_codec_names():
+    assert Codec().golden_bound("any") == Bound({}, limit=2**62)
+    doc = records("toy", NeedsMask())
+    assert [c["sequence"] for c in doc["cases"]] == [3]
+    assert doc["cases"][0]["parts"][0][0]["indices"] == [1, 4]
+
+
+def test_a_pending_payload_folds_back_read_against_the_material_it_answered():
+    codec = NeedsMask()
+    method = Vote()
+    method.codec = lambda train: codec  # type: ignore[method-assign]
+    pending = codec.encode(NeedsMask.golden_cases(codec)[0][1])
+    sequence, parts = method.pending_parts(None, pending, None,
+                                           encode_mask(NeedsMask.MASK, {"w": 12}, 3), {"w": (12,)})
+    assert sequence == 3 and parts[0].tensors["w"].indices.tolist() == [1, 4]
+    assert np.array_equal(codec.seen[-1]["w"], NeedsMask.MASK["w"])
 
 
 def test_a_methods_own_keys_stay_out_of_the_other_methods_runs():

@@ -52,3 +52,28 @@ def test_no_product_code_outside_the_registry_compares_method_names():
                 if compare.search(line) and "method" in line.lower():
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert found == []
+
+
+def test_compare_methods_all_is_every_registered_method_listed_family_by_family():
+    import pytest
+
+    from fedgc.methods import Method, register
+    from fedgc.settings import SettingsError
+    from simulations.cli import check_methods
+    from simulations.compare import by_family
+
+    assert check_methods(["all"], "--methods") == list(methods.names())
+    with pytest.raises(SettingsError, match="twice"):
+        check_methods(["all", "dgc"], "--methods")
+
+    class All(Method):
+        name = "all"
+
+    with pytest.raises(ValueError, match="'all' stands for every method"):
+        register(All())
+    # The demo's five keep their order; interleaved families are brought together, each in
+    # the order of its first method; a name this process does not know is a family of its own.
+    assert by_family(list(methods.compared())) == list(methods.compared())
+    assert by_family(["tcs", "dense", "topk", "randk", "gone", "fedavgm", "dgc"]) == \
+        ["tcs", "randk", "dense", "fedavgm", "topk", "dgc", "gone"]
+    assert all(isinstance(m.family, str) for m in methods.registered())

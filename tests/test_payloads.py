@@ -15,7 +15,6 @@ import pytest
 
 from dgc import DecodeError
 from fedgc import methods
-from fedgc.methods import Bound
 from fedgc.settings import TrainSettings
 from tests.golden.payload_golden import GOLDEN_DIR, codecs, content, records
 
@@ -39,7 +38,7 @@ def test_the_codec_reproduces_its_golden_vectors(kind):
         if codec.kind != kind:
             continue
         for case in golden["cases"]:
-            decoded = codec.decode(bytes.fromhex(case["hex"]), Bound({}, limit=2**62))
+            decoded = codec.decode(bytes.fromhex(case["hex"]), codec.golden_bound(case["case"]))
             assert decoded.sequence == case["sequence"]
             assert content(decoded) == case["parts"], f"{m.name} decodes {case['case']} apart"
 
@@ -54,13 +53,14 @@ def test_a_damaged_message_is_a_decode_error(kind):
     golden = json.loads((GOLDEN_DIR / f"{kind}.json").read_text())
     for case in golden["cases"]:
         data = bytes.fromhex(case["hex"])
+        bound = codec.golden_bound(case["case"])
         for cut in range(len(data)):
             with pytest.raises(DecodeError):
-                codec.decode(data[:cut], Bound({}, limit=2**62))
+                codec.decode(data[:cut], bound)
         for bit in rng.sample(range(8 * len(data)), min(64, 8 * len(data))):
             flipped = bytearray(data)
             flipped[bit // 8] ^= 1 << (bit % 8)
             with pytest.raises(DecodeError):
-                codec.decode(bytes(flipped), Bound({}, limit=2**62))
+                codec.decode(bytes(flipped), bound)
         with pytest.raises(DecodeError):
-            codec.decode(data + b"\0", Bound({}, limit=2**62))
+            codec.decode(data + b"\0", bound)

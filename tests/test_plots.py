@@ -132,14 +132,14 @@ def test_netem_report_has_the_target_line_and_the_links(tmp_path) -> None:
 
 
 def test_runs_with_wire_bytes_show_them_beside_the_payload_and_energy(tmp_path) -> None:
-    """The emulator's link bytes: dotted beside the payload's lines, bars of their own in the
+    """The emulator's link bytes: thin pale lines beside the payload's, bars of their own in the
     netem report, and accuracy against cumulative joules (clients and idle nodes)."""
     runs = {"dense": _run(tmp_path, "dense", 100_000, netem=True, wire=True),
             "dgc": _run(tmp_path, "dgc", 500, netem=True, wire=True)}
     fig = runs_figure(runs)
     ax_total, ax_up, ax_bytes, ax_energy = fig.axes
-    dotted = [line for line in ax_total.lines if line.get_linestyle() == ":"]
-    assert len(dotted) == 2 and dotted[1].get_xdata()[-1] == pytest.approx(7 * 90_000 / 1e6)
+    on_wire = [line for line in ax_total.lines if line.get_gid() == "wire"]
+    assert len(on_wire) == 2 and on_wire[1].get_xdata()[-1] == pytest.approx(7 * 90_000 / 1e6)
     assert len(ax_bytes.lines) == 6  # payload up and down, wire up, of each run
     assert ax_energy.lines[1].get_xdata()[-1] == pytest.approx(7 * 25.0)
     plt.close(fig)
@@ -149,6 +149,46 @@ def test_runs_with_wire_bytes_show_them_beside_the_payload_and_energy(tmp_path) 
         ["payload up", "payload down", "payload total", "wire up", "wire down", "wire total"]
     assert ax_energy.lines[0].get_xdata()[-1] == pytest.approx(7 * 25.0)
     plt.close(fig)
+
+
+def test_a_family_shares_a_colour_and_its_methods_differ_by_line_style() -> None:
+    from simulations.plots import method_styles
+
+    styles = method_styles(["tcs", "dense", "topk", "fedavgm", "dgc", "stc", "randk",
+                            "not_a_method", "pkg.gone:make"])
+    # Family by family, in the order of each family's first method.
+    assert list(styles) == ["tcs", "randk", "dense", "fedavgm", "topk", "dgc", "stc",
+                            "not_a_method", "pkg.gone:make"]
+    assert styles["dense"]["color"] == styles["fedavgm"]["color"] == "black"  # the baseline's
+    for family in (("topk", "dgc", "stc"), ("tcs", "randk")):
+        assert len({styles[m]["color"] for m in family}) == 1
+        assert len({styles[m]["linestyle"] for m in family}) == len(family)
+    colours = [styles[m]["color"] for m in ("tcs", "topk", "not_a_method", "pkg.gone:make")]
+    assert len(set(colours)) == 4 and "black" not in colours  # unknown: families of their own
+
+
+def test_a_dozen_methods_read_family_by_family_with_the_legend_below_the_data(tmp_path) -> None:
+    names = ["dense", "fedavgm", "topk", "stc", "dgc", "randk", "tcs", "qsgd", "signsgd"]
+    runs = {m: _run(tmp_path, m, 100 + 10 * i) for i, m in enumerate(names)}
+    fig = runs_figure(runs)
+    assert fig._suptitle.get_text().startswith("9 methods on digits: ")
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    # A column per family (dense, top-k, shared positions, and qsgd and signsgd alone), padded
+    # with blank entries to the largest family's three rows: read down, a column is a family.
+    assert labels == ["dense", "fedavgm", "", "topk", "stc", "dgc", "randk", "tcs", "",
+                      "qsgd", "", "", "signsgd", "", ""]
+    room = fig.legend_room  # what save() keeps for it: three rows need more than one
+    assert 0.07 < room < 0.45
+    fig.tight_layout(rect=(0, room, 1, 1))
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    below = min(min(ax.get_window_extent().y0, ax.xaxis.label.get_window_extent().y0)
+                for ax in fig.axes)
+    assert box.y1 <= below  # under the panels and their axis labels
+    plt.close(fig)
+    out = plot_bands({m: [d] for m, d in runs.items()}, tmp_path / "bands.png")
+    assert out.read_bytes()[:8] == PNG
 
 
 def test_a_run_without_a_deadline_is_titled_so(tmp_path) -> None:

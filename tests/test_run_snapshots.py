@@ -13,12 +13,19 @@ a run with it writes them after the server's own columns. One key per setting fo
 replaced the per-method copies of the run config (:data:`RENAMED`, the values a run recorded).
 Edited once since, by hand, on 2026-12-04: the stragglers that came in time after the K-th
 (over-selection's surplus) moved from ``dropped_deadline`` to a new column, ``clients_surplus``;
-every other value is as it was.
+every other value is as it was. Edited again on 2026-12-04 for issue 30, in
+``netem_drop``'s ``virtual_seconds`` only (each round's and the total), taken from a run of
+the code after, whose every other value is the snapshot's: every train message's config
+carries issue 30's seven dgc client keys (``dgc.shared_values`` ... ``dgc.step_ahead``, ~230
+bytes; a run's own method's keys all travel, :attr:`fedgc.settings.RunConfig.own`), which the
+emulator charges on the client's downlink, ~4 ms a round on these links (33 ms in round 6).
 
-Since issue 25 a train message names the run's config by its digest once the client holds it,
-and a reply carries only the metrics the server reads: the emulator charges smaller messages,
-so ``netem_drop``'s ``virtual_seconds`` were taken again (rounds 3-6 0.5-0.6% shorter; every
-other value unchanged). Its wire and energy columns are not compared.
+Since issue 25 a train message names the run's config by its digest once the client holds it
+(the config travels whole on a client's first contact only), and a reply carries only the
+metrics the server reads: the emulator charges smaller messages, so ``netem_drop``'s
+``virtual_seconds`` (each round's and the total) were taken again the same way, from a run of
+the code with both issue 30's keys and issue 25's digest, whose every other value is the
+snapshot's. Its wire and energy columns are not compared.
 """
 
 from __future__ import annotations
@@ -61,7 +68,13 @@ CLOSE = {"virtual_seconds", "virtual_seconds_to_target"}
 #: Config keys of where and what a run writes, not what it computes (tensorboard came later).
 RUN_FOLDER = {"results_dir", "run_name", "state_dir", "tensorboard"}
 #: Keys added after the snapshots, with the value that computes what the code did before them.
-ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client": 0.0}
+ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client": 0.0,
+               # issue 30's switches, off
+               "dgc.shared_values": "sign", "dgc.shared_levels": 1.0, "dgc.shared_first": False,
+               "dgc.value_levels": 0.0, "dgc.residual_decay": 1.0,
+               "dgc.residual_after_rounds": 0, "dgc.step_ahead": 0.0,
+               "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0,
+               "downlink_deadband": 0.5, "downlink_vectors": "float32"}
 #: The emulator's keys added after the snapshots (issue 25), with the values that compute what
 #: it did before them: no protocol model, the preset power models.
 NETEM_ADDED_LATER = {"netem.power_model": "", "netem.protocol": "none"}

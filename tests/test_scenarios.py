@@ -282,3 +282,26 @@ def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
                               "late": pytest.approx(0.99)}
     with pytest.raises(SettingsError, match="budget method 'nope' is not among"):
         at_equal_traffic(curves, "nope")
+
+
+def test_the_seeds_table_of_a_dozen_methods_fits_125_columns() -> None:
+    from simulations.cli_common import seeds_table
+
+    def agg(i: int, runs: int = 3) -> dict:
+        up, down = 381.7e6 / (1 + 60 * i), 302.1e6 / (1 + 5 * i)
+        mean = {"final_accuracy": 0.9, "last10_accuracy": 0.89, "uplink_bytes": up,
+                "downlink_bytes": down, "total_bytes": up + down,
+                "uplink_vs_dense": 381.7e6 / up, "downlink_vs_dense": 302.1e6 / down,
+                "total_vs_dense": 683.8e6 / (up + down)}
+        return {"mean": mean, "std": {k: 0.01 * v for k, v in mean.items()}, "runs": runs}
+
+    names = ["dense", "fedavgm", "topk", "randk", "stc", "dgc", "TCS", "QSGD", "signSGD (EF)",
+             "signSGD (MV)", "PowerSGD", "FetchSGD"]
+    table = seeds_table({"methods": {n: agg(i) for i, n in enumerate(names)}})
+    lines = table.splitlines()
+    assert len(lines) == 14 and max(map(len, lines)) <= 125
+    assert "seeds" not in lines[0]  # the same three for every method: said above the table
+    dgc = lines[2 + names.index("dgc")]
+    assert "0.8900 +- 0.0089" in dgc and " 301.0 " in dgc and "301.0 +-" not in dgc
+    uneven = seeds_table({"methods": {"dense": agg(0, 3), "dgc": agg(5, 2)}})
+    assert uneven.splitlines()[0].split()[:2] == ["method", "seeds"]

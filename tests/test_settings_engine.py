@@ -43,6 +43,9 @@ def test_keys_lists_every_key_with_its_part(capsys):
     every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings, *own)
              for f in fields_of(cls)}
     assert set(listed) == every
+    # ... each listed under its method's prefix.
+    assert all(listed[f.metadata["key"]] == m.prefix for m in registered()
+               if m.settings is not None for f in fields_of(m.settings))
 
 
 def test_a_key_of_no_known_part_is_refused():

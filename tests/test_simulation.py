@@ -77,6 +77,26 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     assert "final acc" in out and "topk" in out
 
 
+def test_compare_methods_all_runs_every_registered_method_family_by_family(tmp_path, capsys):
+    """The catalogue side by side: every registered method (a new one is in it by being
+    registered), one round each, its table and plot listed family by family."""
+    from fedgc import methods
+    from simulations.compare import by_family
+
+    argv = ["compare", "--methods", "all", "--set", f"results_dir={tmp_path}",
+            "--set", "run_name=all", "--set", "task=digits", "--set", "num_clients=4",
+            "--set", "clients_per_round=2", "--set", "rounds=1", "--set", "sim.engine=local",
+            "--set", "progress=false", "--set", "partition=iid"]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "all" / "compare.json").read_text())
+    assert set(doc["methods"]) == set(methods.names())
+    assert all(s["clients_aggregated"] == 2 for s in doc["methods"].values())
+    rows = capsys.readouterr().out.split("\n-")[1].splitlines()[1:len(doc["methods"]) + 1]
+    assert [r.split("  ")[0].strip() for r in rows] == \
+        [methods.get(m).title for m in by_family(methods.names())]
+    assert (tmp_path / "all" / "compare.png").stat().st_size > 10_000
+
+
 def test_demo_is_the_default_scenario_with_default_client_settings():
     """`demo` pins the scenario only; local training and compression are the schema defaults."""
     import argparse

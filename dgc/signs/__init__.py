@@ -18,9 +18,17 @@ The indices never travel uplink, so a shared entry costs 1 bit against ~27.5 for
 (Golomb index + fp16 value) at density 0.001.
 """
 
-from dgc.signs.client import take_signs
-from dgc.signs.codec import Masks, decode_mask, decode_signs, encode_mask, encode_signs
+from dgc.signs.client import take_signs, take_values
+from dgc.signs.codec import (
+    Masks,
+    decode_mask,
+    decode_shared,
+    decode_signs,
+    encode_mask,
+    encode_signs,
+    encode_values,
+)
 from dgc.signs.planner import SharedIndexPlanner
 
-__all__ = ["Masks", "SharedIndexPlanner", "decode_mask", "decode_signs", "encode_mask",
-           "encode_signs", "take_signs"]
+__all__ = ["Masks", "SharedIndexPlanner", "decode_mask", "decode_shared", "decode_signs",
+           "encode_mask", "encode_signs", "encode_values", "take_signs", "take_values"]

@@ -10,9 +10,12 @@ bounded reads; ``docs/wire.md`` section 11)::
             | (name_len u16 | name | k u64 | scale f32 | ceil(k / 8) sign bytes) * count
             | crc32 u32
 
-The signs carry no indices: the server holds the sets it sent. Every count is checked against
-the bytes that must carry it (or, for signs, against the set it answers) before anything is
-allocated; every defect is a :class:`~dgc.errors.DecodeError`.
+The signs carry no indices: the server holds the sets it sent. With ``dgc.shared_values =
+grid`` a client sends values instead of signs (:func:`encode_values`): a wire message
+(``docs/wire.md``, "FGCU") whose tensors are the flat value vectors of the sets, one entry per
+index, grid-coded; :func:`decode_shared` reads either kind by its magic. Every count is
+checked against the bytes that must carry it (or, for signs, against the set it answers)
+before anything is allocated; every defect is a :class:`~dgc.errors.DecodeError`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from dgc.errors import DecodeError, StateError
 from dgc.golomb import IndexCodingError, golomb_decode, golomb_encode
 from dgc.sparse import SparseTensor, SparseUpdate
+from dgc.wire import decode as decode_update
+from dgc.wire import encode as encode_update
 from dgc.wire.framing import (
     Preamble,
     as_view,
@@ -47,6 +52,11 @@ MASK_MAGIC = MASK_PREAMBLE.magic
 SIGN_MAGIC = SIGN_PREAMBLE.magic
 _MASK_TENSOR = struct.Struct("<QQQ")  # numel, count, index section bytes
 _SIGN_TENSOR = struct.Struct("<Qf")  # count, scale
+#: Sets ranked by displacement: the preamble, then a flag byte, then per tensor numel, count.
+RANK_PREAMBLE = Preamble(b"FGCD", VERSION, "QI")
+RANK_MAGIC = RANK_PREAMBLE.magic
+_RANK_FLAGS = struct.Struct("<B")  # bit 0: version 0 has its matrices on the int8 grid
+_RANK_TENSOR = struct.Struct("<QQ")  # numel, count
 
 #: A round's shared index sets: sorted int64 indices per tensor name.
 Masks = dict[str, np.ndarray]
@@ -158,3 +168,87 @@ def decode_signs(data: bytes | bytearray | memoryview, masks: Mapping[str, np.nd
         raise DecodeError(f"no signs for {sorted(missing)}")
     check_end(view, pos, end)
     return SparseUpdate(out, sequence)
+
+
+def encode_values(sent: SparseUpdate) -> bytes:
+    """The uplink bytes of :func:`dgc.signs.client.take_values`'s result: a wire message whose
+    tensor ``name`` is the flat vector of the values at that set's indices, in index order
+    (index coding ``all``: no indices; values grid-coded, Rice-coded where smaller)."""
+    flat = {name: SparseTensor(torch.arange(t.nnz, dtype=torch.int64),
+                               t.values.to(torch.float32), (t.nnz,))
+            for name, t in sent.tensors.items()}
+    return encode_update(SparseUpdate(flat, sent.sequence), grid_coding=True)
+
+
+def decode_shared(data: bytes | bytearray | memoryview, masks: Mapping[str, np.ndarray],
+                  shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
+    """A client's shared update for ``masks``, signs (:func:`decode_signs`) or values
+    (:func:`encode_values`), told apart by the magic; every defect is a DecodeError.
+
+    Values must carry exactly the tensors of ``masks``, each a flat vector of as many finite
+    values as its set holds.
+    """
+    view = as_view(data)
+    if bytes(view[:4]) == SIGN_MAGIC:
+        return decode_signs(view, masks, shapes)
+    bound = max((len(m) for m in masks.values()), default=0)
+    flat = decode_update(view, max_numel=max(bound, 1))
+    out: dict[str, SparseTensor] = {}
+    for name, t in flat.tensors.items():
+        if name not in masks:
+            raise DecodeError(f"values for {name!r}, which had no shared index set this round")
+        k = len(masks[name])
+        if tuple(t.shape) != (k,) or t.nnz != k:
+            raise DecodeError(f"{t.nnz} values of shape {tuple(t.shape)} for {name!r}, its index "
+                              f"set holds {k}")
+        values = torch.zeros(k, dtype=torch.float32)
+        values[t.indices] = t.values.to(torch.float32)
+        out[name] = SparseTensor(torch.from_numpy(np.asarray(masks[name], dtype=np.int64)),
+                                 values, tuple(shapes[name]))
+    missing = set(masks) - set(out)
+    if missing:
+        raise DecodeError(f"no values for {sorted(missing)}")
+    return SparseUpdate(out, flat.sequence)
+
+
+def encode_rank_request(counts: Mapping[str, int], numels: Mapping[str, int], sequence: int,
+                        initial_on_grid: bool) -> bytes:
+    """The downlink bytes of sets ranked by displacement (``dgc.shared_rank``): per tensor
+    only how many entries its set holds; the client ranks the model it holds against version 0
+    (``initial_on_grid``: rounded with ``dgc.int8_grid.round_initial``) as the server did
+    (:func:`dgc.signs.planner.displacement_masks`)."""
+    parts = [RANK_PREAMBLE.pack(sequence, len(counts)), _RANK_FLAGS.pack(int(initial_on_grid))]
+    for name, k in counts.items():
+        parts += [name_bytes(name), _RANK_TENSOR.pack(int(numels[name]), int(k))]
+    return seal(parts)
+
+
+def decode_rank_request(data: bytes | bytearray | memoryview,
+                        numels: Mapping[str, int]) -> tuple[int, dict[str, int], bool]:
+    """``(sequence, counts, initial_on_grid)`` from :func:`encode_rank_request` bytes; every
+    defect (a tensor not of ``numels`` or of another size, a count of 0 or above its size, a
+    tensor twice, unknown flags) is a DecodeError."""
+    view = as_view(data)
+    sequence, count = RANK_PREAMBLE.open(view)
+    end = crc_offset(view)
+    check_crc(view, end)
+    pos = RANK_PREAMBLE.size
+    (flags,) = read(_RANK_FLAGS, view, pos, end, "rank request flags")
+    if flags & ~1:
+        raise DecodeError(f"rank request flags {flags:#x}: only bit 0 is defined")
+    pos += _RANK_FLAGS.size
+    counts: dict[str, int] = {}
+    for _ in range(count):
+        name, pos = read_name(view, pos, end, "ranked set name")
+        numel, k = read(_RANK_TENSOR, view, pos, end, f"ranked set header of {name!r}")
+        pos += _RANK_TENSOR.size
+        if name in counts:
+            raise DecodeError(f"ranked set of {name!r} appears twice")
+        if numels.get(name) != numel:
+            raise DecodeError(f"ranked set of {name!r} is for {numel} entries, expected "
+                              f"{numels.get(name)}")
+        if not 0 < k <= numel:
+            raise DecodeError(f"ranked set of {name!r} holds {k} of {numel} entries")
+        counts[name] = int(k)
+    check_end(view, pos, end)
+    return sequence, counts, bool(flags & 1)

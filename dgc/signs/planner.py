@@ -42,7 +42,7 @@ class SharedIndexPlanner:
 
     def __init__(self, shapes: Mapping[str, tuple[int, ...]], density: float,
                  small_density: float = 0.0, small_numel: int = 10_000,
-                 momentum: float = 0.9) -> None:
+                 momentum: float = 0.9, churn: float = 1.0) -> None:
         _check_fraction("density", density, allow_zero=False)
         _check_fraction("small_density", small_density, allow_zero=True)
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
@@ -53,7 +53,10 @@ class SharedIndexPlanner:
         self.small_density = float(small_density)
         self.small_numel = int(small_numel)
         self.momentum = float(momentum)
+        _check_fraction("churn", churn, allow_zero=True)
+        self.churn = float(churn)
         self.average: dict[str, torch.Tensor] = {}
+        self.last: dict[str, np.ndarray] = {}  # the sets of the last plan (with churn < 1)
 
     def count(self, name: str) -> int:
         """Entries in the shared set of tensor ``name``."""
@@ -81,11 +84,30 @@ class SharedIndexPlanner:
             # input, so a resumed server (same averages from the checkpoint) plans the same sets.
             top = torch.topk(avg.abs(), self.count(name), sorted=False).indices
             out[name] = np.sort(top.cpu().numpy()).astype(np.int64)
+            if self.churn < 1.0 and name in self.last:
+                out[name] = self._limit_churn(avg, self.last[name], out[name])
+        if self.churn < 1.0:
+            self.last = dict(out)
         return out
+
+    def _limit_churn(self, avg: torch.Tensor, last: np.ndarray, best: np.ndarray) -> np.ndarray:
+        """GlueFL's bounded mask shift (He et al. 2023): keep ``last`` but for at most
+        ``churn * k`` entries, swapping its weakest members for the strongest newcomers of
+        ``best``, so that a client away for rounds needs few new indices."""
+        k = len(best)
+        score = avg.abs().cpu().numpy()
+        newcomers = np.setdiff1d(best, last, assume_unique=True)
+        swaps = min(len(newcomers), int(self.churn * k))
+        if len(last) != k or swaps == len(newcomers):
+            return best
+        newcomers = newcomers[np.argsort(-score[newcomers], kind="stable")[:swaps]]
+        keep = last[np.argsort(-score[last], kind="stable")[:k - swaps]]
+        return np.sort(np.concatenate([keep, newcomers])).astype(np.int64)
 
     def state_dict(self) -> dict[str, Any]:
         """The moving averages (copies)."""
-        return {"average": {n: t.clone() for n, t in self.average.items()}}
+        return {"average": {n: t.clone() for n, t in self.average.items()},
+                "last": {n: torch.from_numpy(m.copy()) for n, m in self.last.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`; a state for other tensors changes nothing."""
@@ -101,6 +123,32 @@ class SharedIndexPlanner:
                                  f"{math.prod(self.shapes[name])} entries")
             new[name] = t.detach().reshape(-1).to(torch.float32).clone()
         self.average = new
+        last = state.get("last") or {}
+        self.last = {n: np.asarray(t, dtype=np.int64).copy() for n, t in last.items()
+                     if n in self.shapes}
+
+
+def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
+                       counts: Mapping[str, int]) -> Masks:
+    """Index sets ranked by how far the model has moved from version 0: per tensor ``name``,
+    the ``counts[name]`` entries where ``|model - initial|`` is largest.
+
+    Server and clients hold both models bit for bit (the broadcast model, and version 0 built
+    from the run's seed), so both compute the same sets and none travel (``dgc.shared_rank =
+    displacement``). Ties go to the lower index (a stable sort), so the sets do not depend on
+    the platform's top-k.
+    """
+    out: Masks = {}
+    for name, k in counts.items():
+        # On the host: the sets are numpy, and server and client must rank alike.
+        now, then = model[name].reshape(-1).cpu(), initial[name].reshape(-1).cpu()
+        if now.numel() != then.numel() or not 0 < int(k) <= now.numel():
+            raise StateError(f"shared set of {name!r}: {k} entries of a tensor of "
+                             f"{now.numel()} (version 0 has {then.numel()})")
+        moved = (now.to(torch.float32) - then.to(torch.float32)).abs()
+        top = torch.sort(moved, descending=True, stable=True).indices[:int(k)]
+        out[name] = np.sort(top.numpy()).astype(np.int64)
+    return out
 
 
 def _check_fraction(name: str, value: object, allow_zero: bool) -> None:

@@ -109,6 +109,14 @@ class Channel:
     :meth:`Method.read_side` (the reply's part that answers the material).
     """
 
+    def hold(self, sent_model: Mapping[str, torch.Tensor], version: int,
+             initial_on_grid: bool) -> None:
+        """The model sampled clients hold (version 0 from ``set_model``, also before a resume,
+        then each round's before :meth:`plan`; ``initial_on_grid``: version 0 has its matrices
+        on the int8 grid, ``dgc.int8_grid.round_initial``). For a channel whose material
+        clients derive from the model they hold (DGC's sets ranked by displacement); does
+        nothing here."""
+
     def plan(self, server_round: int) -> tuple[bytes, Any] | None:
         """This round's material: its bytes (sent) and its decoded form (what replies are
         checked against, :attr:`Bound.material`); None: nothing this round."""
@@ -150,6 +158,9 @@ class Method:
         Where ``compare`` runs it among the registered methods (then by name).
     compared : bool
         ``compare`` runs it when no ``--methods`` are given (the demo's table).
+    family : str
+        The family plots draw in one colour, its methods told apart by line style, and tables
+        list together ("dense", "top-k", "quantization", ...); "" (default): a family of its own.
     prefix : str
         The prefix of its own keys (``dgc``: ``dgc.*``).
     settings : type or None
@@ -166,6 +177,7 @@ class Method:
     baseline: ClassVar[bool] = False
     order: ClassVar[int] = 100
     compared: ClassVar[bool] = True
+    family: ClassVar[str] = ""
     prefix: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
     defaults: ClassVar[Mapping[str, Any]] = {}
@@ -214,6 +226,25 @@ class Method:
         bytes that do not decode)."""
         raise ValueError(f"method {self.name!r} sends no round material")
 
+    def hold_material(self, data: bytes, material: Any, model: Mapping[str, torch.Tensor],
+                      initial: Any) -> tuple[bytes, Any]:
+        """The round material once the client holds the round's ``model`` (``initial()``
+        builds version 0 from the run's seed): as read, here. A method whose material clients
+        derive from the model (DGC's sets ranked by displacement, ``dgc.shared_rank``) returns
+        it derived, with bytes that :meth:`read_material` reads back to the same (kept to fold
+        the side part back, :meth:`pending_parts`)."""
+        return data, material
+
+    def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
+                rounds_away: int) -> dict[str, torch.Tensor]:
+        """Before local training, with the client's state loaded (and an update the server did
+        not aggregate folded back): the model local training starts from (here ``model``, the
+        one sent). ``rounds_away``: rounds since this client's last update, less one (0 for a
+        client sampled in consecutive rounds; -1 for none). A method may act on the residual
+        (DGC's aged residuals and step-ahead, ``dgc.residual_decay``, ``dgc.step_ahead``); the
+        pseudo-gradient is taken against the model sent either way."""
+        return model
+
     def side_part(self, compressor: Compressor, material: Any,
                   server_round: int) -> tuple[bytes, int] | None:
         """The reply's part that answers the round material, and the entries it carries
@@ -229,15 +260,16 @@ class Method:
     def pending_parts(self, train: Any, pending: bytes, side: bytes | None,
                       material: bytes | None, shapes: Mapping[str, tuple[int, ...]],
                       ) -> tuple[int, list[SparseUpdate]]:
-        """(sequence, sparse updates) of what a client sent and stored (``pending``; with a
-        side part, the material it answered): what it folds back when the server did not
-        aggregate it. The client's own bytes: bounded by the model's sizes."""
-        payload = self.codec(train).decode(pending, Bound(shapes))
+        """(sequence, sparse updates) of what a client sent and stored (``pending``; with the
+        round's material, ``material``, the bytes the server sent, which the payload and the
+        side part answered): what it folds back when the server did not aggregate it. The
+        client's own bytes: bounded by the model's sizes."""
+        numels = {n: int(np.prod(s)) for n, s in shapes.items()}
+        answered = None if material is None else self.read_material(material, numels)
+        payload = self.codec(train).decode(pending, Bound(shapes, material=answered))
         parts = payload.parts()
-        if side is not None and material is not None:
-            numels = {n: int(np.prod(s)) for n, s in shapes.items()}
-            parts.append(self.read_side(side, self.read_material(material, numels),
-                                        {n: (numels[n],) for n in numels}))
+        if side is not None and answered is not None:
+            parts.append(self.read_side(side, answered, {n: (numels[n],) for n in numels}))
         return payload.sequence, parts
 
     def uplink_density(self, train: Any) -> float:

@@ -19,6 +19,7 @@ class Dense(Method):
 
     name = "dense"
     order = 0
+    family = "dense"
     description = "every entry, fp32"
     baseline = True
 

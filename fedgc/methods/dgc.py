@@ -11,18 +11,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from dgc import Compressor, DGCCompressor, DGCConfig, SparseUpdate
-from dgc.signs.client import take_signs
-from dgc.signs.codec import decode_mask, decode_signs, encode_mask, encode_signs
-from dgc.signs.planner import SharedIndexPlanner
+import numpy as np
+import torch
+
+from dgc import Compressor, DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
+from dgc.int8_grid import round_initial
+from dgc.signs.client import on_grid, take_signs, take_values
+from dgc.signs.codec import (
+    RANK_MAGIC,
+    decode_mask,
+    decode_rank_request,
+    decode_shared,
+    encode_mask,
+    encode_rank_request,
+    encode_signs,
+    encode_values,
+)
+from dgc.signs.planner import SharedIndexPlanner, displacement_masks
 from dgc.two_density import TwoDensityCompressor
 from fedgc.methods.base import Channel, Method
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 
-__all__ = ["DGC", "SharedSigns", "dgc_config", "layer_config", "split_compressor"]
+__all__ = ["DGC", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
+           "dgc_config", "layer_config", "split_compressor"]
 
 
 def layer_config(train: Any, **method: Any) -> DGCConfig:
@@ -64,6 +78,127 @@ def split_compressor(train: Any, config: DGCConfig) -> Compressor:
     return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel)
 
 
+class RankRequest(NamedTuple):
+    """The material of sets ranked by displacement, as read: per tensor its set's size; the
+    client derives the sets from the model it holds (:meth:`DGC.hold_material`)."""
+
+    counts: dict[str, int]
+    initial_on_grid: bool
+
+
+class RoundCompressor:
+    """One client's DGC compressor for a round, with issue 30's client switches around it.
+
+    ``dgc.shared_first`` (with the round's sets): the pseudo-gradient at the sets joins the
+    residual there and the sets' part (:meth:`take`) leaves first, so that the top-k finds what
+    the sets miss (GlueFL's order); ``dgc.value_levels``: the top-k's values go on a
+    power-of-two grid (:func:`dgc.signs.client.on_grid`), the rounding back into the residual.
+    Everything else is the wrapped compressor's (:class:`dgc.base.Compressor`).
+    """
+
+    def __init__(self, inner: Compressor, train: Any, masks: Any = None) -> None:
+        self.inner, self.train, self.masks = inner, train, masks
+        self.taken: SparseUpdate | None = None  # the sets' part, when taken first
+
+    def take(self, source: dict[str, torch.Tensor], server_round: int) -> SparseUpdate:
+        """The residual at the sets as signs or grid values (``dgc.shared_values``)."""
+        if self.train.shared_values == "grid":
+            return take_values(source, self.masks, server_round, self.train.shared_levels)
+        return take_signs(source, self.masks, server_round)
+
+    def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
+                 sequence: int | None = None) -> SparseUpdate:
+        left = None
+        if self.masks is not None and self.train.shared_first:
+            self.taken, grads, left = self._take_first(dict(grads), sequence or 0)
+        update = self.inner.compress(grads, epoch, sequence)
+        if left is not None and left.tensors:
+            self.inner.restore(left)  # a first round's remainder at the sets
+        if self.train.value_levels > 0:
+            tensors, error = {}, {}
+            for name, t in update.tensors.items():
+                values = t.values.to(torch.float32)
+                rounded = on_grid(values, self.train.value_levels)
+                tensors[name] = SparseTensor(t.indices, rounded, t.shape)
+                error[name] = SparseTensor(t.indices, values - rounded, t.shape)
+            self.inner.restore(SparseUpdate(error, update.sequence))
+            update = SparseUpdate(tensors, update.sequence)
+        return update
+
+    def _take_first(self, grads: dict[str, torch.Tensor], server_round: int,
+                    ) -> tuple[SparseUpdate, dict[str, torch.Tensor], SparseUpdate]:
+        """What the sets send, the pseudo-gradient left for the top-k (zero at the sets) and,
+        for tensors the residual does not hold yet (a first round), the remainder at the sets
+        to restore after the top-k."""
+        residual = self.inner.residual()
+        source: dict[str, torch.Tensor] = {}
+        for name, mask in self.masks.items():
+            if name not in grads:
+                continue
+            idx = torch.from_numpy(np.asarray(mask, dtype=np.int64))
+            flat = grads[name].reshape(-1).to(torch.float32)
+            if name in residual:
+                residual[name].index_add_(0, idx, flat[idx])
+                source[name] = residual[name]
+            else:
+                source[name] = torch.zeros_like(flat)
+                source[name][idx] = flat[idx]
+            off = flat.clone()
+            off[idx] = 0.0
+            grads[name] = off.view(grads[name].shape)
+        sent = self.take(source, server_round)
+        left = {n: SparseTensor(t.indices, source[n][t.indices], t.shape)
+                for n, t in sent.tensors.items() if n not in residual}
+        return sent, grads, SparseUpdate(left, sent.sequence)
+
+    def __getattr__(self, name: str) -> Any:
+        # The wrapped compressor's own attributes (a TwoDensityCompressor's large and small).
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def restore(self, update: SparseUpdate) -> None:
+        self.inner.restore(update)
+
+    def residual(self) -> dict[str, torch.Tensor]:
+        return self.inner.residual()
+
+    def scale_state(self, factor: float) -> None:
+        self.inner.scale_state(factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+class DisplacementSets(Channel):
+    """Shared sets ranked by how far the model clients hold has moved from version 0
+    (``dgc.shared_rank = displacement``): clients hold both models bit for bit and rank them
+    the same way (:func:`dgc.signs.planner.displacement_masks`), so only each set's size
+    travels (:func:`dgc.signs.codec.encode_rank_request`, ~20 bytes a tensor)."""
+
+    def __init__(self, counts: Mapping[str, int], numels: Mapping[str, int]) -> None:
+        self.counts, self.numels = dict(counts), dict(numels)
+        self.initial: dict[str, torch.Tensor] = {}
+        self.held: Mapping[str, torch.Tensor] = {}
+        self.version, self.initial_on_grid = 0, False
+
+    def hold(self, sent_model: Mapping[str, torch.Tensor], version: int,
+             initial_on_grid: bool) -> None:
+        if version == 0 or not self.initial:
+            self.initial = {n: sent_model[n].clone() for n in self.counts}
+        self.held, self.version, self.initial_on_grid = sent_model, version, initial_on_grid
+
+    def plan(self, server_round: int) -> tuple[bytes, Any] | None:
+        if self.version == 0:  # version 0 has not moved: no set in the first round
+            return None
+        masks = displacement_masks(self.held, self.initial, self.counts)
+        return (encode_rank_request(self.counts, self.numels, server_round,
+                                    self.initial_on_grid), masks)
+
+
 class SharedSigns(Channel):
     """The sign channel's server half: each round's shared index sets, from the aggregates seen
     (:class:`dgc.signs.planner.SharedIndexPlanner`), sent Golomb-Rice coded."""
@@ -93,6 +228,7 @@ class DGC(Method):
 
     name = "dgc"
     order = 40
+    family = "top-k"
     description = ("DGC's top-k of the residual (`dgc.*`), fp16, and the residual at the "
                    "round's shared indices as signs (`dgc.shared_density`)")
     keeps_residual = True
@@ -101,28 +237,68 @@ class DGC(Method):
     defaults = {"server_momentum": 0.5}
 
     def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
-        return split_compressor(train, dgc_config(train))
+        inner = split_compressor(train, dgc_config(train))
+        if train.value_levels > 0 or material is not None:
+            return RoundCompressor(inner, train, material)
+        return inner
 
     def codec(self, train: Any) -> Codec:
-        return SparseCodec(sign_coding=bool(train is not None and train.ternary))
+        return SparseCodec(sign_coding=bool(train is not None and train.ternary),
+                           grid_coding=bool(train is not None and train.value_levels > 0))
 
     def phone_config(self, train: Any) -> DGCConfig:
         return dgc_config(train)
 
+    # -- the client's start (aged residuals, step-ahead)
+    def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
+                rounds_away: int) -> dict[str, torch.Tensor]:
+        # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
+        # a model many rounds old is scaled down by dgc.residual_decay per round beyond
+        # dgc.residual_after_rounds.
+        over = rounds_away - train.residual_after_rounds
+        if train.residual_decay < 1.0 and over > 0:
+            compressor.scale_state(train.residual_decay ** over)
+        if train.step_ahead <= 0:
+            return model
+        # Step-ahead partial error feedback (SA-PEF, Redie et al. 2026): local training starts
+        # at the model less a of the residual; that part leaves the residual, and the
+        # pseudo-gradient against the model sent carries it.
+        start = dict(model)
+        for name, v in compressor.residual().items():
+            if name in start and start[name].numel() == v.numel():
+                start[name] = model[name] - train.step_ahead * v.view(model[name].shape)
+                v.mul_(1.0 - train.step_ahead)
+        return start
+
     # -- the sign channel, client half
     def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
+        if bytes(data[:4]) == RANK_MAGIC:
+            _, counts, on_grid_ = decode_rank_request(data, numels)
+            return RankRequest(counts, on_grid_)
         return decode_mask(data, numels)[1]
+
+    def hold_material(self, data: bytes, material: Any, model: dict[str, torch.Tensor],
+                      initial: Any) -> tuple[bytes, Any]:
+        if not isinstance(material, RankRequest):
+            return data, material
+        version0 = initial()
+        if material.initial_on_grid:
+            version0 = round_initial(version0)
+        masks = displacement_masks(model, version0, material.counts)
+        return encode_mask(masks, {n: model[n].numel() for n in masks}, 0), masks
 
     def side_part(self, compressor: Compressor, material: Any,
                   server_round: int) -> tuple[bytes, int] | None:
-        if material is None:
+        if material is None or not isinstance(compressor, RoundCompressor):
             return None
-        signs = take_signs(compressor.residual(), material, server_round)
-        return encode_signs(signs), signs.nnz
+        sent = (compressor.taken if compressor.taken is not None
+                else compressor.take(compressor.residual(), server_round))
+        grid = compressor.train.shared_values == "grid"
+        return (encode_values(sent) if grid else encode_signs(sent)), sent.nnz
 
     def read_side(self, data: bytes, material: Any,
                   shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
-        return decode_signs(data, material, {n: shapes[n] for n in material})
+        return decode_shared(data, material, {n: shapes[n] for n in material})
 
     # -- the sign channel, server half
     def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
@@ -133,8 +309,11 @@ class DGC(Method):
         sparse = {n: tuple(shape) for n, shape in shapes.items()
                   if not policy.sends_dense(tuple(shape))}
         planner = SharedIndexPlanner(sparse, s.shared_density, s.shared_small_density,
-                                     t.small_numel, s.shared_momentum)
-        return SharedSigns(planner, {n: math.prod(shape) for n, shape in shapes.items()})
+                                     t.small_numel, s.shared_momentum, s.shared_churn)
+        numels = {n: math.prod(shape) for n, shape in shapes.items()}
+        if s.shared_rank == "displacement":
+            return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
+        return SharedSigns(planner, numels)
 
 
 register(DGC())

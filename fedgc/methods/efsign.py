@@ -246,6 +246,7 @@ class EFSign(Method):
     label = "EF-signSGD"
     order = 51
     compared = False  # a catalogue method: compare --methods ...,efsign
+    family = "signs"
     description = ("the sign of residual plus pseudo-gradient times its mean magnitude, per "
                    "tensor: one bit per entry and a float32 scale; the residual keeps the rest")
     keeps_residual = True

@@ -17,6 +17,7 @@ class FedAvgM(Dense):
 
     name = "fedavgm"
     order = 10
+    family = "dense"
     description = "every entry, fp32 (dense with DGC's server momentum)"
     defaults = {"server_momentum": 0.5}
 

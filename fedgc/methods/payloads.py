@@ -183,6 +183,12 @@ class Codec:
         pins (built from explicit lists: no random stream that could change)."""
         return []
 
+    def golden_bound(self, case: str) -> Bound:
+        """What golden case ``case`` is decoded against: by default no model and no round
+        material, any size; a kind whose payload answers the round's material (values at a
+        server's mask) gives the model and the material of its case."""
+        return Bound({}, limit=2**62)
+
 
 def check_tensors(sent: Mapping[str, tuple[int, ...]],
                   shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -207,17 +213,21 @@ class SparseCodec(Codec):
     sign_coding : bool (default: False)
         Send a tensor whose values share one magnitude as one sign bit each plus the magnitude
         (ternary updates).
+    grid_coding : bool (default: False)
+        Send a float32 tensor whose values sit on a power-of-two int8 grid as the grid's step
+        and its integers, Rice-coded where smaller (``dgc.value_levels``).
     """
 
     kind = "sparse"
 
-    def __init__(self, sign_coding: bool = False) -> None:
+    def __init__(self, sign_coding: bool = False, grid_coding: bool = False) -> None:
         self.sign_coding = sign_coding
+        self.grid_coding = grid_coding
         self._checked: set[TensorLayout] = set()  # layouts that matched the model
 
     def encode(self, payload: Any) -> bytes:
         update = payload.update if isinstance(payload, SparsePayload) else payload
-        return dgc.encode(update, sign_coding=self.sign_coding)
+        return dgc.encode(update, sign_coding=self.sign_coding, grid_coding=self.grid_coding)
 
     def decode(self, data: bytes, bound: Bound) -> SparsePayload:
         return SparsePayload(dgc.decode(data, max_numel=bound.max_numel))

@@ -369,6 +369,7 @@ class QSGD(Method):
     label = "QSGD"
     order = 50
     compared = False  # a catalogue method: compare --methods ...,qsgd
+    family = "quantization"
     description = ("every entry stochastically rounded to `qsgd.levels` of its bucket's float32 "
                    "norm (`qsgd.bucket_size`), unbiased; gaps, signs and levels Elias-coded")
     prefix = "qsgd"

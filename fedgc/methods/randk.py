@@ -282,6 +282,7 @@ class RandomK(Method):
 
     name = "randk"
     order = 25
+    family = "shared positions"
     compared = False  # a floor to ask for: compare --methods ...,randk
     description = ("the residual at `density` of positions drawn from a seed, fp16; the seed "
                    "travels, not the indices")

@@ -28,8 +28,9 @@ def register(method: Method) -> Method:
     """Add ``method`` under its ``name`` (a plain identifier, not taken); returns it."""
     if not isinstance(method, Method):
         raise TypeError(f"register takes a fedgc.methods.Method, got {type(method).__name__}")
-    if not method.name.isidentifier() or method.name in _REGISTERED:
-        raise ValueError(f"method name {method.name!r} is not an identifier or is taken")
+    if not method.name.isidentifier() or method.name in _REGISTERED or method.name == "all":
+        raise ValueError(f"method name {method.name!r} is not an identifier or is taken "
+                         f"('all' stands for every method in compare --methods)")
     _REGISTERED[method.name] = method
     return method
 

@@ -112,6 +112,7 @@ class SignVote(Method):
     label = "signSGD-MV"
     order = 52
     compared = False  # a catalogue method: compare --methods ...,signvote
+    family = "signs"
     description = ("the sign of every entry of the pseudo-gradient, one bit each; the server "
                    "steps by `server_lr` times the sign of the unweighted sum (majority vote)")
     defaults = {"server_lr": SERVER_LR}

@@ -25,6 +25,7 @@ class STC(Method):
 
     name = "stc"
     order = 30
+    family = "top-k"
     description = ("top-k at `density` of every tensor (biases too) as sign * mean "
                    "magnitude, one bit each")
     keeps_residual = True

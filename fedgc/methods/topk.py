@@ -23,6 +23,7 @@ class TopK(Method):
 
     name = "topk"
     order = 20
+    family = "top-k"
     description = "top-k at `density`, fp16; no error feedback"
     phone = True
     prefix = "dgc"

@@ -98,6 +98,19 @@ def apply_stale_policy(compressor: Compressor, rounds_away: int,
     return StaleReport(factor, before, _l1(compressor.residual()) if factor != 1.0 else before)
 
 
+def _stored_compressor(record: dict[str, Any],
+                       make_compressor: Callable[[], Compressor] | None) -> Compressor:
+    """The compressor of a stored record, its state loaded."""
+    if make_compressor is not None:
+        compressor = make_compressor()
+    elif "config" in record["compressor"]:
+        compressor = DGCCompressor(DGCConfig.from_dict(record["compressor"]["config"]))
+    else:
+        raise StateError("the stored compressor state carries no config; pass make_compressor")
+    compressor.load_state_dict(record["compressor"])
+    return compressor
+
+
 def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_sequence: int,
                                  policy: StalePolicy,
                                  make_compressor: Callable[[], Compressor] | None = None,
@@ -118,20 +131,25 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     """
     if policy.mode == "keep" or "compressor" not in record or record.get("pending") is None:
         return None
-    # The client's own bytes, from its own store: bounded by the format alone.
     method = DGC() if method is None else method
-    pending = method.codec(train).decode(bytes(record["pending"].numpy().tobytes()),
-                                         Bound({}, limit=MAX_NUMEL))
-    rounds_away = max(0, round_index - pending.sequence - 1)
+    compressor = None
+    if record.get("pending_mask") is not None:
+        # A payload that answered the round's material (TCS's values at the server's mask) is
+        # read against it, in the shapes of the client's residual.
+        compressor = _stored_compressor(record, make_compressor)
+        stored = [None if record.get(k) is None else bytes(record[k].numpy().tobytes())
+                  for k in ("pending", "pending_shared", "pending_mask")]
+        sequence, _ = method.pending_parts(train, *stored, {  # type: ignore[arg-type]
+            n: (v.numel(),) for n, v in compressor.residual().items()})
+    else:
+        # The client's own bytes, from its own store: bounded by the format alone.
+        sequence = method.codec(train).decode(bytes(record["pending"].numpy().tobytes()),
+                                              Bound({}, limit=MAX_NUMEL)).sequence
+    rounds_away = max(0, round_index - sequence - 1)
     if policy.factor(rounds_away) == 1.0:
         return None
-    if make_compressor is not None:
-        compressor = make_compressor()
-    elif "config" in record["compressor"]:
-        compressor = DGCCompressor(DGCConfig.from_dict(record["compressor"]["config"]))
-    else:
-        raise StateError("the stored compressor state carries no config; pass make_compressor")
-    compressor.load_state_dict(record["compressor"])
+    if compressor is None:
+        compressor = _stored_compressor(record, make_compressor)
     fold_back_pending(compressor, record, ack_sequence,
                       {n: (v.numel(),) for n, v in compressor.residual().items()}, method, train)
     report = apply_stale_policy(compressor, rounds_away, policy)
