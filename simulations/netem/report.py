@@ -32,6 +32,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from fedgc.methods import baseline  # noqa: E402
 from server.results import read_rounds  # noqa: E402
 from simulations.netem.errors import NetemError  # noqa: E402
 from simulations.plots import (  # noqa: E402
@@ -119,7 +120,7 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
     (runs that recorded them) link bytes both ways, each with its ratio to dense, and joules
     per client-round, in all and to ``target``.
 
-    A ratio to dense (``<traffic>_vs_dense``) is the bytes of the run whose method is ``dense``
+    A ratio to dense (``<traffic>_vs_dense``) is the bytes of the baseline method's run (dense)
     among ``runs`` over this run's; without one, what dense FedAvg would have sent for the
     run's own client-rounds (its ``dense_*`` columns) over what it sent.
     """
@@ -128,7 +129,7 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
     if target is None:
         first = next(iter(rows_of.values()))
         target = first[-1]["accuracy"]
-    dense_run = next((n for n, d in runs.items() if _method_of(d) == "dense"), None)
+    dense_run = next((n for n, d in runs.items() if _method_of(d) == baseline()), None)
 
     def total(rows: Sequence[Mapping[str, float]], columns: Sequence[str]) -> float | None:
         if not all(_has(rows, c) for c in columns):
