@@ -52,20 +52,32 @@ def update_cap_bytes(dense_model_bytes: int) -> int:
     return 2 * int(dense_model_bytes) + 4096
 
 
+#: The metrics a phone's ``metrics_json`` must (``num-examples``) or may carry that the
+#: federation reads (``android_bridge.bridge_app``), with the reply checks of
+#: ``server.replies``: an integer >= 1 (below 2^31), a finite number, an integer >= 0.
+MAX_NUM_EXAMPLES = 2**31 - 1
+
+
 def parse_metrics(text: str) -> dict[str, float | int | str | bool | None]:
-    """A phone's ``metrics_json``: a flat JSON object of numbers, strings and booleans.
+    """A phone's ``metrics_json``: a flat JSON object of numbers, strings and booleans, whose
+    ``num-examples`` is a whole number in [1, 2^31), ``train_loss`` (if sent) a finite number
+    and ``restored`` (if sent) a whole number in [0, 2^31).
+
+    Checked when the first chunk arrives, so that an upload whose metrics the federation
+    could not use is refused before anything is stored, never acknowledged as delivered.
 
     Raises
     ------
     ValueError
-        Over :data:`MAX_METRICS_BYTES`, not JSON, not an object, nested, or nested too deeply
-        for the parser (named as such, not a ``RecursionError``).
+        Over :data:`MAX_METRICS_BYTES`, not JSON (``NaN`` and ``Infinity`` are not JSON), not an
+        object, nested, nested too deeply for the parser (named as such, not a
+        ``RecursionError``), or one of the fields above out of its range.
     """
     size = len(text.encode())
     if size > MAX_METRICS_BYTES:
         raise ValueError(f"metrics_json of {size} bytes exceeds {MAX_METRICS_BYTES} bytes")
     try:
-        metrics = json.loads(text or "{}")
+        metrics = json.loads(text or "{}", parse_constant=_not_json)
     except RecursionError:
         raise ValueError("metrics_json is nested too deeply; expected a flat JSON object of "
                          "numbers, strings and booleans") from None
@@ -77,7 +89,34 @@ def parse_metrics(text: str) -> dict[str, float | int | str | bool | None]:
         if value is not None and not isinstance(value, (int, float, str, bool)):
             raise ValueError(f"metrics_json value of {key!r} is a {type(value).__name__}; "
                              f"expected a number, string or boolean")
+    _whole(metrics, "num-examples", 1, required=True)
+    _whole(metrics, "restored", 0, required=False)
+    loss = metrics.get("train_loss")
+    if "train_loss" in metrics and (not _is_number(loss) or not math.isfinite(loss)):
+        raise ValueError(f"metrics_json train_loss = {loss!r}; expected a finite number (leave "
+                         f"it out when there is none)")
     return metrics
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _whole(metrics: Mapping[str, Any], key: str, low: int, required: bool) -> None:
+    """ValueError unless ``metrics[key]`` is a JSON integer in [low, 2^31) (or absent)."""
+    if key not in metrics:
+        if required:
+            raise ValueError(f"metrics_json lacks {key!r}, a whole number >= {low}")
+        return
+    value = metrics[key]
+    if not (isinstance(value, int) and not isinstance(value, bool)
+            and low <= value <= MAX_NUM_EXAMPLES):
+        raise ValueError(f"metrics_json {key} = {value!r}; expected a whole number in "
+                         f"[{low}, {MAX_NUM_EXAMPLES}]")
 
 
 class BridgeError(RuntimeError):
@@ -565,6 +604,16 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 metrics = parse_metrics(chunk.metrics_json)
             except ValueError as ex:
                 context.abort(bad, str(ex))
+            # Every check of a first chunk comes before the upload is kept: a refused one must
+            # not hold one of the device's partial-upload slots.
+            if chunk.offset != 0:
+                context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                              f"the first chunk of upload {chunk.upload_id[:128]!r} starts at "
+                              f"offset {chunk.offset}, expected 0")
+            if len(chunk.data) > min(self.max_chunk_bytes, chunk.total_bytes):
+                context.abort(bad, f"first chunk of {len(chunk.data)} bytes exceeds "
+                                   f"max_chunk_bytes {self.max_chunk_bytes} or total_bytes "
+                                   f"{chunk.total_bytes}")
             partial = sum(1 for u in self._device_uploads(device) if u.state == pb.INCOMPLETE)
             if partial >= self.max_partial_uploads_per_device:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

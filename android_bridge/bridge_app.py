@@ -65,7 +65,8 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
     def train(msg: Message, context: Context) -> Message:
         started = time.perf_counter()
         config = client_module.message_config(msg.content, context)
-        s = client_module.settings_from(config)
+        allowed = client_module.allowed_callables(context)
+        s = client_module.settings_from(config, allowed)
         server_round = int(config[P.SERVER_ROUND])  # type: ignore[arg-type]
         version = int(config[P.MODEL_VERSION])  # type: ignore[arg-type]
         ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
@@ -79,7 +80,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
 
         def version_0() -> dict[str, Any]:
             initial.update(client_module.initial_model(
-                client_module.task_of(s.task_spec()), s.seed))
+                client_module.task_of(s.task_spec(), allowed), s.seed))
             return dict(initial)
 
         global_state = client_module.global_model(msg.content, config, record,
@@ -100,7 +101,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
                          else initial)
                 base_sha256 = model_digest(start) if start else ""
         held[device] = ClientState(model=global_state, model_version=version)
-        method = client_module.method_of(s, config)
+        method = client_module.method_of(s, config, allowed)
         dgc_config = method.phone_config(s) if method.phone else None
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
@@ -111,9 +112,11 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
         # The phone encoder has no shared-index channel (dgc.signs): the server aggregates a
-        # reply without signs from its top-k update alone.
+        # reply without signs from its top-k update alone. The bridge checked these when the
+        # upload began (android_bridge.bridge.parse_metrics): num-examples a whole number >= 1,
+        # train_loss finite, restored a whole number >= 0.
         metrics = P.reply_metrics(
-            num_examples=int(result.metrics.get("num-examples", 0)),
+            num_examples=int(result.metrics["num-examples"]),
             train_loss=float(result.metrics.get("train_loss", float("nan"))),
             compute_seconds=time.perf_counter() - started,
             restored=int(result.metrics.get("restored", 0)))

@@ -226,6 +226,8 @@ class ReferencePhone:
                                    "train_loss": float(np.mean(losses))}
         if restored:
             metrics["restored"] = 1
+        if not math.isfinite(metrics["train_loss"]):
+            del metrics["train_loss"]  # NaN is not JSON: the bridge refuses it
         upload_id = f"{self.device_id}-{task.task_id}"
         starts, state = self.upload(task, upload_id, data, metrics, cut_after_bytes,
                                     max_streams)
@@ -234,7 +236,7 @@ class ReferencePhone:
             state = self.stub.Ack(pb.AckRequest(session_id=self.session_id,
                                                 upload_id=upload_id)).state
         return RoundReport(task.task_id, int(task.server_round), upload_id, len(data), starts,
-                           restored, metrics["train_loss"], state,
+                           restored, metrics.get("train_loss", float("nan")), state,
                            "patch" if task.encoding == pb.SPARSE_PATCH else "dense",
                            len(task.model_bytes))
 

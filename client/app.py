@@ -14,7 +14,9 @@ One train message, in order:
    not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
    residual with the compressor's ``restore``; the method may age that residual and move the
    model training starts from (:meth:`fedgc.methods.Method.prepare`);
-5. train locally and form the pseudo-gradient ``global - local`` (against the model sent);
+5. train locally and form the pseudo-gradient ``global - local`` (against the model sent; a
+   hostile client of a robustness study, ``attack.clients``, replaces it with its attack:
+   ``client.attacks``);
 6. compress with the run's method's compressor (:class:`fedgc.methods.Method`; none: all of
    it in fp32), encode with its codec;
 7. when the message carries the method's round material (DGC's shared index sets,
@@ -39,13 +41,15 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from client import node
+from client.attacks import Attack, attack_of
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
-from client.stores import read_state
+from client.stores import StateMissingError, read_state
 from client.training import LocalResult, round_seed, train_locally
 from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
 from fedgc import protocol as P
+from fedgc.refs import ALLOWED_CALLABLES, CallableNotAllowedError, check_allowed, is_ref
 from fedgc.settings import (
     SettingsError,
     TaskSpec,
@@ -68,11 +72,22 @@ class ClientProtocolError(P.ProtocolError):
 
 
 @lru_cache(maxsize=4)
-def task_of(spec: TaskSpec) -> Any:
-    """The task of ``spec``, loaded once per process (the bridge app shares it)."""
+def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
+    """The task of ``spec``, loaded once per process (the bridge app shares it); a
+    ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
     from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
 
-    return load_task(spec)
+    return load_task(spec, allowed)
+
+
+def allowed_callables(context: Context) -> frozenset[str] | None:
+    """The ``module:callable`` references (tasks, methods) a run may make this node call: those
+    its node config lists in ``allowed-callables`` (comma-separated), so that a train message
+    cannot name code the node was not given; None (any) when the list holds ``*``, and on
+    Flower's simulation engine, whose nodes run the simulating user's own config."""
+    refs = frozenset(r.strip() for r in str(context.node_config.get(ALLOWED_CALLABLES, ""))
+                     .split(",") if r.strip())
+    return None if "*" in refs or node.in_simulation_engine() else refs
 
 
 _models = threading.local()
@@ -95,19 +110,20 @@ def _model(task: Any, name: TaskSpec, device: torch.device | None = None) -> tor
 
 
 @lru_cache(maxsize=8)
-def _partitions(task: TaskSpec, num_clients: int, scheme: str, alpha: float,
-                seed: int) -> tuple[np.ndarray, ...]:
-    parts = task_of(task).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
+def _partitions(task: TaskSpec, allowed: frozenset[str] | None, num_clients: int, scheme: str,
+                alpha: float, seed: int) -> tuple[np.ndarray, ...]:
+    parts = task_of(task, allowed).partition(num_clients, scheme=scheme, alpha=alpha, seed=seed)
     return tuple(np.asarray(p, dtype=np.int64) for p in parts)
 
 
-def client_data(s: TrainSettings, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+def client_data(s: TrainSettings, key: int,
+                allowed: frozenset[str] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Client ``key``'s training data: made from its key when the task makes data per client
     (``tasks.Task.client_data``: nothing is held for the clients not sampled), else its
-    partition of the task's training set."""
-    task = task_of(s.task_spec())
+    partition of the task's training set (``allowed``: :func:`allowed_callables`)."""
+    task = task_of(s.task_spec(), allowed)
     if task.client_data is None:
-        parts = _partitions(s.task_spec(), s.num_clients, s.partition, s.alpha, s.seed)
+        parts = _partitions(s.task_spec(), allowed, s.num_clients, s.partition, s.alpha, s.seed)
         if not 0 <= key < len(parts):
             raise ClientProtocolError(f"client key {key} has no partition: the task has "
                                       f"{len(parts)} partitions (num_clients = "
@@ -163,9 +179,21 @@ def message_config(content: RecordDict, context: Context) -> ConfigRecord:
     return ConfigRecord({**{k: v for k, v in run.items() if k != P.CONFIG_DIGEST}, **config})
 
 
-def settings_from(config: ConfigRecord) -> TrainSettings:
-    """The TrainSettings keys of a message config (other keys are per-node or Flower's)."""
+def settings_from(config: ConfigRecord, allowed: frozenset[str] | None) -> TrainSettings:
+    """The TrainSettings keys of a message config (other keys are per-node or Flower's).
+
+    ``allowed`` (:func:`allowed_callables`; None: any): a ``task`` or ``method`` naming a
+    ``module:callable`` it lacks is refused here, before parsing, since parsing a method key
+    loads the method (imports its module) to read its defaults.
+    """
     values = {k: v for k, v in config.items() if k in _TRAIN_KEYS}
+    for ref_key in ("task", "method"):
+        ref = values.get(ref_key)
+        if is_ref(ref):
+            try:
+                check_allowed(str(ref), ref_key, allowed)
+            except CallableNotAllowedError as ex:
+                raise ClientProtocolError(str(ex)) from None
     try:
         # Every message of a run carries the same settings: parse them once per process. The
         # key holds each value's type too, since 1, 1.0 and True are equal but parse apart.
@@ -185,10 +213,12 @@ def _parse_settings(items: tuple[tuple[str, str, Any], ...]) -> TrainSettings:
     return parse(TrainSettings, {k: v for k, _, v in items}, strict=False)
 
 
-def method_of(settings: TrainSettings, config: Any) -> methods.Method:
-    """The run's method, configured with its own keys from the message ``config``."""
+def method_of(settings: TrainSettings, config: Any,
+              allowed: frozenset[str] | None) -> methods.Method:
+    """The run's method, configured with its own keys from the message ``config``; a
+    ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
     try:
-        return methods.get(settings.method).with_keys(dict(config.items()))
+        return methods.get(settings.method, allowed).with_keys(dict(config.items()))
     except SettingsError as ex:
         raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
 
@@ -283,6 +313,14 @@ def round_material(content: RecordDict, model: dict[str, torch.Tensor],
     return data, material
 
 
+def _task_or_refusal(s: TrainSettings, allowed: frozenset[str] | None) -> Any:
+    """The run's task, or a ClientProtocolError when the node does not allow its callable."""
+    try:
+        return task_of(s.task_spec(), allowed)
+    except CallableNotAllowedError as ex:
+        raise ClientProtocolError(str(ex)) from None
+
+
 def _on_node(content: RecordDict) -> RecordDict:
     """``content`` with, on Ray, the node that ran this round (for ``clients.csv``)."""
     if where := node.node_info():
@@ -292,32 +330,36 @@ def _on_node(content: RecordDict) -> RecordDict:
 
 def _load_state(store: ClientStateStore, key: str, ack: int,
                 keeps_residual: bool) -> ClientState:
-    """This client's state; a damaged record is moved aside and replaced by a fresh state.
+    """This client's state; a damaged record is moved aside, and a lost one given up, and the
+    client starts over from the global model with an empty residual, counted.
 
-    A client with a residual whose record the server relies on (it acknowledged an update) but which
-    the store lacks, or holds only in an older copy, fails its round
-    (:func:`client.stores.read_state` raises StateMissingError): a node without the shared state
-    folder must not silently restart the residual from zero. A quarantined record is not such a
-    case: its loss was detected and is reported.
+    A client with a residual whose record the server relies on (it acknowledged an update) but
+    which the store lacks, or holds only in an older copy (:func:`client.stores.read_state`
+    raises StateMissingError: a lost disk, a reinstalled node, a node-local folder on a
+    cluster), would otherwise fail every round it is sampled in for the rest of the run. What the
+    record held since is lost either way; starting over keeps the client in the run and says so.
 
-
-    What the lost record held (residual, pending update) is gone: its bytes failed their check,
-    so not even its size can be trusted. The fresh state counts the quarantine, which the next
-    reply reports (``state_quarantined``), and is stored at once so that the count survives a
-    round that fails (a patch on the model the client no longer holds).
+    What a damaged record held (residual, pending update) is gone too: its bytes failed their
+    check, so not even its size can be trusted. The fresh state counts the loss, which the next
+    reply reports (``state_quarantined``, summed per round in ``rounds.csv``), and is stored at
+    once so that the count survives a round that fails (a patch on the model the client no
+    longer holds: the server sends the dense model the next time).
     """
     try:
         return read_state(store, key, ack, keeps_residual,
                           where=node.describe()) or ClientState()
+    except StateMissingError as ex:
+        logger.warning("client %s: %s; it starts over from the global model with an empty "
+                       "residual (reported as state_quarantined)", key, ex)
     except StateCorruptError as ex:
         if ex.path is None:
             raise
         moved = store.quarantine(ex.path)
         logger.warning("client %s: %s; moved it to %s and continues from the global model "
                        "with an empty residual (what the record held is lost)", key, ex, moved)
-        state = ClientState(quarantined=1)
-        store.save(key, state)
-        return state
+    state = ClientState(quarantined=1)
+    store.save(key, state)
+    return state
 
 
 @dataclass
@@ -351,6 +393,7 @@ class RoundInput:
     #: :meth:`~fedgc.methods.Method.prepare` moved it (the pseudo-gradient sent is still taken
     #: against ``global_state``, see :func:`reply_round`).
     start: dict[str, torch.Tensor]
+    attack: Attack | None = None  # a hostile client of a robustness study (client.attacks)
 
     @property
     def seed(self) -> int:
@@ -364,8 +407,9 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     answered."""
     started = time.perf_counter()
     config = message_config(msg.content, context)
-    s = settings_from(config)
-    method = method_of(s, config)
+    allowed = allowed_callables(context)
+    s = settings_from(config, allowed)
+    method = method_of(s, config, allowed)
     try:
         device = devices.resolve(s.device)
     except devices.DeviceError as ex:
@@ -374,11 +418,17 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     version = _int(config, P.MODEL_VERSION)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
+    task = _task_or_refusal(s, allowed)  # before anything is written: a refusal writes nothing
     store = _store(s, context)
     state = _load_state(store, str(key), ack, method.keeps_residual)
 
-    task = task_of(s.task_spec())
-    train_x, train_y = client_data(s, key)
+    train_x, train_y = client_data(s, key, allowed)
+    attack = attack_of(s, key)
+    if attack is not None:
+        try:
+            train_y = attack.labels(train_y, task.num_classes)
+        except ValueError as ex:
+            raise ClientProtocolError(str(ex)) from None
 
     reply = state.reply
     if (method.keeps_residual and reply is not None and state.pending is not None
@@ -419,7 +469,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         start = method.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
                       task, train_x, train_y, global_state, material, device, started,
-                      compressor, restored, start)
+                      compressor, restored, start, attack)
 
 
 @app.train()
@@ -444,6 +494,11 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     pseudo-gradient is on), encode, store the new state on the host, and the reply."""
     s, method, server_round, state = r.s, r.method, r.server_round, r.state
     keeps_residual = method.keeps_residual
+    if r.attack is not None:
+        # A hostile client of a robustness study (client/attacks.py): its attack replaces its
+        # work before the method compresses it, so it takes the path of every update.
+        local.pseudo_gradient = r.attack.update(local.pseudo_gradient, r.seed)
+        local.num_examples = r.attack.claimed_examples(local.num_examples)
     restored = r.restored
     shared_data: bytes | None = None
     new_state = ClientState()
@@ -491,9 +546,10 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the sent (dense) model on this client's partition (federated evaluation)."""
     torch.set_num_threads(1)
     config = msg.content.config_records.get(P.CONFIG) or ConfigRecord()
-    s = settings_from(config)
-    task = task_of(s.task_spec())
-    x, y = client_data(s, client_key(context))
+    allowed = allowed_callables(context)
+    s = settings_from(config, allowed)
+    task = _task_or_refusal(s, allowed)
+    x, y = client_data(s, client_key(context), allowed)
     device = devices.resolve(s.device)
     model = _model(task, s.task_spec(), device)
     model.load_state_dict(msg.content.array_records[P.ARRAYS].to_torch_state_dict())

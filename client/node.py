@@ -30,6 +30,13 @@ def node_info() -> dict[str, str]:
     return {"ray_node": node, "host": socket.gethostname()}
 
 
+def in_simulation_engine() -> bool:
+    """Whether this process is a worker of Flower's simulation engine (its Ray backend), where
+    every node runs the configuration of the user who started the simulation; a deployed
+    SuperNode's ClientApp process runs outside Ray."""
+    return bool(node_info())
+
+
 def describe() -> str:
     """``Ray node <id> (<host>)`` for error messages, or ``host <name>`` outside Ray."""
     info = node_info()

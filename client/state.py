@@ -37,6 +37,7 @@ import torch
 from dgc import Compressor
 from fedgc.files import atomic_write_bytes
 from fedgc.methods.dgc import DGC
+from fedgc.ownership import note_written
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -226,7 +227,8 @@ class ClientStateStore:
     a torn one; a damaged file (truncated, corrupted: the CRC32 covers every byte) raises
     :class:`StateCorruptError` naming it. A record
     of an earlier version (``<key>.pt``, ``torch.save``) is still read, and replaced by the next
-    write.
+    write. Every file the store creates is listed in the folder's manifest
+    (:func:`fedgc.ownership.note_written`), which is what ``overwrite=true`` deletes.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -278,6 +280,9 @@ class ClientStateStore:
                                   f"{type(record).__name__}")
         path = self._path(key)
         parts = encode_record(record)  # before the temporary file: a bad record leaves none
+        if not path.exists():
+            # Listed before it exists: overwrite=true deletes only what a manifest lists.
+            note_written(self.root, path.name)
         atomic_write_bytes(path, parts)
         self._path(key, LEGACY_SUFFIX).unlink(missing_ok=True)
 
@@ -312,6 +317,7 @@ class ClientStateStore:
             except FileExistsError:
                 n += 1
                 continue
+            note_written(self.root, target.name)  # after the link: a name this call created
             path.unlink()
             return target
 

@@ -7,13 +7,14 @@ momentum, pending update) must then live in a store every node reaches: the fold
 (a node-local folder, a mount missing on one node), a client would find no record, or the
 record of an older round, and DGC's error feedback would silently restart from zero.
 
-The server tells every client which of its updates it last aggregated (``ack_sequence``). A client's
-record (of a method that keeps a residual) is rewritten every time it trains, with the round it
-answered; so a client that was aggregated in round ``a`` must find a record of round ``a`` or later.
-:func:`read_state` checks that, and a client that cannot read what it should have fails its round
-with a :class:`StateMissingError` that says so: it writes nothing, so whatever record exists
-elsewhere is kept, and the server counts the round as an error for that client. """
-
+The server tells every client which of its updates it last aggregated (``ack_sequence``). A
+client's record (of a method that keeps a residual) is rewritten every time it trains, with the
+round it answered; so a client that was aggregated in round ``a`` must find a record of round
+``a`` or later. :func:`read_state` checks that, and says so with a :class:`StateMissingError`;
+writing nothing itself, it leaves the decision to the caller: ``client.app`` logs it and starts
+the client over from the global model with an empty residual, counted as ``state_quarantined``
+(the loss is then visible, never silent, and the client is not shut out of the run).
+"""
 
 from __future__ import annotations
 

@@ -4,17 +4,34 @@
 "my_pkg.my_method:make"`` (:mod:`fedgc.methods.registry`) both resolve their reference here, so
 an import that fails, a missing attribute or an object that is not callable is reported the same
 way, naming the key, before round 1.
+
+Importing a module and calling a callable runs code: :func:`resolve_callable`, the one function
+that turns a reference into code, takes the set of references its caller allows and refuses
+another before importing anything. A client passes what its node allows (``client.app``: node
+config ``allowed-callables``), so a train message cannot make it run a callable it was not
+given; the server passes None, its own run config being trusted (docs/threat_model.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Collection
 from typing import Any
 
 from fedgc.schema import SettingsError
 
-__all__ = ["REF", "is_ref", "resolve_callable", "short"]
+__all__ = ["ALLOWED_CALLABLES", "REF", "CallableNotAllowedError", "check_allowed", "is_ref",
+           "resolve_callable", "short"]
+
+#: Node config key of the ``module:callable`` references a client's node lets a run call,
+#: comma-separated; ``*`` lets it call any (simulated nodes: the run config is the simulating
+#: user's own).
+ALLOWED_CALLABLES = "allowed-callables"
+
+
+class CallableNotAllowedError(SettingsError):
+    """A run names a ``module:callable`` that the caller (a client's node) does not allow."""
 
 #: ``pkg.module:callable`` (the callable may be ``Class.method``).
 REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -25,13 +42,41 @@ def is_ref(value: object) -> bool:
     return isinstance(value, str) and REF.fullmatch(value) is not None
 
 
-def resolve_callable(ref: str, key: str, returns: str) -> Any:
+def check_allowed(ref: str, key: str, allowed: Collection[str] | None) -> None:
+    """Refuse ``ref`` (the value of run key ``key``) unless ``allowed`` (None: any) holds it.
+
+    Raises
+    ------
+    CallableNotAllowedError
+        ``allowed`` is a collection without ``ref``.
+    """
+    if allowed is not None and ref not in allowed:
+        listed = ", ".join(sorted(allowed)[:5]) or "none"
+        raise CallableNotAllowedError(
+            f"{key} = {ref!r} is not allowed on this node: a client runs only the callables its "
+            f"node config lists in {ALLOWED_CALLABLES!r} (it lists: {listed}), whatever the "
+            f"server sends; add it there on the node to trust it (docs/threat_model.md)")
+
+
+def resolve_callable(ref: str, key: str = "task", returns: str = "a tasks.Task", *,
+                     allowed: Collection[str] | None = None) -> Any:
     """The callable ``module:attr`` names (``attr`` may be dotted, e.g. ``Class.build``).
 
     ``key`` is the run key that named it and ``returns`` what the callable must return, for
-    the messages. Raises :class:`SettingsError` naming ``key = ref`` when the module cannot be
-    imported, lacks the attribute, or holds something that is not callable.
+    the messages. ``allowed``: the references the caller may run (None: any); another is refused
+    before its module is imported, since importing runs the module's code.
+
+    Raises
+    ------
+    CallableNotAllowedError
+        ``ref`` is not in ``allowed``.
+    SettingsError
+        ``ref`` is not ``module:callable``, its module cannot be imported, lacks the attribute,
+        or holds something that is not callable.
     """
+    if not is_ref(ref):
+        raise SettingsError(f"{key} = {ref!r} is not 'module:callable'")
+    check_allowed(ref, key, allowed)
     module_name, _, attr = ref.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)

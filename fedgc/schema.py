@@ -20,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
+import stat
+import sys
 import tomllib
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,10 +31,10 @@ from typing import Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_ty
 
 from dgc.config import Check
 
-__all__ = ["OPTION_KEYS", "Check", "KeyInfo", "SettingsError", "coerce", "describe",
-           "fallback_of", "fields_of", "flatten", "fold_options", "key_table", "known_keys",
-           "load_toml", "options_of", "options_text", "parse", "part_of", "per_method_keys",
-           "setting", "to_flat", "validate"]
+__all__ = ["MAX_CONFIG_BYTES", "OPTION_KEYS", "Check", "KeyInfo", "SettingsError", "coerce",
+           "describe", "fallback_of", "fields_of", "flatten", "fold_options", "key_table",
+           "known_keys", "load_toml", "options_of", "options_text", "parse", "part_of",
+           "per_method_keys", "setting", "to_flat", "validate"]
 
 T = TypeVar("T")
 
@@ -164,6 +167,10 @@ def options_text(key: str, options: Mapping[str, object]) -> str:
     value is not JSON (numbers, strings, booleans, lists and tables are)."""
     try:
         return json.dumps(dict(options), sort_keys=True)
+    except RecursionError:
+        raise SettingsError(f"{key} is nested too deeply for a table of keyword options "
+                            f"(Python's recursion limit, {sys.getrecursionlimit()} levels); "
+                            f"expected options such as {{'hidden': 64}}") from None
     except (TypeError, ValueError) as ex:
         raise SettingsError(f"{key} must hold JSON values (numbers, strings, booleans, lists, "
                             f"tables), got {dict(options)!r}: {ex}") from None
@@ -189,6 +196,10 @@ def options_of(key: str, text: str) -> dict[str, Any]:
         return {}
     try:
         options = json.loads(text)
+    except RecursionError:
+        raise SettingsError(f"{key} is nested too deeply for a JSON object of keyword options "
+                            f"(Python's recursion limit, {sys.getrecursionlimit()} levels); "
+                            f"expected an object such as '{{\"hidden\": 64}}'") from None
     except json.JSONDecodeError as ex:
         raise SettingsError(f"{key} = {text!r} is not JSON ({ex.msg}); expected an object "
                             f"such as '{{\"hidden\": 64}}'") from None
@@ -278,7 +289,8 @@ def describe(cls: type, per_method: Callable[[str, Any], str] | None = None,
             accepted = "true or false"
         elif kind is str and accepted == "any":
             accepted = "text"
-        default = repr(f.default)
+        # Empty: a default the doc explains (one that depends on other keys).
+        default = "''" if f.default is None else repr(f.default)
         if "fallback" in f.metadata:
             fallback = fallback_of(f)
             default = (per_method(f.metadata["key"], fallback) if per_method is not None
@@ -307,13 +319,31 @@ def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: The largest configuration file read: a scenario takes a few kB; a file that never ends
+#: (``/dev/zero``) or a huge one is refused before it fills the memory.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Flat keys of a TOML scenario file; a missing or malformed file names itself."""
+    """Flat keys of a TOML scenario file; a missing, malformed, non-regular (a device, a FIFO)
+    or oversized (over :data:`MAX_CONFIG_BYTES`) file names itself."""
     p = Path(path)
     try:
-        with p.open("rb") as fh:
-            return flatten(tomllib.load(fh))
+        # O_NONBLOCK: opening a FIFO must not wait for a writer before it can be refused.
+        with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise SettingsError(f"config file {p} is not a regular file; expected a TOML "
+                                    f"file")
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise SettingsError(f"config file {p} is over {MAX_CONFIG_BYTES} bytes; a "
+                                f"configuration takes a few kB")
+        return flatten(tomllib.loads(data.decode("utf-8")))
     except FileNotFoundError as ex:
         raise SettingsError(f"config file {p} does not exist") from ex
     except tomllib.TOMLDecodeError as ex:
         raise SettingsError(f"config file {p} is not valid TOML: {ex}") from ex
+    except RecursionError:
+        raise SettingsError(f"config file {p} nests tables or arrays too deeply (Python's "
+                            f"recursion limit, {sys.getrecursionlimit()} levels)") from None

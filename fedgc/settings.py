@@ -42,6 +42,7 @@ from fedgc import methods
 from fedgc.refs import REF as TASK_REF
 from fedgc.refs import is_ref
 from fedgc.schema import (
+    MAX_CONFIG_BYTES,
     OPTION_KEYS,
     Check,
     KeyInfo,
@@ -91,25 +92,40 @@ SHARED_RANKS = ("aggregates", "displacement")
 ENGINES = ("ray", "local", "batched")
 #: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
 DEVICES = ("cpu", "cuda", "auto")
-#: How the server combines a round's updates: the weighted mean (FedAvg), or coordinate-wise
-#: robust statistics (``server.aggregation.ROBUST``).
-AGGREGATIONS = ("mean", "trimmed_mean", "median")
+#: How the server combines a round's updates: the weighted mean (FedAvg), coordinate-wise
+#: robust statistics (``server.aggregation``), centered clipping or FLTrust (``server.robust``).
+AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip", "fltrust")
+#: ``robust``: the defaults of the aggregation keys for clients that are not trusted (on: a
+#: deployment's, the phone bridge's) or are (off: a simulation's, plain FedAvg); auto decides by
+#: where the run runs (``server.app.run_server``).
+ROBUST_MODES = ("auto", "on", "off")
+#: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
+ROBUST_PROFILES: dict[str, dict[str, Any]] = {
+    "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0},
+    "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0},
+}
+#: Hostile clients (``client.attacks``).
+ATTACKS = ("sign_flip", "scaled", "targeted", "noise")
+#: How far an attack goes where no bound stops it: the bounds fedgc had before issue 26.
+UNBOUNDED_ATTACK = {"norm_ratio": 10.0, "weight_ratio": 4.0}
+#: An attack stays this fraction under the bounds in force.
+ATTACK_MARGIN = 0.99
 #: The parts of fedgc that own keys (see the module docstring), besides methods' prefixes.
-PARTS = ("client", "server", "dgc", "sim", "netem")
+PARTS = ("client", "server", "dgc", "sim", "netem", "attack")
 #: Keys retired in favour of one key for every method (issue 29): the old name is refused,
 #: naming the new one.
 RENAMED = {"dgc.density": "density", "stc.density": "density",
            "dgc.server_lr": "server_lr", "dgc.server_momentum": "server_momentum",
            "stc.downlink_density": "downlink_density"}
 
-__all__ = ["AGGREGATIONS", "DEVICES", "DOWNLINKS", "DOWNLINK_VALUES", "ENGINES", "MODEL_NAMES",
-           "OPTION_KEYS", "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF",
-           "VALUE_DTYPES", "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings",
-           "SettingsError", "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of",
-           "flatten", "fold_options", "key_table", "known_keys", "load_toml", "method_default",
-           "new_run_name", "options_of", "options_text", "parse", "setting", "to_flat",
-           "unknown_keys",
-           "validate"]
+__all__ = ["AGGREGATIONS", "ATTACKS", "DEVICES", "ROBUST_MODES", "ROBUST_PROFILES", "DOWNLINKS",
+           "DOWNLINK_VALUES", "ENGINES", "MAX_CONFIG_BYTES", "MODEL_NAMES", "OPTION_KEYS",
+           "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF", "VALUE_DTYPES",
+           "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings", "SettingsError",
+           "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of", "flatten",
+           "fold_options", "key_table", "known_keys", "load_toml", "method_default",
+           "new_run_name", "options_of", "options_text", "parse", "parse_attack_clients",
+           "parse_client_nodes", "setting", "to_flat", "unknown_keys", "validate"]
 
 
 def method_default(key: str, fallback: Any) -> str:
@@ -333,9 +349,28 @@ class TrainSettings:
                           "auto (cuda where torch sees one); models, batches and the compressor "
                           "on the device, client state on the host; cuda on a machine without "
                           "it stops the run before round 1", Check(choices=DEVICES))
+    attack_clients: str = setting("", "attack.clients", "hostile clients for a robustness "
+                                  "study: their keys, comma-separated ('0,1'); each sends an "
+                                  "attack (attack.kind) instead of its update (client/attacks.py, "
+                                  "docs/threat_model.md); empty = none")
+    attack_kind: str = setting("sign_flip", "attack.kind", "what a hostile client sends: "
+                               "sign_flip (its update negated), scaled (its update scaled up), "
+                               "targeted (trained to predict attack.target_class, scaled up), "
+                               "noise (Gaussian, of the same norm)", Check(choices=ATTACKS))
+    attack_norm_ratio: float | None = setting(
+        None, "attack.norm_ratio", "the norm of a hostile update, as a multiple of the client's "
+        "honest update's norm (its estimate of the round's median); empty = just under the norm "
+        "bound in force: 0.99 x max_norm_ratio, 10 without one", Check(0.0, low_open=True))
+    attack_weight_ratio: float | None = setting(
+        None, "attack.weight_ratio", "the num-examples a hostile client claims, as a multiple of "
+        "its real number; empty = just under the weight cap in force: 0.99 x max_weight_ratio, "
+        "4 without one", Check(0.0, low_open=True))
+    attack_target_class: int = setting(0, "attack.target_class", "the class attack.kind = "
+                                       "targeted trains every input towards", Check(0))
 
-    #: The per-method keys that the run's method filled (not the user's: ``compare`` gives the
-    #: next method its own).
+    #: The per-method keys that the run's method filled, and the attack's bounds that the
+    #: server's filled (not the user's: ``compare`` gives the next method its own, and
+    #: ``with_overrides`` fills them again).
     by_method: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -410,21 +445,41 @@ class ServerSettings:
                                   "members swapped for the strongest newcomers (GlueFL's "
                                   "bounded mask shift; dgc.shared_rank = aggregates); 1 = "
                                   "unbounded", Check(0.0, 1.0))
-    max_weight_ratio: float = setting(4.0, "max_weight_ratio", "a client's weight "
-                                      "(num-examples) is capped at this times the median claim "
-                                      "of the round's valid replies (server/defences.py); 0 = "
-                                      "no cap", Check(0.0))
-    max_norm_ratio: float = setting(10.0, "max_norm_ratio", "a client's update (with its "
-                                    "signs) is scaled down to at most this times the median "
-                                    "norm of the round's valid replies; 0 = no clip",
-                                    Check(0.0))
-    aggregation: str = setting("mean", "aggregation", "mean: weighted by num-examples "
-                               "(FedAvg); trimmed_mean or median: coordinate-wise over the "
-                               "round's clients, unweighted, robust to a few hostile ones",
-                               Check(choices=AGGREGATIONS))
+    robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
+                          "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
+                          "(mean, no cap, no clip); on = for clients that are not trusted "
+                          "(centered_clip, weights capped at the round's median); auto = on in "
+                          "deployments and behind the phone bridge, off in simulation "
+                          "(docs/threat_model.md)", Check(choices=ROBUST_MODES))
+    max_weight_ratio: float | None = setting(
+        None, "max_weight_ratio", "a client's weight (num-examples) is capped at this times the "
+        "median claim of the round's valid replies (server/defences.py); 0 = no cap; empty = "
+        "by robust (off: 0, on: 1)", Check(0.0))
+    max_norm_ratio: float | None = setting(
+        None, "max_norm_ratio", "a client's update (with its signs) is scaled down to at most "
+        "this times the median norm of the round's valid replies (1: norm bounding at the "
+        "median, Sun et al. 2019); 0 = no clip; empty = by robust (0)", Check(0.0))
+    aggregation: str | None = setting(
+        None, "aggregation", "mean: weighted by num-examples (FedAvg); trimmed_mean or median: "
+        "coordinate-wise over the round's clients, unweighted (Yin et al. 2018); centered_clip: "
+        "each update's pull on last round's aggregate clipped to clip_radius times the median "
+        "distance (Karimireddy et al. 2021); fltrust: updates scaled to the server's own update "
+        "on root_samples training examples and weighted by their cosine with it (Cao et al. "
+        "2021); empty = by robust (off: mean, on: centered_clip)",
+        Check(choices=AGGREGATIONS))
     trim_fraction: float = setting(0.1, "trim_fraction", "with aggregation = trimmed_mean: the "
-                                   "fraction of clients cut at each end of every coordinate",
+                                   "fraction of clients cut at each end of every coordinate "
+                                   "(at least one client when above 0)",
                                    Check(0.0, 0.5, high_open=True))
+    clip_radius: float = setting(1.0, "clip_radius", "with aggregation = centered_clip: the "
+                                 "clipping radius, in medians of the clients' distances to the "
+                                 "center", Check(0.0, low_open=True))
+    clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
+                                   "clipping iterations per round", Check(1, 100))
+    root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
+                                "examples the server holds (a seeded sample of the task's "
+                                "training split), on which it takes its own round each round",
+                                Check(1))
     downlink: str = setting("auto", "downlink", "auto: send a patch instead of the dense model "
                             "when the client holds a recent version and the patch is smaller",
                             Check(choices=DOWNLINKS))
@@ -488,6 +543,12 @@ class ServerSettings:
     overwrite: bool = setting(False, "overwrite", "replace an earlier run in the same folder "
                               "(its checkpoint, results and client state)")
     progress: bool = setting(True, "progress", "print one line per round")
+    client_nodes: str = setting("", "client_nodes", "with SuperNode authentication "
+                                "(flower-superlink --enable-supernode-auth): the authenticated "
+                                "node that serves each client key, 'key:node_id,...' (the node "
+                                "id `flwr supernode register` prints); a node not listed, or "
+                                "claiming another key, is never sampled; empty: a node is the "
+                                "client key it claims (docs/threat_model.md)")
     tensorboard: bool = setting(False, "tensorboard", "also write every round's metrics "
                                 "(accuracy, loss, MB both ways, clients, seconds) as "
                                 "TensorBoard scalars under <run_dir>/tensorboard/ (needs the "
@@ -512,13 +573,19 @@ class ServerSettings:
                                "0) and state_dir must be a folder every node mounts "
                                "(docs/cluster.md); empty = a fresh Ray instance on this machine")
 
-    #: The per-method keys that the run's method filled (see TrainSettings.by_method).
+    #: The per-method keys that the run's method filled, and the aggregation keys that
+    #: ``robust`` filled (see TrainSettings.by_method).
     by_method: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         validate(self)
         if "/" in self.run_name or self.run_name in (".", ".."):
             raise SettingsError(f"run_name = {self.run_name!r} must be a plain folder name")
+        parse_client_nodes(self.client_nodes)
+        if not self.run_name.isprintable():
+            # A newline or an escape sequence in a folder name garbles every line that prints it.
+            raise SettingsError(f"run_name = {self.run_name!r} holds a control character; "
+                                f"expected a plain folder name")
         if self.resume and not self.run_name:
             raise SettingsError("resume=true needs run_name: the name of the run folder to "
                                 "continue (without it, a run starts in a new timestamped folder)")
@@ -548,13 +615,25 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         t = self.train
+        outside = [k for k in parse_client_nodes(self.server.client_nodes) if k >= t.num_clients]
+        if outside:
+            raise SettingsError(f"client_nodes binds client keys {outside[:5]} outside [0, "
+                                f"{t.num_clients}) (num_clients = {t.num_clients})")
         object.__setattr__(self, "server", _resolve(self.server, methods.get(t.method)))
+        object.__setattr__(self, "server", _resolve_robust(self.server))
+        object.__setattr__(self, "train", _resolve_attack(self.train, self.server))
+        t = self.train
         # Another method's key at its default changes nothing: it is dropped, so that a method
         # added to the registry (or the next method of a comparison) leaves this run as it was.
         mine, every = _own_defaults(t.method), _own_defaults_of(methods.loaded())
         given = {k: v for k, v in self.own.items()
                  if k in mine or k not in every or v != every[k]}
         object.__setattr__(self, "own", {**mine, **given})
+        hostile = parse_attack_clients(t.attack_clients)
+        outside = sorted(k for k in hostile if k >= t.num_clients)
+        if outside:
+            raise SettingsError(f"attack.clients names client keys {outside[:5]} outside [0, "
+                                f"{t.num_clients}) (num_clients = {t.num_clients})")
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
@@ -633,8 +712,13 @@ class RunConfig:
 
     def client_config(self) -> dict[str, bool | int | float | str]:
         """The keys every train message carries: the clients' keys (``state_dir`` absolute)
-        and the methods' own keys."""
-        return {**to_flat(self.client_train_settings()), **self.own}
+        and the methods' own keys. The attack keys only where a client attacks: without them
+        a client has no attack (their defaults), and a run's messages stay the size they were
+        before the keys existed (the emulator charges their bytes to the links)."""
+        flat = to_flat(self.client_train_settings())
+        if not self.train.attack_clients:
+            flat = {k: v for k, v in flat.items() if not k.startswith("attack.")}
+        return {**flat, **self.own}
 
     @staticmethod
     def describe() -> list[tuple[str, str, str, str, str]]:
@@ -673,6 +757,79 @@ def _parse_own(values: Mapping[str, object]) -> dict[str, Any]:
                 own = parse(m.settings, given)
                 validate(own)  # a method's schema need not check itself
                 out.update({k: v for k, v in to_flat(own).items() if k in given})
+    return out
+
+
+def _filled(obj: Any, values: Mapping[str, Any]) -> Any:
+    """``obj`` with the fields named by key in ``values`` replaced, named in ``by_method`` (so
+    that ``with_overrides`` fills them again)."""
+    if not values:
+        return obj
+    names = {f.metadata["key"]: f.name for f in fields_of(type(obj))}
+    out = dataclasses.replace(obj, **{names[k]: v for k, v in values.items()})
+    object.__setattr__(out, "by_method", frozenset(values) | obj.by_method)
+    return out
+
+
+def _resolve_robust(server: ServerSettings) -> ServerSettings:
+    """``server`` with the aggregation keys left empty set by ``robust``'s profile
+    (:data:`ROBUST_PROFILES`; auto: off until the run knows where it runs)."""
+    profile = ROBUST_PROFILES["on" if server.robust == "on" else "off"]
+    keys = {f.metadata["key"]: f.name for f in fields_of(ServerSettings)}
+    return _filled(server, {k: v for k, v in profile.items()
+                            if getattr(server, keys[k]) is None})
+
+
+def _resolve_attack(train: TrainSettings, server: ServerSettings) -> TrainSettings:
+    """``train`` with an empty ``attack.norm_ratio`` / ``attack.weight_ratio`` just under the
+    server's bounds (:data:`ATTACK_MARGIN` of them; :data:`UNBOUNDED_ATTACK` without one)."""
+    bounds = {"norm_ratio": server.max_norm_ratio, "weight_ratio": server.max_weight_ratio}
+    values = {}
+    for name, bound in bounds.items():
+        if getattr(train, f"attack_{name}") is None:
+            values[f"attack.{name}"] = (ATTACK_MARGIN * bound if bound
+                                        else UNBOUNDED_ATTACK[name])
+    return _filled(train, values)
+
+
+def parse_attack_clients(text: str) -> frozenset[int]:
+    """``"0,1, 5"`` -> ``{0, 1, 5}`` (``attack.clients``); ``""`` -> none.
+
+    Raises
+    ------
+    SettingsError
+        An item that is not a whole number >= 0.
+    """
+    out = set()
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        if not (item.isascii() and item.isdigit() and len(item) <= 12):
+            raise SettingsError(f"attack.clients item {item[:30]!r} is not a client key (a "
+                                f"whole number >= 0); expected keys such as '0,1'")
+        out.add(int(item))
+    return frozenset(out)
+
+
+def parse_client_nodes(text: str) -> dict[int, int]:
+    """``"0:8421,1:977"`` -> ``{0: 8421, 1: 977}`` (client key -> authenticated node id).
+
+    Raises
+    ------
+    SettingsError
+        An item that is not ``key:node_id`` of whole numbers (keys >= 0, node ids >= 1), or a
+        key or node id listed twice.
+    """
+    out: dict[int, int] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, node = item.partition(":")
+        if not (sep and key.strip().isascii() and key.strip().isdigit()
+                and node.strip().isascii() and node.strip().isdigit()
+                and len(node.strip()) <= 20 and int(node) >= 1):
+            raise SettingsError(f"client_nodes item {item[:60]!r} is not 'key:node_id' (whole "
+                                f"numbers, node ids as `flwr supernode register` prints them)")
+        if int(key) in out or int(node) in out.values():
+            raise SettingsError(f"client_nodes lists client key {int(key)} or node {int(node)} "
+                                f"twice; a node serves one client and a client one node")
+        out[int(key)] = int(node)
     return out
 
 

@@ -7,25 +7,41 @@ which must return a :class:`tasks.Task`. Server and clients both call :func:`loa
 same keys (clients get them in every train message), so they agree on the data and the model;
 each client imports the module itself, so it must be importable there too (PYTHONPATH, or an
 installed package).
+
+Importing a module and calling a callable runs code: :func:`resolve_callable`, the one function
+that turns a ``module:callable`` reference (a task's, a method's) into code, takes the set of
+references its caller allows. A client passes what its node allows (``client.app``: node config
+``allowed-callables``), so a train message cannot make it run a callable it was not given; the
+server passes None, its own run config being trusted (docs/threat_model.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
-from fedgc.refs import is_ref, resolve_callable, short
+from fedgc.refs import (
+    ALLOWED_CALLABLES,
+    CallableNotAllowedError,
+    is_ref,
+    resolve_callable,
+    short,
+)
 from fedgc.schema import SettingsError, options_of
 from fedgc.settings import TASKS, TaskSpec
 from tasks import Task, get_task
 
-__all__ = ["load_task", "resolve_callable"]
+__all__ = ["ALLOWED_CALLABLES", "CallableNotAllowedError", "load_task", "resolve_callable"]
 
 
-def load_task(spec: TaskSpec) -> Task:
-    """The Task the keys of ``spec`` describe.
+def load_task(spec: TaskSpec, allowed: Collection[str] | None = None) -> Task:
+    """The Task the keys of ``spec`` describe; a ``module:callable`` only if ``allowed`` (None:
+    any) holds it.
 
     Raises
     ------
+    CallableNotAllowedError
+        ``spec.task`` is a ``module:callable`` that ``allowed`` does not hold (nothing imported).
     SettingsError
         A ``module:callable`` whose module or attribute is missing, that raises, or that
         returns something other than a Task; options that are not a JSON object.
@@ -40,7 +56,7 @@ def load_task(spec: TaskSpec) -> Task:
     if not is_ref(spec.task):
         raise SettingsError(f"task = {spec.task!r} is neither a shipped task {list(TASKS)} nor "
                             f"'module:callable'")
-    build: Any = resolve_callable(spec.task, "task", "a tasks.Task")
+    build: Any = resolve_callable(spec.task, "task", "a tasks.Task", allowed=allowed)
     try:
         task = build(**options)
     except Exception as ex:

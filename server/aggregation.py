@@ -3,16 +3,19 @@
 
 ``aggregation = mean``: the weighted average of the payloads' sparse parts, scattered in
 O(total nonzeros) into one buffer that is reused every round (:class:`SparseAverage`); a
-robust statistic (``trimmed_mean``, ``median``): coordinate-wise over the union of the round's
-indices, never densifying more (:func:`robust_average`). Both read payloads only through
-:class:`fedgc.methods.Payload` (``parts``), so every method and payload kind goes through the
-same stage; the method's aggregator then finishes the round (:class:`fedgc.methods.Aggregator`).
+coordinate-wise statistic (``trimmed_mean``, ``median``; Yin et al., ICML 2018): over the union
+of the round's indices, never densifying more (:func:`robust_average`); ``centered_clip`` and
+``fltrust``, which keep a center across rounds or use the server's own root update
+(:mod:`server.robust`). Every one reads payloads only through :class:`fedgc.methods.Payload`
+(``parts``), so every method and payload kind goes through the same stage; the method's
+aggregator then finishes the round (:class:`fedgc.methods.Aggregator`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -20,6 +23,7 @@ import dgc
 from dgc import SparseUpdate
 from fedgc.methods import Payload
 from fedgc.settings import AGGREGATIONS
+from server.robust import CenteredClip, client_entries, fltrust, space_offsets
 
 
 class SparseAverage:
@@ -54,28 +58,29 @@ class SparseAverage:
         return self._out
 
 
+
+#: The coordinate-wise statistics (:func:`robust_average`).
+COORDINATE_WISE = ("trimmed_mean", "median")
+#: Every combine that is not the plain weighted mean.
 ROBUST = tuple(a for a in AGGREGATIONS if a != "mean")
 
 
-def _flat(update: SparseUpdate, offsets: Mapping[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions in the model's flat vector, values) of a decoded update's entries."""
-    if update.packed is not None:
-        p = update.packed
-        if p.layout.names == tuple(offsets):
-            dense = [torch.arange(off, off + n) for off, n, is_dense in
-                     zip(p.layout.offsets, p.counts, p.layout.dense, strict=True) if is_dense]
-            return (torch.cat([p.sparse_indices.to(torch.int64), *dense]),
-                    torch.cat([p.sparse_values, p.dense_values]).to(torch.float64))
-    idx = [t.indices.to(torch.int64) + offsets[n] for n, t in update.tensors.items()]
-    val = [t.values.to(torch.float64) for t in update.tensors.values()]
-    return torch.cat(idx), torch.cat(val)
+def trimmed_count(how: str, trim_fraction: float, k: int) -> int:
+    """Clients cut at each end of every coordinate among ``k``: the median keeps one or two;
+    the trimmed mean cuts ``trim_fraction * k`` rounded down, but at least one when
+    ``trim_fraction`` is above 0 (0.1 of 5 clients would cut none), and fewer than half."""
+    if how == "median":
+        return (k - 1) // 2
+    if trim_fraction <= 0:
+        return 0
+    return min(max(math.floor(trim_fraction * k), 1), (k - 1) // 2)
 
 
 def robust_average(clients: list[list[SparseUpdate]], factors: list[float], how: str,
                    trim_fraction: float, shapes: Mapping[str, tuple[int, ...]],
                    ) -> dict[str, torch.Tensor]:
-    """The coordinate-wise trimmed mean (``trim_fraction`` of the K clients cut at each end) or
-    median of the clients' updates, unweighted, in O(n log n) for n nonzeros in all.
+    """The coordinate-wise trimmed mean (:func:`trimmed_count` of the K clients cut at each
+    end) or median of the clients' updates, unweighted, in O(n log n) for n nonzeros in all.
 
     ``clients[i]``: client i's sparse updates (its update and signs), summed; ``factors[i]``
     scales them (the norm clip). An entry a client did not send is a 0 in its column, so the
@@ -83,21 +88,12 @@ def robust_average(clients: list[list[SparseUpdate]], factors: list[float], how:
     then K - m zeros, then its positive values, and an entry's place follows from its rank among
     the m values sent.
     """
-    names = list(shapes)
-    offsets, total = {}, 0
-    for n in names:
-        offsets[n] = total
-        total += math.prod(shapes[n])
+    offsets, total = space_offsets(shapes)
     k = len(clients)
-    trim = (k - 1) // 2 if how == "median" else math.floor(trim_fraction * k)
-    positions, values = [], []
-    for parts, factor in zip(clients, factors, strict=True):
-        flat = [_flat(u, offsets) for u in parts]
-        idx, val = torch.cat([f[0] for f in flat]), torch.cat([f[1] for f in flat]) * factor
-        idx, inverse = torch.unique(idx, return_inverse=True)  # one value per coordinate
-        positions.append(idx)
-        values.append(torch.zeros(idx.numel(), dtype=torch.float64).index_add_(0, inverse, val))
-    idx, val = torch.cat(positions), torch.cat(values)
+    trim = trimmed_count(how, trim_fraction, k)
+    entries = [client_entries(parts, factor, offsets)
+               for parts, factor in zip(clients, factors, strict=True)]
+    idx, val = torch.cat([e[0] for e in entries]), torch.cat([e[1] for e in entries])
     by_value = torch.argsort(val, stable=True)
     order = by_value[torch.argsort(idx[by_value], stable=True)]  # by coordinate, then value
     idx, val = idx[order], val[order]
@@ -108,29 +104,53 @@ def robust_average(clients: list[list[SparseUpdate]], factors: list[float], how:
     keep = (place >= trim) & (place < k - trim)
     out = torch.zeros(total, dtype=torch.float64)
     out.index_add_(0, idx[keep], val[keep] / (k - 2 * trim))
-    return {n: out[offsets[n]:offsets[n] + math.prod(shapes[n])].to(torch.float32)
-            .view(shapes[n]) for n in names}
+    return _split(out, shapes, offsets)
+
+
+def _split(flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]],
+           offsets: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """A flat float64 vector of the space as float32 tensors by name."""
+    return {n: flat[offsets[n]:offsets[n] + math.prod(s)].to(torch.float32).view(s)
+            for n, s in shapes.items()}
 
 
 class Combine:
     """The combine stage: ``how`` = "mean" (weighted by the capped weights, each payload scaled
-    by its clip factor) or one of :data:`ROBUST` (unweighted, ``trim_fraction`` for the trimmed
-    mean)."""
+    by its clip factor) or one of :data:`ROBUST`: the coordinate-wise statistics (unweighted,
+    ``trim_fraction`` for the trimmed mean), ``centered_clip`` (weighted, ``clip_radius``,
+    ``clip_iterations``; its center is kept across rounds, :meth:`state_dict`) or ``fltrust``
+    (``root(shapes)``: the server's own update on its root set, flat float64 over the space;
+    claimed weights are ignored)."""
 
-    def __init__(self, how: str = "mean", trim_fraction: float = 0.1) -> None:
+    def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
+                 clip_iterations: int = 3,
+                 root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
+                 ) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
+        if how == "fltrust" and root is None:
+            raise ValueError("aggregation = fltrust needs the server's root update (root)")
         self.how, self.trim_fraction = how, float(trim_fraction)
+        self.root = root
+        self.centered = CenteredClip(clip_radius, clip_iterations)
         self._average = SparseAverage()
 
     def __call__(self, payloads: Sequence[Payload], weights: Sequence[float],
                  factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
                  ) -> dict[str, torch.Tensor]:
         """The round's sum in the space of ``shapes``; ``dgc.AggregationError`` when the
-        weights total zero."""
-        if self.how in ROBUST:
+        weights total zero (for fltrust: when no update agrees with the root's)."""
+        if self.how in COORDINATE_WISE:
             return robust_average([p.parts() for p in payloads], list(factors), self.how,
                                   self.trim_fraction, shapes)
+        if self.how in ("centered_clip", "fltrust"):
+            offsets, size = space_offsets(shapes)
+            clients = [client_entries(p.parts(), f, offsets)
+                       for p, f in zip(payloads, factors, strict=True)]
+            if self.how == "centered_clip":
+                return _split(self.centered(clients, list(weights), size), shapes, offsets)
+            assert self.root is not None
+            return _split(fltrust(clients, self.root(shapes)), shapes, offsets)
         scaled = [w * f for w, f in zip(weights, factors, strict=True)]
         parts = [p.parts() for p in payloads]
         # Each payload's first part, then the others (a client's shared signs) with its weight.
@@ -142,3 +162,12 @@ class Combine:
                 shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """``sum(w * u) / total_weight`` (:class:`SparseAverage`)."""
         return self._average(updates, weights, total_weight, shapes)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the combine keeps across rounds (centered clipping's center)."""
+        return self.centered.state_dict() if self.how == "centered_clip" else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`."""
+        if self.how == "centered_clip":
+            self.centered.load_state_dict(state)

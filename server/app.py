@@ -23,16 +23,18 @@ from flwr.serverapp import Grid, ServerApp
 from fedgc import devices, methods
 from fedgc.flower_log import drop_noise, report_once
 from fedgc.schema import to_flat
-from fedgc.settings import RunConfig, SettingsError
+from fedgc.settings import RunConfig, SettingsError, parse_client_nodes
 from fedgc.task_loader import load_task
 from server import defences
-from server.checkpoint import CHECKPOINT_FILE, CheckpointError
+from server.checkpoint import CheckpointError
 from server.extensions import Column, columns_of
-from server.preflight import PreflightError, check_run, check_writable, clear_state_dir
+from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
+from server.folders import make_folders, plan_folders
+from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
-from server.tensorboard import RoundWriter, clear_events
+from server.tensorboard import RoundWriter
 
 app = ServerApp()
 
@@ -75,51 +77,26 @@ def flwr_app_config_toml() -> str:
     return "\n".join(lines) + "\n"
 
 
-class RunFolderError(RuntimeError):
-    """The run folder holds an earlier run and neither ``resume`` nor ``overwrite`` is set."""
-
-
 class NothingAggregatedError(RuntimeError):
     """A run ended in which no round aggregated a single update: it did not train at all."""
 
 
 def prepare_run_dir(config: RunConfig) -> None:
-    """Create the run folder; refuse to clobber an earlier run unless told to, and refuse a run
-    that cannot work (:func:`server.preflight.check_run`) before its first round.
+    """Check that the run may use its folders and can work, then create them: a run refused
+    here leaves nothing behind (:mod:`server.folders`, :func:`server.preflight.check_run`).
 
     Raises
     ------
     RunFolderError
-        The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), cannot be
-        created or written, or ``overwrite`` would delete files fedgc did not write.
+        The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), belongs to
+        another run or a comparison, or cannot be created or written.
     server.preflight.PreflightError
-        The run cannot work (clients without data, no writable ``state_dir``, a damaged
-        checkpoint to resume).
+        The run cannot work (clients without data, a ``state_dir`` of another run or that
+        cannot be written, a damaged checkpoint to resume).
     """
-    run_dir, s = config.run_dir, config.server
-    try:
-        has_run = (run_dir / CHECKPOINT_FILE).exists() or (run_dir / "rounds.csv").exists()
-        if has_run and not (s.resume or s.overwrite):
-            raise RunFolderError(f"{run_dir} already holds a run; set resume=true to continue "
-                                 f"it, overwrite=true to replace it, or choose another run_name")
-        if has_run and s.overwrite and not s.resume:
-            # Residuals of the replaced run must not leak into the new one; a state_dir that
-            # holds anything else is refused before any file of the old run is deleted.
-            try:
-                clear_state_dir(config.state_dir)
-            except PreflightError as ex:
-                raise RunFolderError(str(ex)) from ex
-            for name in (CHECKPOINT_FILE, "rounds.csv", "clients.csv", "summary.json"):
-                (run_dir / name).unlink(missing_ok=True)
-            clear_events(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        check_writable(run_dir, "run folder", "results are written there")
-    except PreflightError as ex:
-        raise RunFolderError(str(ex)) from ex
-    except OSError as ex:
-        raise RunFolderError(f"run folder {run_dir}: {ex.strerror or ex} (results_dir="
-                             f"{s.results_dir!r}, run_name={s.run_name!r})") from ex
+    plan = plan_folders(config)
     check_run(config)
+    make_folders(config, plan)
 
 
 def _clock(seconds: float) -> str:
@@ -176,6 +153,26 @@ def evaluation_split(task: Any, eval_samples: int,
     return task.test_x[keep], task.test_y[keep]
 
 
+def simulated(grid: Grid) -> bool:
+    """Whether ``grid`` reaches simulated clients (fedgc's in-process engine, Flower's
+    simulation engine), which run the user's own code and config, rather than deployed ones."""
+    from flwr.superlink.grid import InMemoryGrid
+
+    from server.local_grid import LocalGrid
+
+    return isinstance(grid, (LocalGrid, InMemoryGrid))
+
+
+def resolve_robust(config: RunConfig, grid: Grid) -> RunConfig:
+    """``config`` with ``robust = auto`` decided by where its clients run: off for simulated
+    clients (the baseline stays plain FedAvg), on for deployed ones, which the server does not
+    trust (SuperNodes, phones behind the bridge). The run's header says which
+    (:func:`server.defences.describe`)."""
+    if config.server.robust != "auto":
+        return config
+    return config.with_overrides({"robust": "off" if simulated(grid) else "on"})
+
+
 def run_server(grid: Grid, config: RunConfig,
                on_round: Callable[[RoundRecord], None] | None = None,
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
@@ -187,6 +184,7 @@ def run_server(grid: Grid, config: RunConfig,
     """
     started = time.time()
     torch.set_num_threads(1)
+    config = resolve_robust(config, grid)
     s, t = config.server, config.train
     prepare_run_dir(config)
     task = load_task(t.task_spec())
@@ -222,12 +220,16 @@ def run_server(grid: Grid, config: RunConfig,
             on_round(record)
 
     strategy = strategy_factory(config, on_round=round_done)
+    # A node's client key is its claim: only keys of this run, bound to authenticated nodes
+    # when client_nodes lists them (docs/threat_model.md).
+    strategy.registry.bind(t.num_clients, parse_client_nodes(s.client_nodes))
     columns = columns_of(strategy.extensions)
     if s.tensorboard:
         board = RoundWriter(run_dir, columns)
     guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction)
     if s.progress:
-        print(f"fedgc: {defences.describe(*guard)}", flush=True)
+        trust = " (robust=on: deployed clients are not trusted)" if s.robust == "on" else ""
+        print(f"fedgc: {defences.describe(*guard)}{trust}", flush=True)
     train_config = ConfigRecord(config.client_config())
     try:
         result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,

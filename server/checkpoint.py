@@ -85,31 +85,73 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
-#: what it computes. Every other key must be the checkpoint's (``check_run_config``).
+#: what it computes (``client_nodes``: node ids change when a deployment starts again;
+#: ``robust`` only chooses the defaults of keys that are compared themselves). Every other key
+#: must be the checkpoint's (``check_run_config``).
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
-                            "round_timeout_s",
+                            "round_timeout_s", "client_nodes", "robust",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
                             "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address",
                             "sim.device", "sim.gpus_per_client"})
 
 
+#: Keys that compute nothing while the key they serve is empty (or 0).
+INERT_WITHOUT = {"attack.kind": "attack.clients", "attack.norm_ratio": "attack.clients",
+                 "attack.weight_ratio": "attack.clients", "attack.target_class": "attack.clients"}
+
+
 def check_run_config(written: Mapping[str, object] | None,
-                     current: Mapping[str, object] | None) -> None:
+                     current: Mapping[str, object] | None,
+                     defaults: Mapping[str, object] | None = None) -> None:
     """CheckpointError naming every key outside :data:`RESUMABLE_KEYS` whose value differs
     between the checkpointed run (``written``) and the resuming one (``current``).
 
-    Keys only one side knows (added or retired between fedgc versions) are not compared; a
-    checkpoint of a version that stored no configuration is not checked.
+    A key only one side has stands for its default (``defaults``, by default every run key's
+    own: a key added to fedgc since the checkpoint was written, at its default, computes what
+    the run did without it); a key without a default missing on one side is a difference (a
+    ``netem.*`` key of a run with the network emulator, resumed without it, turned the virtual
+    clock off mid-run). A checkpoint of a version that stored no configuration is not checked.
     """
     if written is None or current is None:
         return
-    changed = sorted(k for k in set(written) & set(current) - RESUMABLE_KEYS
-                     if written[k] != current[k])
+    if defaults is None:
+        defaults = run_key_defaults()
+    unset = object()
+
+    def value(side: Mapping[str, object], key: str) -> object:
+        return side[key] if key in side else defaults.get(key, unset)
+
+    def inert(key: str) -> bool:
+        # A key that computes nothing while the key it serves is empty on both sides (the
+        # attack's keys without hostile clients; a checkpoint of before them has none).
+        serves = INERT_WITHOUT.get(key)
+        return serves is not None and not value(written, serves) and not value(current, serves)
+
+    changed = sorted(k for k in (set(written) | set(current)) - RESUMABLE_KEYS
+                     if value(written, k) != value(current, k) and not inert(k))
     if changed:
-        what = ", ".join(f"{k} = {written[k]!r} (now {current[k]!r})" for k in changed)
+        def shown(side: Mapping[str, object], key: str) -> str:
+            v = value(side, key)
+            return "unset" if v is unset else repr(v)
+
+        what = ", ".join(f"{k} = {shown(written, k)} (now {shown(current, k)})" for k in changed)
         raise CheckpointError(f"the checkpoint was written by a run with {what}; resume it with "
                               f"the same values (only {sorted(RESUMABLE_KEYS)} may change) or "
                               f"start a new run")
+
+
+def run_key_defaults() -> dict[str, object]:
+    """Every run key (``fedgc.settings``' ServerSettings and TrainSettings, and the own keys of
+    every method known here) with its default; a key whose default each method sets is None."""
+    from fedgc import methods
+    from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
+
+    out: dict[str, object] = {f.metadata["key"]: f.default
+                              for cls in (ServerSettings, TrainSettings) for f in fields_of(cls)}
+    for m in methods.loaded():
+        if m.settings is not None:
+            out.update(to_flat(m.settings()))
+    return out
 
 
 #: The layout of :meth:`server.strategy.DGCStrategy.state_dict` (older layouts are upgraded by

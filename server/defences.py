@@ -100,7 +100,9 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
     clip = (f"update clip {max_norm_ratio:g}x the median norm" if max_norm_ratio
             else "no update clip")
     how = {"mean": "weighted mean", "median": "coordinate-wise median",
-           "trimmed_mean": f"coordinate-wise trimmed mean ({trim_fraction:g} cut)"}
+           "trimmed_mean": f"coordinate-wise trimmed mean ({trim_fraction:g} cut)",
+           "centered_clip": "centered clipping around last round's aggregate",
+           "fltrust": "FLTrust on the server's root set"}
     plain = " ".join(f"{k}={v}" for k, v, off in (
         ("max_weight_ratio", 0, not max_weight_ratio), ("max_norm_ratio", 0, not max_norm_ratio),
         ("aggregation", "mean", aggregation == "mean")) if not off)

@@ -2,26 +2,19 @@
 
 Without them such a run started, every client failed every round, and the run ended as if it
 had succeeded. :func:`check_run` is called by :func:`server.app.prepare_run_dir`, so that
-``python -m simulations run`` refuses before Ray starts and ``flwr run`` before round 1.
-:func:`clear_state_dir` removes a replaced run's client state, and only that.
+``python -m simulations run`` refuses before Ray starts and ``flwr run`` before round 1; it
+creates nothing (the folders are :mod:`server.folders`' once every check has passed).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
-
-# What a client state store writes (client.state.ClientStateStore): ``<key>.state``, a legacy
-# ``<key>.pt``, a temporary ``.<key>.<random>.tmp`` while it writes, and ``<key>.state.<why>``
-# for a record set aside.
-_STATE_FILE = re.compile(r"^(?:[A-Za-z0-9_.-]{1,128}\.(?:state|pt)(?:\.[A-Za-z0-9_.-]+)?"
-                         r"|\.[A-Za-z0-9_.-]+\.tmp)$")
 
 
 class PreflightError(ValueError):
@@ -29,8 +22,8 @@ class PreflightError(ValueError):
 
 
 def check_run(config: Any) -> None:
-    """Refuse a run that cannot work: clients without data, client state that cannot be
-    written, a checkpoint to resume that cannot be read, TensorBoard asked for but missing.
+    """Refuse a run that cannot work: clients without data, a checkpoint to resume that cannot
+    be read, TensorBoard asked for but missing. Nothing is created or written.
 
     Raises
     ------
@@ -39,7 +32,6 @@ def check_run(config: Any) -> None:
     """
     check_device(config)
     check_partitions(config)
-    check_writable(config.state_dir, "state_dir", "clients keep their residuals there")
     if config.server.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
                              "'.[tensorboard]'` in the fedgc checkout (or tensorboard==2.21.0)")
@@ -114,27 +106,3 @@ def check_writable(folder: Path, setting: str, why: str) -> None:
     except OSError as ex:
         raise PreflightError(f"{setting} {folder} is not a writable folder "
                              f"({ex.strerror or ex}); {why}") from ex
-
-
-def clear_state_dir(folder: Path) -> None:
-    """Delete the client state files in ``folder`` (for ``overwrite=true``), nothing else.
-
-    Raises
-    ------
-    PreflightError
-        When ``folder`` holds anything a client state store does not write (the user's own
-        files, sub-folders): nothing is deleted then.
-    """
-    if not folder.exists():
-        return
-    if not folder.is_dir():
-        raise PreflightError(f"state_dir {folder} is not a folder")
-    entries = sorted(folder.iterdir())
-    foreign = [p.name for p in entries if not (p.is_file() and _STATE_FILE.match(p.name))]
-    if foreign:
-        raise PreflightError(
-            f"overwrite=true would delete client state in {folder}, but it also holds "
-            f"{len(foreign)} entries fedgc did not write ({', '.join(foreign[:5])}"
-            f"{', ...' if len(foreign) > 5 else ''}); choose another state_dir or remove them")
-    for path in entries:
-        path.unlink(missing_ok=True)

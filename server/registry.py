@@ -77,12 +77,51 @@ class ClientRegistry:
         # Client key -> digest of the run config it holds (fedgc.protocol.config_digest), as
         # far as its replies tell. Not checkpointed: a resumed server sends it whole once more.
         self.config_held: dict[int, str] = {}
+        self.num_clients: int | None = None  # keys accepted: [0, num_clients); None: any
+        self.bound: dict[int, int] | None = None  # node id -> its one key (client_nodes)
+        self.refused: dict[int, str] = {}  # node id -> why its claim was refused
+
+    def bind(self, num_clients: int, client_nodes: Mapping[int, int] | None = None) -> None:
+        """Accept only client keys in ``[0, num_clients)`` and, with ``client_nodes`` (client
+        key -> authenticated node id, the run key of that name), only the key each listed node
+        is bound to: a node's claim is otherwise all the server knows of it.
+
+        Nodes already registered whose claim does not pass are forgotten.
+        """
+        self.num_clients = int(num_clients)
+        self.bound = None if not client_nodes else {
+            int(node): int(key) for key, node in client_nodes.items()}
+        for node, key in list(self.node_keys.items()):
+            if self._refuse(node, key):
+                del self.node_keys[node]
+
+    def _refuse(self, node: int, key: int) -> bool:
+        """Whether ``node``'s claim of ``key`` is refused (logged once per node, kept in
+        :attr:`refused` so that the node is not asked again)."""
+        why = None
+        if self.num_clients is not None and not 0 <= key < self.num_clients:
+            shown = str(key) if len(str(key)) <= 24 else f"{str(key)[:20]}... ({len(str(key))} " \
+                f"digits)"
+            why = (f"claims client key {shown}, outside [0, {self.num_clients}) (num_clients = "
+                   f"{self.num_clients})")
+        elif self.bound is not None and node not in self.bound:
+            why = "is not one of the authenticated nodes client_nodes lists"
+        elif self.bound is not None and self.bound[node] != key:
+            why = f"claims client key {key}, but client_nodes binds it to key {self.bound[node]}"
+        if why is None:
+            return False
+        if node not in self.refused:
+            log(WARNING, "node %d %s: it will not be sampled", node, why)
+        self.refused[node] = why
+        return True
 
     def register(self, node_keys: Mapping[int, int]) -> None:
-        """Record node id -> client key pairs (what the identification query learns)."""
+        """Record node id -> client key pairs (what the identification query learns); a claim
+        :meth:`bind` refuses is left out."""
         for node, key in node_keys.items():
             self.node_keys.pop(int(node), None)  # re-registering moves the node to the newest
-            self.node_keys[int(node)] = int(key)
+            if not self._refuse(int(node), int(key)):
+                self.node_keys[int(node)] = int(key)
 
     def key_of(self, node_id: int) -> int:
         """The client key of ``node_id`` (-1: unknown)."""
@@ -125,7 +164,7 @@ class ClientRegistry:
 
     def identify(self, grid: Grid, node_ids: list[int], timeout: float) -> None:
         """Ask every node not yet known for its client key (one query message each)."""
-        unknown = [n for n in node_ids if n not in self.node_keys]
+        unknown = [n for n in node_ids if n not in self.node_keys and n not in self.refused]
         if not unknown:
             return
         messages = [Message(RecordDict({P.CONFIG: ConfigRecord({"ask": P.CLIENT_KEY})}),
@@ -140,12 +179,14 @@ class ClientRegistry:
             if isinstance(key, float) and key.is_integer():
                 key = int(key)
             if isinstance(key, bool) or not isinstance(key, int):
-                log(WARNING, "node %d sent no client key (got %r)", node, key)
+                log(WARNING, "node %d sent no client key (got %.80r)", node, key)
                 continue
-            self.node_keys[node] = key
+            if not self._refuse(node, key):
+                self.node_keys[node] = key
         missing = len([n for n in unknown if n not in self.node_keys])
         if missing:
-            log(WARNING, "%d of %d new nodes are unidentified and will not be sampled", missing,
+            log(WARNING, "%d of %d new nodes are unidentified or refused and will not be "
+                "sampled", missing,
                 len(unknown))
 
     def sample_round(self, grid: Grid, server_round: int, count: int, min_nodes: int,
@@ -156,9 +197,14 @@ class ClientRegistry:
         Waits for ``min_nodes`` connected nodes, and asks new ones for their key first
         (``timeout``: seconds to wait for their answers).
         """
-        if isinstance(grid, KeyedGrid) and grid.keys_are_partitions \
+        # The fast path trusts the grid, not the nodes: a node's key is the partition the grid
+        # gave it, asked of no one. Keys outside the run stay unsampled (bind), and with
+        # client_nodes every node is identified and checked against its binding instead.
+        if isinstance(grid, KeyedGrid) and grid.keys_are_partitions and self.bound is None \
                 and grid.num_keys >= min_nodes:
-            keys = self.sample(server_round, range(grid.num_keys), count)
+            known = (grid.num_keys if self.num_clients is None
+                     else min(grid.num_keys, self.num_clients))
+            keys = self.sample(server_round, range(known), count)
             node_of = {k: grid.node_of_key(k) for k in keys}
             self.register({node: key for key, node in node_of.items()})
             return node_of, grid.num_keys

@@ -64,6 +64,7 @@ from server.records import (
 )
 from server.registry import ClientRegistry, RoundOutcome
 from server.replies import CheckedReply, ReplyChecker, ReplyRejected
+from server.robust import RootUpdate
 
 __all__ = ["ClientRow", "DGCStrategy", "ReplyRejected", "RoundRecord"]
 
@@ -142,7 +143,9 @@ class DGCStrategy(FedAvg):
         self.aggregator = self.method.aggregator(settings)
         self.checker = ReplyChecker(self.method, self.method.codec(t), self.weighted_by_key)
         self.bounds = Bounds(s.max_weight_ratio, s.max_norm_ratio)
-        self.combine = Combine(s.aggregation, s.trim_fraction)
+        self.root_update = RootUpdate(settings) if s.aggregation == "fltrust" else None
+        self.combine = Combine(s.aggregation, s.trim_fraction, s.clip_radius, s.clip_iterations,
+                               root=self._root)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0
@@ -355,6 +358,12 @@ class DGCStrategy(FedAvg):
             return False
         return self.step(self.aggregator.finish(combined, self.shapes))
 
+    def _root(self, space: Mapping[str, tuple[int, ...]]) -> torch.Tensor:
+        """FLTrust's root update: the server's own round on its root set, from the model
+        clients were sent this round."""
+        assert self.root_update is not None and self._round is not None
+        return self.root_update(self.sent_model, self._round.server_round, space)
+
     def _current(self, server_round: int) -> _Round:
         if self._round is None or self._round.server_round != server_round or self.model is None:
             raise RuntimeError(f"aggregate_train({server_round}) without configure_train for "
@@ -383,7 +392,7 @@ class DGCStrategy(FedAvg):
                 "completed_rounds": self.completed_rounds, "run_config": self.run_config,
                 **self.downlink.state_dict(),
                 **self.optimizer.state_dict(), **self.registry.state_dict(),
-                **self.records.state_dict(),
+                **self.records.state_dict(), "combine": self.combine.state_dict(),
                 "method": {"aggregator": self.aggregator.state_dict(),
                            "channel": None if self.channel is None
                            else self.channel.state_dict()},
@@ -407,6 +416,7 @@ class DGCStrategy(FedAvg):
         self.registry.load_state_dict(state)
         self.records.load_state_dict(state)
         self.aggregator.load_state_dict(state["method"]["aggregator"])
+        self.combine.load_state_dict(state.get("combine", {}))  # none before issue 26
         if self.channel is not None and state["method"]["channel"] is not None:
             self.channel.load_state_dict(state["method"]["channel"])
         for ext, ext_state in zip(self.extensions, state.get("extensions", []), strict=False):

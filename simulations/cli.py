@@ -264,6 +264,8 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     that sent the least): ``last10_at_equal_traffic``
     (:func:`simulations.compare.at_equal_traffic`).
     """
+    from server.folders import check_compare_folder, claim_compare_folder
+    from server.preflight import check_run
     from simulations.plots import plot_bands
 
     methods = by_family(registry.compared() if methods is None
@@ -282,6 +284,11 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     if jobs > 1:  # interleaved per-round lines from several runs read as noise
         per_config = [c.with_overrides({"progress": False}) for c in per_config]
     plan = [_method_config(c, m) for c in per_config for m in methods]
+    # The folder is the comparison's alone (not a run's), and nothing is created in it before
+    # the first run's checks pass.
+    compare_id = check_compare_folder(config.run_dir)
+    check_run(plan[0])
+    claim_compare_folder(config.run_dir, compare_id)
     done = iter(zip(plan, _run_all(plan, verbose, netem, jobs), strict=True))
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
@@ -320,6 +327,9 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     """
     from simulations.plots import plot_bands
 
+    if out is not None and (out.exists() or out.is_symlink()) and not out.is_dir():
+        raise SettingsError(f"--out {out} is not a folder; name a folder for compare.json and "
+                            f"accuracy_vs_traffic.png")
     runs = find_runs(folders)
     if budget_method is not None:
         missing = [s for s, by_method in runs.items() if budget_method not in by_method]
@@ -341,7 +351,10 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     print(seeds_table(doc))
     _print_mean_at_budget(doc, budget_method)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as ex:
+            raise SettingsError(f"--out {out} cannot be created: {ex.strerror or ex}") from None
         write_json(out / "compare.json", doc)
         methods = list(doc["methods"])
         plot = plot_bands({m: [by_m[m] for by_m in runs.values() if m in by_m] for m in methods},

@@ -31,8 +31,8 @@ from fedgc.settings import SettingsError
 from server.results import LAST_ROUNDS
 
 __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_family",
-           "family_of", "find_runs", "over_seeds", "parse_seeds", "reach", "read_summary",
-           "traffic_area", "traffic_curve"]
+           "check_regular", "family_of", "find_runs", "over_seeds", "parse_seeds", "reach",
+           "read_summary", "traffic_area", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
 #: first ``baseline`` method).
@@ -147,20 +147,43 @@ def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[
 
 
 def traffic_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """``(cumulative uplink + downlink bytes, accuracy)`` after each round of a run folder."""
+    """``(cumulative uplink + downlink bytes, accuracy)`` after each round of a run folder.
+
+    A ``rounds.csv`` that is not a regular file (a folder, a FIFO), has no header, or holds a
+    negative byte count is a SettingsError naming it; one with a header and no row is a run
+    without a round (an empty curve).
+    """
     path = Path(run_dir) / "rounds.csv"
+    check_regular(path)
     curve, total = [], 0
     try:
         with path.open() as fh:
-            for row in csv.DictReader(fh):
-                total += int(row["uplink_bytes"]) + int(row["downlink_bytes"])
+            reader = csv.DictReader(fh)
+            if reader.fieldnames is None:
+                raise SettingsError(f"{path} is empty: not a fedgc rounds.csv")
+            for row in reader:
+                sent = [int(row["uplink_bytes"]), int(row["downlink_bytes"])]
+                if min(sent) < 0:
+                    raise SettingsError(f"{path}: row {len(curve) + 1} has a negative byte "
+                                        f"count {min(sent)}")
+                total += sum(sent)
                 curve.append((total, float(row["accuracy"])))
+    except SettingsError:
+        raise
     except OSError as ex:
         raise SettingsError(f"{path}: cannot be read ({ex.strerror or ex})") from None
     except (KeyError, TypeError, ValueError) as ex:  # a missing column, a short row, a bad number
         raise SettingsError(f"{path}: not a fedgc rounds.csv (row {len(curve) + 1}: "
                             f"{type(ex).__name__} {ex})") from None
     return curve
+
+
+def check_regular(path: Path) -> None:
+    """SettingsError when ``path`` exists but is not a regular file (a folder, a FIFO, a
+    device): reading a FIFO would wait for ever, and a folder named like a result file is not
+    one to skip silently."""
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        raise SettingsError(f"{path} is not a regular file; expected a fedgc {path.name}")
 
 
 def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
@@ -177,7 +200,7 @@ def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
     """
     finished = {m: c for m, c in curves.items() if c}
     if not finished:
-        raise ValueError("at_equal_traffic needs at least one run with a round")
+        raise SettingsError(f"no run of {sorted(curves)} has a round: nothing to compare")
     if budget_method is None:
         budget_method = min(finished, key=lambda m: finished[m][-1][0])
     elif budget_method not in finished:
@@ -190,6 +213,8 @@ def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
         within = [acc for total, acc in curve if total <= budget]
         rounds[m] = len(within)
         last10[m] = statistics.fmean(within[-10:]) if within else float("nan")
+    for m in curves.keys() - finished.keys():  # a run without a round reads as nothing
+        last10[m], rounds[m] = float("nan"), 0
     return {"method": budget_method, "bytes": budget, "last10": last10, "rounds": rounds}
 
 
@@ -256,11 +281,14 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
     for folder in map(Path, folders):
         if not folder.is_dir():
             raise SettingsError(f"no such comparison folder: {folder}")
+        check_regular(folder / "rounds.csv")
         if (folder / "rounds.csv").is_file():
             summary = read_summary(folder)
             add(_seed_of(summary), summary.get("method", folder.name), folder)
             continue
-        seeded = sorted(d for d in folder.glob("seed-*") if d.name[5:].isdigit())
+        # ASCII digits: str.isdigit() also accepts 'seed-²', which int() refuses.
+        seeded = sorted(d for d in folder.glob("seed-*")
+                        if d.name[5:].isascii() and d.name[5:].isdigit())
         runs = [(int(d.name[5:]), run) for d in seeded for run in _runs_in(d)]
         # One seed's comparison: each run's seed is in its summary.
         runs += [(_seed_of(read_summary(run)) if (run / "summary.json").is_file() else None, run)
@@ -274,7 +302,12 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
 
 
 def _runs_in(folder: Path) -> list[Path]:
-    return sorted(d for d in folder.iterdir() if (d / "rounds.csv").is_file())
+    runs = []
+    for d in sorted(folder.iterdir()):
+        check_regular(d / "rounds.csv")  # a method whose rounds.csv is a folder is not skipped
+        if (d / "rounds.csv").is_file():
+            runs.append(d)
+    return runs
 
 
 def _seed_of(summary: Mapping[str, Any]) -> int | None:
@@ -286,10 +319,18 @@ def _seed_of(summary: Mapping[str, Any]) -> int | None:
 def read_summary(run: Path) -> dict[str, Any]:
     """A run folder's ``summary.json``; SettingsError naming the folder when it is missing,
     unreadable or not a JSON object."""
+    check_regular(run / "summary.json")
     try:
         summary = json.loads((run / "summary.json").read_text())
+    except RecursionError:
+        raise SettingsError(f"{run}: summary.json nests too deeply to be a fedgc summary") \
+            from None
     except (OSError, ValueError) as ex:
         raise SettingsError(f"{run}: no readable summary.json ({ex})") from None
     if not isinstance(summary, dict):
         raise SettingsError(f"{run}: summary.json is not a JSON object")
+    for key in (*AGGREGATED, "dense_uplink_bytes", "dense_downlink_bytes", "dense_total_bytes"):
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise SettingsError(f"{run}/summary.json: {key} = {value!r} is not a number")
     return summary

@@ -132,11 +132,16 @@ def _run_scenario(config: RunConfig, verbose: bool,
             return run_server(BatchedGrid(client_app, config.train.num_clients,
                                           seed=config.train.seed), config, **extra)
     if config.server.engine == "local":
+        from fedgc.task_loader import ALLOWED_CALLABLES
         from server.local_grid import LocalGrid
 
+        # Simulated nodes run the simulating user's own config: any callable it names (a
+        # deployed node runs only those its node config lists, client.app.allowed_callables).
+        simulated = {ALLOWED_CALLABLES: "*"}
         with flower_logging(verbose):
             return run_server(LocalGrid(client_app, config.train.num_clients,
-                                        seed=config.train.seed), config, **extra)
+                                        seed=config.train.seed, node_config=simulated),
+                              config, **extra)
     ray_environment()  # before cluster.attach starts Ray
     backend = backend_config(config)  # a SettingsError before anything starts
     if config.server.ray_address:

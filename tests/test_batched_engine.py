@@ -48,7 +48,11 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) 
     # the batched trainer must start each client there too.
     ("task=digits", "method=dgc", "density=0.05", "dgc.value_dtype=float32",
      "dgc.step_ahead=0.5", "num_clients=5"),
-], ids=["digits-dgc", "digits-dense-steps", "mnist5k-dgc", "digits-dgc-step-ahead"])
+    # Hostile clients (client.attacks) take the same path in both engines: their labels in
+    # read_round, their update in reply_round.
+    ("task=digits", "method=dense", "attack.clients=0,1", "attack.kind=targeted", "robust=on"),
+], ids=["digits-dgc", "digits-dense-steps", "mnist5k-dgc", "digits-dgc-step-ahead",
+        "digits-dense-hostile"])
 def test_the_batched_engine_gives_the_local_engines_model(tmp_path: Path, sets: tuple) -> None:
     # Dirichlet partitions: clients of different sizes, so rounds of different lengths. The
     # batched kernels sum in another order (6e-8 apart after a round); a value rounded to fp16

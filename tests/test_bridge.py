@@ -199,7 +199,8 @@ def test_bad_chunks_are_refused_and_change_nothing(bridge, certs):
 
     def chunk(offset, payload, **kw):
         fields = dict(session_id=session, task_id=task.task_id, upload_id="u1", offset=offset,
-                      data=payload, total_bytes=len(data), sha256=digest)
+                      data=payload, total_bytes=len(data), sha256=digest,
+                      metrics_json='{"num-examples": 60}')
         fields.update(kw)
         return pb.UploadChunk(**fields)
 

@@ -26,7 +26,8 @@ def test_an_upload_claiming_a_tensor_larger_than_the_model_is_rejected(bridge, c
                                                   (largest + 1,))}, task.sequence))
     chunk = pb.UploadChunk(session_id=session, task_id=task.task_id, upload_id="big", offset=0,
                            data=data, total_bytes=len(data),
-                           sha256=hashlib.sha256(data).hexdigest())
+                           sha256=hashlib.sha256(data).hexdigest(),
+                           metrics_json='{"num-examples": 60}')
     assert stub.UploadUpdate(iter([chunk]),
                              metadata=((SESSION_METADATA_KEY, session),)).complete
     ack = stub.Ack(pb.AckRequest(session_id=session, upload_id="big"))

@@ -184,7 +184,7 @@ def test_partial_uploads_per_device_and_the_cap_from_the_model(plain_bridge):
     def first_chunk(upload_id, total_bytes):
         return pb.UploadChunk(session_id=session, task_id=task.task_id, upload_id=upload_id,
                               offset=0, data=b"x" * 1000, total_bytes=total_bytes,
-                              sha256="0" * 64)
+                              sha256="0" * 64, metrics_json='{"num-examples": 60}')
 
     with pytest.raises(grpc.RpcError) as ex:
         stub.UploadUpdate(iter([first_chunk("big", cap + 1)]), metadata=meta)
@@ -264,4 +264,66 @@ def test_nested_metrics_and_probing_get_clear_and_alike_answers(plain_bridge):
             stub.Ack(pb.AckRequest(session_id=b, upload_id=upload_id))
         details.append((ex.value.code(), ex.value.details().replace(repr(upload_id), "ID")))
     assert details[0] == details[1]
+    channel.close()
+
+
+def test_refused_first_chunks_hold_no_partial_upload_slot(plain_bridge):
+    """Issue 26: a first chunk with an offset gap or one larger than its upload was refused
+    after the upload was kept, so two of them held both slots and the real upload was refused."""
+    channel, stub = _stub(plain_bridge)
+    session, meta, task, state = _open_task(plain_bridge, stub, "phone-a")
+    data = _update(task, state)
+    digest = hashlib.sha256(data).hexdigest()
+    for upload_id, offset, piece, total, code in (
+            ("gap", 500, b"x" * 100, len(data), grpc.StatusCode.OUT_OF_RANGE),
+            ("overflow", 0, b"x" * 200, 100, grpc.StatusCode.INVALID_ARGUMENT),
+            ("too-big", 0, b"x" * 1025, len(data), grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as ex:
+            stub.UploadUpdate(iter([pb.UploadChunk(
+                session_id=session, task_id=task.task_id, upload_id=upload_id, offset=offset,
+                data=piece, total_bytes=total, sha256=digest,
+                metrics_json='{"num-examples": 60}')]), metadata=meta)
+        assert ex.value.code() == code, ex.value.details()
+        assert stub.QueryUpload(pb.QueryUploadRequest(
+            session_id=session, upload_id=upload_id)).received_bytes == 0
+    assert plain_bridge.stats()["uploads"] == 0
+    assert _upload(stub, session, task, data).state == pb.DELIVERED
+    assert plain_bridge.wait(task.task_id, 5).update_bytes == data
+    channel.close()
+
+
+@pytest.mark.parametrize("metrics_json, words", [
+    ('{"num-examples": Infinity}', "Infinity is not a JSON number"),
+    ('{"num-examples": NaN}', "NaN is not a JSON number"),
+    ('{"num-examples": 60, "train_loss": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"num-examples": "ten"}', "num-examples = 'ten'; expected a whole number in [1, "),
+    ('{"num-examples": 60.5}', "num-examples = 60.5; expected a whole number"),
+    ('{"num-examples": 0}', "num-examples = 0; expected a whole number in [1, "),
+    ('{"num-examples": true}', "num-examples = True"),
+    ('{"num-examples": 4294967296}', "num-examples = 4294967296"),
+    ('{"train_loss": 0.5}', "lacks 'num-examples'"),
+    ('{"num-examples": 60, "train_loss": "low"}', "train_loss = 'low'; expected a finite"),
+    ('{"num-examples": 60, "restored": -1}', "restored = -1; expected a whole number in [0, "),
+    ('{"num-examples": 60, "restored": 0.5}', "restored = 0.5"),
+])
+def test_metrics_the_federation_cannot_use_are_refused_before_delivery(
+        plain_bridge, metrics_json, words):
+    """Issue 26: such metrics were acknowledged DELIVERED, then bridge_app's int()/float()
+    failed (or truncated 60.5 to 60 before the server's check)."""
+    channel, stub = _stub(plain_bridge)
+    session, meta, task, state = _open_task(plain_bridge, stub, "phone-a")
+    data = _update(task, state)
+    with pytest.raises(grpc.RpcError) as ex:
+        stub.UploadUpdate(iter([pb.UploadChunk(
+            session_id=session, task_id=task.task_id, upload_id="m", offset=0,
+            data=data[:1000], total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+            metrics_json=metrics_json)]), metadata=meta)
+    assert ex.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in ex.value.details(), ex.value.details()
+    assert plain_bridge.stats()["results"] == 0 and plain_bridge.stats()["uploads"] == 0
+    # The same update with usable metrics is delivered, its num-examples as sent.
+    status = _upload(stub, session, task, data, metrics={"num-examples": 61, "restored": 1,
+                                                         "train_loss": 0.25})
+    assert status.state == pb.DELIVERED
+    assert plain_bridge.wait(task.task_id, 5).metrics["num-examples"] == 61
     channel.close()

@@ -91,7 +91,16 @@ def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed()
     written = RunConfig.from_flat({"rounds": 5, "seed": 2}).to_flat()
     assert RESUMABLE_KEYS <= set(written)  # every exempt key is a real key
     check_run_config(written, {**written, "rounds": 9, "progress": False, "run_name": "moved"})
-    check_run_config(written, {**written, "a.key.from.a.later.version": 1})
+    # A key added since the checkpoint, at its default, computes what the run did without it.
+    older = {k: v for k, v in written.items() if k != "trim_fraction"}
+    check_run_config(older, written)
+    with pytest.raises(CheckpointError, match=r"trim_fraction = 0.1 \(now 0.2\)"):
+        check_run_config(older, {**written, "trim_fraction": 0.2})
+    # A key without a default that one side lacks is a change (issue 26 item 6: netem.* keys).
+    with pytest.raises(CheckpointError, match=r"netem.enabled = True \(now unset\)"):
+        check_run_config({**written, "netem.enabled": True}, written)
+    with pytest.raises(CheckpointError, match=r"netem.enabled = unset \(now True\)"):
+        check_run_config(written, {**written, "netem.enabled": True})
     check_run_config(None, written)  # a checkpoint of an earlier fedgc: nothing to compare
     with pytest.raises(CheckpointError, match=r"density = 0.001 \(now 0.02\), seed = 2 "
                                               r"\(now 3\)"):
@@ -127,7 +136,10 @@ def test_a_checkpoint_of_the_older_layout_is_migrated() -> None:
 V1_RUN = Path(__file__).parent / "fixtures" / "checkpoint_v1"
 V1_KEYS = ["task=digits", "sim.engine=local", "num_clients=3", "clients_per_round=3",
            "progress=false", "seed=1", "density=0.05", "downlink_density=0.1",
-           'model_options={"hidden": [16]}']
+           'model_options={"hidden": [16]}',
+           # Its bounds, the defaults of before issue 26 (a simulation's are plain FedAvg since):
+           # a resume that changes a bound is refused, naming it.
+           "max_weight_ratio=4", "max_norm_ratio=10"]
 
 
 def test_a_checkpoint_from_before_the_method_plugins_resumes_bit_for_bit(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from server.preflight import PreflightError, clear_state_dir
+from fedgc.ownership import written
 from simulations.cli import main
 
 BASE = ["--set", "task=digits", "--set", "num_clients=4", "--set", "clients_per_round=2",
@@ -108,20 +108,28 @@ def test_a_run_that_aggregated_nothing_fails(tmp_path: Path, capsys,
 
 
 def test_overwrite_deletes_only_what_fedgc_wrote(tmp_path: Path, capsys) -> None:
+    """Issue 26 item 4: a pattern over file names deleted a user's resnet50_pretrained.pt,
+    best.pt.bak and .notes.tmp; the manifest of what the run wrote deletes those files only."""
     state = tmp_path / "my-state"
     argv = [*BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=o",
             "--set", f"state_dir={state}", "--set", "method=dgc"]
     assert _run(argv, capsys)[0] == 0
-    written = sorted(p.name for p in state.iterdir())
-    assert written and all(name.endswith(".state") for name in written)
-    (state / "thesis.tex").write_text("the user's own file")
+    records = sorted(p.name for p in state.glob("*.state"))
+    assert records and written(state) == records
+    mine = {"thesis.tex": "the user's own", "resnet50_pretrained.pt": "weights",
+            "best.pt.bak": "a backup", ".notes.tmp": "notes", "7.state.corrupt-1": "kept"}
+    for name, text in mine.items():
+        (state / name).write_text(text)
+    (state / "sub").mkdir()
+    code, err = _run([*argv, "--set", "overwrite=true", "--set", "rounds=1"], capsys)
+    assert code == 0, err
+    for name, text in mine.items():
+        assert (state / name).read_text() == text, name
+    assert (state / "sub").is_dir()
+    with (tmp_path / "o" / "rounds.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 1  # the new run's, the old one's deleted
+    # A record the manifest does not list would leak a residual into the new run: refused.
+    (state / "9.state").write_text("not listed")
     code, err = _run([*argv, "--set", "overwrite=true"], capsys)
-    assert code == 2 and "thesis.tex" in err and "fedgc did not write" in err
-    assert (state / "thesis.tex").exists() and sorted(
-        p.name for p in state.iterdir() if p.name != "thesis.tex") == written
-    assert (tmp_path / "o" / "rounds.csv").exists()  # nothing of the old run was deleted
-    (state / "thesis.tex").unlink()
-    assert _run([*argv, "--set", "overwrite=true"], capsys)[0] == 0
-    with pytest.raises(PreflightError, match="sub"):
-        (state / "sub").mkdir()
-        clear_state_dir(state)
+    assert code == 2 and "manifest does not list (9.state)" in err
+    assert (state / "9.state").read_text() == "not listed"

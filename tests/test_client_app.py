@@ -412,13 +412,14 @@ def test_settings_are_parsed_once_and_their_types_still_checked():
     from client.app import ClientProtocolError, settings_from
 
     flat = to_flat(TrainSettings(task="digits", num_clients=3))
-    first = settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 1}))
+    first = settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 1}), None)
     assert first.batch_size == 1
     # Per-node keys do not take part: the next round's message gets the same object.
-    assert settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 2})) is first
-    assert settings_from(ConfigRecord({**flat, "batch_size": 2})).batch_size == 2
+    assert settings_from(ConfigRecord({**flat, "batch_size": 1, P.SERVER_ROUND: 2}),
+                         None) is first
+    assert settings_from(ConfigRecord({**flat, "batch_size": 2}), None).batch_size == 2
     with pytest.raises(ClientProtocolError, match="batch_size"):
-        settings_from(ConfigRecord({**flat, "batch_size": True}))
+        settings_from(ConfigRecord({**flat, "batch_size": True}), None)
 
 
 def test_reused_model_carries_nothing_between_clients(tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 from client.state import ClientStateStore, StateStoreError
 from fedgc.methods import get
+from fedgc.ownership import MANIFEST
 
 
 def test_round_trip_and_replace(tmp_path):
@@ -15,8 +16,9 @@ def test_round_trip_and_replace(tmp_path):
     got = store.get("7")
     assert got["version"] == 4 and torch.equal(got["v"], torch.ones(2))
     assert store.keys() == ["7"]
-    # No temporary files are left behind by the atomic writes.
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["7.state"]
+    # No temporary files are left behind by the atomic writes; the manifest lists the record.
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [MANIFEST, "7.state"]
+    assert (tmp_path / "s" / MANIFEST).read_text() == "7.state\n"  # once: created once
     store.delete("7")
     assert store.get("7") is None and store.keys() == []
 
@@ -125,7 +127,7 @@ def test_record_round_trips_exactly(tmp_path):
     store.put("12", record)
     got = store.get("12")
     assert _same(record, got)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["12.state"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != MANIFEST) == ["12.state"]
     # The tensors read back are ordinary, writable tensors.
     got["compressor"]["large"]["memory"]["v"]["w"].add_(1.0)
     assert torch.equal(store.get("12")["compressor"]["large"]["memory"]["v"]["w"],
@@ -196,7 +198,8 @@ def test_unstorable_record_is_refused_and_the_old_one_kept(tmp_path, bad):
     with pytest.raises(StateStoreError, match="cannot store"):
         store.put("5", bad)
     assert torch.equal(store.get("5")["v"], torch.zeros(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["5.state"]  # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != MANIFEST) == ["5.state"]
 
 
 def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, monkeypatch):
@@ -211,7 +214,7 @@ def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, mo
         store.put("6", {"v": torch.ones(3)})
     monkeypatch.undo()
     assert torch.equal(store.get("6")["v"], torch.zeros(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["6.state"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != MANIFEST) == ["6.state"]
 
 
 def test_legacy_torch_save_records_are_read_and_replaced(tmp_path):
@@ -222,7 +225,7 @@ def test_legacy_torch_save_records_are_read_and_replaced(tmp_path):
     assert store.keys() == ["9"]
     assert torch.equal(store.get("9")["v"], torch.arange(4.0))
     store.put("9", {"v": torch.ones(1)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["9.state"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != MANIFEST) == ["9.state"]
     assert torch.equal(store.get("9")["v"], torch.ones(1))
     store.delete("9")
     assert store.keys() == [] and store.get("9") is None

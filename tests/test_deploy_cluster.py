@@ -91,6 +91,10 @@ def test_tls_with_node_auth_refuses_an_unregistered_node_and_serves_a_registered
     assert refused.returncode() not in (None, 0)
     assert "Failed to activate SuperNode" in refused.log_text()
 
+    # The node id `flwr supernode register` printed is the one the node authenticated as: the
+    # binding of client keys (client_nodes) rests on it.
+    assert dep.registered == {0: dep.node_id(0)} and dep.client_nodes() == f"0:{dep.node_id(0)}"
+
     # Only node 0 (offset 1) trains: two rounds give exactly 2.0.
     result = dep.run(PROBE_APP, {"min-nodes": 1}, timeout_s=180)
     assert result.ok, dep.log_tails()

@@ -61,9 +61,10 @@ def _rounds_done(run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One uninterrupted run through the command line: 2 SuperNodes on LTE links."""
+    """One uninterrupted run through the command line: 2 SuperNodes on LTE links, TLS and
+    node authentication (client keys bound to the authenticated node ids)."""
     root = tmp_path_factory.mktemp("reference")
-    argv = ["--nodes", "2", "--link", "lte", "--workdir", str(root / "work"),
+    argv = ["--nodes", "2", "--link", "lte", "--auth", "--workdir", str(root / "work"),
             "--set", f"results_dir={root / 'results'}", "--set", "run_name=ref"]
     for key, value in BASE.items():
         argv += ["--set", f"{key}={value}"]
@@ -85,7 +86,12 @@ def test_cli_runs_fedgc_and_writes_the_results_of_a_simulation_run(reference: Pa
     assert summary["rounds"] == 2 and summary["uplink_compression"] > 1.0
     assert summary["uplink_bytes"] == sum(int(r["uplink_bytes"]) for r in rounds)
     record = json.loads((reference / "deploy.json").read_text())
-    assert record["status"] == "finished:completed"
+    assert record["status"] == "finished:completed" and record["auth"] is True
+    # Deployed clients are not trusted: robust = auto is on (docs/threat_model.md).
+    assert summary["config"]["robust"] == "on"
+    assert summary["config"]["aggregation"] == "centered_clip"
+    bound = summary["config"]["client_nodes"].split(",")
+    assert [item.split(":")[0] for item in bound] == ["0", "1"]
     assert record["shaping_mode"] in ("netem", "tbf", "proxy")
     # The encoded updates really crossed the shaped links (plus Flower's own messages).
     uplink_through_links = sum(link["uplink_bytes"] for link in record["links"].values())

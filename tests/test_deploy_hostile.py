@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -78,8 +79,10 @@ def _namespace_of(pid: int) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                     reason="needs root and iproute2 for the links' namespaces")
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_deploy_killed_mid_run_tears_everything_down(tmp_path: Path, sig: int) -> None:
+    """SIGTERM unwinds through the teardown; SIGKILL leaves it to the deployment's watchdog
+    (issue 26 item 10: it left 7 processes and 2 namespaces running)."""
     from simulations.deploy.processes import descendants, process_args
 
     work, results = tmp_path / "work", tmp_path / "results"
@@ -108,7 +111,7 @@ def test_a_deploy_killed_mid_run_tears_everything_down(tmp_path: Path, sig: int)
                 if "flower-supernode" in " ".join(process_args(p)[:2])}
         assert len(ours) == 2 and all(n.startswith("fedgc-") for n in ours), ours
         proc.send_signal(sig)
-        assert proc.wait(timeout=120) == 128 + sig
+        assert proc.wait(timeout=120) == (128 + sig if sig != signal.SIGKILL else -sig)
     finally:
         if proc.poll() is None:  # a failed check above: still tear the run down
             proc.terminate()
@@ -118,12 +121,21 @@ def test_a_deploy_killed_mid_run_tears_everything_down(tmp_path: Path, sig: int)
                 proc.kill()
         log.close()
     text = (tmp_path / "deploy.log").read_text()
-    assert f"stopped by {signal.Signals(sig).name}" in text and "Traceback" not in text
+    if sig == signal.SIGKILL:  # the watchdog's sweep takes a moment
+        deadline = time.monotonic() + 60
+        while ([p for p in started if _alive(p)] or ours & _namespaces()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+    else:
+        assert f"stopped by {signal.Signals(sig).name}" in text
+    assert "Traceback" not in text
     assert [p for p in started if _alive(p)] == []
     leftover = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
                 if _alive(p) and str(work) in " ".join(process_args(p))]
     assert leftover == []
     assert not (ours & _namespaces())
+    if sig == signal.SIGKILL:
+        assert "killed" in (work / "logs" / "watchdog.log").read_text()
     # Everything the run wrote under --workdir is private to its user.
     for folder in [work, *[p for p in work.rglob("*") if p.is_dir()]]:
         assert _mode(folder) == 0o700, folder
@@ -162,3 +174,92 @@ def test_deploy_config_that_is_a_folder(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["--nodes", "2", "--config", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"--config {tmp_path} is a folder" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, words", [
+    (["--timeout-s", "-5"], "--timeout-s -5: expected a finite number of seconds > 0"),
+    (["--timeout-s", "nan"], "--timeout-s nan: expected a finite number"),
+    (["--nodes", "0"], "--nodes 0: expected an integer in 1..200"),
+    (["--workdir", "{file}"], "--workdir {file} is not a folder"),
+])
+def test_deploy_options_that_cannot_work_are_refused_before_anything_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], option: list[str], words: str) -> None:
+    from simulations.deploy.cli import main
+
+    afile = tmp_path / "a-file"
+    afile.write_text("the user's")
+    option = [o.format(file=afile) for o in option]
+    code = main([*option, "--set", "task=digits", "--set", f"results_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and words.format(file=afile) in err, err
+    assert not (tmp_path / "r").exists() and afile.read_text() == "the user's"
+
+
+_DEPLOYER = r"""
+import os, subprocess, sys, time
+from pathlib import Path
+from simulations.deploy.watchdog import Watchdog, start_time
+work, netns, clean = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "clean"
+dog = Watchdog(work / "watchdog.json", work / "watchdog.log").start()
+env = {**os.environ, "FLWR_HOME": str(work / "flwr-home")}
+# A group leader with a child, as a SuperNode and its app process; and an escaped grandchild in
+# a session of its own, as Flower's SuperExec (found by its environment only).
+leader = subprocess.Popen(["sh", "-c", "sleep 1000 & setsid sleep 1001 & wait"], env=env,
+                          start_new_session=True)
+if netns:
+    subprocess.run(["ip", "netns", "add", netns], check=True)
+dog.record({"flwr_home": str(work / "flwr-home"), "namespaces": [netns] if netns else [],
+            "processes": [{"pid": leader.pid, "start": start_time(leader.pid)}]})
+print("READY", leader.pid, flush=True)
+if clean:
+    dog.stop()
+    print("STOPPED", flush=True)
+time.sleep(1000)
+"""
+
+
+def _sleepers(work: Path) -> list[int]:
+    from simulations.deploy.watchdog import deployment_pids
+
+    return sorted(deployment_pids({"flwr_home": str(work / "flwr-home")}))
+
+
+@pytest.mark.parametrize("clean", [False, True])
+def test_the_watchdog_tears_down_what_a_sigkilled_deploy_left(tmp_path: Path, clean: bool) -> None:
+    """Issue 26 item 10: SIGKILL of `deploy` left 7 processes and 2 namespaces running."""
+    netns = (f"fedgc-wdtest{os.getpid() % 10000}-0"
+             if os.geteuid() == 0 and shutil.which("ip") else "")
+    deployer = subprocess.Popen(
+        [sys.executable, "-c", _DEPLOYER, str(tmp_path), netns, "clean" if clean else "kill"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert deployer.stdout.readline().startswith("READY")
+        if clean:
+            assert deployer.stdout.readline().startswith("STOPPED")
+        deadline = time.monotonic() + 10
+        while len(_sleepers(tmp_path)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = _sleepers(tmp_path)
+        assert len(started) >= 3  # sh, its sleep, the escaped sleep
+        deployer.kill()  # SIGKILL: no teardown runs in the deployer
+        deployer.wait(timeout=10)
+        log = tmp_path / "watchdog.log"
+        deadline = time.monotonic() + 20
+        while not clean and "killed" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if clean:  # a deployment that stopped cleanly is left alone (there is nothing left)
+            time.sleep(1.0)
+            assert _sleepers(tmp_path) == started
+        else:
+            assert _sleepers(tmp_path) == []
+            if netns:
+                assert netns not in _namespaces()
+            assert "killed 3 processes, deleted " in log.read_text()
+    finally:
+        for pid in _sleepers(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if netns and netns in _namespaces():
+            subprocess.run(["ip", "netns", "del", netns], check=False)
+        if deployer.poll() is None:
+            deployer.kill()

@@ -246,8 +246,8 @@ def _pseudo_gradient(s: TrainSettings, server_round: int, sent: dict[str, torch.
     """``sent - local``, local trained from ``start`` exactly as client 0 trains."""
     from client.app import _partitions, task_of
 
-    task = task_of(s.task_spec())
-    idx = torch.from_numpy(_partitions(s.task_spec(), s.num_clients, s.partition, s.alpha,
+    task = task_of(s.task_spec(), None)  # None: any callable (the test's own settings)
+    idx = torch.from_numpy(_partitions(s.task_spec(), None, s.num_clients, s.partition, s.alpha,
                                        s.seed)[0])
     model = task.build_model()
     model.load_state_dict(start)

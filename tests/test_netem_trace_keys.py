@@ -64,6 +64,16 @@ def test_a_trace_link_runs_at_the_traces_rate(tmp_path: Path) -> None:
     ("10\nabc\n", r"netem.trace_down = .*:2: expected one integer millisecond"),
     ("", r"netem.trace_down = .* has no samples"),
     ("0\n", r"netem.trace_down = .* must end after 0 ms"),
+    # Issue 26: a digit int() refuses, timestamps past int64 or int()'s 4,300 digits, and one
+    # that made a round take 1.3e16 virtual seconds.
+    ("10\n\u00b2\n", r"netem.trace_down = .*:2: expected one integer millisecond"),
+    ("0\n99999999999999999999\n", r":2: timestamp '99999999999999999999' ms is past"),
+    ("0\n" + "1" * 5000 + "\n", r":2: timestamp '1111.*'\.\.\. ms is past the longest"),
+    ("0\n9223372036854775807\n", r"ms is past the longest trace period, 2592000000 ms"),
+    ("0\n2592000001\n", r"loops every 2\.592e\+06 s; expected at most"),
+    # A throughput trace: a rate that overflowed the integration to NaN, and a trickle.
+    ("0 1e308\n1 1e308\n", r"sample 0 has rate 1e\+308 Mbit/s; rates must be in \[0, 1e\+06\]"),
+    ("0 0.0000001\n1 0\n", r"averages 5e-08 Mbit/s over its period; expected at least"),
 ])
 def test_a_bad_trace_file_is_named_before_round_1(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None,

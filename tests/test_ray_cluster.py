@@ -57,22 +57,28 @@ def _send(grid: LocalGrid, settings: TrainSettings, server_round: int, ack: int)
     return reply
 
 
-def test_a_client_without_the_record_of_its_acked_round_fails_it_and_writes_nothing(tmp_path):
+def test_a_client_whose_record_is_gone_starts_over_counted(tmp_path, caplog):
+    """Issue 26 item 11: it failed every round it was sampled in, for the rest of the run."""
     grid = LocalGrid(client_app_module.app, 3)
     s = _settings(tmp_path)
     assert not _send(grid, s, 1, -1).has_error()
     store = ClientStateStore(s.state_dir)
     path = store.root / "1.state"
-    path.unlink()  # as on a node that never saw round 1
+    path.unlink()  # a lost disk, a reinstalled node, a node that never saw round 1
 
-    reply = _send(grid, s, 2, 1)  # the server aggregated round 1
-    assert reply.has_error()
-    assert "aggregated its update of round 1" in reply.error.reason
-    assert "holds no record" in reply.error.reason and str(store.root) in reply.error.reason
-    assert store.get("1") is None  # nothing written: no residual restarted from zero
+    with caplog.at_level("WARNING"):
+        reply = _send(grid, s, 2, 1)  # the server aggregated round 1
+    assert not reply.has_error(), reply.error.reason
+    assert reply.content.metric_records[P.METRICS][P.STATE_QUARANTINED] == 1  # counted
+    assert "holds no record" in caplog.text and "starts over" in caplog.text
+    assert store.get("1")["reply"]["sequence"] == 2
+    # It trains on from its new record, as any client.
+    reply = _send(grid, s, 3, 2)
+    assert not reply.has_error() and P.STATE_QUARANTINED not in reply.content.metric_records[
+        P.METRICS]
 
 
-def test_a_client_with_an_older_record_fails_its_round_and_keeps_it(tmp_path):
+def test_a_client_with_an_older_record_starts_over_counted(tmp_path):
     grid = LocalGrid(client_app_module.app, 3)
     s = _settings(tmp_path)
     assert not _send(grid, s, 1, -1).has_error()
@@ -82,12 +88,11 @@ def test_a_client_with_an_older_record_fails_its_round_and_keeps_it(tmp_path):
     path.write_bytes(old)  # the copy of round 1 a node-local folder would still hold
 
     reply = _send(grid, s, 3, 2)
-    assert reply.has_error()
-    assert "aggregated its update of round 2" in reply.error.reason
-    assert "written in round 1" in reply.error.reason
-    assert path.read_bytes() == old
-    # With the record the server knows of, the same client trains on.
-    assert not _send(grid, s, 3, -1).has_error()
+    assert not reply.has_error(), reply.error.reason
+    metrics = reply.content.metric_records[P.METRICS]
+    # The older record's pending update is not folded back: the client starts from nothing.
+    assert metrics[P.STATE_QUARANTINED] == 1 and metrics["restored"] == 0
+    assert path.read_bytes() != old
 
 
 def test_read_state_asks_for_a_record_only_of_dgc_clients_the_server_acked(tmp_path):
@@ -249,3 +254,27 @@ def test_clients_move_between_two_nodes_and_lose_no_gradient_mass(ray_cluster, t
     assert checked == 6
     assert sum(int(r["restored"]) for r in rows) > 0  # surplus updates were folded back
 
+
+
+def test_clients_whose_state_is_lost_mid_run_are_back_in_the_next_rounds(tmp_path):
+    """Every record deleted after round 1: the clients start over (counted in rounds.csv), a
+    round at most fails for those sent a patch on the model they lost, and all are aggregated
+    again afterwards (they failed every later round before)."""
+    from server.app import run_server
+
+    config = RunConfig.from_flat({
+        "task": "digits", "num_clients": 3, "clients_per_round": 3, "rounds": 4,
+        "partition": "iid", "progress": False, "sim.engine": "local", "density": 0.05,
+        "results_dir": str(tmp_path), "run_name": "lost"})
+
+    def lose_everything(record: Any) -> None:
+        if record.round == 1:
+            for path in config.state_dir.glob("*.state"):
+                path.unlink()
+
+    run_server(LocalGrid(client_app_module.app, 3), config, on_round=lose_everything)
+    with (tmp_path / "lost" / "rounds.csv").open() as fh:
+        rounds = list(csv.DictReader(fh))
+    assert sum(int(r["state_quarantined"]) for r in rounds) == 3
+    assert int(rounds[-1]["clients_aggregated"]) == 3 and int(rounds[-2]["clients_aggregated"]) \
+        == 3

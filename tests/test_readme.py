@@ -59,17 +59,23 @@ def test_readme_quick_commands_run(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "quick" / "virtual.png").exists()
 
 
-def _stated_defences(readme: str) -> tuple[str, str]:
-    """The weight cap and the norm clip the quick start says a run has by default."""
-    found = re.search(r"weight is capped at (\d+)x the round's median and its update clipped "
-                      r"at (\d+)x the median norm", re.sub(r"\s+", " ", readme))
+def _stated_defences(readme: str) -> tuple[str, str, str]:
+    """What the quick start says a simulation and a deployment aggregate with by default."""
+    found = re.search(r"a simulation aggregates with plain (\w+) \(`robust = auto` is off "
+                      r"there\), a deployment with (centered clipping|\w+) and weights capped "
+                      r"at the round's (\w+)", re.sub(r"\s+", " ", readme))
     assert found, "the quick start no longer states the default defences"
-    return found.group(1), found.group(2)
+    named = {"centered clipping": "centered_clip"}
+    return found.group(1), named.get(found.group(2), found.group(2)), found.group(3)
 
 
 def test_the_stated_defences_are_the_defaults() -> None:
-    from fedgc.settings import ServerSettings
+    from fedgc.settings import ROBUST_PROFILES, ServerSettings
 
-    weight, norm = _stated_defences((ROOT / "README.md").read_text())
-    s = ServerSettings()
-    assert (float(weight), float(norm)) == (s.max_weight_ratio, s.max_norm_ratio)
+    fedavg, deployed, cap = _stated_defences((ROOT / "README.md").read_text())
+    assert ServerSettings().robust == "auto"
+    assert fedavg == "FedAvg"
+    assert ROBUST_PROFILES["off"] == {"aggregation": "mean", "max_weight_ratio": 0.0,
+                                      "max_norm_ratio": 0.0}
+    assert cap == "median" and ROBUST_PROFILES["on"]["max_weight_ratio"] == 1.0
+    assert ROBUST_PROFILES["on"]["aggregation"] == deployed

@@ -26,6 +26,9 @@ metrics the server reads: the emulator charges smaller messages, so ``netem_drop
 ``virtual_seconds`` (each round's and the total) were taken again the same way, from a run of
 the code with both issue 30's keys and issue 25's digest, whose every other value is the
 snapshot's. Its wire and energy columns are not compared.
+
+Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
+changes no value of these runs (its attack keys travel only in a run with hostile clients).
 """
 
 from __future__ import annotations
@@ -74,7 +77,15 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "dgc.value_levels": 0.0, "dgc.residual_decay": 1.0,
                "dgc.residual_after_rounds": 0, "dgc.step_ahead": 0.0,
                "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0,
-               "downlink_deadband": 0.5, "downlink_vectors": "float32"}
+               "downlink_deadband": 0.5, "downlink_vectors": "float32",
+               "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
+               "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
+               "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
+               "attack.target_class": 0}
+#: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
+#: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
+#: client of the snapshots was capped or clipped (asserted on their clients.csv).
+CHANGED_DEFAULTS = {"max_weight_ratio": (4.0, 0.0), "max_norm_ratio": (10.0, 0.0)}
 #: The emulator's keys added after the snapshots (issue 25), with the values that compute what
 #: it did before them: no protocol model, the preset power models.
 NETEM_ADDED_LATER = {"netem.power_model": "", "netem.protocol": "none"}
@@ -133,6 +144,11 @@ def test_fixed_seed_run_matches_its_snapshot(name: str, tmp_path: Path) -> None:
     for k, before in ADDED_LATER.items():
         assert k not in want["config"]
         want["config"][k] = before
+    reasons = (golden / "clients.csv").read_text()
+    assert "capped" not in reasons and "clipped" not in reasons
+    for k, (recorded, now) in CHANGED_DEFAULTS.items():
+        assert want["config"][k] == recorded
+        want["config"][k] = now
     for new, old in RENAMED:
         want["config"][new] = want["config"].pop(old)
     for old in RETIRED:

@@ -5,7 +5,7 @@ import pytest
 from fedgc.methods import get
 from fedgc.methods.dgc import dgc_config
 from fedgc.methods.topk import TopK
-from fedgc.settings import RunConfig, SettingsError, flatten, load_toml
+from fedgc.settings import ROBUST_PROFILES, RunConfig, SettingsError, flatten, load_toml
 
 
 def test_defaults_and_round_trip():
@@ -138,18 +138,27 @@ def test_downlink_density_out_of_range_is_named(value):
 
 
 def test_the_defence_keys_reach_the_strategy():
-    """max_weight_ratio, max_norm_ratio, aggregation and trim_fraction are run-config keys that
-    reach the strategy's defence and combine stages (defaults on: 4x weight, 10x norm)."""
+    """max_weight_ratio, max_norm_ratio, aggregation, trim_fraction and the centered clip's
+    keys are run-config keys that reach the strategy's defence and combine stages; left empty,
+    robust fills them: off (simulation's default) is plain FedAvg, on the robust profile."""
     from server.strategy import DGCStrategy
 
     default = DGCStrategy(RunConfig.from_flat({}))
-    assert (default.bounds.max_weight_ratio, default.bounds.max_norm_ratio) == (4.0, 10.0)
+    assert (default.bounds.max_weight_ratio, default.bounds.max_norm_ratio) == (0.0, 0.0)
     assert default.combine.how == "mean"
+    robust = DGCStrategy(RunConfig.from_flat({"robust": "on"}))
+    profile = ROBUST_PROFILES["on"]
+    assert (robust.bounds.max_weight_ratio, robust.bounds.max_norm_ratio) == (
+        profile["max_weight_ratio"], profile["max_norm_ratio"])
+    assert robust.combine.how == profile["aggregation"]
     s = DGCStrategy(RunConfig.from_flat({
-        "max_weight_ratio": 0, "max_norm_ratio": "2.5", "aggregation": "trimmed_mean",
-        "trim_fraction": 0.2}))
+        "robust": "on", "max_weight_ratio": 0, "max_norm_ratio": "2.5",
+        "aggregation": "trimmed_mean", "trim_fraction": 0.2}))
     assert (s.bounds.max_weight_ratio, s.bounds.max_norm_ratio) == (0.0, 2.5)
     assert (s.combine.how, s.combine.trim_fraction) == ("trimmed_mean", 0.2)
+    c = DGCStrategy(RunConfig.from_flat({"aggregation": "centered_clip", "clip_radius": 1.5,
+                                         "clip_iterations": 2}))
+    assert (c.combine.centered.radius_ratio, c.combine.centered.iterations) == (1.5, 2)
 
 
 def test_a_run_without_run_name_gets_a_new_folder(tmp_path, monkeypatch):

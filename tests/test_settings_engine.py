@@ -31,7 +31,10 @@ def test_keys_lists_every_key_with_its_part(capsys):
     assert max(map(len, lines)) <= 100  # the project's line length: a terminal reads it
     # A key's line starts at the margin; its description follows, indented.
     listed = {line.split()[0]: line.split()[1] for line in lines if not line.startswith(" ")}
-    assert lines[1].startswith("    ") and "weighted by num-examples" in lines[1]
+    first = " ".join(line.strip() for line in
+                     lines[1:next(i for i, line in enumerate(lines[1:], 1)
+                                  if not line.startswith(" "))])
+    assert lines[1].startswith("    ") and "weighted by num-examples" in first
     netem = {f.metadata["key"] for f in fields_of(NetemSettings)}
     assert len(netem) == 22 and all(listed[k] == "netem" for k in netem)
     assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"

@@ -144,16 +144,15 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
             "--set", "rounds=2", "--set", "sim.engine=local", "--set", "max_weight_ratio=1"]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == ("fedgc: defences: weight cap 1x the round's median, update clip 10x the "
-                      "median norm, weighted mean (max_weight_ratio=0 max_norm_ratio=0: plain "
-                      "FedAvg)"), out[:3]
+    assert out[1] == ("fedgc: defences: weight cap 1x the round's median, no update clip, "
+                      "weighted mean (max_weight_ratio=0: plain FedAvg)"), out[:3]
     run = tmp_path / "bounded"
     summary = json.loads((run / "summary.json").read_text())
     reasons = [r["reason"] for r in csv.DictReader((run / "clients.csv").open())
                if r["status"] == "aggregated"]
     capped = sum("capped at" in r for r in reasons)
     assert capped > 0
-    assert summary["defences"] == {"max_weight_ratio": 1.0, "max_norm_ratio": 10.0,
+    assert summary["defences"] == {"max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
                                    "aggregation": "mean", "trim_fraction": 0.1,
                                    "weights_capped": capped, "updates_clipped": 0}
     assert f"defences: {capped} weights capped, 0 updates clipped" in "\n".join(out)

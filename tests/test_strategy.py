@@ -361,7 +361,8 @@ def _moved(arrays, before) -> float:
 
 
 def test_a_claim_of_a_trillion_examples_is_capped_at_four_times_the_median():
-    s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e12))
+    s, arrays, before, updates = _hostile_round(lambda m, u: _update_reply(m, u, weight=1e12),
+                                                max_weight_ratio=4, max_norm_ratio=10)
     hostile = [r for r in s.client_rows if r.num_examples == 10**12]
     assert len(hostile) == 1 and hostile[0].status == "aggregated"
     assert hostile[0].reason == "weight 1000000000000 capped at 40"
@@ -381,7 +382,7 @@ def test_huge_values_are_clipped_to_ten_times_the_median_norm():
         return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30, t.shape)
                                               for n, t in u.tensors.items()}, u.sequence))
 
-    s, arrays, before, updates = _hostile_round(huge)
+    s, arrays, before, updates = _hostile_round(huge, max_weight_ratio=4, max_norm_ratio=10)
     norms = sorted(update_norm(u) for u in updates[1:])
     bound = 10 * norms[1]  # the median of the four is between the good ones' two largest
     # The three good updates (weight 10 each) and the hostile one at most at the bound.
@@ -392,7 +393,7 @@ def test_huge_values_are_clipped_to_ten_times_the_median_norm():
 
 
 def test_a_sign_scale_of_3e38_is_clipped_with_its_update():
-    s, parts, before = _shared_rounds(scale_signs=3e38)
+    s, parts, before = _shared_rounds(scale_signs=3e38, max_norm_ratio=10)
     rows = [r for r in s.client_rows if r.round == 2]
     assert [r.reason.startswith("update norm") for r in sorted(rows, key=lambda r: r.client_key)
             ] == [True, False, False, False]
@@ -426,12 +427,13 @@ def test_bounds_off_aggregate_the_claims_as_sent():
 
 # ---------------------------------------------------------------- the shared sign channel
 
-def _shared_rounds(tamper_signs=None, scale_signs=None):
+def _shared_rounds(tamper_signs=None, scale_signs=None, **kw):
     """Round 1 plain, round 2 with index sets; returns the strategy, round-2 replies' parts
     and the model before round 2. ``tamper_signs(data) -> bytes | None`` alters client 0's
     signs (None: it sends none); client 0 sends its signs at scale ``scale_signs``."""
     init = _model()
-    s, grid = _strategy(downlink="dense", dgc__shared_density=0.1, dgc__min_sparse_numel=100)
+    s, grid = _strategy(downlink="dense", dgc__shared_density=0.1, dgc__min_sparse_numel=100,
+                        **kw)
     config = DGCConfig(density=0.1, warmup="none", value_dtype="float32")
     compressors = [DGCCompressor(config) for _ in range(NUM_NODES)]
     arrays = ArrayRecord(init)

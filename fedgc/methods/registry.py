@@ -11,10 +11,11 @@ registered one.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from fedgc.methods.base import Method
-from fedgc.refs import is_ref, resolve_callable, short
+from fedgc.refs import check_allowed, is_ref, resolve_callable, short
 from fedgc.schema import SettingsError
 
 __all__ = ["baseline", "compared", "get", "is_known", "load_method", "loaded", "names", "register",
@@ -65,25 +66,29 @@ def is_known(value: object) -> bool:
     return value in _REGISTERED or is_ref(value)
 
 
-def get(method: str) -> Method:
+def get(method: str, allowed: Collection[str] | None = None) -> Method:
     """The method a ``method`` key names: a registered name, or ``module:callable``
-    (:func:`load_method`); SettingsError naming the registered ones otherwise."""
+    (:func:`load_method`, only if ``allowed``, None: any, holds it); SettingsError naming the
+    registered ones otherwise."""
     found = _REGISTERED.get(method)
     if found is not None:
         return found
     if is_ref(method):
-        return load_method(method)
+        return load_method(method, allowed)
     raise SettingsError(f"method = {method!r} is not a registered method {list(_REGISTERED)} "
                         f"nor 'module:callable'")
 
 
-def load_method(ref: str) -> Method:
+def load_method(ref: str, allowed: Collection[str] | None = None) -> Method:
     """The Method that the callable ``ref`` (``pkg.module:callable``) returns, called once per
-    process and kept; SettingsError naming ``method = ref`` when the module cannot be imported,
-    the attribute is missing or not callable, the call raises, or it returns something else."""
+    process and kept; CallableNotAllowedError when ``allowed`` (None: any) lacks ``ref``, even
+    when it is loaded already (a client's node refuses what the server's process loaded);
+    SettingsError naming ``method = ref`` when the module cannot be imported, the attribute is
+    missing or not callable, the call raises, or it returns something else."""
+    check_allowed(ref, "method", allowed)
     if ref in _LOADED:
         return _LOADED[ref]
-    make: Any = resolve_callable(ref, "method", "a fedgc.methods.Method")
+    make: Any = resolve_callable(ref, "method", "a fedgc.methods.Method", allowed=allowed)
     try:
         method = make()
     except Exception as ex:

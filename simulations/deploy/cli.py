@@ -17,11 +17,12 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from fedgc.refs import ALLOWED_CALLABLES, is_ref
 from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
 
 from .calibrate import measure, point_to_dict, predicted_transfer_s
-from .cluster import Deployment, DeploymentConfig
+from .cluster import Deployment, DeploymentConfig, default_node_config
 from .errors import DeployError, DeployInterrupted
 from .links import MODES, choose_mode
 from .presets import preset, preset_names
@@ -174,9 +175,18 @@ def flower_settings(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def _deployment_config(args: argparse.Namespace) -> DeploymentConfig:
+def _deployment_config(args: argparse.Namespace, allowed: str = "") -> DeploymentConfig:
+    """The deployment of ``args``; ``allowed``: the ``module:callable`` references the
+    SuperNodes' node config lets a run call (the run's own task and method: this command is the
+    nodes' operator too)."""
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
+
+    def node_config(index: int, nodes: int) -> dict[str, object]:
+        extra = {ALLOWED_CALLABLES: allowed} if allowed else {}
+        return {**default_node_config(index, nodes), **extra}
+
     config = DeploymentConfig(
+        node_config=node_config,
         nodes=args.nodes,
         workdir=workdir,
         link=preset(args.link) if args.link else None,
@@ -223,7 +233,14 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     run_config = deploy_run_config(values, args.nodes)
     check_fedgc_run(run_config)  # before any process starts
     started_s = time.monotonic()
-    with Deployment(_deployment_config(args)) as dep:
+    # The run's own task and method, when they are module:callable: the nodes run nothing else.
+    own = ",".join(ref for ref in (run_config.train.task, run_config.train.method)
+                   if is_ref(ref))
+    with Deployment(_deployment_config(args, allowed=own)) as dep:
+        if dep.client_nodes():
+            # With --auth each client key is bound to its node's authenticated id: a node
+            # cannot serve another client's rounds by claiming its key.
+            run_config = run_config.with_overrides({"client_nodes": dep.client_nodes()})
         run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s,
                            progress=run_config.server.progress)
         write_deploy_record(dep, run, started_s)
@@ -246,9 +263,30 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_run_args(args: argparse.Namespace) -> None:
+    """Refuse options that cannot work before anything is created or started.
+
+    Raises
+    ------
+    DeployError
+        Naming the option, its value and what is accepted.
+    """
+    if not 1 <= args.nodes <= 200:
+        raise DeployError(f"--nodes {args.nodes}: expected an integer in 1..200")
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise DeployError(f"--timeout-s {args.timeout_s:g}: expected a finite number of "
+                          f"seconds > 0")
+    if args.workdir:
+        workdir = Path(args.workdir)
+        if (workdir.exists() or workdir.is_symlink()) and not workdir.is_dir():
+            raise DeployError(f"--workdir {workdir} is not a folder; name a folder for the "
+                              f"deployment's logs, certificates and state")
+
+
 def cmd_run(argv: Sequence[str]) -> int:
     """Start the deployment, run the app, print its outcome, shut everything down."""
     args = _run_parser().parse_args(argv)
+    check_run_args(args)
     if args.app == "fedgc":
         return _run_fedgc(args)
     if args.config:

@@ -30,6 +30,7 @@ from .processes import (
     wait_for_port,
 )
 from .toml_values import format_config
+from .watchdog import Watchdog, start_time
 
 CONNECTION = "fedgc-deploy"
 #: The module that starts a SuperNode with fedgc's additions (:mod:`simulations.deploy.launch`).
@@ -150,8 +151,10 @@ class Deployment:
         self.restarts: dict[int, int] = {}
         self.captures: dict[int, PacketCapture] = {}
         self.capture_drops: dict[int, int] = {}
+        self.registered: dict[int, int] = {}  # index -> node id (auth only)
         self._held: set[int] = set(config.unregistered)
         self._supervisor: threading.Thread | None = None
+        self.watchdog: Watchdog | None = None
         self._stopping = threading.Event()
         self._lock = threading.RLock()
         self.env = {
@@ -184,6 +187,12 @@ class Deployment:
         cfg = self.config
         private_dir(self.workdir)
         private_dir(self.flwr_home)  # before the SuperLink, which would create it 0755
+        private_dir(self.workdir / "logs")
+        # First: whatever starts from here on is torn down even if this process is SIGKILLed.
+        self.watchdog = Watchdog(self.workdir / "watchdog.json",
+                                 self.workdir / "logs" / "watchdog.log")
+        self._record()
+        self.watchdog.start()
         requested = cfg.shaping if cfg.link is not None else "none"
         self.mode, self.mode_detail = choose_mode(requested)
         print(f"[deploy] link shaping mode: {self.mode} ({self.mode_detail})", flush=True)
@@ -242,8 +251,26 @@ class Deployment:
             self.capture_drops[index] = capture.stop()
         if self.links is not None:
             self.links.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()  # everything is down: nothing for it to sweep
+            self.watchdog = None
         if problems:
             raise DeployError("; ".join(problems))
+
+    def _record(self, planned_netns: str | None = None) -> None:
+        """Tell the watchdog what to tear down: the processes started so far (pid and start
+        time), the namespaces made so far and ``planned_netns``, about to be made."""
+        if self.watchdog is None:
+            return
+        procs = [p for p in (self.superlink, *self.supernodes.values())
+                 if p is not None and p.running()]
+        namespaces = {link.netns for link in self.node_links.values() if link.netns}
+        if planned_netns:
+            namespaces.add(planned_netns)
+        self.watchdog.record({
+            "flwr_home": str(self.flwr_home),
+            "processes": [{"pid": p.pid, "start": start_time(p.pid)} for p in procs],
+            "namespaces": sorted(namespaces)})
 
     # ---- SuperLink -------------------------------------------------------------------------
     def _start_superlink(self) -> None:
@@ -269,6 +296,7 @@ class Deployment:
         self.superlink = ManagedProcess("superlink", argv, self.workdir / "logs" / "superlink.log",
                                         env=self.env)
         self.superlink.start()
+        self._record()
         self.superlink.wait_for_log(r"Uvicorn running on", self.config.startup_timeout_s)
         wait_for_port("127.0.0.1", self.superlink_port, self.config.startup_timeout_s)
 
@@ -297,11 +325,24 @@ class Deployment:
             )
         return proc.stdout
 
-    def register_node(self, index: int) -> None:
-        """Register node ``index``'s public key with the SuperLink (``flwr supernode register``)."""
+    def register_node(self, index: int) -> int:
+        """Register node ``index``'s public key with the SuperLink (``flwr supernode register``)
+        and return the node id the SuperLink gave it (kept in :attr:`registered`): the
+        SuperNode holding that key is that node, authenticated."""
         keys = self.node_keys[index]
-        self.flwr("supernode", "register", str(keys.public_key), CONNECTION,
-                  "--name", f"node{index}")
+        out = self.flwr("supernode", "register", str(keys.public_key), CONNECTION,
+                        "--name", f"node{index}", "--format", "json")
+        match = re.search(r'"node-id":\s*"?(\d+)', out)
+        if match is None:
+            raise DeployError(f"`flwr supernode register` printed no node id:\n{out[-2000:]}")
+        self.registered[index] = int(match.group(1))
+        return self.registered[index]
+
+    def client_nodes(self) -> str:
+        """The run key ``client_nodes`` of this deployment: each registered node's index (its
+        ``partition-id``, the client key it serves) bound to its authenticated node id; empty
+        without ``auth``."""
+        return ",".join(f"{i}:{n}" for i, n in sorted(self.registered.items()))
 
     # ---- SuperNodes ------------------------------------------------------------------------
     def start_supernode(self, index: int) -> ManagedProcess:
@@ -311,6 +352,8 @@ class Deployment:
 
     def _start_supernode(self, index: int) -> ManagedProcess:
         assert self.links is not None
+        if index not in self.node_links:
+            self._record(planned_netns=self.links.netns_name(index))
         link = self.node_links.get(index) or self.links.build(
             index, "127.0.0.1", self.superlink_port
         )
@@ -351,6 +394,7 @@ class Deployment:
             env=self.env, netns=link.netns,
         )
         self.supernodes[index] = proc.start()
+        self._record()
         self._held.discard(index)
         return proc
 

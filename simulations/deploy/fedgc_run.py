@@ -23,7 +23,7 @@ def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
 
     One SuperNode is one client (its partition id is its index), so ``num_clients`` is ``nodes``;
     ``clients_per_round`` defaults to all of them. Paths become absolute, because the ServerApp
-    and the ClientApps run in processes of their own.
+    and the ClientApps run in processes of their own. ``robust = auto`` is on.
 
     Raises
     ------
@@ -47,6 +47,9 @@ def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
     return config.with_overrides({
         "results_dir": str(Path(config.server.results_dir).resolve()),
         "state_dir": str(config.state_dir.resolve()),
+        # Deployed clients are not trusted: robust = auto is on here, decided before the run
+        # config is written into the app (its keys then arrive filled).
+        **({"robust": "on"} if config.server.robust == "auto" else {}),
     })
 
 

@@ -104,6 +104,11 @@ class LinkSet:
         self._octet: int | None = None
         self.links: dict[int, NodeLink] = {}
 
+    def netns_name(self, index: int) -> str | None:
+        """The namespace node ``index``'s link lives in (made by :meth:`build`), or None when
+        this mode makes none."""
+        return f"fedgc-{self.tag}-{index}" if self.mode in ("netem", "tbf") else None
+
     def host_addresses(self, count: int) -> list[str]:
         """Addresses the SuperLink's certificate must name for ``count`` links."""
         if self.mode in ("netem", "tbf"):

@@ -31,7 +31,14 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
-from client.app import client_key, message_config, method_of, settings_from, state_root
+from client.app import (
+    allowed_callables,
+    client_key,
+    message_config,
+    method_of,
+    settings_from,
+    state_root,
+)
 from client.state import ClientState, ClientStateStore, StateCorruptError
 from fedgc.protocol import ACK_SEQUENCE, NUM_EXAMPLES
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
@@ -187,7 +194,8 @@ def _age_residual(msg: Message, context: Context, key: int, round_index: int,
         return None
     # The run's config as the client reads it (whole, or known by its digest).
     config = message_config(msg.content, context)
-    train = settings_from(config)
+    allowed = allowed_callables(context)
+    train = settings_from(config, allowed)
     root = state_root(train, context)
     if not root:
         return None
@@ -199,7 +207,7 @@ def _age_residual(msg: Message, context: Context, key: int, round_index: int,
     if state is None:
         return None
     record = state.to_record()
-    method = method_of(train, config)
+    method = method_of(train, config, allowed)
     report = apply_stale_policy_to_record(record, round_index,
                                           int(config.get(ACK_SEQUENCE, -1)), settings.stale,
                                           lambda: method.compressor(train, key), method, train)

@@ -27,6 +27,13 @@ from simulations.netem.errors import LinkConfigError, TraceError
 
 MAHIMAHI_PACKET_BYTES = 1500
 _BITS_PER_MBIT = 1e6
+#: Bounds of a trace, far outside any measured link: a rate of 1e308 Mbit/s overflowed the
+#: integration (every transfer then took NaN seconds), a period of 2^63 ms made a round take
+#: 1.3e16 virtual seconds. Rates up to 1 Tbit/s, one loop up to 30 days, and at least 1 kbit/s
+#: on average over a loop (a Mahimahi trace: one 1500-byte packet every 12 s).
+MAX_TRACE_MBPS = 1e6
+MAX_TRACE_PERIOD_S = 30 * 86_400.0
+MIN_TRACE_MEAN_MBPS = 1e-3
 
 
 class Throughput(Protocol):
@@ -116,6 +123,12 @@ class Trace:
         if self.bits_per_period <= 0:
             raise TraceError(f"trace {name!r} delivers no bits in its period of "
                              f"{self.period_s:g} s; a link needs some throughput")
+        if not 0 < self.period_s <= MAX_TRACE_PERIOD_S:
+            raise TraceError(f"trace {name!r} loops every {self.period_s:g} s; expected at most "
+                             f"{MAX_TRACE_PERIOD_S:g} s (30 days)")
+        if self.mean_mbps < MIN_TRACE_MEAN_MBPS:
+            raise TraceError(f"trace {name!r} averages {self.mean_mbps:.3g} Mbit/s over its "
+                             f"period; expected at least {MIN_TRACE_MEAN_MBPS:g} Mbit/s (1 kbit/s)")
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -132,10 +145,10 @@ class Trace:
                              f"got {t.shape} and {r.shape}")
         if not (np.isfinite(t).all() and np.isfinite(r).all()):
             raise TraceError(f"trace {name!r} has a non-finite time or rate")
-        if (r < 0).any():
-            i = int(np.argmax(r < 0))
+        if ((r < 0) | (r > MAX_TRACE_MBPS)).any():
+            i = int(np.argmax((r < 0) | (r > MAX_TRACE_MBPS)))
             raise TraceError(f"trace {name!r} sample {i} has rate {float(r[i])!r} Mbit/s; "
-                             f"rates must be >= 0")
+                             f"rates must be in [0, {MAX_TRACE_MBPS:g}]")
         if t.size > 1 and (np.diff(t) <= 0).any():
             i = int(np.argmax(np.diff(t) <= 0)) + 1
             raise TraceError(f"trace {name!r} sample {i} has time {float(t[i])!r} s, not after the "
@@ -260,14 +273,22 @@ def load_throughput_trace(path: str | os.PathLike[str], period_s: float | None =
     return Trace.from_samples(times, rates, period_s, name=os.path.basename(path))
 
 
+_MAX_STAMP_DIGITS = len(str(int(MAX_TRACE_PERIOD_S * 1000)))
+
+
 def load_mahimahi_trace(path: str | os.PathLike[str],
                         packet_bytes: int = MAHIMAHI_PACKET_BYTES) -> Trace:
     """Read a Mahimahi trace: one integer millisecond timestamp per line."""
     stamps = []
     for lineno, cols in _read_lines(path):
-        if len(cols) != 1 or not cols[0].isdigit():
+        # ASCII digits only: str.isdigit() also accepts '²', which int() refuses.
+        if len(cols) != 1 or not (cols[0].isascii() and cols[0].isdigit()):
             raise TraceError(f"{os.fspath(path)}:{lineno}: expected one integer millisecond "
-                             f"timestamp, got {' '.join(cols)!r}")
+                             f"timestamp, got {' '.join(cols)[:80]!r}")
+        if len(cols[0].lstrip("0")) > _MAX_STAMP_DIGITS:
+            raise TraceError(f"{os.fspath(path)}:{lineno}: timestamp {cols[0][:40]!r}"
+                             f"{'...' if len(cols[0]) > 40 else ''} ms is past the longest "
+                             f"trace period, {MAX_TRACE_PERIOD_S * 1000:.0f} ms")
         stamps.append(int(cols[0]))
     return Trace.from_mahimahi(np.asarray(stamps, dtype=np.int64), packet_bytes,
                                name=os.path.basename(path))

@@ -1,0 +1,264 @@
+"""Robust aggregation (issue 26 item 1): centered clipping and FLTrust on sparse payloads equal
+their dense definitions, bound what one client moves, keep their state across a checkpoint, and
+``robust`` chooses plain FedAvg for simulations and the robust profile for deployments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dgc
+from dgc import SparseTensor, SparseUpdate
+from fedgc.methods import SparsePayload
+from fedgc.settings import ROBUST_PROFILES, RunConfig, SettingsError
+from server.aggregation import Combine, trimmed_count
+from server.checkpoint import check_run_config
+from server.robust import CenteredClip, client_entries, fltrust, space_offsets
+
+SHAPES = {"w": (6, 5), "b": (7,)}
+SIZE = 37
+
+
+def _client(g: torch.Generator, density: float, scale: float = 1.0) -> list[SparseUpdate]:
+    """An update and, overlapping it, a second part (a client's signs)."""
+    parts = []
+    for _ in range(2):
+        tensors = {}
+        for name, shape in SHAPES.items():
+            n = math.prod(shape)
+            idx = torch.randperm(n, generator=g)[: max(1, int(density * n))].sort().values
+            tensors[name] = SparseTensor(idx, scale * torch.randn(idx.numel(), generator=g),
+                                         shape)
+        parts.append(SparseUpdate(tensors, 1))
+    return parts
+
+
+def _dense(parts: list[SparseUpdate]) -> torch.Tensor:
+    return torch.cat([sum(p.to_dense(torch.float64)[n] for p in parts).reshape(-1)
+                      for n in SHAPES])
+
+
+def _entries(clients: list[list[SparseUpdate]], factors: list[float] | None = None):
+    offsets, _ = space_offsets(SHAPES)
+    factors = factors or [1.0] * len(clients)
+    return [client_entries(c, f, offsets) for c, f in zip(clients, factors, strict=True)]
+
+
+def _centered_clip_dense(xs: torch.Tensor, weights: list[float], center: torch.Tensor,
+                         ratio: float, iterations: int) -> torch.Tensor:
+    """Centered clipping on dense rows, as the paper writes it."""
+    shares = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    v = center.clone()
+    for _ in range(iterations):
+        diff = xs - v
+        dist = diff.norm(dim=1)
+        tau = ratio * dist.median() if len(xs) % 2 else ratio * dist.sort().values[
+            len(xs) // 2 - 1: len(xs) // 2 + 1].mean()
+        scale = torch.clamp(tau / dist, max=1.0)
+        v = v + (shares[:, None] * scale[:, None] * diff).sum(dim=0)
+    return v
+
+
+@pytest.mark.parametrize("k, density, ratio, iterations", [
+    (5, 0.3, 1.0, 3), (6, 0.6, 0.5, 1), (7, 1.0, 2.0, 4)])
+def test_sparse_centered_clip_equals_its_dense_definition(k, density, ratio, iterations):
+    g = torch.Generator().manual_seed(k)
+    clients = [_client(g, density) for _ in range(k)]
+    weights = [float(w) for w in torch.randint(1, 50, (k,), generator=g)]
+    center = torch.randn(SIZE, generator=g, dtype=torch.float64)
+    cc = CenteredClip(ratio, iterations)
+    cc.center = center.clone()
+    got = cc(_entries(clients), weights, SIZE)
+    want = _centered_clip_dense(torch.stack([_dense(c) for c in clients]), weights, center,
+                                ratio, iterations)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    torch.testing.assert_close(cc.center, got)  # the next round's center
+
+
+def test_centered_clip_without_clipping_is_the_weighted_mean():
+    """With a radius no client reaches, a step is FedAvg's weighted mean, whatever the
+    center."""
+    g = torch.Generator().manual_seed(3)
+    clients = [_client(g, 0.4) for _ in range(5)]
+    weights = [3.0, 10.0, 1.0, 7.0, 2.0]
+    payloads = [SparsePayload(c[0], c[1:]) for c in clients]
+    mean = Combine("mean")(payloads, weights, [1.0] * 5, SHAPES)
+    robust = Combine("centered_clip", clip_radius=1e9, clip_iterations=1)
+    robust.centered.center = torch.randn(SIZE, generator=g, dtype=torch.float64)
+    got = robust(payloads, weights, [1.0] * 5, SHAPES)
+    for n in SHAPES:
+        torch.testing.assert_close(got[n], mean[n], rtol=0, atol=1e-6)
+
+
+def test_one_client_moves_a_centered_clip_by_its_share_of_the_radius_at_most():
+    """A hostile update sent at 1e6 or at 1e30 times an honest one's size gives the same
+    aggregate: beyond the radius its term is its weight share times the radius, whatever it
+    sends."""
+    import statistics
+
+    g = torch.Generator().manual_seed(4)
+    honest = [_client(g, 1.0) for _ in range(9)]
+    direction = _client(g, 1.0)
+    got = {}
+    for scale in (1e6, 1e30):
+        hostile = [SparseUpdate({n: SparseTensor(t.indices, t.values * scale, t.shape)
+                                 for n, t in p.tensors.items()}, 1) for p in direction]
+        got[scale] = CenteredClip(1.0, 1)(_entries([*honest, hostile]), [1.0] * 10, SIZE)
+    torch.testing.assert_close(got[1e6], got[1e30], rtol=1e-5, atol=1e-7)
+    xs = [_dense(c) for c in honest]  # the center is 0 in round 1: distances are norms
+    tau = statistics.median([float(x.norm()) for x in xs] + [math.inf])
+    honest_terms = sum(x * min(1.0, tau / float(x.norm())) / 10 for x in xs)
+    assert float((got[1e30] - honest_terms).norm()) == pytest.approx(tau / 10, rel=1e-9)
+
+
+def test_fltrust_equals_its_dense_definition_and_ignores_flipped_and_scaled_copies():
+    g = torch.Generator().manual_seed(5)
+    clients = [_client(g, 0.5) for _ in range(6)]
+    root = torch.randn(SIZE, generator=g, dtype=torch.float64)
+    got = fltrust(_entries(clients), root)
+    xs = torch.stack([_dense(c) for c in clients])
+    trust = torch.relu(xs @ root / (xs.norm(dim=1) * root.norm()))
+    want = (trust[:, None] * xs * (root.norm() / xs.norm(dim=1))[:, None]).sum(0) / trust.sum()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    flipped = [[SparseUpdate({n: SparseTensor(t.indices, -t.values, t.shape)
+                              for n, t in p.tensors.items()}, 1) for p in c] for c in clients
+               if float(_dense(c) @ root) > 0]
+    assert flipped  # some point along the root update; their flips point away from it
+    torch.testing.assert_close(fltrust(_entries(clients + flipped), root), got)
+    scaled = [[SparseUpdate({n: SparseTensor(t.indices, 1e12 * t.values, t.shape)
+                             for n, t in p.tensors.items()}, 1) for p in clients[0]]]
+    with_scaled = fltrust(_entries(clients + scaled), root)
+    with_copy = fltrust(_entries(clients + clients[:1]), root)
+    # The same but for the rounding of the float32 values scaled by 1e12.
+    torch.testing.assert_close(with_scaled, with_copy, rtol=1e-6, atol=1e-7)
+
+
+def test_fltrust_refuses_a_round_where_no_update_agrees_with_the_root():
+    g = torch.Generator().manual_seed(6)
+    clients = [_client(g, 1.0) for _ in range(3)]
+    root = -sum(_dense(c) for c in clients)  # every update points away from it
+    entries = _entries(clients)
+    assert all(float(v @ root[i]) < 0 for i, v in entries)
+    with pytest.raises(dgc.AggregationError, match="no update agrees"):
+        fltrust(entries, root)
+    with pytest.raises(dgc.AggregationError, match="root update is zero"):
+        fltrust(entries, torch.zeros(SIZE, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("how, fraction, k, cut", [
+    ("trimmed_mean", 0.1, 5, 1), ("trimmed_mean", 0.1, 10, 1), ("trimmed_mean", 0.2, 10, 2),
+    ("trimmed_mean", 0.0, 10, 0), ("trimmed_mean", 0.4, 3, 1), ("trimmed_mean", 0.3, 2, 0),
+    ("median", 0.0, 6, 2), ("median", 0.0, 7, 3)])
+def test_a_trimmed_mean_above_zero_cuts_at_least_one_client(how, fraction, k, cut):
+    """Issue 26: at 5 clients a round, trim_fraction 0.1 trimmed nothing."""
+    assert trimmed_count(how, fraction, k) == cut
+
+
+def test_the_center_survives_a_checkpoint():
+    """A combine rebuilt from its state_dict continues exactly as the one that wrote it; one
+    without the center computes another aggregate."""
+    g = torch.Generator().manual_seed(7)
+    rounds = [[SparsePayload(*(lambda c: (c[0], c[1:]))(_client(g, 0.3))) for _ in range(4)]
+              for _ in range(3)]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    going = Combine("centered_clip", clip_radius=0.7)
+    going(rounds[0], weights, [1.0] * 4, SHAPES)
+    state = going.state_dict()
+    resumed = Combine("centered_clip", clip_radius=0.7)
+    resumed.load_state_dict({"center": state["center"].clone()})
+    fresh = Combine("centered_clip", clip_radius=0.7)
+    for i, payloads in enumerate(rounds[1:]):
+        a = going(payloads, weights, [1.0] * 4, SHAPES)
+        b = resumed(payloads, weights, [1.0] * 4, SHAPES)
+        c = fresh(payloads, weights, [1.0] * 4, SHAPES)
+        assert all(torch.equal(a[n], b[n]) for n in SHAPES)
+        if i == 0:
+            assert not torch.equal(a["w"], c["w"])
+
+
+def test_robust_fills_the_aggregation_keys_left_empty():
+    plain = RunConfig.from_flat({})
+    assert plain.server.robust == "auto"
+    s = plain.server
+    assert (s.aggregation, s.max_weight_ratio, s.max_norm_ratio) == ("mean", 0.0, 0.0)
+    on = plain.with_overrides({"robust": "on"})
+    profile = ROBUST_PROFILES["on"]
+    assert {k: getattr(on.server, k) for k in profile} == profile
+    mine = RunConfig.from_flat({"robust": "on", "aggregation": "median", "max_norm_ratio": 3})
+    assert (mine.server.aggregation, mine.server.max_norm_ratio) == ("median", 3.0)
+    assert mine.server.max_weight_ratio == profile["max_weight_ratio"]
+    off = mine.with_overrides({"robust": "off"})  # the user's keys stay, the rest refills
+    assert (off.server.aggregation, off.server.max_norm_ratio,
+            off.server.max_weight_ratio) == ("median", 3.0, 0.0)
+
+
+def test_an_attack_defaults_to_just_under_the_bounds_in_force():
+    bounded = RunConfig.from_flat({"max_weight_ratio": 4, "max_norm_ratio": 10,
+                                   "attack.clients": "0,1"})
+    assert (bounded.train.attack_norm_ratio, bounded.train.attack_weight_ratio) == (9.9, 3.96)
+    unbounded = RunConfig.from_flat({"attack.clients": "3"})
+    assert (unbounded.train.attack_norm_ratio, unbounded.train.attack_weight_ratio) == (
+        10.0, 4.0)
+    own = RunConfig.from_flat({"max_norm_ratio": 2, "attack.norm_ratio": 50})
+    assert own.train.attack_norm_ratio == 50.0
+    assert own.with_overrides({"max_norm_ratio": 5}).train.attack_norm_ratio == 50.0
+    assert bounded.with_overrides({"max_norm_ratio": 2}).train.attack_norm_ratio == 1.98
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"attack.clients": "0,10"}, r"attack.clients names client keys \[10\] outside \[0, 10\)"),
+    ({"attack.clients": "0,-1"}, r"attack.clients item '-1' is not a client key"),
+    ({"attack.clients": "a"}, r"attack.clients item 'a' is not a client key"),
+    ({"attack.kind": "flip"}, r"attack.kind = 'flip' is outside the accepted range"),
+    ({"attack.norm_ratio": 0}, r"attack.norm_ratio = 0.0 is outside"),
+    ({"aggregation": "krum"}, r"aggregation = 'krum' is outside"),
+    ({"robust": "yes"}, r"robust = 'yes' is outside"),
+    ({"clip_radius": 0}, r"clip_radius = 0.0 is outside"),
+])
+def test_bad_robustness_keys_are_named(keys, message):
+    with pytest.raises(SettingsError, match=message):
+        RunConfig.from_flat({"num_clients": 10, **keys})
+
+
+def test_a_checkpoint_of_before_the_attack_keys_resumes():
+    """A run config written before issue 26 has no attack keys: without hostile clients they
+    compute nothing, so a resume is not refused for them; a changed bound still is."""
+    current = RunConfig.from_flat({"max_weight_ratio": 4, "max_norm_ratio": 10}).to_flat()
+    written = {k: v for k, v in current.items() if not k.startswith("attack.")}
+    check_run_config(written, current)
+    from server.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"max_norm_ratio = 10.0 \(now 0.0\)"):
+        check_run_config(written, RunConfig.from_flat({"max_weight_ratio": 4}).to_flat())
+    hostile = {**current, "attack.clients": "1"}
+    with pytest.raises(CheckpointError, match="attack.clients"):
+        check_run_config(written, hostile)
+
+
+def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_path):
+    """The ServerApp decides by its grid: Flower's deployment grid (the SuperLink's, no
+    connection made here) turns it on, fedgc's in-process engine off; ``deploy`` decides before
+    it writes the app's config; a user's choice stands."""
+    from flwr.superlink.grid import HttpGrid
+
+    from client.app import app as client_app
+    from server.app import resolve_robust
+    from server.local_grid import LocalGrid
+    from simulations.deploy.fedgc_run import deploy_run_config
+
+    config = RunConfig.from_flat({"results_dir": str(tmp_path), "run_name": "r"})
+    deployed = resolve_robust(config, HttpGrid(token="not-connected"))
+    assert deployed.server.robust == "on"
+    assert deployed.server.aggregation == ROBUST_PROFILES["on"]["aggregation"]
+    simulated = resolve_robust(config, LocalGrid(client_app, 2))
+    assert (simulated.server.robust, simulated.server.aggregation) == ("off", "mean")
+    assert deployed.run_dir == simulated.run_dir == config.run_dir
+    chosen = config.with_overrides({"robust": "off"})
+    assert resolve_robust(chosen, HttpGrid(token="x")).server.aggregation == "mean"
+    deploy = deploy_run_config({"results_dir": str(tmp_path), "run_name": "d"}, 3)
+    assert (deploy.server.robust, deploy.server.aggregation) == (
+        "on", ROBUST_PROFILES["on"]["aggregation"])
+    assert deploy_run_config({"results_dir": str(tmp_path), "run_name": "d",
+                              "robust": "off"}, 3).server.aggregation == "mean"
