@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedgc.flower_log import flower_logging
 from fedgc.settings import RunConfig, SettingsError
+from fedgc.task_loader import ALLOWED_CALLABLES
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
@@ -125,19 +126,19 @@ def _run_scenario(config: RunConfig, verbose: bool,
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
         extra["strategy_factory"] = strategy_factory(netem)
+    # Simulated nodes run the simulating user's own config: any callable it names (a deployed
+    # node runs only those its node config lists, client.app.allowed_callables).
+    simulated = {ALLOWED_CALLABLES: "*"}
     if config.server.engine == "batched":
         from simulations.batched_engine import BatchedGrid
 
         with flower_logging(verbose):
             return run_server(BatchedGrid(client_app, config.train.num_clients,
-                                          seed=config.train.seed), config, **extra)
+                                          seed=config.train.seed, node_config=simulated),
+                              config, **extra)
     if config.server.engine == "local":
-        from fedgc.task_loader import ALLOWED_CALLABLES
         from server.local_grid import LocalGrid
 
-        # Simulated nodes run the simulating user's own config: any callable it names (a
-        # deployed node runs only those its node config lists, client.app.allowed_callables).
-        simulated = {ALLOWED_CALLABLES: "*"}
         with flower_logging(verbose):
             return run_server(LocalGrid(client_app, config.train.num_clients,
                                         seed=config.train.seed, node_config=simulated),

@@ -4,6 +4,7 @@ seed (``examples/own_task``'s ``build_per_client``)."""
 
 from __future__ import annotations
 
+import json
 import random
 import tracemalloc
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from client.app import app as client_app
 from fedgc.settings import RunConfig, SettingsError
+from fedgc.task_loader import ALLOWED_CALLABLES
 from server.app import run_server
 from server.local_grid import LocalGrid, node_id, partition_of_node
 from server.preflight import PreflightError, check_partitions
@@ -61,11 +63,14 @@ def test_a_million_clients_run_holding_only_the_sampled_ones(tmp_path: Path,
         "clients_per_round": 3, "rounds": 2, "sim.engine": "local", "progress": False,
         "results_dir": str(tmp_path), "run_name": "million", "checkpoint": False,
         "eval_samples": 100})
-    grid = LocalGrid(client_app, config.train.num_clients, seed=config.train.seed)
+    # As the local engine makes its nodes: they run the simulating user's own task.
+    grid = LocalGrid(client_app, config.train.num_clients, seed=config.train.seed,
+                     node_config={ALLOWED_CALLABLES: "*"})
     summary = run_server(grid, config)
     assert summary["clients_aggregated"] == 6 and summary["clients_failed"] == 0
     assert len(grid.contexts) <= 6  # the nodes it ran, not a million
-    stored = list(config.state_dir.iterdir())
+    # The client records (beside them: the folder's owner mark and the store's manifest).
+    stored = list(config.state_dir.glob("*.state"))
     assert 0 < len(stored) <= 6
 
 
@@ -101,3 +106,20 @@ def test_a_client_without_data_stops_the_run_before_round_1(tmp_path: Path,
                                   "clients_per_round": 2})
     with pytest.raises(PreflightError, match=r"client_data\(0\) holds no sample"):
         check_partitions(config)
+
+
+@pytest.mark.parametrize("engine", ["local", "batched"])
+def test_a_simulated_node_runs_the_users_own_task_on_either_in_process_engine(
+        tmp_path: Path, examples_path: None, engine: str) -> None:
+    """Through the command line, as a user runs it: a simulated node trusts the run's own
+    ``module:callable`` (a deployed node only what its node config lists)."""
+    from simulations.cli import main
+
+    argv = ["run"]
+    for s in (f"task={PER_CLIENT}", 'task_options={"samples": 8}', "num_clients=1000000",
+              "clients_per_round=2", "rounds=1", f"sim.engine={engine}", "progress=false",
+              f"results_dir={tmp_path}", "run_name=own", "checkpoint=false", "eval_samples=50"):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "own" / "summary.json").read_text())
+    assert summary["clients_aggregated"] == 2 and summary["clients_failed"] == 0
