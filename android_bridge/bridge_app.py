@@ -20,9 +20,11 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
+from android_bridge.initial_model import model_digest
 from client import app as client_module
 from client.state import ClientState
 from dgc import SparseUpdate
+from dgc.int8_grid import round_initial
 from dgc.wire import max_numel_of
 from fedgc import methods
 from fedgc import protocol as P
@@ -62,32 +64,42 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         started = time.perf_counter()
-        config = msg.content.config_records.get(P.CONFIG)
-        if config is None:
-            raise client_module.ClientProtocolError(f"train message has no {P.CONFIG!r} "
-                                                    f"ConfigRecord")
+        config = client_module.message_config(msg.content, context)
         allowed = client_module.allowed_callables(context)
         s = client_module.settings_from(config, allowed)
         server_round = int(config[P.SERVER_ROUND])  # type: ignore[arg-type]
         version = int(config[P.MODEL_VERSION])  # type: ignore[arg-type]
         ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
         device = device_for(context, devices)
-        key = client_module.client_key(context)
         record = held.get(device)
-        # A first contact may be sent a patch on version 0 (clients_build_initial_model, a
+        # A first contact is sent a patch on version 0 (clients_build_initial_model, a
         # default): the bridge builds version 0 from the run's seed as a ClientApp does, and
-        # the phone, which holds no model yet, gets the model it produces, dense.
-        global_state = client_module.global_model(
-            msg.content, config, record,
-            initial=lambda: client_module.initial_model(
+        # hands the phone the patch if its export builds that same version 0 (a phone exported
+        # with the run's seed), the dense model it produces if not.
+        initial: dict[str, Any] = {}
+
+        def version_0() -> dict[str, Any]:
+            initial.update(client_module.initial_model(
                 client_module.task_of(s.task_spec(), allowed), s.seed))
+            return dict(initial)
+
+        global_state = client_module.global_model(msg.content, config, record,
+                                                  initial=version_0)
         patch = base = None
-        if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:
-            patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
-            base = int(config[P.BASE_VERSION])  # type: ignore[arg-type]
-            if config.get(P.PATCH_ADD):
-                patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
-                                   global_state)
+        base_sha256 = ""
+        if str(config.get(P.DOWNLINK, "dense")) == "patch":
+            bases = [int(v) for v in config.get(P.BASE_VERSIONS,  # type: ignore[union-attr]
+                                                [config[P.BASE_VERSION]])]
+            if record is not None or 0 in bases:
+                patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
+                base = int(config[P.BASE_VERSION]) if record is not None else 0
+                if config.get(P.PATCH_ADD):
+                    patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
+                                       global_state)
+            if record is None and patch is not None:
+                start = (round_initial(initial) if bool(config.get(P.INITIAL_GRID, False))
+                         else initial)
+                base_sha256 = model_digest(start) if start else ""
         held[device] = ClientState(model=global_state, model_version=version)
         method = client_module.method_of(s, config, allowed)
         dgc_config = method.phone_config(s) if method.phone else None
@@ -96,21 +108,17 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             sequence=server_round, ack_sequence=ack,
             dense_model=dgc.encode(SparseUpdate.from_dense(global_state, "float32", version)),
             config=_phone_config(s, dgc_config), patch=patch,
-            base_version=-1 if base is None else base)
+            base_version=-1 if base is None else base, base_sha256=base_sha256)
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
-        update = result.update
-        # The bridge checked these when the upload began (android_bridge.bridge.parse_metrics):
-        # num-examples a whole number >= 1, train_loss finite, restored a whole number >= 0.
+        # The phone encoder has no shared-index channel (dgc.signs): the server aggregates a
+        # reply without signs from its top-k update alone. The bridge checked these when the
+        # upload began (android_bridge.bridge.parse_metrics): num-examples a whole number >= 1,
+        # train_loss finite, restored a whole number >= 0.
         metrics = P.reply_metrics(
-            num_examples=result.metrics["num-examples"],
-            uplink_bytes=len(result.update_bytes), nnz=update.nnz,
-            # The phone encoder has no shared-index channel (dgc.signs): the server aggregates
-            # a reply without signs from its top-k update alone.
-            shared_entries=0, density=update.density,
+            num_examples=int(result.metrics["num-examples"]),
             train_loss=float(result.metrics.get("train_loss", float("nan"))),
-            compute_seconds=time.perf_counter() - started, model_version=version,
-            client_key=key, sequence=server_round,
+            compute_seconds=time.perf_counter() - started,
             restored=int(result.metrics.get("restored", 0)))
         return Message(P.reply_content(result.update_bytes, metrics), reply_to=msg)
 

@@ -79,6 +79,19 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="logs, certificates and state (default: a new temporary folder)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0, help="seeds the links' jitter and outages")
+    p.add_argument("--poll-interval-s", type=float, default=None,
+                   help="an idle SuperNode's pull interval (Flower's: 3 s)")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None,
+                   help="SuperNode heartbeat interval (Flower's: 30 s; offline after 2)")
+    p.add_argument("--keep-alive-s", type=float, default=None,
+                   help="how long the SuperLink keeps an idle connection (Flower's: 5 s)")
+    p.add_argument("--phone-settings", action="store_true",
+                   help="fedgc's pick for phones (docs/deploy.md): "
+                        + ", ".join(f"{k.replace('_', '-')} {v:g}"
+                                    for k, v in PHONE_SETTINGS.items()))
+    p.add_argument("--capture", action="store_true",
+                   help="record every packet of each link (tcpdump; needs shaping tbf or "
+                        "netem) and print where the bytes go (`python -m simulations wire`)")
     return p
 
 
@@ -135,6 +148,33 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     return 0 if worst <= 0.15 else 1
 
 
+#: Flower settings fedgc picks for SuperNodes on phones (docs/deploy.md, "Settings for phones"):
+#: a poll every 20 s lets an LTE radio leave its 11.6 s tail between polls; heartbeats every
+#: 120 s (a dead node is marked offline within 240 s); connections kept 60 s so polls and
+#: heartbeats reuse one connection instead of a TCP and TLS handshake each.
+PHONE_SETTINGS = {"poll_interval_s": 20.0, "heartbeat_interval_s": 120.0, "keep_alive_s": 60.0}
+
+
+def flower_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The poll, heartbeat and keep-alive settings of the command line (``--phone-settings``
+    first, explicit options over it).
+
+    Raises
+    ------
+    DeployError
+        A value outside (0, 3600] seconds.
+    """
+    out = dict(PHONE_SETTINGS) if args.phone_settings else {}
+    for key in PHONE_SETTINGS:
+        value = getattr(args, key)
+        if value is not None:
+            if not (math.isfinite(value) and 0 < value <= 3600):
+                raise DeployError(f"--{key.replace('_', '-')} {value!r}: expected seconds in "
+                                  f"(0, 3600]")
+            out[key] = float(value)
+    return out
+
+
 def _deployment_config(args: argparse.Namespace, allowed: str = "") -> DeploymentConfig:
     """The deployment of ``args``; ``allowed``: the ``module:callable`` references the
     SuperNodes' node config lets a run call (the run's own task and method: this command is the
@@ -156,6 +196,8 @@ def _deployment_config(args: argparse.Namespace, allowed: str = "") -> Deploymen
         seed=args.seed,
         # A device's service manager restarts a SuperNode that gave up on a bad link.
         restart_on_exit=True,
+        capture=args.capture,
+        **flower_settings(args),
     )
     print(f"[deploy] {args.nodes} SuperNodes, link {args.link or 'none'}, "
           f"tls={'on' if config.tls else 'off'}, auth={'on' if config.auth else 'off'}, "
@@ -211,7 +253,13 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     plot = plot_run(run.run_dir)
     print(summary_table({str(run.summary.get("method", "run")): run.summary}))
     print(bytes_table(run.summary, json.loads((run.run_dir / "deploy.json").read_text())))
-    print(f"results: {run.run_dir}/rounds.csv, summary.json, deploy.json, {plot.name}")
+    written = ["rounds.csv", "summary.json", "deploy.json", plot.name]
+    if args.capture:
+        from .capture_report import write_capture_ledger
+
+        print(write_capture_ledger(dep, run))
+        written.append("wire.json")
+    print(f"results: {run.run_dir}/{', '.join(written)}")
     return 0
 
 

@@ -178,6 +178,10 @@ def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Pat
         "shaping_detail": dep.mode_detail,
         "tls": dep.config.tls,
         "auth": dep.config.auth,
+        # None: Flower's own (3 s, 30 s, 5 s).
+        "poll_interval_s": dep.config.poll_interval_s,
+        "heartbeat_interval_s": dep.config.heartbeat_interval_s,
+        "keep_alive_s": dep.config.keep_alive_s,
         "deploy_wall_seconds": time.monotonic() - started_s,
         "links": {
             str(i): None if nl.proxy is None else {
