@@ -21,6 +21,15 @@ $(STAMP): pyproject.toml Makefile
 	    echo "note: could not install dataset-fashion-mnist; Fashion-MNIST tests will be skipped"; \
 	  else echo "note: apt unavailable; Fashion-MNIST tests will be skipped"; fi; \
 	fi
+	# tcpdump records a deployment's links (deploy --capture, docs/deploy.md); skipped (with a
+	# note) where apt is unavailable, and the capture tests skip with the reason.
+	@if ! command -v tcpdump >/dev/null 2>&1 && [ ! -x /usr/bin/tcpdump ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get install -y -qq tcpdump >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq tcpdump >/dev/null 2>&1)) || \
+	    echo "note: could not install tcpdump; capture tests will be skipped"; \
+	  else echo "note: apt unavailable; capture tests will be skipped"; fi; \
+	fi
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -36,6 +36,11 @@ DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
 SESSION_METADATA_KEY = "fedgc-session"
 #: Largest ``metrics_json`` accepted: a few numbers need a few hundred bytes.
 MAX_METRICS_BYTES = 4096
+#: gRPC options for the phone's link, on both ends. BDP probing sends an HTTP/2 PING with a
+#: stream's first data to size the flow-control window for bulk transfers; on a link that moves
+#: a few kB a round it cost four PINGs and their ACKs, ~570 bytes a round, more than the rest
+#: of gRPC's framing.
+PHONE_CHANNEL_OPTIONS = (("grpc.http2.bdp_probe", 0),)
 # Worker threads kept free of upload streams, so Register, FetchTask, QueryUpload and Ack are
 # answered however many streams are open.
 _UNARY_WORKERS = 8
@@ -146,6 +151,10 @@ class PhoneTask:
     shared_mask : bytes or None
         The round's shared index sets (``dgc.signs.codec.encode_mask``); the phone answers
         them with its residual's signs, appended to its update. None: no sign channel.
+    base_sha256 : str
+        For a patch on version 0 to a phone that was never sent a model: the digest of that
+        version 0 (:mod:`android_bridge.initial_model`). The patch goes only to a phone that
+        offers it among the versions 0 its export can build; any other gets the dense model.
     """
 
     device_id: str
@@ -158,6 +167,7 @@ class PhoneTask:
     patch: bytes | None = None
     base_version: int = -1
     shared_mask: bytes | None = None
+    base_sha256: str = ""
     task_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
@@ -250,7 +260,16 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         Largest encoded update accepted whatever the model; a task's own cap is the smaller of
         this and :func:`update_cap_bytes` of its dense model.
     poll_interval_s : float
-        What Register tells phones to wait between polls for a task.
+        What Register tells phones to wait between polls for a task when they do not
+        long-poll (or the bridge could not hold their call).
+    max_wait_s : float
+        The longest a FetchTask may be held for a task (long poll; 0 turns it off). A phone
+        that waits 60 s per call costs one request a minute while idle instead of one per
+        ``poll_interval_s``, and hears of its task at once; a phone that vanished is noticed no
+        later than before (by its round's wait, ``PhoneBridge.wait``).
+    max_waiting : int
+        FetchTask calls held at once over all devices (one per device); beyond, a call is
+        answered at once and the phone polls. The gRPC server gets this many more workers.
     max_streams : int
         Upload streams open at once over all devices (RESOURCE_EXHAUSTED beyond). The gRPC
         server gets this many worker threads plus 8 that streams never take.
@@ -270,7 +289,8 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                  server_credentials: grpc.ServerCredentials | None = None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
                  max_update_bytes: int = DEFAULT_MAX_UPDATE_BYTES,
-                 poll_interval_s: float = 0.05, max_streams: int = 16,
+                 poll_interval_s: float = 0.05, max_wait_s: float = 60.0,
+                 max_waiting: int = 64, max_streams: int = 16,
                  max_streams_per_device: int = 2, stream_idle_timeout_s: float = 30.0,
                  max_partial_uploads_per_device: int = 2, max_sessions_per_device: int = 4,
                  finished_uploads_kept: int = 8) -> None:
@@ -278,7 +298,10 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
             if not device_id or not isinstance(token, str) or len(token) < 16:
                 raise BridgeError(f"device {device_id!r} needs a token of at least 16 "
                                   f"characters")
+        if not (isinstance(max_wait_s, (int, float)) and 0.0 <= max_wait_s <= 3600.0):
+            raise BridgeError(f"max_wait_s={max_wait_s!r}, expected seconds in [0, 3600]")
         for name, value in (("max_chunk_bytes", max_chunk_bytes),
+                            ("max_waiting", max_waiting),
                             ("max_update_bytes", max_update_bytes), ("max_streams", max_streams),
                             ("max_streams_per_device", max_streams_per_device),
                             ("max_partial_uploads_per_device", max_partial_uploads_per_device),
@@ -294,6 +317,9 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         self.max_chunk_bytes = max_chunk_bytes
         self.max_update_bytes = max_update_bytes
         self.poll_interval_s = float(poll_interval_s)
+        self.max_wait_s = float(max_wait_s)
+        self.max_waiting = max_waiting
+        self._waiting: dict[str, int] = {}  # device -> FetchTask calls held for it
         self.max_streams = max_streams
         self.max_streams_per_device = max_streams_per_device
         self.stream_idle_timeout_s = float(stream_idle_timeout_s)
@@ -326,8 +352,9 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         # Room for every metadata field of a chunk besides its data (sha256, ids, metrics).
         max_message = self.max_chunk_bytes + MAX_METRICS_BYTES + 4096
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.max_streams + _UNARY_WORKERS),
-            options=[("grpc.max_receive_message_length", max_message)])
+            futures.ThreadPoolExecutor(
+                max_workers=self.max_streams + self.max_waiting + _UNARY_WORKERS),
+            options=[("grpc.max_receive_message_length", max_message), *PHONE_CHANNEL_OPTIONS])
         pb_grpc.add_FedgcBridgeServicer_to_server(self, server)
         if self._credentials is None:
             port = server.add_insecure_port(self.address)
@@ -346,6 +373,8 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
     def stop(self, grace_s: float = 0.5) -> None:
         """Stop serving (in-flight calls get ``grace_s`` to finish)."""
         self._stopping.set()
+        with self._lock:
+            self._lock.notify_all()  # held FetchTask calls answer now
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
@@ -362,12 +391,13 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
 
     def stats(self) -> dict[str, int]:
         """What the bridge holds now: sessions, open tasks, tasks awaited, uploads, bytes of
-        partial uploads, undelivered results and open upload streams."""
+        partial uploads, undelivered results, open upload streams and held FetchTask calls."""
         with self._lock:
             return {"sessions": len(self._sessions), "open_tasks": len(self._open),
                     "tasks": len(self._tasks), "uploads": len(self._uploads),
                     "upload_bytes": sum(len(u.data) for u in self._uploads.values()),
-                    "results": len(self._results), "streams": len(self._streams)}
+                    "results": len(self._results), "streams": len(self._streams),
+                    "waiting": sum(self._waiting.values())}
 
     # -- federation side ------------------------------------------------------------------
 
@@ -470,27 +500,66 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 self._sessions.pop(sessions.pop(0), None)
             sessions.append(session)
             self._sessions[session] = request.device_id
-        return pb.RegisterReply(session_id=session, poll_interval_s=self.poll_interval_s)
+        return pb.RegisterReply(session_id=session, poll_interval_s=self.poll_interval_s,
+                                max_wait_s=self.max_wait_s)
 
     def FetchTask(self, request: pb.FetchTaskRequest,  # noqa: N802
                   context: grpc.ServicerContext) -> pb.FetchTaskReply:
-        """The device's open task (the same one until its update is delivered), if any."""
+        """The device's open task (the same one until its update is delivered), if any.
+
+        With ``wait_s`` the call is held (long poll) until a task opens for the device, up to
+        ``min(wait_s, max_wait_s)``, if the device holds no other waiting call and fewer than
+        ``max_waiting`` calls are held; otherwise it is answered at once.
+        """
         with self._lock:
             device = self._device(request.session_id, context)
-            task = self._open.get(device)
-            if task is None or task.task_id in self._results:
+            task = self._ready_task(device)
+            wait_s = min(float(request.wait_s), self.max_wait_s) if math.isfinite(
+                request.wait_s) else 0.0
+            if (task is None and wait_s > 0 and not self._waiting.get(device)
+                    and sum(self._waiting.values()) < self.max_waiting):
+                self._waiting[device] = 1
+                try:
+                    deadline = time.monotonic() + wait_s
+                    while task is None and not self._stopping.is_set() and context.is_active():
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        # Wake at least every second to notice a phone that hung up.
+                        self._lock.wait(min(left, 1.0))
+                        if self._sessions.get(request.session_id) != device:
+                            break  # the session ended (a newer Register took its place)
+                        task = self._ready_task(device)
+                finally:
+                    self._waiting.pop(device, None)
+            if task is None:
                 return pb.FetchTaskReply(has_task=False)
-            use_patch = task.patch is not None and request.held_model_version == task.base_version
+            offered = list(request.initial_model_sha256)[:8]  # a phone builds two forms
+            use_patch = (task.patch is not None
+                         and request.held_model_version == task.base_version
+                         # A phone that holds only what its export builds gets a patch on the
+                         # version 0 it names; one that holds a model it was sent, on that.
+                         and (not offered or bool(task.base_sha256)
+                              and task.base_sha256 in offered))
+            config_json = json.dumps(task.config, sort_keys=True)
+            digest = hashlib.sha256(config_json.encode()).hexdigest()
             return pb.FetchTaskReply(
                 has_task=True, task_id=task.task_id, server_round=task.server_round,
                 model_version=task.model_version,
                 encoding=pb.SPARSE_PATCH if use_patch else pb.DENSE,
                 base_version=task.base_version if use_patch else -1,
                 model_bytes=task.patch if use_patch else task.dense_model,
-                config_json=json.dumps(task.config, sort_keys=True),
+                base_sha256=task.base_sha256 if use_patch and offered else "",
+                # What the phone already holds is not sent again (it names it by digest).
+                config_json="" if request.held_config_sha256 == digest else config_json,
+                config_sha256=digest,
                 ack_sequence=task.ack_sequence, sequence=task.sequence,
                 max_chunk_bytes=self.max_chunk_bytes,
                 max_update_bytes=self._update_cap(task), shared_mask=task.shared_mask or b"")
+
+    def _ready_task(self, device: str) -> PhoneTask | None:
+        task = self._open.get(device)
+        return None if task is None or task.task_id in self._results else task
 
     def _update_cap(self, task: PhoneTask) -> int:
         masks = self._masks.get(task.task_id)

@@ -24,9 +24,11 @@ import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
 from android_bridge.control import RemoteBridge
 from android_bridge.export import check_phone_run
+from android_bridge.initial_model import model_digest
 from client import app as client_module
 from client.state import ClientState, ClientStateStore
 from dgc import SparseUpdate
+from dgc.int8_grid import round_initial
 from dgc.wire import max_numel_of
 from fedgc import methods
 from fedgc import protocol as P
@@ -71,10 +73,7 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         started = time.perf_counter()
-        config = msg.content.config_records.get(P.CONFIG)
-        if config is None:
-            raise client_module.ClientProtocolError(f"train message has no {P.CONFIG!r} "
-                                                    f"ConfigRecord")
+        config = client_module.message_config(msg.content, context)
         allowed = client_module.allowed_callables(context)
         s = client_module.settings_from(config, allowed)
         server_round = int(config[P.SERVER_ROUND])  # type: ignore[arg-type]
@@ -83,20 +82,34 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
         device = device_for(context, devices)
         key = client_module.client_key(context)
         record = held.get(device)
-        # A first contact may be sent a patch on version 0 (clients_build_initial_model, a
+        # A first contact is sent a patch on version 0 (clients_build_initial_model, a
         # default): the bridge builds version 0 from the run's seed as a ClientApp does, and
-        # the phone, which holds no model yet, gets the model it produces, dense.
-        global_state = client_module.global_model(
-            msg.content, config, record,
-            initial=lambda: client_module.initial_model(
+        # hands the phone the patch if its export builds that same version 0 (a phone exported
+        # with the run's seed), the dense model it produces if not.
+        initial: dict[str, Any] = {}
+
+        def version_0() -> dict[str, Any]:
+            initial.update(client_module.initial_model(
                 client_module.task_of(s.task_spec(), allowed), s.seed))
+            return dict(initial)
+
+        global_state = client_module.global_model(msg.content, config, record,
+                                                  initial=version_0)
         patch = base = None
-        if str(config.get(P.DOWNLINK, "dense")) == "patch" and record is not None:
-            patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
-            base = int(config[P.BASE_VERSION])  # type: ignore[arg-type]
-            if config.get(P.PATCH_ADD):
-                patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
-                                   global_state)
+        base_sha256 = ""
+        if str(config.get(P.DOWNLINK, "dense")) == "patch":
+            bases = [int(v) for v in config.get(P.BASE_VERSIONS,  # type: ignore[union-attr]
+                                                [config[P.BASE_VERSION]])]
+            if record is not None or 0 in bases:
+                patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
+                base = int(config[P.BASE_VERSION]) if record is not None else 0
+                if config.get(P.PATCH_ADD):
+                    patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
+                                       global_state)
+            if record is None and patch is not None:
+                start = (round_initial(initial) if bool(config.get(P.INITIAL_GRID, False))
+                         else initial)
+                base_sha256 = model_digest(start) if start else ""
         held[device] = ClientState(model=global_state, model_version=version)
         method = client_module.method_of(s, config, allowed)
         dgc_config = method.phone_config(s) if method.phone else None
@@ -105,22 +118,19 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
             sequence=server_round, ack_sequence=ack,
             dense_model=dgc.encode(SparseUpdate.from_dense(global_state, "float32", version)),
             config=_phone_config(s, dgc_config, key, method.phone_small(s)), patch=patch,
-            base_version=-1 if base is None else base, shared_mask=_shared_mask(msg))
+            base_version=-1 if base is None else base, base_sha256=base_sha256,
+            shared_mask=_shared_mask(msg))
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
-        update = result.update
         # The phone answers the round's shared index sets as a simulated client does: its
         # signs travel beside the update, and the server aggregates them alike. The bridge
         # checked the metrics when the upload began (android_bridge.bridge.parse_metrics):
         # num-examples a whole number >= 1, train_loss finite, restored a whole number >= 0.
         side = result.side_bytes or None
         metrics = P.reply_metrics(
-            num_examples=result.metrics["num-examples"],
-            uplink_bytes=len(result.update_bytes) + len(result.side_bytes), nnz=update.nnz,
-            shared_entries=result.side_entries, density=update.density,
+            num_examples=int(result.metrics["num-examples"]),
             train_loss=float(result.metrics.get("train_loss", float("nan"))),
-            compute_seconds=time.perf_counter() - started, model_version=version,
-            client_key=key, sequence=server_round,
+            compute_seconds=time.perf_counter() - started,
             restored=int(result.metrics.get("restored", 0)))
         return Message(P.reply_content(result.update_bytes, metrics, side), reply_to=msg)
 

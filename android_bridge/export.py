@@ -44,6 +44,7 @@ from android_bridge.encoder import (
     SumSquares,
     check_exportable,
 )
+from android_bridge.initial_model import initial_digests
 from android_bridge.models import ModelSpec, get_model, task_model
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError
@@ -412,8 +413,9 @@ def export_all(model_name: str | ModelSpec | None, out_dir: str | Path,
     the default task's model, its DGC config with exact selection, its batch size and learning
     rate, so that a phone exported with no options takes a default run's tasks. A config with
     another selection is refused (see :func:`android_bridge.encoder.check_exportable`). ``seed``
-    fixes the initial parameters baked into ``train_step.pte`` (the phone overwrites them with
-    the global model).
+    fixes the initial parameters baked into ``train_step.pte``: version 0 of a run of that seed,
+    which the phone may start from (the manifest's ``initial_model`` names it by digest, as
+    built and on the int8 broadcast grid: :mod:`android_bridge.initial_model`).
     """
     if model_name is None or config is None or batch_size is None or learning_rate is None:
         defaults = federation_defaults()
@@ -445,6 +447,7 @@ def export_all(model_name: str | ModelSpec | None, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     encoder = export_encoder(config, max_numel)
+    initial = initial_digests(model.state_dict())
     train = export_training_step(spec, model, batch_size)
     (out / ENCODER_FILE).write_bytes(encoder)
     (out / TRAIN_FILE).write_bytes(train)
@@ -491,6 +494,13 @@ def export_all(model_name: str | ModelSpec | None, out_dir: str | Path,
             "outputs": ["loss f32[]", "predicted class i64[batch]"],
             "optimizer": "executorch.extension.training SGD", "learning_rate": learning_rate,
             "seed": seed,
+        },
+        "initial_model": {
+            "seed": seed, **initial,
+            "note": "train_step.pte's parameters as exported are version 0 of a run with this "
+                    "seed (sha256: as built; int8_grid_sha256: rounded to the int8 broadcast "
+                    "grid); a phone that holds no model offers these digests and is sent a "
+                    "patch on the version 0 that has one of them",
         },
         "federation": {
             "run_config": _run_config_keys(config, batch_size, learning_rate,

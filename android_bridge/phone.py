@@ -35,7 +35,8 @@ import grpc
 import numpy as np
 
 import dgc
-from android_bridge.bridge import SESSION_METADATA_KEY
+from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
+from android_bridge.initial_model import FORMS, initial_form
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
@@ -66,6 +67,8 @@ class RoundReport:
     restored: bool
     train_loss: float
     ack_state: int
+    downlink: str = "dense"  # how the model came: "dense", or "patch" on the held version
+    downlink_bytes: int = 0  # its wire-format bytes
     side_bytes: int = 0
     #: The bytes uploaded: the update, then the signs (the last ``side_bytes``).
     data: bytes = b""
@@ -101,10 +104,12 @@ class ReferencePhone:
         if len(self.x) != len(self.y) or len(self.x) == 0:
             raise PhoneError(f"phone data needs as many labels as inputs and at least one "
                              f"example, got {len(self.x)} inputs and {len(self.y)} labels")
+        options = list(PHONE_CHANNEL_OPTIONS)
         if root_certificates is None:
-            self.channel = grpc.insecure_channel(target)
+            self.channel = grpc.insecure_channel(target, options=options)
         else:
-            options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
             self.channel = grpc.secure_channel(
                 target, grpc.ssl_channel_credentials(root_certificates=root_certificates),
                 options=options)
@@ -115,9 +120,18 @@ class ReferencePhone:
         self.session_id: str | None = None
         self.model: dict[str, np.ndarray] | None = None
         self.model_version = -1
+        # Version 0 as the export baked it (train_step.pte's parameters before any task), and
+        # the digests of the forms of it the phone can build (android_bridge.initial_model).
+        initial = self.manifest.get("initial_model") or {}
+        self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
+        self.initial = self.trainer.parameters() if self.initial_sha256 else None
         self.pending: dgc.SparseUpdate | None = None
         self.pending_signs: dgc.SparseUpdate | None = None
         self.poll_interval_s = 0.05
+        self.max_wait_s = 0.0
+        # The task config last received, by digest: the bridge sends it only when it changes.
+        self.config_json = ""
+        self.config_sha256 = ""
 
     def close(self) -> None:
         """Close the gRPC channel."""
@@ -129,28 +143,46 @@ class ReferencePhone:
         reply = self.stub.Register(pb.RegisterRequest(device_id=self.device_id,
                                                       token=self.token, manifest_sha256=digest))
         self.session_id, self.poll_interval_s = reply.session_id, reply.poll_interval_s
+        self.max_wait_s = reply.max_wait_s
 
     def wait_for_task(self, timeout_s: float) -> pb.FetchTaskReply:
-        """Poll FetchTask until a task arrives."""
+        """Ask FetchTask until a task arrives: a long poll (each call held up to the bridge's
+        ``max_wait_s``) when the bridge offers one, else a poll every ``poll_interval_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
+            started = time.monotonic()
+            wait_s = min(self.max_wait_s, max(0.0, deadline - started))
+            # A phone that was never sent a model offers the version 0 its export builds.
+            first = self.model is None and self.initial is not None
             task = self.stub.FetchTask(pb.FetchTaskRequest(
-                session_id=self.session_id, held_model_version=self.model_version))
+                session_id=self.session_id, held_model_version=0 if first else self.model_version,
+                wait_s=wait_s, held_config_sha256=self.config_sha256,
+                initial_model_sha256=self.initial_sha256 if first else []))
             if task.has_task:
                 return task
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no task for device {self.device_id!r} in {timeout_s} s")
-            time.sleep(self.poll_interval_s)
+            if time.monotonic() - started < max(wait_s / 2, self.poll_interval_s):
+                time.sleep(self.poll_interval_s)  # answered at once: the bridge did not hold it
 
     # -- one round ------------------------------------------------------------------------
 
     def _global_model(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
         update = dgc.decode(task.model_bytes, max_numel=max_numel_of(self.shapes.values()))
         if task.encoding == pb.SPARSE_PATCH:
-            if self.model is None or self.model_version != task.base_version:
+            held = self.model
+            if held is None and task.base_version == 0 and task.base_sha256 \
+                    and self.initial is not None:
+                # The first task, a patch on version 0: built from the export, in the form
+                # (as built, or on the int8 grid) whose digest the bridge named.
+                held = initial_form(self.initial, task.base_sha256)
+                if held is None:
+                    raise PhoneError(f"patch on version 0 {task.base_sha256[:12]}, which this "
+                                     f"phone's export does not build")
+            elif held is None or self.model_version != task.base_version:
                 raise PhoneError(f"patch on version {task.base_version}, phone holds "
                                  f"{self.model_version}")
-            model = {k: v.copy() for k, v in self.model.items()}
+            model = {k: v.copy() for k, v in held.items()}
             for name, t in update.tensors.items():
                 flat = model[name].reshape(-1)
                 flat[t.indices.numpy()] = t.values.float().numpy()
@@ -179,7 +211,7 @@ class ReferencePhone:
                   max_streams: int = 8) -> RoundReport:
         """Train, compress and upload for ``task``; ``cut_after_bytes`` cuts the first stream
         after that many bytes to exercise resumption."""
-        config = json.loads(task.config_json)
+        config = json.loads(self._config_of(task))
         train = config["train"]
         dgc_config = DGCConfig.from_dict(config["dgc"])
         small = config.get("small") or {}
@@ -189,7 +221,6 @@ class ReferencePhone:
         if not 1 <= int(train["batch_size"]) <= largest:
             raise PhoneError(f"task asks for batch_size {train['batch_size']}, the exported "
                              f"training step takes 1..{largest}")
-        started = time.perf_counter()
         global_model = self._global_model(task)
         self.trainer.set_parameters(global_model)
         self.trainer.set_learning_rate(float(train["lr"]), float(train.get("momentum", 0.0)),
@@ -210,21 +241,27 @@ class ReferencePhone:
         side = encode_signs(signs) if signs is not None else b""
         self.pending, self.pending_signs = update, signs
         self.model, self.model_version = global_model, int(task.model_version)
-        metrics = {"num-examples": len(self.x),
-                   # Summed in order, as client.training.train_locally averages its losses.
-                   "train_loss": sum(losses) / max(len(losses), 1),
-                   "compute_seconds": time.perf_counter() - started,
-                   "restored": int(restored)}
+        # What the bridge app reads (it times the round itself); "restored" only when 1.
+        metrics: dict[str, Any] = {"num-examples": len(self.x),
+                                   # Summed in order, as client.training.train_locally
+                                   # averages its losses.
+                                   "train_loss": sum(losses) / max(len(losses), 1)}
+        if restored:
+            metrics["restored"] = 1
         if not math.isfinite(metrics["train_loss"]):
             del metrics["train_loss"]  # NaN is not JSON: the bridge refuses it
         upload_id = f"{self.device_id}-{task.task_id}"
-        starts = self.upload(task, upload_id, data + side, metrics, cut_after_bytes, max_streams,
-                             side_bytes=len(side))
-        ack = self.stub.Ack(pb.AckRequest(session_id=self.session_id, upload_id=upload_id))
+        starts, state = self.upload(task, upload_id, data + side, metrics, cut_after_bytes,
+                                    max_streams, side_bytes=len(side))
+        if state in (pb.UPDATE_STATE_UNSPECIFIED, pb.INCOMPLETE):
+            # The stream's answer did not say how the upload ended: ask.
+            state = self.stub.Ack(pb.AckRequest(session_id=self.session_id,
+                                                upload_id=upload_id)).state
         return RoundReport(task.task_id, int(task.server_round), upload_id, len(data) + len(side),
-                           starts, restored, metrics.get("train_loss", float("nan")), ack.state,
-                           len(side),
-                           data + side)
+                           starts, restored, metrics.get("train_loss", float("nan")), state,
+                           downlink="patch" if task.encoding == pb.SPARSE_PATCH else "dense",
+                           downlink_bytes=len(task.model_bytes), side_bytes=len(side),
+                           data=data + side)
 
     def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
         """The residual at the task's shared index sets as scaled signs, taken out of the
@@ -239,11 +276,28 @@ class ReferencePhone:
             raise PhoneError(f"task {task.task_id!r} has a bad shared_mask: {ex}") from ex
         return take_signs(self.encoder.residual(), masks, int(task.sequence))
 
+    def _config_of(self, task: pb.FetchTaskReply) -> str:
+        """The task's config JSON: as sent, or the one held when the bridge left it out."""
+        if task.config_json:
+            digest = hashlib.sha256(task.config_json.encode()).hexdigest()
+            if task.config_sha256 and digest != task.config_sha256:
+                raise PhoneError(f"task config digest {task.config_sha256} does not match its "
+                                 f"config_json ({digest})")
+            self.config_json, self.config_sha256 = task.config_json, digest
+        elif not task.config_sha256 or task.config_sha256 != self.config_sha256:
+            raise PhoneError(f"task {task.task_id!r} carries no config and names "
+                             f"{task.config_sha256!r}, which this phone does not hold")
+        return self.config_json
+
     def upload(self, task: pb.FetchTaskReply, upload_id: str, data: bytes,
                metrics: dict[str, Any], cut_after_bytes: int | None = None,
-               max_streams: int = 8, side_bytes: int = 0) -> list[int]:
+               max_streams: int = 8, side_bytes: int = 0) -> tuple[list[int], int]:
         """Send ``data`` in chunks, resuming from QueryUpload after a cut; return the offset
-        each stream started at. ``side_bytes``: how many bytes at the end are the signs."""
+        each stream started at and the upload's state as the last answer gave it.
+        ``side_bytes``: how many bytes at the end are the signs.
+
+        The first stream starts at 0 without asking (a new upload id has nothing stored);
+        QueryUpload is asked only after a stream broke."""
         digest = hashlib.sha256(data).hexdigest()
         chunk_bytes = int(task.max_chunk_bytes) or 64 * 1024
         metrics_json = json.dumps(metrics, sort_keys=True)
@@ -262,23 +316,27 @@ class ReferencePhone:
                     while delivered() < offset and time.monotonic() < deadline:
                         time.sleep(0.005)
                     raise LinkCut(f"link cut after {offset} bytes")
-                yield pb.UploadChunk(session_id=self.session_id, task_id=task.task_id,
+                # The session travels in the stream's metadata; the chunk leaves it out.
+                yield pb.UploadChunk(task_id=task.task_id,
                                      upload_id=upload_id, offset=offset,
                                      data=data[offset:offset + chunk_bytes],
                                      total_bytes=len(data), sha256=digest,
                                      metrics_json=metrics_json, side_bytes=side_bytes)
 
         starts: list[int] = []
+        offset = 0
         for stream in range(1, max_streams + 1):
-            status = self.stub.QueryUpload(pb.QueryUploadRequest(session_id=self.session_id,
-                                                                 upload_id=upload_id))
-            if status.complete:
-                return starts
+            if stream > 1:
+                status = self.stub.QueryUpload(pb.QueryUploadRequest(
+                    session_id=self.session_id, upload_id=upload_id))
+                if status.complete:
+                    return starts, int(status.state)
+                offset = int(status.received_bytes)
             cut = cut_after_bytes if stream == 1 else None
-            starts.append(int(status.received_bytes))
+            starts.append(offset)
             try:
                 status = self.stub.UploadUpdate(
-                    chunks(starts[-1], cut), metadata=((SESSION_METADATA_KEY, self.session_id),))
+                    chunks(offset, cut), metadata=((SESSION_METADATA_KEY, self.session_id),))
             except grpc.RpcError as ex:
                 # CANCELLED also ends a stream the bridge found idle too long.
                 if ex.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
@@ -286,7 +344,7 @@ class ReferencePhone:
                     raise
                 continue  # the link dropped: ask where to resume
             if status.complete:
-                return starts
+                return starts, int(status.state)
         raise ConnectionError(f"upload {upload_id!r} incomplete after {max_streams} streams")
 
 

@@ -2,7 +2,9 @@
 
 One train message, in order:
 
-1. read the settings and per-node keys from the message's ConfigRecord;
+1. read the per-node keys from the message's ConfigRecord over the run's config: sent whole on
+   first contact (kept in the context's state), else known by its digest
+   (:func:`message_config`);
 2. load this client's :class:`client.state.ClientState` from the
    :class:`client.state.ClientStateStore` (compressor residual and momentum, the pending update,
    the model version it holds); a damaged record is moved aside and the client starts again
@@ -60,6 +62,9 @@ app = ClientApp()
 logger = logging.getLogger(__name__)
 
 _TRAIN_KEYS = {f.metadata["key"] for f in fields_of(TrainSettings)}
+#: What a client keeps of its last reply besides the metrics it sent: which round and model
+#: version it answered (a re-sent round is answered with the same bytes).
+_KEPT_ONLY = ("sequence", "model_version")
 
 
 class ClientProtocolError(P.ProtocolError):
@@ -137,6 +142,41 @@ def client_key(context: Context) -> int:
         if k in context.node_config:
             return int(context.node_config[k])
     return int(context.node_id)
+
+
+def message_config(content: RecordDict, context: Context) -> ConfigRecord:
+    """A train message's config: its per-node keys over the run's config.
+
+    The run's config comes whole in the ``run_config`` record when the server does not know
+    this client to hold it; it is checked against the message's ``config_digest`` and kept in
+    the context's state. Otherwise the digest names it, and the context's copy is used. A
+    config without a digest holds every key itself. Raises :class:`ClientProtocolError`
+    (:data:`fedgc.protocol.CONFIG_MISSING` in its text, so that the server sends the config
+    whole next time) when the digest names a config this client does not hold: a context
+    Flower made anew, or lost state.
+    """
+    config = content.config_records.get(P.CONFIG)
+    if config is None:
+        raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
+    digest = config.get(P.CONFIG_DIGEST)
+    if digest is None:
+        return config
+    run = content.config_records.get(P.RUN_CONFIG)
+    if run is not None:
+        got = P.config_digest(run)
+        if got != digest:
+            raise ClientProtocolError(f"train message's {P.RUN_CONFIG!r} has digest {got}, "
+                                      f"not the {P.CONFIG_DIGEST} {digest!r} it names")
+        context.state[P.RUN_CONFIG] = ConfigRecord({**run, P.CONFIG_DIGEST: digest})
+    else:
+        kept = context.state.config_records.get(P.RUN_CONFIG)
+        if kept is None or kept.get(P.CONFIG_DIGEST) != digest:
+            raise ClientProtocolError(
+                f"{P.CONFIG_MISSING}: the message names run config {digest!r}, which this "
+                f"client does not hold ({'none' if kept is None else 'another'} kept); the "
+                f"server sends it whole next round")
+        run = kept
+    return ConfigRecord({**{k: v for k, v in run.items() if k != P.CONFIG_DIGEST}, **config})
 
 
 def settings_from(config: ConfigRecord, allowed: frozenset[str] | None) -> TrainSettings:
@@ -366,9 +406,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     compressor; or the reply itself when the server re-sent a round this client already
     answered."""
     started = time.perf_counter()
-    config = msg.content.config_records.get(P.CONFIG)
-    if config is None:
-        raise ClientProtocolError(f"train message has no {P.CONFIG!r} ConfigRecord")
+    config = message_config(msg.content, context)
     allowed = allowed_callables(context)
     s = settings_from(config, allowed)
     method = method_of(s, config, allowed)
@@ -398,7 +436,8 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
         # a second time, which would fold the pending update back and change the residual.
-        metrics = {**reply, "compute_seconds": time.perf_counter() - started}
+        metrics = {**{k: v for k, v in reply.items() if k not in _KEPT_ONLY},
+                   "compute_seconds": time.perf_counter() - started}
         return Message(_on_node(P.reply_content(state.pending, metrics, state.pending_shared)),
                        reply_to=msg)
 
@@ -462,7 +501,6 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         local.num_examples = r.attack.claimed_examples(local.num_examples)
     restored = r.restored
     shared_data: bytes | None = None
-    shared_entries = 0
     new_state = ClientState()
     compressor = r.compressor
     pseudo_gradient = local.pseudo_gradient
@@ -477,7 +515,7 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         side = (method.side_part(compressor, r.material[1], server_round)
                 if r.material is not None else None)
         if side is not None:
-            shared_data, shared_entries = side
+            shared_data = side[0]
         if keeps_residual:
             new_state.compressor = compressor.state_dict()  # on the host
     data = method.codec(s).encode(update)
@@ -492,14 +530,12 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         new_state.model = r.global_state
         new_state.model_version = r.version
     metrics = P.reply_metrics(
-        num_examples=local.num_examples,
-        uplink_bytes=len(data) + (len(shared_data) if shared_data is not None else 0),
-        nnz=update.nnz, shared_entries=shared_entries, density=update.density,
-        train_loss=local.train_loss, compute_seconds=time.perf_counter() - r.started,
-        model_version=r.version, client_key=r.key, sequence=server_round, restored=restored,
+        num_examples=local.num_examples, train_loss=local.train_loss,
+        compute_seconds=time.perf_counter() - r.started, restored=restored,
         state_quarantined=state.quarantined > 0)
     if keeps_residual:
-        new_state.reply = {k: v for k, v in metrics.items() if k != "compute_seconds"}
+        new_state.reply = {**{k: v for k, v in metrics.items() if k != "compute_seconds"},
+                           "sequence": server_round, "model_version": r.version}
     r.store.save(str(r.key), new_state)
 
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)

@@ -1,10 +1,17 @@
 """The message contract between DGCStrategy, the ClientApp and the phone bridge.
 
-Record keys, the reply metrics and their one builder, record <-> bytes, and patch application.
-A train message carries
+Record keys, the reply metrics and their one builder, record <-> bytes, the run config's
+digest, and patch application. A train message carries
 
-- ``config`` (ConfigRecord): the :class:`fedgc.settings.TrainSettings` keys plus the per-node
-  keys below;
+- ``config`` (ConfigRecord): the per-node keys below, among them ``config_digest``, the digest
+  of the run's config (:func:`config_digest`);
+- ``run_config`` (ConfigRecord), only when the server does not know the client to hold that
+  config (its first contact, a config that changed, a client that said it lost it): the
+  :class:`fedgc.settings.TrainSettings` keys and the method's. The client keeps it in its
+  context's state (:data:`RUN_CONFIG`) and reads every later message's ``config`` over it; a
+  client that holds no config of that digest fails the round with :data:`CONFIG_MISSING` in
+  its error, and the server sends the config whole next time. A ``config`` without
+  ``config_digest`` holds every key itself (evaluate messages, older servers);
 - ``arrays`` (ArrayRecord): either the dense global model (one numpy Array per tensor, what
   Flower's FedAvg sends), or one byte Array named ``patch``: a ``dgc.encode``-d update whose
   fp32 values *replace* the entries of the model version the client already holds
@@ -21,11 +28,15 @@ sends its residual at those indices as scaled signs.
 A train reply carries ``update`` (ArrayRecord with one byte Array: the ``dgc.encode``-d
 pseudo-gradient), for a message with index sets ``shared`` (one byte Array ``shared_signs``:
 ``dgc.signs.codec.encode_signs``), and ``metrics`` (MetricRecord, keys in
-:data:`REPLY_METRICS`, built by :func:`reply_metrics`).
+:data:`REPLY_METRICS`, built by :func:`reply_metrics`): only what the server reads (the rest
+of what a client knows of its update, its size, nonzeros and sequence, the server reads from
+the update itself).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -40,6 +51,7 @@ WIRE_STYPE = "fedgc.dgc.wire"
 # Record keys.
 ARRAYS = "arrays"
 CONFIG = "config"
+RUN_CONFIG = "run_config"  # the run's config, sent whole only when needed; the context's copy
 UPDATE = "update"
 METRICS = "metrics"
 PATCH = "patch"
@@ -58,13 +70,20 @@ BASE_VERSIONS = "base_versions"  # every version the patch applies to (the clien
 KEEP_MODEL = "keep_model"  # keep the received model so that later messages may be patches
 PATCH_ADD = "patch_add"  # tensors whose patch values are added to the held ones (one base only)
 INITIAL_GRID = "initial_grid"  # version 0 has its matrices on the int8 grid (dgc.int8_grid)
+CONFIG_DIGEST = "config_digest"  # digest of the run's config (config_digest)
+
+#: What a client's error says when a message names a run config it does not hold: the server
+#: sends that config whole to it next time.
+CONFIG_MISSING = "fedgc-config-missing"
 
 #: The reply metric of the examples a client trained on (Flower's name; the aggregation weight).
 NUM_EXAMPLES = "num-examples"
-#: Metrics every train reply carries.
-REPLY_METRICS = (NUM_EXAMPLES, "uplink_bytes", "nnz", "shared_entries", "density",
-                 "train_loss", "compute_seconds", "model_version", "client_key", "sequence",
-                 "restored")
+#: Metrics every train reply carries (what the server reads: the weight, the loss and the
+#: compute time it records).
+REPLY_METRICS = (NUM_EXAMPLES, "train_loss", "compute_seconds")
+#: Metric a train reply carries only when it is not 0: how many unaggregated updates the client
+#: folded back into its residual.
+RESTORED = "restored"
 #: Metric a train reply carries only when the client found its state record damaged, moved it
 #: aside (``<key>.state.corrupt-<n>``) and trained from the global model with an empty residual:
 #: 1. What the lost residual and pending update held cannot be known (the record failed its
@@ -102,31 +121,33 @@ class ProtocolError(ValueError):
     """A message that does not follow the contract (a missing key, a patch that does not fit)."""
 
 
-def reply_metrics(*, num_examples: int, uplink_bytes: int, nnz: int, shared_entries: int,
-                  density: float, train_loss: float, compute_seconds: float,
-                  model_version: int, client_key: int, sequence: int, restored: int,
-                  state_quarantined: bool = False) -> dict[str, int | float]:
+def reply_metrics(*, num_examples: int, train_loss: float, compute_seconds: float,
+                  restored: int = 0, state_quarantined: bool = False) -> dict[str, int | float]:
     """The metrics of a train reply (:data:`REPLY_METRICS`, in that order), typed as sent.
 
-    ``restored`` is 1 when the client folded an unaggregated update back into its residual;
-    ``state_quarantined`` adds :data:`STATE_QUARANTINED` (only when true).
+    ``restored`` (:data:`RESTORED`: the client folded unaggregated updates back into its
+    residual) and ``state_quarantined`` (:data:`STATE_QUARANTINED`) are added only when not 0,
+    so that a reply's size is the same in every ordinary round.
     """
     metrics: dict[str, int | float] = {
         NUM_EXAMPLES: int(num_examples),
-        "uplink_bytes": int(uplink_bytes),
-        "nnz": int(nnz),
-        "shared_entries": int(shared_entries),
-        "density": float(density),
         "train_loss": float(train_loss),
         "compute_seconds": float(compute_seconds),
-        "model_version": int(model_version),
-        "client_key": int(client_key),
-        "sequence": int(sequence),
-        "restored": int(restored),
     }
+    if restored:
+        metrics[RESTORED] = int(restored)
     if state_quarantined:
         metrics[STATE_QUARANTINED] = 1
     return metrics
+
+
+def config_digest(run_config: Mapping[str, object]) -> str:
+    """A digest of a run's config (16 hex digits of BLAKE2b over its keys, values and their
+    types, in key order): equal configs, and only they, share it."""
+    items = sorted((str(k), type(v).__name__, v if not isinstance(v, (list, tuple)) else list(v))
+                   for k, v in run_config.items())
+    text = json.dumps(items, separators=(",", ":"), default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def reply_content(update: bytes, metrics: Mapping[str, int | float],

@@ -54,6 +54,7 @@ class RoundOutcome:
 
     client_key: int
     status: str  # aggregated | surplus | rejected | error | timeout
+    reason: str = ""  # an error's text (a client that lost the run's config says so in it)
 
 
 class ClientRegistry:
@@ -73,6 +74,9 @@ class ClientRegistry:
         self.initial_versions = list(initial_versions)
         self.clients: dict[int, ClientInfo] = {}
         self.node_keys: dict[int, int] = {}  # node id -> client key, in identification order
+        # Client key -> digest of the run config it holds (fedgc.protocol.config_digest), as
+        # far as its replies tell. Not checkpointed: a resumed server sends it whole once more.
+        self.config_held: dict[int, str] = {}
         self.num_clients: int | None = None  # keys accepted: [0, num_clients); None: any
         self.bound: dict[int, int] | None = None  # node id -> its one key (client_nodes)
         self.refused: dict[int, str] = {}  # node id -> why its claim was refused
@@ -228,16 +232,29 @@ class ClientRegistry:
         info = self.clients.get(key)
         return -1 if info is None else info.acked
 
+    def holds_config(self, key: int, digest: str) -> bool:
+        """Whether client ``key`` is known to hold the run config of ``digest``."""
+        return self.config_held.get(key) == digest
+
     def settle(self, server_round: int, outcomes: Iterable[RoundOutcome], version_sent: int,
-               processed: Iterable[int] = (), dense_only: bool = False) -> None:
+               processed: Iterable[int] = (), dense_only: bool = False,
+               config_digest: str = "") -> None:
         """Record what each sampled client acknowledged and may hold after ``server_round``.
 
         ``processed``: clients known to have processed the round's message although their
         reply was not aggregated nor refused (the network emulator's late replies).
         ``dense_only``: clients will be sent the dense model whatever they hold.
+        ``config_digest``: the digest of the run config the round's messages named; a client
+        that answered with content holds it, one whose error says it lacks it
+        (:data:`fedgc.protocol.CONFIG_MISSING`) will be sent it whole.
         """
         done = set(processed)
         for outcome in outcomes:
+            if config_digest and (outcome.status in ("aggregated", "surplus", "rejected")
+                                  or outcome.client_key in done):
+                self.config_held[outcome.client_key] = config_digest
+            elif outcome.status == "error" and P.CONFIG_MISSING in outcome.reason:
+                self.config_held.pop(outcome.client_key, None)
             info = self.clients.setdefault(outcome.client_key,
                                            ClientInfo(versions=list(self.initial_versions)))
             if outcome.status == "aggregated":

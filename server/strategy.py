@@ -77,6 +77,7 @@ class _Round:
     sampled: list[int]  # client keys, in sampling order
     node_of: dict[int, int]  # client key -> node id
     version_sent: int
+    config_digest: str = ""  # digest of the run config the messages named
     downlink: dict[int, tuple[str, int]] = field(default_factory=dict)  # key -> (kind, bytes)
     material: Any = None  # the method's round material sent (DGC: the shared index sets)
     # Client key -> its train message's metadata (not the message: no model held past the round).
@@ -242,7 +243,9 @@ class DGCStrategy(FedAvg):
     # ------------------------------------------------------------------ a round
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Sample clients and send each the model (dense or patch) with its acknowledgement."""
+        """Sample clients and send each the model (dense or patch) with its acknowledgement,
+        and the run's ``config`` whole only to a client not known to hold it (its digest
+        otherwise: :mod:`fedgc.protocol`)."""
         if self.model is None:
             self.set_model(arrays)
         reg = self.registry
@@ -251,7 +254,8 @@ class DGCStrategy(FedAvg):
             max(self.min_available_nodes, self.clients_per_round), self.probe_timeout)
         sampled = list(node_of)
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), connected)
-        state = _Round(server_round, sampled, node_of, self.model_version)
+        digest = P.config_digest(config)
+        state = _Round(server_round, sampled, node_of, self.model_version, digest)
         shared_record, shared_nbytes = None, 0
         if self.channel is not None:
             self.channel.hold(self.sent_model, self.model_version, self.downlink.initial_on_grid)
@@ -263,13 +267,15 @@ class DGCStrategy(FedAvg):
         messages = []
         for key in sampled:
             offer = offers[reg.held(key)]
-            cfg = ConfigRecord(dict(config))
+            cfg = ConfigRecord({P.CONFIG_DIGEST: digest})
             cfg[P.SERVER_ROUND] = server_round
             cfg[P.MODEL_VERSION] = self.model_version
             cfg[P.ACK_SEQUENCE] = reg.acked(key)
             for k, v in self.downlink.config(offer, reg.initial_versions).items():
                 cfg[k] = v
             content = RecordDict({P.ARRAYS: offer.record, P.CONFIG: cfg})
+            if not reg.holds_config(key, digest):
+                content[P.RUN_CONFIG] = ConfigRecord(dict(config))
             if shared_record is not None:
                 content[P.SHARED] = shared_record
             state.downlink[key] = (offer.kind, offer.nbytes + shared_nbytes)
@@ -317,9 +323,11 @@ class DGCStrategy(FedAvg):
         if chosen and not applied:
             for k in chosen:
                 rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
-        self.registry.settle(server_round, [RoundOutcome(k, r.status) for k, r in rows.items()],
+        self.registry.settle(server_round,
+                             [RoundOutcome(k, r.status, r.reason) for k, r in rows.items()],
                              version_sent=state.version_sent, processed=processed,
-                             dense_only=self.downlink.mode != "auto")
+                             dense_only=self.downlink.mode != "auto",
+                             config_digest=state.config_digest)
         ordered = taken.ordered()
         self.records.client_rows.extend(ordered)
         record = round_record(server_round, ordered, taken.uplink_bytes, self._dense_update_nbytes,

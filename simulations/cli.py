@@ -1,5 +1,5 @@
 """The command line: ``run``, ``compare``, ``traffic``, ``demo``, ``keys``, ``methods``, ``flwr``
-(the run through Flower's ``flwr run .``) and (another package's) ``deploy``."""
+(the run through Flower's ``flwr run .``) and (other packages') ``deploy`` and ``wire``."""
 
 from __future__ import annotations
 
@@ -481,6 +481,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
                                    "table")
     sub.add_parser("deploy", help="deployment tools (simulations.deploy)", add_help=False)
+    sub.add_parser("wire", help="where a captured run's bytes go (simulations.wire)",
+                   add_help=False)
     return p
 
 
@@ -503,6 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return int(deploy_main(argv[1:]) or 0)
+    if argv and argv[0] == "wire":
+        from simulations.wire.cli import main as wire_main
+
+        return wire_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "keys":

@@ -49,30 +49,44 @@ def _fmt(x: Any, spec: str) -> str:
 # (header, summary key, format, scale). "x dense" is the ratio to dense FedAvg: the dense run of
 # the same comparison where there is one (<dir>_vs_dense), else the run's own <dir>_compression
 # (dense fp32 for the same messages); both are dense bytes over the method's.
+# "uplink MB" and the like are fedgc's payload; "wire ..." what the links carried for it
+# (runs under the network emulator, whose protocol model adds Flower's messages, HTTP, TLS and
+# TCP/IP: simulations.netem.wire_columns), shown when a run has them, with joules.
 _COLUMNS = (("final acc", "final_accuracy", ".4f", 1.0),
             ("last10 acc", "last10_accuracy", ".4f", 1.0),
             ("uplink MB", "uplink_bytes", ".3f", 1e-6), ("x dense", "uplink", ".1f", 1.0),
             ("downlink MB", "downlink_bytes", ".2f", 1e-6), ("x dense", "downlink", ".1f", 1.0),
-            ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0),
-            ("acc/decade", "traffic_auc_mean", ".4f", 1.0),
-            ("rounds to dense", "reach_dense_round", ".0f", 1.0),
-            ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
-#: Columns a table shows only when one of its rows has the key (a comparison's readings:
-#: the mean accuracy per decade of total bytes, simulations.compare.traffic_area; the round
-#: and total MB at which the last-10 mean first reaches dense's, simulations.compare.reach).
-_OPTIONAL = ("traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
+            ("total MB", "total_bytes", ".2f", 1e-6), ("x dense", "total", ".1f", 1.0))
+_WIRE_COLUMNS = (("wire up MB", "wire_uplink_bytes", ".3f", 1e-6),
+                 ("x dense", "wire_uplink", ".1f", 1.0),
+                 ("wire down MB", "wire_downlink_bytes", ".2f", 1e-6),
+                 ("x dense", "wire_downlink", ".1f", 1.0),
+                 ("wire total MB", "wire_total_bytes", ".2f", 1e-6),
+                 ("x dense", "wire_total", ".1f", 1.0),
+                 ("J/client-round", "joules_per_client_round", ".1f", 1.0),
+                 ("J to target", "joules_to_target", ".0f", 1.0))
+#: A comparison's readings: the mean accuracy per decade of total bytes
+#: (simulations.compare.traffic_area); the round and total MB at which the last-10 mean first
+#: reaches dense's (simulations.compare.reach).
+_READINGS = (("acc/decade", "traffic_auc_mean", ".4f", 1.0),
+             ("rounds to dense", "reach_dense_round", ".0f", 1.0),
+             ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:
-    return [c for c in _COLUMNS if c[1] not in _OPTIONAL or any(c[1] in r for r in rows)]
+    """The table's columns: the payload's; the wire's and joules where a run has them; each
+    of the readings where one of the rows has it."""
+    wire = any("wire_uplink_bytes" in r for r in rows)
+    return [*_COLUMNS, *(_WIRE_COLUMNS if wire else ()),
+            *(c for c in _READINGS if any(c[1] in r for r in rows))]
 
 
 #: The columns of ratios to dense (:func:`_key`).
-_RATIOS = ("uplink", "downlink", "total")
+_RATIOS = ("uplink", "downlink", "total", "wire_uplink", "wire_downlink", "wire_total")
 
 
 def _key(s: Mapping[str, Any], key: str) -> str:
-    if key in ("uplink", "downlink", "total"):
+    if key in _RATIOS:
         return f"{key}_vs_dense" if f"{key}_vs_dense" in s else f"{key}_compression"
     return key
 

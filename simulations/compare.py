@@ -37,13 +37,19 @@ __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_
 #: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
 #: first ``baseline`` method).
 BASELINE = baseline()
-#: ``<direction>_bytes`` keys of a summary, each with its ``<direction>_vs_dense`` ratio.
-DIRECTIONS = ("uplink", "downlink", "total")
+#: ``<direction>_bytes`` keys of a summary, each with its ``<direction>_vs_dense`` ratio: the
+#: payload's, and (runs under the network emulator) the link's (``wire_*``,
+#: :mod:`simulations.netem.wire_columns`).
+DIRECTIONS = ("uplink", "downlink", "total", "wire_uplink", "wire_downlink", "wire_total")
 #: The summary keys that ``over_seeds`` averages (those a run has; NaN and null are skipped).
 AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss",
               "uplink_bytes", "downlink_bytes", "total_bytes",
               "uplink_vs_dense", "downlink_vs_dense", "total_vs_dense",
               "uplink_compression", "downlink_compression", "total_compression",
+              "wire_uplink_bytes", "wire_downlink_bytes", "wire_total_bytes",
+              "wire_uplink_vs_dense", "wire_downlink_vs_dense", "wire_total_vs_dense",
+              "wire_uplink_compression", "wire_downlink_compression", "wire_total_compression",
+              "joules_per_client_round", "joules_total", "joules_to_target",
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
               "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
               "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
@@ -100,7 +106,8 @@ def against_dense(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[
         return out
     for s in out.values():
         for d in DIRECTIONS:
-            s[f"{d}_vs_dense"] = _ratio(dense.get(f"{d}_bytes"), s.get(f"{d}_bytes"))
+            if f"{d}_bytes" in s or f"{d}_bytes" in dense:
+                s[f"{d}_vs_dense"] = _ratio(dense.get(f"{d}_bytes"), s.get(f"{d}_bytes"))
     return out
 
 

@@ -213,16 +213,24 @@ def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") 
     return save(runs_figure(runs, title), out)
 
 
+def _recorded(rows: Sequence[Mapping[str, float]], column: str) -> bool:
+    return bool(rows) and all(math.isfinite(r.get(column, math.nan)) for r in rows)
+
+
 def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
-    """One figure for several runs (name -> run folder), three panels: accuracy against
-    cumulative total MB (uplink + downlink), accuracy against cumulative uplink MB, and the
-    MB of each round both ways (uplink solid, downlink dashed). ``title`` defaults to
-    :func:`scenario_title`."""
-    fig, (ax_total, ax_up, ax_bytes) = plt.subplots(1, 3, figsize=(17, 5))
+    """One figure for several runs (name -> run folder): accuracy against cumulative total MB
+    (uplink + downlink), accuracy against cumulative uplink MB, and the MB of each round both
+    ways (uplink a line, downlink thick and pale), all as fedgc's payload. Runs under the network
+    emulator add the link's bytes (thin pale lines of the run's style in the panels above, gid
+    ``wire``: Flower's protocol, HTTP, TLS and TCP/IP with ``netem.protocol``) and a panel of
+    accuracy against cumulative joules. ``title`` defaults to :func:`scenario_title`."""
+    loaded = {name: read_rounds(Path(d)) for name, d in runs.items()}
+    wire = any(_recorded(rows, "wire_uplink_bytes") for rows in loaded.values())
+    fig, axes = plt.subplots(1, 4 if wire else 3, figsize=(22 if wire else 17, 5))
+    ax_total, ax_up, ax_bytes = axes[:3]
     styles = method_styles(list(runs))
     handles = {}
-    for name, run_dir in runs.items():
-        rows = read_rounds(Path(run_dir))
+    for name, rows in loaded.items():
         style, acc = _line(styles[name]), [r["accuracy"] for r in rows]
         if style["marker"] is None and len(rows) <= 50:
             style["marker"] = "."  # a dot per round, while they stay apart
@@ -235,20 +243,39 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
         ax_bytes.plot(rounds, [max(r["uplink_bytes"], 1.0) for r in rows], **plain)
         ax_bytes.plot(rounds, [max(r["downlink_bytes"], 1.0) for r in rows], **plain,
                       linewidth=4, alpha=0.3)
+        if _recorded(rows, "wire_uplink_bytes"):
+            # The method's colour and line style, thin and pale: the same run on the wire.
+            thin = {**plain, "linewidth": 0.8, "alpha": 0.6, "gid": "wire"}
+            ax_total.plot(_cumulative_mb(rows, "wire_uplink_bytes", "wire_downlink_bytes"), acc,
+                          **thin)
+            ax_up.plot(_cumulative_mb(rows, "wire_uplink_bytes"), acc, **thin)
+            ax_bytes.plot(rounds, [max(r["wire_uplink_bytes"], 1.0) for r in rows], **thin)
+        if wire and _recorded(rows, "joules"):
+            joules = np.cumsum([r["joules"] + (r["idle_joules"] if math.isfinite(
+                r.get("idle_joules", math.nan)) else 0.0) for r in rows])
+            axes[3].plot(joules, acc, **style)
         handles[name] = line
     readable_log(ax_total, "x")
+    wire_note = " (thin, pale: on the wire)" if wire else ""
     ax_total.set(xlabel="cumulative total traffic, uplink + downlink (MB)",
-                 ylabel="test accuracy", title="accuracy vs total traffic")
+                 ylabel="test accuracy", title="accuracy vs total traffic" + wire_note)
     readable_log(ax_up, "x")
     ax_up.set(xlabel="cumulative uplink (MB)", ylabel="test accuracy",
-              title="accuracy vs uplink")
+              title="accuracy vs uplink" + wire_note)
     readable_log(ax_bytes, "y", unit="B")
     integer_rounds(ax_bytes)
     ax_bytes.set(xlabel="round", ylabel="bytes per round", title="traffic per round")
-    ax_bytes.legend([Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linewidth=4,
-                                                         alpha=0.3)],
-                    ["uplink", "downlink"], loc="best")
-    for ax in (ax_total, ax_up, ax_bytes):
+    keys = [Line2D([], [], color="0.3"), Line2D([], [], color="0.3", linewidth=4, alpha=0.3)]
+    names = ["payload uplink", "payload downlink"]
+    if wire:
+        keys.append(Line2D([], [], color="0.3", linewidth=0.8, alpha=0.6))
+        names.append("uplink on the wire (thin, pale)")
+    ax_bytes.legend(keys, names, loc="best")
+    if wire:
+        readable_log(axes[3], "x")
+        axes[3].set(xlabel="joules, all clients (cumulative)", ylabel="test accuracy",
+                    title="accuracy vs energy")
+    for ax in axes:
         ax.grid(True, which="major", alpha=0.3)
     labels = {name: _label(d, name) for name, d in runs.items()}
     fig.legend_room = legend_below(  # type: ignore[attr-defined]

@@ -6,6 +6,7 @@ import datetime
 import hashlib
 import ipaddress
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -269,3 +270,132 @@ def test_bridge_turns_an_additive_patch_into_values_for_the_phone():
     codings = tensor_value_dtypes(data)
     assert all(codings[n] in (GRID_CODED, GRID_RICE_CODED) for n in added)
     assert codings["fc1.bias"] == tensor_value_dtypes(s.downlink.patch((2,))[0])["fc1.bias"]
+
+
+def _until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_a_long_poll_answers_with_the_task_and_sends_the_config_once(bridge, certs):
+    """A FetchTask held for a task returns it as soon as it is submitted; a device holds one
+    such call; a phone naming the config it holds is not sent it again."""
+    stub = pb_grpc.FedgcBridgeStub(_channel(bridge, certs))
+    reply = stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-a"]))
+    assert reply.max_wait_s == bridge.max_wait_s > 0
+    held = []
+    thread = threading.Thread(target=lambda: held.append(stub.FetchTask(pb.FetchTaskRequest(
+        session_id=reply.session_id, wait_s=30.0))))
+    thread.start()
+    _until(lambda: bridge.stats()["waiting"] == 1)
+    # A second call of the same device while one is held is answered at once.
+    assert not stub.FetchTask(pb.FetchTaskRequest(session_id=reply.session_id,
+                                                  wait_s=30.0)).has_task
+    task, _ = _task("phone-a")
+    bridge.submit(task)
+    thread.join(10)
+    (first,) = held
+    assert first.has_task and first.task_id == task.task_id
+    assert first.config_sha256 == hashlib.sha256(first.config_json.encode()).hexdigest()
+    again = stub.FetchTask(pb.FetchTaskRequest(session_id=reply.session_id,
+                                               held_config_sha256=first.config_sha256))
+    assert again.has_task and again.config_json == ""
+    assert again.config_sha256 == first.config_sha256
+    stale = stub.FetchTask(pb.FetchTaskRequest(session_id=reply.session_id,
+                                               held_config_sha256="0" * 64))
+    assert stale.config_json == first.config_json
+    assert bridge.stats()["waiting"] == 0
+
+
+def test_held_calls_are_bounded_over_all_devices(certs):
+    ca, cert, key = certs
+    with PhoneBridge(TOKENS, "127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]),
+                     max_waiting=1) as b:
+        stub = pb_grpc.FedgcBridgeStub(_channel(b, certs))
+        sessions = {d: stub.Register(pb.RegisterRequest(device_id=d, token=TOKENS[d])).session_id
+                    for d in TOKENS}
+        held = threading.Thread(target=lambda: stub.FetchTask(pb.FetchTaskRequest(
+            session_id=sessions["phone-a"], wait_s=30.0)))
+        held.start()
+        _until(lambda: b.stats()["waiting"] == 1)
+        started = time.monotonic()
+        # The bridge is full: phone-b's long poll is answered at once (it falls back to polls).
+        assert not stub.FetchTask(pb.FetchTaskRequest(session_id=sessions["phone-b"],
+                                                      wait_s=30.0)).has_task
+        assert time.monotonic() - started < 20.0
+    held.join(10)  # stopping the bridge answers the held call
+    assert not held.is_alive()
+
+
+def test_a_round_takes_one_fetch_and_one_stream(bridge, certs, export_dir):
+    """Without a cut a phone's round is FetchTask and UploadUpdate: no QueryUpload before the
+    first stream (a new upload has nothing stored), no Ack after a stream that said DELIVERED."""
+    from simulations.wire.phone_process import CallLog
+
+    phone = _phone(export_dir, bridge, certs)
+    log = CallLog()
+    phone.channel = grpc.intercept_channel(phone.channel, log)
+    phone.stub = pb_grpc.FedgcBridgeStub(phone.channel)
+    phone.register()
+    task, _ = _task("phone-a")
+    bridge.submit(task)
+    reports = []
+    thread = threading.Thread(target=lambda: reports.append(
+        phone.run_round(phone.wait_for_task(10))))
+    thread.start()
+    bridge.wait(task.task_id, timeout_s=60)
+    thread.join(60)
+    assert reports[0].ack_state == pb.DELIVERED
+    assert [c["method"] for c in log.calls] == ["Register", "FetchTask", "UploadUpdate"]
+    phone.close()
+
+
+def test_a_first_task_is_a_patch_on_the_version_0_the_phones_export_builds(bridge, certs,
+                                                                            export_dir):
+    """The export names the version 0 train_step.pte bakes in (as built and on the int8 grid):
+    that of a run with its seed, bit for bit. A phone that holds no model offers those digests
+    and is sent a patch on the version 0 the bridge names, which it applies to its own; a phone
+    that offers another digest, or none, gets the dense model."""
+    import json
+
+    from android_bridge.initial_model import model_digest
+    from android_bridge.runtime import PteTrainer
+    from client.app import initial_model
+    from dgc.int8_grid import round_initial
+    from tasks import get_task
+
+    manifest = json.loads((export_dir / "manifest.json").read_text())["initial_model"]
+    v0 = initial_model(get_task("digits"), 0)
+    grid = round_initial(v0)
+    assert manifest["sha256"] == model_digest(v0) == model_digest(
+        PteTrainer(export_dir).parameters())
+    assert manifest["int8_grid_sha256"] == model_digest(grid) != manifest["sha256"]
+    # Version 1: a few entries of the grid version 0 changed; the patch carries only them.
+    v1 = {k: v.clone() for k, v in grid.items()}
+    v1["net.1.weight"].view(-1)[:5] = torch.arange(5, dtype=torch.float32)
+    patch = dgc.encode(SparseUpdate({"net.1.weight": dgc.SparseTensor(
+        torch.arange(5), torch.arange(5, dtype=torch.float32), tuple(v1["net.1.weight"].shape))},
+        1))
+    dense = dgc.encode(SparseUpdate.from_dense(v1, "float32"))
+    task, _ = _task("phone-a", server_round=2)
+    task.patch, task.base_version, task.base_sha256 = patch, 0, model_digest(grid)
+    task.dense_model = dense
+    bridge.submit(task)
+    phone = _phone(export_dir, bridge, certs)
+    phone.register()
+    got = phone.wait_for_task(5.0)
+    assert got.encoding == pb.SPARSE_PATCH and got.base_version == 0
+    assert got.base_sha256 == manifest["int8_grid_sha256"] and len(got.model_bytes) < 100
+    model = phone._global_model(got)
+    assert all(np.array_equal(model[k], v1[k].numpy()) for k in v1)
+    phone.close()
+    # Another digest, or none: the dense model.
+    stub = pb_grpc.FedgcBridgeStub(_channel(bridge, certs))
+    session = stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-a"]))
+    for held, offered in ((0, ["0" * 64]), (-1, [])):
+        reply = stub.FetchTask(pb.FetchTaskRequest(session_id=session.session_id,
+                                                   held_model_version=held,
+                                                   initial_model_sha256=offered))
+        assert reply.encoding == pb.DENSE and reply.model_bytes == dense and not reply.base_sha256

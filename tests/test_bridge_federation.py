@@ -83,16 +83,17 @@ def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory):
             app = bridge_app if client_key(context) in PHONES else client_app
             return app(msg, context)
 
+        grid = local_grid.LocalGrid(mixed, SETTINGS["num_clients"], seed=1)
+
         def drop_phone_b_in_round_1(reply):
-            if not reply.has_content():
+            if not reply.has_content() or reply.metadata.message_type != "train":
                 return reply  # an error reply: the strategy counts it
-            metrics = reply.content.metric_records.get("metrics")
-            if metrics and metrics.get("client_key") == 1 and metrics.get("sequence") == 1:
+            if grid.partition_of[reply.metadata.src_node_id] == 1 \
+                    and reply.metadata.group_id == "1":
                 return None  # lost on the way back: never aggregated
             return reply
 
-        grid = local_grid.LocalGrid(mixed, SETTINGS["num_clients"], seed=1,
-                                    intercept=drop_phone_b_in_round_1)
+        grid.intercept = drop_phone_b_in_round_1
         try:
             summary = run_server(grid, config)
         finally:
@@ -105,6 +106,10 @@ def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory):
     assert summary["rounds"] == 3
     a, b = reports["phone-a"], reports["phone-b"]
     assert [r.server_round for r in a] == [1, 2, 3] == [r.server_round for r in b]
+    # Every task was a patch: the first on the version 0 each phone's export builds (the run's
+    # seed is the export's), never the dense model.
+    assert all(r.downlink == "patch" for r in a + b), [(r.downlink, r.downlink_bytes)
+                                                       for r in a + b]
     # phone-a's round-1 upload (warm-up density 0.25, several KiB) was cut at 2 KiB and
     # resumed there.
     assert a[0].resume_offsets == [0, 2048] and a[0].uplink_bytes > 2048

@@ -134,7 +134,7 @@ def test_a_damaged_record_is_quarantined_and_the_client_trains_from_the_global_m
     assert not reply.has_error(), reply.error.reason
     metrics = reply.content.metric_records[P.METRICS]
     assert metrics[P.STATE_QUARANTINED] == 1
-    assert metrics["restored"] == 0  # nothing to fold back: the pending update was lost
+    assert metrics.get(P.RESTORED, 0) == 0  # nothing to fold back: the pending update was lost
     assert "CRC32 mismatch" in caplog.text and "0.state.corrupt-1" in caplog.text
     assert (state_dir / "0.state.corrupt-1").exists()
     store = ClientStateStore(state_dir)
@@ -167,7 +167,7 @@ class _CorruptingStrategy(DGCStrategy):
         for r in replies:
             if not r.has_error():
                 m = dict(r.content.metric_records[P.METRICS])
-                self.metrics[(server_round, int(m["client_key"]))] = m
+                self.metrics[(server_round, self.registry.key_of(r.metadata.src_node_id))] = m
         return super().aggregate_train(server_round, replies)
 
 

@@ -19,11 +19,18 @@ CONFIG = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition
           "alpha": 0.5, "density": 0.001, "downlink_density": 1.0}
 
 
-def _run(tmp_path, method: str, up: int, netem: bool = False, deadline_s: float = 60.0):
+#: What the emulator's WireColumns add to a round (simulations.netem.wire_columns).
+WIRE = {"wire_uplink_bytes": 30_000, "wire_downlink_bytes": 60_000, "joules": 20.0,
+        "idle_joules": 5.0}
+
+
+def _run(tmp_path, method: str, up: int, netem: bool = False, deadline_s: float = 60.0,
+         wire: bool = False):
     d = tmp_path / "some" / "nested" / method
     write_rounds(d, [RoundRecord(i, accuracy=0.1 * i, uplink_bytes=up, downlink_bytes=40 * up,
                                  extra={"virtual_seconds": 3.0 * i, "dropped_deadline": 0,
-                                        "dropped_link": 0, "dropped_rejected": 0}
+                                        "dropped_link": 0, "dropped_rejected": 0,
+                                        **(WIRE if wire else {})}
                                  if netem else {})
                      for i in range(1, 8)])
     summary = {"method": method, "rounds": 7, "config": {**CONFIG, "method": method},
@@ -110,7 +117,7 @@ def test_netem_report_has_the_target_line_and_the_links(tmp_path) -> None:
     runs = {"dense": _run(tmp_path, "dense", 100_000, netem=True),
             "dgc": _run(tmp_path, "dgc", 500, netem=True)}
     fig = virtual_time_figure(runs, target=0.45)
-    ax_acc, ax_dur, _, ax_bytes = fig.axes
+    ax_acc, ax_energy, ax_dur, _, ax_bytes = fig.axes
     flat = [line for line in ax_acc.lines if list(line.get_ydata()) == [0.45, 0.45]]
     assert len(flat) == 1, "a horizontal line at the target accuracy"
     # Both runs reach 0.5 >= 0.45 in round 5, after 3+6+9+12+15 = 45 virtual seconds: marked.
@@ -118,8 +125,29 @@ def test_netem_report_has_the_target_line_and_the_links(tmp_path) -> None:
     assert len(marks) == 2
     assert "links 3g:1.0, deadline 60 s" in fig._suptitle.get_text()
     assert [t.get_text() for t in ax_bytes.get_legend().get_texts()] == \
-        ["uplink", "downlink", "total"]
+        ["payload up", "payload down", "payload total"]
     assert all(re.fullmatch(r"\d+", t) for t in _labels(fig, ax_dur, "x"))
+    assert not ax_energy.lines  # no joules recorded: the panel says so
+    plt.close(fig)
+
+
+def test_runs_with_wire_bytes_show_them_beside_the_payload_and_energy(tmp_path) -> None:
+    """The emulator's link bytes: thin pale lines beside the payload's, bars of their own in the
+    netem report, and accuracy against cumulative joules (clients and idle nodes)."""
+    runs = {"dense": _run(tmp_path, "dense", 100_000, netem=True, wire=True),
+            "dgc": _run(tmp_path, "dgc", 500, netem=True, wire=True)}
+    fig = runs_figure(runs)
+    ax_total, ax_up, ax_bytes, ax_energy = fig.axes
+    on_wire = [line for line in ax_total.lines if line.get_gid() == "wire"]
+    assert len(on_wire) == 2 and on_wire[1].get_xdata()[-1] == pytest.approx(7 * 90_000 / 1e6)
+    assert len(ax_bytes.lines) == 6  # payload up and down, wire up, of each run
+    assert ax_energy.lines[1].get_xdata()[-1] == pytest.approx(7 * 25.0)
+    plt.close(fig)
+    fig = virtual_time_figure(runs, target=0.45)
+    ax_energy, ax_bytes = fig.axes[1], fig.axes[4]
+    assert [t.get_text() for t in ax_bytes.get_legend().get_texts()] == \
+        ["payload up", "payload down", "payload total", "wire up", "wire down", "wire total"]
+    assert ax_energy.lines[0].get_xdata()[-1] == pytest.approx(7 * 25.0)
     plt.close(fig)
 
 

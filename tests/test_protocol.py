@@ -8,22 +8,30 @@ import torch
 import dgc
 from fedgc import protocol as P
 
-_METRICS = dict(num_examples=12, uplink_bytes=300, nnz=7, shared_entries=0, density=0.25,
-                train_loss=0.5, compute_seconds=0.1, model_version=3, client_key=4,
-                sequence=5, restored=1)
+_METRICS = dict(num_examples=12, train_loss=0.5, compute_seconds=0.1)
 
 
 def test_reply_metrics_are_the_contracts_keys_typed_as_sent():
+    """Only what the server reads; ``restored`` and ``state_quarantined`` only when not 0."""
     m = P.reply_metrics(**_METRICS)
-    assert tuple(m) == P.REPLY_METRICS and P.STATE_QUARANTINED not in m
-    assert all(isinstance(m[k], float) for k in ("density", "train_loss", "compute_seconds"))
-    assert all(isinstance(v, int) for k, v in m.items()
-               if k not in ("density", "train_loss", "compute_seconds"))
+    assert tuple(m) == P.REPLY_METRICS and P.STATE_QUARANTINED not in m and P.RESTORED not in m
+    assert all(isinstance(m[k], float) for k in ("train_loss", "compute_seconds"))
+    assert isinstance(m[P.NUM_EXAMPLES], int)
     assert P.reply_metrics(**_METRICS, state_quarantined=True)[P.STATE_QUARANTINED] == 1
+    assert P.reply_metrics(**_METRICS, restored=2)[P.RESTORED] == 2
     content = P.reply_content(b"abc", m, shared_signs=b"de")
     assert P.record_to_bytes(content.array_records[P.UPDATE]) == b"abc"
     assert P.record_to_bytes(content.array_records[P.SHARED], P.SHARED_SIGNS) == b"de"
     assert dict(content.metric_records[P.METRICS]) == m
+
+
+def test_the_config_digest_tells_configs_apart_by_value_and_type():
+    a = {"lr": 0.1, "task": "digits", "local_epochs": 1, "flag": True, "names": ["x", "y"]}
+    assert P.config_digest(a) == P.config_digest(dict(reversed(list(a.items()))))
+    assert len(P.config_digest(a)) == 16
+    for changed in ({"lr": 0.2}, {"local_epochs": 1.0}, {"flag": 1}, {"names": ["y", "x"]},
+                    {"extra": 0}):
+        assert P.config_digest({**a, **changed}) != P.config_digest(a), changed
 
 
 def _patch(values: dict[str, tuple[list[int], list[float], int]]) -> bytes:

@@ -151,18 +151,28 @@ def test_patches_keep_client_models_bit_identical_to_the_server(tmp_path):
                map(ClientStateStore(c.state_dir).get, ClientStateStore(c.state_dir).keys()))
 
 
+def _round_and_key(grid: LocalGrid, reply) -> tuple[int, int]:
+    """(round, client key) of a reply: the group id Flower copies from the message it answers
+    (the round), and the partition of the node that sent it."""
+    return int(reply.metadata.group_id), grid.partition_of[reply.metadata.src_node_id]
+
+
 def test_unacknowledged_update_is_restored_next_round(tmp_path):
     dropped = []
+    grid = LocalGrid(client_app, 3)
 
     def drop_first_reply_of_round_1(reply):
-        metrics = reply.content.metric_records["metrics"]
-        if reply.metadata.message_type == "train" and metrics["sequence"] == 1 and not dropped:
-            dropped.append(int(metrics["client_key"]))
+        if reply.metadata.message_type != "train":
+            return reply
+        server_round, key = _round_and_key(grid, reply)
+        if server_round == 1 and not dropped:
+            dropped.append(key)
             return None  # as if the uplink failed
         return reply
 
+    grid.intercept = drop_first_reply_of_round_1
     c = _config(tmp_path, run_name="ack", rounds=2, num_clients=3, clients_per_round=3)
-    run_server(LocalGrid(client_app, 3, intercept=drop_first_reply_of_round_1), c)
+    run_server(grid, c)
     rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))
     by = {(int(r["round"]), int(r["client_key"])): r for r in rows}
     lost = dropped[0]
@@ -172,19 +182,21 @@ def test_unacknowledged_update_is_restored_next_round(tmp_path):
     assert all(by[(2, k)]["restored"] == "0" for k in others)
 
 
-def _dropping_even_rounds(lost: list[int], most: int = 4):
-    """A LocalGrid intercept that loses the first ``most`` train replies of even rounds (as if
-    their uplink failed), noting each client in ``lost``."""
+def _dropping_even_rounds(lost: list[int], grid: LocalGrid, most: int = 4) -> LocalGrid:
+    """``grid``, its replies intercepted: it loses the first ``most`` train replies of even
+    rounds (as if their uplink failed), noting each client in ``lost``."""
 
     def drop_some(reply):
-        metrics = reply.content.metric_records["metrics"]
-        if reply.metadata.message_type == "train" and int(metrics["sequence"]) % 2 == 0 \
-                and len(lost) < most:
-            lost.append(int(metrics["client_key"]))
+        if reply.metadata.message_type != "train":
+            return reply
+        server_round, key = _round_and_key(grid, reply)
+        if server_round % 2 == 0 and len(lost) < most:
+            lost.append(key)
             return None
         return reply
 
-    return drop_some
+    grid.intercept = drop_some
+    return grid
 
 
 @pytest.mark.parametrize("values, built", [("float16", False), ("int8", False), ("int8", True)])
@@ -194,10 +206,9 @@ def test_compressed_broadcast_keeps_client_models_bit_identical(tmp_path, values
     either grid of downlink_values; int8 patches to clients of known version add differences,
     and clients that build version 0 round it to the grid."""
     lost: list[int] = []
-    drop_some = _dropping_even_rounds(lost)
     c = _config(tmp_path, run_name="bcast", rounds=6, downlink_history=6,
                 downlink_density=0.01, downlink_values=values, clients_build_initial_model=built)
-    summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
+    summary, strategy = _run_recording(c, _dropping_even_rounds(lost, LocalGrid(client_app, 6)))
     assert (strategy.additive_patches > 0) == (values == "int8")
     exact = _config(tmp_path, run_name="exact", rounds=6, downlink_history=6, downlink_density=1,
                     clients_build_initial_model=False)
@@ -248,10 +259,9 @@ def test_stc_run_keeps_client_models_on_the_ternary_broadcast(tmp_path):
     (patches on two versions), clients one version behind adding the last step; the server
     keeps in global - broadcast what it did not send; uplink and downlink far below dense."""
     lost: list[int] = []
-    drop_some = _dropping_even_rounds(lost)
     c = _config(tmp_path, run_name="stc", rounds=6, method="stc", downlink_history=6,
                 clients_build_initial_model=True, downlink_density=0.02)
-    summary, strategy = _run_recording(c, LocalGrid(client_app, 6, intercept=drop_some))
+    summary, strategy = _run_recording(c, _dropping_even_rounds(lost, LocalGrid(client_app, 6)))
     assert strategy.downlink.values == "ternary" and strategy.optimizer.momentum == 0.0
     assert strategy.additive_patches > 0
     rows = list(csv.DictReader((c.run_dir / "clients.csv").open()))

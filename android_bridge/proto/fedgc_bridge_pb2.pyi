@@ -1,7 +1,9 @@
 # ruff: noqa
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -39,23 +41,31 @@ class RegisterRequest(_message.Message):
     def __init__(self, device_id: _Optional[str] = ..., token: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("session_id", "poll_interval_s")
+    __slots__ = ("session_id", "poll_interval_s", "max_wait_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POLL_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     poll_interval_s: float
-    def __init__(self, session_id: _Optional[str] = ..., poll_interval_s: _Optional[float] = ...) -> None: ...
+    max_wait_s: float
+    def __init__(self, session_id: _Optional[str] = ..., poll_interval_s: _Optional[float] = ..., max_wait_s: _Optional[float] = ...) -> None: ...
 
 class FetchTaskRequest(_message.Message):
-    __slots__ = ("session_id", "held_model_version")
+    __slots__ = ("session_id", "held_model_version", "wait_s", "held_config_sha256", "initial_model_sha256")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HELD_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     held_model_version: int
-    def __init__(self, session_id: _Optional[str] = ..., held_model_version: _Optional[int] = ...) -> None: ...
+    wait_s: float
+    held_config_sha256: str
+    initial_model_sha256: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., held_model_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., held_config_sha256: _Optional[str] = ..., initial_model_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchTaskReply(_message.Message):
-    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes", "shared_mask")
+    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes", "config_sha256", "base_sha256", "shared_mask")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +78,8 @@ class FetchTaskReply(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_UPDATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
+    BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
     SHARED_MASK_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     task_id: str
@@ -81,8 +93,10 @@ class FetchTaskReply(_message.Message):
     sequence: int
     max_chunk_bytes: int
     max_update_bytes: int
+    config_sha256: str
+    base_sha256: str
     shared_mask: bytes
-    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ..., shared_mask: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ..., config_sha256: _Optional[str] = ..., base_sha256: _Optional[str] = ..., shared_mask: _Optional[bytes] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("session_id", "task_id", "upload_id", "offset", "data", "total_bytes", "sha256", "metrics_json", "side_bytes")

@@ -89,6 +89,19 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--phone-arch", choices=("host", "arm64"), default="host",
                    help="the phones' CPU: this machine's, or the emulated arm64 phone of "
                         "`make arm` (qemu-user; about a minute of CPU to start each)")
+    p.add_argument("--poll-interval-s", type=float, default=None,
+                   help="an idle SuperNode's pull interval (Flower's: 3 s)")
+    p.add_argument("--heartbeat-interval-s", type=float, default=None,
+                   help="SuperNode heartbeat interval (Flower's: 30 s; offline after 2)")
+    p.add_argument("--keep-alive-s", type=float, default=None,
+                   help="how long the SuperLink keeps an idle connection (Flower's: 5 s)")
+    p.add_argument("--phone-settings", action="store_true",
+                   help="fedgc's pick for phones (docs/deploy.md): "
+                        + ", ".join(f"{k.replace('_', '-')} {v:g}"
+                                    for k, v in PHONE_SETTINGS.items()))
+    p.add_argument("--capture", action="store_true",
+                   help="record every packet of each link (tcpdump; needs shaping tbf or "
+                        "netem) and print where the bytes go (`python -m simulations wire`)")
     return p
 
 
@@ -145,6 +158,33 @@ def cmd_calibrate(argv: Sequence[str]) -> int:
     return 0 if worst <= 0.15 else 1
 
 
+#: Flower settings fedgc picks for SuperNodes on phones (docs/deploy.md, "Settings for phones"):
+#: a poll every 20 s lets an LTE radio leave its 11.6 s tail between polls; heartbeats every
+#: 120 s (a dead node is marked offline within 240 s); connections kept 60 s so polls and
+#: heartbeats reuse one connection instead of a TCP and TLS handshake each.
+PHONE_SETTINGS = {"poll_interval_s": 20.0, "heartbeat_interval_s": 120.0, "keep_alive_s": 60.0}
+
+
+def flower_settings(args: argparse.Namespace) -> dict[str, float]:
+    """The poll, heartbeat and keep-alive settings of the command line (``--phone-settings``
+    first, explicit options over it).
+
+    Raises
+    ------
+    DeployError
+        A value outside (0, 3600] seconds.
+    """
+    out = dict(PHONE_SETTINGS) if args.phone_settings else {}
+    for key in PHONE_SETTINGS:
+        value = getattr(args, key)
+        if value is not None:
+            if not (math.isfinite(value) and 0 < value <= 3600):
+                raise DeployError(f"--{key.replace('_', '-')} {value!r}: expected seconds in "
+                                  f"(0, 3600]")
+            out[key] = float(value)
+    return out
+
+
 def _workdir(args: argparse.Namespace) -> Path:
     """``--workdir``, or a new private folder (made once: the phones and the deployment share
     it)."""
@@ -182,6 +222,8 @@ def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None
         node_config=node_config,
         # The bridge's SuperNodes sit beside the SuperLink; the phones have the links.
         unshaped=frozenset(range(args.nodes, args.nodes + phones)),
+        capture=args.capture,
+        **flower_settings(args),
     )
     with_phones = (f" + {phones} {fleet.arch} phones behind links to the phone bridge"
                    if fleet is not None else "")
@@ -280,8 +322,13 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     print(bytes_table(run.summary, record))
     if args.link or fleet is not None:
         print(format_nodes(node_rows(run.run_dir, record)))
-    print(f"results: {run.run_dir}/rounds.csv, clients.csv, summary.json, deploy.json, "
-          f"{plot.name}")
+    written = ["rounds.csv", "clients.csv", "summary.json", "deploy.json", plot.name]
+    if args.capture:
+        from .capture_report import write_capture_ledger
+
+        print(write_capture_ledger(dep, run))
+        written.append("wire.json")
+    print(f"results: {run.run_dir}/{', '.join(written)}")
     return 0
 
 

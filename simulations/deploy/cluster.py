@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .capture import PacketCapture
 from .certs import NodeKeys, TlsFiles, make_node_keys, make_tls
 from .errors import DeployError, ProcessStartError
 from .fedgc_app import repo_root
@@ -32,6 +33,8 @@ from .toml_values import format_config
 from .watchdog import Watchdog, start_time
 
 CONNECTION = "fedgc-deploy"
+#: The module that starts a SuperNode with fedgc's additions (:mod:`simulations.deploy.launch`).
+LAUNCHER = "simulations.deploy.launch"
 _BIN = Path(sys.executable).parent
 _CLI_TIMEOUT_S = 60.0
 
@@ -74,6 +77,15 @@ class DeploymentConfig:
     unshaped : frozenset[int]
         Nodes that run beside the SuperLink, on loopback without a link (the SuperNodes of the
         phone bridge: the phones' own links are theirs, :mod:`simulations.deploy.phones`).
+    poll_interval_s, heartbeat_interval_s : float, optional
+        An idle SuperNode's pull interval (Flower: 3 s) and its heartbeat interval (Flower:
+        30 s); None keeps Flower's (:mod:`simulations.deploy.launch`).
+    keep_alive_s : float, optional
+        How long the SuperLink keeps an idle HTTP connection (Flower's uvicorn: 5 s).
+    capture : bool
+        Record every packet of each node's link with tcpdump (``<workdir>/capture/node<i>.pcap``)
+        and, with TLS, the SuperNodes' session keys (``node<i>.keys``) for
+        :mod:`simulations.wire`. Needs namespaced links (shaping ``tbf`` or ``netem``).
     """
 
     nodes: int
@@ -88,6 +100,10 @@ class DeploymentConfig:
     startup_timeout_s: float = 90.0
     restart_on_exit: bool = False
     unshaped: frozenset[int] = frozenset()
+    poll_interval_s: float | None = None
+    heartbeat_interval_s: float | None = None
+    keep_alive_s: float | None = None
+    capture: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= 200:
@@ -137,6 +153,8 @@ class Deployment:
         self.tls: TlsFiles | None = None
         self.superlink_port = 0
         self.restarts: dict[int, int] = {}
+        self.captures: dict[int, PacketCapture] = {}
+        self.capture_drops: dict[int, int] = {}
         self.registered: dict[int, int] = {}  # index -> node id (auth only)
         self._held: set[int] = set(config.unregistered)
         self._supervisor: threading.Thread | None = None
@@ -232,6 +250,9 @@ class Deployment:
                 proc.stop(timeout_s=5.0)
             except ProcessStartError as err:
                 problems.append(str(err))
+        # After the nodes (their last requests are on the wire), before the links go.
+        for index, capture in self.captures.items():
+            self.capture_drops[index] = capture.stop()
         if self.links is not None:
             self.links.stop()
         if self.watchdog is not None:
@@ -273,6 +294,9 @@ class Deployment:
             argv.append("--insecure")
         if self.config.auth:
             argv.append("--enable-supernode-auth")
+        if self.config.keep_alive_s is not None:
+            argv = [sys.executable, "-m", LAUNCHER, "superlink",
+                    "--keep-alive-s", str(self.config.keep_alive_s), "--", *argv[1:]]
         self.superlink = ManagedProcess("superlink", argv, self.workdir / "logs" / "superlink.log",
                                         env=self.env)
         self.superlink.start()
@@ -340,6 +364,8 @@ class Deployment:
             self._record(planned_netns=self.links.netns_name(index))
             link = self.links.build(index, "127.0.0.1", self.superlink_port)
         self.node_links[index] = link
+        if self.config.capture:
+            self._start_capture(index, link)
         existing = self.supernodes.get(index)
         if existing is not None and existing.running():
             self._held.discard(index)
@@ -358,6 +384,17 @@ class Deployment:
             argv.append("--insecure")
         if self.config.auth:
             argv += ["--auth-supernode-private-key", str(self.node_keys[index].private_key)]
+        extra: list[str] = []
+        if self.config.capture and self.tls is not None:
+            # The node's TLS secrets, so that the capture of its link can be decrypted.
+            extra += ["--keylog", str(self.capture_dir / f"node{index}.keys")]
+        for flag, value in (("--poll-interval-s", self.config.poll_interval_s),
+                            ("--heartbeat-interval-s", self.config.heartbeat_interval_s),
+                            ("--keep-alive-s", self.config.keep_alive_s)):
+            if value is not None:
+                extra += [flag, str(value)]
+        if extra:
+            argv = [sys.executable, "-m", LAUNCHER, "supernode", *extra, "--", *argv[1:]]
         proc = existing or ManagedProcess(
             f"supernode{index}", argv, self.workdir / "logs" / f"supernode{index}.log",
             env=self.env, netns=link.netns,
@@ -366,6 +403,20 @@ class Deployment:
         self._record()
         self._held.discard(index)
         return proc
+
+    @property
+    def capture_dir(self) -> Path:
+        """Where the links' packet captures and the SuperNodes' TLS key logs go."""
+        return self.workdir / "capture"
+
+    def _start_capture(self, index: int, link: NodeLink) -> None:
+        if index in self.captures:
+            return
+        if link.veth is None:
+            raise DeployError(f"capture needs a namespaced link (shaping tbf or netem); node "
+                              f"{index}'s link is in mode {link.mode!r}")
+        self.captures[index] = PacketCapture(
+            link.veth.host_dev, self.capture_dir / f"node{index}.pcap").start()
 
     def wait_supernode(self, index: int, timeout_s: float | None = None) -> None:
         """Block until SuperNode ``index`` has joined the SuperLink (it logs its node id).
@@ -417,7 +468,7 @@ class Deployment:
         for entry in os.listdir("/proc"):
             if entry.isdigit() and int(entry) != os.getpid():
                 args = " ".join(process_args(int(entry)))
-                if "flower-" in args or "flwr-" in args:
+                if "flower-" in args or "flwr-" in args or LAUNCHER in args:
                     if any(mark in args for mark in marks):
                         out.append(int(entry))
         return out

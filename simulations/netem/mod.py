@@ -23,18 +23,35 @@ Other messages (query, evaluate) and runs without ``netem.enabled`` pass through
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
-from client.app import allowed_callables, client_key, method_of, settings_from, state_root
+from client.app import (
+    allowed_callables,
+    client_key,
+    message_config,
+    method_of,
+    settings_from,
+    state_root,
+)
 from client.state import ClientState, ClientStateStore, StateCorruptError
 from fedgc.protocol import ACK_SEQUENCE, NUM_EXAMPLES
 from simulations.netem.clock import REASON_UNAVAILABLE, ClientTimeline
+from simulations.netem.energy import (
+    DEVICE_COMPUTE_W,
+    LINK_RADIO,
+    Transfer,
+    compute_energy_j,
+    radio_energy,
+)
 from simulations.netem.errors import LinkConfigError
 from simulations.netem.link import REASON_LINK_DOWN, REASON_OK, TransferResult
+from simulations.netem.protocol import ProtocolModel, message_objects
 from simulations.netem.settings import (
     PREFIX,
     ROUND_KEY,
@@ -50,7 +67,14 @@ REASON_CODES: dict[str, float] = {REASON_OK: 0.0, REASON_LINK_DOWN: 1.0, REASON_
 _REASONS = {v: k for k, v in REASON_CODES.items()}
 _FIELDS = ("ok", "reason", "client_key", "finish_s", "download_end_s", "compute_s",
            "download_bytes", "upload_bytes", "download_wire_bytes", "upload_wire_bytes",
-           "outage_s", "stale_factor", "stale_discarded_l1")
+           "outage_s", "stale_factor", "stale_discarded_l1",
+           # What the protocol adds (netem.protocol; equal to the above without one): payload
+           # and link bytes each way over the whole round trip (requests and acknowledgements
+           # included), the transfer and orchestration seconds, and the joules spent.
+           "payload_down_bytes", "payload_up_bytes", "link_down_bytes", "link_up_bytes",
+           "transfer_s", "orchestration_s", "radio_j", "compute_j")
+#: Seeds the wait for a node's next poll, per (scenario seed, client, round).
+_STREAM_POLL = 0x9011
 
 
 def _varint_nbytes(n: int) -> int:
@@ -101,6 +125,45 @@ def encoded_nbytes(content: RecordDict) -> int:
     return total
 
 
+def payload_nbytes(content: RecordDict) -> int:
+    """fedgc's payload in a message: the bytes of every Array of its ArrayRecords (what
+    ``rounds.csv`` counts)."""
+    return sum(len(a.data) for r in content.array_records.values() for a in r.values())
+
+
+def content_objects(content: RecordDict) -> int:
+    """How many Flower objects a message with ``content`` is shipped as."""
+    arrays = [len(a.data) for r in content.array_records.values() for a in r.values()]
+    return message_objects(arrays, len(content))
+
+
+def _poll_wait_s(proto: ProtocolModel | None, settings: NetemSettings, key: int,
+                 round_index: int) -> float:
+    """How long the message waits for the node's next poll (uniform over an interval)."""
+    if proto is None or proto.poll_interval_s <= 0:
+        return 0.0
+    ss = np.random.SeedSequence([settings.seed, key, round_index, _STREAM_POLL])
+    return float(np.random.default_rng(ss).random()) * proto.poll_interval_s
+
+
+def _energy(settings: NetemSettings, net: Any, proto: ProtocolModel | None,
+            transfers: list[Transfer], compute_s: float) -> tuple[float, float]:
+    """(radio, compute) joules of one client-round: the radio over its transfers (awake at the
+    start, and its tail cut by the next poll, when the protocol polls within the tail)."""
+    radio = LINK_RADIO.get(net.link.name)
+    models = settings.power_models()
+    radio_j = 0.0
+    if radio is not None and radio in models and transfers:
+        model = models[radio]
+        interval = proto.poll_interval_s if proto is not None else 0.0
+        warm = 0 < interval < model.tail_ms / 1000.0
+        end = max(t.end_s for t in transfers)
+        radio_j = radio_energy(model, transfers, until_s=end + interval if warm else None,
+                               warm=warm).total_j
+    compute_w = DEVICE_COMPUTE_W.get(net.device.name, 0.0)
+    return radio_j, compute_energy_j(compute_w, compute_s)
+
+
 def _netem_config(msg: Message) -> dict | None:
     for record in msg.content.config_records.values():
         if PREFIX + "enabled" in record:
@@ -123,12 +186,14 @@ def _early_reply(msg: Message, key: int, reason: str, end_s: float,
     return Message(RecordDict({RECORD: _record(values)}), reply_to=msg)
 
 
-def _age_residual(config: dict, context: Context, key: int, round_index: int,
+def _age_residual(msg: Message, context: Context, key: int, round_index: int,
                   settings: NetemSettings) -> StaleReport | None:
     # The client keeps its residual in client.state.ClientStateStore; the stale policy acts on
     # that state before the client loads it.
     if settings.stale_policy == "keep":
         return None
+    # The run's config as the client reads it (whole, or known by its digest).
+    config = message_config(msg.content, context)
     allowed = allowed_callables(context)
     train = settings_from(config, allowed)
     root = state_root(train, context)
@@ -171,12 +236,23 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
 
     if not net.device.is_available(round_index):
         return _early_reply(msg, key, REASON_UNAVAILABLE, start_s, None)
-    down = net.link.transfer(encoded_nbytes(msg.content), start_s, "down",
-                             round_index=round_index)
+    proto = settings.protocol_model()
+    payload_down = payload_nbytes(msg.content)
+    wait_s = _poll_wait_s(proto, settings, key, round_index)
+    t0 = start_s + wait_s
+    if proto is None:
+        requests_up, down_nbytes, rtt_down = 0, encoded_nbytes(msg.content), 0.0
+    else:
+        objects = content_objects(msg.content)
+        requests_up, down_nbytes = proto.download(payload_down, objects)
+        # Every RPC but the first costs a round trip of its own (the transfer charges one).
+        rtt_down = (proto.rpcs("down", objects) - 1) * net.link.latency_ms / 1000.0
+    down = net.link.transfer(down_nbytes, t0, "down", round_index=round_index)
     if not down.ok:
         return _early_reply(msg, key, down.reason, down.end_s, down)
+    download_end = down.end_s + rtt_down
 
-    stale = _age_residual(config, context, key, round_index, settings)
+    stale = _age_residual(msg, context, key, round_index, settings)
     reply = call_next(msg, context)
     if reply.has_error() or not reply.has_content():
         return reply
@@ -190,16 +266,34 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     else:
         compute_s = net.device.compute_seconds(samples, settings.local_epochs)
     reply.content[RECORD] = _record({})
-    up_nbytes = encoded_nbytes(reply.content)
-    up = net.link.transfer(up_nbytes, down.end_s + compute_s, "up", round_index=round_index)
+    startup_s = proto.clientapp_startup_s if proto is not None else 0.0
+    upload_start = download_end + startup_s + compute_s
+    payload_up = payload_nbytes(reply.content)
+    if proto is None:
+        up_nbytes, acks_down, rtt_up = encoded_nbytes(reply.content), 0, 0.0
+    else:
+        objects = content_objects(reply.content)
+        up_nbytes, acks_down = proto.upload(payload_up, objects)
+        rtt_up = (proto.rpcs("up", objects) - 1) * net.link.latency_ms / 1000.0
+    up = net.link.transfer(up_nbytes, upload_start, "up", round_index=round_index)
+    finish_s = up.end_s + rtt_up if up.ok else up.end_s
+    transfers = [Transfer(t0, download_end, up_bytes=requests_up, down_bytes=down.wire_bytes),
+                 Transfer(upload_start, max(upload_start, finish_s), up_bytes=up.wire_bytes,
+                          down_bytes=acks_down)]
+    radio_j, compute_j = _energy(settings, net, proto, transfers, compute_s)
     reply.content[RECORD] = _record({
         "ok": float(up.ok), "reason": REASON_CODES[up.reason], "client_key": key,
-        "finish_s": up.end_s, "download_end_s": down.end_s, "compute_s": compute_s,
+        "finish_s": finish_s, "download_end_s": download_end, "compute_s": compute_s,
         "download_bytes": down.nbytes, "upload_bytes": up.nbytes,
         "download_wire_bytes": down.wire_bytes, "upload_wire_bytes": up.wire_bytes,
         "outage_s": down.outage_s + up.outage_s,
         "stale_factor": 1.0 if stale is None else stale.factor,
         "stale_discarded_l1": 0.0 if stale is None else stale.discarded_l1,
+        "payload_down_bytes": payload_down, "payload_up_bytes": payload_up,
+        "link_down_bytes": down.wire_bytes + acks_down,
+        "link_up_bytes": requests_up + up.wire_bytes,
+        "transfer_s": (download_end - t0) + (finish_s - upload_start),
+        "orchestration_s": wait_s + startup_s, "radio_j": radio_j, "compute_j": compute_j,
     })
     return reply
 

@@ -2,16 +2,22 @@
 
 ``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
 plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
-a mobile mix) with the target accuracy as a line, the per-round virtual duration, the updates not
-aggregated by cause (drops, and the surplus of over-selection) and MB up, down and in total,
-titled with the methods, scenario and links; and prints the time-to-accuracy table (target: the
-first run's final accuracy unless ``--target``), whose virtual seconds are the run's total, as
-the progress line's ``total``.
+a mobile mix) with the target accuracy as a line, accuracy against cumulative joules (runs with
+the emulator's energy accounting), the per-round virtual duration, the updates not aggregated by
+cause (drops, and the surplus of over-selection) and MB up, down and in total, as payload and on
+the wire, titled with the methods, scenario and links; and prints the time-to-accuracy table
+(target: the first run's final accuracy unless ``--target``), whose virtual seconds are the run's
+total, as the progress line's ``total``, with payload and link bytes both ways, each with its
+ratio to dense (the run of method ``dense`` among them, else dense FedAvg for the run's own
+client-rounds), and joules per client-round and to the target
+(:mod:`simulations.netem.wire_columns`; link bytes count Flower's protocol with
+``netem.protocol``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -26,6 +32,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from fedgc.methods import baseline  # noqa: E402
 from server.results import read_rounds  # noqa: E402
 from simulations.netem.errors import NetemError  # noqa: E402
 from simulations.plots import (  # noqa: E402
@@ -62,15 +69,76 @@ def time_to_accuracy(rows: Sequence[Mapping[str, float]], target: float) -> floa
     return None
 
 
+def _has(rows: Sequence[Mapping[str, float]], column: str) -> bool:
+    return bool(rows) and all(column in r and math.isfinite(r[column]) for r in rows)
+
+
+def cumulative_joules(rows: Sequence[Mapping[str, float]]) -> list[float] | None:
+    """Joules spent by the end of each round (``joules``: the clients that worked, plus
+    ``idle_joules``: the nodes that waited), or None when the run recorded none."""
+    if not _has(rows, "joules"):
+        return None
+    out, total = [], 0.0
+    for r in rows:
+        total += r["joules"] + (r.get("idle_joules", 0.0) if math.isfinite(
+            r.get("idle_joules", 0.0)) else 0.0)
+        out.append(total)
+    return out
+
+
+def energy_to_accuracy(rows: Sequence[Mapping[str, float]], target: float) -> float | None:
+    """Joules until the accuracy first reached ``target`` (None: never, or not recorded)."""
+    joules = cumulative_joules(rows)
+    if joules is None:
+        return None
+    for j, r in zip(joules, rows, strict=True):
+        if math.isfinite(r["accuracy"]) and r["accuracy"] >= target:
+            return j
+    return None
+
+
+def _method_of(run_dir: str | Path) -> str:
+    try:
+        summary = json.loads(Path(run_dir, "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    return str(summary.get("method", "")) if isinstance(summary, dict) else ""
+
+
+#: The traffic columns of the table: (key, rounds.csv columns summed, dense columns summed).
+TRAFFIC = (("uplink", ("uplink_bytes",), ("dense_uplink_bytes",)),
+           ("downlink", ("downlink_bytes",), ("dense_downlink_bytes",)),
+           ("wire_uplink", ("wire_uplink_bytes",), ("dense_wire_uplink_bytes",)),
+           ("wire_downlink", ("wire_downlink_bytes",), ("dense_wire_downlink_bytes",)),
+           ("wire_total", ("wire_uplink_bytes", "wire_downlink_bytes"),
+            ("dense_wire_uplink_bytes", "dense_wire_downlink_bytes")))
+
+
 def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
                    ) -> dict[str, dict[str, float | None]]:
-    """Per run: final accuracy, virtual seconds, time to ``target``, drops and bytes."""
+    """Per run: final accuracy, virtual seconds, time to ``target``, drops, payload bytes and
+    (runs that recorded them) link bytes both ways, each with its ratio to dense, and joules
+    per client-round, in all and to ``target``.
+
+    A ratio to dense (``<traffic>_vs_dense``) is the bytes of the baseline method's run (dense)
+    among ``runs`` over this run's; without one, what dense FedAvg would have sent for the
+    run's own client-rounds (its ``dense_*`` columns) over what it sent.
+    """
     table: dict[str, dict[str, float | None]] = {}
     rows_of = {name: read_rounds(Path(d)) for name, d in runs.items()}
     if target is None:
         first = next(iter(rows_of.values()))
         target = first[-1]["accuracy"]
+    dense_run = next((n for n, d in runs.items() if _method_of(d) == baseline()), None)
+
+    def total(rows: Sequence[Mapping[str, float]], columns: Sequence[str]) -> float | None:
+        if not all(_has(rows, c) for c in columns):
+            return None
+        return sum(r[c] for r in rows for c in columns)
+
     for name, rows in rows_of.items():
+        joules = cumulative_joules(rows)
+        client_rounds = total(rows, ("client_rounds",))
         table[name] = {
             "final_accuracy": rows[-1]["accuracy"],
             "rounds": len(rows),
@@ -81,9 +149,22 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
             "dropped_link": sum(r["dropped_link"] for r in rows),
             "dropped_rejected": sum(r["dropped_rejected"] for r in rows),
             "surplus": sum(r.get(SURPLUS, 0.0) for r in rows),  # runs before it had none
-            "uplink_bytes": sum(r["uplink_bytes"] for r in rows),
-            "downlink_bytes": sum(r["downlink_bytes"] for r in rows),
+            "joules_per_client_round": (sum(r["joules"] for r in rows) / client_rounds
+                                        if joules is not None and client_rounds else None),
+            "joules_total": joules[-1] if joules else None,
+            "joules_to_target": energy_to_accuracy(rows, target),
         }
+        for key, columns, dense in TRAFFIC:
+            sent = total(rows, columns)
+            table[name][f"{key}_bytes"] = sent
+            own = total(rows, dense)
+            table[name][f"{key}_vs_dense"] = (own / sent if own is not None and sent else None)
+    if dense_run is not None:
+        for key, _, _ in TRAFFIC:
+            base = table[dense_run][f"{key}_bytes"]
+            for r in table.values():
+                sent = r[f"{key}_bytes"]
+                r[f"{key}_vs_dense"] = base / sent if base is not None and sent else None
     return table
 
 
@@ -100,8 +181,8 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
 
     ``title`` defaults to the methods and scenario (:func:`simulations.plots.scenario_title`).
     """
-    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
-    ax_acc, ax_dur, ax_drop, ax_bytes = axes
+    fig, axes = plt.subplots(1, 5, figsize=(26, 5))
+    ax_acc, ax_energy, ax_dur, ax_drop, ax_bytes = axes
     names, handles = list(runs), []
     drops, traffic = [], []
     for i, run_dir in enumerate(runs.values()):
@@ -111,11 +192,19 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
         handles.append(line)
         if target is not None and (hit := time_to_accuracy(rows, target)) is not None:
             ax_acc.axvline(hit, color=color, linestyle=":", linewidth=1)
+        joules = cumulative_joules(rows)
+        if joules is not None:
+            ax_energy.plot(joules, [r["accuracy"] for r in rows], marker=".", color=color)
         ax_dur.plot([r["round"] for r in rows], [r["virtual_seconds"] for r in rows],
                     color=color)
         drops.append([sum(r.get(c, 0.0) for r in rows) for c in (*DROP_CAUSES, SURPLUS)])
         up, down = (sum(r[c] for r in rows) / 1e6 for c in ("uplink_bytes", "downlink_bytes"))
-        traffic.append([up, down, up + down])
+        bars = [up, down, up + down]
+        if _has(rows, "wire_uplink_bytes"):
+            w_up, w_down = (sum(r[c] for r in rows) / 1e6
+                            for c in ("wire_uplink_bytes", "wire_downlink_bytes"))
+            bars += [w_up, w_down, w_up + w_down]
+        traffic.append(bars)
     if target is not None:
         ax_acc.axhline(target, color="0.4", linestyle="--", linewidth=1)
         ax_acc.annotate(f"target {target:.3f}", xy=(0.01, target), xycoords=("axes fraction",
@@ -125,6 +214,15 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
     ax_acc.set(xlabel="virtual seconds (cumulative)", ylabel="test accuracy",
                title="accuracy vs emulated time" + ("" if target is None else
                                                     " (dotted: target reached)"))
+    if ax_energy.lines:
+        readable_log(ax_energy, "x")
+        if target is not None:
+            ax_energy.axhline(target, color="0.4", linestyle="--", linewidth=1)
+    else:
+        ax_energy.text(0.5, 0.5, "no energy recorded\n(emulated before issue 25)",
+                       ha="center", va="center", transform=ax_energy.transAxes, color="0.4")
+    ax_energy.set(xlabel="joules, all clients (cumulative)", ylabel="test accuracy",
+                  title="accuracy vs energy")
     readable_log(ax_dur, "y")
     integer_rounds(ax_dur)
     ax_dur.set(xlabel="round", ylabel="virtual seconds", title="round duration")
@@ -132,8 +230,13 @@ def virtual_time_figure(runs: Mapping[str, str | Path], title: str = "",
                   [*(c.replace("dropped_", "") for c in DROP_CAUSES), "surplus"], 0)
     ax_drop.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_drop.set(ylabel="clients", title="updates not aggregated: drops by cause, and surplus")
-    _grouped_bars(ax_bytes, names, traffic, ["uplink", "downlink", "total"], 3, log=True)
-    ax_bytes.set(ylabel="MB", title="traffic by direction")
+    labels = ["payload up", "payload down", "payload total"]
+    if all(len(t) == 6 for t in traffic):  # every run recorded its link bytes
+        labels += ["wire up", "wire down", "wire total"]
+    else:
+        traffic = [t[:3] for t in traffic]
+    _grouped_bars(ax_bytes, names, traffic, labels, 3, log=True)
+    ax_bytes.set(ylabel="MB", title="traffic by direction: payload and on the wire")
     for ax in axes:
         ax.grid(True, which="major", alpha=0.3)
     legend_below(fig, handles, names)
@@ -159,7 +262,38 @@ def _grouped_bars(ax: Axes, names: Sequence[str], values: Sequence[Sequence[floa
     # Room above the tallest bar for the legend, so that it covers no bar.
     top = max((v for group in values for v in group), default=0.0)
     ax.set_ylim(top=(top * 8 if log else top * 1.35) if top > 0 else 1.0)
-    ax.legend(loc="upper center", ncol=len(labels), frameon=False)
+    ax.legend(loc="upper center", ncol=min(len(labels), 3), frameon=False, fontsize=8)
+
+
+def table_text(table: Mapping[str, Mapping[str, float | None]]) -> str:
+    """The printed time-to-accuracy table: accuracy, time, drops, surplus, payload and wire MB
+    both ways with their ratios to dense, joules per client-round and to the target."""
+    def cell(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+        return "-" if value is None or not math.isfinite(value) else f"{value / scale:.{digits}f}"
+
+    head = (f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s total':>15} "
+            f"{'s to target':>12} {'deadline':>8} {'link':>5} {'rejected':>8} {'surplus':>7} "
+            f"{'up MB':>8} {'x dense':>7} {'down MB':>8} {'x dense':>7} "
+            f"{'wire up':>8} {'x dense':>7} {'wire dn':>8} {'x dense':>7} {'x total':>7} "
+            f"{'J/c-round':>9} {'J to tgt':>9}")
+    lines = [head]
+    for name, r in table.items():
+        tt = r["virtual_seconds_to_target"]
+        lines.append(
+            f"{name:<12} {r['final_accuracy']:9.4f} {r['rounds']:6.0f} "
+            f"{r['virtual_seconds']:15.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
+            f"{r['dropped_deadline']:8.0f} {r['dropped_link']:5.0f} "
+            f"{r['dropped_rejected']:8.0f} {r['surplus']:7.0f} "
+            f"{cell(r['uplink_bytes'], 1e6, 3):>8} "
+            f"{cell(r['uplink_vs_dense'], 1, 1):>7} "
+            f"{cell(r['downlink_bytes'], 1e6):>8} {cell(r['downlink_vs_dense'], 1, 1):>7} "
+            f"{cell(r['wire_uplink_bytes'], 1e6, 3):>8} "
+            f"{cell(r['wire_uplink_vs_dense'], 1, 1):>7} {cell(r['wire_downlink_bytes'], 1e6):>8} "
+            f"{cell(r['wire_downlink_vs_dense'], 1, 1):>7} "
+            f"{cell(r['wire_total_vs_dense'], 1, 1):>7} "
+            f"{cell(r['joules_per_client_round'], 1, 1):>9} "
+            f"{cell(r['joules_to_target'], 1, 0):>9}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,16 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NetemError as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2
-    print(f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s total':>15} "
-          f"{'s to target':>12} {'deadline':>8} {'link':>5} {'rejected':>8} {'surplus':>7} "
-          f"{'up MB':>8} {'down MB':>8}")
-    for name, r in table.items():
-        tt = r["virtual_seconds_to_target"]
-        print(f"{name:<12} {r['final_accuracy']:9.4f} {r['rounds']:6.0f} "
-              f"{r['virtual_seconds']:15.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
-              f"{r['dropped_deadline']:8.0f} {r['dropped_link']:5.0f} "
-              f"{r['dropped_rejected']:8.0f} {r['surplus']:7.0f} {r['uplink_bytes'] / 1e6:8.2f} "
-              f"{r['downlink_bytes'] / 1e6:8.2f}")
+    print(table_text(table))
     print(f"target accuracy {next(iter(table.values()))['target_accuracy']:.4f}; plot: {args.out}")
     return 0
 

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -27,9 +28,16 @@ from fedgc.settings import (
     unknown_keys,
     validate,
 )
+from simulations.netem.energy import (
+    POWER_MODELS,
+    PowerModelError,
+    RadioPowerModel,
+    load_power_models,
+)
 from simulations.netem.errors import NetemError
 from simulations.netem.link import OUTAGE_POLICIES
 from simulations.netem.presets import DEVICE_PRESETS, LINK_PRESETS, LinkProfile
+from simulations.netem.protocol import ProtocolError, ProtocolModel, load_protocols
 from simulations.netem.scenario import Assignment, assign
 from simulations.netem.staleness import STALE_POLICIES, StalePolicy
 from simulations.netem.throughput import Trace, load_trace
@@ -108,6 +116,14 @@ class NetemSettings:
     trace_latency_ms: float = setting(50.0, "netem.trace_latency_ms", "round-trip latency of "
                                       "the 'trace' link preset (the traces carry throughput "
                                       "only)", Check(0.0))
+    protocol: str = setting("none", "netem.protocol", "what the protocol adds on the wire and "
+                            "the clock (simulations.netem.protocol, calibrated from captured "
+                            "deployments): none (the payload only), supernode, supernode-tls, "
+                            "supernode-tls-phone (deploy --phone-settings) or bridge-tls (the "
+                            "phone bridge)")
+    power_model: str = setting("", "netem.power_model", "JSON file of radio power models "
+                               "laid over the presets (simulations.netem.energy: lte, 3g, "
+                               "wifi from Huang et al., MobiSys 2012); empty = the presets")
 
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
@@ -117,6 +133,8 @@ class NetemSettings:
                                                     hints[f.name]))
         validate(self)
         self._check_traces()
+        self.power_models()  # a bad file is named now, before round 1
+        self.protocol_model()
         for name, presets in (("mix", self.link_presets()), ("device_mix", DEVICE_PRESETS)):
             text = getattr(self, name)
             fractions = parse_fractions(text, name)
@@ -143,6 +161,25 @@ class NetemSettings:
                                 f"replays them (e.g. {PREFIX}mix={TRACE_PRESET}:1.0)")
         for k in given:
             trace_file(PREFIX + k, getattr(self, k))
+
+    def protocol_model(self) -> ProtocolModel | None:
+        """The calibrated protocol model (None for ``none``: payload bytes only)."""
+        if self.protocol == "none":
+            return None
+        models = _protocols()
+        if self.protocol not in models:
+            raise SettingsError(f"{PREFIX}protocol must be 'none' or one of {sorted(models)}, "
+                                f"got {self.protocol!r}")
+        return models[self.protocol]
+
+    def power_models(self) -> dict[str, RadioPowerModel]:
+        """The radio power models: the presets, with ``power_model``'s file laid over them."""
+        if not self.power_model:
+            return dict(POWER_MODELS)
+        try:
+            return load_power_models(self.power_model)
+        except PowerModelError as ex:
+            raise SettingsError(f"{PREFIX}power_model = {self.power_model!r}: {ex}") from None
 
     def link_presets(self) -> dict[str, LinkProfile]:
         """The link presets ``mix`` may name: the built-in ones, and ``trace`` with the trace
@@ -220,6 +257,15 @@ def assignment_for(settings: NetemSettings) -> Assignment:
 
 
 _TRACES: dict[tuple[str, int, int], Trace] = {}
+
+
+@lru_cache(maxsize=1)
+def _protocols() -> dict[str, ProtocolModel]:
+    """fedgc's calibrated protocol models (``protocols.json``), read once per process."""
+    try:
+        return load_protocols()
+    except ProtocolError as ex:
+        raise SettingsError(f"{PREFIX}protocol: {ex}") from None
 
 
 def trace_file(key: str, path: str) -> Trace:

@@ -11,9 +11,12 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    acknowledges the aggregated updates; every other client is not acknowledged and folds its
    update back into its residual at its next round (no gradient mass is lost);
 4. records ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and ``dropped_rejected``
-   through the server's extension point (:class:`NetemColumns`, :mod:`server.extensions`);
-   the stragglers that came in time but after the K-th are over-selection's surplus
-   (``clients_surplus``), not drops; and advances the virtual clock to the round's close.
+   (:class:`NetemColumns`), and the payload and link bytes with their ratios to dense, joules
+   and the round's time split (:class:`~simulations.netem.wire_columns.WireColumns`), through
+   the server's extension point (:mod:`server.extensions`); the stragglers that came in time
+   but after the K-th are over-selection's surplus (``clients_surplus``), not drops; and
+   advances the virtual clock to the round's close (plus the server's own time, with
+   ``netem.protocol``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from server.strategy import DGCStrategy
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply
 from simulations.netem.settings import PREFIX, ROUND_KEY, ROUND_START_KEY, NetemSettings
+from simulations.netem.wire_columns import WireColumns
 
 
 class NetemColumns(RoundExtension):
@@ -75,7 +79,7 @@ class NetemColumns(RoundExtension):
                 row.status, row.reason = "dropped", "deadline"
         record.clients_surplus = sum(row.status == "surplus" for row in rows)
         return Added({
-            "virtual_seconds": outcome.virtual_seconds,
+            "virtual_seconds": outcome.virtual_seconds + self.strategy.server_s,
             "dropped_deadline": outcome.dropped_deadline + sum(
                 t > outcome.end_s for t in rejected.values()),
             "dropped_link": outcome.dropped_link,
@@ -127,7 +131,8 @@ class NetemStrategy(DGCStrategy):
     def __init__(self, *args: Any, netem: NetemSettings, target_accuracy: float = 0.0,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.extensions.append(NetemColumns(self))
+        self.wire = WireColumns(self)
+        self.extensions += [NetemColumns(self), self.wire]
         if not isinstance(netem, NetemSettings):
             raise TypeError(f"netem must be NetemSettings, got {type(netem).__name__}")
         if not (isinstance(target_accuracy, (int, float)) and 0.0 <= target_accuracy <= 1.0):
@@ -139,6 +144,13 @@ class NetemStrategy(DGCStrategy):
         self.outcomes: dict[int, RoundOutcome] = {}
         # This round's replies that failed validation: client key -> when they finished.
         self.rejected_finish: dict[int, float] = {}
+
+    @property
+    def server_s(self) -> float:
+        """The server's own seconds between rounds, as the protocol's calibration measured
+        them (0 without ``netem.protocol``)."""
+        proto = self.netem.protocol_model()
+        return proto.server_s if proto is not None else 0.0
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
@@ -196,6 +208,8 @@ class NetemStrategy(DGCStrategy):
                 valid[tl.client_id] = c
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
+        self.wire.take(server_round, [(tl.client_id, m) for m, tl in arrived],
+                       outcome.virtual_seconds + self.server_s)
         in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
         self.outcomes[server_round] = outcome
         self.rejected_finish = {k: t for k, (_, t) in rejected.items()}
@@ -205,7 +219,9 @@ class NetemStrategy(DGCStrategy):
         forwarded = ([valid[k] for k in outcome.aggregated] + in_time_rejected
                      + checked[len(finished):] + ignored)
         arrays, metrics = self.aggregate_checked(server_round, forwarded, processed=computed)
-        self.virtual_now_s = outcome.end_s
+        # The server's own work between rounds (aggregation, evaluation, scheduling), as the
+        # protocol's calibration measured it.
+        self.virtual_now_s = outcome.end_s + self.server_s
         added = self.round_record.extra
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
             "rejected; %d surplus", server_round, outcome.virtual_seconds,
@@ -221,3 +237,4 @@ class NetemStrategy(DGCStrategy):
         """Continue from :meth:`state_dict`, virtual clock included."""
         super().load_state_dict(state)
         self.virtual_now_s = float(state.get("virtual_now_s", 0.0))
+

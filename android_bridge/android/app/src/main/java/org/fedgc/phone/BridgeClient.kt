@@ -45,43 +45,61 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
         private set
     var pollIntervalS: Double = 5.0
         private set
+    /** The longest the bridge holds a FetchTask for a task (long poll; 0: it polls). */
+    var maxWaitS: Double = 0.0
+        private set
 
     fun register(deviceId: String, token: String, manifestSha256: String) {
         val reply = blocking.register(RegisterRequest.newBuilder().setDeviceId(deviceId)
             .setToken(token).setManifestSha256(manifestSha256).build())
         sessionId = reply.sessionId
         pollIntervalS = reply.pollIntervalS
+        maxWaitS = reply.maxWaitS
     }
 
-    fun fetchTask(heldModelVersion: Long): FetchTaskReply =
-        blocking.fetchTask(FetchTaskRequest.newBuilder().setSessionId(sessionId)
-            .setHeldModelVersion(heldModelVersion).build())
+    /**
+     * The open task, waiting for one up to [maxWaitS] (long poll). [heldConfigSha256] names the
+     * config the phone holds: the bridge then leaves configJson empty when it is unchanged.
+     * [initialModelSha256]: a phone that holds no model yet offers the version 0 its export
+     * builds (heldModelVersion 0 then), so that its first task is a patch on it.
+     */
+    fun fetchTask(heldModelVersion: Long, heldConfigSha256: String = "",
+                  initialModelSha256: List<String> = emptyList()): FetchTaskReply =
+        blocking.withDeadlineAfter((maxWaitS * 1000).toLong() + 30_000, TimeUnit.MILLISECONDS)
+            .fetchTask(FetchTaskRequest.newBuilder().setSessionId(sessionId)
+                .setHeldModelVersion(heldModelVersion).setWaitS(maxWaitS)
+                .setHeldConfigSha256(heldConfigSha256)
+                .addAllInitialModelSha256(initialModelSha256).build())
 
     /**
-     * Send [data] for [task]; after a cut stream, ask QueryUpload where the bridge stands and
-     * continue from that offset (the same upload id and digest in every chunk).
-     * Returns the offset each stream started at.
+     * Send [data] for [task] from offset 0; after a cut stream, ask QueryUpload where the bridge
+     * stands and continue from that offset (the same upload id and digest in every chunk).
+     * Returns the offset each stream started at and the last status the bridge gave (its state
+     * is final when the stream's answer said so: no Ack needed then).
      */
     fun upload(task: FetchTaskReply, uploadId: String, data: ByteArray, metricsJson: String,
-               maxStreams: Int = 8): List<Long> {
+               maxStreams: Int = 8): Pair<List<Long>, UploadStatus?> {
         val digest = MessageDigest.getInstance("SHA-256").digest(data).joinToString("") { "%02x".format(it) }
         val chunkBytes = if (task.maxChunkBytes > 0) task.maxChunkBytes.toInt() else 64 * 1024
         val starts = ArrayList<Long>()
-        repeat(maxStreams) {
-            val status = blocking.queryUpload(QueryUploadRequest.newBuilder().setSessionId(sessionId)
-                .setUploadId(uploadId).build())
-            if (status.complete) return starts
-            starts.add(status.receivedBytes)
-            if (stream(task, uploadId, data, digest, metricsJson, status.receivedBytes.toInt(), chunkBytes)) {
-                return starts
+        var offset = 0L
+        for (attempt in 1..maxStreams) {
+            if (attempt > 1) {
+                val status = blocking.queryUpload(QueryUploadRequest.newBuilder()
+                    .setSessionId(sessionId).setUploadId(uploadId).build())
+                if (status.complete) return Pair(starts, status)
+                offset = status.receivedBytes
             }
+            starts.add(offset)
+            val status = stream(task, uploadId, data, digest, metricsJson, offset.toInt(), chunkBytes)
+            if (status?.complete == true) return Pair(starts, status)
         }
         throw UploadIncomplete(uploadId, maxStreams)
     }
 
-    /** One client stream from [start]; true when the bridge reports the upload complete. */
+    /** One client stream from [start]; the bridge's answer (null when the link dropped). */
     private fun stream(task: FetchTaskReply, uploadId: String, data: ByteArray, digest: String,
-                       metricsJson: String, start: Int, chunkBytes: Int): Boolean {
+                       metricsJson: String, start: Int, chunkBytes: Int): UploadStatus? {
         val done = CountDownLatch(1)
         var result: UploadStatus? = null
         val responses = object : StreamObserver<UploadStatus> {
@@ -96,7 +114,8 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
             var offset = start
             while (offset < data.size) {
                 val end = minOf(data.size, offset + chunkBytes)
-                requests.onNext(UploadChunk.newBuilder().setSessionId(sessionId).setTaskId(task.taskId)
+                // The session travels in the stream's metadata; the chunk leaves it out.
+                requests.onNext(UploadChunk.newBuilder().setTaskId(task.taskId)
                     .setUploadId(uploadId).setOffset(offset.toLong())
                     .setData(ByteString.copyFrom(data, offset, end - offset))
                     .setTotalBytes(data.size.toLong()).setSha256(digest).setMetricsJson(metricsJson).build())
@@ -107,7 +126,7 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
             requests.onError(e)
         }
         done.await(5, TimeUnit.MINUTES)
-        return result?.complete == true
+        return result
     }
 
     fun ack(uploadId: String): AckReply =

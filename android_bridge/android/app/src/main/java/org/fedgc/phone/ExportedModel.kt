@@ -73,6 +73,14 @@ class ExportedModel(val dir: File) {
      * batch_size, lr and the dgc.* fields baked into encoder.pte); absent in older manifests.
      */
     val runConfig: JSONObject? = manifest.optJSONObject("federation")?.optJSONObject("run_config")
+    /**
+     * Digests of the version 0 train_step.pte bakes in (manifest "initial_model": "sha256" as
+     * built, "int8_grid_sha256" on the int8 broadcast grid; android_bridge/initial_model.py);
+     * empty in older manifests, whose phones are sent the dense model first.
+     */
+    val initialSha256: Map<String, String> = manifest.optJSONObject("initial_model")?.let { o ->
+        listOf("sha256", "int8_grid_sha256").filter { o.has(it) }.associateWith { o.getString(it) }
+    } ?: emptyMap()
     val encoderPte: File = File(dir, "encoder.pte")
     val trainStepPte: File = File(dir, "train_step.pte")
 }

@@ -29,10 +29,20 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             val manifestSha = MessageDigest.getInstance("SHA-256")
                 .digest(model.manifestText.toByteArray()).joinToString("") { "%02x".format(it) }
             bridge.register(deviceId, token, manifestSha)
-            val task = bridge.fetchTask(state.modelVersion)
+            // A phone that was never sent a model offers the version 0 its export builds.
+            val first = state.model == null && state.initial != null
+            val task = bridge.fetchTask(if (first) 0 else state.modelVersion, state.configSha256,
+                if (first) model.initialSha256.values.toList() else emptyList())
             if (!task.hasTask) return Result.retry()
 
-            val config = JSONObject(task.configJson)
+            // The bridge sends the config only when it changed; it names it by digest always.
+            if (task.configJson.isNotEmpty()) {
+                state.configJson = task.configJson
+                state.configSha256 = task.configSha256
+            } else check(task.configSha256 == state.configSha256) {
+                "task carries no config and names ${task.configSha256}, which this phone does not hold"
+            }
+            val config = JSONObject(state.configJson)
             val train = config.getJSONObject("train")
             // Refuse what the exported files cannot run (as android_bridge.phone does): a baked
             // DGC field or another batch size needs a re-export, not a different computation.
@@ -41,7 +51,8 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             check(batch == model.batchSize) {
                 "task asks for batch_size $batch, the exported training step has ${model.batchSize}"
             }
-            val global = globalModel(model, state, task.encoding, task.baseVersion, task.modelBytes.toByteArray())
+            val global = globalModel(model, state, task.encoding, task.baseVersion, task.baseSha256,
+                task.modelBytes.toByteArray())
 
             state.trainer.setParameters(global)
             // local_steps 0 (a default run) means local_epochs passes over the phone's data.
@@ -67,21 +78,32 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             val metrics = JSONObject().put("num-examples", LocalData.size(applicationContext))
                 .put("train_loss", losses.average()).put("restored", if (restored) 1 else 0).toString()
             val uploadId = "$deviceId-${task.taskId}"
-            val starts = bridge.upload(task, uploadId, data, metrics)
-            val ack = bridge.ack(uploadId)
+            val (starts, status) = bridge.upload(task, uploadId, data, metrics)
+            // The stream's answer carries the final state; ask Ack only when it did not.
+            val ackState = status?.takeIf { it.complete }?.stateValue ?: bridge.ack(uploadId).stateValue
             return Result.success(workDataOf("uplink_bytes" to data.size, "streams" to starts.size,
-                "ack_state" to ack.stateValue))
+                "ack_state" to ackState))
         }
     }
 
     /** The dense global model from a DENSE task, or the held model patched by a SPARSE_PATCH. */
     private fun globalModel(model: ExportedModel, state: PhoneState, encoding: ModelEncoding,
-                            baseVersion: Long, bytes: ByteArray): Map<String, FloatArray> {
+                            baseVersion: Long, baseSha256: String, bytes: ByteArray): Map<String, FloatArray> {
         val update: SparseUpdate = WireCodec.decode(bytes, model.parameters.maxOf { it.numel })
         if (encoding == ModelEncoding.SPARSE_PATCH) {
-            val held = state.model
-            check(held != null && state.modelVersion == baseVersion) {
-                "patch on version $baseVersion, phone holds ${state.modelVersion}"
+            val initial = state.initial
+            val held = if (state.model == null && baseVersion == 0L && baseSha256.isNotEmpty() && initial != null) {
+                // The first task, a patch on version 0: the export's own, in the form the bridge named.
+                when (baseSha256) {
+                    model.initialSha256["sha256"] -> initial
+                    model.initialSha256["int8_grid_sha256"] -> Int8Grid.roundInitial(initial, model.parameters)
+                    else -> error("patch on version 0 $baseSha256, which this phone's export does not build")
+                }
+            } else {
+                check(state.model != null && state.modelVersion == baseVersion) {
+                    "patch on version $baseVersion, phone holds ${state.modelVersion}"
+                }
+                state.model!!
             }
             val patched = held.mapValues { it.value.copyOf() }
             for ((name, t) in update.tensors()) {
@@ -107,9 +129,13 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
 class PhoneState private constructor(model: ExportedModel) {
     val encoder = DgcEncoder(model)
     val trainer = LocalTrainer(model, LocalData.batchShape(model))
+    /** Version 0 as train_step.pte bakes it, read before any task overwrites it (null: an old export). */
+    val initial: Map<String, FloatArray>? = if (model.initialSha256.isEmpty()) null else trainer.parameters()
     var pending: SparseUpdate? = null
     var model: Map<String, FloatArray>? = null
     var modelVersion: Long = -1
+    var configJson: String = ""
+    var configSha256: String = ""
 
     companion object {
         @Volatile private var instance: PhoneState? = null
