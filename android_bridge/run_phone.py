@@ -213,6 +213,9 @@ def _serve(args: argparse.Namespace) -> int:
                    "ack": _ACK.get(report.ack_state, str(report.ack_state)),
                    "seconds": round(time.monotonic() - started, 3)}
             reports.append(row)
+            # Written every round: a phone blocked in a long poll (FetchTask held up to the
+            # bridge's max_wait_s) may be killed before its signal handler runs.
+            _write_report(args, reports)
             print(f"[{args.device}] round {row['round']}: got {row['downlink_bytes']:,} B "
                   f"({row['encoding']}), sent {row['uplink_bytes']:,} B (signs "
                   f"{row['signs_bytes']:,} B), loss {row['train_loss']:.4f}, restored "
@@ -225,11 +228,19 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         phone.close()
-        if args.report:
-            Path(args.report).write_text(json.dumps({"device": args.device,
-                                                     "machine": platform.machine(),
-                                                     "rounds": reports}, indent=1) + "\n")
+        _write_report(args, reports)
     return 0
+
+
+def _write_report(args: argparse.Namespace, reports: list[dict[str, Any]]) -> None:
+    """``--report``: the rounds so far as JSON, replaced whole (a reader never sees half)."""
+    if not args.report:
+        return
+    path = Path(args.report)
+    partial = path.with_name(path.name + ".part")
+    partial.write_text(json.dumps({"device": args.device, "machine": platform.machine(),
+                                   "rounds": reports}, indent=1) + "\n")
+    partial.replace(path)
 
 
 _ACK = {1: "INCOMPLETE", 2: "DELIVERED", 3: "REJECTED", 4: "MISSED_ROUND"}
