@@ -16,7 +16,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,7 @@ import grpc
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
+from dgc.signs.codec import decode_mask, decode_signs
 from dgc.wire import max_numel_of_message
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 1024
@@ -147,6 +148,9 @@ class PhoneTask:
         dense model when the phone holds ``base_version``.
     base_version : int
         The version ``patch`` applies to (-1 when there is no patch).
+    shared_mask : bytes or None
+        The round's shared index sets (``dgc.signs.codec.encode_mask``); the phone answers
+        them with its residual's signs, appended to its update. None: no sign channel.
     base_sha256 : str
         For a patch on version 0 to a phone that was never sent a model: the digest of that
         version 0 (:mod:`android_bridge.initial_model`). The patch goes only to a phone that
@@ -162,19 +166,47 @@ class PhoneTask:
     config: dict[str, Any]
     patch: bytes | None = None
     base_version: int = -1
+    shared_mask: bytes | None = None
     base_sha256: str = ""
     task_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
 @dataclass
 class PhoneResult:
-    """A phone's delivered update: the encoded bytes (already validated) and its metrics."""
+    """A phone's delivered update: the encoded bytes (already validated), its metrics, and the
+    sign payload that answers the task's ``shared_mask`` (validated too; empty: none)."""
 
     task_id: str
     upload_id: str
     update_bytes: bytes
     update: dgc.SparseUpdate
     metrics: dict[str, Any]
+    side_bytes: bytes = b""
+    side_entries: int = 0
+
+
+class _Masks:
+    """A task's shared index sets, decoded once against its model (what a sign payload is
+    checked against)."""
+
+    def __init__(self, task: PhoneTask) -> None:
+        model = dgc.decode(task.dense_model, max_numel=max_numel_of_message(task.dense_model))
+        self.numels = {name: t.numel for name, t in model.tensors.items()}
+        try:
+            _, self.masks = decode_mask(task.shared_mask or b"", self.numels)
+        except dgc.DecodeError as ex:
+            raise BridgeError(f"the shared_mask of task {task.task_id!r} is not a shared "
+                              f"index set of its model (phones answer only dgc.signs masks): "
+                              f"{ex}") from ex
+        # The largest sign payload: a header per tensor, a scale and a bit per index.
+        self.max_bytes = 64 + sum(80 + len(n.encode()) + (len(m) + 7) // 8
+                                  for n, m in self.masks.items())
+
+    def check(self, side: bytes) -> int:
+        """The number of signs ``side`` carries; ValueError or DecodeError when it does not
+        answer these sets."""
+        signs = decode_signs(side, self.masks, {n: (self.numels[n],) for n in self.masks})
+        return signs.nnz
 
 
 @dataclass
@@ -185,6 +217,7 @@ class _Upload:
     total_bytes: int
     sha256: str
     metrics: dict[str, Any]
+    side_bytes: int = 0
     data: bytearray = field(default_factory=bytearray)
     received: int = 0  # kept when ``data`` is freed at the end
     state: int = pb.INCOMPLETE
@@ -301,6 +334,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         # (device, upload id) -> upload: one device cannot see, or tell apart, another's ids.
         self._uploads: dict[tuple[str, str], _Upload] = {}
         self._results: dict[str, PhoneResult] = {}
+        self._masks: dict[str, _Masks] = {}  # task id -> its shared index sets
         self._last_ack: dict[str, int] = {}
         self._streams: dict[int, _Stream] = {}
         self._next_stream = 0
@@ -367,6 +401,10 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
 
     # -- federation side ------------------------------------------------------------------
 
+    def knows(self, device_id: str) -> bool:
+        """Whether ``device_id`` is one of the devices that may register."""
+        return device_id in self._tokens
+
     def submit(self, task: PhoneTask) -> str:
         """Hand ``task`` to its device; a device holds one open task at a time."""
         with self._lock:
@@ -377,17 +415,22 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
             if old is not None:
                 raise BridgeError(f"device {task.device_id!r} still has open task "
                                   f"{old.task_id!r} (round {old.server_round})")
+            if task.shared_mask:
+                self._masks[task.task_id] = _Masks(task)
             self._open[task.device_id] = task
             self._tasks[task.task_id] = task
             self._last_ack[task.device_id] = task.ack_sequence
             self._lock.notify_all()
         return task.task_id
 
-    def wait(self, task_id: str, timeout_s: float) -> PhoneResult:
+    def wait(self, task_id: str, timeout_s: float,
+             alive: Callable[[], bool] | None = None) -> PhoneResult:
         """Block until the update for ``task_id`` is delivered; close the task either way.
 
         An upload that completes after this returns (or raises) is not delivered: its phone
-        reads ``MISSED_ROUND``.
+        reads ``MISSED_ROUND``. ``alive`` (checked every second) tells whether whoever waits
+        still does: when it returns False the task is closed and :class:`BridgeError` raised
+        (the control API's caller, a ClientApp process, went away).
         """
         deadline = time.monotonic() + timeout_s
         with self._lock:
@@ -401,13 +444,18 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                     self._close(task_id)
                     raise BridgeTimeout(f"device {device!r} delivered no update for task "
                                         f"{task_id!r} within {timeout_s} s")
-                self._lock.wait(left)
+                if alive is not None and not alive():
+                    self._close(task_id)
+                    raise BridgeError(f"the federation stopped waiting for task {task_id!r} "
+                                      f"of device {device!r}")
+                self._lock.wait(left if alive is None else min(left, 1.0))
             self._close(task_id)
             return self._results.pop(task_id)
 
     def _close(self, task_id: str) -> None:
         """Forget a task whose wait ended; its partial uploads can no longer count."""
         task = self._tasks.pop(task_id)
+        self._masks.pop(task_id, None)
         if self._open.get(task.device_id) is task:
             del self._open[task.device_id]
         for upload in self._device_uploads(task.device_id):
@@ -507,14 +555,16 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 config_sha256=digest,
                 ack_sequence=task.ack_sequence, sequence=task.sequence,
                 max_chunk_bytes=self.max_chunk_bytes,
-                max_update_bytes=self._update_cap(task))
+                max_update_bytes=self._update_cap(task), shared_mask=task.shared_mask or b"")
 
     def _ready_task(self, device: str) -> PhoneTask | None:
         task = self._open.get(device)
         return None if task is None or task.task_id in self._results else task
 
     def _update_cap(self, task: PhoneTask) -> int:
-        return min(self.max_update_bytes, update_cap_bytes(len(task.dense_model)))
+        masks = self._masks.get(task.task_id)
+        side = masks.max_bytes if masks is not None else 0
+        return min(self.max_update_bytes, update_cap_bytes(len(task.dense_model)) + side)
 
     def UploadUpdate(self, request_iterator: Iterator[pb.UploadChunk],  # noqa: N802
                      context: grpc.ServicerContext) -> pb.UploadStatus:
@@ -604,6 +654,12 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 metrics = parse_metrics(chunk.metrics_json)
             except ValueError as ex:
                 context.abort(bad, str(ex))
+            masks = self._masks.get(task.task_id)
+            side_cap = 0 if masks is None else min(masks.max_bytes, chunk.total_bytes - 1)
+            if not 0 <= chunk.side_bytes <= side_cap:
+                context.abort(bad, f"side_bytes must be in [0, {side_cap}] for this task "
+                                   f"({'its shared_mask' if masks else 'it has no shared_mask'}"
+                                   f"), got {chunk.side_bytes}")
             # Every check of a first chunk comes before the upload is kept: a refused one must
             # not hold one of the device's partial-upload slots.
             if chunk.offset != 0:
@@ -620,12 +676,12 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                               f"device {device!r} already has {partial} incomplete uploads (at "
                               f"most {self.max_partial_uploads_per_device}); finish one first")
             upload = _Upload(chunk.upload_id, device, chunk.task_id, chunk.total_bytes,
-                             chunk.sha256, metrics)
+                             chunk.sha256, metrics, int(chunk.side_bytes))
             self._uploads[(device, chunk.upload_id)] = upload
-        if (chunk.task_id, chunk.total_bytes, chunk.sha256) != (
-                upload.task_id, upload.total_bytes, upload.sha256):
+        if (chunk.task_id, chunk.total_bytes, chunk.sha256, chunk.side_bytes) != (
+                upload.task_id, upload.total_bytes, upload.sha256, upload.side_bytes):
             context.abort(bad, f"chunk of upload {upload.upload_id!r} disagrees with its first "
-                               f"chunk on task_id, total_bytes or sha256")
+                               f"chunk on task_id, total_bytes, sha256 or side_bytes")
         if len(chunk.data) > self.max_chunk_bytes:
             context.abort(bad, f"chunk of {len(chunk.data)} bytes exceeds max_chunk_bytes "
                                f"{self.max_chunk_bytes}")
@@ -656,19 +712,24 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
             upload.finish(pb.MISSED_ROUND, f"task {upload.task_id!r} is no longer awaited; "
                                            f"the update was not aggregated")
             return
+        cut = len(data) - upload.side_bytes
+        side, entries = data[cut:], 0
         try:
             if hashlib.sha256(data).hexdigest() != upload.sha256:
                 raise ValueError("sha256 of the received bytes does not match the declared one")
-            update = dgc.decode(data, max_numel=max_numel_of_message(task.dense_model))
+            update = dgc.decode(data[:cut], max_numel=max_numel_of_message(task.dense_model))
             if update.sequence != task.sequence:
                 raise ValueError(f"update carries sequence {update.sequence}, the task asked "
                                  f"for {task.sequence}")
+            masks = self._masks.get(task.task_id)
+            if side and masks is not None:
+                entries = masks.check(side)
         except (ValueError, dgc.DecodeError) as ex:
             upload.finish(pb.REJECTED, str(ex))
             return
         upload.finish(pb.DELIVERED, "handed to the federation")
-        self._results[task.task_id] = PhoneResult(task.task_id, upload.upload_id, data, update,
-                                                  upload.metrics)
+        self._results[task.task_id] = PhoneResult(task.task_id, upload.upload_id, data[:cut],
+                                                  update, upload.metrics, side, entries)
         self._lock.notify_all()
 
     def _status(self, upload: _Upload) -> pb.UploadStatus:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message
@@ -20,9 +22,11 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
+from android_bridge.control import RemoteBridge
+from android_bridge.export import check_phone_run
 from android_bridge.initial_model import model_digest
 from client import app as client_module
-from client.state import ClientState
+from client.state import ClientState, ClientStateStore
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
 from dgc.wire import max_numel_of
@@ -43,23 +47,28 @@ def device_for(context: Context, devices: Mapping[int, str] | None) -> str:
     return devices[key]
 
 
-def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = None,
-                    timeout_s: float = 120.0) -> ClientApp:
+def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, str] | None = None,
+                    timeout_s: float = 120.0,
+                    held: MutableMapping[str, ClientState] | None = None) -> ClientApp:
     """A ClientApp whose train rounds run on the phones of ``bridge``.
 
     Parameters
     ----------
-    bridge : PhoneBridge
-        A started bridge the phones connect to.
+    bridge : PhoneBridge or RemoteBridge
+        A started bridge the phones connect to, or the control API of one that runs in
+        another process (``python -m android_bridge serve``, :mod:`android_bridge.control`).
     devices : mapping of int to str, optional
         Client key (partition id) -> device id, for nodes without a ``device-id`` node config.
     timeout_s : float
         How long a round waits for the phone's update; past it the ClientApp raises
         :class:`android_bridge.bridge.BridgeTimeout`, which Flower turns into an error reply
         (the server then leaves the update out and the phone restores it next round).
+    held : mutable mapping of str to ClientState, optional
+        Device -> the model version it was last sent (a patch is rebuilt on it); in memory by
+        default, a :class:`HeldModels` store where each message runs in a process of its own.
     """
     app = ClientApp()
-    held: dict[str, ClientState] = {}  # device -> the model version it was last sent
+    held = {} if held is None else held
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -71,6 +80,7 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
         version = int(config[P.MODEL_VERSION])  # type: ignore[arg-type]
         ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
         device = device_for(context, devices)
+        key = client_module.client_key(context)
         record = held.get(device)
         # A first contact is sent a patch on version 0 (clients_build_initial_model, a
         # default): the bridge builds version 0 from the run's seed as a ClientApp does, and
@@ -107,20 +117,22 @@ def make_bridge_app(bridge: PhoneBridge, devices: Mapping[int, str] | None = Non
             device_id=device, server_round=server_round, model_version=version,
             sequence=server_round, ack_sequence=ack,
             dense_model=dgc.encode(SparseUpdate.from_dense(global_state, "float32", version)),
-            config=_phone_config(s, dgc_config), patch=patch,
-            base_version=-1 if base is None else base, base_sha256=base_sha256)
+            config=_phone_config(s, dgc_config, key, method.phone_small(s)), patch=patch,
+            base_version=-1 if base is None else base, base_sha256=base_sha256,
+            shared_mask=_shared_mask(msg))
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
-        # The phone encoder has no shared-index channel (dgc.signs): the server aggregates a
-        # reply without signs from its top-k update alone. The bridge checked these when the
-        # upload began (android_bridge.bridge.parse_metrics): num-examples a whole number >= 1,
-        # train_loss finite, restored a whole number >= 0.
+        # The phone answers the round's shared index sets as a simulated client does: its
+        # signs travel beside the update, and the server aggregates them alike. The bridge
+        # checked the metrics when the upload began (android_bridge.bridge.parse_metrics):
+        # num-examples a whole number >= 1, train_loss finite, restored a whole number >= 0.
+        side = result.side_bytes or None
         metrics = P.reply_metrics(
             num_examples=int(result.metrics["num-examples"]),
             train_loss=float(result.metrics.get("train_loss", float("nan"))),
             compute_seconds=time.perf_counter() - started,
             restored=int(result.metrics.get("restored", 0)))
-        return Message(P.reply_content(result.update_bytes, metrics), reply_to=msg)
+        return Message(P.reply_content(result.update_bytes, metrics, side), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
@@ -151,70 +163,122 @@ def phone_methods() -> list[str]:
     return [m.name for m in methods.registered() if m.phone]
 
 
-def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None) -> dict[str, Any]:
+def _shared_mask(msg: Message) -> bytes | None:
+    """The round material of a train message (DGC's shared index sets), None without one."""
+    record = msg.content.array_records.get(P.SHARED)
+    return None if record is None else P.record_to_bytes(record, P.SHARED_MASK)
+
+
+def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None, client_key: int = 0,
+                  small: tuple[float, int] | None = None) -> dict[str, Any]:
+    """The task config a phone gets (``FetchTaskReply.config_json``): what a simulated client
+    of the same key reads from its train message (docs/android.md)."""
     if dgc_config is None:
         raise BridgeError(f"method {s.method!r} is not served by phones: their encoder is DGC "
                           f"(methods {phone_methods()})")
+    # A run whose client phones cannot run as a simulated client does (issue 30's switches)
+    # fails the round here, named, rather than letting the phone train otherwise.
+    try:
+        check_phone_run(s)
+    except dgc.ConfigError as ex:
+        raise BridgeError(str(ex)) from ex
     # The phone runs exact top-k whatever the server's simulated clients use: the server only
     # decodes what arrives, and exact is what the exported graph implements.
     phone_dgc = dataclasses.replace(dgc_config, selection="exact")
-    return {"train": {"lr": s.lr, "batch_size": s.batch_size, "local_steps": s.local_steps,
-                      "local_epochs": s.local_epochs, "seed": s.seed, "method": s.method},
-            "dgc": phone_dgc.to_dict()}
+    out: dict[str, Any] = {
+        "train": {"lr": s.lr, "batch_size": s.batch_size, "local_steps": s.local_steps,
+                  "local_epochs": s.local_epochs, "seed": s.seed, "method": s.method,
+                  # The shuffle is seeded by the run's seed, the round and the client's key
+                  # (client.training.round_seed); SGD as client.training.train_locally runs it.
+                  "client_key": int(client_key), "momentum": s.client_momentum,
+                  "weight_decay": s.weight_decay},
+        "dgc": phone_dgc.to_dict()}
+    if small is not None:
+        out["small"] = {"density": small[0], "numel": small[1]}
+    return out
 
 
 
-# -- deployment: `flower-supernode ... --node-config "device-id='phone-a' bridge-address=..."` --
+# -- deployment: `python -m android_bridge serve` and one SuperNode per phone ------------------
+#
+# Flower 1.42 runs each message in a ClientApp process of its own (started by the SuperNode's
+# SuperExec, gone after the reply): the bridge, its phones' sessions and uploads live in the
+# serving process instead, and this app reaches it through the control socket. What the bridge
+# app must remember between rounds (the model version each phone holds) goes to a store.
 
-NODE_KEYS = ("bridge-address", "bridge-cert", "bridge-key", "bridge-devices")
-_deployed: dict[tuple[str, ...], tuple[PhoneBridge, ClientApp]] = {}
-
-
-def bridge_from_node_config(node_config: Mapping[str, Any]) -> tuple[PhoneBridge, ClientApp]:
-    """The (started) TLS bridge and bridge ClientApp this node's config describes, one per
-    distinct config in this process.
-
-    Node config keys: ``bridge-address`` (``host:port`` to listen on), ``bridge-cert`` and
-    ``bridge-key`` (PEM files of the server certificate chain and key), ``bridge-devices`` (a
-    JSON file ``{"device id": "token", ...}``), optional ``bridge-timeout-s`` (default 600).
-    """
-    import json
-
-    import grpc
-
-    missing = [k for k in NODE_KEYS if not node_config.get(k)]
-    if missing:
-        raise BridgeError(f"node config lacks {missing}; the bridge ClientApp needs "
-                          f"{list(NODE_KEYS)} (TLS is not optional for phones)")
-    ident = tuple(str(node_config[k]) for k in NODE_KEYS)
-    if ident not in _deployed:
-        address, cert_path, key_path, devices_path = ident
-        try:
-            with open(cert_path, "rb") as f:
-                cert = f.read()
-            with open(key_path, "rb") as f:
-                key = f.read()
-            with open(devices_path) as f:
-                devices = json.load(f)
-        except (OSError, ValueError) as ex:
-            raise BridgeError(f"cannot read the bridge's files: {ex}") from ex
-        if not isinstance(devices, dict):
-            raise BridgeError(f"{devices_path} must hold a JSON object of device id -> token")
-        bridge = PhoneBridge(devices, address, grpc.ssl_server_credentials([(key, cert)]))
-        bridge.start()
-        timeout_s = float(node_config.get("bridge-timeout-s", 600.0))
-        _deployed[ident] = (bridge, make_bridge_app(bridge, timeout_s=timeout_s))
-    return _deployed[ident]
+#: Node config: the serving bridge's control socket (``unix:/path``), its wait per round.
+CONTROL_KEY = "bridge-control"
+TIMEOUT_KEY = "bridge-timeout-s"
+#: Node config: where the bridge app keeps the model version each phone holds.
+STATE_KEY = "state-dir"
 
 
-#: The ClientApp for deployment (``android_bridge.bridge_app:app``): a supernode whose node config
-#: names its phone (``device-id``) and the bridge it serves (:func:`bridge_from_node_config`).
+class HeldModels(MutableMapping[str, ClientState]):
+    """Device -> the model version the bridge last sent it, in a :class:`ClientStateStore`
+    (one record per device), for ClientApp processes that last one message."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.store = ClientStateStore(root)
+
+    def __getitem__(self, device: str) -> ClientState:
+        state = self.store.load(device)
+        if state is None:
+            raise KeyError(device)
+        return state
+
+    def __setitem__(self, device: str, state: ClientState) -> None:
+        self.store.save(device, ClientState(model=state.model, model_version=state.model_version))
+
+    def __delitem__(self, device: str) -> None:
+        self.store.delete(device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.store.keys())
+
+    def __len__(self) -> int:
+        return len(self.store.keys())
+
+
+@lru_cache(maxsize=8)
+def _node_app(control: str, state_dir: str, timeout_s: float) -> ClientApp:
+    return make_bridge_app(RemoteBridge(control), timeout_s=timeout_s,
+                           held=HeldModels(state_dir))
+
+
+def node_app(node_config: Mapping[str, Any]) -> ClientApp:
+    """The bridge app of a phone's SuperNode, from its node config: ``device-id`` (the phone),
+    ``bridge-control`` (the serving bridge's control socket), ``state-dir`` (where the model
+    each phone holds is kept; default: the control socket's folder) and, optionally,
+    ``bridge-timeout-s`` (how long a round waits for the phone, default 600)."""
+    control = str(node_config.get(CONTROL_KEY) or "")
+    if not control:
+        raise BridgeError(f"node config names phone {node_config.get(DEVICE_KEY)!r} but no "
+                          f"{CONTROL_KEY!r}: the control socket of `python -m android_bridge "
+                          f"serve`, which holds the phones' sessions")
+    socket = Path(control.removeprefix("unix:"))
+    state_dir = str(node_config.get(STATE_KEY) or socket.parent / "held-models")
+    try:
+        timeout_s = float(node_config.get(TIMEOUT_KEY, 600.0))
+    except (TypeError, ValueError):
+        raise BridgeError(f"node config {TIMEOUT_KEY} = {node_config.get(TIMEOUT_KEY)!r}; "
+                          f"expected seconds") from None
+    if not 0 < timeout_s <= 86_400:
+        raise BridgeError(f"node config {TIMEOUT_KEY} = {timeout_s}; expected (0, 86400] s")
+    return _node_app(control, state_dir, timeout_s)
+
+
+#: The ClientApp for deployment (``android_bridge.bridge_app:app``): a SuperNode whose node config
+#: names a phone (``device-id``) hands its train rounds to it through the serving bridge
+#: (:func:`node_app`); any other node is a ``client.app`` client. So one app serves a federation
+#: of phones and SuperNodes.
 app = ClientApp()
 
 
 @app.train()
 def _train(msg: Message, context: Context) -> Message:
-    return bridge_from_node_config(context.node_config)[1](msg, context)
+    if DEVICE_KEY not in context.node_config:
+        return client_module.app(msg, context)
+    return node_app(context.node_config)(msg, context)
 
 
 @app.evaluate()

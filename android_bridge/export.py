@@ -19,10 +19,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -39,7 +45,7 @@ from android_bridge.encoder import (
     check_exportable,
 )
 from android_bridge.initial_model import initial_digests
-from android_bridge.models import ModelSpec, get_model
+from android_bridge.models import ModelSpec, get_model, task_model
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError
 
@@ -91,6 +97,159 @@ class TrainingStep(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.net(x)
         return self.loss(logits, y), logits.detach().argmax(dim=1)
+
+
+class _Conv1dAs2d(nn.Module):
+    """A ``Conv1d`` run as a ``Conv2d`` of height 1, holding the same parameters under the same
+    names and shapes: ExecuTorch's portable ``convolution_backward`` kernel computes 2-D
+    convolutions only ("Only 2D Convolution Backward supported"), so a 1-D one would export and
+    then fail on the phone's first training step."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+        self.stride, self.dilation = (1, conv.stride[0]), (1, conv.dilation[0])
+        self.groups = conv.groups
+        # A padding mode other than zeros pads first, as Conv1d itself does.
+        self.pad = None if conv.padding_mode == "zeros" else (
+            conv._reversed_padding_repeated_twice, conv.padding_mode)
+        self.padding: str | tuple[int, int] = (
+            conv.padding if isinstance(conv.padding, str) else (0, conv.padding[0]))
+        if self.pad is not None:
+            self.padding = (0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad is not None:
+            x = nn.functional.pad(x, self.pad[0], mode=self.pad[1])
+        return nn.functional.conv2d(x.unsqueeze(-2), self.weight.unsqueeze(-2), self.bias,
+                                    self.stride, self.padding, self.dilation,
+                                    self.groups).squeeze(-2)
+
+
+class _WindowMax(nn.Module):
+    """Max pooling over non-overlapping windows (kernel = stride, no padding, no dilation) as a
+    reshape and ``max`` over each window: the gradient goes to the window's first largest entry,
+    as ``max_pool``'s does. ExecuTorch's ``max_pool2d_with_indices_backward`` kernel returns
+    wrong gradients (tens where eager torch gives tenths), so a pooled model would train
+    differently on the phone."""
+
+    def __init__(self, kernel: tuple[int, ...]) -> None:
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.kernel) == 1:
+            (k,) = self.kernel
+            n = x.shape[-1] // k
+            return x[..., :n * k].unflatten(-1, (n, k)).max(-1).values
+        k1, k2 = self.kernel
+        h, w = x.shape[-2] // k1, x.shape[-1] // k2
+        x = x[..., :h * k1, :w * k2].unflatten(-1, (w, k2)).unflatten(-3, (h, k1))
+        return x.transpose(-3, -2).flatten(-2).max(-1).values
+
+
+def _window_max(pool: nn.Module) -> _WindowMax | None:
+    """The :class:`_WindowMax` of a ``MaxPool1d``/``MaxPool2d`` of non-overlapping windows;
+    None for other pools (the export's gradient check judges those)."""
+    dims = 1 if isinstance(pool, nn.MaxPool1d) else 2
+
+    def pair(v: Any) -> tuple[int, ...]:
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+
+    kernel = pair(pool.kernel_size)
+    stride = pair(pool.stride if pool.stride is not None else pool.kernel_size)
+    if (stride != kernel or any(pair(pool.padding)) or set(pair(pool.dilation)) != {1}
+            or pool.ceil_mode or pool.return_indices):
+        return None
+    return _WindowMax(kernel)
+
+
+def _phone_ops(model: nn.Module) -> nn.Module:
+    """``model``, or a copy whose layers that ExecuTorch's kernels cannot differentiate (as
+    eager torch does) are rewritten into equivalents: ``Conv1d`` as a 2-D convolution
+    (:class:`_Conv1dAs2d`: the same parameter names, shapes and values) and max pooling over
+    non-overlapping windows (:class:`_WindowMax`)."""
+    def rewrite(module: nn.Module) -> nn.Module | None:
+        if isinstance(module, nn.Conv1d):
+            return _Conv1dAs2d(module)
+        if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d)):
+            return _window_max(module)
+        return None
+
+    if not any(rewrite(m) is not None for m in model.modules()):
+        return model
+    import copy
+
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        replacement = rewrite(module)
+        if replacement is not None:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    replacement)
+    return model
+
+
+@contextlib.contextmanager
+def _native_stderr() -> Iterator[Callable[[], str]]:
+    """Standard error into a buffer for the block, file descriptor 2 (what native code writes)
+    and ``sys.stderr`` (the ExecuTorch bindings log through it when it is not the process's
+    own, as under pytest); yields a function that reads what was written."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink, contextlib.redirect_stderr(io.StringIO()) as text:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: (sink.seek(0), sink.read().decode(errors="replace"))[1] \
+                + text.getvalue()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _check_step(program: bytes, spec: ModelSpec, model: nn.Module,
+                batch_sizes: tuple[int, ...]) -> None:
+    """Run one training step of ``program`` on a random batch of each size in the ExecuTorch
+    runtime and compare its gradients with eager torch's on ``model``: a step that fails (an
+    operator its kernels lack) or computes other gradients (a wrong kernel) raises
+    ``ConfigError`` at export, not on a phone."""
+    import copy
+
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+    eager = TrainingStep(copy.deepcopy(model))
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn((n, *spec.input_shape), generator=generator),
+                torch.randint(spec.num_classes, (n,), generator=generator)) for n in batch_sizes]
+    # The runtime logs to the process's stderr (its CPU probe at load, the failed check of a
+    # kernel): kept out of the export command's output, and the failure named in the error.
+    grads: list[dict[str, torch.Tensor]] = []
+    with _native_stderr() as log:
+        module = _load_for_executorch_for_training_from_buffer(program)
+        for x, y in batches:
+            try:
+                module.forward_backward("forward", (x, y))
+            except RuntimeError as ex:
+                checks = [line.split("] ", 1)[-1] for line in log().splitlines()
+                          if "Check failed" in line or "KernelCall failed" in line]
+                raise ConfigError(f"model {spec.name!r}: its exported training step does not "
+                                  f"run in the ExecuTorch runtime (a batch of {len(x)}: {ex}; "
+                                  f"{' / '.join(checks[:2]) or 'no log'})") from ex
+            grads.append({k: g.clone() for k, g in module.named_gradients().items()})
+    for (x, y), got in zip(batches, grads, strict=True):
+        eager.zero_grad()
+        eager(x, y)[0].backward()
+        wrong = []
+        for name, p in eager.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            # float32 sums in another order differ by ~1e-7 of the largest gradient.
+            if (got[name] - want).abs().max() > 1e-4 * (1.0 + float(want.abs().max())):
+                wrong.append(name.removeprefix(TRAIN_PREFIX))
+        if wrong:
+            raise ConfigError(f"model {spec.name!r}: ExecuTorch's kernels compute other "
+                              f"gradients than torch for {wrong} (a batch of {len(x)}); a layer "
+                              f"they differentiate wrongly (max pooling with overlapping "
+                              f"windows?) cannot train on a phone")
 
 
 def _check_max_numel(max_numel: int) -> None:
@@ -151,23 +310,35 @@ def export_torchscript(config: DGCConfig, path: str | Path) -> None:
 
 
 def export_training_step(spec: ModelSpec, model: nn.Module, batch_size: int) -> bytes:
-    """The joint forward/backward ExecuTorch program of ``model`` for batches of ``batch_size``.
+    """The joint forward/backward ExecuTorch program of ``model`` for batches of 1 to
+    ``batch_size`` examples.
 
     Built with ``torch.export`` and ``torch.export.experimental._export_forward_backward`` (the
     ExecuTorch training flow); its parameters start as ``model``'s and are outputs of the method,
-    so the host can overwrite them with the global model before training.
+    so the host can overwrite them with the global model before training. The batch dimension
+    is dynamic (memory planned for ``batch_size``): a simulated client's last batch of an epoch
+    holds the examples left over, and the phone takes the same batches. Layers ExecuTorch's
+    kernels do not differentiate as torch does are rewritten (:func:`_phone_ops`: ``Conv1d``,
+    max pooling); the program runs once on random batches of ``batch_size`` and 1 and its
+    gradients are checked against eager torch's before it is returned (``ConfigError`` when
+    it does not run or differs).
     """
     from executorch.exir import ExecutorchBackendConfig, to_edge
-    from torch.export import export
+    from torch.export import Dim, export
     from torch.export.experimental import _export_forward_backward
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     x = torch.zeros((batch_size, *spec.input_shape))
     y = torch.zeros(batch_size, dtype=torch.int64)
-    ep = export(TrainingStep(model), (x, y), strict=True)
+    # torch.export specialises a dimension whose upper bound is 1: a batch of 1 stays static.
+    batch = Dim("batch", min=1, max=batch_size) if batch_size > 1 else None
+    dynamic = ({0: batch}, {0: batch}) if batch is not None else None
+    ep = export(TrainingStep(_phone_ops(model)), (x, y), dynamic_shapes=dynamic, strict=True)
     ep = _export_forward_backward(ep)
-    return to_edge(ep).to_executorch(ExecutorchBackendConfig()).buffer
+    program = to_edge(ep).to_executorch(ExecutorchBackendConfig()).buffer
+    _check_step(program, spec, model, (batch_size, 1) if batch_size > 1 else (1,))
+    return program
 
 
 def _version(package: str) -> str:
@@ -206,12 +377,12 @@ def federation_defaults() -> dict[str, Any]:
             "learning_rate": s.lr, "run_config": _run_config_keys(config, s.batch_size, s.lr)}
 
 
-def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float
-                     ) -> dict[str, Any]:
+def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float,
+                     method: str = "dgc") -> dict[str, Any]:
     # The server keys a run must set for this export's phones to take its tasks: the baked DGC
     # fields (check_compatible refuses any other value) and the fixed training batch. lr is
     # sent with every task and applied as sent; it is listed as the default the export assumed.
-    return {"method": "dgc", "batch_size": batch_size, "lr": learning_rate,
+    return {"method": method, "batch_size": batch_size, "lr": learning_rate,
             "dgc.momentum": config.momentum, "dgc.momentum_correction": config.momentum_correction,
             "dgc.nesterov": config.nesterov, "dgc.dampening": config.dampening,
             "dgc.momentum_masking": config.momentum_masking,
@@ -220,20 +391,22 @@ def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float
 
 #: What the manifest tells a phone developer about reaching the federation.
 BRIDGE_NOTES = {
-    "address": "host:port of the bridge's gRPC server (TLS only), e.g. bridge.example.org:8443; "
-               "the server side sets it with node config bridge-address",
-    "tls": "the phone pins the CA that signed the bridge's certificate (node config "
-           "bridge-cert); plaintext is refused",
-    "identity": "device id and token, one pair per phone in the bridge's bridge-devices JSON "
-                "file; Register(device_id, token, manifest_sha256) opens a session",
+    "address": "host:port of the bridge's gRPC server (TLS only off loopback), e.g. "
+               "bridge.example.org:8443: `python -m android_bridge serve --listen`",
+    "tls": "the phone pins the CA that signed the bridge's certificate (serve --cert); "
+           "plaintext is refused",
+    "identity": "device id and token, one pair per phone in the bridge's devices JSON file "
+                "(serve --devices); Register(device_id, token, manifest_sha256) opens a session",
     "proto": "android_bridge/proto/fedgc_bridge.proto (service FedgcBridge)",
     "wire_format": "android_bridge/WIRE_FORMAT.md",
 }
 
 
-def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | None = None,
-               batch_size: int | None = None, learning_rate: float | None = None,
-               seed: int = 0, max_numel: int = DEFAULT_MAX_NUMEL) -> dict[str, Any]:
+def export_all(model_name: str | ModelSpec | None, out_dir: str | Path,
+               config: DGCConfig | None = None, batch_size: int | None = None,
+               learning_rate: float | None = None, seed: int = 0,
+               max_numel: int = DEFAULT_MAX_NUMEL,
+               run_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the encoder (``.pte`` and ``.pt``), the training step and the manifest; return it.
 
     Every argument left ``None`` takes the federation's default (:func:`federation_defaults`):
@@ -256,9 +429,16 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
             and learning_rate > 0):
         raise ConfigError(f"learning_rate must be a positive finite number, got "
                           f"{learning_rate!r}")
-    spec = get_model(model_name)
+    spec = model_name if isinstance(model_name, ModelSpec) else get_model(model_name)
     torch.manual_seed(seed)
     model = spec.build()
+    params = {name for name, _ in model.named_parameters()}
+    buffers = [k for k, v in model.state_dict().items()
+               if k not in params and v.is_floating_point()]
+    if buffers:
+        raise ConfigError(f"model {spec.name!r} has floating-point buffers {buffers} (batch "
+                          f"norm statistics?): the server sends them, the exported training "
+                          f"step trains parameters only")
     layout = parameter_layout(model, config)
     too_long = [p["name"] for p in layout if p["numel"] > max_numel]
     if too_long:
@@ -307,6 +487,8 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
             "file": TRAIN_FILE, "sha256": _sha256(train), "method": "forward",
             "parameter_prefix": TRAIN_PREFIX, "batch_size": batch_size,
             "input_shape": [batch_size, *spec.input_shape], "input_dtype": "float32",
+            # The first dimension of input_shape and label_shape is any of 1..batch_size.
+            "dynamic_batch": batch_size > 1,
             "label_shape": [batch_size], "label_dtype": "int64",
             "num_classes": spec.num_classes, "loss": "cross_entropy (mean)",
             "outputs": ["loss f32[]", "predicted class i64[batch]"],
@@ -321,7 +503,11 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
                     "patch on the version 0 that has one of them",
         },
         "federation": {
-            "run_config": _run_config_keys(config, batch_size, learning_rate),
+            "run_config": _run_config_keys(config, batch_size, learning_rate,
+                                           str((run_config or {}).get("method", "dgc"))),
+            # export_run: the run's keys the model and version 0 were made from (informative;
+            # the phone checks the model's tensors it is sent against "parameters").
+            "made_for": run_config or {},
             "note": "a run whose train messages carry other values for these keys is refused by "
                     "the phone (re-export with them); the server's remaining keys are sent with "
                     "every task (train: lr, local_steps/local_epochs, seed; dgc: density, warm-up)",
@@ -337,3 +523,62 @@ def export_all(model_name: str | None, out_dir: str | Path, config: DGCConfig | 
 def exact_config(config: DGCConfig) -> DGCConfig:
     """``config`` with ``selection="exact"``: the form the exported encoder implements."""
     return dataclasses.replace(config, selection="exact")
+
+
+#: Switches of the ``dgc`` method (issue 30) that phones do not run, with their defaults: a
+#: phone runs the default client, so a run that sets one is refused before phones train
+#: otherwise than the simulated clients they stand beside.
+PHONE_DEFAULT_SWITCHES = {"dgc.value_levels": ("value_levels", 0.0),
+                          "dgc.shared_first": ("shared_first", False),
+                          "dgc.shared_values": ("shared_values", "sign"),
+                          "dgc.residual_decay": ("residual_decay", 1.0),
+                          "dgc.step_ahead": ("step_ahead", 0.0)}
+
+
+def check_phone_run(train: Any, server: Any = None) -> None:
+    """Raise ``ConfigError`` when phones cannot run a client of this run as a simulated client
+    does: a method phones do not serve (naming those they do), or one of the ``dgc`` switches
+    they lack set (:data:`PHONE_DEFAULT_SWITCHES`; the server's ``dgc.shared_rank``
+    ``displacement``, whose sets clients derive themselves)."""
+    from fedgc.methods import get, registered
+
+    if not get(train.method).phone:
+        raise ConfigError(f"method {train.method!r} is not served by phones: their encoder is "
+                          f"DGC (methods {[m.name for m in registered() if m.phone]})")
+    set_ = [f"{key}={getattr(train, field)!r}" for key, (field, default)
+            in PHONE_DEFAULT_SWITCHES.items() if getattr(train, field, default) != default]
+    if server is not None and getattr(server, "shared_rank", "aggregates") != "aggregates":
+        set_.append(f"dgc.shared_rank={server.shared_rank!r}")
+    if set_:
+        raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
+                          f"switch (docs/android.md); leave it at its default in a run with "
+                          f"phones")
+
+
+def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
+               dgc_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Export the phone files for the run of ``config`` (a :class:`fedgc.settings.RunConfig`).
+
+    Everything comes from the run's keys: its task (a shipped one or ``module:callable`` with
+    its ``task_options``, ``model`` and ``model_options``), the DGC config its method gives
+    phones (:meth:`fedgc.methods.Method.phone_config`, with ``dgc_fields`` laid over it),
+    ``batch_size`` (the largest batch the training step takes), ``lr`` and ``seed`` (the
+    parameters baked into ``train_step.pte`` are the run's version 0). ``max_numel`` defaults to
+    the model's largest tensor (the encoder's memory plan is sized by it). A method phones do
+    not run is a ``ConfigError`` naming the ones they do.
+    """
+    from fedgc.task_loader import load_task
+
+    check_phone_run(config.train, config.server)
+    t = config.train
+    phone = exact_config(config.method.phone_config(t))
+    if dgc_fields:
+        phone = DGCConfig.from_dict({**phone.to_dict(), **dgc_fields})
+    spec = task_model(load_task(t.task_spec()), t.task)
+    if max_numel is None:
+        torch.manual_seed(t.seed)
+        max_numel = max(2, max(p.numel() for p in spec.build().parameters()))
+    keys = {"task": t.task, "task_options": t.task_options, "model": t.model,
+            "model_options": t.model_options, "seed": t.seed, "method": t.method}
+    return export_all(spec, out_dir, phone, batch_size=t.batch_size, learning_rate=t.lr,
+                      seed=t.seed, max_numel=max_numel, run_config=keys)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,17 +54,34 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def get_model(name: str) -> ModelSpec:
-    """The model ``name``: one registered here, or a ``tasks`` dataset name (its default model,
-    with the parameter names the federation's server uses); unknown is a ``ConfigError``."""
+def get_model(name: str, task_options: str = "") -> ModelSpec:
+    """The model ``name``: one registered here, a ``tasks`` dataset name, or a task of your own
+    (``module:callable``, called with ``task_options``, a JSON object), each with its default
+    model and the parameter names the federation's server uses; unknown is a ``ConfigError``.
+
+    Naming a ``module:callable`` here imports and runs it: it is the exporting user's own
+    choice, as a run's keys are the server's (``docs/threat_model.md``).
+    """
     if name in MODELS:
         return MODELS[name]
-    from tasks import DATASETS, get_task
+    from fedgc.refs import is_ref
+    from fedgc.settings import TaskSpec
+    from fedgc.task_loader import load_task
+    from tasks import DATASETS
 
-    if name not in DATASETS:
-        raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS) + sorted(DATASETS)}")
-    task = get_task(name)
+    if name not in DATASETS and not is_ref(name):
+        raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS) + sorted(DATASETS)} "
+                          f"or a task of your own as 'module:callable'")
+    return task_model(load_task(TaskSpec(name, "", "", "", task_options)), name)
+
+
+def task_model(task: Any, name: str) -> ModelSpec:
+    """The exportable model of a loaded ``tasks.Task`` (float32 inputs, class labels, the loss
+    on the model's output); another is a ``ConfigError`` saying why phones cannot train it."""
     if not task.train_x.is_floating_point():
         raise ConfigError(f"model {name!r} takes {task.train_x.dtype} inputs; the exported "
                           f"training step takes float32 inputs only")
+    if task.sequence_loss:
+        raise ConfigError(f"task {name!r} trains on a sequence loss; the exported training "
+                          f"step takes the cross-entropy of the model's output only")
     return ModelSpec(name, task.build_model, tuple(task.input_shape), int(task.num_classes))

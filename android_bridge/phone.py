@@ -4,9 +4,19 @@ It does what the Android app does (``android_bridge/android/``): register with i
 token over TLS, fetch a task, rebuild the global model from the wire-format bytes, train with
 ``train_step.pte`` (ExecuTorch training API and SGD), form the pseudo-gradient
 ``global - local``, fold a never-aggregated previous update back into the residual, compress
-with ``encoder.pte``, and upload the ``dgc.encode``-d update in chunks that resume after a cut.
-Torch appears only as the buffer type of the ExecuTorch Python bindings; host arithmetic is
-numpy, as it would be plain Java on the phone.
+with ``encoder.pte``, answer the round's shared index sets with its residual's signs, and upload
+the ``dgc.encode``-d update (and the signs) in chunks that resume after a cut.
+
+A round is a simulated client's round (``client.app``), step for step: the same minibatches in
+the same order (:mod:`android_bridge.shuffle`: torch's generator and ``randperm``), SGD with the
+run's ``client_momentum`` and ``weight_decay`` from fresh buffers, the pseudo-gradient, the
+fold-back of an update the server did not aggregate (the update, then its signs), DGC with a
+second density for small tensors (``dgc.small_density``), then the sign channel
+(``dgc.signs.take_signs`` on the residual). Given the same data and seed, and a training step
+that computes what eager torch computes, it sends the same bytes (tests/test_phone_parity.py).
+Torch appears as the buffer type of the ExecuTorch Python bindings and in the sign channel's
+scale, a float32 mean (``dgc.signs``); other host arithmetic is numpy, as it would be plain Java
+on the phone.
 """
 
 from __future__ import annotations
@@ -30,7 +40,10 @@ from android_bridge.initial_model import FORMS, initial_form
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
+from android_bridge.shuffle import local_batches
+from client.training import round_seed
 from dgc.config import DGCConfig
+from dgc.signs import decode_mask, encode_signs, take_signs
 from dgc.wire import max_numel_of
 
 
@@ -56,6 +69,9 @@ class RoundReport:
     ack_state: int
     downlink: str = "dense"  # how the model came: "dense", or "patch" on the held version
     downlink_bytes: int = 0  # its wire-format bytes
+    side_bytes: int = 0
+    #: The bytes uploaded: the update, then the signs (the last ``side_bytes``).
+    data: bytes = b""
 
 
 class ReferencePhone:
@@ -110,6 +126,7 @@ class ReferencePhone:
         self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
         self.initial = self.trainer.parameters() if self.initial_sha256 else None
         self.pending: dgc.SparseUpdate | None = None
+        self.pending_signs: dgc.SparseUpdate | None = None
         self.poll_interval_s = 0.05
         self.max_wait_s = 0.0
         # The task config last received, by digest: the bridge sends it only when it changes.
@@ -181,14 +198,13 @@ class ReferencePhone:
             model[name] = t.values.float().numpy().reshape(shape).copy()
         return model
 
-    def _batches(self, steps: int, batch_size: int, seed: int) -> Iterator[tuple[Any, Any]]:
-        # Full batches only (the training program has a fixed batch); epochs wrap around.
-        rng = np.random.default_rng(seed)
-        order = np.empty(0, dtype=np.int64)
-        for _ in range(steps):
-            while len(order) < batch_size:
-                order = np.concatenate([order, rng.permutation(len(self.x))])
-            idx, order = order[:batch_size], order[batch_size:]
+    def _batches(self, train: dict[str, Any], server_round: int) -> Iterator[tuple[Any, Any]]:
+        """The round's minibatches, as ``client.training.train_locally`` takes them: seeded by
+        the run's seed, the round and this client's key; the last batch of an epoch holds what
+        is left (the training step takes 1..batch_size examples)."""
+        seed = round_seed(int(train["seed"]), int(server_round), int(train.get("client_key", 0)))
+        for idx in local_batches(len(self.x), int(train["batch_size"]),
+                                 int(train["local_epochs"]), int(train["local_steps"]), seed):
             yield self.x[idx], self.y[idx]
 
     def run_round(self, task: pb.FetchTaskReply, cut_after_bytes: int | None = None,
@@ -198,47 +214,67 @@ class ReferencePhone:
         config = json.loads(self._config_of(task))
         train = config["train"]
         dgc_config = DGCConfig.from_dict(config["dgc"])
-        self.encoder.reconfigure(dgc_config)
-        batch = self.trainer.batch_shape[0]
-        if int(train["batch_size"]) != batch:
+        small = config.get("small") or {}
+        self.encoder.reconfigure(dgc_config, float(small.get("density", 0.0)),
+                                 int(small.get("numel", 10_000)))
+        largest = self.trainer.batch_shape[0]
+        if not 1 <= int(train["batch_size"]) <= largest:
             raise PhoneError(f"task asks for batch_size {train['batch_size']}, the exported "
-                             f"training step has {batch}")
+                             f"training step takes 1..{largest}")
         global_model = self._global_model(task)
         self.trainer.set_parameters(global_model)
-        self.trainer.set_learning_rate(float(train["lr"]))
-        steps = int(train["local_steps"]) or int(train["local_epochs"]) * math.ceil(
-            len(self.x) / batch)
-        # A per-(run seed, round) shuffle, so reruns train identically.
-        seed = int(train["seed"]) * 1_000_003 + int(task.server_round)
-        losses = self.trainer.train(self._batches(steps, batch, seed))
+        self.trainer.set_learning_rate(float(train["lr"]), float(train.get("momentum", 0.0)),
+                                       float(train.get("weight_decay", 0.0)))
+        losses = self.trainer.train(self._batches(train, int(task.server_round)))
         local = self.trainer.parameters()
         pseudo_gradient = {k: global_model[k] - local[k] for k in self.shapes}
         restored = self.pending is not None and self.pending.sequence != task.ack_sequence
         if restored:
+            # As client.state.fold_back_pending: the update, then the signs sent beside it.
             self.encoder.restore(self.pending)
+            if self.pending_signs is not None:
+                self.encoder.restore(self.pending_signs)
         update = self.encoder.compress(pseudo_gradient, epoch=float(task.server_round - 1),
                                        sequence=int(task.sequence))
         data = dgc.encode(update)
-        self.pending = update
+        signs = self._signs(task)
+        side = encode_signs(signs) if signs is not None else b""
+        self.pending, self.pending_signs = update, signs
         self.model, self.model_version = global_model, int(task.model_version)
         # What the bridge app reads (it times the round itself); "restored" only when 1.
         metrics: dict[str, Any] = {"num-examples": len(self.x),
-                                   "train_loss": float(np.mean(losses))}
+                                   # Summed in order, as client.training.train_locally
+                                   # averages its losses.
+                                   "train_loss": sum(losses) / max(len(losses), 1)}
         if restored:
             metrics["restored"] = 1
         if not math.isfinite(metrics["train_loss"]):
             del metrics["train_loss"]  # NaN is not JSON: the bridge refuses it
         upload_id = f"{self.device_id}-{task.task_id}"
-        starts, state = self.upload(task, upload_id, data, metrics, cut_after_bytes,
-                                    max_streams)
+        starts, state = self.upload(task, upload_id, data + side, metrics, cut_after_bytes,
+                                    max_streams, side_bytes=len(side))
         if state in (pb.UPDATE_STATE_UNSPECIFIED, pb.INCOMPLETE):
             # The stream's answer did not say how the upload ended: ask.
             state = self.stub.Ack(pb.AckRequest(session_id=self.session_id,
                                                 upload_id=upload_id)).state
-        return RoundReport(task.task_id, int(task.server_round), upload_id, len(data), starts,
-                           restored, metrics.get("train_loss", float("nan")), state,
-                           "patch" if task.encoding == pb.SPARSE_PATCH else "dense",
-                           len(task.model_bytes))
+        return RoundReport(task.task_id, int(task.server_round), upload_id, len(data) + len(side),
+                           starts, restored, metrics.get("train_loss", float("nan")), state,
+                           downlink="patch" if task.encoding == pb.SPARSE_PATCH else "dense",
+                           downlink_bytes=len(task.model_bytes), side_bytes=len(side),
+                           data=data + side)
+
+    def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
+        """The residual at the task's shared index sets as scaled signs, taken out of the
+        residual (``dgc.signs.take_signs``, as the ``dgc`` method's client does); None when the
+        task has none."""
+        if not task.shared_mask:
+            return None
+        numels = {name: math.prod(shape) for name, shape in self.shapes.items()}
+        try:
+            _, masks = decode_mask(task.shared_mask, numels)
+        except dgc.DecodeError as ex:
+            raise PhoneError(f"task {task.task_id!r} has a bad shared_mask: {ex}") from ex
+        return take_signs(self.encoder.residual(), masks, int(task.sequence))
 
     def _config_of(self, task: pb.FetchTaskReply) -> str:
         """The task's config JSON: as sent, or the one held when the bridge left it out."""
@@ -255,9 +291,10 @@ class ReferencePhone:
 
     def upload(self, task: pb.FetchTaskReply, upload_id: str, data: bytes,
                metrics: dict[str, Any], cut_after_bytes: int | None = None,
-               max_streams: int = 8) -> tuple[list[int], int]:
+               max_streams: int = 8, side_bytes: int = 0) -> tuple[list[int], int]:
         """Send ``data`` in chunks, resuming from QueryUpload after a cut; return the offset
         each stream started at and the upload's state as the last answer gave it.
+        ``side_bytes``: how many bytes at the end are the signs.
 
         The first stream starts at 0 without asking (a new upload id has nothing stored);
         QueryUpload is asked only after a stream broke."""
@@ -284,7 +321,7 @@ class ReferencePhone:
                                      upload_id=upload_id, offset=offset,
                                      data=data[offset:offset + chunk_bytes],
                                      total_bytes=len(data), sha256=digest,
-                                     metrics_json=metrics_json)
+                                     metrics_json=metrics_json, side_bytes=side_bytes)
 
         starts: list[int] = []
         offset = 0

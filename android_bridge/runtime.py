@@ -10,6 +10,7 @@ does the scalar arithmetic of the clipping scale and of ``k``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,7 @@ from android_bridge.encoder import BLOCK, check_compatible, check_exportable, cl
 from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
 from dgc.base import check_factor
 from dgc.config import DGCConfig
-from dgc.errors import StateError
+from dgc.errors import ConfigError, StateError
 from dgc.selection import num_selected
 from dgc.sparse import VALUE_DTYPES, SparseTensor, SparseUpdate
 
@@ -96,6 +97,10 @@ class PteEncoder:
         # Tensors whose momentum exists (after their first step), as in DGCMemory.u.
         self.started: set[str] = set()
         self.step = 0
+        # dgc.small_density: tensors of at most small_numel entries get their own density and
+        # their own clipping group, as dgc.TwoDensityCompressor's second compressor (0: off).
+        self.small_density = 0.0
+        self.small_numel = 10_000
         self._fresh = torch.ones(1)
         self._not_fresh = torch.zeros(1)
 
@@ -133,11 +138,25 @@ class PteEncoder:
         return cls(Path(export_dir) / ENCODER_FILE,
                    DGCConfig.from_dict(manifest["dgc_config"]), shapes)
 
-    def reconfigure(self, config: DGCConfig) -> None:
+    def reconfigure(self, config: DGCConfig, small_density: float = 0.0,
+                    small_numel: int = 10_000) -> None:
         """Use ``config``'s run-time fields (density, warm-up, clipping, layer policy) from now
-        on; a change of a field baked into the graph is a :class:`dgc.ConfigError`."""
+        on; a change of a field baked into the graph is a :class:`dgc.ConfigError`.
+
+        ``small_density`` > 0 sends the tensors of at most ``small_numel`` entries at that
+        density instead, and clips them as a group of their own, exactly as
+        :class:`dgc.TwoDensityCompressor` (``dgc.small_density``, ``dgc.small_numel``) does with
+        its second compressor; the state is per tensor either way.
+        """
+        if isinstance(small_density, bool) or not isinstance(small_density, (int, float)) \
+                or not 0.0 <= small_density <= 1.0:
+            raise ConfigError(f"small_density must be a number in [0, 1], got "
+                              f"{small_density!r}")
+        if isinstance(small_numel, bool) or not isinstance(small_numel, int) or small_numel < 1:
+            raise ConfigError(f"small_numel must be an integer >= 1, got {small_numel!r}")
         check_compatible(self.config, config)
         self.config = config
+        self.small_density, self.small_numel = float(small_density), small_numel
 
     def is_dense_tensor(self, shape: tuple[int, ...]) -> bool:
         """The layer policy of :meth:`dgc.DGCCompressor.is_dense_tensor`."""
@@ -150,7 +169,6 @@ class PteEncoder:
         Every gradient is checked (known name, size, floating point, finite) before any state
         changes, so a bad gradient leaves the encoder as it was.
         """
-        density = self.config.density_at(epoch)
         flat: dict[str, torch.Tensor] = {}
         for name, g in grads.items():
             if name not in self.shapes:
@@ -167,13 +185,12 @@ class PteEncoder:
                 if not np.isfinite(f.numpy()).all():
                     raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was "
                                      f"changed")
-        squares = ([float(self._sum_squares.execute((f,))[0]) for f in flat.values()]
-                   if self.config.clip_norm is not None else [])
-        scale = torch.tensor([clip_scale(squares, self.config)], dtype=torch.float32)
+        density_of, scale_of = self._groups(flat, epoch)
         out: dict[str, SparseTensor] = {}
         new_state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, g in flat.items():
             shape = self.shapes[name]
+            density, scale = density_of[name], scale_of[name]
             u, v = self._u_full[name], self._v_full[name]
             fresh = self._not_fresh if name in self.started else self._fresh
             if self.is_dense_tensor(shape):
@@ -215,6 +232,28 @@ class PteEncoder:
             self.started.update(new_state)
         self.step += 1
         return SparseUpdate(out, self.step if sequence is None else sequence)
+
+    def _groups(self, flat: Mapping[str, torch.Tensor], epoch: float
+                ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        """Each tensor's density and clipping scale this step: one group, or with
+        ``small_density`` the large tensors and the small ones apart (each clipped by its own
+        norm, as each of ``TwoDensityCompressor``'s compressors clips what it is given)."""
+        groups: list[tuple[list[str], float]] = [(list(flat), self.config.density_at(epoch))]
+        if self.small_density > 0.0:
+            small = dataclasses.replace(self.config, density=self.small_density)
+            groups = [([n for n, f in flat.items() if f.numel() > self.small_numel],
+                       self.config.density_at(epoch)),
+                      ([n for n, f in flat.items() if f.numel() <= self.small_numel],
+                       small.density_at(epoch))]
+        density_of: dict[str, float] = {}
+        scale_of: dict[str, torch.Tensor] = {}
+        for names, density in groups:
+            squares = ([float(self._sum_squares.execute((flat[n],))[0]) for n in names]
+                       if self.config.clip_norm is not None else [])
+            scale = torch.tensor([clip_scale(squares, self.config)], dtype=torch.float32)
+            for n in names:
+                density_of[n], scale_of[n] = density, scale
+        return density_of, scale_of
 
     def restore(self, update: SparseUpdate) -> None:
         """Fold an update that was never applied back into the residual (host-side scatter-add,
@@ -296,6 +335,10 @@ class PteTrainer:
         self.manifest = load_manifest(export_dir)
         t = self.manifest["training"]
         self.batch_shape = tuple(t["input_shape"])
+        # Exports since issue 27 take any batch of 1..batch_size examples (a client's last
+        # batch of an epoch is smaller); earlier ones exactly batch_size.
+        self.min_batch = 1 if t.get("dynamic_batch") else self.batch_shape[0]
+        self.momentum = self.weight_decay = 0.0
         self.learning_rate = float(t["learning_rate"] if learning_rate is None else learning_rate)
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise StateError(f"learning_rate must be positive and finite, got {learning_rate!r}")
@@ -312,14 +355,24 @@ class PteTrainer:
         self._get_sgd_optimizer = get_sgd_optimizer
         self.set_learning_rate(self.learning_rate)
 
-    def set_learning_rate(self, learning_rate: float) -> None:
-        """Use a fresh SGD optimizer with this step size (no momentum is kept, none is used)."""
-        if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
-                and learning_rate > 0):
-            raise StateError(f"learning_rate must be positive and finite, got {learning_rate!r}")
+    def set_learning_rate(self, learning_rate: float, momentum: float = 0.0,
+                          weight_decay: float = 0.0) -> None:
+        """Use a fresh SGD optimizer: this step size, momentum (its buffers start empty, as a
+        simulated client's ``torch.optim.SGD`` starts every round) and weight decay."""
+        for name, value, low_open in (("learning_rate", learning_rate, True),
+                                      ("momentum", momentum, False),
+                                      ("weight_decay", weight_decay, False)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0 or (low_open and value == 0):
+                raise StateError(f"{name} must be a finite number {'>' if low_open else '>='} "
+                                 f"0, got {value!r}")
+        if momentum >= 1:
+            raise StateError(f"momentum must be below 1, got {momentum!r}")
         self.learning_rate = float(learning_rate)
+        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self._optimizer = self._get_sgd_optimizer(self._module.named_parameters(),
-                                                  self.learning_rate, 0, 0, 0, False)
+                                                  self.learning_rate, self.momentum, 0,
+                                                  self.weight_decay, False)
 
     def set_parameters(self, params: Mapping[str, Any]) -> None:
         """Overwrite the program's parameters (all of them, validated first) in place."""
@@ -345,9 +398,14 @@ class PteTrainer:
         for x, y in batches:
             xa = np.ascontiguousarray(x, dtype=np.float32)
             ya = np.ascontiguousarray(y, dtype=np.int64)
-            if xa.shape != self.batch_shape or ya.shape != (self.batch_shape[0],):
-                raise StateError(f"batch must be x{self.batch_shape} and y"
-                                 f"({self.batch_shape[0]},), got x{xa.shape} and y{ya.shape}")
+            n = xa.shape[0] if xa.ndim else 0
+            if not (self.min_batch <= n <= self.batch_shape[0]
+                    and xa.shape[1:] == self.batch_shape[1:] and ya.shape == (n,)):
+                lengths = (f"{self.min_batch}..{self.batch_shape[0]}"
+                           if self.min_batch < self.batch_shape[0] else f"{self.min_batch}")
+                raise StateError(f"batch must be x(n, {', '.join(map(str, self.batch_shape[1:]))}"
+                                 f") and y(n,) with n in {lengths}, got x{xa.shape} and "
+                                 f"y{ya.shape}")
             loss = self._module.forward_backward("forward",
                                                  (torch.from_numpy(xa), torch.from_numpy(ya)))
             self._optimizer.step(self._module.named_gradients())

@@ -41,3 +41,23 @@ def deployment(tmp_path: Path) -> Iterator[Callable[..., Deployment]]:
     assert problems == [], f"stopping a deployment failed: {problems}"
     for dep in started:
         assert dep.leftover_pids() == [], "processes of the deployment outlived stop()"
+
+
+#: The run a shared phone export is made for: digits with fedgc's defaults (dgc, client
+#: momentum, the second density, the sign channel), seed 2 (the parameters baked in are version
+#: 0 of a run with that seed).
+PHONE_RUN = {"task": "digits", "seed": 2}
+
+
+@pytest.fixture(scope="session")
+def digits_phone_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The phone files (``android_bridge.export.export_run``) of a digits run with fedgc's
+    defaults; exported once per session (minutes on a busy machine), shared by the phone
+    tests. Its batch size, lr and DGC config are any default run's; its seed is PHONE_RUN's."""
+    from android_bridge.export import export_run
+    from fedgc.settings import RunConfig
+
+    out = tmp_path_factory.mktemp("digits-phone-export")
+    export_run(RunConfig.from_flat({**PHONE_RUN, "results_dir": str(out / "unused"),
+                                    "run_name": "export"}), out / "export")
+    return out / "export"

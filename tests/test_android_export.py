@@ -270,8 +270,12 @@ def test_export_all_manifest_and_training_parity(tmp_path):
     assert_same_update(pte.compress(delta), DGCCompressor(config).compress(delta))
     with pytest.raises(StateError, match="parameter 'fc1.weight' has shape"):
         trainer.set_parameters({**trainer.parameters(), "fc1.weight": np.zeros((2, 2))})
-    with pytest.raises(StateError, match=r"batch must be x\(16, 64\)"):
-        trainer.train([(x[:3], y[:3])])
+    # Any batch of 1..16 examples (a client's last batch of an epoch is smaller), not more.
+    assert manifest["training"]["dynamic_batch"] is True
+    assert len(trainer.train([(x[:3], y[:3])])) == 1
+    with pytest.raises(StateError, match=r"batch must be x\(n, 64\) and y\(n,\) with n in "
+                                         r"1\.\.16, got x\(17, 64\)"):
+        trainer.train([(x[:17], y[:17])])
     json.dumps(manifest)  # plain JSON values throughout
 
 
@@ -350,3 +354,86 @@ def test_the_export_command_prints_only_its_own_lines(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wrote encoder.pte"), lines
+
+
+
+@pytest.mark.parametrize("name,build,shape", [
+    ("conv1d-pool1d", lambda: torch.nn.Sequential(
+        torch.nn.Conv1d(2, 4, 5, padding=2), torch.nn.ReLU(),
+        torch.nn.MaxPool1d(2), torch.nn.Conv1d(4, 4, 3, stride=2, dilation=2),
+        torch.nn.Flatten(), torch.nn.Linear(8, 3)), (2, 17)),
+    ("conv2d-pool2d", lambda: torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d((2, 3)),
+        torch.nn.Flatten(), torch.nn.Linear(36, 3)), (1, 7, 9)),
+])
+def test_training_step_rewrites_layers_executorch_differentiates_wrongly(name, build, shape,
+                                                                         tmp_path):
+    """Conv1d (ExecuTorch: "Only 2D Convolution Backward supported") and max pooling (its
+    backward kernel returns gradients tens of times too large) train on the phone as in eager
+    torch: their rewrites keep the parameters' names and shapes and give eager's gradients
+    (checked at export; here again over SGD steps with momentum, batches of 5 and 2)."""
+    from android_bridge.export import TRAIN_FILE, export_training_step
+    from android_bridge.models import ModelSpec
+
+    spec = ModelSpec(name, build, shape, 3)
+    torch.manual_seed(0)
+    model = build()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    program = export_training_step(spec, model, 5)
+    (tmp_path / TRAIN_FILE).write_bytes(program)
+    (tmp_path / "manifest.json").write_text(json.dumps({"training": {
+        "input_shape": [5, *shape], "learning_rate": 0.1, "dynamic_batch": True}}))
+    trainer = PteTrainer(tmp_path)
+    assert set(trainer.parameters()) == set(start)
+    trainer.set_parameters({k: v.numpy() for k, v in start.items()})
+    trainer.set_learning_rate(0.1, momentum=0.5)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn((n, *shape), generator=g), torch.randint(3, (n,), generator=g))
+               for n in (5, 5, 2)]
+    trainer.train((x.numpy(), y.numpy()) for x, y in batches)
+    local = trainer.parameters()
+    eager = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    for x, y in batches:
+        eager.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        eager.step()
+    for k, v in model.state_dict().items():
+        assert np.abs(local[k] - v.numpy()).max() < 1e-5, k
+
+
+def test_export_refuses_a_model_executorch_differentiates_wrongly():
+    """Max pooling over overlapping windows is not rewritten: ExecuTorch's gradients differ
+    from torch's, and the export says so (naming the parameters) instead of writing a training
+    step that would train differently on the phone."""
+    from android_bridge.export import export_training_step
+    from android_bridge.models import ModelSpec
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.MaxPool2d(3, stride=2), torch.nn.Flatten(),
+                                   torch.nn.Linear(36, 3))
+
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match=r"model 'overlap': ExecuTorch's kernels compute "
+                                          r"other gradients than torch for \['0.weight', "
+                                          r"'0.bias'\]"):
+        export_training_step(ModelSpec("overlap", build, (1, 8, 8), 3), build(), 4)
+
+
+def test_export_refuses_a_training_step_that_does_not_run_naming_the_kernel(capfd):
+    """A circular-padded Conv1d exports but fails at a batch of 1 in the runtime (its padded
+    tensor cannot be resized): refused at export, the runtime's failed check in the message,
+    and nothing of the runtime's log left on stderr."""
+    from android_bridge.export import export_training_step
+    from android_bridge.models import ModelSpec
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3, padding=1, padding_mode="circular"),
+                                   torch.nn.Flatten(), torch.nn.Linear(16, 3))
+
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match=r"model 'circular': its exported training step does "
+                                          r"not run in the ExecuTorch runtime \(a batch of 1: "
+                                          r".*KernelCall failed at instruction .* in operator "):
+        export_training_step(ModelSpec("circular", build, (1, 8), 3), build(), 4)
+    assert "KernelCall" not in capfd.readouterr().err

@@ -249,34 +249,6 @@ def test_phone_refuses_config_its_export_cannot_run(bridge, certs, export_dir):
     phone.close()
 
 
-def test_deployed_bridge_from_node_config(certs, tmp_path):
-    import json
-
-    from android_bridge.bridge_app import bridge_from_node_config
-
-    with pytest.raises(BridgeError, match=r"node config lacks \['bridge-cert', 'bridge-key'"):
-        bridge_from_node_config({"bridge-address": "127.0.0.1:0", "bridge-devices": "x"})
-    ca, cert, key = certs
-    (tmp_path / "cert.pem").write_bytes(cert)
-    (tmp_path / "key.pem").write_bytes(key)
-    (tmp_path / "devices.json").write_text(json.dumps({"phone-a": TOKENS["phone-a"]}))
-    config = {"bridge-address": "127.0.0.1:0", "bridge-cert": str(tmp_path / "cert.pem"),
-              "bridge-key": str(tmp_path / "key.pem"),
-              "bridge-devices": str(tmp_path / "nope.json")}
-    with pytest.raises(BridgeError, match="cannot read the bridge's files"):
-        bridge_from_node_config(config)
-    config["bridge-devices"] = str(tmp_path / "devices.json")
-    bridge, _ = bridge_from_node_config(config)
-    try:
-        assert bridge_from_node_config(config)[0] is bridge  # one bridge per config
-        stub = pb_grpc.FedgcBridgeStub(grpc.secure_channel(
-            f"localhost:{bridge.port}", grpc.ssl_channel_credentials(root_certificates=ca)))
-        reply = stub.Register(pb.RegisterRequest(device_id="phone-a", token=TOKENS["phone-a"]))
-        assert reply.session_id
-    finally:
-        bridge.stop()
-
-
 def test_bridge_turns_an_additive_patch_into_values_for_the_phone():
     """Phones apply patches whose values replace; the bridge app rewrites an int8 patch of
     differences (patch_add) into one, from the model it rebuilt: a phone applying it holds the

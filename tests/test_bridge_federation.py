@@ -142,3 +142,14 @@ def test_methods_phones_do_not_run_are_refused_by_name(method):
 
     topk = RunConfig.from_flat({"method": "topk"}).train
     assert _phone_config(topk, get("topk").phone_config(topk))["train"]["method"] == "topk"
+
+
+def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
+    """Issue 30's dgc switches are not on the phone: the bridge app names the one set."""
+    from android_bridge.bridge import BridgeError
+    from android_bridge.bridge_app import _phone_config
+    from fedgc.methods import get
+
+    s = RunConfig.from_flat({"dgc.value_levels": 4}).train
+    with pytest.raises(BridgeError, match=r"dgc.value_levels=4.0: phones run dgc's default "):
+        _phone_config(s, get("dgc").phone_config(s))

@@ -65,7 +65,7 @@ class FetchTaskRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., held_model_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., held_config_sha256: _Optional[str] = ..., initial_model_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchTaskReply(_message.Message):
-    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes", "config_sha256", "base_sha256")
+    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes", "config_sha256", "base_sha256", "shared_mask")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class FetchTaskReply(_message.Message):
     MAX_UPDATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
     BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MASK_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     task_id: str
     server_round: int
@@ -94,10 +95,11 @@ class FetchTaskReply(_message.Message):
     max_update_bytes: int
     config_sha256: str
     base_sha256: str
-    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ..., config_sha256: _Optional[str] = ..., base_sha256: _Optional[str] = ...) -> None: ...
+    shared_mask: bytes
+    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ..., config_sha256: _Optional[str] = ..., base_sha256: _Optional[str] = ..., shared_mask: _Optional[bytes] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
-    __slots__ = ("session_id", "task_id", "upload_id", "offset", "data", "total_bytes", "sha256", "metrics_json")
+    __slots__ = ("session_id", "task_id", "upload_id", "offset", "data", "total_bytes", "sha256", "metrics_json", "side_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class UploadChunk(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     task_id: str
     upload_id: str
@@ -114,7 +117,8 @@ class UploadChunk(_message.Message):
     total_bytes: int
     sha256: str
     metrics_json: str
-    def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., upload_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., metrics_json: _Optional[str] = ...) -> None: ...
+    side_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., upload_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., metrics_json: _Optional[str] = ..., side_bytes: _Optional[int] = ...) -> None: ...
 
 class QueryUploadRequest(_message.Message):
     __slots__ = ("session_id", "upload_id")

@@ -282,6 +282,12 @@ class Method:
         methods only); None: phones do not serve it."""
         return None
 
+    def phone_small(self, train: Any) -> tuple[float, int] | None:
+        """The density a phone sends its small sparsified tensors at and the size, in entries,
+        up to which a tensor is small (as :class:`dgc.TwoDensityCompressor` does in this
+        method's compressor); None: every tensor at the config's density."""
+        return None
+
     # ------------------------------------------------------------------ server half
     def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
         """The server half of the round material for a model of ``shapes``; None: none."""

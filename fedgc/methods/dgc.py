@@ -36,7 +36,7 @@ from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 
 __all__ = ["DGC", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
-           "dgc_config", "layer_config", "split_compressor"]
+           "dgc_config", "layer_config", "small_split", "split_compressor"]
 
 
 def layer_config(train: Any, **method: Any) -> DGCConfig:
@@ -76,6 +76,14 @@ def split_compressor(train: Any, config: DGCConfig) -> Compressor:
     if train.small_density == 0.0:
         return DGCCompressor(config)
     return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel)
+
+
+def small_split(train: Any) -> tuple[float, int] | None:
+    """``(dgc.small_density, dgc.small_numel)`` when :func:`split_compressor` gives small tensors
+    a density of their own; None when it does not (what a phone is told to do the same)."""
+    if train.small_density == 0.0:
+        return None
+    return float(train.small_density), int(train.small_numel)
 
 
 class RankRequest(NamedTuple):
@@ -248,6 +256,9 @@ class DGC(Method):
 
     def phone_config(self, train: Any) -> DGCConfig:
         return dgc_config(train)
+
+    def phone_small(self, train: Any) -> tuple[float, int] | None:
+        return small_split(train)
 
     # -- the client's start (aged residuals, step-ahead)
     def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],

@@ -11,7 +11,7 @@ from typing import Any
 
 from dgc import Compressor, DGCConfig
 from fedgc.methods.base import Method
-from fedgc.methods.dgc import layer_config, split_compressor
+from fedgc.methods.dgc import layer_config, small_split, split_compressor
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 
@@ -42,6 +42,9 @@ class TopK(Method):
 
     def phone_config(self, train: Any) -> DGCConfig:
         return self.config(train)
+
+    def phone_small(self, train: Any) -> tuple[float, int] | None:
+        return small_split(train)
 
 
 register(TopK())

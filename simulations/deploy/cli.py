@@ -25,6 +25,7 @@ from .calibrate import measure, point_to_dict, predicted_transfer_s
 from .cluster import Deployment, DeploymentConfig, default_node_config
 from .errors import DeployError, DeployInterrupted
 from .links import MODES, choose_mode
+from .phones import PhoneFleet
 from .presets import preset, preset_names
 
 PROBE_APP = Path(__file__).resolve().parent / "probe_app"
@@ -79,6 +80,15 @@ def _run_parser() -> argparse.ArgumentParser:
                    help="logs, certificates and state (default: a new temporary folder)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on the whole run")
     p.add_argument("--seed", type=int, default=0, help="seeds the links' jitter and outages")
+    p.add_argument("--phones", type=int, default=0,
+                   help="fedgc: reference phones besides the SuperNodes, each behind its own "
+                        "link to the phone bridge (clients --nodes..--nodes+phones-1)")
+    p.add_argument("--phone-export", metavar="DIR",
+                   help="the phones' files: exported for the run into DIR, or taken from DIR "
+                        "when it holds an export (default: exported into the workdir)")
+    p.add_argument("--phone-arch", choices=("host", "arm64"), default="host",
+                   help="the phones' CPU: this machine's, or the emulated arm64 phone of "
+                        "`make arm` (qemu-user; about a minute of CPU to start each)")
     p.add_argument("--poll-interval-s", type=float, default=None,
                    help="an idle SuperNode's pull interval (Flower's: 3 s)")
     p.add_argument("--heartbeat-interval-s", type=float, default=None,
@@ -175,19 +185,32 @@ def flower_settings(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def _deployment_config(args: argparse.Namespace, allowed: str = "") -> DeploymentConfig:
-    """The deployment of ``args``; ``allowed``: the ``module:callable`` references the
-    SuperNodes' node config lets a run call (the run's own task and method: this command is the
-    nodes' operator too)."""
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fedgc-deploy-"))
+def _workdir(args: argparse.Namespace) -> Path:
+    """``--workdir``, or a new private folder (made once: the phones and the deployment share
+    it)."""
+    if not args.workdir:
+        args.workdir = tempfile.mkdtemp(prefix="fedgc-deploy-")
+    return Path(args.workdir)
+
+
+def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None,
+                       allowed: str = "") -> DeploymentConfig:
+    """The deployment of ``args``, with the phone bridge's SuperNodes of ``fleet``; ``allowed``:
+    the ``module:callable`` references the SuperNodes' node config lets a run call (the run's
+    own task and method: this command is the nodes' operator too)."""
+    workdir = _workdir(args)
+    phones = fleet.count if fleet is not None else 0
 
     def node_config(index: int, nodes: int) -> dict[str, object]:
-        extra = {ALLOWED_CALLABLES: allowed} if allowed else {}
-        return {**default_node_config(index, nodes), **extra}
+        config = dict(default_node_config(index, nodes))
+        if allowed:
+            config[ALLOWED_CALLABLES] = allowed
+        if fleet is not None and fleet.owns(index):
+            config.update(fleet.node_config(index))
+        return config
 
     config = DeploymentConfig(
-        node_config=node_config,
-        nodes=args.nodes,
+        nodes=args.nodes + phones,
         workdir=workdir,
         link=preset(args.link) if args.link else None,
         shaping=args.shaping,
@@ -196,10 +219,15 @@ def _deployment_config(args: argparse.Namespace, allowed: str = "") -> Deploymen
         seed=args.seed,
         # A device's service manager restarts a SuperNode that gave up on a bad link.
         restart_on_exit=True,
+        node_config=node_config,
+        # The bridge's SuperNodes sit beside the SuperLink; the phones have the links.
+        unshaped=frozenset(range(args.nodes, args.nodes + phones)),
         capture=args.capture,
         **flower_settings(args),
     )
-    print(f"[deploy] {args.nodes} SuperNodes, link {args.link or 'none'}, "
+    with_phones = (f" + {phones} {fleet.arch} phones behind links to the phone bridge"
+                   if fleet is not None else "")
+    print(f"[deploy] {args.nodes} SuperNodes{with_phones}, link {args.link or 'none'}, "
           f"tls={'on' if config.tls else 'off'}, auth={'on' if config.auth else 'off'}, "
           f"workdir {workdir}", flush=True)
     return config
@@ -216,6 +244,8 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         check_fedgc_run,
         deploy_run_config,
         finish_fedgc,
+        format_nodes,
+        node_rows,
         submit_fedgc,
         write_deploy_record,
     )
@@ -230,30 +260,69 @@ def _run_fedgc(args: argparse.Namespace) -> int:
                                               f"deploy-{args.link or 'loopback'}")
     except SettingsError as err:
         raise DeployError(str(err)) from err
-    run_config = deploy_run_config(values, args.nodes)
+    if args.phones < 0:
+        raise DeployError(f"--phones {args.phones}: expected 0 or more")
+    run_config = deploy_run_config(values, args.nodes + args.phones,
+                                   "--nodes + --phones" if args.phones else "--nodes")
+    if args.phones:
+        from android_bridge.export import check_phone_run
+        from dgc.errors import ConfigError
+
+        try:
+            check_phone_run(run_config.train, run_config.server)
+        except ConfigError as err:
+            raise DeployError(str(err)) from err
     check_fedgc_run(run_config)  # before any process starts
+    fleet = None
+    if args.phones:
+        fleet = PhoneFleet(args.phones, args.nodes, _workdir(args), args.phone_arch,
+                           tls=args.tls or args.auth)
+        t = run_config.train
+        reuse = Path(args.phone_export) if args.phone_export else None
+        if reuse is None or not (reuse / "manifest.json").exists():
+            print(f"[deploy] exporting the phones' files for the run (task {t.task}, method "
+                  f"{t.method}); minutes on a busy machine", flush=True)
+        fleet.export(run_config, reuse)
     started_s = time.monotonic()
     # The run's own task and method, when they are module:callable: the nodes run nothing else.
     own = ",".join(ref for ref in (run_config.train.task, run_config.train.method)
                    if is_ref(ref))
-    with Deployment(_deployment_config(args, allowed=own)) as dep:
+    with Deployment(_deployment_config(args, fleet, allowed=own)) as dep:
         if dep.client_nodes():
             # With --auth each client key is bound to its node's authenticated id: a node
             # cannot serve another client's rounds by claiming its key.
             run_config = run_config.with_overrides({"client_nodes": dep.client_nodes()})
-        run = finish_fedgc(dep, run_config, submit_fedgc(dep, run_config), args.timeout_s,
-                           progress=run_config.server.progress)
-        write_deploy_record(dep, run, started_s)
+        try:
+            if fleet is not None:
+                fleet.env = dict(dep.env)
+                fleet.start_bridge(dep.config.link, dep.mode, args.seed,
+                                   dep.config.startup_timeout_s)
+                fleet.start_phones(run_config)
+            run = finish_fedgc(dep, run_config,
+                               submit_fedgc(dep, run_config, phones=fleet is not None),
+                               args.timeout_s, progress=run_config.server.progress,
+                               check=fleet.check if fleet is not None else None)
+        finally:
+            problems = fleet.stop() if fleet is not None else []
+        extra = phones_record(fleet) if fleet is not None else None
+        write_deploy_record(dep, run, started_s, extra)
         print(f"[deploy] run {run.result.run_id}: {run.result.status} in "
               f"{run.result.seconds:.1f} s; results in {run.run_dir}")
         if not run.result.ok or not run.summary:
             print(run.result.log[-4000:], file=sys.stderr)
             print(dep.log_tails(), file=sys.stderr)
+            if fleet is not None:
+                print(fleet.log_tails(), file=sys.stderr)
             return 1
+        if problems:
+            print(f"[deploy] stopping the phones: {'; '.join(problems)}", file=sys.stderr)
     plot = plot_run(run.run_dir)
+    record = json.loads((run.run_dir / "deploy.json").read_text())
     print(summary_table({str(run.summary.get("method", "run")): run.summary}))
-    print(bytes_table(run.summary, json.loads((run.run_dir / "deploy.json").read_text())))
-    written = ["rounds.csv", "summary.json", "deploy.json", plot.name]
+    print(bytes_table(run.summary, record))
+    if args.link or fleet is not None:
+        print(format_nodes(node_rows(run.run_dir, record)))
+    written = ["rounds.csv", "clients.csv", "summary.json", "deploy.json", plot.name]
     if args.capture:
         from .capture_report import write_capture_ledger
 
@@ -261,6 +330,23 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         written.append("wire.json")
     print(f"results: {run.run_dir}/{', '.join(written)}")
     return 0
+
+
+def phones_record(fleet: PhoneFleet) -> dict[str, object]:
+    """``deploy.json``'s keys for the phones: each phone's arch and rounds (client key ->),
+    and what each phone's link carried."""
+    from .fedgc_run import link_stats
+
+    reports = fleet.reports()
+    return {
+        "phones": {str(fleet.first_key + k): {"device": r.get("device"), "arch": fleet.arch,
+                                             "machine": r.get("machine"),
+                                             "rounds": r.get("rounds", [])}
+                   for k, r in reports.items()},
+        "phone_links": {str(fleet.first_key + k): link_stats(link)
+                        for k, link in fleet.phone_links.items()},
+        "phone_tls": fleet.tls,
+    }
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -289,6 +375,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     check_run_args(args)
     if args.app == "fedgc":
         return _run_fedgc(args)
+    if args.phones:
+        raise DeployError("--phones is for the fedgc app (the phones run its client algorithm)")
     if args.config:
         raise DeployError("--config is for the fedgc app; use --set with other apps")
     run_config = parse_sets(args.set)

@@ -74,6 +74,9 @@ class DeploymentConfig:
         Supervise the SuperNodes and restart one that exits, as a service manager does on a
         device. Needed on intermittent links: Flower's SuperNode gives up when a connection reset
         makes one of its non-idempotent requests (node activation) fail for good.
+    unshaped : frozenset[int]
+        Nodes that run beside the SuperLink, on loopback without a link (the SuperNodes of the
+        phone bridge: the phones' own links are theirs, :mod:`simulations.deploy.phones`).
     poll_interval_s, heartbeat_interval_s : float, optional
         An idle SuperNode's pull interval (Flower: 3 s) and its heartbeat interval (Flower:
         30 s); None keeps Flower's (:mod:`simulations.deploy.launch`).
@@ -96,6 +99,7 @@ class DeploymentConfig:
     seed: int = 0
     startup_timeout_s: float = 90.0
     restart_on_exit: bool = False
+    unshaped: frozenset[int] = frozenset()
     poll_interval_s: float | None = None
     heartbeat_interval_s: float | None = None
     keep_alive_s: float | None = None
@@ -352,11 +356,13 @@ class Deployment:
 
     def _start_supernode(self, index: int) -> ManagedProcess:
         assert self.links is not None
-        if index not in self.node_links:
+        link = self.node_links.get(index)
+        if link is None and index in self.config.unshaped:
+            link = NodeLink(index, "none", f"127.0.0.1:{self.superlink_port}", None, None, None)
+        elif link is None:
+            # Recorded before it is made: the watchdog deletes it if this process dies.
             self._record(planned_netns=self.links.netns_name(index))
-        link = self.node_links.get(index) or self.links.build(
-            index, "127.0.0.1", self.superlink_port
-        )
+            link = self.links.build(index, "127.0.0.1", self.superlink_port)
         self.node_links[index] = link
         if self.config.capture:
             self._start_capture(index, link)

@@ -25,8 +25,15 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def write_app(app_dir: Path, run_config: Mapping[str, object], version: str = "1.0.0") -> Path:
-    """Write the app folder for ``run_config`` (flat dotted keys) and return it."""
+#: The ClientApp of a deployment with phones: ``client.app`` on a node without a phone, the
+#: phone's bridge app on a node whose node config names one (``device-id``).
+PHONE_CLIENT_APP = "android_bridge.bridge_app"
+
+
+def write_app(app_dir: Path, run_config: Mapping[str, object], version: str = "1.0.0",
+              client_module: str = "client.app") -> Path:
+    """Write the app folder for ``run_config`` (flat dotted keys) and return it; its ClientApp
+    is ``<client_module>:app``."""
     package = app_dir / APP_PACKAGE
     private_dir(package)
     lines = [
@@ -60,7 +67,7 @@ def write_app(app_dir: Path, run_config: Mapping[str, object], version: str = "1
         '__all__ = ["app"]\n'
     )
     (package / "client_app.py").write_text(
-        '"""Re-export of the fedgc ClientApp."""\n\nfrom client.app import app\n\n'
+        f'"""Re-export of the fedgc ClientApp."""\n\nfrom {client_module} import app\n\n'
         '__all__ = ["app"]\n'
     )
     return app_dir

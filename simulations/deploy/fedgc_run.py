@@ -8,17 +8,18 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from .cluster import Deployment, RunResult
 from .errors import DeployError
-from .fedgc_app import write_app
+from .fedgc_app import PHONE_CLIENT_APP, write_app
 
 
-def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
+def deploy_run_config(base: Mapping[str, object], nodes: int, nodes_option: str = "--nodes"
+                      ) -> Any:
     """The :class:`fedgc.settings.RunConfig` of a deployment of ``nodes`` SuperNodes.
 
     One SuperNode is one client (its partition id is its index), so ``num_clients`` is ``nodes``;
@@ -35,8 +36,9 @@ def deploy_run_config(base: Mapping[str, object], nodes: int) -> Any:
     values = dict(base)
     if "num_clients" in values and int(str(values["num_clients"])) != nodes:
         raise DeployError(
-            f"num_clients={values['num_clients']} but --nodes {nodes}: in a deployment every "
-            f"SuperNode is one client, so num_clients must equal the number of nodes"
+            f"num_clients={values['num_clients']} but {nodes_option} = {nodes}: in a "
+            f"deployment every SuperNode (or phone) is one client, so num_clients must equal "
+            f"the number of nodes"
         )
     values["num_clients"] = nodes
     values.setdefault("clients_per_round", nodes)
@@ -80,10 +82,13 @@ def check_fedgc_run(config: Any) -> None:
         raise DeployError(str(err)) from err
 
 
-def submit_fedgc(dep: Deployment, config: Any, app_version: str = "1.0.0") -> int:
-    """Write the app for ``config`` into the deployment's folder, submit it, return the run id."""
+def submit_fedgc(dep: Deployment, config: Any, app_version: str = "1.0.0",
+                 phones: bool = False) -> int:
+    """Write the app for ``config`` into the deployment's folder, submit it, return the run id.
+    With ``phones`` its ClientApp serves the nodes that name a phone through it."""
     check_fedgc_run(config)  # refuse a taken run folder before anything is submitted
-    app_dir = write_app(dep.workdir / f"app-{app_version}", config.to_flat(), app_version)
+    app_dir = write_app(dep.workdir / f"app-{app_version}", config.to_flat(), app_version,
+                        client_module=PHONE_CLIENT_APP if phones else "client.app")
     return dep.submit(app_dir)
 
 
@@ -123,11 +128,19 @@ class RoundProgress:
 
 
 def finish_fedgc(dep: Deployment, config: Any, run_id: int, timeout_s: float,
-                 progress: bool = True) -> FedgcRun:
+                 progress: bool = True, check: Callable[[], None] | None = None) -> FedgcRun:
     """Wait for ``run_id`` and collect the results the ServerApp wrote; with ``progress``, print
-    a line per round as the ServerApp finishes it (the run's ``progress`` key)."""
+    a line per round as the ServerApp finishes it (the run's ``progress`` key). ``check`` is
+    called at every poll too (the phones': it raises when one died)."""
     watch = RoundProgress(config.run_dir, config.server.rounds) if progress else None
-    result = dep.wait_run(run_id, timeout_s, on_poll=watch)
+
+    def poll() -> None:
+        if check is not None:
+            check()
+        if watch is not None:
+            watch()
+
+    result = dep.wait_run(run_id, timeout_s, on_poll=poll)
     run_dir = config.run_dir
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -138,7 +151,8 @@ def bytes_table(summary: dict[str, Any], record: dict[str, Any]) -> str:
     """The payload (fedgc's encoded messages, ``summary.json``) beside the bytes that crossed
     the shaped links (``deploy.json``: Flower's messages, gRPC/HTTP2, TLS and idle polling
     included), per direction, with their ratio."""
-    links = [v for v in (record.get("links") or {}).values() if v]
+    links = [v for part in ("links", "phone_links")
+             for v in (record.get(part) or {}).values() if v]
     head = f"{'bytes':<9} {'payload MB':>11} {'on the links MB':>16} {'links/payload':>14}"
     lines = [head, "-" * len(head)]
     totals = [0.0, 0.0]
@@ -159,8 +173,65 @@ def _bytes_row(name: str, payload: float, wire: float) -> str:
     return f"{name:<9} {payload / 1e6:>11.3f} {on_links:>16} {ratio:>14}"
 
 
-def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Path:
-    """``<run_dir>/deploy.json``: how the run was deployed (mode, link, nodes, TLS, auth)."""
+def link_stats(link: Any) -> dict[str, int] | None:
+    """What a node's link carried (its proxy's counters); None for an unshaped one."""
+    if link is None or link.proxy is None:
+        return None
+    stats = link.proxy.stats
+    return {"uplink_bytes": stats.uplink_bytes, "downlink_bytes": stats.downlink_bytes,
+            "connections": stats.connections, "outages": stats.outages,
+            "aborted_by_outage": stats.aborted_by_outage}
+
+
+def node_rows(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per node (client key): its kind, what the server counted (``clients.csv``: payload up
+    and down, rounds aggregated) and what its link carried (``deploy.json``)."""
+    payload: dict[int, list[int]] = {}
+    path = run_dir / "clients.csv"
+    if path.exists():
+        with path.open(newline="", encoding="utf-8") as fh:
+            for row in csv.DictReader(fh):
+                p = payload.setdefault(int(row["client_key"]), [0, 0, 0])
+                p[0] += int(float(row["uplink_bytes"] or 0))
+                p[1] += int(float(row["downlink_bytes"] or 0))
+                p[2] += row["status"] == "aggregated"
+    phones = record.get("phones") or {}
+    rows = []
+    for key in range(int(record.get("nodes", 0))):
+        phone = phones.get(str(key))
+        link = ((record.get("phone_links") or {}).get(str(key)) if phone
+                else (record.get("links") or {}).get(str(key)))
+        up, down, aggregated = payload.get(key, [0, 0, 0])
+        rows.append({"client_key": key, "kind": f"phone ({phone['arch']})" if phone else
+                     "supernode", "payload_uplink_bytes": up, "payload_downlink_bytes": down,
+                     "rounds_aggregated": aggregated, "link": link})
+    return rows
+
+
+def format_nodes(rows: list[dict[str, Any]]) -> str:
+    """The per-node table the command prints."""
+    head = (f"{'node':>4} {'kind':<14} {'rounds':>6} {'payload up kB':>13} "
+            f"{'payload down kB':>15} {'link up kB':>10} {'link down kB':>12} {'conns':>5} "
+            f"{'outages':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        link = r["link"] or {}
+        lines.append(f"{r['client_key']:>4} {r['kind']:<14} {r['rounds_aggregated']:>6} "
+                     f"{_kb(r['payload_uplink_bytes']):>13} "
+                     f"{_kb(r['payload_downlink_bytes']):>15} "
+                     f"{_kb(link.get('uplink_bytes')):>10} {_kb(link.get('downlink_bytes')):>12} "
+                     f"{link.get('connections', '-'):>5} {link.get('outages', '-'):>7}")
+    return "\n".join(lines)
+
+
+def _kb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e3:.1f}"
+
+
+def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float,
+                        extra: dict[str, Any] | None = None) -> Path:
+    """``<run_dir>/deploy.json``: how the run was deployed (mode, link, nodes, TLS, auth), and
+    ``extra`` keys (the phones: :mod:`simulations.deploy.phones`)."""
     link = dep.config.link
     record = {
         "run_id": run.result.run_id,
@@ -183,16 +254,8 @@ def write_deploy_record(dep: Deployment, run: FedgcRun, started_s: float) -> Pat
         "heartbeat_interval_s": dep.config.heartbeat_interval_s,
         "keep_alive_s": dep.config.keep_alive_s,
         "deploy_wall_seconds": time.monotonic() - started_s,
-        "links": {
-            str(i): None if nl.proxy is None else {
-                "uplink_bytes": nl.proxy.stats.uplink_bytes,
-                "downlink_bytes": nl.proxy.stats.downlink_bytes,
-                "connections": nl.proxy.stats.connections,
-                "outages": nl.proxy.stats.outages,
-                "aborted_by_outage": nl.proxy.stats.aborted_by_outage,
-            }
-            for i, nl in dep.node_links.items()
-        },
+        "links": {str(i): link_stats(nl) for i, nl in dep.node_links.items()},
+        **(extra or {}),
     }
     run.run_dir.mkdir(parents=True, exist_ok=True)
     path = run.run_dir / "deploy.json"

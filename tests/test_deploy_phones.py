@@ -1,0 +1,101 @@
+"""``deploy --phones``: reference phones behind their own links beside SuperNodes behind theirs.
+
+One run through the command line: a SuperNode on an LTE link (tbf and the proxy in a network
+namespace, or the proxy alone without root) and a reference phone on its own LTE link to the
+phone bridge (``python -m android_bridge serve``, TLS), whose SuperNode sits beside the
+SuperLink. The phone is the emulated arm64 one of ``make arm`` when its rootfs is built (and
+must be under ``make test``, FEDGC_ARM_REQUIRED=1), this machine's CPU otherwise. The bad
+options are refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from simulations.deploy.cli import main
+from tests.conftest import PHONE_RUN
+
+
+def _phone_arch() -> str:
+    from android_bridge.arm.emulator import ArmEnv, ArmEnvError
+
+    try:
+        ArmEnv.find()
+        return "arm64"
+    except ArmEnvError:
+        if os.environ.get("FEDGC_ARM_REQUIRED") == "1":
+            raise
+        return "host"
+
+
+@pytest.mark.slow
+def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_export, tmp_path):
+    arch = _phone_arch()
+    argv = ["--nodes", "1", "--phones", "1", "--phone-arch", arch, "--link", "lte", "--tls",
+            "--phone-export", str(digits_phone_export), "--workdir", str(tmp_path / "work"),
+            "--set", f"results_dir={tmp_path / 'results'}", "--set", "run_name=mixed",
+            "--set", "rounds=2", "--set", "round_timeout_s=600"]
+    for key, value in PHONE_RUN.items():
+        argv += ["--set", f"{key}={value}"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0, out.getvalue()[-3000:]
+    text = out.getvalue()
+    run = tmp_path / "results" / "mixed"
+    record = json.loads((run / "deploy.json").read_text())
+    # Client 0 is the SuperNode, client 1 the phone: both aggregated in both rounds.
+    rows = list(csv.DictReader((run / "clients.csv").open()))
+    assert sorted((int(r["round"]), int(r["client_key"])) for r in rows
+                  if r["status"] == "aggregated") == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    phone = record["phones"]["1"]
+    assert phone["arch"] == arch and phone["machine"] == ("aarch64" if arch == "arm64"
+                                                          else os.uname().machine)
+    assert [r["round"] for r in phone["rounds"]] == [1, 2]
+    assert all(r["ack"] == "DELIVERED" for r in phone["rounds"])
+    # The phone's payload is what the server counted for client 1: its update and its signs.
+    sent = {int(r["round"]): int(r["uplink_bytes"]) for r in rows if r["client_key"] == "1"}
+    assert sent == {r["round"]: r["uplink_bytes"] for r in phone["rounds"]}
+    assert phone["rounds"][1]["signs_bytes"] > 0 and phone["rounds"][1]["encoding"] == "patch"
+    # Both links carried the node's bytes and more; the bridge's SuperNode has none.
+    link, phone_link = record["links"]["0"], record["phone_links"]["1"]
+    assert record["links"]["1"] is None and record["phone_tls"] is True
+    assert phone_link["uplink_bytes"] > sum(sent.values()) and link["uplink_bytes"] > 0
+    assert phone_link["downlink_bytes"] > sum(r["downlink_bytes"] for r in phone["rounds"])
+    assert f"phone ({arch})" in text and "link up kB" in text
+    # Nothing of the run is left: no phone, bridge, SuperNode or app process names its folder.
+    from simulations.deploy.processes import process_args
+
+    work = str(tmp_path / "work")
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) != os.getpid()
+            and any(work in arg for arg in process_args(int(pid)))]
+    assert left == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--phones", "1", "--app", "probe"], "--phones is for the fedgc app"),
+    (["--phones", "-1"], "--phones -1: expected 0 or more"),
+    (["--phones", "1", "--set", "num_clients=5"],
+     "num_clients=5 but --nodes \\+ --phones = 3"),
+    (["--phones", "1", "--set", "method=dense"], "method 'dense' is not served by phones"),
+    (["--phones", "1", "--set", "dgc.value_levels=4", "--set", "dgc.shared_rank=displacement"],
+     "dgc.value_levels=4.0, dgc.shared_rank='displacement': phones run dgc's default client"),
+])
+def test_bad_phone_options_are_refused_before_anything_starts(argv, message, tmp_path,
+                                                              capsys):
+    import re
+
+    work = tmp_path / "work"
+    assert main([*argv, "--workdir", str(work), "--set",
+                 f"results_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert len(err.strip().splitlines()) == 1
+    assert not (work / "phones" / "bridge").exists()
+    assert not Path(tmp_path / "r").exists() or not any(Path(tmp_path / "r").iterdir())

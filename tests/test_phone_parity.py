@@ -1,0 +1,221 @@
+"""A phone runs a simulated client's round: the same minibatches, optimizer, densities and signs.
+
+The reference phone (``android_bridge.phone``) and ``client.app`` are given the same train
+messages of a default run (client momentum 0.5, ``dgc.small_density`` 0.03, the sign channel,
+int8 patches broadcast): they must send the same bytes, update and signs, round after round,
+also after a round the server did not aggregate (both fold it back). The phone trains with
+``train_step.pte`` in ExecuTorch, whose kernels sum in another order than eager torch (about
+1e-8 apart, docs/android.md); here its trainer is swapped for eager torch running the same
+steps, so that what is compared is everything else: the batches, the optimizer's settings, the
+pseudo-gradient, the fold-back, the encoder program with two densities, the signs. The training
+step itself is compared with ``client.training.train_locally`` separately, within 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from android_bridge.shuffle import MT19937, local_batches, randperm
+from client.training import round_seed, train_locally
+
+torch.set_num_threads(1)
+
+
+def test_randperm_is_torchs_draw_for_draw():
+    for seed in (0, 5489, 2**40 + 17, round_seed(3, 7, 5)):
+        generator, ours = torch.Generator().manual_seed(seed), MT19937(seed)
+        # Successive permutations continue one stream across the generator's 624-word refills.
+        for n in (1, 2, 37, 700, 1000):
+            assert np.array_equal(torch.randperm(n, generator=generator).numpy(),
+                                  randperm(n, ours)), (seed, n)
+
+
+@pytest.mark.parametrize("n,batch,epochs,steps", [(23, 5, 2, 0), (10, 10, 1, 0), (7, 3, 1, 9)])
+def test_local_batches_are_train_locallys(n, batch, epochs, steps):
+    """The phone's minibatches: the indices client.training.train_locally takes, step by step
+    (a smaller last batch of each epoch, local_steps wrapping into a new permutation)."""
+    seen: list[list[int]] = []
+
+    def loss(model, x, y):
+        seen.append([int(v) for v in x[:, 0]])
+        return model(x).sum()
+
+    x = torch.arange(n, dtype=torch.float32)[:, None]
+    train_locally(torch.nn.Linear(1, 1), x, torch.zeros(n, dtype=torch.int64), loss, lr=0.1,
+                  batch_size=batch, local_epochs=epochs, local_steps=steps, seed=11)
+    ours = [[int(i) for i in b] for b in local_batches(n, batch, epochs, steps, 11)]
+    assert ours == seen
+
+
+class EagerTrainer:
+    """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
+    ``client.training.train_locally`` does with each batch."""
+
+    def __init__(self, task, batch_size: int) -> None:
+        self.task = task
+        self.model = task.build_model()
+        self.batch_shape = (batch_size, *task.input_shape)
+        self.optimizer = None
+
+    def set_parameters(self, params):
+        self.model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in params.items()})
+
+    def set_learning_rate(self, lr, momentum=0.0, weight_decay=0.0):
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=momentum,
+                                         weight_decay=weight_decay)
+
+    def train(self, batches):
+        self.model.train()
+        losses = []
+        for x, y in batches:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.task.training_loss(self.model, torch.from_numpy(x), torch.from_numpy(y))
+            loss.backward()
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    def parameters(self):
+        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+
+
+# A default run's keys but a short one: every default a phone must follow is on (client
+# momentum, the second density, the sign channel, int8 patches on a version 0 clients build).
+SETTINGS = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "rounds": 4,
+            "seed": 2, "progress": False, "local_epochs": 1}
+PHONE_KEY, DEVICE = 1, "phone-a"
+TOKENS = {DEVICE: "p" * 16 + "-parity"}
+DROPPED_ROUND = 2
+
+
+@pytest.fixture(scope="module")
+def parity_export(digits_phone_export):
+    from tests.conftest import PHONE_RUN
+
+    assert PHONE_RUN == {"task": SETTINGS["task"], "seed": SETTINGS["seed"]}
+    return digits_phone_export
+
+
+@pytest.mark.slow
+def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
+    from android_bridge.bridge import PhoneBridge
+    from android_bridge.bridge_app import make_bridge_app
+    from android_bridge.phone import ReferencePhone
+    from client.app import app as client_app
+    from client.app import client_data, client_key
+    from fedgc import protocol as P
+    from fedgc.settings import RunConfig
+    from server.app import run_server
+    from server.local_grid import LocalGrid
+    from tasks import get_task
+
+    config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path),
+                                  "run_name": "parity"})
+    t = config.train
+    assert (t.client_momentum, t.small_density, config.server.shared_density) == (0.5, 0.03, 0.03)
+    task = get_task("digits")
+    x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
+    compared: list[dict] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with PhoneBridge(TOKENS, "127.0.0.1:0") as bridge:
+        phone = ReferencePhone(parity_export, DEVICE, TOKENS[DEVICE], f"127.0.0.1:{bridge.port}",
+                               x.numpy(), y.numpy())
+        phone.trainer = EagerTrainer(task, t.batch_size)
+
+        def serve() -> None:
+            try:
+                phone.register()
+                while not stop.is_set():
+                    try:
+                        phone.run_round(phone.wait_for_task(0.5))
+                    except TimeoutError:
+                        continue
+            except BaseException as ex:  # reported to the test thread
+                errors.append(ex)
+
+        worker = threading.Thread(target=serve)
+        worker.start()
+        bridge_app = make_bridge_app(bridge, {PHONE_KEY: DEVICE}, timeout_s=120)
+
+        def tee(msg, context):
+            if client_key(context) != PHONE_KEY or msg.metadata.message_type != "train":
+                return client_app(msg, context)
+            simulated = client_app(copy.deepcopy(msg), context)
+            reply = bridge_app(msg, context)
+            pair = {}
+            for name, r in (("simulated", simulated), ("phone", reply)):
+                shared = r.content.array_records.get(P.SHARED)
+                pair[name] = (P.record_to_bytes(r.content.array_records[P.UPDATE], P.UPDATE),
+                              None if shared is None else
+                              P.record_to_bytes(shared, P.SHARED_SIGNS),
+                              dict(r.content.metric_records[P.METRICS]))
+            compared.append(pair)
+            return reply
+
+        grid = LocalGrid(tee, t.num_clients, seed=3)
+
+        def drop(reply):
+            if not reply.has_content() or reply.metadata.message_type != "train":
+                return reply
+            if grid.partition_of[reply.metadata.src_node_id] == PHONE_KEY \
+                    and reply.metadata.group_id == str(DROPPED_ROUND):
+                return None  # lost on the way back: neither copy is aggregated
+            return reply
+
+        grid.intercept = drop
+        try:
+            run_server(grid, config)
+        finally:
+            stop.set()
+            worker.join(30)
+            phone.close()
+    assert not errors, errors
+    assert len(compared) == SETTINGS["rounds"]
+    signs = 0
+    for server_round, pair in enumerate(compared, start=1):
+        (update, shared, metrics), (p_update, p_shared, p_metrics) = (pair["simulated"],
+                                                                      pair["phone"])
+        assert p_update == update, f"round {server_round}: the updates differ"
+        assert p_shared == shared, f"round {server_round}: the signs differ"
+        signs += shared is not None
+        # The reply's metrics (fedgc.protocol.REPLY_METRICS; restored only when not 0) but the
+        # time the round took.
+        for key in ("num-examples", "train_loss", P.RESTORED):
+            assert p_metrics.get(key) == metrics.get(key), (server_round, key)
+        # The round after the dropped one folded that update back, on both.
+        assert metrics.get(P.RESTORED, 0) == int(server_round == DROPPED_ROUND + 1), server_round
+    assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+
+
+@pytest.mark.slow
+def test_pte_training_step_follows_train_locally(parity_export):
+    """``train_step.pte`` with ExecuTorch's SGD (momentum, weight decay, a smaller last batch)
+    against ``client.training.train_locally`` on the same batches: within 1e-5."""
+    from android_bridge.runtime import PteTrainer
+    from tasks import get_task
+
+    task = get_task("digits")
+    idx = torch.arange(23)  # batch 10: 10, 10, 3 per epoch
+    torch.manual_seed(0)
+    model = task.build_model()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    eager = train_locally(model, task.train_x[idx], task.train_y[idx], task.training_loss,
+                          lr=0.1, batch_size=10, local_epochs=2, local_steps=0, momentum=0.5,
+                          weight_decay=1e-3, seed=4)
+    trainer = PteTrainer(parity_export)
+    trainer.set_parameters({k: v.numpy() for k, v in start.items()})
+    trainer.set_learning_rate(0.1, momentum=0.5, weight_decay=1e-3)
+    x, y = task.train_x[idx].numpy(), task.train_y[idx].numpy()
+    losses = trainer.train((x[b], y[b]) for b in local_batches(23, 10, 2, 0, 4))
+    assert len(losses) == eager.steps == 6
+    local = trainer.parameters()
+    for name, g in eager.pseudo_gradient.items():
+        phone = start[name].numpy() - local[name]
+        assert np.abs(phone - g.numpy()).max() < 1e-5, name
+    assert abs(sum(losses) / len(losses) - eager.train_loss) < 1e-5
