@@ -101,13 +101,18 @@ def test_options_keys_take_toml_tables_and_dicts(tmp_path: Path) -> None:
     from fedgc.settings import load_toml
 
     path = tmp_path / "run.toml"
-    path.write_text('task = "mnist5k"\ndensity = 0.01\n[model_options]\nhidden = [64, 32]\n')
+    # A named run: an unnamed one is named by the second it is made in, which may change
+    # between these four.
+    path.write_text('task = "mnist5k"\ndensity = 0.01\nrun_name = "o"\n[model_options]\n'
+                    'hidden = [64, 32]\n')
     from_toml = RunConfig.from_flat(load_toml(path))
-    from_dict = RunConfig.from_flat({"model_options": {"hidden": [64, 32]}, "density": 0.01})
+    from_dict = RunConfig.from_flat({"model_options": {"hidden": [64, 32]}, "density": 0.01,
+                                     "run_name": "o"})
     from_text = RunConfig.from_flat({"model_options": '{"hidden": [64, 32]}',
-                                     "density": "0.01"})
+                                     "density": "0.01", "run_name": "o"})
     # What Flower makes of a [tool.flwr.app.config.model_options] table: dotted keys.
-    from_flower = RunConfig.from_flat({"model_options.hidden": [64, 32], "density": 0.01})
+    from_flower = RunConfig.from_flat({"model_options.hidden": [64, 32], "density": 0.01,
+                                       "run_name": "o"})
     assert from_toml == from_dict == from_text == from_flower
     assert from_toml.train.model_options == '{"hidden": [64, 32]}'
     model = load_task(from_toml.train.task_spec()).build_model()
