@@ -160,7 +160,14 @@ def simulated(grid: Grid) -> bool:
 
     from server.local_grid import LocalGrid
 
-    return isinstance(grid, (LocalGrid, InMemoryGrid))
+    # A grid that wraps another (simulations.interrupt.StoppableGrid, around Flower's
+    # simulation grid) reaches the clients its inner grid reaches.
+    while not isinstance(grid, (LocalGrid, InMemoryGrid)):
+        inner = getattr(grid, "grid", None)
+        if not isinstance(inner, Grid):
+            return False
+        grid = inner
+    return True
 
 
 def resolve_robust(config: RunConfig, grid: Grid) -> RunConfig:

@@ -49,9 +49,14 @@ def test_readme_quick_commands_run(tmp_path: Path) -> None:
             f"README command failed ({done.returncode}): {command}\n{done.stderr[-3000:]}"
         printed[command.split()[3]] = done.stdout
     # The figures the text after the block states are those the run prints.
-    weight, norm = _stated_defences(readme)
-    assert (f"defences: weight cap {weight}x the round's median, update clip {norm}x the median "
-            f"norm") in printed["run"], printed["run"][:2000]
+    from fedgc.settings import ROBUST_PROFILES
+    from server.defences import describe
+
+    fedavg, _, _ = _stated_defences(readme)
+    off = ROBUST_PROFILES["off"]
+    assert fedavg == "FedAvg" and describe(off["max_weight_ratio"], off["max_norm_ratio"],
+                                           off["aggregation"], 0.1) in printed["run"], \
+        printed["run"][:2000]
     # What the text after the block promises.
     runs = list((tmp_path / "results").glob("*-digits-dgc"))
     assert len(runs) == 1 and (runs[0] / "plots.png").exists()

@@ -241,12 +241,15 @@ def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_p
     """The ServerApp decides by its grid: Flower's deployment grid (the SuperLink's, no
     connection made here) turns it on, fedgc's in-process engine off; ``deploy`` decides before
     it writes the app's config; a user's choice stands."""
+    import threading
+
     from flwr.superlink.grid import HttpGrid
 
     from client.app import app as client_app
     from server.app import resolve_robust
     from server.local_grid import LocalGrid
     from simulations.deploy.fedgc_run import deploy_run_config
+    from simulations.interrupt import StoppableGrid
 
     config = RunConfig.from_flat({"results_dir": str(tmp_path), "run_name": "r"})
     deployed = resolve_robust(config, HttpGrid(token="not-connected"))
@@ -254,6 +257,12 @@ def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_p
     assert deployed.server.aggregation == ROBUST_PROFILES["on"]["aggregation"]
     simulated = resolve_robust(config, LocalGrid(client_app, 2))
     assert (simulated.server.robust, simulated.server.aggregation) == ("off", "mean")
+    # The command line wraps its grid in its Ctrl-C switch (Flower's simulation grid on the
+    # Ray engine): still simulated.
+    stoppable = StoppableGrid(LocalGrid(client_app, 2), threading.Event())
+    assert resolve_robust(config, stoppable).server.robust == "off"
+    assert resolve_robust(config, StoppableGrid(HttpGrid(token="x"), threading.Event())
+                          ).server.robust == "on"
     assert deployed.run_dir == simulated.run_dir == config.run_dir
     chosen = config.with_overrides({"robust": "off"})
     assert resolve_robust(chosen, HttpGrid(token="x")).server.aggregation == "mean"
