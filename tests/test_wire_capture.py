@@ -165,3 +165,21 @@ def test_the_bridge_measurements_variants_are_dgc_and_dense_fedavgs_bytes() -> N
     assert phone.density == 1.0 and dense.server.downlink_density == 1.0
     dgc = run_config("digits", "dgc", 2, 3, 0, Path("/nonexistent"), "g")
     assert dgc.method.name == "dgc" and dgc.method.phone_config(dgc.train).density < 0.01
+
+
+@pytest.mark.slow
+@needs_capture
+def test_a_bridge_capture_counts_the_payload_the_server_counted(tmp_path: Path) -> None:
+    """digits, one reference phone, 2 rounds, LTE, TLS: every captured byte attributed, and the
+    payload on the phone's link is what clients.csv recorded (the model or patch and, down, the
+    sign channel's index sets; the server counts both as the client's downlink)."""
+    from simulations.wire.bridge_run import main
+
+    assert main(["--task", "digits", "--method", "dgc", "--link", "lte", "--phones", "1",
+                 "--rounds", "2", "--out", str(tmp_path)]) == 0
+    ledger = json.loads(next(tmp_path.glob("*/wire.json")).read_text())
+    assert ledger["attributed_fraction"]["up"] > 0.98 < ledger["attributed_fraction"]["down"]
+    assert ledger["payload_bytes"]["up"] == ledger["payload_clients_csv"]["up"]
+    assert ledger["payload_bytes"]["down"] == pytest.approx(
+        ledger["payload_clients_csv"]["down"], rel=0.01)
+    assert ledger["client_rounds"] == 2

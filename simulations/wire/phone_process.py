@@ -41,7 +41,10 @@ class CallLog(grpc.UnaryUnaryClientInterceptor, grpc.StreamUnaryClientIntercepto
         else:
             row["response_bytes"] = [response.ByteSize()]
             if hasattr(response, "model_bytes"):
-                row["payload_down"] = len(response.model_bytes)
+                # The model or patch, and the sign channel's index sets (the server counts
+                # them in the client's downlink, as on the SuperNode path).
+                row["payload_down"] = (len(response.model_bytes)
+                                       + len(getattr(response, "shared_mask", b"")))
                 row["has_task"] = bool(response.has_task)
                 row["server_round"] = int(response.server_round)
         row["t_end"] = time.time()
