@@ -21,7 +21,9 @@ from dgc.errors import DecodeError
 from dgc.sparse import SparseTensor, SparseUpdate
 from dgc.wire.fast import MAX_TEMPLATES, Template, decode_packed, read_headers_fast
 from dgc.wire.framing import (
+    DIM,
     NAME_LEN,
+    NDIM,
     as_view,
     check_crc,
     check_end,
@@ -30,7 +32,7 @@ from dgc.wire.framing import (
     read_name,
 )
 from dgc.wire.index_codings import ALL_ID, CODING_NAMES, INDEX_CODINGS, decode_indices
-from dgc.wire.layout import DIM, NDIM, PREAMBLE, TENSOR_TAIL, VERSION, TensorRecord
+from dgc.wire.layout import PREAMBLE, TENSOR_TAIL, VERSION, TensorRecord
 from dgc.wire.value_codings import (
     DTYPES_BY_ID,
     GRID_CODINGS,

@@ -13,9 +13,9 @@ import torch
 from dgc import golomb
 from dgc.errors import EncodeError
 from dgc.sparse import SparseTensor, SparseUpdate
-from dgc.wire.framing import MAX_U32, MAX_U64, NAME_LEN, name_bytes, seal
+from dgc.wire.framing import DIM, MAX_U32, MAX_U64, NAME_LEN, NDIM, name_bytes, seal
 from dgc.wire.index_codings import INDEX_CODINGS, choose_coding, encode_indices, index_sizes
-from dgc.wire.layout import DIM, EMPTY_MESSAGE_BYTES, NDIM, PREAMBLE, TENSOR_TAIL
+from dgc.wire.layout import EMPTY_MESSAGE_BYTES, PREAMBLE, TENSOR_TAIL
 from dgc.wire.value_codings import (
     SIGN_CODED,
     grid_section,

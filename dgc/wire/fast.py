@@ -20,9 +20,9 @@ import torch
 
 from dgc import golomb
 from dgc.sparse import PackedTensors, TensorLayout
-from dgc.wire.framing import NAME_LEN
+from dgc.wire.framing import NAME_LEN, NDIM
 from dgc.wire.index_codings import ALL_ID, CODING_NAMES, GOLOMB_ID, INDEX_DECODERS
-from dgc.wire.layout import NDIM, PREAMBLE, TENSOR_TAIL
+from dgc.wire.layout import PREAMBLE, TENSOR_TAIL
 from dgc.wire.value_codings import DTYPES_BY_ID, RAW_BITS, VALUE_SIZE_BY_ID
 
 # dims, count, index_coding, value_dtype, index_bytes: the rest of a record after its name

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Iterable
 
 from dgc.errors import DecodeError
+from dgc.golomb import MAX_NUMEL
 
 #: The trailer of every message: CRC-32 (zlib) of every byte before it.
 CRC = struct.Struct("<I")
@@ -125,6 +126,37 @@ def read_name(view: memoryview, pos: int, end: int, what: str) -> tuple[str, int
     (length,) = read(NAME_LEN, view, pos, end, f"{what} length")
     pos += NAME_LEN.size
     return read_text(view, pos, end, length, what), pos + length
+
+
+#: A tensor's shape on the wire: its number of dimensions (u8), then each dimension (u64).
+NDIM = struct.Struct("<B")
+DIM = struct.Struct("<Q")
+
+
+def shape_bytes(shape: Iterable[int]) -> bytes:
+    """How a shape is written (:data:`NDIM`, then a :data:`DIM` per dimension)."""
+    dims = tuple(shape)
+    return NDIM.pack(len(dims)) + b"".join(DIM.pack(d) for d in dims)
+
+
+def read_shape(view: memoryview, pos: int, end: int, name: str,
+               limit: int) -> tuple[tuple[int, ...], int, int]:
+    """Tensor ``name``'s shape at ``pos``, its number of entries and the offset after it.
+
+    A DecodeError as soon as a dimension passes the format's :data:`MAX_NUMEL` or the entries
+    so far pass ``limit`` (the decoder's bound), before anything is allocated for it.
+    """
+    (ndim,) = read(NDIM, view, pos, end, f"ndim of {name!r}")
+    pos += NDIM.size
+    shape, numel = [], 1
+    for _ in range(ndim):
+        (d,) = read(DIM, view, pos, end, f"dims of {name!r}")
+        pos += DIM.size
+        shape.append(d)
+        numel *= d
+        if d > MAX_NUMEL or numel > limit:
+            raise DecodeError(f"tensor {name!r} claims {numel} entries, above the bound {limit}")
+    return tuple(shape), numel, pos
 
 
 def name_bytes(name: str) -> bytes:

@@ -25,8 +25,6 @@ MAGIC = b"FGCU"
 VERSION = 1
 #: The update's preamble after magic and version: flags, sequence, tensor_count.
 PREAMBLE = Preamble(MAGIC, VERSION, "BQI")
-NDIM = struct.Struct("<B")
-DIM = struct.Struct("<Q")
 TENSOR_TAIL = struct.Struct("<QBBQ")  # count, index_coding, value_dtype, index_bytes
 
 #: Bytes of a message that carries no tensors: preamble plus checksum.

@@ -37,6 +37,7 @@ import torch
 from dgc import Compressor, DecodeError, DGCMemory, SparseTensor, SparseUpdate, StateError
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
+    NDIM,
     Preamble,
     as_view,
     check_crc,
@@ -45,21 +46,22 @@ from dgc.wire.framing import (
     name_bytes,
     read,
     read_name,
+    read_shape,
     seal,
+    shape_bytes,
 )
 from fedgc.methods.base import Method
 from fedgc.methods.payloads import Bound, Codec, Payload, check_tensors
 from fedgc.methods.registry import register
+from fedgc.methods.residual import ResidualCompressor
 
 __all__ = ["EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload", "SignsUpdate", "dense_signs",
            "signed_values"]
 
 PREAMBLE = Preamble(b"FGCB", 1, "QI")  # sequence, tensor count
-_DIM = struct.Struct("<Q")
-_NDIM = struct.Struct("<B")
 _SCALE = struct.Struct("<I")  # the float32 scale's raw bits
 #: The least bytes of a tensor record: an empty name, no dims, a scale, no signs.
-_MIN_RECORD = 2 + _NDIM.size + _SCALE.size
+_MIN_RECORD = 2 + NDIM.size + _SCALE.size
 
 
 @dataclass
@@ -82,9 +84,11 @@ def dense_signs(shape: tuple[int, ...], negative: torch.Tensor, scale: float) ->
                         signed_values(negative, scale), shape)
 
 
-class EFSignCompressor:
+class EFSignCompressor(ResidualCompressor):
     """The scaled sign of residual plus pseudo-gradient, per tensor, with error feedback
     (implements :class:`dgc.base.Compressor`)."""
+
+    label = "EF-signSGD"
 
     def __init__(self) -> None:
         self.memory = DGCMemory(0.0, False, False, 0.0)
@@ -110,29 +114,6 @@ class EFSignCompressor:
             p.sub_(sent.values)
             out.tensors[name], out.scales[name] = sent, scale
         return out
-
-    def restore(self, update: SparseUpdate) -> None:
-        """Add an update the server did not aggregate back into the residual."""
-        for name, t in update.tensors.items():
-            held = self.memory.v.get(name)
-            if held is None or held.numel() != t.numel:
-                raise StateError(f"update tensor {name!r} does not fit this compressor")
-        for name, t in update.tensors.items():
-            self.memory.restore(name, t.indices, t.values)
-
-    def residual(self) -> dict[str, torch.Tensor]:
-        return self.memory.v
-
-    def scale_state(self, factor: float) -> None:
-        self.memory.scale(float(factor))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or not isinstance(state.get("memory"), Mapping):
-            raise StateError("EF-signSGD state must hold the residual under 'memory'")
-        self.memory.load_state_dict(state["memory"])
 
 
 @dataclass
@@ -165,8 +146,7 @@ class SignsCodec(Codec):
                 raise ValueError(f"tensor {name!r}: a signs payload carries every entry")
             scale = torch.tensor([payload.scales[name]], dtype=torch.float32)
             bits = np.packbits(torch.signbit(t.values).numpy(), bitorder="little")
-            parts += [name_bytes(name), _NDIM.pack(len(t.shape)),
-                      *(_DIM.pack(d) for d in t.shape),
+            parts += [name_bytes(name), shape_bytes(t.shape),
                       scale.numpy().astype("<f4").tobytes(), bits.tobytes()]
         return seal(parts)
 
@@ -184,17 +164,7 @@ class SignsCodec(Codec):
             name, pos = read_name(view, pos, end, "tensor name")
             if name in tensors:
                 raise DecodeError(f"tensor {name!r} appears twice")
-            (ndim,) = read(_NDIM, view, pos, end, f"ndim of {name!r}")
-            pos += _NDIM.size
-            shape, numel = [], 1
-            for _ in range(ndim):
-                (d,) = read(_DIM, view, pos, end, f"dims of {name!r}")
-                pos += _DIM.size
-                shape.append(d)
-                numel *= d
-                if d > MAX_NUMEL or numel > limit:
-                    raise DecodeError(f"tensor {name!r} claims {numel} entries, above the "
-                                      f"bound {limit}")
+            shape, numel, pos = read_shape(view, pos, end, name, limit)
             (raw,) = read(_SCALE, view, pos, end, f"scale of {name!r}")
             pos += _SCALE.size
             if raw & 0x7F800000 == 0x7F800000:

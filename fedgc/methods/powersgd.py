@@ -49,6 +49,7 @@ from dgc import DecodeError, SparseTensor, SparseUpdate, StateError
 from dgc.golomb import MAX_NUMEL
 from dgc.sparse import VALUE_DTYPES
 from dgc.wire.framing import (
+    NDIM,
     Preamble,
     as_view,
     check_crc,
@@ -57,7 +58,9 @@ from dgc.wire.framing import (
     name_bytes,
     read,
     read_name,
+    read_shape,
     seal,
+    shape_bytes,
 )
 from dgc.wire.value_codings import DTYPES_BY_ID, VALUE_DTYPE_IDS
 from fedgc.methods.base import Channel, Method
@@ -71,11 +74,9 @@ __all__ = ["LowRankCodec", "LowRankTensor", "LowRankUpdate", "PowerSGD", "PowerS
 
 PREAMBLE = Preamble(b"FGCL", 1, "QI")  # sequence, tensor count
 MATERIAL = Preamble(b"FGCP", 1, "QI")  # sequence (the round), tensor count
-_NDIM = struct.Struct("<B")
-_DIM = struct.Struct("<Q")
 _TAIL = struct.Struct("<HB")  # rank (0: whole), value dtype id
 _Q_HEAD = struct.Struct("<QHB")  # m, rank, value dtype id
-_MIN_RECORD = 2 + _NDIM.size + _TAIL.size
+_MIN_RECORD = 2 + NDIM.size + _TAIL.size
 _MIN_Q_RECORD = 2 + _Q_HEAD.size
 _RAW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 #: The largest rank a message may carry (u16).
@@ -243,8 +244,7 @@ class LowRankCodec(Codec):
                             f"{type(payload).__name__}")
         parts = [PREAMBLE.pack(payload.seq, len(payload.tensors))]
         for name, t in payload.tensors.items():
-            parts += [name_bytes(name), _NDIM.pack(len(t.shape)),
-                      *(_DIM.pack(d) for d in t.shape)]
+            parts += [name_bytes(name), shape_bytes(t.shape)]
             if t.whole is not None:
                 parts += [_TAIL.pack(0, VALUE_DTYPE_IDS[t.whole.dtype]), raw_bytes(t.whole)]
                 continue
@@ -272,26 +272,16 @@ class LowRankCodec(Codec):
             name, pos = read_name(view, pos, end, "tensor name")
             if name in tensors:
                 raise DecodeError(f"tensor {name!r} appears twice")
-            (ndim,) = read(_NDIM, view, pos, end, f"ndim of {name!r}")
-            pos += _NDIM.size
-            shape, numel = [], 1
-            for _ in range(ndim):
-                (d,) = read(_DIM, view, pos, end, f"dims of {name!r}")
-                pos += _DIM.size
-                shape.append(d)
-                numel *= d
-                if d > MAX_NUMEL or numel > limit:
-                    raise DecodeError(f"tensor {name!r} claims {numel} entries, above the "
-                                      f"bound {limit}")
+            shape, numel, pos = read_shape(view, pos, end, name, limit)
             rank, dtype_id = read(_TAIL, view, pos, end, f"header of {name!r}")
             pos += _TAIL.size
             if rank == 0:
                 whole, pos = read_values(view, pos, end, numel, dtype_id, f"tensor {name!r}")
                 tensors[name] = LowRankTensor(tuple(shape), whole=whole)
                 continue
-            n = shape[0] if ndim >= 2 else 0
+            n = shape[0] if len(shape) >= 2 else 0
             m = numel // n if n else 0
-            if ndim < 2 or rank > min(n, m):
+            if len(shape) < 2 or rank > min(n, m):
                 raise DecodeError(f"tensor {name!r} of shape {tuple(shape)} claims rank "
                                   f"{rank}: factors need 2 or more dims and a rank of at most "
                                   f"min(n, m)")

@@ -45,6 +45,7 @@ from dgc import Compressor, DecodeError, DGCMemory, SparseTensor, SparseUpdate, 
 from dgc.elias import GammaError, gamma_bits, read_gamma
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
+    NDIM,
     Preamble,
     as_view,
     check_crc,
@@ -53,22 +54,23 @@ from dgc.wire.framing import (
     name_bytes,
     read,
     read_name,
+    read_shape,
     seal,
+    shape_bytes,
 )
 from fedgc.methods.base import Method
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
 from fedgc.methods.registry import register
+from fedgc.methods.residual import ResidualCompressor
 from fedgc.schema import Check, setting
 
 __all__ = ["LevelsCodec", "LevelsPayload", "LevelsUpdate", "QSGD", "QSGDCompressor",
            "QSGDSettings", "dequantize", "quantize"]
 
 PREAMBLE = Preamble(b"FGCQ", 1, "QIII")  # sequence, bucket, levels, tensor count
-_DIM = struct.Struct("<Q")
-_NDIM = struct.Struct("<B")
 _COUNT = struct.Struct("<Q")
 #: The least bytes of a tensor record: an empty name, no dims, a count, no norm, an empty code.
-_MIN_RECORD = 2 + _NDIM.size + _COUNT.size + _COUNT.size
+_MIN_RECORD = 2 + NDIM.size + _COUNT.size + _COUNT.size
 #: A nonzero entry costs at least 3 bits: a 1-bit gap, its sign, a 1-bit level.
 _MIN_ENTRY_BITS = 3
 _MAX_U32 = (1 << 32) - 1
@@ -126,7 +128,7 @@ class LevelsUpdate(SparseUpdate):
     signed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class QSGDCompressor:
+class QSGDCompressor(ResidualCompressor):
     """QSGD of each tensor of a pseudo-gradient (implements :class:`dgc.base.Compressor`).
 
     Parameters
@@ -138,6 +140,8 @@ class QSGDCompressor:
     error_feedback : bool
         Keep the quantization error in a residual (not in the paper).
     """
+
+    label = "QSGD"
 
     def __init__(self, bucket: int, levels: int, seed: int, error_feedback: bool) -> None:
         self.bucket, self.levels = int(bucket), int(levels)
@@ -168,29 +172,6 @@ class QSGDCompressor:
             out.tensors[name] = SparseTensor(idx, values, tuple(g.shape))
             out.norms[name], out.signed[name] = norms, signed
         return out
-
-    def restore(self, update: SparseUpdate) -> None:
-        """Add an update the server did not aggregate back into the residual."""
-        for name, t in update.tensors.items():
-            held = self.memory.v.get(name)
-            if held is None or held.numel() != t.numel:
-                raise StateError(f"update tensor {name!r} does not fit this compressor")
-        for name, t in update.tensors.items():
-            self.memory.restore(name, t.indices, t.values)
-
-    def residual(self) -> dict[str, torch.Tensor]:
-        return self.memory.v
-
-    def scale_state(self, factor: float) -> None:
-        self.memory.scale(float(factor))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or not isinstance(state.get("memory"), Mapping):
-            raise StateError("QSGD state must hold the residual under 'memory'")
-        self.memory.load_state_dict(state["memory"])
 
 
 @dataclass
@@ -266,8 +247,7 @@ class LevelsCodec(Codec):
                 raise ValueError(f"tensor {name!r}: {norms.numel()} norms for "
                                  f"{-(-t.numel // payload.bucket)} buckets")
             code = _code(t.indices, payload.signed[name])
-            parts += [name_bytes(name), _NDIM.pack(len(t.shape)),
-                      *(_DIM.pack(d) for d in t.shape), _COUNT.pack(t.nnz),
+            parts += [name_bytes(name), shape_bytes(t.shape), _COUNT.pack(t.nnz),
                       norms.numpy().astype("<f4").tobytes(), _COUNT.pack(len(code)), code]
         return seal(parts)
 
@@ -287,17 +267,7 @@ class LevelsCodec(Codec):
             name, pos = read_name(view, pos, end, "tensor name")
             if name in tensors:
                 raise DecodeError(f"tensor {name!r} appears twice")
-            (ndim,) = read(_NDIM, view, pos, end, f"ndim of {name!r}")
-            pos += _NDIM.size
-            shape, numel = [], 1
-            for _ in range(ndim):
-                (d,) = read(_DIM, view, pos, end, f"dims of {name!r}")
-                pos += _DIM.size
-                shape.append(d)
-                numel *= d
-                if d > MAX_NUMEL or numel > limit:
-                    raise DecodeError(f"tensor {name!r} claims {numel} entries, above the "
-                                      f"bound {limit}")
+            shape, numel, pos = read_shape(view, pos, end, name, limit)
             (nonzero,) = read(_COUNT, view, pos, end, f"count of {name!r}")
             pos += _COUNT.size
             if nonzero > numel:

@@ -38,6 +38,7 @@ from dgc.selection import num_selected
 from dgc.sparse import VALUE_DTYPES
 from dgc.wire.framing import (
     MAX_U64,
+    NDIM,
     Preamble,
     as_view,
     check_crc,
@@ -46,22 +47,23 @@ from dgc.wire.framing import (
     name_bytes,
     read,
     read_name,
+    read_shape,
     seal,
+    shape_bytes,
 )
 from dgc.wire.value_codings import DTYPES_BY_ID, VALUE_DTYPE_IDS
 from fedgc.methods.base import Method
 from fedgc.methods.dgc import layer_config
 from fedgc.methods.payloads import Bound, Codec, PayloadError, SparsePayload, check_tensors
 from fedgc.methods.registry import register
+from fedgc.methods.residual import ResidualCompressor
 
 __all__ = ["RandomK", "RandomKCodec", "RandomKCompressor", "SeededUpdate", "seeded_indices"]
 
 PREAMBLE = Preamble(b"FGCR", 1, "QQI")  # sequence, seed, tensor count
-_DIM = struct.Struct("<Q")
-_NDIM = struct.Struct("<B")
 _TAIL = struct.Struct("<QB")  # k, value dtype id
 #: The least bytes of a tensor record: an empty name, no dims, k and dtype.
-_MIN_RECORD = 2 + _NDIM.size + _TAIL.size
+_MIN_RECORD = 2 + NDIM.size + _TAIL.size
 _MASK = (1 << 64) - 1
 
 
@@ -109,7 +111,7 @@ class SeededUpdate(SparseUpdate):
     seed: int = 0
 
 
-class RandomKCompressor:
+class RandomKCompressor(ResidualCompressor):
     """Random-k of the residual with a seed per round (implements :class:`dgc.base.Compressor`).
 
     Parameters
@@ -120,6 +122,8 @@ class RandomKCompressor:
     seed : int
         This client's seed; the seed of round ``r`` is ``splitmix64(seed + r)``.
     """
+
+    label = "random-k"
 
     def __init__(self, policy: Any, seed: int) -> None:
         self.policy = policy
@@ -152,29 +156,6 @@ class RandomKCompressor:
             out[name] = SparseTensor(idx, values, shape)
         return SeededUpdate(out, sequence, seed=seed)
 
-    def restore(self, update: SparseUpdate) -> None:
-        """Add an update the server did not aggregate back into the residual."""
-        for name, t in update.tensors.items():
-            held = self.memory.v.get(name)
-            if held is None or held.numel() != t.numel:
-                raise StateError(f"update tensor {name!r} does not fit this compressor")
-        for name, t in update.tensors.items():
-            self.memory.restore(name, t.indices, t.values)
-
-    def residual(self) -> dict[str, torch.Tensor]:
-        return self.memory.v
-
-    def scale_state(self, factor: float) -> None:
-        self.memory.scale(float(factor))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or not isinstance(state.get("memory"), Mapping):
-            raise StateError("random-k state must hold the residual under 'memory'")
-        self.memory.load_state_dict(state["memory"])
-
 
 class RandomKCodec(Codec):
     """The ``FGCR`` payload (module docstring). ``policy`` (the run's DGC layer configuration)
@@ -194,8 +175,7 @@ class RandomKCodec(Codec):
             if not torch.equal(t.indices, torch.from_numpy(
                     seeded_indices(payload.seed, position, t.numel, t.nnz))):
                 raise ValueError(f"tensor {name!r}: its indices are not the seeded ones")
-            parts += [name_bytes(name), _NDIM.pack(len(t.shape)),
-                      *(_DIM.pack(d) for d in t.shape),
+            parts += [name_bytes(name), shape_bytes(t.shape),
                       _TAIL.pack(t.nnz, VALUE_DTYPE_IDS[t.values.dtype]),
                       _raw(t.values)]
         return seal(parts)
@@ -213,17 +193,7 @@ class RandomKCodec(Codec):
             name, pos = read_name(view, pos, end, "tensor name")
             if name in tensors:
                 raise DecodeError(f"tensor {name!r} appears twice")
-            (ndim,) = read(_NDIM, view, pos, end, f"ndim of {name!r}")
-            pos += _NDIM.size
-            shape, numel = [], 1
-            for _ in range(ndim):
-                (d,) = read(_DIM, view, pos, end, f"dims of {name!r}")
-                pos += _DIM.size
-                shape.append(d)
-                numel *= d
-                if d > MAX_NUMEL or numel > min(MAX_NUMEL, bound.max_numel):
-                    raise DecodeError(f"tensor {name!r} claims {numel} entries, above the "
-                                      f"bound {min(MAX_NUMEL, bound.max_numel)}")
+            shape, numel, pos = read_shape(view, pos, end, name, min(MAX_NUMEL, bound.max_numel))
             k, dtype_id = read(_TAIL, view, pos, end, f"header of {name!r}")
             pos += _TAIL.size
             dtype = DTYPES_BY_ID.get(dtype_id)

@@ -66,6 +66,7 @@ from fedgc.methods.base import Channel, Method
 from fedgc.methods.dgc import SharedSigns, layer_config
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
 from fedgc.methods.registry import register
+from fedgc.methods.residual import ResidualCompressor
 from fedgc.schema import Check, setting
 
 __all__ = ["TCS", "Budget", "MaskedCodec", "MaskedPayload", "MaskedUpdate", "TCSCompressor",
@@ -163,7 +164,7 @@ def _cast(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values.to(dtype)
 
 
-class TCSCompressor:
+class TCSCompressor(ResidualCompressor):
     """The residual's values at the round's mask and its top-k outside it (implements
     :class:`dgc.base.Compressor`).
 
@@ -177,6 +178,8 @@ class TCSCompressor:
     masks : mapping of str to numpy array, or None
         The round's masks (sorted int64 flat indices per sparsified tensor); None: none.
     """
+
+    label = "TCS"
 
     def __init__(self, policy: Any, budget: Budget,
                  masks: Mapping[str, np.ndarray] | None = None) -> None:
@@ -233,30 +236,6 @@ class TCSCompressor:
             self.memory.mark_sent(name, idx, values, False)
             rest[name] = SparseTensor(idx, values, shape)
         return MaskedUpdate(rest, sequence, masked=masked)
-
-    def restore(self, update: SparseUpdate) -> None:
-        """Add an update (or one part of a payload) the server did not aggregate back into the
-        residual."""
-        for name, t in update.tensors.items():
-            held = self.memory.v.get(name)
-            if held is None or held.numel() != t.numel:
-                raise StateError(f"update tensor {name!r} does not fit this compressor")
-        for name, t in update.tensors.items():
-            self.memory.restore(name, t.indices, t.values)
-
-    def residual(self) -> dict[str, torch.Tensor]:
-        return self.memory.v
-
-    def scale_state(self, factor: float) -> None:
-        self.memory.scale(float(factor))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or not isinstance(state.get("memory"), Mapping):
-            raise StateError("TCS state must hold the residual under 'memory'")
-        self.memory.load_state_dict(state["memory"])
 
 
 class MaskedCodec(Codec):
