@@ -93,6 +93,13 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                 client_module.task_of(s.task_spec(), allowed), s.seed))
             return dict(initial)
 
+        if config.get(P.PATCH_CONTEXT):
+            # The phones' codec applies plain patches only (check_phone_run refuses the key
+            # where it sees the server's config; here is where a bridge meets it).
+            raise BridgeError(f"{P.PATCH_CONTEXT}: the server sends patches ranked by "
+                              f"displacement (downlink_context=true), which phones do not "
+                              f"apply; leave downlink_context at its default in a run with "
+                              f"phones")
         global_state = client_module.global_model(msg.content, config, record,
                                                   initial=version_0)
         patch = base = None

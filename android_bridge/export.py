@@ -549,6 +549,8 @@ def check_phone_run(train: Any, server: Any = None) -> None:
             in PHONE_DEFAULT_SWITCHES.items() if getattr(train, field, default) != default]
     if server is not None and getattr(server, "shared_rank", "aggregates") != "aggregates":
         set_.append(f"dgc.shared_rank={server.shared_rank!r}")
+    if server is not None and getattr(server, "downlink_context", False):
+        set_.append("downlink_context=True")  # patches the phones' codec does not apply
     if set_:
         raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
                           f"switch (docs/android.md); leave it at its default in a run with "

@@ -292,10 +292,36 @@ def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | 
     if added and len(bases) != 1:
         raise ClientProtocolError(f"a patch that adds differences applies to one version, "
                                   f"this one to {bases}")
+    context = _patch_context(config, bases, initial)
     try:
-        return P.apply_patch(model, P.record_to_bytes(arrays, P.PATCH), added)
+        return P.apply_patch(model, P.record_to_bytes(arrays, P.PATCH), added, context)
     except P.ProtocolError as ex:
         raise ClientProtocolError(str(ex)) from ex
+
+
+def _patch_context(config: ConfigRecord, bases: list[int],
+                   initial: Callable[[], dict[str, torch.Tensor]] | None,
+                   ) -> dict[str, torch.Tensor] | None:
+    """Version 0 of the tensors a patch sends ranked by displacement (``patch_context``), or
+    None when it sends none that way."""
+    names = config.get(P.PATCH_CONTEXT, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ClientProtocolError(f"{P.PATCH_CONTEXT} must be a list of tensor names, got "
+                                  f"{names!r}")
+    if not names:
+        return None
+    if len(bases) != 1:
+        raise ClientProtocolError(f"a patch ranked by displacement applies to one version, "
+                                  f"this one to {bases}")
+    if initial is None:
+        raise ClientProtocolError(f"{P.PATCH_CONTEXT}: this client cannot build version 0, "
+                                  f"which the patch's ranking needs")
+    version0 = initial()
+    if bool(config.get(P.INITIAL_GRID, False)):
+        version0 = round_initial(version0)
+    if unknown := sorted(set(names) - set(version0)):
+        raise ClientProtocolError(f"{P.PATCH_CONTEXT} names tensors the model lacks: {unknown}")
+    return {n: version0[n] for n in names}
 
 
 def round_material(content: RecordDict, model: dict[str, torch.Tensor],

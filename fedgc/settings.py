@@ -517,6 +517,13 @@ class ServerSettings:
                                     "float16 (the rounding stays in the difference, and an "
                                     "entry whose float16 value did not move is not sent)",
                                     Check(choices=("float32", "float16")))
+    downlink_context: bool = setting(False, "downlink_context", "with downlink_values int8 and "
+                                     "downlink_deltas: a patch on the one version a client "
+                                     "holds sends a matrix's changed entries per segment of "
+                                     "its entries ranked by how far that version has moved "
+                                     "from version 0 (which clients build), where that "
+                                     "encodes smaller (about a third fewer index bytes; not "
+                                     "on phones)")
     downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
                                         "and server momentum: the broadcast follows the global "
                                         "model minus this fraction of the step the momentum "

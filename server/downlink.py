@@ -24,6 +24,7 @@ from dgc import SparseTensor, SparseUpdate
 from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
 from dgc.selection import num_selected, select_exact
 from dgc.wire import encoded_size
+from fedgc import context_patch
 from fedgc import protocol as P
 from server.checkpoint import CheckpointError
 
@@ -43,6 +44,17 @@ class Offer:
     nbytes: int
     base_versions: tuple[int, ...] = ()
     added: list[str] = field(default_factory=list)  # patch tensors that carry differences
+    context: list[str] = field(default_factory=list)  # patch tensors sent ranked by displacement
+
+
+@dataclass
+class Patch:
+    """A patch's bytes, the tensors whose values are differences to add (``patch_add``) and
+    those sent as segments of their ranking by displacement (``patch_context``)."""
+
+    data: bytes
+    added: list[str]
+    context: list[str] = field(default_factory=list)
 
 
 def copy_model(model: Mapping[str, torch.Tensor]) -> Model:
@@ -68,7 +80,7 @@ class Downlink:
 
     def __init__(self, mode: str = "auto", history: int = 1, density: float = 1.0,
                  values: str = "float16", deltas: bool = True, deadband: float = 0.5,
-                 vectors: str = "float32") -> None:
+                 vectors: str = "float32", context: bool = False) -> None:
         self.mode = mode
         self.history = history
         self.density = float(density)
@@ -79,6 +91,10 @@ class Downlink:
         self.deadband = float(deadband)
         # One-dimensional tensors of the broadcast: copied exactly, or rounded to float16.
         self.vectors = vectors
+        # Patches on one base code a grid tensor's changed entries per segment of its ranking
+        # by displacement from version 0 where that is smaller (fedgc.context_patch).
+        self.context = context
+        self.origin: dict[str, torch.Tensor] = {}  # with context: version 0's grid tensors
         self.model: Model | None = None  # the global model, float32
         self.broadcast: Model | None = None  # what clients hold, with density < 1
         self.version = 0  # aggregations applied so far = version of the sent model
@@ -113,6 +129,8 @@ class Downlink:
         self._forget_past()
         self.ternary_step = None
         self.changed_at = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in model.items()}
+        self.origin = ({k: self.broadcast[k].clone() for k in self.grid_exponents}
+                       if self.context and self.initial_on_grid else {})
 
     @property
     def sent_model(self) -> Model:
@@ -267,8 +285,15 @@ class Downlink:
 
     # ------------------------------------------------------------------ what is sent
     def patch(self, base_versions: tuple[int, ...]) -> tuple[bytes, list[str]] | None:
-        """A patch that turns any of ``base_versions`` into the current sent model, and the
-        tensors whose patch values are differences to add (``patch_add``) rather than values.
+        """:meth:`coded_patch`'s bytes and added tensors (what a patch without
+        ``downlink_context`` is)."""
+        coded = self.coded_patch(base_versions)
+        return None if coded is None else (coded.data, coded.added)
+
+    def coded_patch(self, base_versions: tuple[int, ...]) -> Patch | None:
+        """A patch that turns any of ``base_versions`` into the current sent model, the tensors
+        whose patch values are differences to add (``patch_add``) rather than values, and those
+        sent ranked by displacement (``patch_context``).
 
         It carries, with their current values, the entries that changed after the oldest base:
         on each base an entry outside that set already holds the current bits, so replacing the
@@ -276,18 +301,21 @@ class Downlink:
         than ``history`` versions old (or newer than the model). On a single base, with
         ``deltas``, a grid tensor carries ``now - base`` instead where that encodes smaller
         (the differences sit on the grid, and adding them gives ``now`` bit for bit: both are
-        checked). With ternary values, a patch on the version just before carries the last
-        step's ``+-mu`` to add (:meth:`follow_ternary`).
+        checked), and with ``context`` its entries go as segments of the ranking of ``base``'s
+        entries by displacement from version 0 where that encodes smaller still
+        (:mod:`fedgc.context_patch`). With ternary values, a patch on the version just before
+        carries the last step's ``+-mu`` to add (:meth:`follow_ternary`).
         """
         if not base_versions or any(not self.version - self.history <= v <= self.version
                                     for v in base_versions):
             return None
         if (ternary := self._ternary_patch(base_versions)) is not None:
-            return ternary
+            return Patch(*ternary)
         oldest = min(base_versions)
         base = (self.grid_values_at(oldest)
                 if self.initial_on_grid and len(base_versions) == 1 else None)
-        tensors, added = {}, []
+        tensors: dict[str, SparseTensor] = {}
+        added, ranked = [], []
         for name, t in self.sent_model.items():
             idx = torch.nonzero(self.changed_at[name].view(-1) > oldest).view(-1)
             values = t.view(-1)[idx].clone()
@@ -295,18 +323,39 @@ class Downlink:
                 # on the tensor's int8 grid: the encoder's grid coding carries them
                 delta = None if base is None else self._delta(name, idx, values,
                                                               base[name].view(-1)[idx])
+                sent = delta if delta is not None else SparseTensor(idx, values, tuple(t.shape))
                 if delta is not None:
-                    tensors[name] = delta
                     added.append(name)
-                    continue
-            elif torch.equal((half := values.to(torch.float16)).to(torch.float32), values):
+                segments = (None if base is None or not self.origin
+                            else self._segments(name, sent, base[name]))
+                if segments is not None:
+                    tensors.update(segments)
+                    ranked.append(name)
+                else:
+                    tensors[name] = sent
+                continue
+            if torch.equal((half := values.to(torch.float16)).to(torch.float32), values):
                 # Values float16 holds exactly (every matrix entry the compressed broadcast
                 # wrote, see follow) travel in half the bytes; the client's float32 copy of
                 # them is still bit for bit.
                 values = half
             tensors[name] = SparseTensor(idx, values, tuple(t.shape))
-        return dgc.encode(SparseUpdate(tensors, self.version),
-                          grid_coding=bool(self.grid_exponents)), added
+        data = dgc.encode(SparseUpdate(tensors, self.version),
+                          grid_coding=bool(self.grid_exponents))
+        return Patch(data, added, ranked)
+
+    def _segments(self, name: str, sent: SparseTensor,
+                  base: torch.Tensor) -> dict[str, SparseTensor] | None:
+        """``sent`` as segments of the ranking of ``base`` by displacement from version 0, when
+        they encode smaller than ``sent`` whole."""
+        if not sent.nnz:
+            return None
+        order = context_patch.rank_order(base, self.origin[name])
+        segments = context_patch.split(name, sent, order)
+        if encoded_size(SparseUpdate(segments), grid_coding=True) \
+                >= encoded_size(SparseUpdate({name: sent}), grid_coding=True):
+            return None
+        return segments
 
     def _delta(self, name: str, idx: torch.Tensor, now: torch.Tensor,
                then: torch.Tensor) -> SparseTensor | None:
@@ -336,10 +385,10 @@ class Downlink:
                 continue
             out[versions] = dense
             if self.mode == "auto" and versions:
-                patch = self.patch(versions)
-                if patch is not None and len(patch[0]) < dense.nbytes:
-                    out[versions] = Offer("patch", P.bytes_to_record(patch[0], P.PATCH),
-                                          len(patch[0]), versions, patch[1])
+                patch = self.coded_patch(versions)
+                if patch is not None and len(patch.data) < dense.nbytes:
+                    out[versions] = Offer("patch", P.bytes_to_record(patch.data, P.PATCH),
+                                          len(patch.data), versions, patch.added, patch.context)
         return out
 
     def config(self, offer: Offer, initial_versions: list[int]) -> dict[str, Any]:
@@ -350,6 +399,8 @@ class Downlink:
             cfg[P.BASE_VERSIONS] = list(offer.base_versions)
             if offer.added:
                 cfg[P.PATCH_ADD] = offer.added
+            if offer.context:
+                cfg[P.PATCH_CONTEXT] = offer.context
         if self.initial_on_grid and initial_versions:
             cfg[P.INITIAL_GRID] = True
         return cfg
@@ -372,6 +423,9 @@ class Downlink:
             "ternary_step": None if self.ternary_step is None else [
                 self.ternary_step[0],
                 {n: [i, d] for n, (i, d) in self.ternary_step[1].items()}],
+            # written only with downlink_context, so that other runs' checkpoints stay as they
+            # were (the run-config check refuses a resume that changes the key)
+            **({"downlink_origin": dict(self.origin)} if self.origin else {}),
         }
 
     def check_state(self, state: Mapping[str, Any]) -> None:
@@ -386,6 +440,10 @@ class Downlink:
         if broadcast is not None and written != self.values:
             raise CheckpointError(f"checkpoint was written with downlink_values {written}, the "
                                   f"run has {self.values}: clients hold the other grid")
+        if (self.context and state.get("grid_exponents") and state.get("downlink_deltas")
+                and not state.get("downlink_origin")):
+            raise CheckpointError("the run has downlink_context, its checkpoint holds no "
+                                  "version 0 to rank patches by (written without it)")
         deltas = bool(state.get("downlink_deltas", False))
         if state.get("grid_exponents") and deltas != self.deltas:
             raise CheckpointError(f"checkpoint was written with downlink_deltas {deltas}, the "
@@ -412,3 +470,6 @@ class Downlink:
                            for n, (i, d) in step[1].items()})
         self.version = int(state["model_version"])
         self.changed_at = {k: state["changed_at"][k].to(torch.int32).contiguous() for k in names}
+        origin = state.get("downlink_origin") or {}
+        self.origin = ({k: v.to(torch.float32).contiguous() for k, v in origin.items()}
+                       if self.context else {})

@@ -136,7 +136,8 @@ class DGCStrategy(FedAvg):
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)
         self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
-                                 s.downlink_deltas, s.downlink_deadband, s.downlink_vectors)
+                                 s.downlink_deltas, s.downlink_deadband, s.downlink_vectors,
+                                 s.downlink_context)
         self.downlink_lookahead = s.downlink_lookahead
         self.optimizer = (self.method.optimizer(settings)
                           or ServerOptimizer(s.server_lr, s.server_momentum))
