@@ -78,6 +78,7 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "dgc.residual_after_rounds": 0, "dgc.step_ahead": 0.0,
                "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0,
                "downlink_deadband": 0.5, "downlink_vectors": "float32",
+               "downlink_context": False,
                "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
                "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
                "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
