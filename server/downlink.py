@@ -139,6 +139,12 @@ class Downlink:
         return self.broadcast if self.broadcast is not None else self.model
 
     @property
+    def nonzero(self) -> bool:
+        """Whether patches may grid-code values none of which is zero without a code for zero
+        (value dtype 66, ``nonzero_grid``): with ``downlink_context``, which phones never get."""
+        return bool(self.origin)
+
+    @property
     def initial_on_grid(self) -> bool:
         """Whether version 0 of the broadcast is rounded to the int8 grid (deltas on)."""
         return bool(self.grid_exponents) and self.deltas
@@ -341,7 +347,7 @@ class Downlink:
                 values = half
             tensors[name] = SparseTensor(idx, values, tuple(t.shape))
         data = dgc.encode(SparseUpdate(tensors, self.version),
-                          grid_coding=bool(self.grid_exponents))
+                          grid_coding=bool(self.grid_exponents), nonzero_grid=self.nonzero)
         return Patch(data, added, ranked)
 
     def _segments(self, name: str, sent: SparseTensor,
@@ -352,8 +358,8 @@ class Downlink:
             return None
         order = context_patch.rank_order(base, self.origin[name])
         segments = context_patch.split(name, sent, order)
-        if encoded_size(SparseUpdate(segments), grid_coding=True) \
-                >= encoded_size(SparseUpdate({name: sent}), grid_coding=True):
+        if encoded_size(SparseUpdate(segments), grid_coding=True, nonzero_grid=True) \
+                >= encoded_size(SparseUpdate({name: sent}), grid_coding=True, nonzero_grid=True):
             return None
         return segments
 
@@ -368,9 +374,10 @@ class Downlink:
             return None
         shape = tuple(self.sent_model[name].shape)
         added = SparseTensor(idx[keep], delta[keep], shape)
-        if encoded_size(SparseUpdate({name: added}), grid_coding=True) \
+        if encoded_size(SparseUpdate({name: added}), grid_coding=True,
+                        nonzero_grid=self.nonzero) \
                 >= encoded_size(SparseUpdate({name: SparseTensor(idx, now, shape)}),
-                                grid_coding=True):
+                                grid_coding=True, nonzero_grid=self.nonzero):
             return None
         return added
 

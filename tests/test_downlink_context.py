@@ -70,6 +70,14 @@ def test_a_ranked_patch_rebuilds_the_sent_model_bit_for_bit_on_every_base():
             names = set(dgc.decode(patch.data, max_numel=40000).tensors)
             assert any(n.startswith("w#") for n in names) and "w" not in names
     assert ranked_bases >= d.version // 2
+    # the differences go without a code for zero (value dtype 66), which plain runs never send
+    from dgc.wire.decoder import read_structure
+    codings = {r.value_coding for r in read_structure(memoryview(d.coded_patch((2,)).data),
+                                                      None)[1]}
+    assert dgc.wire.GRID_NONZERO_CODED in codings
+    plain_codings = {r.value_coding for base in range(plain.version)
+                     for r in read_structure(memoryview(plain.patch((base,))[0]), None)[1]}
+    assert dgc.wire.GRID_NONZERO_CODED not in plain_codings
     # a client several versions behind: clearly smaller than the plain patch
     assert len(d.coded_patch((2,)).data) < 0.9 * len(plain.patch((2,))[0])
 

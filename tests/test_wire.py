@@ -446,8 +446,8 @@ REJECTIONS = {
     "grid_scale_subnormal": (grid_message(0x40, f32(2.0 ** -127) + b"\x01\xff"),
                              "is not a power of two"),
     "grid_missing": (grid_message(0x40, f32(0.5) + b"\x01"), "truncated input"),
-    "grid_unknown_id": (grid_message(0x42, f32(0.5) + b"\x01\xff"),
-                        "unknown value dtype id 66"),
+    "grid_unknown_id": (grid_message(0x43, f32(0.5) + b"\x01\xff"),
+                        "unknown value dtype id 67"),
     # Rice-coded grid (value dtype 65): scale, span, Golomb-Rice bytes, then the section.
     "grid_rice_head_missing": (grid_message(0x41, f32(0.5) + b"\x00" * 8),
                                "truncated input"),
@@ -583,6 +583,56 @@ def test_rice_grid_coding_round_trips_and_beats_a_byte_per_value(spread: int) ->
     assert value_bits < {1: 3.5, 5: 5.5, 20: 7.5}[spread]
     assert decode_many([data],
                        max_numel=MAX_NUMEL)[0].tensors["w"].values.tolist() == values.tolist()
+
+
+def test_hand_built_nonzero_grid_message_decodes() -> None:
+    # q = 1, -1, 2, -2 fold (no code for 0) to 0, 1, 2, 3: the gaps of positions 0, 2, 5, 9.
+    nbytes, section = rice_of([0, 2, 5, 9])
+    data = message([tensor_record(b"w", [4, 4], 4, 1, 0x42, raw_u32(1, 3, 9, 10),
+                                  rice_grid(0.25, 10, nbytes, section))], 2)
+    t = decode(data, max_numel=MAX_NUMEL).tensors["w"]
+    assert t.values.dtype == torch.float32 and t.values.tolist() == [0.25, -0.25, 0.5, -0.5]
+    # four values are smaller a byte each (grid-coded 64) than behind a Rice head
+    again = encode(decode(data, max_numel=MAX_NUMEL), "raw", grid_coding=True, nonzero_grid=True)
+    assert tensor_value_dtype(again) == 0x40 and len(again) < len(data)
+    # a folded value of 254 would be q = 128, beyond what the grid writes: refused
+    nbytes, section = rice_of([254])
+    bad = message([tensor_record(b"w", [4, 4], 1, 1, 0x42, raw_u32(1),
+                                 rice_grid(0.25, 255, nbytes, section))], 2)
+    with pytest.raises(DecodeError, match="above 253"):
+        decode(bad, max_numel=MAX_NUMEL)
+
+
+@pytest.mark.parametrize("spread", [1, 5, 20])
+def test_nonzero_grid_coding_is_asked_for_smaller_and_round_trips(spread: int) -> None:
+    """Differences of a catch-up patch (never zero) take fewer bits without a code for zero;
+    written only with nonzero_grid, and never for values with a zero among them."""
+    g = torch.Generator().manual_seed(spread)
+    count = 5000
+    q = (torch.randn(count, generator=g) * spread).round().clamp(-127, 127)
+    q[q == 0] = 1
+    q[0] = 127
+    values = q * 2.0 ** -9 + 0.0
+    indices = torch.randperm(80_000, generator=g)[:count].sort().values
+    update = SparseUpdate({"w": SparseTensor(indices, values, (200, 400))}, 4)
+    folded = encode(update, grid_coding=True, nonzero_grid=True)
+    zigzag = encode(update, grid_coding=True)
+    assert encoded_size(update, grid_coding=True, nonzero_grid=True) == len(folded)
+    assert tensor_value_dtype(folded) == 0x42 and tensor_value_dtype(zigzag) == 0x41
+    assert len(folded) < len(zigzag)
+    assert_same(decode(folded, max_numel=MAX_NUMEL), update)
+    with_zero = values.clone()
+    with_zero[1] = 0.0
+    zero = SparseUpdate({"w": SparseTensor(indices, with_zero, (200, 400))}, 4)
+    assert tensor_value_dtype(encode(zero, grid_coding=True, nonzero_grid=True)) == 0x41
+
+
+def tensor_value_dtype(data: bytes) -> int:
+    """The value dtype byte of a one-tensor message's tensor."""
+    from dgc.wire.decoder import read_structure
+
+    (record,) = read_structure(memoryview(data), None)[1]
+    return record.value_coding
 
 
 def test_sign_coding_leaves_tensors_of_several_magnitudes_plain() -> None:

@@ -19,11 +19,18 @@ from dgc.wire.decoder import (
 from dgc.wire.encoder import encode, encoded_size
 from dgc.wire.index_codings import INDEX_CODINGS, index_bits
 from dgc.wire.layout import EMPTY_MESSAGE_BYTES, MAGIC, VERSION
-from dgc.wire.value_codings import GRID_CODED, GRID_RICE_CODED, SIGN_CODED, VALUE_DTYPE_IDS
+from dgc.wire.value_codings import (
+    GRID_CODED,
+    GRID_NONZERO_CODED,
+    GRID_RICE_CODED,
+    SIGN_CODED,
+    VALUE_DTYPE_IDS,
+)
 
 __all__ = [
     "EMPTY_MESSAGE_BYTES",
     "GRID_CODED",
+    "GRID_NONZERO_CODED",
     "GRID_RICE_CODED",
     "INDEX_CODINGS",
     "MAGIC",

@@ -36,7 +36,7 @@ from dgc.wire.layout import PREAMBLE, TENSOR_TAIL, VERSION, TensorRecord
 from dgc.wire.value_codings import (
     DTYPES_BY_ID,
     GRID_CODINGS,
-    GRID_RICE_CODED,
+    GRID_RICE_CODINGS,
     GRID_RICE_HEAD,
     SIGN_CODED,
     decode_values,
@@ -163,7 +163,7 @@ def _read_record(data: memoryview, pos: int, end: int, k: int, max_numel: int | 
                           f"bytes, got count {count}, numel {numel}, {index_bytes} index bytes")
     dtype = (torch.float32 if value_coding in GRID_CODINGS
              else DTYPES_BY_ID[dtype_id & ~SIGN_CODED])
-    if value_coding == GRID_RICE_CODED:
+    if value_coding in GRID_RICE_CODINGS:
         head = pos + index_bytes
         if head + GRID_RICE_HEAD.size > end:
             raise DecodeError(f"truncated input: tensor {name!r} needs {index_bytes} index bytes "

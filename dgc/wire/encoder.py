@@ -78,7 +78,7 @@ def _check_update(update: SparseUpdate) -> None:
 
 
 def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool = False,
-           grid_coding: bool = False) -> bytes:
+           grid_coding: bool = False, nonzero_grid: bool = False) -> bytes:
     """The wire bytes of ``update``.
 
     Parameters
@@ -99,6 +99,10 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
         when that is smaller still, when that is smaller than plain; the decoded values are the
         same bits. Off by default: decoders that predate it reject such tensors (the Java codec
         reads them).
+    nonzero_grid
+        With ``grid_coding``: a grid tensor none of whose values is zero (a catch-up patch's
+        differences) may go Rice-coded without a code for zero (value dtype 66) when that is
+        smaller. Off by default: the Java codec does not read it (phones never get it).
 
     Raises
     ------
@@ -114,16 +118,18 @@ def encode(update: SparseUpdate, index_coding: str = "auto", sign_coding: bool =
         indices = _check_tensor(name, t)
         coding, rice_b = choose_coding(indices, t.numel, index_coding, name)
         index_section = encode_indices(indices, t.numel, coding, rice_b)
-        dtype_id, value_section = values_section(t.values, sign_coding, grid_coding)
+        dtype_id, value_section = values_section(t.values, sign_coding, grid_coding,
+                                                 nonzero_grid)
         parts += [_tensor_header(name, t, coding, len(index_section), dtype_id), index_section,
                   value_section]
     return seal(parts)
 
 
 def encoded_size(update: SparseUpdate, index_coding: str = "auto",
-                 sign_coding: bool = False, grid_coding: bool = False) -> int:
-    """``len(encode(update, index_coding, sign_coding, grid_coding))``, computed without
-    building the bytes."""
+                 sign_coding: bool = False, grid_coding: bool = False,
+                 nonzero_grid: bool = False) -> int:
+    """``len(encode(update, index_coding, sign_coding, grid_coding, nonzero_grid))``, computed
+    without building the bytes."""
     _check_update(update)
     update = update.cpu()
     total = EMPTY_MESSAGE_BYTES
@@ -133,7 +139,7 @@ def encoded_size(update: SparseUpdate, index_coding: str = "auto",
         index_bytes = 0 if coding == "all" else index_sizes(indices, t.numel)[0][coding]
         if sign_coding and sign_scale(raw_values(t.values)) is not None:
             value_bytes = values_nbytes(t.values.dtype, t.nnz, SIGN_CODED)
-        elif grid_coding and (grid := grid_section(t.values)) is not None:
+        elif grid_coding and (grid := grid_section(t.values, nonzero_grid)) is not None:
             value_bytes = len(grid[1])
         else:
             value_bytes = values_nbytes(t.values.dtype, t.nnz)

@@ -45,5 +45,5 @@ class TensorRecord:
     index_bytes: int
     values_start: int
     value_coding: int = 0  # SIGN_CODED: scale, a sign bit each; GRID_CODED: scale, int8 each;
-    # GRID_RICE_CODED: scale, then the int8s Rice-coded
+    # GRID_RICE_CODED, GRID_NONZERO_CODED: scale, then the int8s Rice-coded
     values_length: int = 0  # bytes of the value section

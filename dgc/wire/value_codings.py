@@ -8,6 +8,9 @@ and 65 (``GRID_CODED``, ``GRID_RICE_CODED``, float32 only) mark a grid-coded ten
 are all ``q * scale`` with ``q`` an int8 and ``scale`` a power of two: its value section is the
 scale (float32 bits) and one signed byte per value (``4 + count`` bytes), or the scale and the
 zigzagged ``q`` as the gaps of a Golomb-Rice section; what a server's int8 broadcast sends.
+Value dtype 66 (``GRID_NONZERO_CODED``) is the Rice-coded grid of values none of which is zero
+(``q`` folded without a code for 0: 1, -1, 2, -2 -> 0, 1, 2, 3): differences of a catch-up patch
+(``downlink_context``), written only when asked (``nonzero_grid``).
 ``docs/wire.md`` section 5 specifies them.
 """
 
@@ -33,7 +36,11 @@ SIGN_CODED = 0x80
 GRID_CODED = 0x40
 #: The same with the int8s Rice-coded, zigzagged, as the gaps of a Golomb-Rice section (5).
 GRID_RICE_CODED = 0x41
-GRID_CODINGS = (GRID_CODED, GRID_RICE_CODED)
+#: The same for values none of which is zero, ``q`` folded without a code for 0 (5).
+GRID_NONZERO_CODED = 0x42
+GRID_CODINGS = (GRID_CODED, GRID_RICE_CODED, GRID_NONZERO_CODED)
+#: The Rice-coded grid sections (scale, span, Rice bytes, then the section).
+GRID_RICE_CODINGS = (GRID_RICE_CODED, GRID_NONZERO_CODED)
 
 #: Head of a Rice-coded grid section: scale, numel of the gap sequence, Golomb-Rice bytes.
 GRID_RICE_HEAD = struct.Struct("<fQQ")
@@ -104,26 +111,39 @@ def _zigzag_positions(q: np.ndarray) -> np.ndarray:
     return np.cumsum(np.where(q64 >= 0, 2 * q64, -2 * q64 - 1) + 1) - 1
 
 
-def grid_section(values: torch.Tensor) -> tuple[int, bytes] | None:
+def _nonzero_positions(q: np.ndarray) -> np.ndarray:
+    """The increasing sequence whose Golomb gaps are the non-zero ``q`` folded (1, -1, 2, -2,
+    ... -> 0, 1, 2, 3, ...)."""
+    q64 = q.astype(np.int64)
+    return np.cumsum(np.where(q64 > 0, 2 * q64 - 2, -2 * q64 - 1) + 1) - 1
+
+
+def grid_section(values: torch.Tensor, nonzero: bool = False) -> tuple[int, bytes] | None:
     """``(value dtype id, section)`` of grid values: the scale then one signed byte each
     (GRID_CODED), or, when smaller, the scale and the zigzagged int8s as the gaps of a
-    Golomb-Rice section (GRID_RICE_CODED); None for values off every power-of-two int8 grid."""
+    Golomb-Rice section (GRID_RICE_CODED), or with ``nonzero``, when no value is zero and that
+    is smaller still, the same with the int8s folded without a code for zero
+    (GRID_NONZERO_CODED); None for values off every power-of-two int8 grid."""
     grid = _grid_values(values)
     if grid is None:
         return None
     scale, q = grid
-    plain = struct.pack("<f", scale) + q.tobytes()
-    positions = _zigzag_positions(q)
-    numel = int(positions[-1]) + 1
-    rice_bytes, b = golomb.golomb_size(positions, numel)
-    if GRID_RICE_HEAD.size + rice_bytes < len(plain):
-        return GRID_RICE_CODED, (GRID_RICE_HEAD.pack(scale, numel, rice_bytes)
-                                 + golomb.golomb_encode(positions, numel, b))
-    return GRID_CODED, plain
+    best = (GRID_CODED, struct.pack("<f", scale) + q.tobytes())
+    candidates = [(GRID_RICE_CODED, _zigzag_positions)]
+    if nonzero and bool(np.all(q != 0)):
+        candidates.append((GRID_NONZERO_CODED, _nonzero_positions))
+    for coding, fold in candidates:
+        positions = fold(q)
+        numel = int(positions[-1]) + 1
+        rice_bytes, b = golomb.golomb_size(positions, numel)
+        if GRID_RICE_HEAD.size + rice_bytes < len(best[1]):
+            best = (coding, GRID_RICE_HEAD.pack(scale, numel, rice_bytes)
+                    + golomb.golomb_encode(positions, numel, b))
+    return best
 
 
 def values_section(values: torch.Tensor, sign_coding: bool,
-                    grid_coding: bool = False) -> tuple[int, bytes]:
+                    grid_coding: bool = False, nonzero_grid: bool = False) -> tuple[int, bytes]:
     """(value dtype id, value section) of one tensor: sign- or grid-coded when asked and
     possible (sign coding first: it is the smaller)."""
     raw = raw_values(values)
@@ -133,7 +153,7 @@ def values_section(values: torch.Tensor, sign_coding: bool,
         signs = np.packbits((raw >> (8 * raw.dtype.itemsize - 1)).astype(np.uint8),
                             bitorder="little")
         return dtype_id | SIGN_CODED, np.array(scale, dtype=raw.dtype).tobytes() + signs.tobytes()
-    grid = grid_section(values) if grid_coding else None
+    grid = grid_section(values, nonzero_grid) if grid_coding else None
     if grid is not None:
         return grid
     return dtype_id, raw.tobytes()
@@ -195,6 +215,12 @@ def _decode_grid(data: memoryview, r: TensorRecord) -> torch.Tensor:
     if (int(positions[-1]) + 1 if r.count else 0) != numel or (r.count and int(z.max()) > 255):
         raise DecodeError(f"tensor {r.name!r}: grid-coded values (Rice) are not canonical: a "
                           f"span other than the gaps' or a value beyond int8")
+    if r.value_coding == GRID_NONZERO_CODED:
+        if r.count and int(z.max()) > 253:
+            raise DecodeError(f"tensor {r.name!r}: grid-coded non-zero values (Rice) hold a "
+                              f"folded value {int(z.max())} above 253 (|q| <= 127)")
+        q = np.where(z & 1, -(z >> 1) - 1, (z >> 1) + 1)  # un-fold: 0, 1, 2 -> 1, -1, 2
+        return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
     q = (z >> 1) ^ -(z & 1)  # un-zigzag
     return torch.from_numpy(q.astype(np.float32) * np.float32(scale))
 
