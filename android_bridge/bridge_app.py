@@ -47,6 +47,16 @@ def device_for(context: Context, devices: Mapping[int, str] | None) -> str:
     return devices[key]
 
 
+def check_plain_patch(config: Mapping[str, object]) -> None:
+    """BridgeError when a train message's patch is ranked by displacement (``patch_context``):
+    the phones' codec applies plain patches only (``check_phone_run`` refuses
+    ``downlink_context`` where it sees the server's config; a bridge meets it here)."""
+    if config.get(P.PATCH_CONTEXT):
+        raise BridgeError(f"{P.PATCH_CONTEXT}: the server sends patches ranked by displacement "
+                          f"(downlink_context=true), which phones do not apply; leave "
+                          f"downlink_context at its default in a run with phones")
+
+
 def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, str] | None = None,
                     timeout_s: float = 120.0,
                     held: MutableMapping[str, ClientState] | None = None) -> ClientApp:
@@ -93,13 +103,7 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                 client_module.task_of(s.task_spec(), allowed), s.seed))
             return dict(initial)
 
-        if config.get(P.PATCH_CONTEXT):
-            # The phones' codec applies plain patches only (check_phone_run refuses the key
-            # where it sees the server's config; here is where a bridge meets it).
-            raise BridgeError(f"{P.PATCH_CONTEXT}: the server sends patches ranked by "
-                              f"displacement (downlink_context=true), which phones do not "
-                              f"apply; leave downlink_context at its default in a run with "
-                              f"phones")
+        check_plain_patch(config)
         global_state = client_module.global_model(msg.content, config, record,
                                                   initial=version_0)
         patch = base = None

@@ -192,6 +192,16 @@ def test_the_key_is_validated_and_refused_on_phones():
     with pytest.raises(ConfigError, match="downlink_context"):
         check_phone_run(on.train, on.server)
     check_phone_run(RunConfig().train, RunConfig().server)
+    # a bridge that meets a ranked patch anyway fails the round, naming it
+    from android_bridge.bridge import BridgeError
+    from android_bridge.bridge_app import check_plain_patch
+
+    d, _ = _run(True, versions=4)
+    cfg = d.config(d.offers([(1,)])[(1,)], [])
+    with pytest.raises(BridgeError, match="patch_context.*downlink_context"):
+        check_plain_patch(ConfigRecord(cfg))
+    plain, _ = _run(False, versions=4)
+    check_plain_patch(ConfigRecord(plain.config(plain.offers([(1,)])[(1,)], [])))
 
 
 def test_segments_split_and_join_back_on_any_ranking():
