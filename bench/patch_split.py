@@ -8,8 +8,8 @@ are the final ones, so that ages past the last version only are exact for them),
 age ``a`` the patch on version ``v - a`` is built twice with the product's encoder
 (``server.downlink.Downlink.coded_patch``): plain, split per tensor into index bytes (with
 the index coding chosen) and value bytes (with the value coding, and ``delta`` where the
-values are differences), and ranked by displacement (``downlink_context``), whose result is
-checked to rebuild the grid tensors bit for bit.
+values are differences), and with ``downlink_context`` (ranked indices, non-zero value
+coding), whose result is checked to rebuild the grid tensors bit for bit.
 
 Run: ``python bench/patch_split.py RUN_FOLDER [VERSION...]`` (default: 100, 150 and the last).
 """
