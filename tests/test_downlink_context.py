@@ -220,20 +220,24 @@ def test_segments_split_and_join_back_on_any_ranking():
 
 # ----------------------------------------------------------------- a federation
 def test_a_federation_with_ranked_patches_learns_the_same_model_in_fewer_bytes(tmp_path):
-    """The same run with and without downlink_context: every round's accuracy is the same (the
-    clients hold the same bits), the downlink is smaller, and no reply is rejected."""
+    """The same run with and without downlink_context: every round's accuracy and the final
+    model are the same (the clients hold the same bits), the downlink is smaller, and no reply
+    is rejected; the ranked run stops after 5 rounds and resumes from its checkpoint (which
+    keeps version 0) to 8."""
     from simulations.api import run
 
-    results = {}
-    for context in (False, True):
-        results[context] = run(
-            config={"task": "digits", "num_clients": 12, "clients_per_round": 3, "rounds": 8,
-                    "results_dir": str(tmp_path), "run_name": f"ctx{int(context)}",
-                    "progress": False},
-            sim__engine="local", downlink_context=context, downlink_deadband=1.0,
-            downlink_vectors="float16")
-    off, on = results[False], results[True]
+    keys = {"task": "digits", "num_clients": 12, "clients_per_round": 3,
+            "results_dir": str(tmp_path), "progress": False, "checkpoint": True}
+    switches = {"sim__engine": "local", "downlink_deadband": 1.0,
+                "downlink_vectors": "float16"}
+    off = run(config={**keys, "rounds": 8, "run_name": "off"}, downlink_context=False,
+              **switches)
+    run(config={**keys, "rounds": 5, "run_name": "on"}, downlink_context=True, **switches)
+    on = run(config={**keys, "rounds": 8, "run_name": "on", "resume": True},
+             downlink_context=True, **switches)
     assert [r["accuracy"] for r in on.rounds] == [r["accuracy"] for r in off.rounds]
+    a, b = torch.load(off.folder / "model.pt"), torch.load(on.folder / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
     assert on.summary["clients_rejected"] == 0 and on.summary["clients_failed"] == 0
     assert on.summary["downlink_bytes"] < off.summary["downlink_bytes"]
     assert on.summary["uplink_bytes"] == off.summary["uplink_bytes"]
