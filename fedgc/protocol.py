@@ -20,6 +20,8 @@ digest, and patch application. A train message carries
   instead of adding keeps the client's copy bit-identical to the server's. The exception is a
   patch on one base version with ``patch_add``: for the tensors it names the values are
   differences to *add* (int8-grid broadcasts, where the server checked that the sums are exact).
+  With ``patch_context`` (``downlink_context``), the tensors it names travel as segments
+  ``NAME#j`` of their entries ranked by displacement from version 0 (:mod:`fedgc.context_patch`).
 
 A DGC train message may also carry ``shared`` (ArrayRecord with one byte Array
 ``shared_mask``: the round's shared index sets, ``dgc.signs.codec.encode_mask``). The client then
