@@ -87,6 +87,9 @@ DOWNLINK_VALUES = ("float16", "int8", "ternary")
 SHARED_VALUES = ("sign", "grid")
 #: How the server ranks the shared indices (dgc.signs.planner).
 SHARED_RANKS = ("aggregates", "displacement")
+#: What a dgc client compresses (fedgc.methods.feedback): its residual plus its pseudo-gradient
+#: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both.
+FEEDBACKS = ("residual", "aggregate", "aggregate+residual")
 #: Simulation engines: Flower's Ray backend, every client in this process one after another, or
 #: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
 ENGINES = ("ray", "local", "batched")
@@ -329,6 +332,13 @@ class TrainSettings:
                                 "(SA-PEF, dgc): local training starts from the model minus "
                                 "this fraction of the client's residual, which leaves the "
                                 "residual; 0 = plain error feedback", Check(0.0, 1.0))
+    feedback: str = setting("residual", "dgc.feedback", "what a dgc client compresses: "
+                            "residual (its pseudo-gradient plus its residual, DGC's error "
+                            "feedback), aggregate (its pseudo-gradient less the reference: how "
+                            "the model it was sent moved per version since it last trained, "
+                            "which the server adds back; no residual kept, CAFe) or "
+                            "aggregate+residual (the difference, with a residual)",
+                            Check(choices=FEEDBACKS))
     min_sparse_numel: int = setting(512, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and 1-D ones unless dgc.sparse_vectors) are sent dense; "
                                     "512 (DGCConfig's 1024 sent the LSTM's embedding dense; 256 "
@@ -380,6 +390,10 @@ class TrainSettings:
                                 "or local_steps >= 1")
         for key in OPTION_KEYS:
             options_of(key, getattr(self, key))
+        if self.feedback == "aggregate" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
+            raise SettingsError("dgc.feedback = aggregate keeps no residual, which "
+                                "dgc.residual_decay and dgc.step_ahead act on: leave them at 1 "
+                                "and 0, or use dgc.feedback = aggregate+residual")
         if self.task not in TASKS:
             shipped_only = [k for k in ("model", "model_options", "data_dir") if getattr(self, k)]
             if shipped_only:
@@ -445,6 +459,15 @@ class ServerSettings:
                                   "members swapped for the strongest newcomers (GlueFL's "
                                   "bounded mask shift; dgc.shared_rank = aggregates); 1 = "
                                   "unbounded", Check(0.0, 1.0))
+    feedback_scale: float = setting(0.0, "dgc.feedback_scale", "with dgc.feedback = aggregate: "
+                                    "the reference is the sent model's movement per version "
+                                    "times this; 0 = (1 - server_momentum) / server_lr, the mean "
+                                    "pseudo-gradient that movement stands for",
+                                    Check(0.0, 100.0))
+    feedback_history: int = setting(50, "dgc.feedback_history", "with dgc.feedback = "
+                                    "aggregate: the sent models the server keeps (one a "
+                                    "version); a client last sent an older one compresses "
+                                    "without a reference", Check(1, 100_000))
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
                           "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
                           "(mean, no cap, no clip); on = for clients that are not trusted "
@@ -634,6 +657,10 @@ class RunConfig:
         if outside:
             raise SettingsError(f"attack.clients names client keys {outside[:5]} outside [0, "
                                 f"{t.num_clients}) (num_clients = {t.num_clients})")
+        if t.feedback != "residual" and self.server.downlink == "dense":
+            raise SettingsError(f"dgc.feedback = {t.feedback} needs downlink = auto: its "
+                                f"reference is how the model a client keeps moved, and with "
+                                f"downlink = dense clients keep none")
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
