@@ -26,7 +26,7 @@ Wire (framed as every fedgc payload, :mod:`dgc.wire.framing`; ``docs/wire.md``):
 
     material = "FGCF" | version u8 = 1 | sequence u32 | model version u32 | oldest kept u32
                | scale f32 | the sets' material (dgc.signs.codec) or nothing | crc32 u32
-    side     = "FGCR" | version u8 = 1 | sequence u32 | base version i32 (-1: none)
+    side     = "FGCA" | version u8 = 1 | sequence u32 | base version i32 (-1: none)
                | the sets' side part (signs or grid values) or nothing | crc32 u32
 """
 
@@ -51,7 +51,7 @@ __all__ = ["FeedbackChannel", "FeedbackMaterial", "decode_material", "decode_sid
 
 MATERIAL_PREAMBLE = Preamble(b"FGCF", 1, "IIIf")
 MATERIAL_MAGIC = MATERIAL_PREAMBLE.magic
-SIDE_PREAMBLE = Preamble(b"FGCR", 1, "Ii")
+SIDE_PREAMBLE = Preamble(b"FGCA", 1, "Ii")
 SIDE_MAGIC = SIDE_PREAMBLE.magic
 MAX_U32 = (1 << 32) - 1
 
