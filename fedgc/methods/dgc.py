@@ -4,7 +4,9 @@ Clients compress ``global - local`` with DGC's top-k, residual (error feedback) 
 momentum correction (``dgc.*`` keys; two densities, ``dgc.small_density`` for small tensors) and
 send the residual at the round's shared index sets as scaled signs (the sign channel,
 :mod:`dgc.signs`, ``dgc.shared_density``); the server applies its momentum to the aggregate
-(``server_momentum``, 0.5 for this method) and broadcasts per ``downlink_density``.
+(``server_momentum``, 0.5 for this method) and broadcasts per ``downlink_density``. With
+``dgc.feedback = aggregate`` a client compresses its pseudo-gradient less a reference both ends
+derive from the sent models, which the server adds back (:mod:`fedgc.methods.feedback`).
 """
 
 from __future__ import annotations
