@@ -286,15 +286,15 @@ class DGC(Method):
     # -- the client's start (aged residuals, step-ahead)
     def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
                 rounds_away: int) -> dict[str, torch.Tensor]:
-        # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
-        # a model many rounds old is scaled down by dgc.residual_decay per round beyond
-        # dgc.residual_after_rounds.
         if train.feedback == "aggregate":
             # Aggregate feedback without a residual (CAFe): what the top-k leaves of
             # pseudo-gradient - reference is the reference's at the server; the residual (and
             # the velocity of momentum correction) starts every round empty.
             compressor.scale_state(0.0)
             return model
+        # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
+        # a model many rounds old is scaled down by dgc.residual_decay per round beyond
+        # dgc.residual_after_rounds.
         over = rounds_away - train.residual_after_rounds
         if train.residual_decay < 1.0 and over > 0:
             compressor.scale_state(train.residual_decay ** over)
