@@ -304,23 +304,26 @@ class TrainSettings:
     ternary: bool = setting(False, "dgc.ternary", "send sparsified tensors' entries as "
                             "sign * mean magnitude, one bit each on the wire (sparse ternary "
                             "compression; not for phones)")
-    shared_values: str = setting("sign", "dgc.shared_values", "what a dgc client sends at "
-                                 "the shared indices: sign (one bit each, times the mean "
-                                 "magnitude) or grid (values on a power-of-two grid with "
-                                 "dgc.shared_levels steps to the mean magnitude, Rice-coded)",
-                                 Check(choices=SHARED_VALUES))
-    shared_levels: float = setting(1.0, "dgc.shared_levels", "with dgc.shared_values = grid: "
-                                   "the mean magnitude at the shared indices in grid steps (the "
-                                   "step is the power of two nearest mean / levels); larger is "
-                                   "finer and costs more bits", Check(0.0, 128.0, low_open=True))
-    shared_first: bool = setting(False, "dgc.shared_first", "dgc: take the shared sets "
-                                 "before the top-k, so that the top-k sends what the sets miss "
-                                 "(GlueFL's order) instead of entries the sets carry anyway")
-    value_levels: float = setting(0.0, "dgc.value_levels", "dgc: send each tensor's values on "
-                                  "a power-of-two grid whose step is the power of two nearest "
-                                  "mean(|values|) / value_levels, Rice-coded; the rounding stays "
-                                  "in the residual; 0 = the values in dgc.value_dtype",
-                                  Check(0.0, 128.0))
+    # The issue-30 switches below take the method's default when left empty (dgc_sets sets them).
+    shared_values: str | None = setting(
+        None, "dgc.shared_values", "what a dgc client sends at the shared indices: sign (one "
+        "bit each, times the mean magnitude) or grid (values on a power-of-two grid with "
+        "dgc.shared_levels steps to the mean magnitude, Rice-coded); empty = the method's "
+        "default", Check(choices=SHARED_VALUES), fallback="sign")
+    shared_levels: float | None = setting(
+        None, "dgc.shared_levels", "with dgc.shared_values = grid: the mean magnitude at the "
+        "shared indices in grid steps (the step is the power of two nearest mean / levels); "
+        "larger is finer and costs more bits; empty = the method's default",
+        Check(0.0, 128.0, low_open=True), fallback=1.0)
+    shared_first: bool | None = setting(
+        None, "dgc.shared_first", "dgc: take the shared sets before the top-k, so that the "
+        "top-k sends what the sets miss (GlueFL's order) instead of entries the sets carry "
+        "anyway; empty = the method's default", fallback=False)
+    value_levels: float | None = setting(
+        None, "dgc.value_levels", "dgc: send each tensor's values on a power-of-two grid whose "
+        "step is the power of two nearest mean(|values|) / value_levels, Rice-coded; the "
+        "rounding stays in the residual; 0 = the values in dgc.value_dtype; empty = the "
+        "method's default", Check(0.0, 128.0), fallback=0.0)
     residual_decay: float = setting(1.0, "dgc.residual_decay", "aged residuals (dgc): a client's "
                                     "residual is scaled by this per round it was away beyond "
                                     "dgc.residual_after_rounds (CSER, Fed-EF); 1 = keep it all, "
@@ -448,12 +451,12 @@ class ServerSettings:
     shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
                                      "of aggregates by which the server ranks shared indices",
                                      Check(0.0, 1.0, high_open=True))
-    shared_rank: str = setting("aggregates", "dgc.shared_rank", "how the server ranks shared "
-                               "indices: aggregates (a moving average of the applied "
-                               "aggregates, dgc.shared_momentum; the sets travel with the "
-                               "model) or displacement (how far the model clients hold has "
-                               "moved from version 0, which clients compute themselves: no "
-                               "index bytes)", Check(choices=SHARED_RANKS))
+    shared_rank: str | None = setting(
+        None, "dgc.shared_rank", "how the server ranks shared indices: aggregates (a moving "
+        "average of the applied aggregates, dgc.shared_momentum; the sets travel with the "
+        "model) or displacement (how far the model clients hold has moved from version 0, "
+        "which clients compute themselves: no index bytes); empty = the method's default",
+        Check(choices=SHARED_RANKS), fallback="aggregates")
     shared_churn: float = setting(1.0, "dgc.shared_churn", "the most of each shared index set "
                                   "that may change from one round to the next, the weakest "
                                   "members swapped for the strongest newcomers (GlueFL's "
@@ -528,18 +531,17 @@ class ServerSettings:
                                     "0 is broadcast on the grid too, and a patch on the one "
                                     "version a client is known to hold carries differences "
                                     "(which the client adds) where those encode smaller")
-    downlink_deadband: float = setting(0.5, "downlink_deadband", "with downlink_values int8: "
-                                       "an entry of the broadcast moves only when the global "
-                                       "model is more than this many grid steps from it "
-                                       "(hysteresis: fewer entries change per round); 0.5 = "
-                                       "whenever it rounds to another grid point",
-                                       Check(0.5, 127.0))
-    downlink_vectors: str = setting("float32", "downlink_vectors", "with downlink_density < "
-                                    "1: the broadcast's one-dimensional tensors (biases) are "
-                                    "copied whole every round, exactly (float32) or rounded to "
-                                    "float16 (the rounding stays in the difference, and an "
-                                    "entry whose float16 value did not move is not sent)",
-                                    Check(choices=("float32", "float16")))
+    downlink_deadband: float | None = setting(
+        None, "downlink_deadband", "with downlink_values int8: an entry of the broadcast moves "
+        "only when the global model is more than this many grid steps from it (hysteresis: "
+        "fewer entries change per round); 0.5 = whenever it rounds to another grid point; "
+        "empty = the method's default", Check(0.5, 127.0), fallback=0.5)
+    downlink_vectors: str | None = setting(
+        None, "downlink_vectors", "with downlink_density < 1: the broadcast's one-dimensional "
+        "tensors (biases) are copied whole every round, exactly (float32) or rounded to "
+        "float16 (the rounding stays in the difference, and an entry whose float16 value did "
+        "not move is not sent); empty = the method's default",
+        Check(choices=("float32", "float16")), fallback="float32")
     downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
                                         "and server momentum: the broadcast follows the global "
                                         "model minus this fraction of the step the momentum "

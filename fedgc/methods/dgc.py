@@ -48,7 +48,7 @@ from fedgc.methods.feedback import (
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 
-__all__ = ["DGC", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
+__all__ = ["DGC", "DGCSets", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
            "dgc_config", "layer_config", "small_split", "split_compressor"]
 
 
@@ -425,3 +425,35 @@ class DGC(Method):
 
 
 register(DGC())
+
+
+class DGCSets(DGC):
+    """``dgc_sets``: DGC whose clients send values on sets the server and clients rank alike.
+
+    The best combination of issue 30's switches (docs/dgc_vs_dense.md, "cA"): the shared sets
+    are ranked by the model's displacement from version 0 (no indices travel), carry each
+    client's residual as values on a power-of-two grid (half a step per mean magnitude) before
+    the top-k takes what they miss, the top-k's values go on a 4-level grid, and the broadcast
+    moves an entry only a whole grid step away, its biases in float16. Phones do not run it
+    (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
+    """
+
+    name = "dgc_sets"
+    order = 41
+    compared = False
+    phone = False
+    description = ("DGC's top-k of the residual on a 4-level grid after the residual at shared "
+                   "sets clients rank themselves (the model's displacement), sent as grid "
+                   "values (`dgc.*` as dgc)")
+    defaults = {**DGC.defaults, "dgc.shared_rank": "displacement", "dgc.shared_values": "grid",
+                "dgc.shared_levels": 0.5, "dgc.shared_first": True, "dgc.value_levels": 4.0,
+                "downlink_deadband": 1.0, "downlink_vectors": "float16"}
+
+    def phone_config(self, train: Any) -> DGCConfig | None:
+        return None  # phones' encoder is plain dgc's (android_bridge.export.check_phone_run)
+
+    def phone_small(self, train: Any) -> tuple[float, int] | None:
+        return None
+
+
+register(DGCSets())
