@@ -471,9 +471,11 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
                                 initial=lambda: initial_model(task, s.seed))
     material = round_material(msg.content, global_state, method)
     if material is not None:
+        held = (None if state.model is None or state.model_version is None
+                else (int(state.model_version), state.model))
         try:
             material = method.hold_material(*material, global_state,
-                                            lambda: initial_model(task, s.seed))
+                                            lambda: initial_model(task, s.seed), held=held)
         except (ValueError, dgc.StateError) as ex:
             raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
 

@@ -87,6 +87,9 @@ DOWNLINK_VALUES = ("float16", "int8", "ternary")
 SHARED_VALUES = ("sign", "grid")
 #: How the server ranks the shared indices (dgc.signs.planner).
 SHARED_RANKS = ("aggregates", "displacement")
+#: What a dgc client compresses (fedgc.methods.feedback): its residual plus its pseudo-gradient
+#: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both.
+FEEDBACKS = ("residual", "aggregate", "aggregate+residual")
 #: Simulation engines: Flower's Ray backend, every client in this process one after another, or
 #: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
 ENGINES = ("ray", "local", "batched")
@@ -301,23 +304,26 @@ class TrainSettings:
     ternary: bool = setting(False, "dgc.ternary", "send sparsified tensors' entries as "
                             "sign * mean magnitude, one bit each on the wire (sparse ternary "
                             "compression; not for phones)")
-    shared_values: str = setting("sign", "dgc.shared_values", "what a dgc client sends at "
-                                 "the shared indices: sign (one bit each, times the mean "
-                                 "magnitude) or grid (values on a power-of-two grid with "
-                                 "dgc.shared_levels steps to the mean magnitude, Rice-coded)",
-                                 Check(choices=SHARED_VALUES))
-    shared_levels: float = setting(1.0, "dgc.shared_levels", "with dgc.shared_values = grid: "
-                                   "the mean magnitude at the shared indices in grid steps (the "
-                                   "step is the power of two nearest mean / levels); larger is "
-                                   "finer and costs more bits", Check(0.0, 128.0, low_open=True))
-    shared_first: bool = setting(False, "dgc.shared_first", "dgc: take the shared sets "
-                                 "before the top-k, so that the top-k sends what the sets miss "
-                                 "(GlueFL's order) instead of entries the sets carry anyway")
-    value_levels: float = setting(0.0, "dgc.value_levels", "dgc: send each tensor's values on "
-                                  "a power-of-two grid whose step is the power of two nearest "
-                                  "mean(|values|) / value_levels, Rice-coded; the rounding stays "
-                                  "in the residual; 0 = the values in dgc.value_dtype",
-                                  Check(0.0, 128.0))
+    # The issue-30 switches below take the method's default when left empty (dgc_sets sets them).
+    shared_values: str | None = setting(
+        None, "dgc.shared_values", "what a dgc client sends at the shared indices: sign (one "
+        "bit each, times the mean magnitude) or grid (values on a power-of-two grid with "
+        "dgc.shared_levels steps to the mean magnitude, Rice-coded); empty = the method's "
+        "default", Check(choices=SHARED_VALUES), fallback="sign")
+    shared_levels: float | None = setting(
+        None, "dgc.shared_levels", "with dgc.shared_values = grid: the mean magnitude at the "
+        "shared indices in grid steps (the step is the power of two nearest mean / levels); "
+        "larger is finer and costs more bits; empty = the method's default",
+        Check(0.0, 128.0, low_open=True), fallback=1.0)
+    shared_first: bool | None = setting(
+        None, "dgc.shared_first", "dgc: take the shared sets before the top-k, so that the "
+        "top-k sends what the sets miss (GlueFL's order) instead of entries the sets carry "
+        "anyway; empty = the method's default", fallback=False)
+    value_levels: float | None = setting(
+        None, "dgc.value_levels", "dgc: send each tensor's values on a power-of-two grid whose "
+        "step is the power of two nearest mean(|values|) / value_levels, Rice-coded; the "
+        "rounding stays in the residual; 0 = the values in dgc.value_dtype; empty = the "
+        "method's default", Check(0.0, 128.0), fallback=0.0)
     residual_decay: float = setting(1.0, "dgc.residual_decay", "aged residuals (dgc): a client's "
                                     "residual is scaled by this per round it was away beyond "
                                     "dgc.residual_after_rounds (CSER, Fed-EF); 1 = keep it all, "
@@ -329,6 +335,13 @@ class TrainSettings:
                                 "(SA-PEF, dgc): local training starts from the model minus "
                                 "this fraction of the client's residual, which leaves the "
                                 "residual; 0 = plain error feedback", Check(0.0, 1.0))
+    feedback: str = setting("residual", "dgc.feedback", "what a dgc client compresses: "
+                            "residual (its pseudo-gradient plus its residual, DGC's error "
+                            "feedback), aggregate (its pseudo-gradient less the reference: how "
+                            "the model it was sent moved per version since it last trained, "
+                            "which the server adds back; no residual kept, CAFe) or "
+                            "aggregate+residual (the difference, with a residual)",
+                            Check(choices=FEEDBACKS))
     min_sparse_numel: int = setting(512, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and 1-D ones unless dgc.sparse_vectors) are sent dense; "
                                     "512 (DGCConfig's 1024 sent the LSTM's embedding dense; 256 "
@@ -380,6 +393,10 @@ class TrainSettings:
                                 "or local_steps >= 1")
         for key in OPTION_KEYS:
             options_of(key, getattr(self, key))
+        if self.feedback == "aggregate" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
+            raise SettingsError("dgc.feedback = aggregate keeps no residual, which "
+                                "dgc.residual_decay and dgc.step_ahead act on: leave them at 1 "
+                                "and 0, or use dgc.feedback = aggregate+residual")
         if self.task not in TASKS:
             shipped_only = [k for k in ("model", "model_options", "data_dir") if getattr(self, k)]
             if shipped_only:
@@ -434,17 +451,26 @@ class ServerSettings:
     shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
                                      "of aggregates by which the server ranks shared indices",
                                      Check(0.0, 1.0, high_open=True))
-    shared_rank: str = setting("aggregates", "dgc.shared_rank", "how the server ranks shared "
-                               "indices: aggregates (a moving average of the applied "
-                               "aggregates, dgc.shared_momentum; the sets travel with the "
-                               "model) or displacement (how far the model clients hold has "
-                               "moved from version 0, which clients compute themselves: no "
-                               "index bytes)", Check(choices=SHARED_RANKS))
+    shared_rank: str | None = setting(
+        None, "dgc.shared_rank", "how the server ranks shared indices: aggregates (a moving "
+        "average of the applied aggregates, dgc.shared_momentum; the sets travel with the "
+        "model) or displacement (how far the model clients hold has moved from version 0, "
+        "which clients compute themselves: no index bytes); empty = the method's default",
+        Check(choices=SHARED_RANKS), fallback="aggregates")
     shared_churn: float = setting(1.0, "dgc.shared_churn", "the most of each shared index set "
                                   "that may change from one round to the next, the weakest "
                                   "members swapped for the strongest newcomers (GlueFL's "
                                   "bounded mask shift; dgc.shared_rank = aggregates); 1 = "
                                   "unbounded", Check(0.0, 1.0))
+    feedback_scale: float = setting(0.0, "dgc.feedback_scale", "with dgc.feedback = aggregate: "
+                                    "the reference is the sent model's movement per version "
+                                    "times this; 0 = (1 - server_momentum) / server_lr, the mean "
+                                    "pseudo-gradient that movement stands for",
+                                    Check(0.0, 100.0))
+    feedback_history: int = setting(50, "dgc.feedback_history", "with dgc.feedback = "
+                                    "aggregate: the sent models the server keeps (one a "
+                                    "version); a client last sent an older one compresses "
+                                    "without a reference", Check(1, 100_000))
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
                           "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
                           "(mean, no cap, no clip); on = for clients that are not trusted "
@@ -505,18 +531,17 @@ class ServerSettings:
                                     "0 is broadcast on the grid too, and a patch on the one "
                                     "version a client is known to hold carries differences "
                                     "(which the client adds) where those encode smaller")
-    downlink_deadband: float = setting(0.5, "downlink_deadband", "with downlink_values int8: "
-                                       "an entry of the broadcast moves only when the global "
-                                       "model is more than this many grid steps from it "
-                                       "(hysteresis: fewer entries change per round); 0.5 = "
-                                       "whenever it rounds to another grid point",
-                                       Check(0.5, 127.0))
-    downlink_vectors: str = setting("float32", "downlink_vectors", "with downlink_density < "
-                                    "1: the broadcast's one-dimensional tensors (biases) are "
-                                    "copied whole every round, exactly (float32) or rounded to "
-                                    "float16 (the rounding stays in the difference, and an "
-                                    "entry whose float16 value did not move is not sent)",
-                                    Check(choices=("float32", "float16")))
+    downlink_deadband: float | None = setting(
+        None, "downlink_deadband", "with downlink_values int8: an entry of the broadcast moves "
+        "only when the global model is more than this many grid steps from it (hysteresis: "
+        "fewer entries change per round); 0.5 = whenever it rounds to another grid point; "
+        "empty = the method's default", Check(0.5, 127.0), fallback=0.5)
+    downlink_vectors: str | None = setting(
+        None, "downlink_vectors", "with downlink_density < 1: the broadcast's one-dimensional "
+        "tensors (biases) are copied whole every round, exactly (float32) or rounded to "
+        "float16 (the rounding stays in the difference, and an entry whose float16 value did "
+        "not move is not sent); empty = the method's default",
+        Check(choices=("float32", "float16")), fallback="float32")
     downlink_context: bool = setting(False, "downlink_context", "with downlink_values int8 and "
                                      "downlink_deltas: a patch on the one version a client "
                                      "holds sends a matrix's changed entries per segment of "
@@ -642,6 +667,10 @@ class RunConfig:
         if outside:
             raise SettingsError(f"attack.clients names client keys {outside[:5]} outside [0, "
                                 f"{t.num_clients}) (num_clients = {t.num_clients})")
+        if t.feedback != "residual" and self.server.downlink == "dense":
+            raise SettingsError(f"dgc.feedback = {t.feedback} needs downlink = auto: its "
+                                f"reference is how the model a client keeps moved, and with "
+                                f"downlink = dense clients keep none")
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")

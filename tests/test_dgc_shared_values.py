@@ -397,6 +397,45 @@ def test_a_federation_with_every_switch_aggregates_every_reply(tmp_path):
     assert result.summary["final_accuracy"] > 0.5
 
 
+CA_SWITCHES = {"dgc__shared_rank": "displacement", "dgc__shared_values": "grid",
+               "dgc__shared_levels": 0.5, "dgc__shared_first": True, "dgc__value_levels": 4.0,
+               "downlink_deadband": 1.0, "downlink_vectors": "float16"}
+
+
+def test_dgc_sets_is_dgc_with_its_switches_and_a_key_set_by_hand_wins(tmp_path):
+    """``method = dgc_sets`` runs bit for bit as ``dgc`` with the seven switches written out
+    (same accuracy and bytes every round), and a switch the user sets overrides its default."""
+    from simulations.api import run
+
+    base = {"task": "digits", "num_clients": 10, "clients_per_round": 5, "rounds": 4,
+            "results_dir": str(tmp_path), "progress": False}
+    preset = run(config={**base, "run_name": "preset", "method": "dgc_sets"},
+                 sim__engine="local")
+    spelt = run(config={**base, "run_name": "spelt", "method": "dgc"}, sim__engine="local",
+                **CA_SWITCHES)
+    plain = run(config={**base, "run_name": "plain", "method": "dgc"}, sim__engine="local")
+    cols = ("accuracy", "uplink_bytes", "downlink_bytes")
+    assert [[r[c] for c in cols] for r in preset.rounds] \
+        == [[r[c] for c in cols] for r in spelt.rounds]
+    assert [r["uplink_bytes"] for r in preset.rounds] != [r["uplink_bytes"] for r in plain.rounds]
+    signs = run(config={**base, "run_name": "signs", "method": "dgc_sets"}, sim__engine="local",
+                dgc__shared_values="sign")
+    spelt_signs = run(config={**base, "run_name": "spelt-signs", "method": "dgc"},
+                      sim__engine="local", **{**CA_SWITCHES, "dgc__shared_values": "sign"})
+    assert [r["uplink_bytes"] for r in signs.rounds] \
+        == [r["uplink_bytes"] for r in spelt_signs.rounds]
+
+
+def test_phones_refuse_dgc_sets_naming_the_methods_they_serve():
+    from android_bridge.export import ConfigError, check_phone_run
+    from fedgc.settings import RunConfig
+
+    config = RunConfig.from_flat({"task": "digits", "method": "dgc_sets"})
+    with pytest.raises(ConfigError, match="'dgc_sets' is not served by phones.*'dgc'"):
+        check_phone_run(config.train, config.server)
+    assert (config.train.value_levels, config.server.downlink_vectors) == (4.0, "float16")
+
+
 # ----------------------------------------------------------------- reading results
 def test_traffic_area_is_accuracy_over_log_bytes_from_a_common_floor():
     curves = {"a": [(10, 0.5), (100, 0.8), (1000, 0.9)], "b": [(100, 0.7), (10_000, 0.95)]}

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 from fedgc import methods
-from fedgc.settings import RunConfig
+from fedgc.schema import per_method_keys
+from fedgc.settings import RunConfig, ServerSettings, TrainSettings
 from simulations.cli import main, methods_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +31,8 @@ def test_each_method_gives_the_whole_contract():
         assert m.codec(config.train).kind
         assert 0 < m.downlink(config).density <= 1
         assert (m.phone_config(config.train) is not None) == m.phone
-        assert set(m.defaults) <= {"server_lr", "server_momentum", "density",
-                                   "downlink_density", "downlink_values"}
+        assert set(m.defaults) <= set(per_method_keys(TrainSettings)
+                                      + per_method_keys(ServerSettings))
     assert methods.baseline() == "dense"
     assert set(methods.compared()) == {"dense", "fedavgm", "topk", "stc", "dgc"}
 

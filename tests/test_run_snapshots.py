@@ -76,6 +76,7 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "dgc.shared_values": "sign", "dgc.shared_levels": 1.0, "dgc.shared_first": False,
                "dgc.value_levels": 0.0, "dgc.residual_decay": 1.0,
                "dgc.residual_after_rounds": 0, "dgc.step_ahead": 0.0,
+               "dgc.feedback": "residual", "dgc.feedback_scale": 0.0, "dgc.feedback_history": 50,
                "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0,
                "downlink_deadband": 0.5, "downlink_vectors": "float32",
                "downlink_context": False,

@@ -227,12 +227,15 @@ class Method:
         raise ValueError(f"method {self.name!r} sends no round material")
 
     def hold_material(self, data: bytes, material: Any, model: Mapping[str, torch.Tensor],
-                      initial: Any) -> tuple[bytes, Any]:
+                      initial: Any, held: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+                      ) -> tuple[bytes, Any]:
         """The round material once the client holds the round's ``model`` (``initial()``
-        builds version 0 from the run's seed): as read, here. A method whose material clients
-        derive from the model (DGC's sets ranked by displacement, ``dgc.shared_rank``) returns
-        it derived, with bytes that :meth:`read_material` reads back to the same (kept to fold
-        the side part back, :meth:`pending_parts`)."""
+        builds version 0 from the run's seed; ``held``: the version and the model the client
+        kept from its last round, None without one): as read, here. A method whose material
+        clients derive from the models (DGC's sets ranked by displacement, ``dgc.shared_rank``;
+        its aggregate feedback's reference, ``dgc.feedback``) returns it derived, with bytes
+        that :meth:`read_material` reads back to the same up to what only this client holds
+        (kept to fold the side part back, :meth:`pending_parts`)."""
         return data, material
 
     def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],

@@ -4,7 +4,9 @@ Clients compress ``global - local`` with DGC's top-k, residual (error feedback) 
 momentum correction (``dgc.*`` keys; two densities, ``dgc.small_density`` for small tensors) and
 send the residual at the round's shared index sets as scaled signs (the sign channel,
 :mod:`dgc.signs`, ``dgc.shared_density``); the server applies its momentum to the aggregate
-(``server_momentum``, 0.5 for this method) and broadcasts per ``downlink_density``.
+(``server_momentum``, 0.5 for this method) and broadcasts per ``downlink_density``. With
+``dgc.feedback = aggregate`` a client compresses its pseudo-gradient less a reference both ends
+derive from the sent models, which the server adds back (:mod:`fedgc.methods.feedback`).
 """
 
 from __future__ import annotations
@@ -32,10 +34,21 @@ from dgc.signs.codec import (
 from dgc.signs.planner import SharedIndexPlanner, displacement_masks
 from dgc.two_density import TwoDensityCompressor
 from fedgc.methods.base import Channel, Method
+from fedgc.methods.feedback import (
+    MATERIAL_MAGIC,
+    FeedbackChannel,
+    FeedbackMaterial,
+    decode_material,
+    decode_side,
+    encode_material,
+    encode_side,
+    reference,
+    with_reference,
+)
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 
-__all__ = ["DGC", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
+__all__ = ["DGC", "DGCSets", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
            "dgc_config", "layer_config", "small_split", "split_compressor"]
 
 
@@ -104,8 +117,12 @@ class RoundCompressor:
     Everything else is the wrapped compressor's (:class:`dgc.base.Compressor`).
     """
 
-    def __init__(self, inner: Compressor, train: Any, masks: Any = None) -> None:
+    def __init__(self, inner: Compressor, train: Any, masks: Any = None,
+                 feedback: FeedbackMaterial | None = None) -> None:
         self.inner, self.train, self.masks = inner, train, masks
+        # dgc.feedback = aggregate: the round's material with this client's reference, which
+        # leaves the pseudo-gradient before anything else (fedgc.methods.feedback).
+        self.feedback = feedback
         self.taken: SparseUpdate | None = None  # the sets' part, when taken first
 
     def take(self, source: dict[str, torch.Tensor], server_round: int) -> SparseUpdate:
@@ -117,6 +134,10 @@ class RoundCompressor:
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> SparseUpdate:
         left = None
+        ref = None if self.feedback is None else self.feedback.reference
+        if ref is not None:
+            grads = {n: g - ref[n].view(g.shape).to(g.device, g.dtype) if n in ref else g
+                     for n, g in grads.items()}
         if self.masks is not None and self.train.shared_first:
             self.taken, grads, left = self._take_first(dict(grads), sequence or 0)
         update = self.inner.compress(grads, epoch, sequence)
@@ -246,6 +267,8 @@ class DGC(Method):
 
     def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
         inner = split_compressor(train, dgc_config(train))
+        if isinstance(material, FeedbackMaterial):
+            return RoundCompressor(inner, train, material.inner, material)
         if train.value_levels > 0 or material is not None:
             return RoundCompressor(inner, train, material)
         return inner
@@ -263,6 +286,12 @@ class DGC(Method):
     # -- the client's start (aged residuals, step-ahead)
     def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
                 rounds_away: int) -> dict[str, torch.Tensor]:
+        if train.feedback == "aggregate":
+            # Aggregate feedback without a residual (CAFe): what the top-k leaves of
+            # pseudo-gradient - reference is the reference's at the server; the residual (and
+            # the velocity of momentum correction) starts every round empty.
+            compressor.scale_state(0.0)
+            return model
         # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
         # a model many rounds old is scaled down by dgc.residual_decay per round beyond
         # dgc.residual_after_rounds.
@@ -283,13 +312,21 @@ class DGC(Method):
 
     # -- the sign channel, client half
     def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
+        if bytes(data[:4]) == MATERIAL_MAGIC:
+            sequence, version, oldest, scale, inner = decode_material(data)
+            return FeedbackMaterial(sequence, version, oldest, scale,
+                                    self.read_material(inner, numels) if inner else None,
+                                    inner_bytes=inner)
         if bytes(data[:4]) == RANK_MAGIC:
             _, counts, on_grid_ = decode_rank_request(data, numels)
             return RankRequest(counts, on_grid_)
         return decode_mask(data, numels)[1]
 
     def hold_material(self, data: bytes, material: Any, model: dict[str, torch.Tensor],
-                      initial: Any) -> tuple[bytes, Any]:
+                      initial: Any, held: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+                      ) -> tuple[bytes, Any]:
+        if isinstance(material, FeedbackMaterial):
+            return self._hold_feedback(material, model, initial, held)
         if not isinstance(material, RankRequest):
             return data, material
         version0 = initial()
@@ -298,8 +335,37 @@ class DGC(Method):
         masks = displacement_masks(model, version0, material.counts)
         return encode_mask(masks, {n: model[n].numel() for n in masks}, 0), masks
 
+    def _hold_feedback(self, material: FeedbackMaterial, model: dict[str, torch.Tensor],
+                       initial: Any, held: tuple[int, Mapping[str, torch.Tensor]] | None,
+                       ) -> tuple[bytes, FeedbackMaterial]:
+        """The feedback material with the sets derived and this client's reference: from the
+        model it kept (``held``: its version and the model) when the server keeps that
+        version too, else none."""
+        inner_bytes, inner = b"", None
+        if material.inner is not None:
+            # The sets' bytes as the client holds them (derived when ranked by displacement).
+            inner_bytes, inner = self.hold_material(material.inner_bytes, material.inner,
+                                                    model, initial)
+        base, ref = -1, None
+        if held is not None and held[1] is not None \
+                and material.oldest <= held[0] < material.version:
+            try:
+                ref = reference(held[1], model, material.version - held[0], material.scale)
+                base = int(held[0])
+            except ValueError:  # a kept model of other tensors: none, as on first contact
+                pass
+        data = encode_material(material.sequence, material.version, material.oldest,
+                               material.scale, inner_bytes)
+        return data, FeedbackMaterial(material.sequence, material.version, material.oldest,
+                                      material.scale, inner, base, ref, inner_bytes=inner_bytes)
+
     def side_part(self, compressor: Compressor, material: Any,
                   server_round: int) -> tuple[bytes, int] | None:
+        if isinstance(material, FeedbackMaterial) and isinstance(compressor, RoundCompressor):
+            inner = (self.side_part(compressor, material.inner, server_round)
+                     if material.inner is not None else None)
+            data, entries = (b"", 0) if inner is None else inner
+            return encode_side(server_round, material.base, data), entries
         if material is None or not isinstance(compressor, RoundCompressor):
             return None
         sent = (compressor.taken if compressor.taken is not None
@@ -309,10 +375,33 @@ class DGC(Method):
 
     def read_side(self, data: bytes, material: Any,
                   shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
+        if isinstance(material, FeedbackMaterial):
+            return self._read_feedback_side(data, material, shapes)
         return decode_shared(data, material, {n: shapes[n] for n in material})
 
-    # -- the sign channel, server half
-    def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
+    def _read_feedback_side(self, data: bytes, material: FeedbackMaterial,
+                            shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
+        """A side part under aggregate feedback: the sets' part, and on the server (whose
+        material holds the channel) the reference of the base the client names added, so that
+        the payload's parts sum to the client's pseudo-gradient. On a client (folding back an
+        update the server did not aggregate) only the sets' part: the reference is not the
+        client's to keep."""
+        sequence, base, inner = decode_side(data)
+        if inner and material.inner is None:
+            raise ValueError("a side part for shared index sets in a round without them")
+        side = self.read_side(inner, material.inner, shapes) if inner else None
+        if side is not None and side.sequence != sequence:
+            raise ValueError(f"shared part sequence {side.sequence} is not the side part's "
+                             f"{sequence}")
+        if material.channel is None or base == -1:
+            return side if side is not None else SparseUpdate({}, sequence)
+        ref = material.channel.reference_of(base)
+        return with_reference(side, ref, shapes, sequence)
+
+    # -- the sign channel and aggregate feedback, server half
+    def _sets_channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]],
+                      ) -> Channel | None:
+        """The shared index sets' channel (None: ``dgc.shared_density`` 0)."""
         s, t = config.server, config.train
         if s.shared_density <= 0:
             return None
@@ -326,5 +415,45 @@ class DGC(Method):
             return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
         return SharedSigns(planner, numels)
 
+    def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
+        inner = self._sets_channel(config, shapes)
+        if config.train.feedback == "residual":
+            return inner
+        s = config.server
+        scale = s.feedback_scale or (1.0 - float(s.server_momentum)) / float(s.server_lr)
+        return FeedbackChannel(inner, scale, s.feedback_history)
+
 
 register(DGC())
+
+
+class DGCSets(DGC):
+    """``dgc_sets``: DGC whose clients send values on sets the server and clients rank alike.
+
+    The best combination of issue 30's switches (docs/dgc_vs_dense.md, "cA"): the shared sets
+    are ranked by the model's displacement from version 0 (no indices travel), carry each
+    client's residual as values on a power-of-two grid (half a step per mean magnitude) before
+    the top-k takes what they miss, the top-k's values go on a 4-level grid, and the broadcast
+    moves an entry only a whole grid step away, its biases in float16. Phones do not run it
+    (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
+    """
+
+    name = "dgc_sets"
+    order = 41
+    compared = False
+    phone = False
+    description = ("DGC's top-k of the residual on a 4-level grid after the residual at shared "
+                   "sets clients rank themselves (the model's displacement), sent as grid "
+                   "values (`dgc.*` as dgc)")
+    defaults = {**DGC.defaults, "dgc.shared_rank": "displacement", "dgc.shared_values": "grid",
+                "dgc.shared_levels": 0.5, "dgc.shared_first": True, "dgc.value_levels": 4.0,
+                "downlink_deadband": 1.0, "downlink_vectors": "float16"}
+
+    def phone_config(self, train: Any) -> DGCConfig | None:
+        return None  # phones' encoder is plain dgc's (android_bridge.export.check_phone_run)
+
+    def phone_small(self, train: Any) -> tuple[float, int] | None:
+        return None
+
+
+register(DGCSets())
