@@ -115,7 +115,7 @@ def check_run_config(written: Mapping[str, object] | None,
     if written is None or current is None:
         return
     if defaults is None:
-        defaults = run_key_defaults()
+        defaults = run_key_defaults(str(written.get("method", current.get("method", ""))))
     unset = object()
 
     def value(side: Mapping[str, object], key: str) -> object:
@@ -140,14 +140,22 @@ def check_run_config(written: Mapping[str, object] | None,
                               f"start a new run")
 
 
-def run_key_defaults() -> dict[str, object]:
+def run_key_defaults(method: str = "") -> dict[str, object]:
     """Every run key (``fedgc.settings``' ServerSettings and TrainSettings, and the own keys of
-    every method known here) with its default; a key whose default each method sets is None."""
+    every method known here) with its default; a key whose default each method sets has
+    ``method``'s (a checkpoint written before the key existed ran with it), None for a method
+    not registered here."""
     from fedgc import methods
+    from fedgc.schema import fallback_of
     from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
 
-    out: dict[str, object] = {f.metadata["key"]: f.default
-                              for cls in (ServerSettings, TrainSettings) for f in fields_of(cls)}
+    own = methods.get(method).defaults if method in methods.names() else None
+    out: dict[str, object] = {}
+    for cls in (ServerSettings, TrainSettings):
+        for f in fields_of(cls):
+            key = f.metadata["key"]
+            out[key] = (own.get(key, fallback_of(f)) if own is not None and "fallback" in f.metadata
+                        else f.default)
     for m in methods.loaded():
         if m.settings is not None:
             out.update(to_flat(m.settings()))
