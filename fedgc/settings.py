@@ -542,14 +542,13 @@ class ServerSettings:
         "float16 (the rounding stays in the difference, and an entry whose float16 value did "
         "not move is not sent); empty = the method's default",
         Check(choices=("float32", "float16")), fallback="float32")
-    downlink_context: bool = setting(False, "downlink_context", "with downlink_values int8 and "
-                                     "downlink_deltas: a patch on the one version a client "
-                                     "holds sends a matrix's changed entries per segment of "
-                                     "its entries ranked by how far that version has moved "
-                                     "from version 0 (which clients build), where that "
-                                     "encodes smaller, and differences without a code for "
-                                     "zero (wire value dtype 66); the same model in about a "
-                                     "fifth fewer patch bytes; not on phones")
+    downlink_context: bool | None = setting(
+        None, "downlink_context", "with downlink_values int8 and downlink_deltas: a patch on "
+        "the one version a client holds sends a matrix's changed entries per segment of its "
+        "entries ranked by how far that version has moved from version 0 (which clients "
+        "build), where that encodes smaller, and differences without a code for zero (wire "
+        "value dtype 66); the same model in about a fifth fewer patch bytes; not on phones; "
+        "empty = the method's default", fallback=False)
     downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
                                         "and server momentum: the broadcast follows the global "
                                         "model minus this fraction of the step the momentum "

@@ -399,7 +399,8 @@ def test_a_federation_with_every_switch_aggregates_every_reply(tmp_path):
 
 CA_SWITCHES = {"dgc__shared_rank": "displacement", "dgc__shared_values": "grid",
                "dgc__shared_levels": 0.5, "dgc__shared_first": True, "dgc__value_levels": 4.0,
-               "downlink_deadband": 1.0, "downlink_vectors": "float16"}
+               "downlink_deadband": 1.0, "downlink_vectors": "float16",
+               "downlink_context": True}
 
 
 def test_dgc_sets_is_dgc_with_its_switches_and_a_key_set_by_hand_wins(tmp_path):

@@ -434,7 +434,8 @@ class DGCSets(DGC):
     are ranked by the model's displacement from version 0 (no indices travel), carry each
     client's residual as values on a power-of-two grid (half a step per mean magnitude) before
     the top-k takes what they miss, the top-k's values go on a 4-level grid, and the broadcast
-    moves an entry only a whole grid step away, its biases in float16. Phones do not run it
+    moves an entry only a whole grid step away, its biases in float16, and its patches rank
+    their indices by the same displacement (``downlink_context``). Phones do not run it
     (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
     """
 
@@ -447,7 +448,8 @@ class DGCSets(DGC):
                    "values (`dgc.*` as dgc)")
     defaults = {**DGC.defaults, "dgc.shared_rank": "displacement", "dgc.shared_values": "grid",
                 "dgc.shared_levels": 0.5, "dgc.shared_first": True, "dgc.value_levels": 4.0,
-                "downlink_deadband": 1.0, "downlink_vectors": "float16"}
+                "downlink_deadband": 1.0, "downlink_vectors": "float16",
+                "downlink_context": True}
 
     def phone_config(self, train: Any) -> DGCConfig | None:
         return None  # phones' encoder is plain dgc's (android_bridge.export.check_phone_run)
