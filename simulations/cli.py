@@ -30,6 +30,7 @@ from simulations.compare import (
     against_dense,
     at_equal_traffic,
     by_family,
+    curve_above,
     find_runs,
     over_seeds,
     parse_seeds,
@@ -206,7 +207,10 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
 def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, Path],
                     budget_method: str | None) -> dict[str, Any]:
     """Add every method's reading at ``budget_method``'s total traffic to its summary
-    (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``); return
+    (``equal_traffic_method``, ``equal_traffic_bytes``, ``last10_at_equal_traffic``), the
+    area under its curve (``traffic_auc*``), for a compressed method how much of the byte range
+    its curve is above the others' (``curve_above_share``, ``curve_beaten_by``) and when it
+    reaches dense's last-10 (``reach_dense_*``); return
     :func:`simulations.compare.at_equal_traffic`'s result."""
     curves = {m: traffic_curve(run) for m, run in runs.items()}
     equal = at_equal_traffic(curves, budget_method)
@@ -218,6 +222,11 @@ def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, 
         s["traffic_auc_floor_bytes"] = area["floor"]
         s["traffic_auc"] = area["area"].get(m, float("nan"))
         s["traffic_auc_mean"] = area["mean"].get(m, float("nan"))
+    above = curve_above(curves)
+    for m, share in above["share"].items():
+        s = summaries[m]
+        s["curve_above_share"] = share
+        s["curve_beaten_by"] = above["beaten_by"][m]
     dense = summaries.get(BASELINE, {}).get("last10_accuracy")
     if isinstance(dense, (int, float)):
         for m, s in summaries.items():

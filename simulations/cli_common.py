@@ -67,8 +67,10 @@ _WIRE_COLUMNS = (("wire up MB", "wire_uplink_bytes", ".3f", 1e-6),
                  ("J to target", "joules_to_target", ".0f", 1.0))
 #: A comparison's readings: the mean accuracy per decade of total bytes
 #: (simulations.compare.traffic_area); the round and total MB at which the last-10 mean first
-#: reaches dense's (simulations.compare.reach).
+#: reaches dense's (simulations.compare.reach); the share of the byte range where a compressed
+#: method's curve is at or above every other compressed method's (simulations.compare.curve_above).
 _READINGS = (("acc/decade", "traffic_auc_mean", ".4f", 1.0),
+             ("above others", "curve_above_share", ".2f", 1.0),
              ("rounds to dense", "reach_dense_round", ".0f", 1.0),
              ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
 

@@ -10,7 +10,9 @@ each method's accuracy at the total traffic of the cheapest one (or of a method 
 methods that end at different byte counts are compared at the same budget; :func:`find_runs`
 finds the run folders of a finished comparison, so that it can be read again at another budget
 (``python -m simulations traffic``). :func:`traffic_area` gives the area under each method's
-accuracy against log10 of its cumulative total bytes, up to its own final bytes. :func:`by_family`
+accuracy against log10 of its cumulative total bytes, up to its own final bytes;
+:func:`curve_above` how much of the byte range each compressed method's curve is above every
+other compressed method's. :func:`by_family`
 orders a comparison's methods family by family (``fedgc.methods.Method.family``), as its tables
 and plots list them.
 """
@@ -31,8 +33,8 @@ from fedgc.settings import SettingsError
 from server.results import LAST_ROUNDS
 
 __all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_family",
-           "check_regular", "family_of", "find_runs", "over_seeds", "parse_seeds", "reach",
-           "read_summary", "traffic_area", "traffic_curve"]
+           "check_regular", "compressed_methods", "curve_above", "family_of", "find_runs",
+           "over_seeds", "parse_seeds", "reach", "read_summary", "traffic_area", "traffic_curve"]
 
 #: The method every ratio of a comparison is taken against (dense FedAvg: the registry's
 #: first ``baseline`` method).
@@ -52,7 +54,7 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "joules_per_client_round", "joules_total", "joules_to_target",
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
               "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
-              "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes")
+              "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes", "curve_above_share")
 
 
 def family_of(method: str) -> tuple[str, bool]:
@@ -210,12 +212,69 @@ def at_equal_traffic(curves: Mapping[str, Sequence[tuple[int, float]]],
     last10: dict[str, float] = {}
     rounds: dict[str, int] = {}
     for m, curve in finished.items():
-        within = [acc for total, acc in curve if total <= budget]
-        rounds[m] = len(within)
-        last10[m] = statistics.fmean(within[-10:]) if within else float("nan")
+        rounds[m] = sum(total <= budget for total, _ in curve)
+        last10[m] = _last10_within(curve, budget)
     for m in curves.keys() - finished.keys():  # a run without a round reads as nothing
         last10[m], rounds[m] = float("nan"), 0
     return {"method": budget_method, "bytes": budget, "last10": last10, "rounds": rounds}
+
+
+def _last10_within(curve: Sequence[tuple[int, float]], budget: float) -> float:
+    """The mean accuracy of the last 10 rounds of ``curve`` whose cumulative total is within
+    ``budget`` (NaN when not even the first round is)."""
+    within = [acc for total, acc in curve if total <= budget]
+    return statistics.fmean(within[-LAST_ROUNDS:]) if within else float("nan")
+
+
+def compressed_methods(methods: Sequence[str]) -> list[str]:
+    """The methods of ``methods`` outside the dense family (dense FedAvg, FedAvgM): those
+    whose curves :func:`curve_above` compares."""
+    return [m for m in methods if family_of(m)[0] != family_of(BASELINE)[0]]
+
+
+def curve_above(curves: Mapping[str, Sequence[tuple[int, float]]],
+                points: int = 200) -> dict[str, Any]:
+    """How much of the byte range each compressed method's curve is above every other's.
+
+    Read as a user with a byte budget reads the band plots: at a budget, a method stands at
+    the mean accuracy of its last 10 rounds within the budget (0 before its first round ends,
+    its final last-10 beyond its own final bytes: that user runs it to its end). The budgets
+    are ``points`` values log-spaced from the smallest first-round total of the compressed
+    methods (:func:`compressed_methods`) to the largest final total. Returns ``{"floor",
+    "ceiling": bytes, "share": {method: the fraction of budgets at which it stands at or above
+    every other compressed method}, "beaten_by": {method: {other: the fraction at which other
+    stands above it}}}``; with one compressed method its share is 1.0. ``share`` 1.0 is issue
+    30's target "above every other compressed method's curve over the whole range".
+    """
+    if points < 2:
+        raise ValueError(f"curve_above needs at least 2 budgets, got {points}")
+    finished = {m: c for m, c in curves.items() if c and m in compressed_methods(list(curves))}
+    if not finished:
+        return {"floor": float("nan"), "ceiling": float("nan"), "share": {}, "beaten_by": {}}
+    floor = min(c[0][0] for c in finished.values())
+    ceiling = max(c[-1][0] for c in finished.values())
+    if floor <= 0 or ceiling <= floor:
+        budgets = [float(ceiling)]
+    else:
+        step = (math.log10(ceiling) - math.log10(floor)) / (points - 1)
+        budgets = [10 ** (math.log10(floor) + i * step) for i in range(points)]
+        budgets[-1] = float(ceiling)  # the last budget is exactly the largest final total
+
+    def stands(curve: Sequence[tuple[int, float]], budget: float) -> float:
+        if budget < curve[0][0]:
+            return 0.0
+        return _last10_within(curve, min(budget, curve[-1][0]))
+
+    at = {m: [stands(c, b) for b in budgets] for m, c in finished.items()}
+    share: dict[str, float] = {}
+    beaten_by: dict[str, dict[str, float]] = {}
+    for m, mine in at.items():
+        others = {o: acc for o, acc in at.items() if o != m}
+        share[m] = statistics.fmean(
+            all(mine[i] >= acc[i] for acc in others.values()) for i in range(len(budgets)))
+        beaten_by[m] = {o: statistics.fmean(acc[i] > mine[i] for i in range(len(budgets)))
+                        for o, acc in others.items()}
+    return {"floor": floor, "ceiling": ceiling, "share": share, "beaten_by": beaten_by}
 
 
 def traffic_area(curves: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str, Any]:

@@ -207,7 +207,11 @@ def test_compare_budget_method_reads_every_method_at_its_traffic(tmp_path: Path,
         assert per[m]["equal_traffic_bytes"] == per["dense"]["total_bytes"]
     # dgc sends far less: its whole run fits in dense's budget.
     assert per["dgc"]["last10_at_equal_traffic"] == pytest.approx(per["dgc"]["last10_accuracy"])
-    assert "at dense's total traffic" in capsys.readouterr().out
+    # the only compressed method is above itself; dense is not read against the curves
+    assert (per["dgc"]["curve_above_share"], per["dgc"]["curve_beaten_by"]) == (1.0, {})
+    assert "curve_above_share" not in per["dense"]
+    out = capsys.readouterr().out
+    assert "at dense's total traffic" in out and "above others" in out
     assert main([*argv[:4], "stc", *argv[5:]]) == 2
     assert "--budget-method 'stc' is not among the compared methods" in capsys.readouterr().err
 
@@ -282,6 +286,34 @@ def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
                               "late": pytest.approx(0.99)}
     with pytest.raises(SettingsError, match="budget method 'nope' is not among"):
         at_equal_traffic(curves, "nope")
+
+
+def test_curve_above_reads_each_compressed_method_against_the_others_at_every_budget() -> None:
+    from simulations.compare import compressed_methods, curve_above
+
+    # "low" is better below 100 bytes, "high" from 100 on; dense-family runs are not compared.
+    low = [(10, 0.6), (20, 0.6), (50, 0.6)]
+    high = [(10, 0.5), (100, 0.9), (1000, 0.9)]
+    curves = {"dense": [(10_000, 0.99)], "fedavgm": [(10_000, 0.99)], "dgc": low, "stc": high}
+    assert compressed_methods(list(curves)) == ["dgc", "stc"]
+    got = curve_above(curves, points=100)  # budgets 10^(1 + 2i/99): 10 .. 1000
+    assert (got["floor"], got["ceiling"]) == (10, 1000)
+    assert set(got["share"]) == {"dgc", "stc"}
+    # below 100 (50 of the 100 budgets) dgc stands at 0.6 against stc's 0.5; from 100 on
+    # stc's last-10 within the budget is (0.5 + 0.9) / 2 = 0.7 or more, dgc's held 0.6.
+    assert got["share"] == {"dgc": pytest.approx(0.5), "stc": pytest.approx(0.5)}
+    assert got["beaten_by"] == {"dgc": {"stc": pytest.approx(0.5)},
+                                "stc": {"dgc": pytest.approx(0.5)}}
+    # A curve above the other everywhere takes the whole range; a late starter counts 0 first.
+    best = {"a": [(10, 0.9), (1000, 0.9)], "b": [(20, 0.5), (500, 0.8)]}
+    above = curve_above(best, points=50)
+    assert above["share"] == {"a": 1.0, "b": 0.0}
+    ties = curve_above({"a": [(10, 0.5)], "b": [(10, 0.5)]})
+    assert ties["share"] == {"a": 1.0, "b": 1.0}  # at or above: a tie is not beaten
+    assert curve_above({"dense": [(5, 0.9)]})["share"] == {}
+    assert curve_above({"only": low})["share"] == {"only": 1.0}
+    with pytest.raises(ValueError, match="at least 2 budgets"):
+        curve_above(curves, points=1)
 
 
 def test_the_seeds_table_of_a_dozen_methods_fits_125_columns() -> None:
