@@ -399,8 +399,7 @@ def test_a_federation_with_every_switch_aggregates_every_reply(tmp_path):
 
 CA_SWITCHES = {"dgc__shared_rank": "displacement", "dgc__shared_values": "grid",
                "dgc__shared_levels": 0.5, "dgc__shared_first": True, "dgc__value_levels": 4.0,
-               "downlink_deadband": 1.0, "downlink_vectors": "float16",
-               "downlink_context": True}
+               "downlink_vectors": "float16", "downlink_context": True}
 
 
 def test_dgc_sets_is_dgc_with_its_switches_and_a_key_set_by_hand_wins(tmp_path):
@@ -435,6 +434,8 @@ def test_phones_refuse_dgc_sets_naming_the_methods_they_serve():
     with pytest.raises(ConfigError, match="'dgc_sets' is not served by phones.*'dgc'"):
         check_phone_run(config.train, config.server)
     assert (config.train.value_levels, config.server.downlink_vectors) == (4.0, "float16")
+    # half a grid step, the server's own dead band: a whole step lost 1.8 points on shakespeare
+    assert config.server.downlink_deadband == 0.5
 
 
 # ----------------------------------------------------------------- reading results
