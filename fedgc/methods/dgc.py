@@ -437,8 +437,8 @@ class DGCSets(DGC):
     sends its biases in float16 and ranks its patches' indices by the same displacement
     (``downlink_context``). Its broadcast keeps the server's dead band of half a grid step: a
     whole step (``downlink_deadband = 1``, its default until 2026-12-06) cost 1.8 points on
-    shakespeare for 5-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones do not run it
-    (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
+    shakespeare for 4-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones do not
+    run it (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
     """
 
     name = "dgc_sets"
