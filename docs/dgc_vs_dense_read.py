@@ -1,0 +1,135 @@
+"""The readings of docs/dgc_vs_dense.md that ``python -m simulations traffic`` does not print.
+
+Each reads finished run folders (``rounds.csv``, ``clients.csv``) of ``compare --seeds``
+comparisons, laid out as ``FOLDER/seed-S/METHOD``, and prints a markdown table::
+
+    python docs/dgc_vs_dense_read.py budgets FOLDER 1,3,10,25
+    python docs/dgc_vs_dense_read.py horizon LONG SHORT 200,400,600
+    python docs/dgc_vs_dense_read.py emulator FOLDER 200
+
+``budgets``: each compressed method's last-10 accuracy within a budget of total bytes (MB), the
+mean over the seeds (``simulations.compare``'s reading: past its own final bytes a method stays
+at its end). ``horizon``: each method's last-10 at the given rounds of the long comparison LONG,
+and the round and bytes at which its last-10 first reaches the last-10 of the same seed's dense
+run in SHORT (the scenario's own rounds). ``emulator``: under the network emulator, the round,
+virtual seconds and bytes at which a run's last-10 first reaches its seed's dense last-10 at the
+given round; its dips (rounds after the 50th more than 8 points below the round before); and the
+share of aggregated replies whose client folded back an update the server did not aggregate
+(``restored``), in the dip rounds and over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from pathlib import Path
+
+from simulations.compare import _last10_within, compressed_methods, reach, traffic_curve
+
+
+def _seeds(folder: Path) -> list[Path]:
+    seeds = sorted(folder.glob("seed-*"))
+    if not seeds:
+        raise SystemExit(f"{folder}: no seed-* folders (a compare --seeds comparison)")
+    return seeds
+
+
+def _methods(seed: Path) -> list[str]:
+    return sorted(p.name for p in seed.iterdir() if (p / "rounds.csv").exists())
+
+
+def _last10(curve: list[tuple[float, float]], rounds: int) -> float:
+    return statistics.fmean(a for _, a in curve[rounds - 10:rounds])
+
+
+def budgets(folder: Path, megabytes: list[float]) -> None:
+    seeds = _seeds(folder)
+    methods = compressed_methods(_methods(seeds[0]))
+    print("| method | " + " | ".join(f"{b:g} MB" for b in megabytes) + " |")
+    print("|---|" + "---|" * len(megabytes))
+    for m in methods:
+        row = []
+        for b in (mb * 1e6 for mb in megabytes):
+            at = []
+            for seed in seeds:
+                c = traffic_curve(seed / m)
+                at.append(0.0 if b < c[0][0] else _last10_within(c, min(b, c[-1][0])))
+            row.append(statistics.fmean(at))
+        print(f"| {m} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+
+
+def horizon(long: Path, short: Path, at: list[int]) -> None:
+    print("| method | seed | " + " | ".join(f"last-10 @{n}" for n in at)
+          + " | MB at end | reaches dense's last-10 at round | at MB |")
+    print("|---|---|" + "---|" * len(at) + "---|---|---|")
+    for seed in _seeds(long):
+        dense = traffic_curve(short / seed.name / "dense")
+        target = _last10(dense, len(dense))
+        for m in _methods(seed):
+            c = traffic_curve(seed / m)
+            r, b = reach(c, target)
+            hit = f"{r:.0f} | {b / 1e6:.1f}" if r == r else "never | -"
+            cells = " | ".join(f"{_last10(c, n):.4f}" if len(c) >= n else "-" for n in at)
+            print(f"| {m} | {seed.name[5:]} | {cells} | {c[-1][0] / 1e6:.1f} | {hit} |")
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def emulator(folder: Path, target_round: int) -> None:
+    print("| method | seed | last-10 @" + str(target_round) + " | at end (rounds) | reaches "
+          "dense's: round / virtual s / MB | dips | folded-back replies in dip rounds / overall |")
+    print("|---|---|---|---|---|---|---|")
+    for seed in _seeds(folder):
+        dense = _rows(seed / "dense" / "rounds.csv")[:target_round]
+        target = statistics.fmean(float(r["accuracy"]) for r in dense[-10:])
+        for m in _methods(seed):
+            rounds = _rows(seed / m / "rounds.csv")
+            acc = [float(r["accuracy"]) for r in rounds]
+            seconds = total = 0.0
+            hit = None
+            for i, r in enumerate(rounds):
+                seconds += float(r["virtual_seconds"])
+                total += int(r["uplink_bytes"]) + int(r["downlink_bytes"])
+                if hit is None and i >= 9 and statistics.fmean(acc[i - 9:i + 1]) >= target:
+                    hit = f"{i + 1} / {seconds:.0f} s / {total / 1e6:.1f} MB"
+            dips = {i + 1 for i in range(50, len(acc)) if acc[i] < acc[i - 1] - 0.08}
+            replies = [r for r in _rows(seed / m / "clients.csv") if r["status"] == "aggregated"]
+
+            def folded(rows: list[dict[str, str]]) -> float:
+                return sum(r["restored"] != "0" for r in rows) / max(1, len(rows))
+
+            in_dips = [r for r in replies if int(r["round"]) in dips]
+            at_target = statistics.fmean(acc[target_round - 10:target_round])
+            print(f"| {m} | {seed.name[5:]} | {at_target:.4f}"
+                  f" | {statistics.fmean(acc[-10:]):.4f} ({len(acc)}) | {hit or 'never'}"
+                  f" | {len(dips)} | {folded(in_dips):.2f} / {folded(replies):.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="reading", required=True)
+    p = sub.add_parser("budgets")
+    p.add_argument("folder", type=Path)
+    p.add_argument("megabytes", type=lambda s: [float(x) for x in s.split(",")])
+    p = sub.add_parser("horizon")
+    p.add_argument("long", type=Path)
+    p.add_argument("short", type=Path)
+    p.add_argument("rounds", type=lambda s: [int(x) for x in s.split(",")])
+    p = sub.add_parser("emulator")
+    p.add_argument("folder", type=Path)
+    p.add_argument("target_round", type=int, nargs="?", default=200)
+    args = parser.parse_args()
+    if args.reading == "budgets":
+        budgets(args.folder, args.megabytes)
+    elif args.reading == "horizon":
+        horizon(args.long, args.short, args.rounds)
+    else:
+        emulator(args.folder, args.target_round)
+
+
+if __name__ == "__main__":
+    main()
