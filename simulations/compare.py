@@ -226,6 +226,15 @@ def _last10_within(curve: Sequence[tuple[int, float]], budget: float) -> float:
     return statistics.fmean(within[-LAST_ROUNDS:]) if within else float("nan")
 
 
+def accuracy_at_budget(curve: Sequence[tuple[int, float]], budget: float) -> float:
+    """Where a run (a non-empty :func:`traffic_curve`) stands for a user with ``budget`` bytes:
+    the mean accuracy of its last 10 rounds within the budget, 0 before its first round ends,
+    and its final last-10 beyond its own final bytes (that user runs it to its end)."""
+    if budget < curve[0][0]:
+        return 0.0
+    return _last10_within(curve, min(budget, curve[-1][0]))
+
+
 def compressed_methods(methods: Sequence[str]) -> list[str]:
     """The methods of ``methods`` outside the dense family (dense FedAvg, FedAvgM): those
     whose curves :func:`curve_above` compares."""
@@ -260,12 +269,7 @@ def curve_above(curves: Mapping[str, Sequence[tuple[int, float]]],
         budgets = [10 ** (math.log10(floor) + i * step) for i in range(points)]
         budgets[-1] = float(ceiling)  # the last budget is exactly the largest final total
 
-    def stands(curve: Sequence[tuple[int, float]], budget: float) -> float:
-        if budget < curve[0][0]:
-            return 0.0
-        return _last10_within(curve, min(budget, curve[-1][0]))
-
-    at = {m: [stands(c, b) for b in budgets] for m, c in finished.items()}
+    at = {m: [accuracy_at_budget(c, b) for b in budgets] for m, c in finished.items()}
     share: dict[str, float] = {}
     beaten_by: dict[str, dict[str, float]] = {}
     for m, mine in at.items():

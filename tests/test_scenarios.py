@@ -288,6 +288,20 @@ def test_at_equal_traffic_reads_each_method_at_the_cheapest_budget() -> None:
         at_equal_traffic(curves, "nope")
 
 
+def test_accuracy_at_budget_is_0_before_the_first_round_and_the_end_beyond_the_last() -> None:
+    """A user with a byte budget: nothing before the first round ends, the last-10 within the
+    budget, and the run's final last-10 past its own final bytes (run to its end)."""
+    from simulations.compare import accuracy_at_budget
+
+    curve = [(10 * (i + 1), i / 20) for i in range(20)]  # 20 rounds, 10 bytes each
+    assert accuracy_at_budget(curve, 9) == 0.0
+    assert accuracy_at_budget(curve, 10) == 0.0  # the first round, accuracy 0
+    assert accuracy_at_budget(curve, 35) == pytest.approx((0 + 0.05 + 0.1) / 3)
+    last10 = sum(i / 20 for i in range(10, 20)) / 10
+    assert accuracy_at_budget(curve, 200) == pytest.approx(last10)
+    assert accuracy_at_budget(curve, 10**9) == pytest.approx(last10)
+
+
 def test_curve_above_reads_each_compressed_method_against_the_others_at_every_budget() -> None:
     from simulations.compare import compressed_methods, curve_above
 
