@@ -7,25 +7,27 @@ comparisons, laid out as ``FOLDER/seed-S/METHOD``, and prints a markdown table::
     python docs/dgc_vs_dense_read.py horizon LONG SHORT 200,400,600
     python docs/dgc_vs_dense_read.py emulator FOLDER 200
 
-``budgets``: each compressed method's last-10 accuracy within a budget of total bytes (MB), the
-mean over the seeds (``simulations.compare``'s reading: past its own final bytes a method stays
-at its end). ``horizon``: each method's last-10 at the given rounds of the long comparison LONG,
-and the round and bytes at which its last-10 first reaches the last-10 of the same seed's dense
-run in SHORT (the scenario's own rounds). ``emulator``: under the network emulator, the round,
-virtual seconds and bytes at which a run's last-10 first reaches its seed's dense last-10 at the
-given round; its dips (rounds after the 50th more than 8 points below the round before); and the
-share of aggregated replies whose client folded back an update the server did not aggregate
-(``restored``), in the dip rounds and over the run.
+``budgets``: each compressed method's last-10 accuracy within a budget of total payload bytes
+(MB), the mean over the seeds (``simulations.compare.accuracy_at_budget``: past its own final
+bytes a method stays at its end). ``horizon``: each method's last-10 at the given rounds of the
+long comparison LONG, and the round and payload bytes at which its last-10 first reaches the
+last-10 of the same seed's dense run in SHORT (``simulations.compare.reach``). ``emulator``:
+under the network emulator, the round, virtual seconds and payload bytes at which a run's
+last-10 first reaches its seed's dense last-10 at the given round; its dips (rounds after the
+50th more than 8 points below the round before); and the share of aggregated replies whose
+client folded back an update the server did not aggregate (``restored``), in the dip rounds and
+over the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import statistics
 from pathlib import Path
 
-from simulations.compare import _last10_within, compressed_methods, reach, traffic_curve
+from simulations.compare import accuracy_at_budget, compressed_methods, reach, traffic_curve
 
 
 def _seeds(folder: Path) -> list[Path]:
@@ -49,19 +51,15 @@ def budgets(folder: Path, megabytes: list[float]) -> None:
     print("| method | " + " | ".join(f"{b:g} MB" for b in megabytes) + " |")
     print("|---|" + "---|" * len(megabytes))
     for m in methods:
-        row = []
-        for b in (mb * 1e6 for mb in megabytes):
-            at = []
-            for seed in seeds:
-                c = traffic_curve(seed / m)
-                at.append(0.0 if b < c[0][0] else _last10_within(c, min(b, c[-1][0])))
-            row.append(statistics.fmean(at))
+        curves = [traffic_curve(seed / m) for seed in seeds]
+        row = [statistics.fmean(accuracy_at_budget(c, mb * 1e6) for c in curves)
+               for mb in megabytes]
         print(f"| {m} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
 
 
 def horizon(long: Path, short: Path, at: list[int]) -> None:
     print("| method | seed | " + " | ".join(f"last-10 @{n}" for n in at)
-          + " | MB at end | reaches dense's last-10 at round | at MB |")
+          + " | payload MB at end | reaches dense's last-10 at round | at payload MB |")
     print("|---|---|" + "---|" * len(at) + "---|---|---|")
     for seed in _seeds(long):
         dense = traffic_curve(short / seed.name / "dense")
@@ -80,22 +78,20 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 
 def emulator(folder: Path, target_round: int) -> None:
-    print("| method | seed | last-10 @" + str(target_round) + " | at end (rounds) | reaches "
-          "dense's: round / virtual s / MB | dips | folded-back replies in dip rounds / overall |")
+    print(f"| method | seed | last-10 @{target_round} | at end (rounds) | reaches dense's: round"
+          " / virtual s / payload MB | dips | folded-back replies in dip rounds / overall |")
     print("|---|---|---|---|---|---|---|")
     for seed in _seeds(folder):
-        dense = _rows(seed / "dense" / "rounds.csv")[:target_round]
-        target = statistics.fmean(float(r["accuracy"]) for r in dense[-10:])
+        target = _last10(traffic_curve(seed / "dense"), target_round)
         for m in _methods(seed):
-            rounds = _rows(seed / m / "rounds.csv")
-            acc = [float(r["accuracy"]) for r in rounds]
-            seconds = total = 0.0
-            hit = None
-            for i, r in enumerate(rounds):
-                seconds += float(r["virtual_seconds"])
-                total += int(r["uplink_bytes"]) + int(r["downlink_bytes"])
-                if hit is None and i >= 9 and statistics.fmean(acc[i - 9:i + 1]) >= target:
-                    hit = f"{i + 1} / {seconds:.0f} s / {total / 1e6:.1f} MB"
+            curve = traffic_curve(seed / m)
+            acc = [a for _, a in curve]
+            clock = itertools.accumulate(float(r["virtual_seconds"])
+                                         for r in _rows(seed / m / "rounds.csv"))
+            hit_round, hit_bytes = reach(curve, target)
+            _, hit_seconds = reach(list(zip(clock, acc, strict=True)), target)
+            hit = (f"{hit_round:.0f} / {hit_seconds:.0f} s / {hit_bytes / 1e6:.1f} MB"
+                   if hit_round == hit_round else "never")
             dips = {i + 1 for i in range(50, len(acc)) if acc[i] < acc[i - 1] - 0.08}
             replies = [r for r in _rows(seed / m / "clients.csv") if r["status"] == "aggregated"]
 
@@ -103,9 +99,8 @@ def emulator(folder: Path, target_round: int) -> None:
                 return sum(r["restored"] != "0" for r in rows) / max(1, len(rows))
 
             in_dips = [r for r in replies if int(r["round"]) in dips]
-            at_target = statistics.fmean(acc[target_round - 10:target_round])
-            print(f"| {m} | {seed.name[5:]} | {at_target:.4f}"
-                  f" | {statistics.fmean(acc[-10:]):.4f} ({len(acc)}) | {hit or 'never'}"
+            print(f"| {m} | {seed.name[5:]} | {_last10(curve, target_round):.4f}"
+                  f" | {_last10(curve, len(curve)):.4f} ({len(curve)}) | {hit}"
                   f" | {len(dips)} | {folded(in_dips):.2f} / {folded(replies):.2f} |")
 
 
