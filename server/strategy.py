@@ -7,7 +7,7 @@ One round, each step in its own module:
 2. ``aggregate_train``: :mod:`server.replies` decodes and validates each reply into an accepted
    update or a rejection with its reason; :mod:`server.records` turns them into client rows;
    :mod:`server.defences` bounds each client's weight and norm; :mod:`server.aggregation`
-   averages the accepted ones in O(total nonzeros); :mod:`server.optimizer` takes the server
+   averages the accepted ones in O(total nonzeros); :mod:`fedgc.methods.optimizer` takes the server
    step; the downlink moves to the next version; the registry records acks and held versions;
 3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
 """
@@ -40,6 +40,7 @@ from dgc import SparseUpdate
 from dgc.wire import encoded_size
 from fedgc import protocol as P
 from fedgc.methods import Channel, Method
+from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.settings import RunConfig, ServerSettings, fields_of
 from server.aggregation import Combine
 from server.checkpoint import (
@@ -53,7 +54,6 @@ from server.defences import Bounds
 from server.downlink import Downlink
 from server.extensions import RoundExtension, apply_extensions
 from server.loop import run_rounds
-from server.optimizer import ServerOptimizer
 from server.records import (
     ClientRow,
     RoundRecord,

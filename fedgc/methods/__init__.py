@@ -25,7 +25,7 @@ from fedgc.methods.registry import (
     registered,
 )
 
-_CONTRACT = {"base", "payloads", "registry"}
+_CONTRACT = {"base", "optimizer", "payloads", "registry"}
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _CONTRACT:
         importlib.import_module(f"{__name__}.{_module}")

@@ -48,6 +48,7 @@ from dgc.sparse import VALUE_DTYPES
 from dgc.wire.framing import Preamble, as_view, check_crc, check_end, crc_offset, seal
 from dgc.wire.value_codings import VALUE_DTYPE_IDS
 from fedgc.methods.base import Aggregator, Method
+from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError
 from fedgc.methods.powersgd import raw_bytes, read_values, wire_values
 from fedgc.methods.registry import register
@@ -383,8 +384,6 @@ class FetchSGD(Method):
 
     def optimizer(self, config: Any) -> Any:
         # The momentum lives in the sketch (the aggregator): the step itself is plain.
-        from server.optimizer import ServerOptimizer
-
         return ServerOptimizer(config.server.server_lr, 0.0)
 
     def uplink_density(self, train: Any) -> float:
