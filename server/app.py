@@ -23,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedgc import devices, methods
 from fedgc.flower_log import drop_noise, report_once
 from fedgc.schema import to_flat
-from fedgc.settings import RunConfig, SettingsError, parse_client_nodes
+from fedgc.settings import RunConfig, SettingsError, method_key_classes, parse_client_nodes
 from fedgc.task_loader import load_task
 from server import defences
 from server.checkpoint import CheckpointError
@@ -55,11 +55,10 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
     config = RunConfig()
     flat = config.to_flat()
     flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
-    for key in config.server.by_method | config.train.by_method:
+    for key in config.server.by_method | config.train.by_method | config.own_by_method:
         flat[key] = ""  # each method's own default, as `python -m simulations run` gives it
-    for m in methods.registered():  # every method's own keys (a run carries its method's)
-        if m.settings is not None:
-            flat.update(to_flat(m.settings()))
+    for cls in method_key_classes(methods.registered()):  # every method's own keys
+        flat.update(to_flat(cls()))
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 

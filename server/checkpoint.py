@@ -141,24 +141,26 @@ def check_run_config(written: Mapping[str, object] | None,
 
 
 def run_key_defaults(method: str = "") -> dict[str, object]:
-    """Every run key (``fedgc.settings``' ServerSettings and TrainSettings, and the own keys of
+    """Every run key (:mod:`fedgc.keys`' ServerSettings and TrainSettings, and the own keys of
     every method known here) with its default; a key whose default each method sets has
-    ``method``'s (a checkpoint written before the key existed ran with it), None for a method
-    not registered here."""
+    ``method``'s (a checkpoint written before the key existed ran with it, or one of another
+    method's keys that its run carried before the methods declared their own), None for a
+    method not registered here."""
     from fedgc import methods
     from fedgc.schema import fallback_of
-    from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
+    from fedgc.settings import ServerSettings, TrainSettings, fields_of, method_key_classes
 
     own = methods.get(method).defaults if method in methods.names() else None
     out: dict[str, object] = {}
-    for cls in (ServerSettings, TrainSettings):
+    for cls in (ServerSettings, TrainSettings, *method_key_classes()):
         for f in fields_of(cls):
             key = f.metadata["key"]
-            out[key] = (own.get(key, fallback_of(f)) if own is not None and "fallback" in f.metadata
-                        else f.default)
-    for m in methods.loaded():
-        if m.settings is not None:
-            out.update(to_flat(m.settings()))
+            if "fallback" not in f.metadata:
+                out[key] = f.default
+            elif own is not None:
+                out[key] = own.get(key, fallback_of(f))
+            else:
+                out[key] = None if cls in (ServerSettings, TrainSettings) else ""
     return out
 
 

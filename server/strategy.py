@@ -39,9 +39,10 @@ import dgc
 from dgc import SparseUpdate
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.methods import Channel, Method
-from fedgc.methods.optimizer import ServerOptimizer
-from fedgc.settings import RunConfig, ServerSettings, fields_of
+from fedgc.keys import ServerSettings
+from fedgc.methods import Channel, Method, ServerOptimizer, material_of
+from fedgc.schema import fields_of
+from fedgc.settings import RunConfig
 from server.aggregation import Combine
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
@@ -204,8 +205,9 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
         self._model_changed()
-        if self.channel is None:
-            self.channel = self.method.channel(self.settings, self.shapes)
+        part = material_of(self.method)
+        if self.channel is None and part is not None:
+            self.channel = part.channel(self.settings, self.shapes)
         if self.channel is not None:
             self.channel.hold(self.sent_model, 0, self.downlink.initial_on_grid)
 

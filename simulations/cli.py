@@ -17,6 +17,7 @@ from fedgc.settings import (
     SettingsError,
     TrainSettings,
     key_table,
+    method_key_classes,
     new_run_name,
 )
 from server.app import NothingAggregatedError, RunFolderError
@@ -388,7 +389,7 @@ def cmd_keys(flwr_toml: bool = False) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    own = [m.settings for m in registry.registered() if m.settings is not None]
+    own = method_key_classes(registry.registered())
     for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
         print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
                                    row.doc)))

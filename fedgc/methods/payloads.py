@@ -57,7 +57,7 @@ class Bound:
 
     shapes: Mapping[str, tuple[int, ...]]
     server_round: int = -1
-    material: Any = None
+    material: object = None
     limit: int | None = None
 
     @property
@@ -157,7 +157,7 @@ class Codec:
 
     kind = ""
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         """The bytes of ``payload`` (what the client's compressor returned)."""
         raise NotImplementedError
 
@@ -225,7 +225,7 @@ class SparseCodec(Codec):
         self.grid_coding = grid_coding
         self._checked: set[TensorLayout] = set()  # layouts that matched the model
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         update = payload.update if isinstance(payload, SparsePayload) else payload
         return dgc.encode(update, sign_coding=self.sign_coding, grid_coding=self.grid_coding)
 

@@ -269,7 +269,7 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         from dgc.errors import ConfigError
 
         try:
-            check_phone_run(run_config.train, run_config.server)
+            check_phone_run(run_config.method, run_config.server)
         except ConfigError as err:
             raise DeployError(str(err)) from err
     check_fedgc_run(run_config)  # before any process starts

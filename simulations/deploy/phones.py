@@ -105,7 +105,7 @@ class PhoneFleet:
         task its export cannot run, naming the key). Returns whether it exported."""
         from android_bridge.__main__ import quiet_toolchain
         from android_bridge.export import MANIFEST_FILE, export_run
-        from dgc.errors import DGCError
+        from dgc.errors import ConfigError
 
         if reuse is not None:
             self.export_dir = reuse.resolve()
@@ -114,7 +114,7 @@ class PhoneFleet:
         quiet_toolchain()
         try:
             export_run(config, self.export_dir)
-        except DGCError as err:
+        except ConfigError as err:  # what an export refuses, naming the key
             raise DeployError(f"cannot export the phones' files for this run: {err}") from err
         return True
 
