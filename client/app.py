@@ -486,7 +486,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
                 else (int(state.model_version), state.model))
         try:
             material = part.hold_material(*material, global_state,
-                                            lambda: initial_model(task, s.seed), held=held)
+                                          lambda: initial_model(task, s.seed), held=held)
         except (ValueError, dgc.StateError) as ex:
             raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
 
