@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import os
@@ -67,6 +68,13 @@ def setting(default: Any, key: str, doc: str, check: Check | None = None, *,
             raise TypeError(f"key {key!r}: a per-method key's field default must be None")
         metadata["fallback"] = fallback
     return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The type hints of a schema class, resolved once per class (resolving the string
+    annotations is most of what parsing a message's keys costs)."""
+    return get_type_hints(cls)
 
 
 def fields_of(cls: type) -> list[dataclasses.Field]:
@@ -172,7 +180,7 @@ def unknown_keys(unknown: Iterable[str], known: Iterable[str]) -> SettingsError:
 
 def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) -> T:
     """Build ``cls`` from external keys; with ``strict`` an unknown key is an error."""
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     by_key = {f.metadata["key"]: f for f in fields_of(cls)}
     if strict:
         unknown = sorted(set(values) - set(by_key))
@@ -241,7 +249,7 @@ def options_of(key: str, text: str) -> dict[str, Any]:
 def validate(obj: object) -> None:
     """Check every schema field of ``obj`` against its accepted range (a per-method key that
     is still None, the method's default to come, is not checked)."""
-    hints = get_type_hints(type(obj))
+    hints = _hints(type(obj))
     for f in fields_of(type(obj)):
         key, check = f.metadata["key"], f.metadata["check"]
         value = getattr(obj, f.name)
@@ -320,7 +328,7 @@ def describe(cls: type, per_method: Callable[[str, Any], str] | None = None,
     ``per_method(key, fallback)`` writes the default of a per-method key (the methods that set
     their own); without it, ``fallback`` and "(per method)".
     """
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     rows = []
     for f in fields_of(cls):
         kind, _ = _kind(hints[f.name])

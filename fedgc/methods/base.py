@@ -39,6 +39,7 @@ reads the method's own keys as ``self.own`` (an instance of its ``settings`` sch
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -102,6 +103,12 @@ class Aggregator:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`."""
+
+
+@functools.lru_cache(maxsize=32)
+def _configured(method: Method[S], given: tuple[tuple[str, str, object], ...]) -> Method[S]:
+    """``method`` configured with the keys of ``given`` (key, type name, value)."""
+    return method._configure({k: v for k, _, v in given})
 
 
 class Method(Generic[S]):
@@ -174,9 +181,18 @@ class Method(Generic[S]):
         if self.settings is None:
             return self
         mine = {f.metadata["key"] for f in fields_of(self.settings)}
+        # Every train message of a run carries the same keys: configure once per process. The
+        # key holds each value's type too, since 1, 1.0 and True are equal but parse apart.
+        given = tuple(sorted((k, type(v).__name__, v) for k, v in values.items() if k in mine))
+        try:
+            return _configured(self, given)
+        except TypeError:  # an unhashable value (a list): its check refuses it, uncached
+            return _configured.__wrapped__(self, given)
+
+    def _configure(self, values: Mapping[str, object]) -> Method[S]:
+        """A copy of this method with its own keys parsed from ``values`` (its keys only)."""
         configured = copy.copy(self)
-        parsed = parse(self.settings, {k: v for k, v in values.items() if k in mine},
-                       strict=False)
+        parsed = parse(self.settings, values, strict=False)  # type: ignore[arg-type]
         validate(parsed)  # a method's schema need not check itself
         configured._own = fill_fallbacks(parsed, self.defaults)[0]
         return configured
