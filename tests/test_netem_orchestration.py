@@ -153,8 +153,8 @@ def test_the_servers_evaluation_is_on_the_clock_only_when_asked(tmp_path: Path,
     evaluate = Task.evaluate
 
     def slow(self, *args, **kwargs):
-        started = time.process_time()
-        while time.process_time() - started < 0.3:
+        started = time.thread_time()
+        while time.thread_time() - started < 0.3:
             pass
         return evaluate(self, *args, **kwargs)
 

@@ -25,7 +25,7 @@ objects:
       subprocess isolation starts a ClientApp process for each message; 0 for a resident app);
   ``server``
       the server's own work in the round's path: with ``server_measured``, the aggregation and
-      the downlink's encoding *as this run's server measured them* (CPU seconds, by
+      the downlink's encoding *as this run's server measured them* (its thread's CPU seconds, by
       :class:`simulations.netem.strategy.NetemStrategy`), plus ``server_s`` fixed seconds.
 
 The byte terms come from :mod:`simulations.wire` ledgers of real deployments

@@ -18,9 +18,11 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    advances the virtual clock to the round's close.
 
 The server's own time in a round (the profile's ``server`` part, :mod:`simulations.netem.protocol`)
-is its work in the round's path as this run measures it: the CPU seconds of ``configure_train``
-(sampling, the downlink's patches) and of ``aggregate_train`` (decoding, checks, aggregation,
-the server step and the broadcast's compression) up to the round's record, plus, with
+is its work in the round's path as this run measures it: the CPU seconds of the server's thread
+(``time.thread_time``: neither the machine's load nor a simulation engine's other threads count)
+in ``configure_train`` (sampling, the downlink's patches) and in ``aggregate_train`` (decoding,
+checks, aggregation, the server step and the broadcast's compression) up to the round's
+record, plus, with
 ``netem.server_eval``, the previous round's central evaluation (it delays this round), plus the
 profile's fixed ``server_s``. A round's ``virtual_seconds`` is its clients' part (from its start
 to its close) plus that server time. The links' processes (outages, traces) run on a clock
@@ -186,7 +188,7 @@ class NetemStrategy(DGCStrategy):
         if server_round not in self.server_seconds:
             work = self._work_s
             if self._work_started is not None:
-                work += time.process_time() - self._work_started
+                work += time.thread_time() - self._work_started
             measured = self.profile is not None and self.profile.server_measured
             self.server_seconds[server_round] = self.server_s + (work if measured else 0.0)
             for old in [r for r in self.server_seconds if r < server_round - 1]:
@@ -205,10 +207,10 @@ class NetemStrategy(DGCStrategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """DGCStrategy's messages, each told the scenario and the round's virtual start."""
-        started = time.process_time()
+        started = time.thread_time()
         messages = list(super().configure_train(server_round, arrays, config, grid))
         # The previous round's evaluation (with netem.server_eval) delayed this one.
-        self._work_s, self._eval_s = time.process_time() - started + self._eval_s, 0.0
+        self._work_s, self._eval_s = time.thread_time() - started + self._eval_s, 0.0
         keys = {**self.netem.to_config(), ROUND_KEY: server_round,
                 ROUND_START_KEY: float(self.virtual_now_s)}
         for msg in messages:
@@ -220,7 +222,7 @@ class NetemStrategy(DGCStrategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Close the round on the virtual clock, then aggregate the first K valid finishers."""
-        self._work_started = time.process_time()
+        self._work_started = time.thread_time()
         start_s = self.virtual_now_s
         arrived: list[tuple[Message, ClientTimeline]] = []
         others: list[Message] = []  # errors and replies without a timeline: DGCStrategy decides
@@ -287,11 +289,11 @@ class NetemStrategy(DGCStrategy):
             evaluate = evaluate_fn
 
             def timed(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-                started = time.process_time()
+                started = time.thread_time()
                 try:
                     return evaluate(server_round, arrays)
                 finally:
-                    self._eval_s += time.process_time() - started
+                    self._eval_s += time.thread_time() - started
 
             evaluate_fn = timed
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config,
