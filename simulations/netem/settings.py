@@ -52,7 +52,7 @@ ROUND_START_KEY = "netem.round_start_s"
 #: set: a link that replays those trace files.
 TRACE_PRESET = "trace"
 #: The profile charged when the emulator is on and ``netem.protocol`` is not given: a phone
-#: through fedgc's bridge (docs/netem.md, "A round's time").
+#: through fedgc's bridge (docs/netem.md, "A round's time from its causes").
 DEFAULT_PROTOCOL = "bridge-tls"
 #: ``netem.protocol``'s value for the payload alone: no protocol bytes, no orchestration.
 NO_PROTOCOL = "none"
@@ -130,7 +130,8 @@ class NetemSettings:
                                       "the 'trace' link preset (the traces carry throughput "
                                       "only)", Check(0.0))
     protocol: str = setting(DEFAULT_PROTOCOL, "netem.protocol", "the profile charged on the "
-                            "wire and the clock (docs/netem.md, 'A round's time'): bridge-tls "
+                            "wire and the clock (docs/netem.md, 'A round's time from its "
+                            "causes'): bridge-tls "
                             "(a phone through fedgc's bridge: held call, resident app), "
                             "supernode, supernode-tls, supernode-tls-phone (a Flower SuperNode: "
                             "a poll wait, a ClientApp process per message), "
@@ -149,7 +150,8 @@ class NetemSettings:
     server_measured: bool | None = setting(None, "netem.server_measured", "charge the "
                                            "server's work in the round's path (aggregation, "
                                            "the downlink's encoding) as measured in the run "
-                                           "(CPU seconds); empty = the profile's")
+                                           "(the server thread's CPU seconds); empty = the "
+                                           "profile's")
     server_s: float | None = setting(None, "netem.server_s", "fixed server seconds per round, "
                                      "on top of the measured work; empty = the profile's",
                                      Check(0.0))
@@ -218,11 +220,6 @@ class NetemSettings:
             return ""
         return os.path.abspath(self.protocol)
 
-    def to_config(self) -> dict[str, bool | int | float | str]:
-        """The ``netem.*`` keys, typed, for a Flower ConfigRecord (a key left to the profile
-        is "")."""
-        return to_flat(self)
-
     def power_models(self) -> dict[str, RadioPowerModel]:
         """The radio power models: the presets, with ``power_model``'s file laid over them."""
         if not self.power_model:
@@ -259,6 +256,11 @@ class NetemSettings:
                 raise unknown_keys([key], known)
             values[key] = value
         return parse(cls, values)
+
+    def to_config(self) -> dict[str, bool | int | float | str]:
+        """The ``netem.*`` keys, typed, for a Flower ConfigRecord (a key left to the profile
+        is "")."""
+        return to_flat(self)
 
     @property
     def deadline(self) -> float:

@@ -22,14 +22,13 @@ is its work in the round's path as this run measures it: the CPU seconds of the 
 (``time.thread_time``: neither the machine's load nor a simulation engine's other threads count)
 in ``configure_train`` (sampling, the downlink's patches) and in ``aggregate_train`` (decoding,
 checks, aggregation, the server step and the broadcast's compression) up to the round's
-record, plus, with
-``netem.server_eval``, the previous round's central evaluation (it delays this round), plus the
-profile's fixed ``server_s``. A round's ``virtual_seconds`` is its clients' part (from its start
-to its close) plus that server time. The links' processes (outages, traces) run on a clock
-without the measured part: it varies from run to run with the machine, and a link clock that
-does not see it keeps a run's drops, bytes and accuracy reproducible from its seeds (the
-on/off chains are stationary, so leaving the server's seconds out of their time changes none
-of their statistics).
+record, plus, with ``netem.server_eval``, the previous round's central evaluation (it delays
+this round), plus the profile's fixed ``server_s``. A round's ``virtual_seconds`` is its
+clients' part (from its start to its close) plus that server time. The links' processes
+(outages, traces) run on a clock without the measured part: it varies from run to run with the
+machine, and a link clock that does not see it keeps a run's drops, bytes and accuracy
+reproducible from its seeds (the on/off chains are stationary, so leaving the server's seconds
+out of their time changes none of their statistics).
 """
 
 from __future__ import annotations
