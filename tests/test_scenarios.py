@@ -41,6 +41,20 @@ def test_the_shipped_scenarios_are_valid_runs() -> None:
         {k: v for k, v in load_scenario("mnist5k").items() if k != "run_name"}
 
 
+def test_the_phone_sized_scenario_trains_leafs_femnist_cnn() -> None:
+    """fashion-mnist-6m: Fashion-MNIST with LEAF's FEMNIST CNN (conv5x5-32, pool, conv5x5-64,
+    pool, fc-2048, fc-10): 6.5M parameters, phone-sized, on data that ships in a package."""
+    from client.app import task_of
+
+    c = build_config(_args(scenario="fashion-mnist-6m")).train
+    model = task_of(c.task_spec()).build_model()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes[0] == (32, 1, 5, 5) and shapes[2] == (64, 32, 5, 5)
+    assert (2048, 64 * 7 * 7) in shapes and (10, 2048) in shapes
+    assert sum(p.numel() for p in model.parameters()) == 6_497_162
+    assert c.num_clients >= 100
+
+
 def test_precedence_defaults_scenario_config_set(tmp_path: Path) -> None:
     cfg = tmp_path / "mine.toml"
     cfg.write_text('rounds = 50\nlr = 0.05\ndensity = 0.01\n')
