@@ -140,6 +140,16 @@ class ServerSession:
         self._total: np.ndarray | None = None
         self._dead: set[int] = set()  # sent shares, not their vector
 
+    def client_counts(self, client: int) -> dict[str, int]:
+        """What ``client`` was sent so far, as :func:`fedgc.privacy.secagg.cost.client_bytes`
+        takes it: neighbours ``listed`` with their keys, ciphertexts ``forwarded``, neighbours
+        named ``active`` and ``dropped`` at the unmasking."""
+        asked = self._asked.get(client)
+        return {"listed": len(self._listed.get(client, ())),
+                "forwarded": len(self._forwarded.get(client, ())),
+                "active": 0 if asked is None else len(asked.active),
+                "dropped": 0 if asked is None else len(asked.dropped)}
+
     # ------------------------------------------------------------------ helpers
     def _setup(self, client: int) -> Setup:
         return Setup(self.session, self.server_round, client, len(self.clients),
