@@ -139,10 +139,16 @@ class DistributedDiscreteGaussian:
         """The fewest modulus bits whose ring holds :meth:`sum_bound` of ``clients``."""
         return self.sum_bound(clients).bit_length() + 1
 
-    def privatize(self, vector: np.ndarray, rng: np.random.Generator,
-                  max_tries: int = 1000) -> np.ndarray:
-        """One client's share: ``vector`` clipped to ``c``, in integer steps, rounded at random
-        until its norm is within :attr:`sensitivity`, plus discrete Gaussian noise (int64)."""
+    def privatize(self, vector: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One client's share (int64): :meth:`discretize` plus discrete Gaussian noise of
+        :attr:`local_std`."""
+        return self.discretize(vector, rng) + discrete_gaussian(self.local_std, self.dimension,
+                                                                rng)
+
+    def discretize(self, vector: np.ndarray, rng: np.random.Generator,
+                   max_tries: int = 1000) -> np.ndarray:
+        """``vector`` clipped to ``c``, in integer steps, rounded at random until its norm is
+        within :attr:`sensitivity` (conditional randomized rounding), as int64."""
         x = np.asarray(vector, dtype=np.float64)
         if x.shape != (self.dimension,) or not np.isfinite(x).all():
             raise ValueError(f"a vector of shape {x.shape} (finite: {np.isfinite(x).all()}); "
@@ -158,7 +164,7 @@ class DistributedDiscreteGaussian:
         else:
             raise RuntimeError(f"conditional rounding found no vector within norm {bound} in "
                                f"{max_tries} tries (beta = {self.beta} too small)")
-        return rounded.astype(np.int64) + discrete_gaussian(self.local_std, self.dimension, rng)
+        return rounded.astype(np.int64)
 
     def tau(self, clients: int) -> float:
         """Kairouz et al.'s ``tau``: how far the sum of ``clients`` discrete Gaussians is from
