@@ -273,6 +273,8 @@ def test_a_client_refuses_requests_out_of_order_unsafe_or_twice():
     with pytest.raises(BadMessage, match="length = 11"):
         handler.setup(dataclasses.replace(setup, length=11).encode())
     handler.setup(setup.encode())
+    with pytest.raises(StageError, match="a second setup of session"):  # a replay mid-way
+        handler.setup(setup.encode())
     key = crypto.public_bytes(crypto.key_pair(crypto.new_seed()))
     with pytest.raises(BadMessage, match="its own id among them: True"):
         handler.share_keys(Neighbours(setup.session, ((3, key, key),)).encode())
@@ -280,6 +282,9 @@ def test_a_client_refuses_requests_out_of_order_unsafe_or_twice():
                     crypto.public_bytes(crypto.key_pair(crypto.new_seed()))) for p in (4, 5))
     with pytest.raises(ThresholdError, match="fewer than the threshold 3"):
         handler.share_keys(Neighbours(setup.session, others).encode())
+    # A new session replaces one the server gave up on.
+    fresh = dataclasses.replace(setup, session=os.urandom(16))
+    assert Keys.decode(handler.setup(fresh.encode())).session == fresh.session
 
     # Unmasking happens once: a second request could ask for the other kind of share.
     server, handlers, forwards, _ = _session_to_stage2()

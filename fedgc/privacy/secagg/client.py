@@ -134,11 +134,14 @@ class ClientHandler:
 
     # ------------------------------------------------------------------ stage 0
     def setup(self, message: bytes) -> bytes:
-        """Check the session's parameters; reply with the two public keys."""
-        if self.stage not in ("setup", "done"):  # a new session may follow an ended one
-            raise StageError(f"client {self.client}: a setup request while the session "
-                             f"expects {self.stage}")
+        """Check the session's parameters; reply with the two public keys. A new session
+        replaces one left unfinished (the server gave it up); the same session's setup again
+        mid-way is refused (a replay would throw away the shares this client holds)."""
         setup = Setup.decode(message)
+        current = self.setup_request
+        if current is not None and self.stage != "done" and setup.session == current.session:
+            raise StageError(f"client {self.client}: a second setup of session "
+                             f"{setup.session.hex()} while it expects {self.stage}")
         check_setup(setup, self.client, self.length)
         self._reset()
         self.setup_request = setup

@@ -290,6 +290,9 @@ class ServerSession:
                              f"fewer than min_survivors = {self.min_survivors}")
         for owner in sorted(expected):
             holders = {h for h in masked if owner in self._forwarded[h]}
+            if owner in dead and not holders:
+                dead.discard(owner)  # no vector in the sum holds its masks: nothing to remove
+                continue
             if len(holders) < self.threshold:
                 kind = "self mask" if owner in masked else "pairwise masks (it dropped)"
                 raise self._fail(f"session {self.session.hex()}: client {owner}'s {kind} need "
