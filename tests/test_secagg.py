@@ -181,6 +181,8 @@ TAMPERED = {
                       "checksum"),
     "another session": ("setup", lambda r: _replace(r, Keys, session=os.urandom(16)),
                         "names session"),
+    "a low-order public key": ("setup", lambda r: _replace(r, Keys, mask_key=bytes(32)),
+                               "not a usable X25519 key"),
     "another client's id": ("share_keys", lambda r: _replace(r, Shares, client=7), "client 7"),
     "a missing target": ("share_keys",
                          lambda r: _replace(r, Shares, records=Shares.decode(r).records[1:]),

@@ -47,7 +47,7 @@ from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_
 from fedgc.privacy.secagg.errors import BadMessage
 
 __all__ = ["CIPHERTEXT_BYTES", "COMMITMENT_BYTES", "KEY_BYTES", "PLAINTEXT_BYTES", "SEED_BYTES",
-           "SESSION_BYTES", "SHARE_BYTES", "SeedCommitment", "agree", "commit_seed",
+           "SESSION_BYTES", "SHARE_BYTES", "SeedCommitment", "agree", "check_public", "commit_seed",
            "commit_share", "combine", "key_pair", "mask", "new_seed", "open_shares",
            "public_bytes", "seal_shares", "self_mask_key", "share"]
 
@@ -91,6 +91,17 @@ def key_pair(seed: bytes) -> X25519PrivateKey:
 def public_bytes(private: X25519PrivateKey) -> bytes:
     """The raw 32-byte public key of ``private``."""
     return private.public_key().public_bytes_raw()
+
+
+def check_public(public: bytes, owner: int) -> None:
+    """BadMessage unless ``public`` is a usable X25519 public key: a low-order point makes every
+    exchange with it fail (``cryptography`` refuses its all-zero secret), so a client that sent
+    one would make all its neighbours refuse the session."""
+    try:
+        X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(bytes(public)))
+    except ValueError as ex:
+        raise BadMessage(f"public key {bytes(public).hex()[:16]}... of client {owner} is not a "
+                         f"usable X25519 key: {ex}") from ex
 
 
 def agree(private: X25519PrivateKey, public: bytes, session: bytes, purpose: bytes,

@@ -220,6 +220,8 @@ class ServerSession:
             self._own(client, keys.session, keys.client, "public keys")
             if keys.cipher_key == keys.mask_key:
                 raise BadMessage(f"public keys of client {client}: both keys are equal")
+            crypto.check_public(keys.cipher_key, client)
+            crypto.check_public(keys.mask_key, client)
             return keys
 
         got = self._read(replies, "setup", read)
