@@ -145,6 +145,9 @@ class Method(Generic[S]):
         but those declared ``sent=False`` (its server half's alone).
     defaults : mapping
         Its own defaults for keys declared with ``fallback`` (``server_momentum``...).
+    secure_sum : str
+        Where its payload sums at coordinates every client knows, for secure aggregation:
+        "all", "seed" or "material" (:mod:`fedgc.privacy.linear`); "" (default): it does not.
     """
 
     name: ClassVar[str] = ""
@@ -158,6 +161,7 @@ class Method(Generic[S]):
     family: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
     defaults: ClassVar[Mapping[str, FlatValue]] = {}
+    secure_sum: ClassVar[str] = ""
 
     _own: S | None = None
 

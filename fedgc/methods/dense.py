@@ -21,6 +21,7 @@ class Dense(Method):
     family = "dense"
     description = "every entry, fp32"
     baseline = True
+    secure_sum = "all"
 
     def uplink_density(self, train: TrainSettings) -> float:
         return 1.0

@@ -358,6 +358,7 @@ class FetchSGD(Method[FetchSGDSettings]):
                    "the server keeps momentum and error as sketches, applies their top-k")
     settings = FetchSGDSettings
     defaults = {"server_momentum": 0.9}
+    secure_sum = "all"  # every cell of the sketch: the sum of sketches is the sketch of the sum
 
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> CountSketcher:

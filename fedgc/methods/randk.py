@@ -241,6 +241,7 @@ class RandomK(Method[SparsifierSettings]):
                    "travels, not the indices")
     keeps_residual = True
     settings = SparsifierSettings
+    secure_sum = "seed"  # positions from a seed; under secure aggregation, the run's for all
 
     def policy(self, train: TrainSettings) -> DGCConfig:
         """DGC's layer policy, density, warm-up and value precision for the run."""

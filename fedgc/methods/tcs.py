@@ -368,6 +368,7 @@ class TCS(RoundMaterial, Method[TCSSettings]):
     keeps_residual = True
     settings = TCSSettings
     defaults = {"density": TCS_DENSITY}
+    secure_sum = "material"  # the mask's values and the tensors sent whole
 
     def policy(self, train: TrainSettings) -> DGCConfig:
         """DGC's layer policy and value precision for the run (``dgc.min_sparse_numel``,
