@@ -118,7 +118,8 @@ def _run_scenario(config: RunConfig, verbose: bool,
         from simulations.batched_engine import check_batched
 
         check_batched(config)
-    prepare_run_dir(config)  # fail before Ray starts when the folder is taken
+    # Fail before Ray starts when the folder is taken; run_server takes its lock again.
+    prepare_run_dir(config).release()
     extra: dict[str, Any] = {}
     if netem is not None and netem.enabled:
         from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
