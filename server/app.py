@@ -32,6 +32,7 @@ from server.folders import RunFolderError as RunFolderError  # re-exported: its 
 from server.folders import RunLock, make_folders, plan_folders
 from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
+from server.registry import NoClientsError
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
 from server.tensorboard import RoundWriter
@@ -331,7 +332,7 @@ def check_federation(grid: Grid, config: RunConfig) -> None:
 #: What the ServerApp under ``flwr run`` reports in one line (the user's to fix), not with a
 #: traceback; the run still fails.
 USER_ERRORS = (SettingsError, PreflightError, FederationSizeError, RunFolderError,
-               NothingAggregatedError, CheckpointError)
+               NothingAggregatedError, CheckpointError, NoClientsError)
 
 
 @app.main()
