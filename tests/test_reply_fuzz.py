@@ -134,3 +134,37 @@ def test_no_mutant_reply_stalls_a_round(label: str) -> None:
     outcome = fuzz_case(label, cases()[label], 60)
     assert outcome.stalls == 0, outcome.first_stall
     assert outcome.mutants >= 60 and sum(outcome.refused.values()) > 0
+
+
+@pytest.mark.parametrize("how", ["mean", "median", "trimmed_mean", "centered_clip"])
+def test_valid_replies_at_the_bound_combine_to_a_finite_step(how: str) -> None:
+    """The bound's argument, at its worst: eight clients each adding MAX_ABS_VALUE at every
+    coordinate in two overlapping parts (an update and its shared signs), with claims of
+    wildly different weights; the combine and 100 steps of momentum 0.99 stay finite, where
+    values of 3e38 (finite, each) made the mean Inf."""
+    from dgc import SparseTensor
+    from fedgc.methods import SparsePayload
+    from server.aggregation import Combine
+    from server.optimizer import ServerOptimizer
+
+    shapes = {"w": (64, 32), "b": (32,)}
+
+    def payload(value: float) -> SparsePayload:
+        update = SparseUpdate.from_dense({n: torch.full(s, value) for n, s in shapes.items()},
+                                         "float32", ROUND)
+        signs = SparseUpdate({n: SparseTensor(torch.arange(8), torch.full((8,), value), s)
+                              for n, s in shapes.items()}, ROUND)
+        return SparsePayload(update, [signs])
+
+    weights = [1.0, 1e9, 3.0, 7.0, 1e-3, 2.0, 5.0, 11.0]
+    assert payload(MAX_ABS_VALUE).max_abs() == 2 * MAX_ABS_VALUE
+    combined = Combine(how)([payload(MAX_ABS_VALUE)] * 8, weights, [1.0] * 8, shapes)
+    assert all(torch.isfinite(t).all() for t in combined.values())
+    optimizer = ServerOptimizer(1.0, 0.99)
+    model = {n: torch.zeros(s) for n, s in shapes.items()}
+    for _ in range(100):
+        model = optimizer.step(model, combined)
+        assert model is not None
+    if how == "mean":  # the same replies at 3e38, finite, once summed to Inf
+        huge = Combine(how)([payload(3e38)] * 8, weights, [1.0] * 8, shapes)
+        assert not all(torch.isfinite(t).all() for t in huge.values())
