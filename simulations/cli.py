@@ -24,6 +24,7 @@ from fedgc.settings import (
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
+from server.registry import NoClientsError
 from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
@@ -587,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
-            ClusterError) as ex:
+            ClusterError, NoClientsError) as ex:
         print(f"python -m simulations {args.command}: error: {_one_line(ex)}", file=sys.stderr)
         return 2
     except NothingAggregatedError as ex:
