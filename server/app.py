@@ -27,7 +27,7 @@ from fedgc.settings import RunConfig, SettingsError, parse_client_nodes
 from fedgc.task_loader import load_task
 from server import defences
 from server.checkpoint import CheckpointError
-from server.extensions import Column, columns_of
+from server.extensions import Column, RoundExtension, columns_of
 from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
 from server.folders import make_folders, plan_folders
 from server.preflight import PreflightError, check_run
@@ -182,12 +182,14 @@ def resolve_robust(config: RunConfig, grid: Grid) -> RunConfig:
 
 def run_server(grid: Grid, config: RunConfig,
                on_round: Callable[[RoundRecord], None] | None = None,
+               extensions: Sequence[RoundExtension] = (),
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
     """Run a whole federation on ``grid`` and write the results files; return the summary.
 
-    ``strategy_factory(config, on_round=...)`` builds the strategy (the network emulator passes
-    one that builds a NetemStrategy); its extensions add columns to the results and keys to
-    the summary (:mod:`server.extensions`).
+    ``extensions`` hook into every round (:mod:`server.extensions`: the network emulator's
+    are :func:`simulations.netem.integration.extensions`); they add columns to the results and
+    keys to the summary. ``strategy_factory(config, on_round=..., extensions=...)`` builds the
+    strategy.
     """
     started = time.time()
     torch.set_num_threads(1)
@@ -226,7 +228,7 @@ def run_server(grid: Grid, config: RunConfig,
         if on_round is not None:
             on_round(record)
 
-    strategy = strategy_factory(config, on_round=round_done)
+    strategy = strategy_factory(config, on_round=round_done, extensions=extensions)
     # A node's client key is its claim: only keys of this run, bound to authenticated nodes
     # when client_nodes lists them (docs/threat_model.md).
     strategy.registry.bind(t.num_clients, parse_client_nodes(s.client_nodes))

@@ -208,6 +208,15 @@ def migrate_strategy_state(state: dict[str, Any]) -> dict[str, Any]:
     state = dict(state)
     if version == 1:
         state = _from_version_1(state)
+    if "virtual_now_s" in state:
+        # The network emulator's clock, kept by its strategy subclass until issue 36, is its
+        # extension's state now: the first of its two, which kept nothing then.
+        clock = state.pop("virtual_now_s")
+        extensions = [dict(e) for e in state.get("extensions", [])]
+        empty = [e for e in extensions if not e]
+        if empty:
+            empty[0]["virtual_now_s"] = clock
+        state["extensions"] = extensions
     clients = {}
     for key, info in state["clients"].items():
         if "versions" in info:

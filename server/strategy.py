@@ -51,7 +51,14 @@ from server.checkpoint import (
 )
 from server.defences import Bounds
 from server.downlink import Downlink
-from server.extensions import RoundExtension, apply_extensions
+from server.extensions import (
+    Reply,
+    RoundExtension,
+    Selection,
+    apply_extensions,
+    arrived,
+    selector_of,
+)
 from server.loop import run_rounds
 from server.optimizer import ServerOptimizer
 from server.records import (
@@ -115,7 +122,9 @@ class DGCStrategy(FedAvg):
     on_round : callable, optional
         Called with each finished :class:`RoundRecord` (progress display, results files).
     extensions : sequence of server.extensions.RoundExtension
-        Columns added to every round (the network emulator's virtual time and drops).
+        Hooks into every round (:mod:`server.extensions`): keys added to the train messages,
+        which replies a round takes, columns added to the results (the network emulator's
+        virtual clock, drops, wire bytes and joules).
     """
 
     def __init__(self, settings: RunConfig | None = None, method: Method | None = None, *,
@@ -133,6 +142,7 @@ class DGCStrategy(FedAvg):
         self.checkpoint_dir = settings.run_dir if s.checkpoint else None
         self.resume, self.on_round, self.probe_timeout = s.resume, on_round, s.round_timeout_s
         self.extensions = list(extensions)
+        self.selector = selector_of(self.extensions)
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)
         self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
@@ -165,6 +175,9 @@ class DGCStrategy(FedAvg):
 
     def summary(self) -> None:
         """Log the strategy's settings: the method and every server key."""
+        for ext in self.extensions:
+            if ext.describe():
+                log(INFO, "\t├──> %s", ext.describe())
         log(INFO, "\t├──> DGCStrategy settings (method %s):", self.method.title)
         keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
         for key, value in sorted(self.settings.to_flat().items()):
@@ -211,6 +224,8 @@ class DGCStrategy(FedAvg):
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)
+        for ext in self.extensions:
+            ext.set_model(self.shapes)
         # What a dense fp32 update costs on the same wire, and what the dense model costs as
         # Flower ArrayRecord: the baselines of the compression ratios.
         self._dense_update_nbytes = encoded_size(SparseUpdate.from_dense(self.model, "float32"))
@@ -274,6 +289,9 @@ class DGCStrategy(FedAvg):
             cfg[P.ACK_SEQUENCE] = reg.acked(key)
             for k, v in self.downlink.config(offer, reg.initial_versions).items():
                 cfg[k] = v
+            for ext in self.extensions:
+                for k, v in ext.message_keys(server_round, key).items():
+                    cfg[k] = v
             content = RecordDict({P.ARRAYS: offer.record, P.CONFIG: cfg})
             if not reg.holds_config(key, digest):
                 content[P.RUN_CONFIG] = ConfigRecord(dict(config))
@@ -290,15 +308,20 @@ class DGCStrategy(FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies, aggregate the valid ones sparsely, apply the server optimizer."""
-        return self.aggregate_checked(server_round, self.check_replies(server_round, replies))
+        """Validate the replies that arrived, take what the round takes (every reply, or what
+        the selecting extension says), aggregate the valid ones sparsely, apply the server
+        optimizer."""
+        state = self._current(server_round)
+        came = [Reply(msg, state.sender(msg, self.registry)[0]) for msg in replies]
+        checked = self.check_replies(server_round, [r.message for r in
+                                                    arrived(self.extensions, server_round, came)])
+        chosen = None if self.selector is None else self.selector.select(server_round, checked)
+        if chosen is None:
+            chosen = Selection(tuple(checked))
+        return self.aggregate_checked(server_round, chosen.taken, chosen.processed)
 
     def check_replies(self, server_round: int, replies: Iterable[Message]) -> list[CheckedReply]:
-        """Every reply of the round, decoded (in one batch) and checked once.
-
-        Extension point: a subclass that must know which replies are valid before it
-        aggregates (the network emulator) calls this, then :meth:`aggregate_checked`.
-        """
+        """Every reply of the round, decoded (in one batch) and checked once, in order."""
         state = self._current(server_round)
         return self.checker.check_round(server_round, replies,
                                         lambda msg: state.sender(msg, self.registry),
@@ -311,7 +334,7 @@ class DGCStrategy(FedAvg):
         order; sampled clients without a reply among them timed out.
 
         ``processed``: clients known to hold this round's model although their reply is not
-        in ``checked`` (the network emulator's late replies): their next patch builds on it.
+        in ``checked`` (:class:`server.extensions.Selection`): their next patch builds on it.
         """
         state = self._current(server_round)
         taken = RoundRows(server_round, state.sampled, state.node_of, state.downlink,

@@ -121,11 +121,11 @@ def _run_scenario(config: RunConfig, verbose: bool,
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
     extra: dict[str, Any] = {}
     if netem is not None and netem.enabled:
-        from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
+        from simulations.netem.integration import extensions, for_run, wrap_client_app
 
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
-        extra["strategy_factory"] = strategy_factory(netem)
+        extra["extensions"] = extensions(netem, config)
     # Simulated nodes run the simulating user's own config: any callable it names (a deployed
     # node runs only those its node config lists, client.app.allowed_callables).
     simulated = {ALLOWED_CALLABLES: "*"}

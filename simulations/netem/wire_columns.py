@@ -31,20 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flwr.app import Message
-
-from server.extensions import Added, Column, RoundExtension
+from server.extensions import Added, Column, Reply, RoundExtension
 from server.records import ClientRow, RoundRecord
 from server.results import traffic
 from simulations.netem.energy import LINK_RADIO, RadioPowerModel, Transfer, radio_energy
 from simulations.netem.mod import reply_metrics
 from simulations.netem.protocol import ProtocolModel, message_objects
 from simulations.netem.settings import NetemSettings, assignment_for, parse_fractions
-
-if TYPE_CHECKING:
-    from simulations.netem.strategy import NetemStrategy
 
 __all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "WireColumns", "idle_rates", "idle_watts"]
 
@@ -63,7 +58,15 @@ def _ratio(dense: float, sent: float) -> float:
 
 class WireColumns(RoundExtension):
     """Payload and link bytes with their ratios to dense, joules and the round split (module
-    docstring). ``take`` is given each round's replies before the round is recorded."""
+    docstring), from the ``netem`` records of every reply of the round (arrived or not: the
+    wire carried them), over the round's virtual time (the ``virtual_seconds`` column of
+    :class:`~simulations.netem.extension.NetemClock`, which runs first).
+
+    Parameters
+    ----------
+    netem : NetemSettings
+        The scenario: its protocol, link mix and clients.
+    """
 
     columns = (
         Column("uplink_compression"), Column("downlink_compression"),
@@ -78,29 +81,35 @@ class WireColumns(RoundExtension):
         Column("round_compute_s"), Column("round_transfer_s"), Column("round_orchestration_s"),
     )
 
-    def __init__(self, strategy: NetemStrategy) -> None:
-        self.strategy = strategy
-        self._taken: dict[int, tuple[dict[int, dict[str, float]], float]] = {}
+    def __init__(self, netem: NetemSettings) -> None:
+        self.netem = netem
+        self._tensor_bytes: list[int] = []  # float32 bytes of each model tensor
+        self._taken: dict[int, dict[int, dict[str, float]]] = {}
         # Per link preset: [joules, client-rounds] of the clients that worked on it.
         self.by_link: dict[str, list[float]] = {}
 
-    # ---- what the strategy hands over --------------------------------------------------------
-    def take(self, server_round: int, replies: Sequence[tuple[int, Message]],
-             round_s: float) -> None:
-        """Keep the ``netem`` records of the round's replies (client key, message) and its
-        virtual length (the idle nodes' traffic runs over it)."""
+    def set_model(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Keep the model's tensor sizes: what dense FedAvg ships."""
+        self._tensor_bytes = [4 * math.prod(shape) for shape in shapes.values()]
+
+    def arrived(self, server_round: int, replies: Sequence[Reply]) -> Sequence[Reply]:
+        """Keep the ``netem`` records of the round's replies, by client key; every reply
+        arrives as far as the wire is concerned."""
         per_client: dict[int, dict[str, float]] = {}
-        for key, msg in replies:
-            values = {k: v for k, v in reply_metrics(msg).items() if math.isfinite(v) and v >= 0}
+        for reply in replies:
+            values = {k: v for k, v in reply_metrics(reply.message).items()
+                      if math.isfinite(v) and v >= 0}
             if values:
-                per_client[key] = values
-        self._taken[server_round] = (per_client, round_s)
+                per_client[reply.client_key] = values
+        self._taken[server_round] = per_client
+        return replies
 
     # ---- RoundExtension ----------------------------------------------------------------------
     def after_round(self, record: RoundRecord, rows: list[ClientRow]) -> Added:
         """The round's wire, energy and time columns (module docstring)."""
-        per_client, round_s = self._taken.pop(record.round, ({}, 0.0))
-        proto = self.strategy.netem.protocol_model()
+        per_client = self._taken.pop(record.round, {})
+        round_s = float(record.extra.get("virtual_seconds", 0.0))
+        proto = self.netem.protocol_model()
         sums = dict.fromkeys(_SUMS, 0.0)
         clients: dict[int, dict[str, int | float | str]] = {}
         busy_s = 0.0
@@ -125,8 +134,8 @@ class WireColumns(RoundExtension):
                                 "joules": v.get("radio_j", 0.0) + v.get("compute_j", 0.0),
                                 "radio_joules": v.get("radio_j", 0.0)}
         server_s = proto.server_s if proto is not None else 0.0
-        idle_node_s = max(0.0, self.strategy.netem.num_clients * round_s - busy_s)
-        up_rate, down_rate, watts = idle_rates(self.strategy.netem)
+        idle_node_s = max(0.0, self.netem.num_clients * round_s - busy_s)
+        up_rate, down_rate, watts = idle_rates(self.netem)
         values: dict[str, int | float] = {
             "uplink_compression": _ratio(record.dense_uplink_bytes, record.uplink_bytes),
             "downlink_compression": _ratio(record.dense_downlink_bytes, record.downlink_bytes),
@@ -165,7 +174,7 @@ class WireColumns(RoundExtension):
             round(total("dense_wire_uplink_bytes")),
             round(total("dense_wire_downlink_bytes"))).items()}
         joules = total("joules") + total("idle_joules")
-        target = self.strategy.target_accuracy
+        target = self.netem.target_accuracy
         to_target: float | None = None
         if target > 0:
             spent = 0.0
@@ -193,7 +202,7 @@ class WireColumns(RoundExtension):
             "joules_total": joules,
             "joules_to_target": to_target,
             "idle_joules": total("idle_joules"),
-            "wire": {"protocol": self.strategy.netem.protocol, "client_rounds": int(n),
+            "wire": {"protocol": self.netem.protocol, "client_rounds": int(n),
                      "round_split_s": split,
                      **{f"{k}_per_client_round": per(c) for k, c in (
                          ("payload_up_bytes", "payload_up_bytes"),
@@ -215,15 +224,14 @@ class WireColumns(RoundExtension):
 
     def _link_of(self, key: int) -> str:
         """The link preset of client ``key`` in the scenario ("" when it has none)."""
-        assignment = assignment_for(self.strategy.netem)
+        assignment = assignment_for(self.netem)
         return assignment.link_name(key) if 0 <= key < len(assignment) else ""
 
     # ---- dense FedAvg on the same links --------------------------------------------------------
     def _dense_link(self, v: Mapping[str, float], proto: ProtocolModel | None
                     ) -> tuple[float, float]:
         """(up, down) link bytes dense FedAvg would have moved in this client-round."""
-        s = self.strategy
-        tensors = [4 * math.prod(shape) for shape in s.shapes.values()]
+        tensors = self._tensor_bytes
         model = update = sum(tensors)  # float32 arrays, as dense FedAvg ships its state dict
         got = v.get("payload_down_bytes", 0.0) > 0
         sent = v.get("payload_up_bytes", 0.0) > 0
