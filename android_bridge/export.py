@@ -48,6 +48,9 @@ from android_bridge.initial_model import initial_digests
 from android_bridge.models import ModelSpec, get_model, task_model
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError
+from fedgc.methods import get, registered
+from fedgc.settings import TrainSettings
+from fedgc.task_loader import load_task
 
 MANIFEST_VERSION = 1
 #: Longest flat tensor the exported encoder accepts by default. ExecuTorch plans memory for the
@@ -368,9 +371,6 @@ def federation_defaults() -> dict[str, Any]:
     """What a default fedgc run (``method = "dgc"``, ``fedgc.settings.TrainSettings()``) asks
     a phone for: the DGC config (exact selection, as phones run), batch size and learning rate,
     and the run-config keys (``--run-config`` / pyproject) whose values the export bakes in."""
-    from fedgc.methods import get
-    from fedgc.settings import TrainSettings
-
     s = TrainSettings()
     config = exact_config(get(s.method).phone_config(s))
     return {"task": s.task, "config": config, "batch_size": s.batch_size,
@@ -541,8 +541,6 @@ def check_phone_run(train: Any, server: Any = None) -> None:
     does: a method phones do not serve (naming those they do), or one of the ``dgc`` switches
     they lack set (:data:`PHONE_DEFAULT_SWITCHES`; the server's ``dgc.shared_rank``
     ``displacement``, whose sets clients derive themselves)."""
-    from fedgc.methods import get, registered
-
     if not get(train.method).phone:
         raise ConfigError(f"method {train.method!r} is not served by phones: their encoder is "
                           f"DGC (methods {[m.name for m in registered() if m.phone]})")
@@ -570,8 +568,6 @@ def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
     the model's largest tensor (the encoder's memory plan is sized by it). A method phones do
     not run is a ``ConfigError`` naming the ones they do.
     """
-    from fedgc.task_loader import load_task
-
     check_phone_run(config.train, config.server)
     t = config.train
     phone = exact_config(config.method.phone_config(t))

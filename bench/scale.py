@@ -134,7 +134,7 @@ def vanilla_client_app(num_clients: int, seed: int, lr: float, batch_size: int):
     def train(msg: Message, context: Context) -> Message:
         import torch
 
-        from client.training import round_seed, train_locally
+        from fedgc.training import round_seed, train_locally
 
         task, parts = setup()
         key = int(context.node_config["partition-id"])

@@ -30,6 +30,7 @@ from server.checkpoint import CheckpointError
 from server.extensions import Column, RoundExtension, columns_of
 from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
 from server.folders import make_folders, plan_folders
+from server.local_grid import LocalGrid
 from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
 from server.results import summarize, write_clients, write_rounds, write_summary
@@ -157,8 +158,6 @@ def simulated(grid: Grid) -> bool:
     """Whether ``grid`` reaches simulated clients (fedgc's in-process engine, Flower's
     simulation engine), which run the user's own code and config, rather than deployed ones."""
     from flwr.superlink.grid import InMemoryGrid
-
-    from server.local_grid import LocalGrid
 
     # A grid that wraps another (simulations.interrupt.StoppableGrid, around Flower's
     # simulation grid) reaches the clients its inner grid reaches.

@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 
+from fedgc import methods
 from fedgc.files import atomic_write
 from fedgc.methods.registry import upgrade_run_config
+from fedgc.schema import fallback_of
+from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -145,10 +148,6 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
     every method known here) with its default; a key whose default each method sets has
     ``method``'s (a checkpoint written before the key existed ran with it), None for a method
     not registered here."""
-    from fedgc import methods
-    from fedgc.schema import fallback_of
-    from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
-
     own = methods.get(method).defaults if method in methods.names() else None
     out: dict[str, object] = {}
     for cls in (ServerSettings, TrainSettings):

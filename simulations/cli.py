@@ -19,9 +19,10 @@ from fedgc.settings import (
     key_table,
     new_run_name,
 )
-from server.app import NothingAggregatedError, RunFolderError
+from server.app import NothingAggregatedError, RunFolderError, flwr_app_config_toml
 from server.checkpoint import CheckpointError
-from server.preflight import PreflightError
+from server.folders import check_compare_folder, claim_compare_folder
+from server.preflight import PreflightError, check_run
 from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
@@ -39,8 +40,12 @@ from simulations.compare import (
     traffic_area,
     traffic_curve,
 )
+from simulations.flwr_run import cmd_flwr
 from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
+from simulations.netem.integration import split_netem
+from simulations.netem.settings import NetemSettings
+from simulations.runner import run_scenario
 from simulations.scenario import load_scenario, scenario_names
 
 #: The default comparison (``make demo``): the ``mnist5k`` scenario (100 clients, 10 per round,
@@ -79,15 +84,13 @@ def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = N
 
 def build_netem(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> Any:
     """The network emulator's settings from the ``netem.*`` keys (disabled when none)."""
-    from simulations.netem.integration import split_netem
-
     return split_netem(_values(args, base))[1]
 
 
 def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, Any]:
     """Run one scenario, plot it, print its table."""
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_run
-    from simulations.runner import run_scenario
 
     print(f"fedgc: running {config.method.title} on {config.train.task}, "
           f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
@@ -147,8 +150,6 @@ def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, An
     """One run of ``compare --jobs N`` in a worker process, on one torch thread."""
     import torch
 
-    from simulations.runner import run_scenario
-
     torch.set_num_threads(1)  # N runs side by side must not each spread over every core
     return run_scenario(config, verbose=verbose, netem=netem)
 
@@ -156,8 +157,6 @@ def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, An
 def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
              jobs: int) -> list[dict[str, Any]]:
     """The summaries of ``configs``' runs, in order; ``jobs`` runs at a time."""
-    from simulations.runner import run_scenario
-
     def started(c: RunConfig, verb: str = "") -> None:
         print(f"fedgc: {verb}[{c.method.title}] seed {c.train.seed}, {c.server.rounds} rounds "
               f"-> {c.run_dir}", flush=True)
@@ -190,6 +189,7 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
 def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
                  runs: dict[str, Path], budget_method: str | None) -> dict[str, dict[str, Any]]:
     """Ratios to dense, ``<run_dir>/compare.json``, ``compare.png`` and the printed table."""
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_runs
 
     base = config.run_dir
@@ -273,8 +273,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     that sent the least): ``last10_at_equal_traffic``
     (:func:`simulations.compare.at_equal_traffic`).
     """
-    from server.folders import check_compare_folder, claim_compare_folder
-    from server.preflight import check_run
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_bands
 
     methods = by_family(registry.compared() if methods is None
@@ -334,6 +333,7 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     ``out``, ``compare.json`` and ``accuracy_vs_traffic.png`` are written there. Returns the
     aggregate document.
     """
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_bands
 
     if out is not None and (out.exists() or out.is_symlink()) and not out.is_dir():
@@ -380,11 +380,7 @@ def _method_order(method: str) -> tuple[int, str]:
 def cmd_keys(flwr_toml: bool = False) -> None:
     """Print every configuration key with the part that owns it, type, default and range; with
     ``flwr_toml`` the ``[tool.flwr.app.config]`` table of ``pyproject.toml`` instead."""
-    from simulations.netem.settings import NetemSettings
-
     if flwr_toml:
-        from server.app import flwr_app_config_toml
-
         print(flwr_app_config_toml(), end="")
         return
 
@@ -506,7 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "deploy":
         try:
-            from simulations.deploy.cli import main as deploy_main  # another package's CLI
+            # Imported here: start-up; cryptography and the deployment load for deploy only.
+            from simulations.deploy.cli import main as deploy_main
         except ModuleNotFoundError as ex:
             if ex.name not in ("simulations.deploy", "simulations.deploy.cli"):
                 raise
@@ -515,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(deploy_main(argv[1:]) or 0)
     if argv and argv[0] == "wire":
+        # Imported here: start-up; cryptography and the capture analysis load for wire only.
         from simulations.wire.cli import main as wire_main
 
         return wire_main(argv[1:])
@@ -535,8 +533,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "traffic":
             cmd_traffic(args.folders, args.budget_method, args.out)
         elif args.command == "flwr":
-            from simulations.flwr_run import cmd_flwr
-
             return cmd_flwr(_values(args, None), args.verbose)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))

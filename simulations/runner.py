@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from flwr.app import Context
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from client.app import app as fedgc_client_app
 from fedgc.flower_log import flower_logging
 from fedgc.settings import RunConfig, SettingsError
 from fedgc.task_loader import ALLOWED_CALLABLES
-from server.app import NothingAggregatedError, RunFolderError
+from server.app import NothingAggregatedError, RunFolderError, prepare_run_dir, run_server
 from server.checkpoint import CheckpointError
+from server.local_grid import LocalGrid
 from server.preflight import PreflightError
 from simulations import cluster
+from simulations.batched_engine import BatchedGrid, check_batched
 from simulations.interrupt import GridStopped, RunInterrupted, StoppableGrid, last_kept_round
+from simulations.netem.integration import extensions, for_run, wrap_client_app
 from simulations.netem.settings import NetemSettings
-
-if TYPE_CHECKING:
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
 RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError)
@@ -103,26 +107,17 @@ def run_scenario(config: RunConfig, verbose: bool = False,
 
 def _run_scenario(config: RunConfig, verbose: bool,
                   netem: NetemSettings | None) -> dict[str, Any]:
-    # Imported here so that `python -m simulations --help` stays fast.
-    from flwr.app import Context
-    from flwr.serverapp import Grid, ServerApp
-
-    from client.app import app as client_app
-    from server.app import prepare_run_dir, run_server
-
     if config.server.engine == "batched":
         if netem is not None and netem.enabled:
             raise SettingsError("sim.engine=batched does not run the network emulator (its "
                                 "mod charges each client's messages one at a time); use "
                                 "sim.engine=local or ray with netem.enabled")
-        from simulations.batched_engine import check_batched
 
         check_batched(config)
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
     extra: dict[str, Any] = {}
+    client_app: ClientApp = fedgc_client_app
     if netem is not None and netem.enabled:
-        from simulations.netem.integration import extensions, for_run, wrap_client_app
-
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
         extra["extensions"] = extensions(netem, config)
@@ -130,15 +125,11 @@ def _run_scenario(config: RunConfig, verbose: bool,
     # node runs only those its node config lists, client.app.allowed_callables).
     simulated = {ALLOWED_CALLABLES: "*"}
     if config.server.engine == "batched":
-        from simulations.batched_engine import BatchedGrid
-
         with flower_logging(verbose):
             return run_server(BatchedGrid(client_app, config.train.num_clients,
                                           seed=config.train.seed, node_config=simulated),
                               config, **extra)
     if config.server.engine == "local":
-        from server.local_grid import LocalGrid
-
         with flower_logging(verbose):
             return run_server(LocalGrid(client_app, config.train.num_clients,
                                         seed=config.train.seed, node_config=simulated),

@@ -15,7 +15,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 import dgc
 from client.app import app as client_app
 from client.state import ClientStateStore
-from client.training import round_seed, train_locally
 from dgc import DecodeError, StateError
 from dgc.signs import (
     SharedIndexPlanner,
@@ -33,6 +32,7 @@ from dgc.signs.planner import displacement_masks
 from fedgc import protocol as P
 from fedgc.methods import get
 from fedgc.settings import TrainSettings, to_flat
+from fedgc.training import round_seed, train_locally
 from server.downlink import Downlink
 from server.local_grid import LocalGrid
 from simulations.compare import reach, traffic_area

@@ -109,14 +109,14 @@ def test_export_refusals_name_the_task(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_task_of_your_own_trains_on_the_phone_as_in_simulation(monkeypatch):
     """``task = "own_task.task:build"`` (examples/own_task: a 1-D CNN): its exported training
-    step (ExecuTorch, dynamic batch) follows client.training.train_locally within 1e-5."""
+    step (ExecuTorch, dynamic batch) follows fedgc.training.train_locally within 1e-5."""
     from android_bridge.export import TRAIN_FILE, export_training_step
     from android_bridge.models import get_model
     from android_bridge.runtime import PteTrainer
     from android_bridge.shuffle import local_batches
-    from client.training import train_locally
     from fedgc.settings import TaskSpec
     from fedgc.task_loader import load_task
+    from fedgc.training import train_locally
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     options = json.dumps({"num_train": 23, "num_test": 5})
