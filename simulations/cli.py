@@ -377,15 +377,27 @@ def _method_order(method: str) -> tuple[int, str]:
     return (names.index(method) if method in names else len(names), method)
 
 
-def cmd_keys(flwr_toml: bool = False) -> None:
-    """Print every configuration key with the part that owns it, type, default and range; with
-    ``flwr_toml`` the ``[tool.flwr.app.config]`` table of ``pyproject.toml`` instead."""
+def cmd_keys(flwr_toml: bool = False, prefixes: Sequence[str] = ()) -> None:
+    """Print every configuration key with the part that owns it, type, default and range (with
+    ``prefixes``, the keys starting with one of them or owned by a part of that name); with
+    ``flwr_toml`` the ``[tool.flwr.app.config]`` table of ``pyproject.toml`` instead.
+
+    A prefix that no key starts with and no part is named is a SettingsError listing the
+    parts."""
     if flwr_toml:
         print(flwr_app_config_toml(), end="")
         return
 
     own = [m.settings for m in registry.registered() if m.settings is not None]
-    for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
+    rows = key_table([ServerSettings, TrainSettings, NetemSettings, *own])
+    for prefix in prefixes:
+        if not any(row.key.startswith(prefix) or row.part == prefix for row in rows):
+            parts = sorted({row.part for row in rows})
+            raise SettingsError(f"no key starts with {prefix!r} and no part is named so; the "
+                                f"parts are {', '.join(parts)}")
+    for row in rows:
+        if prefixes and not any(row.key.startswith(p) or row.part == p for p in prefixes):
+            continue
         print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
                                    row.doc)))
 
@@ -480,7 +492,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--out", type=Path, metavar="DIR",
                    help="write the merged compare.json and accuracy_vs_traffic.png there")
     scenario("demo", "the default comparison (what `make demo` runs)", named=False)
-    k = sub.add_parser("keys", help="list every configuration key")
+    k = sub.add_parser("keys", help="list every configuration key (or those of PREFIX)")
+    k.add_argument("prefixes", nargs="*", metavar="PREFIX",
+                   help="list only the keys that start with PREFIX (netem, dgc.shared) or that "
+                        "a part of that name owns (server, client, sim, attack, netem, a "
+                        "method's prefix)")
     k.add_argument("--flwr-toml", action="store_true",
                    help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
     sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
@@ -519,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "keys":
-            cmd_keys(args.flwr_toml)
+            cmd_keys(args.flwr_toml, args.prefixes)
         elif args.command == "methods":
             print("\n".join(methods_table()))
         elif args.command == "run":
