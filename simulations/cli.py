@@ -24,7 +24,13 @@ from server.checkpoint import CheckpointError
 from server.folders import check_compare_folder, claim_compare_folder
 from server.preflight import PreflightError, check_run
 from server.results import write_json
-from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
+from simulations.cli_common import (
+    columns_help,
+    load_config_file,
+    parse_sets,
+    seeds_table,
+    summary_table,
+)
 from simulations.cluster import ClusterError
 from simulations.compare import (
     BASELINE,
@@ -198,8 +204,10 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png")
-    print(summary_table({s.get("label", m): s for m, s in summaries.items()}))
-    print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
+    label = {m: s.get("label", m) for m, s in summaries.items()}  # as the table names them
+    print(summary_table({label[m]: s for m, s in summaries.items()}))
+    print(_equal_traffic_line(f"{label.get(equal['method'], equal['method'])}'s", equal["bytes"],
+                              {label[m]: a for m, a in equal["last10"].items()}))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
 
@@ -449,8 +457,10 @@ def _parser() -> argparse.ArgumentParser:
                                             "Compression on Flower's simulation engine")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def scenario(name: str, help_text: str, named: bool = True) -> argparse.ArgumentParser:
-        q = sub.add_parser(name, help=help_text)
+    def scenario(name: str, help_text: str, named: bool = True,
+                 epilog: str | None = None) -> argparse.ArgumentParser:
+        q = sub.add_parser(name, help=help_text, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if named:
             q.add_argument("--scenario", metavar="NAME",
                            help=f"a shipped scenario ({', '.join(scenario_names())}); "
@@ -467,7 +477,8 @@ def _parser() -> argparse.ArgumentParser:
                      "federation sized to num_clients, a local SuperLink started and stopped "
                      "if none runs, the run's status as exit status")
     compared = registry.compared()
-    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
+    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them",
+                 epilog=columns_help())
     c.add_argument("--methods", default=",".join(compared),
                    help=f"comma-separated methods among {','.join(registry.names())}, or your "
                         f"own as module:callable; '{ALL_METHODS}': every registered method "
@@ -491,7 +502,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the least, per seed")
     t.add_argument("--out", type=Path, metavar="DIR",
                    help="write the merged compare.json and accuracy_vs_traffic.png there")
-    scenario("demo", "the default comparison (what `make demo` runs)", named=False)
+    scenario("demo", "the default comparison (what `make demo` runs)", named=False,
+             epilog=columns_help())
     k = sub.add_parser("keys", help="list every configuration key (or those of PREFIX)")
     k.add_argument("prefixes", nargs="*", metavar="PREFIX",
                    help="list only the keys that start with PREFIX (netem, dgc.shared) or that "
