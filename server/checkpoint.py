@@ -87,6 +87,12 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return state
 
 
+def checkpoint_round(directory: str | os.PathLike[str]) -> int | None:
+    """The last round the checkpoint in ``directory`` kept (None: no checkpoint yet)."""
+    state = load_checkpoint(directory)
+    return None if state is None else int(state.get("completed_rounds", 0))
+
+
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
 #: what it computes (``client_nodes``: node ids change when a deployment starts again;
 #: ``robust`` only chooses the defaults of keys that are compared themselves). Every other key

@@ -19,8 +19,13 @@ from fedgc.settings import (
     key_table,
     new_run_name,
 )
-from server.app import NothingAggregatedError, RunFolderError, flwr_app_config_toml
-from server.checkpoint import CheckpointError
+from server.app import (
+    NothingAggregatedError,
+    RunFolderError,
+    flwr_app_config_toml,
+    prepare_run_dir,
+)
+from server.checkpoint import CheckpointError, checkpoint_round
 from server.folders import check_compare_folder, claim_compare_folder
 from server.preflight import PreflightError, check_run
 from server.results import write_json
@@ -98,9 +103,10 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_run
 
-    print(f"fedgc: running {config.method.title} on {config.train.task}, "
-          f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
-          f"{config.server.rounds} rounds -> {config.run_dir}", flush=True)
+    # Checked before it is announced: a misspelt key or task option, a run that cannot work, a
+    # damaged checkpoint stop before the run's first line.
+    prepare_run_dir(config)
+    print(f"fedgc: {announcement(config)}", flush=True)
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.method.title: summary}))
@@ -111,6 +117,22 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
+
+
+def announcement(config: RunConfig) -> str:
+    """A run's first line: what runs where, and for a resumed run the round it resumes after
+    (its checkpoint's)."""
+    t, rounds = config.train, config.server.rounds
+    what = (f"{config.method.title} on {t.task}, {t.num_clients} clients "
+            f"({t.clients_per_round} per round)")
+    done = checkpoint_round(config.run_dir) if config.server.resume else None
+    if done is None:
+        return f"running {what}, {rounds} rounds -> {config.run_dir}"
+    if done >= rounds:
+        return (f"resuming {what}: its checkpoint is of round {done}, and rounds = {rounds} "
+                f"leaves none to run -> {config.run_dir}")
+    return (f"resuming {what} after round {done} (its checkpoint): rounds {done + 1}-{rounds} "
+            f"-> {config.run_dir}")
 
 
 def _method_config(config: RunConfig, method: str) -> RunConfig:

@@ -21,7 +21,7 @@ from flwr.app import Context
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from client.app import app as fedgc_client_app
+import client.app
 from fedgc.flower_log import flower_logging
 from fedgc.settings import RunConfig, SettingsError
 from fedgc.task_loader import ALLOWED_CALLABLES
@@ -116,7 +116,7 @@ def _run_scenario(config: RunConfig, verbose: bool,
         check_batched(config)
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
     extra: dict[str, Any] = {}
-    client_app: ClientApp = fedgc_client_app
+    client_app: ClientApp = client.app.app  # read when the run starts (tests replace it)
     if netem is not None and netem.enabled:
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
