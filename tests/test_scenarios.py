@@ -56,6 +56,13 @@ def test_unknown_scenario_names_the_known_ones(argv: list[str], capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "'cifar'" in err and all(name in err for name in scenario_names())
+    assert "is a task" not in err
+
+
+def test_a_task_given_as_scenario_gets_the_key_to_use(capsys) -> None:
+    assert main(["run", "--scenario", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert "'digits' is a task: --set task=digits" in err and "mnist5k" in err
 
 
 @pytest.mark.parametrize("seeds", ["0,x", "1,1", "-1", ""])
