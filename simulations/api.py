@@ -35,7 +35,7 @@ from typing import Any
 
 from fedgc.methods import compared
 from fedgc.settings import RunConfig
-from simulations.cli import check_methods, cmd_compare, cmd_run, method_folder
+from simulations.cli import check_methods, cmd_compare, cmd_run, method_folder, name_comparison
 from simulations.cli_common import load_config_file
 from simulations.netem.integration import split_netem
 from simulations.scenario import load_scenario
@@ -125,8 +125,9 @@ def read_rounds_table(path: Path) -> list[dict[str, int | float]]:
 
 
 def config_of(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
-              **keys: Any) -> tuple[RunConfig, Any]:
-    """The run's RunConfig and NetemSettings from the same layers as the command line."""
+              comparison: bool = False, **keys: Any) -> tuple[RunConfig, Any]:
+    """The run's (or with ``comparison``, the comparison's) RunConfig and NetemSettings from
+    the same layers as the command line."""
     values: dict[str, Any] = {}
     if scenario is not None:
         values.update(load_scenario(scenario))
@@ -136,6 +137,8 @@ def config_of(scenario: str | None = None, config: str | Path | Mapping[str, Any
         values.update(load_config_file(str(config)))
     for name, value in keys.items():
         values[name.replace("__", ".")] = value
+    if comparison:
+        name_comparison(values)
     rest, netem = split_netem(values)
     return RunConfig.from_flat(rest), netem
 
@@ -168,7 +171,7 @@ def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] 
     seed; ``jobs``: runs at a time, ``sim__engine="local"`` only); returns ``compare.json`` and
     the runs."""
     methods = list(compared()) if methods is None else check_methods(list(methods), "methods")
-    run_config, netem = config_of(scenario, config, **keys)
+    run_config, netem = config_of(scenario, config, comparison=True, **keys)
     doc = cmd_compare(run_config, verbose, methods, netem,
                       list(seeds) if seeds is not None else None, jobs)
     return _comparison(run_config.run_dir, doc, methods, seeds)

@@ -74,14 +74,21 @@ def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict
     if args.config:
         values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
-    resume = str(values.get("resume", "")).strip().lower() in ("true", "1", "yes", "on")
-    if getattr(args, "command", None) == "compare" and not values.get("run_name") and not resume:
-        # One folder for the whole comparison, named for it (a run's default names its method);
-        # a resume without run_name is left to RunConfig, which names the missing key.
-        task = values.get("task", TrainSettings.task)
-        values["run_name"] = new_run_name(values.get("results_dir", ServerSettings.results_dir),
-                                          f"{task}-compare")
+    if getattr(args, "command", None) == "compare":
+        name_comparison(values)
     return values
+
+
+def name_comparison(values: dict[str, object]) -> None:
+    """Give a comparison's keys without ``run_name`` one folder for the whole comparison, named
+    for it (``<time>-<task>-compare``; a run's default names its method); a resume without
+    ``run_name`` is left to RunConfig, which names the missing key."""
+    resume = str(values.get("resume", "")).strip().lower() in ("true", "1", "yes", "on")
+    if not values.get("run_name") and not resume:
+        task = values.get("task", TrainSettings.task)
+        values["run_name"] = new_run_name(str(values.get("results_dir",
+                                                         ServerSettings.results_dir)),
+                                          f"{task}-compare")
 
 
 def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:

@@ -102,13 +102,16 @@ def test_readme_api_block_runs_as_written(tmp_path: Path) -> None:
                           capture_output=True, timeout=600, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
-    printed = [line for line in done.stdout.splitlines()
-               if line and not line.startswith(("round ", "fedgc:", "results:"))]
-    accuracy, uplink, folder = printed[-2].split(" ", 2)
-    assert 0 < float(accuracy) <= 1 and int(uplink) > 0 and Path(folder).is_dir()
-    ratio = printed[-1].split(" ", 1)[0]
-    assert float(ratio) > 1  # DGC sends less than dense
-    assert "'dense': [RunResult(folder=" in printed[-1] and "'dgc': [RunResult(" in printed[-1]
+    # Among the run's and the comparison's own lines, the block's two prints.
+    one = re.search(r"^(\S+) (\d+) (results/\S+-digits-dgc)$", done.stdout, re.M)
+    assert one, done.stdout[-3000:]
+    assert 0 < float(one.group(1)) <= 1 and int(one.group(2)) > 0
+    assert (tmp_path / one.group(3) / "summary.json").is_file()
+    both = re.search(r"^(\S+) \{'dense': \[RunResult\(folder=.*'dgc': \[RunResult\(", done.stdout,
+                     re.M)
+    assert both and float(both.group(1)) > 1, done.stdout[-3000:]  # DGC sends less than dense
+    assert re.search(r"RunResult\(folder=PosixPath\('results/\d{8}-\d{6}-digits-compare/dgc'\)",
+                     done.stdout)  # a comparison's folder, named as the command line names it
 
 
 def test_the_readme_makes_the_venv_with_make_install() -> None:
