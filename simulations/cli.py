@@ -56,7 +56,7 @@ from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
 from simulations.netem.integration import split_netem
 from simulations.netem.settings import NetemSettings
-from simulations.runner import run_scenario
+from simulations.runner import check_engine, run_scenario
 from simulations.scenario import load_scenario, scenario_names
 
 #: The default comparison (``make demo``): the ``mnist5k`` scenario (100 clients, 10 per round,
@@ -110,8 +110,9 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_run
 
-    # Checked before it is announced: a misspelt key or task option, a run that cannot work, a
-    # damaged checkpoint stop before the run's first line.
+    # Checked before it is announced: a misspelt key or task option, a run its engine or this
+    # machine cannot run, a damaged checkpoint stop before the run's first line.
+    check_engine(config, netem)
     prepare_run_dir(config)
     print(f"fedgc: {announcement(config)}", flush=True)
     summary = run_scenario(config, verbose=verbose, netem=netem)

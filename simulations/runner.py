@@ -105,15 +105,20 @@ def run_scenario(config: RunConfig, verbose: bool = False,
                              config.server.rounds, config.server.checkpoint) from None
 
 
-def _run_scenario(config: RunConfig, verbose: bool,
-                  netem: NetemSettings | None) -> dict[str, Any]:
+def check_engine(config: RunConfig, netem: NetemSettings | None) -> None:
+    """SettingsError for a run its engine cannot run (``sim.engine=batched`` and the emulator,
+    or a method or task the batched engine lacks); nothing is created."""
     if config.server.engine == "batched":
         if netem is not None and netem.enabled:
             raise SettingsError("sim.engine=batched does not run the network emulator (its "
                                 "mod charges each client's messages one at a time); use "
                                 "sim.engine=local or ray with netem.enabled")
-
         check_batched(config)
+
+
+def _run_scenario(config: RunConfig, verbose: bool,
+                  netem: NetemSettings | None) -> dict[str, Any]:
+    check_engine(config, netem)
     prepare_run_dir(config)  # fail before Ray starts when the folder is taken
     extra: dict[str, Any] = {}
     client_app: ClientApp = client.app.app  # read when the run starts (tests replace it)
