@@ -12,7 +12,8 @@ fedgc`` stays light and the shared layer imports nothing of the simulations abov
 
 The shared layer: the message contract (:mod:`fedgc.protocol`), the settings engine and run
 keys (:mod:`fedgc.schema`, :mod:`fedgc.settings`), the method plugins and their catalogue
-(:mod:`fedgc.methods`), local training (:mod:`fedgc.training`), task loading, files and logs.
+(:mod:`fedgc.methods`), secure aggregation and differential privacy (:mod:`fedgc.privacy`),
+local training (:mod:`fedgc.training`), task loading, files and logs.
 """
 
 from __future__ import annotations
