@@ -4,9 +4,10 @@ One round, each step in its own module:
 
 1. ``configure_train``: the registry (:mod:`server.registry`) identifies and samples clients;
    the downlink (:mod:`server.downlink`) gives each the dense model or a patch on what it holds;
-2. ``aggregate_train``: :mod:`server.replies` decodes and validates each reply into an accepted
-   update or a rejection with its reason; :mod:`server.records` turns them into client rows;
-   :mod:`server.defences` bounds each client's weight and norm; :mod:`server.aggregation`
+2. ``aggregate_train``: the extensions (:mod:`server.extensions`) say which replies arrived;
+   :mod:`server.replies` decodes and validates each into an accepted update or a rejection with
+   its reason; an extension may select which of them the round takes; :mod:`server.records`
+   turns them into client rows; :mod:`server.defences` bounds each client's weight and norm; :mod:`server.aggregation`
    averages the accepted ones in O(total nonzeros); :mod:`server.optimizer` takes the server
    step; the downlink moves to the next version; the registry records acks and held versions;
 3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
@@ -175,9 +176,8 @@ class DGCStrategy(FedAvg):
 
     def summary(self) -> None:
         """Log the strategy's settings: the method and every server key."""
-        for ext in self.extensions:
-            if ext.describe():
-                log(INFO, "\t├──> %s", ext.describe())
+        for line in filter(None, (ext.describe() for ext in self.extensions)):
+            log(INFO, "\t├──> %s", line)
         log(INFO, "\t├──> DGCStrategy settings (method %s):", self.method.title)
         keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
         for key, value in sorted(self.settings.to_flat().items()):
