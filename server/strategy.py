@@ -7,9 +7,10 @@ One round, each step in its own module:
 2. ``aggregate_train``: the extensions (:mod:`server.extensions`) say which replies arrived;
    :mod:`server.replies` decodes and validates each into an accepted update or a rejection with
    its reason; an extension may select which of them the round takes; :mod:`server.records`
-   turns them into client rows; :mod:`server.defences` bounds each client's weight and norm; :mod:`server.aggregation`
-   averages the accepted ones in O(total nonzeros); :mod:`server.optimizer` takes the server
-   step; the downlink moves to the next version; the registry records acks and held versions;
+   turns them into client rows; :mod:`server.defences` bounds each client's weight and norm;
+   :mod:`server.aggregation` averages the accepted ones in O(total nonzeros);
+   :mod:`server.optimizer` takes the server step; the downlink moves to the next version; the
+   registry records acks and held versions;
 3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
 """
 
