@@ -22,6 +22,10 @@ changes nothing:
 5. at the end, keys of ``summary.json`` (:meth:`~RoundExtension.summary`); across a resume, the
    keys the run must keep (:meth:`~RoundExtension.run_config`) and its state in the checkpoint.
 
+Besides, :meth:`~RoundExtension.step` is told as each of the server's steps of a round begins
+and ends, on the thread that runs it (``configure``, ``aggregate``, ``evaluate``): the emulator
+charges the server's measured work to its clock.
+
 The strategy's steps stay its own and callable one by one (check the replies, aggregate the
 checked ones: :meth:`server.strategy.DGCStrategy.check_replies`,
 :meth:`~server.strategy.DGCStrategy.aggregate_checked`); an extension decides *which* replies a
@@ -121,6 +125,12 @@ class RoundExtension:
     def set_model(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         """Told the global model's tensor shapes when the strategy adopts it (before the first
         round it runs, resumed or not)."""
+
+    def step(self, server_round: int, name: str, begins: bool) -> None:
+        """Told as step ``name`` of round ``server_round`` begins and ends, on the thread that
+        runs it: ``configure`` (the train messages), ``aggregate`` (from the replies to the
+        round's record, :meth:`after_round` included), ``evaluate`` (the central evaluation
+        after the round; round 0: of the initial model)."""
 
     def message_keys(self, server_round: int, client_key: int) -> Mapping[str, ConfigValue]:
         """Config keys added to the train message of ``client_key`` in ``server_round``."""

@@ -263,6 +263,13 @@ class DGCStrategy(FedAvg):
         """Sample clients and send each the model (dense or patch) with its acknowledgement,
         and the run's ``config`` whole only to a client not known to hold it (its digest
         otherwise: :mod:`fedgc.protocol`)."""
+        self._step(server_round, "configure", True)
+        messages = self._configure(server_round, arrays, config, grid)
+        self._step(server_round, "configure", False)
+        return messages
+
+    def _configure(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                   grid: Grid) -> list[Message]:
         if self.model is None:
             self.set_model(arrays)
         reg = self.registry
@@ -312,6 +319,7 @@ class DGCStrategy(FedAvg):
         """Validate the replies that arrived, take what the round takes (every reply, or what
         the selecting extension says), aggregate the valid ones sparsely, apply the server
         optimizer."""
+        self._step(server_round, "aggregate", True)
         state = self._current(server_round)
         came = [Reply(msg, state.sender(msg, self.registry)[0]) for msg in replies]
         checked = self.check_replies(server_round, [r.message for r in
@@ -319,7 +327,9 @@ class DGCStrategy(FedAvg):
         chosen = None if self.selector is None else self.selector.select(server_round, checked)
         if chosen is None:
             chosen = Selection(tuple(checked))
-        return self.aggregate_checked(server_round, chosen.taken, chosen.processed)
+        out = self.aggregate_checked(server_round, chosen.taken, chosen.processed)
+        self._step(server_round, "aggregate", False)
+        return out
 
     def check_replies(self, server_round: int, replies: Iterable[Message]) -> list[CheckedReply]:
         """Every reply of the round, decoded (in one batch) and checked once, in order."""
@@ -382,6 +392,10 @@ class DGCStrategy(FedAvg):
             log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s", server_round, ex)
             return False
         return self.step(self.aggregator.finish(combined, self.shapes))
+
+    def _step(self, server_round: int, name: str, begins: bool) -> None:
+        for ext in self.extensions:
+            ext.step(server_round, name, begins)
 
     def _root(self, space: Mapping[str, tuple[int, ...]]) -> torch.Tensor:
         """FLTrust's root update: the server's own round on its root set, from the model
@@ -470,5 +484,16 @@ class DGCStrategy(FedAvg):
         ``evaluate_fn`` is expected to return a MetricRecord with ``accuracy`` (a fraction) and
         ``loss``; they fill :class:`RoundRecord`.
         """
+        if evaluate_fn is not None and self.extensions:
+            evaluate = evaluate_fn
+
+            def stepped(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+                self._step(server_round, "evaluate", True)
+                try:
+                    return evaluate(server_round, arrays)
+                finally:
+                    self._step(server_round, "evaluate", False)
+
+            evaluate_fn = stepped
         return run_rounds(self, grid, initial_arrays, num_rounds, timeout, train_config,
                           evaluate_config, evaluate_fn)

@@ -61,7 +61,7 @@ RUNS = {
                    "--set", "over_selection=1.5", "--set", "seed=5",
                    "--set", "density=0.05", "--set", "netem.enabled=true",
                    "--set", "netem.mix=3g:0.5,edge:0.5", "--set", "netem.intermittent=0.5",
-                   "--set", "netem.deadline_s=30"],
+                   "--set", "netem.deadline_s=30", "--set", "netem.protocol=none"],
 }
 MACHINE = {"wall_seconds", "compute_seconds_max", "compute_seconds", "process_seconds",
            # The transport's name for a node, not a result: Ray draws new ones every run, and
@@ -89,8 +89,13 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).
 CHANGED_DEFAULTS = {"max_weight_ratio": (4.0, 0.0), "max_norm_ratio": (10.0, 0.0)}
 #: The emulator's keys added after the snapshots (issue 25), with the values that compute what
-#: it did before them: no protocol model, the preset power models.
-NETEM_ADDED_LATER = {"netem.power_model": "", "netem.protocol": "none"}
+#: it did before them: no protocol model, the preset power models. Since issue 37 a profile
+#: is charged by default (``bridge-tls``): ``netem_drop`` names ``none``, the default of its
+#: time, and the profile's part keys are left to the profile ("").
+NETEM_ADDED_LATER = {"netem.power_model": "", "netem.protocol": "none",
+                     "netem.poll_interval_s": "", "netem.app_startup_s": "",
+                     "netem.server_measured": "", "netem.server_s": "",
+                     "netem.server_eval": False}
 #: The network emulator's columns: its extension's since issue 29, absent without it.
 EMULATOR = ["virtual_seconds", "dropped_deadline", "dropped_link", "dropped_rejected"]
 #: Added by the emulator's wire and energy extension (issue 25) after the snapshots, after its

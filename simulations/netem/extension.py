@@ -15,7 +15,21 @@ the exact encoded bytes both ways and reports the client's timeline. When the re
 4. the round's ``virtual_seconds``, ``dropped_deadline``, ``dropped_link`` and
    ``dropped_rejected`` are its columns; the stragglers that came in time but after the K-th are
    over-selection's surplus (``clients_surplus``), not drops. The virtual clock moves to the
-   round's close (plus the server's own time, with ``netem.protocol``).
+   round's close.
+
+The server's own time in a round (the profile's ``server`` part, :mod:`simulations.netem.protocol`)
+is its work in the round's path as this run measures it: the CPU seconds of the server's thread
+(``time.thread_time``: neither the machine's load nor a simulation engine's other threads count)
+in its ``configure`` step (sampling, the downlink's patches) and in its ``aggregate`` step
+(decoding, checks, aggregation, the server step and the broadcast's compression) up to the
+round's record, plus, with ``netem.server_eval``, the previous round's central evaluation (it
+delays this round), plus the profile's fixed ``server_s``; the strategy says when each step
+begins and ends (:meth:`NetemClock.step`). A round's ``virtual_seconds`` is its clients' part
+(from its start to its close) plus that server time. The links' processes (outages, traces) run
+on a clock without the measured part: it varies from run to run with the machine, and a link
+clock that does not see it keeps a run's drops, bytes and accuracy reproducible from its seeds
+(the on/off chains are stationary, so leaving the server's seconds out of their time changes
+none of their statistics).
 
 The payload and link bytes with their ratios to dense, joules and the round's time split are
 :class:`~simulations.netem.wire_columns.WireColumns`, the emulator's second extension.
@@ -25,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Mapping, Sequence
 from logging import INFO
 from typing import Any
@@ -37,7 +52,14 @@ from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply
-from simulations.netem.settings import PREFIX, ROUND_KEY, ROUND_START_KEY, NetemSettings
+from simulations.netem.settings import (
+    PREFIX,
+    ROUND_KEY,
+    ROUND_START_KEY,
+    NetemSettings,
+    profile_line,
+)
+from simulations.netem.target import reach_target
 
 __all__ = ["NetemClock"]
 
@@ -62,8 +84,8 @@ class NetemClock(RoundExtension):
     ----------
     netem : NetemSettings
         The scenario (links, devices, deadline); sent to every client with each train message.
-        ``netem.target_accuracy`` > 0: the summary reports the virtual seconds until the global
-        model first reached it (``virtual_seconds_to_target``).
+        ``netem.target_accuracy`` > 0: the summary reports the virtual seconds, wire bytes and
+        joules until the global model first reached it (:mod:`simulations.netem.target`).
     clients_per_round : int
         K, the updates a round waits for.
     over_selection : float
@@ -84,7 +106,16 @@ class NetemClock(RoundExtension):
             raise TypeError(f"netem must be NetemSettings, got {type(netem).__name__}")
         self.netem = netem
         self.clock = RoundClock(clients_per_round, netem.deadline, over_selection)
+        self.profile = netem.protocol_model()
+        # The links' clock: the clients' part of every round and the profile's fixed server
+        # seconds, never the measured ones (module docstring).
         self.virtual_now_s = 0.0
+        # The server's work measured this round so far (CPU seconds), and each finished
+        # round's server seconds as charged.
+        self._measured = self.profile is not None and self.profile.server_measured
+        self._work_s = self._eval_s = 0.0
+        self._started: dict[str, float | None] = {}
+        self.server_seconds: dict[int, float] = {}
         self._keys = netem.to_config()
         self._arrivals: _Arrivals | None = None
         self._outcome: RoundOutcome | None = None
@@ -93,17 +124,46 @@ class NetemClock(RoundExtension):
 
     @property
     def server_s(self) -> float:
-        """The server's own seconds between rounds, as the protocol's calibration measured
-        them (0 without ``netem.protocol``)."""
-        proto = self.netem.protocol_model()
-        return proto.server_s if proto is not None else 0.0
+        """The profile's fixed server seconds per round (0 without a profile)."""
+        return self.profile.server_s if self.profile is not None else 0.0
+
+    def round_server_s(self, server_round: int) -> float:
+        """Round ``server_round``'s server seconds: the profile's fixed ones, plus (with
+        ``server_measured``) the work measured from its ``configure`` step to now, inside its
+        ``aggregate`` step (module docstring). The first call of a round fixes the value."""
+        if server_round not in self.server_seconds:
+            work = self._work_s
+            started = self._started.get("aggregate")
+            if started is not None:
+                work += time.thread_time() - started
+            self.server_seconds[server_round] = self.server_s + (work if self._measured else 0.0)
+            for old in [r for r in self.server_seconds if r < server_round - 1]:
+                del self.server_seconds[old]
+        return self.server_seconds[server_round]
 
     def describe(self) -> str:
-        """The scenario in one line."""
+        """The scenario and the protocol profile in one line."""
         n = self.netem
         deadline = f"{n.deadline_s:g} s" if n.deadline_s > 0 else "none"
         return (f"Network emulator: mix {n.mix}, {100 * n.intermittent:.0f}% intermittent "
-                f"({n.outage_policy}), deadline {deadline}")
+                f"({n.outage_policy}), deadline {deadline}; protocol profile {profile_line(n)}")
+
+    def step(self, server_round: int, name: str, begins: bool) -> None:
+        """Time the server's work: its ``configure`` and ``aggregate`` steps, and with
+        ``netem.server_eval`` its central evaluation, charged to the next round (module
+        docstring)."""
+        now = time.thread_time()
+        if begins:
+            self._started[name] = now
+            return
+        started = self._started.pop(name, None)
+        if started is None:
+            return
+        if name == "configure":
+            # The previous round's evaluation (with netem.server_eval) delayed this one.
+            self._work_s, self._eval_s = now - started + self._eval_s, 0.0
+        elif name == "evaluate" and self.netem.server_eval:
+            self._eval_s += now - started
 
     # ---- the round -----------------------------------------------------------------------
     def message_keys(self, server_round: int, client_key: int) -> Mapping[str, ConfigValue]:
@@ -154,8 +214,7 @@ class NetemClock(RoundExtension):
         self._outcome = outcome
         self._rejected_finish = {k: t for k, (_, t) in rejected.items()}
         in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
-        # The server's own work between rounds (aggregation, evaluation, scheduling), as the
-        # protocol's calibration measured it.
+        # The links' clock: the clients' part and the profile's fixed server seconds.
         self.virtual_now_s = outcome.end_s + self.server_s
         # A client that replied with an update (even too late, or cut on the uplink) trained on
         # the model sent this round, so it holds that version: the download completed, which
@@ -172,6 +231,7 @@ class NetemClock(RoundExtension):
         """
         outcome = self._outcome
         assert outcome is not None and outcome.round_index == record.round
+        server_s = self.round_server_s(record.round)
         rejected = self._rejected_finish
         for row in rows:
             why = outcome.dropped.get(row.client_key)
@@ -186,7 +246,7 @@ class NetemClock(RoundExtension):
                 row.status, row.reason = "dropped", "deadline"
         record.clients_surplus = sum(row.status == "surplus" for row in rows)
         added = {
-            "virtual_seconds": outcome.virtual_seconds + self.server_s,
+            "virtual_seconds": outcome.virtual_seconds + server_s,
             "dropped_deadline": outcome.dropped_deadline + sum(
                 t > outcome.end_s for t in rejected.values()),
             "dropped_link": outcome.dropped_link,
@@ -204,16 +264,15 @@ class NetemClock(RoundExtension):
             return sum(r.extra.get(name, 0) for r in rounds)
 
         target = self.netem.target_accuracy
-        to_target: float | None = None
-        if target > 0:
-            elapsed = 0.0
-            for r in rounds:
-                elapsed += r.extra.get("virtual_seconds", 0.0)
-                if math.isfinite(r.accuracy) and r.accuracy >= target:
-                    to_target = elapsed
-                    break
+        reached = reach_target([{"accuracy": r.accuracy, **r.extra} for r in rounds],
+                               target) if target > 0 else None
         return {"virtual_seconds": total("virtual_seconds"),
-                "virtual_seconds_to_target": to_target, "target_accuracy": target or None,
+                "target_accuracy": target or None,
+                "virtual_seconds_to_target": reached.virtual_s if reached else None,
+                "round_to_target": reached.row if reached else None,
+                "wire_bytes_to_target": reached.wire_bytes if reached else None,
+                "joules_to_target": reached.joules if reached else None,
+                "server_seconds": total("round_server_s"),
                 "dropped_deadline": total("dropped_deadline"),
                 "dropped_link": total("dropped_link"),
                 "dropped_rejected": total("dropped_rejected"),
