@@ -99,6 +99,12 @@ COLUMN_HELP = {
     "seeds": "with --seeds, the runs averaged, where methods differ",
     "final acc": "the global model's accuracy on the test split after the last round",
     "last10 acc": "the mean of that accuracy over the last 10 rounds",
+    "virtual s": "with netem: the run's time on the emulator's clock (its rounds' virtual "
+                 "seconds, each the clients' part and the server's)",
+    "s to target": "with netem: virtual seconds until the model first reached the target "
+                   "accuracy (netem.target_accuracy; 0: in a comparison, dense FedAvg's "
+                   "last-10, said under the table); 'not reached', or 'n/a' without a target",
+    "wire MB to target": "with netem: the bytes the links carried until then",
     "uplink MB": "payload the clients sent in all rounds (fedgc's wire format), in MB",
     "downlink MB": "payload the server sent (models, patches, round material), in MB",
     "total MB": "uplink + downlink payload",
@@ -110,8 +116,7 @@ COLUMN_HELP = {
     "wire total MB": "with netem: up + down on the links",
     "J/client-round": "with netem: the joules (radio and processor) a client spent per round "
                       "it worked in",
-    "J to target": "with netem and netem.target_accuracy: every client's joules, idle ones "
-                   "included, until the model first reached the target",
+    "J to target": "with netem: every client's joules, idle ones included, until then",
     "acc/decade": "accuracy averaged over the run's total bytes on a log axis: the area "
                   "under accuracy against log10(cumulative bytes), per decade, from the "
                   "comparison's smallest first round (higher: more accuracy per byte)",

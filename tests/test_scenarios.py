@@ -391,6 +391,8 @@ def test_every_column_of_the_tables_is_explained_in_compare_help_and_the_guide(c
              "wire_downlink_bytes": 2e6, "wire_total_bytes": 4e6, "wire_uplink_vs_dense": 1.5,
              "wire_downlink_vs_dense": 1.5, "wire_total_vs_dense": 1.5,
              "joules_per_client_round": 3.0, "joules_to_target": 90.0,
+             "virtual_seconds": 120.0, "virtual_seconds_to_target": 80.0,
+             "wire_bytes_to_target": 3e6, "target_accuracy": 0.8,
              "traffic_auc_mean": 0.8, "curve_above_share": 1.0, "reach_dense_round": 5,
              "reach_dense_bytes": 1e6, "clients_failed": 0, "wall_seconds": 1.0}
 
