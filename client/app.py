@@ -44,7 +44,6 @@ from client import node
 from client.attacks import Attack, attack_of
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
-from client.training import LocalResult, round_seed, train_locally
 from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
@@ -60,6 +59,8 @@ from fedgc.refs import (
     parse_allowed,
 )
 from fedgc.schema import SettingsError, fields_of, fill_fallbacks, parse
+from fedgc.task_loader import load_task
+from fedgc.training import LocalResult, round_seed, train_locally
 
 app = ClientApp()
 logger = logging.getLogger(__name__)
@@ -78,8 +79,6 @@ class ClientProtocolError(P.ProtocolError):
 def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
     """The task of ``spec``, loaded once per process (the bridge app shares it); a
     ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
-    from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
-
     return load_task(spec, allowed)
 
 
@@ -443,7 +442,7 @@ class RoundInput:
 
     @property
     def seed(self) -> int:
-        """The seed of this round's local shuffling (:func:`client.training.round_seed`)."""
+        """The seed of this round's local shuffling (:func:`fedgc.training.round_seed`)."""
         return round_seed(self.s.seed, self.server_round, self.key)
 
 
