@@ -65,7 +65,8 @@ def test_keys_lists_the_keys_of_a_prefix_or_a_part(capsys):
     assert listed("netem") == netem
     assert listed("dgc.shared") and all(k.startswith("dgc.shared") for k in listed("dgc.shared"))
     server = {f.metadata["key"] for f in fields_of(ServerSettings)}
-    assert "rounds" in listed("server") and set(listed("server")) <= server
+    assert "aggregation" in listed("server") and set(listed("server")) <= server
+    assert "rounds" in listed("run") and "rounds" not in listed("server")  # by owner (fedgc.keys)
     assert listed("netem", "rounds") == sorted([*netem, "rounds"])
     assert main(["keys", "netx"]) == 2
     err = capsys.readouterr().err
