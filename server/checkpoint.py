@@ -96,8 +96,8 @@ RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensor
 
 
 #: Keys that compute nothing while the key they serve is empty (or 0).
-INERT_WITHOUT = {"attack.kind": "attack.clients", "attack.norm_ratio": "attack.clients",
-                 "attack.weight_ratio": "attack.clients", "attack.target_class": "attack.clients"}
+INERT_WITHOUT = {f"attack.{k}": "attack.clients" for k in (
+    "kind", "norm_ratio", "weight_ratio", "target_class", "knowledge", "deviation", "epsilon")}
 
 
 def check_run_config(written: Mapping[str, object] | None,
