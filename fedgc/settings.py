@@ -107,7 +107,7 @@ ROBUST_PROFILES: dict[str, dict[str, Any]] = {
     "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
             "min_cosine": -1.0},
     "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
-           "min_cosine": -1.0},
+           "min_cosine": 0.0},
 }
 #: Hostile clients (``client.attacks``).
 ATTACKS = ("sign_flip", "scaled", "targeted", "noise", "alie", "ipm", "min_max", "min_sum")
@@ -500,11 +500,13 @@ class ServerSettings:
                                     "version); a client last sent an older one compresses "
                                     "without a reference", Check(1, 100_000))
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
-                          "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
-                          "(mean, no cap, no clip); on = for clients that are not trusted "
-                          "(centered_clip, weights capped at the round's median); auto = on in "
-                          "deployments and behind the phone bridge, off in simulation "
-                          "(docs/threat_model.md)", Check(choices=ROBUST_MODES))
+                          "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine): off = "
+                          "plain FedAvg (mean, no cap, no clip, no gate); on = for clients that "
+                          "are not trusted (centered_clip, weights capped at the round's "
+                          "median, updates pointing against the last round's aggregate left "
+                          "out: min_cosine 0); auto = on in deployments and behind the phone "
+                          "bridge, off in simulation (docs/threat_model.md)",
+                          Check(choices=ROBUST_MODES))
     max_weight_ratio: float | None = setting(
         None, "max_weight_ratio", "a client's weight (num-examples) is capped at this times the "
         "median claim of the round's valid replies (server/defences.py); 0 = no cap; empty = "
@@ -532,9 +534,9 @@ class ServerSettings:
                                    "clipping iterations per round", Check(1, 100))
     min_cosine: float | None = setting(
         None, "min_cosine", "a client's update is left out of the round (rejected, its "
-        "method folds it back) when its cosine with the round's robust direction (centered "
-        "clipping of the round's updates, clip_radius, clip_iterations) is below this; -1 = "
-        "none left out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
+        "method folds it back) when its cosine with the last round's aggregate (the direction "
+        "of history; none in round 1) is below this (server/aggregation.py); -1 = none left "
+        "out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
                                 "training split), on which it takes its own round each round",

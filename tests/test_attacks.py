@@ -270,3 +270,32 @@ def test_colluders_learn_the_round_once_and_share_it(tmp_path):
     assert written(tmp_path) == ["collusion.knowledge", "collusion.lock"]
     assert known_keys("partial", {1, 0}, 10) == [0, 1]
     assert known_keys("full", {1, 0}, 5) == [2, 3, 4]
+
+
+def test_colluders_run_end_to_end_and_the_deployed_default_leaves_ipm_out(tmp_path):
+    """digits, 10 clients all in every round, clients 0 and 1 colluding with full knowledge
+    (IPM): both claim the benign median (just under the cap, 0.99 of it) and, from round 2
+    (round 1's benign mean leaves IPM no room: it sends zeros), the deployed default leaves
+    their update out of the round; plain FedAvg aggregates it."""
+    import csv
+
+    from tasks import get_task
+
+    keys = {**QUICK, "method": "dense", "rounds": 3, "local_steps": 5,
+            "results_dir": str(tmp_path), "attack.clients": "0,1", "attack.kind": "ipm",
+            "attack.knowledge": "full"}
+    robust = run(config={**keys, "robust": "on", "run_name": "robust"})
+    rows = list(csv.DictReader((robust.folder / "clients.csv").open()))
+    out = {(int(r["round"]), int(r["client_key"])) for r in rows
+           if r["reason"].startswith("left out")}
+    assert {(2, 0), (2, 1), (3, 0), (3, 1)} <= out
+    assert {k for _, k in out} == {0, 1}
+    sizes = [len(p) for p in get_task("digits").partition(10, scheme="dirichlet", alpha=0.5,
+                                                           seed=0)]
+    claims = {int(r["num_examples"]) for r in rows if int(r["client_key"]) < 2}
+    assert claims == {round(0.99 * statistics.median(sizes[2:]))}
+    assert robust.summary["defences"]["updates_left_out"] == len(out)
+    assert (tmp_path / "robust" / "client_state" / "collusion.knowledge").is_file()
+    plain = run(config={**keys, "run_name": "plain"})
+    statuses = {r["status"] for r in csv.DictReader((plain.folder / "clients.csv").open())}
+    assert statuses == {"aggregated"}
