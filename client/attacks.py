@@ -173,7 +173,8 @@ class Attack:
                                  f"updates, and none were given")
             flat = self._crafted(benign.stacked())
             out, at = {}, 0
-            for name, t in honest.items():
+            for name in benign.updates[0]:  # the order of stacked()'s rows
+                t = honest[name]
                 out[name] = flat[at:at + t.numel()].to(t.device, t.dtype).view(t.shape)
                 at += t.numel()
             return out
