@@ -57,14 +57,6 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "centered_clip_r05": {"aggregation": "centered_clip", "clip_radius": 0.5,
                           "max_weight_ratio": 1, "max_norm_ratio": 0},
     "fltrust": {"aggregation": "fltrust", "max_weight_ratio": 0, "max_norm_ratio": 0},
-    # Issue 35's candidates: a direction gate (min_cosine 0 against the round's centered clip)
-    # before the weighted mean with norm bounding at 1 or 2 medians, or before centered clip.
-    "gate_n1": {"aggregation": "mean", "max_weight_ratio": 1, "max_norm_ratio": 1,
-                "min_cosine": 0},
-    "gate_n2": {"aggregation": "mean", "max_weight_ratio": 1, "max_norm_ratio": 2,
-                "min_cosine": 0},
-    "gate_cclip": {"aggregation": "centered_clip", "max_weight_ratio": 1, "max_norm_ratio": 0,
-                   "min_cosine": 0},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates
