@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dgc.errors import ConfigError, StateError
+from dgc.selection import select_stable
 from dgc.signs.codec import Masks
 
 
@@ -146,7 +147,7 @@ def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, 
             raise StateError(f"shared set of {name!r}: {k} entries of a tensor of "
                              f"{now.numel()} (version 0 has {then.numel()})")
         moved = (now.to(torch.float32) - then.to(torch.float32)).abs()
-        top = torch.sort(moved, descending=True, stable=True).indices[:int(k)]
+        top = select_stable(moved, int(k))
         out[name] = np.sort(top.numpy()).astype(np.int64)
     return out
 
