@@ -125,7 +125,8 @@ class Combine:
     ``min_cosine`` above -1 puts a direction gate before any of them: an update whose cosine
     with the robust direction of history (the last round's combined aggregate: centered
     clipping's center, which "Learning from History" trusts, Karimireddy et al. 2021) is below
-    ``min_cosine`` is left out of the round (:attr:`left_out`: its index and cosine). It is
+    ``min_cosine`` is left out of the round (:attr:`left_out`: its index and cosine), a
+    minority at most (the lowest cosines: a round keeps more than half its updates). It is
     FLTrust's trust score (Cao et al., NDSS 2021: ``ReLU(cos)`` against a trusted direction)
     used as a filter before the combine, as FLAME filters by direction (Nguyen et al., USENIX
     Security 2022), with history as the trusted direction instead of the server's own data;
@@ -160,8 +161,7 @@ class Combine:
                  factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
                  ) -> dict[str, torch.Tensor]:
         """The round's sum in the space of ``shapes``; ``dgc.AggregationError`` when the
-        weights total zero (for fltrust: when no update agrees with the root's; with the
-        gate: when it leaves every update out)."""
+        weights total zero (for fltrust: when no update agrees with the root's)."""
         self.left_out = {}
         if not self.gated:
             return self._combine(payloads, weights, factors, shapes)
@@ -169,17 +169,16 @@ class Combine:
         clients = [client_entries(p.parts(), f, offsets)
                    for p, f in zip(payloads, factors, strict=True)]
         reference = self.centered.center_of(size)
-        keep = []
         # No history yet (round 1): nothing to judge by, nothing left out.
         judged = cosines(clients, reference) if bool(reference.any()) else [1.0] * len(clients)
-        for i, cos in enumerate(judged):
-            if cos < self.min_cosine:
-                self.left_out[i] = cos
-            else:
-                keep.append(i)
-        if not keep:
-            raise dgc.AggregationError(f"every update's cosine with the last round's "
-                                       f"aggregate is below min_cosine {self.min_cosine:g}")
+        below = sorted((i for i, cos in enumerate(judged) if cos < self.min_cosine),
+                       key=lambda i: judged[i])
+        # A minority at most: attackers are fewer than half, so when half or more point against
+        # history it is history that turned (EF-sign's round 2 undoes round 1's overshoot), and
+        # only the farthest minority is left out; the round always keeps a majority.
+        for i in below[:(len(clients) - 1) // 2]:
+            self.left_out[i] = judged[i]
+        keep = [i for i in range(len(clients)) if i not in self.left_out]
         out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
                             [factors[i] for i in keep], shapes)
         if self.how != "centered_clip":  # which keeps its own result

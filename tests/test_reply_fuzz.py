@@ -84,18 +84,10 @@ HOSTILE = {
 @pytest.mark.parametrize("robust", ["off", "on"])
 @pytest.mark.parametrize("method", sorted(HOSTILE))
 def test_the_issues_hostile_replies_are_refused_alone(tmp_path: Path, method: str,
-                                                      robust: str,
-                                                      request: pytest.FixtureRequest) -> None:
+                                                      robust: str) -> None:
     """Before the fix QSGD's and PowerSGD's made the aggregate Inf: every reply of the round
     was rejected ("aggregate was not finite"); the sign scale and the dense values were
     aggregated, near the float32 limit."""
-    if (method, robust) == ("efsign", "on"):
-        # A known failure of the direction gate, left visible (strict: it fails once fixed):
-        # round 2's honest EF-sign updates all point against round 1's aggregate (the residual
-        # undoes the sign step's overshoot), the gate leaves every one out, the round fails.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="robust = on's direction gate leaves out every honest efsign "
-            "update of round 2 (issue 35, open)"))
     make, count, reason = HOSTILE[method]
     strategy, pairs = honest_round({"method": method}, robust, tmp_path)
     replies = [reply for _, reply in pairs]

@@ -385,3 +385,25 @@ def test_the_direction_gate_judges_by_history_only():
     expected = (w[:, None] * rows[kept]).sum(0) / w.sum()
     torch.testing.assert_close(torch.cat([second[n].reshape(-1).double() for n in SHAPES]),
                                expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_direction_gate_leaves_out_a_minority_at_most():
+    """When every update points against history (history turned, as EF-sign's round 2 does),
+    the gate leaves out only the farthest minority, lowest cosines first: the round keeps a
+    majority and its mean is theirs."""
+    honest, weights = _round_of_ten()
+    rows, w5 = honest[:5], weights[:5]
+    combine = Combine("mean", min_cosine=0.0)
+    first = combine([_payload(r) for r in rows], w5, [1.0] * 5, SHAPES)  # history: their mean
+    history = torch.cat([first[n].reshape(-1).double() for n in SHAPES])
+    flipped = -rows
+    out = combine([_payload(r) for r in flipped], w5, [1.0] * 5, SHAPES)
+    cos = torch.nn.functional.cosine_similarity(flipped, history[None, :], dim=1)
+    assert bool((cos < 0).all())  # every one below min_cosine 0
+    lowest = set(torch.argsort(cos)[:2].tolist())
+    assert set(combine.left_out) == lowest  # two of five: a minority
+    kept = [i for i in range(5) if i not in lowest]
+    w = torch.tensor([w5[i] for i in kept], dtype=torch.float64)
+    expected = (w[:, None] * flipped[kept]).sum(0) / w.sum()
+    torch.testing.assert_close(torch.cat([out[n].reshape(-1).double() for n in SHAPES]),
+                               expected, rtol=1e-5, atol=1e-6)
