@@ -56,8 +56,7 @@ class ThreadsFilter(logging.Filter):
         self._keys = {(t.ident, t.name) for t in self.threads}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        keep = (record.thread, record.threadName) not in self._keys
-        return keep
+        return (record.thread, record.threadName) not in self._keys
 
     def release(self) -> bool:
         """Remove this filter from Flower's logger if every muted thread has ended; return
