@@ -44,8 +44,9 @@ arm: $(STAMP)
 	FEDGC_HOST_PYTHON=$(PY) android_bridge/arm/build_rootfs.sh
 
 # FEDGC_ARM_REQUIRED: tests/test_arm.py fails (instead of skipping) without the arm64 rootfs.
+# --durations: the CI's log names the slowest tests (the suite's budget is 30 min on 2 cores).
 test: $(STAMP) arm
-	FEDGC_ARM_REQUIRED=1 $(PY) -m pytest -q
+	FEDGC_ARM_REQUIRED=1 $(PY) -m pytest -q --durations=40
 	$(MAKE) test-cross-cpu
 
 # The tests that compare float results with results made elsewhere (marker cross_cpu), again

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 #: Starts of Flower log lines that every fedgc run would print and no user can act on.
@@ -39,6 +40,45 @@ class FlowerNoiseFilter(logging.Filter):
         if record.exc_info and getattr(record.exc_info[1], REPORTED, False):
             return False
         return not record.getMessage().startswith(NOISE)
+
+
+class ThreadsFilter(logging.Filter):
+    """Drops the records of some threads: those of a Flower simulation runtime stopped by
+    Ctrl-C (:func:`mute_threads`); passes every other record.
+
+    A thread is known by its id and its name together: an id alone may be reused by a thread
+    started after the muted one ended.
+    """
+
+    def __init__(self, threads: Iterable[threading.Thread]) -> None:
+        super().__init__()
+        self.threads = list(threads)
+        self._keys = {(t.ident, t.name) for t in self.threads}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.thread, record.threadName) not in self._keys
+
+    def release(self) -> bool:
+        """Remove this filter from Flower's logger if every muted thread has ended; return
+        whether it was removed. One still running (a worker blocked on a dead actor) stays
+        muted, without waiting for it: whatever it logs later is the interrupted run's too."""
+        if any(t.is_alive() for t in self.threads):
+            return False
+        logging.getLogger("flwr").removeFilter(self)
+        return True
+
+
+def mute_threads(threads: Iterable[threading.Thread]) -> ThreadsFilter:
+    """Drop Flower's log records from ``threads`` until :meth:`ThreadsFilter.release`.
+
+    For a Ctrl-C on Flower's Ray engine: the runtime's worker threads that wait on a busy
+    ClientApp actor get an ``ActorDiedError`` once Ray shuts down, and Flower logs each with a
+    traceback; when that comes (before or after the run's one line) depends on the machine's
+    speed. It says only that the run was stopped, which the run's one line already says.
+    """
+    muted = ThreadsFilter(threads)
+    logging.getLogger("flwr").addFilter(muted)
+    return muted
 
 
 def report_once(ex: BaseException) -> None:

@@ -22,7 +22,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 import client.app
-from fedgc.flower_log import flower_logging
+from fedgc.flower_log import flower_logging, mute_threads
 from fedgc.settings import RunConfig, SettingsError
 from fedgc.task_loader import ALLOWED_CALLABLES
 from server.app import NothingAggregatedError, RunFolderError, prepare_run_dir, run_server
@@ -167,13 +167,19 @@ def _run_scenario(config: RunConfig, verbose: bool,
         finally:
             server_done.set()
 
+    before = set(threading.enumerate())
     try:
         run_engine(server_app, client_app, config.train.num_clients, backend, verbose)
     except KeyboardInterrupt:
-        # Flower has stopped its runtime and Ray; the ServerApp thread still waits for replies.
+        # Flower has stopped its runtime; the ServerApp thread still waits for replies, and
+        # the runtime's workers on busy actors wait for them until Ray shuts down, then log
+        # the ActorDiedError with a traceback: the interrupt's echo, muted (the threads the
+        # runtime started are those that were not there before it).
+        muted = mute_threads(t for t in threading.enumerate() if t not in before)
         stop.set()
         server_done.wait(STOP_WAIT_S)
         _shutdown_ray(config)
+        muted.release()
         raise
     finally:
         if config.server.ray_address:

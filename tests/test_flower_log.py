@@ -92,3 +92,52 @@ def test_an_error_reported_in_one_line_loses_flowers_traceback():
         "fedgc: dgc.density = 2.0 is outside the accepted range (0, 1]",
         "Simulation raised an exception"]
     assert seen.records[1].exc_info[1] is other  # a bug keeps its traceback
+
+
+def test_muted_threads_lose_their_flower_records_and_others_keep_theirs():
+    """After a Ctrl-C on the Ray engine, the runtime's worker threads log the ActorDiedError
+    that Ray's shutdown gives them; those records are dropped, other threads' are not, and the
+    filter goes once the muted threads have ended."""
+    import threading
+
+    from fedgc.flower_log import mute_threads
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    flwr_logger, seen = logging.getLogger("flwr"), Seen()
+    go, done = threading.Event(), threading.Event()
+
+    def worker() -> None:  # blocked on an actor until the driver shuts Ray down
+        go.wait(10)
+        flwr_logger.error("ray.exceptions.ActorDiedError: The actor died unexpectedly")
+        done.wait(10)
+
+    runtime = threading.Thread(target=worker, name="ThreadPoolExecutor-9_0")
+    runtime.start()
+    flwr_logger.addHandler(seen)
+    muted = mute_threads([runtime])
+    try:
+        go.set()
+        flwr_logger.error("the main thread's record")
+        assert not muted.release()  # still running: it stays muted
+        assert muted in flwr_logger.filters
+        done.set()
+        runtime.join(10)
+        assert muted.release()
+        assert muted not in flwr_logger.filters
+        # A later thread of the same name (an id may be reused too) is heard.
+        later = threading.Thread(target=flwr_logger.error, args=("a later run's record",),
+                                 name="ThreadPoolExecutor-9_0")
+        later.start()
+        later.join(10)
+    finally:
+        done.set()
+        flwr_logger.removeHandler(seen)
+        flwr_logger.removeFilter(muted)
+    assert seen.messages == ["the main thread's record", "a later run's record"]
