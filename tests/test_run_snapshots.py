@@ -51,7 +51,10 @@ COMMON = ["--set", "task=digits", "--set", "sim.engine=local", "--set", "progres
           "--set", "rounds=6", "--set", "downlink_history=1", "--set", "downlink_density=1",
           "--set", "downlink_values=float16", "--set", "clients_build_initial_model=false",
           "--set", "dgc.small_density=0.1", "--set", "dgc.warmup_rounds=4",
-          "--set", "dgc.min_sparse_numel=1024", "--set", "dgc.sparse_vectors=false"]
+          "--set", "dgc.min_sparse_numel=1024", "--set", "dgc.sparse_vectors=false",
+          # Unaggregated updates folded back whole, as every client did then (issue 37's
+          # default for dgc decays them).
+          "--set", "unaggregated=keep"]
 RUNS = {
     # DGC with the int8 compressed broadcast (patches of differences, look-ahead).
     "dgc_int8": ["--set", "num_clients=20", "--set", "clients_per_round=5", "--set", "seed=3",
@@ -83,7 +86,9 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
                "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
                "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
-               "attack.target_class": 0}
+               "attack.target_class": 0,
+               # issue 37's fold-back of unaggregated updates, whole
+               "unaggregated": "keep", "unaggregated_decay": 0.5, "unaggregated_cap": 1.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
 #: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).
