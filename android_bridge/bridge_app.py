@@ -195,7 +195,7 @@ def _phone_config(s: TrainSettings, method: methods.Method,
         "train": {"lr": s.lr, "batch_size": s.batch_size, "local_steps": s.local_steps,
                   "local_epochs": s.local_epochs, "seed": s.seed, "method": s.method,
                   # The shuffle is seeded by the run's seed, the round and the client's key
-                  # (client.training.round_seed); SGD as client.training.train_locally runs it.
+                  # (fedgc.training.round_seed); SGD as fedgc.training.train_locally runs it.
                   "client_key": int(client_key), "momentum": s.client_momentum,
                   "weight_decay": s.weight_decay},
         "dgc": phone_dgc.to_dict()}

@@ -51,6 +51,7 @@ from dgc.errors import ConfigError
 from fedgc import methods
 from fedgc.keys import ServerSettings
 from fedgc.settings import RunConfig
+from fedgc.task_loader import load_task
 
 MANIFEST_VERSION = 1
 #: Longest flat tensor the exported encoder accepts by default. ExecuTorch plans memory for the
@@ -576,8 +577,6 @@ def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
     the model's largest tensor (the encoder's memory plan is sized by it). A method phones do
     not run is a ``ConfigError`` naming the ones they do.
     """
-    from fedgc.task_loader import load_task
-
     check_phone_run(config.method, config.server)
     t = config.train
     phone = exact_config(phone_config(config))

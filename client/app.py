@@ -45,7 +45,6 @@ from client import node
 from client.attacks import Attack, attack_of
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
-from client.training import LocalResult, round_seed, train_locally
 from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
@@ -53,8 +52,16 @@ from fedgc import protocol as P
 from fedgc.keys import TrainSettings
 from fedgc.keys.run import TaskSpec
 from fedgc.methods.material import material_of
-from fedgc.refs import ALLOWED_CALLABLES, CallableNotAllowedError, check_allowed, is_ref
+from fedgc.refs import (
+    ALLOWED_CALLABLES,
+    CallableNotAllowedError,
+    check_allowed,
+    is_ref,
+    parse_allowed,
+)
 from fedgc.schema import SettingsError, fields_of, fill_fallbacks, parse
+from fedgc.task_loader import load_task
+from fedgc.training import LocalResult, round_seed, train_locally
 
 app = ClientApp()
 logger = logging.getLogger(__name__)
@@ -73,19 +80,22 @@ class ClientProtocolError(P.ProtocolError):
 def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
     """The task of ``spec``, loaded once per process (the bridge app shares it); a
     ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
-    from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
-
     return load_task(spec, allowed)
 
 
 def allowed_callables(context: Context) -> frozenset[str] | None:
-    """The ``module:callable`` references (tasks, methods) a run may make this node call: those
-    its node config lists in ``allowed-callables`` (comma-separated), so that a train message
-    cannot name code the node was not given; None (any) when the list holds ``*``, and on
-    Flower's simulation engine, whose nodes run the simulating user's own config."""
-    refs = frozenset(r.strip() for r in str(context.node_config.get(ALLOWED_CALLABLES, ""))
-                     .split(",") if r.strip())
-    return None if "*" in refs or node.in_simulation_engine() else refs
+    """The ``key=module:callable`` references (tasks, methods) a run may make this node call:
+    those its node config lists in ``allowed-callables`` (comma-separated,
+    :func:`fedgc.refs.parse_allowed`), each for its key, so that a train message cannot name
+    code the node was not given, nor a task as its method; None (any) when the list holds
+    ``*``, and on Flower's simulation engine, whose nodes run the simulating user's own config.
+    A bad entry is a :class:`ClientProtocolError` naming it."""
+    if node.in_simulation_engine():
+        return None
+    try:
+        return parse_allowed(str(context.node_config.get(ALLOWED_CALLABLES, "")))
+    except CallableNotAllowedError as ex:
+        raise ClientProtocolError(str(ex)) from None
 
 
 _models = threading.local()
@@ -433,7 +443,7 @@ class RoundInput:
 
     @property
     def seed(self) -> int:
-        """The seed of this round's local shuffling (:func:`client.training.round_seed`)."""
+        """The seed of this round's local shuffling (:func:`fedgc.training.round_seed`)."""
         return round_seed(self.s.seed, self.server_round, self.key)
 
 

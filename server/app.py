@@ -27,11 +27,13 @@ from fedgc.settings import RunConfig, SettingsError, method_key_classes, parse_c
 from fedgc.task_loader import load_task
 from server import defences
 from server.checkpoint import CheckpointError
-from server.extensions import Column, columns_of
+from server.extensions import Column, RoundExtension, columns_of
 from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
-from server.folders import make_folders, plan_folders
+from server.folders import RunLock, make_folders, plan_folders
+from server.local_grid import LocalGrid
 from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
+from server.registry import NoClientsError
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
 from server.tensorboard import RoundWriter
@@ -80,22 +82,25 @@ class NothingAggregatedError(RuntimeError):
     """A run ended in which no round aggregated a single update: it did not train at all."""
 
 
-def prepare_run_dir(config: RunConfig) -> None:
+def prepare_run_dir(config: RunConfig) -> RunLock:
     """Check that the run may use its folders and can work, then create them: a run refused
     here leaves nothing behind (:mod:`server.folders`, :func:`server.preflight.check_run`).
+    Returns the run folder's lock, held: the caller releases it when the run ends, or at once
+    when it only checks (the run itself takes it again).
 
     Raises
     ------
     RunFolderError
         The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), belongs to
-        another run or a comparison, or cannot be created or written.
+        another run or a comparison, cannot be created or written, or another process runs
+        in it.
     server.preflight.PreflightError
         The run cannot work (clients without data, a ``state_dir`` of another run or that
         cannot be written, a damaged checkpoint to resume).
     """
     plan = plan_folders(config)
     check_run(config)
-    make_folders(config, plan)
+    return make_folders(config, plan)
 
 
 def _clock(seconds: float) -> str:
@@ -157,8 +162,6 @@ def simulated(grid: Grid) -> bool:
     simulation engine), which run the user's own code and config, rather than deployed ones."""
     from flwr.superlink.grid import InMemoryGrid
 
-    from server.local_grid import LocalGrid
-
     # A grid that wraps another (simulations.interrupt.StoppableGrid, around Flower's
     # simulation grid) reaches the clients its inner grid reaches.
     while not isinstance(grid, (LocalGrid, InMemoryGrid)):
@@ -181,18 +184,28 @@ def resolve_robust(config: RunConfig, grid: Grid) -> RunConfig:
 
 def run_server(grid: Grid, config: RunConfig,
                on_round: Callable[[RoundRecord], None] | None = None,
+               extensions: Sequence[RoundExtension] = (),
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
     """Run a whole federation on ``grid`` and write the results files; return the summary.
 
-    ``strategy_factory(config, on_round=...)`` builds the strategy (the network emulator passes
-    one that builds a NetemStrategy); its extensions add columns to the results and keys to
-    the summary (:mod:`server.extensions`).
+    ``extensions`` hook into every round (:mod:`server.extensions`: the network emulator's
+    are :func:`simulations.netem.integration.extensions`); they add columns to the results and
+    keys to the summary. ``strategy_factory(config, on_round=..., extensions=...)`` builds the
+    strategy.
     """
     started = time.time()
     torch.set_num_threads(1)
     config = resolve_robust(config, grid)
+    with prepare_run_dir(config):  # the run folder's lock, held until the run ends
+        return _serve(grid, config, started, on_round, extensions, strategy_factory)
+
+
+def _serve(grid: Grid, config: RunConfig, started: float,
+           on_round: Callable[[RoundRecord], None] | None,
+           extensions: Sequence[RoundExtension],
+           strategy_factory: Callable[..., DGCStrategy]) -> dict[str, Any]:
+    """:func:`run_server` in its prepared run folder."""
     s, t = config.server, config.train
-    prepare_run_dir(config)
     task = load_task(t.task_spec())
     torch.manual_seed(t.seed)
     model = task.build_model()
@@ -225,7 +238,7 @@ def run_server(grid: Grid, config: RunConfig,
         if on_round is not None:
             on_round(record)
 
-    strategy = strategy_factory(config, on_round=round_done)
+    strategy = strategy_factory(config, on_round=round_done, extensions=extensions)
     # A node's client key is its claim: only keys of this run, bound to authenticated nodes
     # when client_nodes lists them (docs/threat_model.md).
     strategy.registry.bind(t.num_clients, parse_client_nodes(s.client_nodes))
@@ -320,7 +333,7 @@ def check_federation(grid: Grid, config: RunConfig) -> None:
 #: What the ServerApp under ``flwr run`` reports in one line (the user's to fix), not with a
 #: traceback; the run still fails.
 USER_ERRORS = (SettingsError, PreflightError, FederationSizeError, RunFolderError,
-               NothingAggregatedError, CheckpointError)
+               NothingAggregatedError, CheckpointError, NoClientsError)
 
 
 @app.main()

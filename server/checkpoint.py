@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 
+from fedgc import methods
 from fedgc.files import atomic_write
 from fedgc.methods.registry import upgrade_run_config
+from fedgc.schema import fallback_of
+from fedgc.settings import ServerSettings, TrainSettings, fields_of, method_key_classes
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -84,12 +87,19 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return state
 
 
+def checkpoint_round(directory: str | os.PathLike[str]) -> int | None:
+    """The last round the checkpoint in ``directory`` kept (None: no checkpoint yet)."""
+    state = load_checkpoint(directory)
+    return None if state is None else int(state.get("completed_rounds", 0))
+
+
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
-#: what it computes (``client_nodes``: node ids change when a deployment starts again;
-#: ``robust`` only chooses the defaults of keys that are compared themselves). Every other key
-#: must be the checkpoint's (``check_run_config``).
+#: what it computes (``robust`` only chooses the defaults of keys that are compared
+#: themselves). Every other key must be the checkpoint's (``check_run_config``), ``client_nodes``
+#: too (issue 35): a client key served by another node than the one that kept its residual, or
+#: a binding dropped on resume, changes who the server trusts mid-run.
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
-                            "round_timeout_s", "client_nodes", "robust",
+                            "round_timeout_s", "robust",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
                             "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address",
                             "sim.device", "sim.gpus_per_client"})
@@ -146,10 +156,6 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
     ``method``'s (a checkpoint written before the key existed ran with it, or one of another
     method's keys that its run carried before the methods declared their own), None for a
     method not registered here."""
-    from fedgc import methods
-    from fedgc.schema import fallback_of
-    from fedgc.settings import ServerSettings, TrainSettings, fields_of, method_key_classes
-
     own = methods.get(method).defaults if method in methods.names() else None
     out: dict[str, object] = {}
     for cls in (ServerSettings, TrainSettings, *method_key_classes()):
@@ -210,6 +216,15 @@ def migrate_strategy_state(state: dict[str, Any]) -> dict[str, Any]:
     state = dict(state)
     if version == 1:
         state = _from_version_1(state)
+    if "virtual_now_s" in state:
+        # The network emulator's clock, kept by its strategy subclass until issue 36, is its
+        # extension's state now: the first of its two, which kept nothing then.
+        clock = state.pop("virtual_now_s")
+        extensions = [dict(e) for e in state.get("extensions", [])]
+        empty = [e for e in extensions if not e]
+        if empty:
+            empty[0]["virtual_now_s"] = clock
+        state["extensions"] = extensions
     clients = {}
     for key, info in state["clients"].items():
         if "versions" in info:

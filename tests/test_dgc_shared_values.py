@@ -14,7 +14,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 import dgc
 from client.app import app as client_app
 from client.state import ClientStateStore
-from client.training import round_seed, train_locally
 from dgc import DecodeError, StateError
 from dgc.signs import (
     SharedIndexPlanner,
@@ -31,6 +30,7 @@ from dgc.signs.codec import decode_rank_request, encode_rank_request
 from dgc.signs.planner import displacement_masks
 from fedgc import protocol as P
 from fedgc.settings import RunConfig
+from fedgc.training import round_seed, train_locally
 from server.downlink import Downlink
 from server.local_grid import LocalGrid
 from simulations.compare import reach, traffic_area

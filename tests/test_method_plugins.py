@@ -97,15 +97,17 @@ def test_the_scan_would_see_a_key_or_a_class():
 
 
 def test_methods_import_nothing_of_the_server_or_the_clients():
-    """The dependencies point one way: ``fedgc`` is the layer both ends share."""
+    """The dependencies point one way: ``fedgc`` is the layer both ends share (but for the
+    public API, ``fedgc.run`` and the rest, which ``fedgc/__init__.py`` resolves from
+    ``simulations.api`` on first use: tests/test_import_graph.py's one exception)."""
     found = []
     for path in _sources(("fedgc",)):
         for node in ast.walk(ast.parse(path.read_text())):
             modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                        [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            found += [f"{path.relative_to(ROOT)}:{node.lineno}: {m}" for m in modules
+            found += [f"{path.relative_to(ROOT)}: {m}" for m in modules
                       if m.split(".")[0] in ("server", "client", "simulations", "android_bridge")]
-    assert found == []
+    assert found == ["fedgc/__init__.py: simulations"]
 
 
 def test_the_owners_keys_import_no_method():

@@ -16,6 +16,7 @@ from fedgc.settings import RunConfig
 from server.app import RunFolderError, run_server
 from server.checkpoint import CheckpointError, load_checkpoint
 from server.local_grid import LocalGrid
+from server.preflight import PreflightError
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
 from server.strategy import DGCStrategy
 
@@ -60,9 +61,9 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     for extra in ({}, {"checkpoint": False}):
         c = _config(tmp_path, run_name="nothing", rounds=2, resume=True, **extra)
-        with pytest.raises(CheckpointError, match="resume=true"):
+        with pytest.raises(PreflightError, match="resume=true"):
             run_server(LocalGrid(client_app, 6), c)
-        assert not (c.run_dir / "rounds.csv").exists()
+        assert not c.run_dir.exists()  # refused before any folder was made (issue 35)
 
 
 def test_run_folder_is_not_clobbered(tmp_path):
@@ -344,13 +345,13 @@ def test_only_dgc_runs_get_the_sign_channel_and_each_method_its_server_momentum(
 def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
     from server.app import progress_line
     from server.records import RoundRecord
-    from simulations.netem.strategy import NetemColumns
+    from simulations.netem.extension import NetemClock
 
     record = RoundRecord(round=3, accuracy=0.5, loss=1.0, uplink_bytes=1000,
                          dense_uplink_bytes=100_000, clients_sampled=6, clients_aggregated=4,
                          clients_surplus=2, wall_seconds=2.0, extra={"virtual_seconds": 41.5})
     line = progress_line(record, 10, elapsed=90.0, rounds_timed=3,
-                         columns=NetemColumns.columns, totals=[123.25])
+                         columns=NetemClock.columns, totals=[123.25])
     assert "failed 0 surplus 2" in line
     # The round's virtual seconds, and the run's so far: the report's (cumulative) axis.
     assert "virtual s: round 41.5 total 123.2" in line

@@ -55,6 +55,24 @@ def test_keys_lists_every_key_with_its_part(capsys):
     assert listed["dgc.small_density"] == "dgc" and listed["tcs.topk_share"] == "tcs"
 
 
+def test_keys_lists_the_keys_of_a_prefix_or_a_part(capsys):
+    def listed(*prefixes: str) -> list[str]:
+        assert main(["keys", *prefixes]) == 0
+        return [line.split()[0] for line in capsys.readouterr().out.splitlines()
+                if not line.startswith(" ")]
+
+    netem = sorted(f.metadata["key"] for f in fields_of(NetemSettings))
+    assert listed("netem") == netem
+    assert listed("dgc.shared") and all(k.startswith("dgc.shared") for k in listed("dgc.shared"))
+    server = {f.metadata["key"] for f in fields_of(ServerSettings)}
+    assert "aggregation" in listed("server") and set(listed("server")) <= server
+    assert "rounds" in listed("run") and "rounds" not in listed("server")  # by owner (fedgc.keys)
+    assert listed("netem", "rounds") == sorted([*netem, "rounds"])
+    assert main(["keys", "netx"]) == 2
+    err = capsys.readouterr().err
+    assert "no key starts with 'netx'" in err and "netem" in err
+
+
 def test_a_key_of_no_known_part_is_refused():
     from dataclasses import dataclass
 

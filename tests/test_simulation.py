@@ -152,8 +152,8 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
             "--set", "rounds=2", "--set", "sim.engine=local", "--set", "max_weight_ratio=1"]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == ("fedgc: defences: weight cap 1x the round's median, no update clip, "
-                      "weighted mean (max_weight_ratio=0: plain FedAvg)"), out[:3]
+    assert out[1] == ("fedgc: defences: a client's weight capped at the round's median "
+                      "(max_weight_ratio=1); plain FedAvg would take max_weight_ratio=0"), out[:3]
     run = tmp_path / "bounded"
     summary = json.loads((run / "summary.json").read_text())
     reasons = [r["reason"] for r in csv.DictReader((run / "clients.csv").open())
@@ -167,10 +167,15 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
 
 
 def test_plain_fedavg_says_so():
+    """The header names each defence with its key, and says what plain FedAvg would take."""
     from server.defences import describe
 
-    assert describe(0, 0, "mean", 0.1) == ("defences: no weight cap, no update clip, "
-                                           "weighted mean")
+    assert describe(0, 0, "mean", 0.1) == ("defences: none, plain FedAvg (the weighted mean of "
+                                           "the updates)")
     assert describe(0, 5, "trimmed_mean", 0.2) == (
-        "defences: no weight cap, update clip 5x the median norm, coordinate-wise trimmed mean "
-        "(0.2 cut) (max_norm_ratio=0 aggregation=mean: plain FedAvg)")
+        "defences: an update clipped to 5x the round's median norm (max_norm_ratio=5); updates "
+        "combined by the coordinate-wise mean trimmed of 0.2 at each end "
+        "(aggregation=trimmed_mean); plain FedAvg would take max_norm_ratio=0 aggregation=mean")
+    assert describe(2, 0, "mean", 0.1) == (
+        "defences: a client's weight capped at 2x the round's median (max_weight_ratio=2); "
+        "plain FedAvg would take max_weight_ratio=0")

@@ -17,13 +17,28 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from android_bridge.export import check_phone_run
+from dgc.errors import ConfigError
 from fedgc.refs import ALLOWED_CALLABLES, is_ref
+from fedgc.settings import SettingsError, new_run_name
 from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
 
 from .calibrate import measure, point_to_dict, predicted_transfer_s
+from .capture_report import write_capture_ledger
 from .cluster import Deployment, DeploymentConfig, default_node_config
 from .errors import DeployError, DeployInterrupted
+from .fedgc_run import (
+    bytes_table,
+    check_fedgc_run,
+    deploy_run_config,
+    finish_fedgc,
+    format_nodes,
+    link_stats,
+    node_rows,
+    submit_fedgc,
+    write_deploy_record,
+)
 from .links import MODES, choose_mode
 from .phones import PhoneFleet
 from .presets import preset, preset_names
@@ -196,8 +211,8 @@ def _workdir(args: argparse.Namespace) -> Path:
 def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None,
                        allowed: str = "") -> DeploymentConfig:
     """The deployment of ``args``, with the phone bridge's SuperNodes of ``fleet``; ``allowed``:
-    the ``module:callable`` references the SuperNodes' node config lets a run call (the run's
-    own task and method: this command is the nodes' operator too)."""
+    the ``key=module:callable`` references the SuperNodes' node config lets a run call (the
+    run's own task and method, each for its key: this command is the nodes' operator too)."""
     workdir = _workdir(args)
     phones = fleet.count if fleet is not None else 0
 
@@ -236,19 +251,8 @@ def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from fedgc.settings import SettingsError, new_run_name
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_run
-
-    from .fedgc_run import (
-        bytes_table,
-        check_fedgc_run,
-        deploy_run_config,
-        finish_fedgc,
-        format_nodes,
-        node_rows,
-        submit_fedgc,
-        write_deploy_record,
-    )
 
     try:
         values: dict[str, object] = {}
@@ -265,9 +269,6 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     run_config = deploy_run_config(values, args.nodes + args.phones,
                                    "--nodes + --phones" if args.phones else "--nodes")
     if args.phones:
-        from android_bridge.export import check_phone_run
-        from dgc.errors import ConfigError
-
         try:
             check_phone_run(run_config.method, run_config.server)
         except ConfigError as err:
@@ -285,7 +286,8 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         fleet.export(run_config, reuse)
     started_s = time.monotonic()
     # The run's own task and method, when they are module:callable: the nodes run nothing else.
-    own = ",".join(ref for ref in (run_config.train.task, run_config.train.method)
+    own = ",".join(f"{key}={ref}" for key, ref in (("task", run_config.train.task),
+                                                   ("method", run_config.train.method))
                    if is_ref(ref))
     with Deployment(_deployment_config(args, fleet, allowed=own)) as dep:
         if dep.client_nodes():
@@ -324,8 +326,6 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         print(format_nodes(node_rows(run.run_dir, record)))
     written = ["rounds.csv", "clients.csv", "summary.json", "deploy.json", plot.name]
     if args.capture:
-        from .capture_report import write_capture_ledger
-
         print(write_capture_ledger(dep, run))
         written.append("wire.json")
     print(f"results: {run.run_dir}/{', '.join(written)}")
@@ -335,8 +335,6 @@ def _run_fedgc(args: argparse.Namespace) -> int:
 def phones_record(fleet: PhoneFleet) -> dict[str, object]:
     """``deploy.json``'s keys for the phones: each phone's arch and rounds (client key ->),
     and what each phone's link carried."""
-    from .fedgc_run import link_stats
-
     reports = fleet.reports()
     return {
         "phones": {str(fleet.first_key + k): {"device": r.get("device"), "arch": fleet.arch,

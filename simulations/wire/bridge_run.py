@@ -26,7 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from android_bridge.bridge import PhoneBridge
+from android_bridge.bridge_app import make_bridge_app
+from android_bridge.export import exact_config, export_all, phone_config
+from client.app import task_of
+from fedgc.methods.topk import PHONE_DENSE
+from fedgc.settings import RunConfig
+from server.app import run_server
+from server.local_grid import LocalGrid
 from simulations.deploy.capture import PacketCapture
+from simulations.deploy.capture_report import payload_in_clients_csv
 from simulations.deploy.certs import make_tls
 from simulations.deploy.files import private_dir
 from simulations.deploy.links import LinkSet, choose_mode
@@ -47,10 +56,6 @@ VARIANTS = ("dense", "dgc")
 def run_config(task: str, variant: str, phones: int, rounds: int, seed: int,
                results_dir: Path, run_name: str) -> Any:
     """The federation's RunConfig for ``variant`` (see :data:`VARIANTS`)."""
-    # Imported here: fedgc's methods load torch, which the wire command's parser does not need.
-    from fedgc.methods.topk import PHONE_DENSE
-    from fedgc.settings import RunConfig
-
     if variant not in VARIANTS:
         raise WireError(f"--method {variant!r} unknown, expected one of {sorted(VARIANTS)}")
     keys = {"dense": PHONE_DENSE, "dgc": {"method": "dgc"}}[variant]
@@ -62,9 +67,6 @@ def run_config(task: str, variant: str, phones: int, rounds: int, seed: int,
 
 def export_for(config: Any, out: Path) -> Path:
     """The phone files for ``config`` (exported once into ``out``)."""
-    from android_bridge.export import exact_config, export_all, phone_config
-    from client.app import task_of
-
     t = config.train
     if (out / "manifest.json").exists():
         return out
@@ -78,11 +80,6 @@ def export_for(config: Any, out: Path) -> Path:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the phones, the bridge and the federation; return the wire ledger."""
     import grpc
-
-    from android_bridge.bridge import PhoneBridge
-    from android_bridge.bridge_app import make_bridge_app
-    from server.app import run_server
-    from server.local_grid import LocalGrid
 
     out = Path(args.out).resolve()
     name = args.run_name or f"bridge-{args.method}-{args.link}-{'tls' if args.tls else 'plain'}"
@@ -142,7 +139,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         bridge.stop()
     nodes = {i: analyse_phone(work / f"phone{i}.pcap", work / f"phone{i}.calls.json")
              for i in range(args.phones)}
-    from simulations.deploy.capture_report import payload_in_clients_csv
 
     ledger = summarize(nodes, "bridge", {
         "link": args.link, "tls": bool(args.tls), "method": args.method, "task": t.task,
