@@ -43,6 +43,11 @@ snapshot's. Its wire and energy columns are not compared.
 
 Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
 changes no value of these runs (its attack keys travel only in a run with hostile clients).
+
+Since issue 37 (2026-12-07) every train message's config carries the ``unaggregated`` keys (the
+runs set ``unaggregated = keep``, what every client did before), which the emulator charges on
+the client's downlink: ``netem_drop``'s ``virtual_seconds`` (each round's, 3-5 ms more, and the
+total) were taken again from a run of the code after, every other value being the snapshot's.
 """
 
 from __future__ import annotations
