@@ -109,6 +109,9 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
                "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
                "attack.target_class": 0,
+               # issue 35: the colluding attacks' keys, and the direction gate (off: robust = off)
+               "attack.deviation": "std", "attack.epsilon": 0.0, "attack.knowledge": "partial",
+               "min_cosine": -1.0,
                # issue 37's fold-back of unaggregated updates, whole
                "unaggregated": "keep", "unaggregated_decay": 0.5, "unaggregated_cap": 1.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
