@@ -12,8 +12,9 @@ One train message, in order:
 3. rebuild the global model: dense arrays, or a patch on the held version;
 4. load the run's method's compressor with this client's residual; if the previous update was
    not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
-   residual with the compressor's ``restore``; the method may age that residual and move the
-   model training starts from (:meth:`fedgc.methods.RoundMaterial.prepare`);
+   residual with the compressor's ``restore``, as much of it as the method's ``unaggregated``
+   keeps (whole, decayed by its age, capped, or none); the method may age that residual and
+   move the model training starts from (:meth:`fedgc.methods.RoundMaterial.prepare`);
 5. train locally and form the pseudo-gradient ``global - local`` (against the model sent; a
    hostile client of a robustness study, ``attack.clients``, replaces it with its attack:
    ``client.attacks``);
@@ -514,10 +515,11 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         if method.keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
-            # into the residual, so that nothing this client computed is lost.
+            # into the residual as far as the method keeps it (Method.unaggregated: whole,
+            # decayed by its age, capped, or none).
             restored = int(fold_back_pending(
                 compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
-                method, s))
+                method, s, server_round))
         away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
         if part is not None:
             start = part.prepare(s, compressor, global_state, away)

@@ -38,6 +38,7 @@ from dgc import Compressor
 from fedgc.files import atomic_write_bytes
 from fedgc.keys import TrainSettings
 from fedgc.methods import Method, pending_parts
+from fedgc.methods.unaggregated import fold_back
 from fedgc.ownership import note_written
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -430,17 +431,20 @@ class ClientState:
 
 def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, Any],
                       ack_sequence: int, shapes: Mapping[str, tuple[int, ...]],
-                      method: Method, train: TrainSettings) -> bool:
-    """Restore a state's last update into ``compressor`` unless the server aggregated it.
+                      method: Method, train: TrainSettings, server_round: int) -> bool:
+    """Restore into ``compressor`` what the method keeps of a state's last update, unless the
+    server aggregated it.
 
     The state keeps the payload it sent as ``pending`` (wire bytes) and, with a side part (the
     shared sign channel), the side part sent beside it (``pending_shared``) with the round
     material it answers (``pending_mask``). When the payload's sequence is not ``ack_sequence``
-    they go back into the residual, so nothing the client computed is lost. ``shapes`` gives
-    each tensor's shape; the run's ``method`` reads the bytes
-    (:func:`fedgc.methods.pending_parts`) with the run's ``train`` settings.
-    Returns whether anything was restored. ``state`` may be a store record (the emulator's
-    stale policy works on those).
+    they go back into the residual, scaled by the share the method's
+    :meth:`~fedgc.methods.Method.unaggregated` gives for its age (``server_round`` less the
+    round it was computed in) and its size: all of it, decayed, capped or none
+    (:mod:`fedgc.methods.unaggregated`). ``shapes`` gives each tensor's shape; the run's
+    ``method`` reads the bytes (:func:`fedgc.methods.pending_parts`) with the run's ``train``
+    settings. Returns whether anything was folded back (an unaggregated update discarded:
+    False). ``state`` may be a store record (the emulator's stale policy works on those).
     """
     if not isinstance(state, ClientState):
         state = ClientState.from_record(state)
@@ -450,6 +454,7 @@ def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, 
                                     state.pending_mask, shapes)
     if sequence == ack_sequence:
         return False
-    for part in parts:
-        compressor.restore(part)
-    return True
+    age = max(1, int(server_round) - int(sequence))
+    share = fold_back(compressor, parts,
+                      lambda folded, residual: method.unaggregated(train, age, folded, residual))
+    return share > 0.0

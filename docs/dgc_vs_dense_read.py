@@ -6,6 +6,7 @@ comparisons, laid out as ``FOLDER/seed-S/METHOD``, and prints a markdown table::
     python docs/dgc_vs_dense_read.py budgets FOLDER 1,3,10,25
     python docs/dgc_vs_dense_read.py horizon LONG SHORT 200,400,600
     python docs/dgc_vs_dense_read.py emulator FOLDER 200
+    python docs/dgc_vs_dense_read.py falls RUN_FOLDER...
 
 ``budgets``: each compressed method's last-10 accuracy within a budget of total payload bytes
 (MB), the mean over the seeds (``simulations.compare.accuracy_at_budget``: past its own final
@@ -16,7 +17,10 @@ under the network emulator, the round, virtual seconds and payload bytes at whic
 last-10 first reaches its seed's dense last-10 at the given round; its dips (rounds after the
 50th more than 8 points below the round before); and the share of aggregated replies whose
 client folded back an update the server did not aggregate (``restored``), in the dip rounds and
-over the run.
+over the run. ``falls``: issue 37's dip metric for single run folders: a run's worst fall, the
+largest drop of a round's accuracy below the best of the 10 rounds before it, after round 30
+(with its round), the rounds more than 5 points below that best, the last-10, and the share of
+aggregated replies that folded an unaggregated update back (``restored``).
 """
 
 from __future__ import annotations
@@ -104,6 +108,31 @@ def emulator(folder: Path, target_round: int) -> None:
                   f" | {len(dips)} | {folded(in_dips):.2f} / {folded(replies):.2f} |")
 
 
+def worst_fall(accuracy: list[float], after: int = 30, window: int = 10) -> tuple[float, int]:
+    """The largest drop of a round's accuracy below the best of the ``window`` rounds before
+    it, over the rounds after round ``after`` (1-based), and that round (0: none after it)."""
+    worst, at = 0.0, 0
+    for i in range(max(after, window), len(accuracy)):
+        fall = max(accuracy[i - window:i]) - accuracy[i]
+        if fall > worst:
+            worst, at = fall, i + 1
+    return worst, at
+
+
+def falls(runs: list[Path]) -> None:
+    print("| run | worst fall (points) @ round | rounds > 5 points below | last-10 |"
+          " folded-back replies |")
+    print("|---|---|---|---|---|")
+    for run in runs:
+        acc = [float(r["accuracy"]) for r in _rows(run / "rounds.csv")]
+        worst, at = worst_fall(acc)
+        below = sum(max(acc[i - 10:i]) - acc[i] > 0.05 for i in range(30, len(acc)))
+        replies = [r for r in _rows(run / "clients.csv") if r["status"] == "aggregated"]
+        folded = sum(r["restored"] != "0" for r in replies) / max(1, len(replies))
+        print(f"| {run.name} | {100 * worst:.1f} @ {at} | {below} |"
+              f" {statistics.fmean(acc[-10:]):.4f} | {folded:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="reading", required=True)
@@ -117,11 +146,15 @@ def main() -> None:
     p = sub.add_parser("emulator")
     p.add_argument("folder", type=Path)
     p.add_argument("target_round", type=int, nargs="?", default=200)
+    p = sub.add_parser("falls")
+    p.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     if args.reading == "budgets":
         budgets(args.folder, args.megabytes)
     elif args.reading == "horizon":
         horizon(args.long, args.short, args.rounds)
+    elif args.reading == "falls":
+        falls(args.runs)
     else:
         emulator(args.folder, args.target_round)
 

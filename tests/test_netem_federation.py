@@ -113,7 +113,10 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         "results_dir": str(tmp_path), "run_name": "mass", "checkpoint": False,
         "downlink": "dense", "local_epochs": 1, "dgc.shared_density": shared_density,
         "server_momentum": 0.0, "downlink_density": 1.0, "downlink_history": 1,
-        "clients_build_initial_model": False})
+        "clients_build_initial_model": False,
+        # Every unaggregated update folded back whole: what this test accounts for (dgc's
+        # default decays it, discarding a share on purpose: tests/test_unaggregated.py).
+        "unaggregated": "keep"})
     # Links down a third of the time with outages ending transfers: many uploads are cut.
     netem = for_run(NetemSettings(enabled=True, mix="3g:0.5,edge:0.5", intermittent=0.8,
                                   intermittent_mean_on_s=1.0, intermittent_mean_off_s=0.5,

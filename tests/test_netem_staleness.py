@@ -75,7 +75,10 @@ def _age(record: dict, round_index: int, ack: int, policy: StalePolicy,
 
     make = make or (lambda: DGCCompressor(DGCConfig(density=0.1, warmup="none")))
     return apply_stale_policy_to_record(record, round_index, ack, policy, make, get("dgc"),
-                                        RunConfig.from_flat({"run_name": "t"}).train)
+                                        # The update folded back whole (the method's own
+                                        # decay, tests/test_unaggregated.py, set aside).
+                                        RunConfig.from_flat({"run_name": "t",
+                                                             "unaggregated": "keep"}).train)
 
 
 def _record(c: DGCCompressor, last: object) -> dict:

@@ -43,6 +43,11 @@ snapshot's. Its wire and energy columns are not compared.
 
 Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
 changes no value of these runs (its attack keys travel only in a run with hostile clients).
+
+Since issue 37 (2026-12-07) every train message's config carries the ``unaggregated`` keys (the
+runs set ``unaggregated = keep``, what every client did before), which the emulator charges on
+the client's downlink: ``netem_drop``'s ``virtual_seconds`` (each round's, 3-5 ms more, and the
+total) were taken again from a run of the code after, every other value being the snapshot's.
 """
 
 from __future__ import annotations
@@ -68,7 +73,10 @@ COMMON = ["--set", "task=digits", "--set", "sim.engine=local", "--set", "progres
           "--set", "rounds=6", "--set", "downlink_history=1", "--set", "downlink_density=1",
           "--set", "downlink_values=float16", "--set", "clients_build_initial_model=false",
           "--set", "dgc.small_density=0.1", "--set", "dgc.warmup_rounds=4",
-          "--set", "dgc.min_sparse_numel=1024", "--set", "dgc.sparse_vectors=false"]
+          "--set", "dgc.min_sparse_numel=1024", "--set", "dgc.sparse_vectors=false",
+          # Unaggregated updates folded back whole, as every client did then (issue 37's
+          # default for dgc decays them).
+          "--set", "unaggregated=keep"]
 RUNS = {
     # DGC with the int8 compressed broadcast (patches of differences, look-ahead).
     "dgc_int8": ["--set", "num_clients=20", "--set", "clients_per_round=5", "--set", "seed=3",
@@ -103,7 +111,9 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "attack.target_class": 0,
                # issue 35: the colluding attacks' keys, and the direction gate (off: robust = off)
                "attack.deviation": "std", "attack.epsilon": 0.0, "attack.knowledge": "partial",
-               "min_cosine": -1.0}
+               "min_cosine": -1.0,
+               # issue 37's fold-back of unaggregated updates, whole
+               "unaggregated": "keep", "unaggregated_decay": 0.5, "unaggregated_cap": 1.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
 #: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).

@@ -323,7 +323,8 @@ def test_under_the_emulator_replies_not_aggregated_fold_back_against_their_mask(
 def test_the_emulators_stale_policy_reads_a_stored_payload_against_its_mask():
     from simulations.netem.staleness import StalePolicy, apply_stale_policy_to_record
 
-    config = _config(**{"dgc.value_dtype": "float32"})
+    # The update folded back whole (tcs's own decay, tests/test_unaggregated.py, set aside).
+    config = _config(**{"dgc.value_dtype": "float32", "unaggregated": "keep"})
     method, masks = _method(config), _masks()
     comp = method.compressor(config.train, 0, masks)
     update = comp.compress(_grads(), sequence=3)

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 from fedgc.schema import Check, SettingsError, setting
 
-__all__ = ["ClientKeys", "momentum_range"]
+__all__ = ["UNAGGREGATED", "ClientKeys", "momentum_range"]
+
+#: What an error-feedback client may do with an update the server never aggregated
+#: (:mod:`fedgc.methods.unaggregated`).
+UNAGGREGATED: tuple[str, ...] = ("keep", "decay", "cap", "discard")
 
 
 def momentum_range() -> Check:
@@ -41,6 +45,22 @@ class ClientKeys:
                                     "client sends per round (after dgc.warmup_rounds); empty = "
                                     "the method's default", Check(0.0, 1.0, low_open=True),
                                     fallback=0.001)
+    # What an error-feedback client does with an update the server never aggregated
+    # (fedgc.methods.unaggregated); each such method gives its own default.
+    unaggregated: str | None = setting(
+        None, "unaggregated", "what an error-feedback client folds back into its residual of "
+        "an update the server never aggregated (dropped, late, surplus, refused): keep (all of "
+        "it), decay (unaggregated_decay ** its age in rounds), cap (at most unaggregated_cap "
+        "times the residual's L2 norm) or discard; empty = the method's default",
+        Check(choices=UNAGGREGATED), fallback="keep")
+    unaggregated_decay: float | None = setting(
+        None, "unaggregated_decay", "with unaggregated = decay: the share of an unaggregated "
+        "update kept per round since it was computed; empty = the method's default",
+        Check(0.0, 1.0), fallback=0.5)
+    unaggregated_cap: float | None = setting(
+        None, "unaggregated_cap", "with unaggregated = cap: the most an unaggregated update "
+        "folded back may weigh, in L2 norms of the residual it joins; empty = the method's "
+        "default", Check(0.0, 1000.0), fallback=1.0)
     state_dir: str = setting("", "state_dir", "folder of the per-client state store (residual, "
                              "pending update, held model); empty = <results>/<run>/client_state")
 

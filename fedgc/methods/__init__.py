@@ -4,7 +4,8 @@
 ``pkg.module:callable`` returning a Method of the user's own). The contract: :mod:`.base` (the
 core: compressor, codec, aggregator, optimizer, downlink, the method's keys and defaults),
 :mod:`.material` and :mod:`.phone` (the opt-in parts: round material, phone export),
-:mod:`.compressors` (residual and stateless compressor bases), :mod:`.payloads` (the payload
+:mod:`.compressors` (residual and stateless compressor bases), :mod:`.unaggregated` (what a
+client folds back of an update the server never aggregated), :mod:`.payloads` (the payload
 kinds and their codecs), :mod:`.optimizer` (the server optimizer) and :mod:`.sparsifier` (the
 keys and layer policy the top-k methods share). One small module per shipped method holds it
 whole and registers it: importing this package imports every module in it, so a new method is
@@ -33,7 +34,7 @@ from fedgc.methods.registry import (
 )
 
 _CONTRACT = {"base", "compressors", "material", "optimizer", "payloads", "phone", "registry",
-             "sparsifier"}
+             "sparsifier", "unaggregated"}
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _CONTRACT:
         importlib.import_module(f"{__name__}.{_module}")

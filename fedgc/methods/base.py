@@ -7,7 +7,8 @@ pfl-research pairs ``postprocess_one_user`` (the client) with ``postprocess_serv
 the plots ask it; nothing outside :mod:`fedgc.methods` compares method names.
 
 The core is four hooks and the method's keys: its **compressor** (the client's, with its
-residual), its **codec** (the payload on the wire), its **aggregator** (the server's step from
+residual, and what it folds back of an update the server never aggregated: **unaggregated**),
+its **codec** (the payload on the wire), its **aggregator** (the server's step from
 the combined payloads to the aggregate) and its **defaults** and own keys (``settings``). Two
 rarer parts are opt-in, each a class to inherit beside :class:`Method`: round material sent
 beside the model (:class:`fedgc.methods.material.RoundMaterial`: DGC's shared index sets, TCS's
@@ -17,7 +18,9 @@ One round, as a method sees it (hooks in bold; *material* is the opt-in part's):
 
     server  configure_train   the downlink (**downlink**) moves the model clients hold;
                               *channel.plan(r)*: the round's material, beside the model
-    client  train             **compressor**(train, key, *material*) (None: dense fp32)
+    client  train             **compressor**(train, key, *material*) (None: dense fp32);
+                              an update the server did not aggregate (its ack_sequence):
+                              **unaggregated**(train, age, ...) of it folded back
                               payload = compressor.compress(global - local)
                               reply = **codec**(train).encode(payload) + *side_part*
     server  aggregate_train   payloads = codec.decode_many(...), codec.check(...)
@@ -50,6 +53,7 @@ from dgc import Compressor
 from fedgc.keys import FlatValue, RunSettings, TrainSettings
 from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Codec, SparseCodec
+from fedgc.methods.unaggregated import folded_share
 from fedgc.schema import fields_of, fill_fallbacks, parse, validate
 
 __all__ = ["Aggregator", "DownlinkPolicy", "Method"]
@@ -213,6 +217,19 @@ class Method(Generic[S]):
         material, decoded (a :class:`fedgc.methods.material.RoundMaterial` method's; None
         when the server sent none)."""
         return None
+
+    def unaggregated(self, train: TrainSettings, age: int, folded_norm: float,
+                     residual_norm: float) -> float:
+        """The share, in [0, 1], of an update the server never aggregated that a client folds
+        back into its residual (``keeps_residual`` methods; the server's ``ack_sequence`` tells
+        the client). ``age``: rounds since the update was computed (>= 1); ``folded_norm``:
+        its L2 norm in the residual's space; ``residual_norm``: the residual's it joins. The
+        run's ``unaggregated`` keys decide here (:mod:`fedgc.methods.unaggregated`: keep,
+        decay by age, cap, discard), with this method's ``defaults`` for them."""
+        # The keys are filled (fill_fallbacks with this method's defaults) before a hook runs.
+        decay, cap = train.unaggregated_decay, train.unaggregated_cap
+        return folded_share(str(train.unaggregated), float(decay),  # type: ignore[arg-type]
+                            float(cap), age, folded_norm, residual_norm)  # type: ignore[arg-type]
 
     def codec(self, train: TrainSettings) -> Codec:
         """The payload codec (both ends)."""

@@ -55,6 +55,7 @@ from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.sparsifier import SparsifierSettings, layer_config, small_split, split_compressor
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, SettingsError, fields_of, setting, validate
 
 __all__ = ["DGC", "DGCSets", "DGCSettings", "DisplacementSets", "FEEDBACKS", "RankRequest",
@@ -353,7 +354,7 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
                    "round's shared indices as signs (`dgc.shared_density`)")
     keeps_residual = True
     settings = DGCSettings
-    defaults = {"server_momentum": 0.5}
+    defaults = {"server_momentum": 0.5, **FOLD_BACK_DEFAULTS}
 
     def check(self, run: RunSettings) -> None:
         if self.own.feedback != "residual" and run.server.downlink == "dense":

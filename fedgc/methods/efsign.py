@@ -51,6 +51,7 @@ from fedgc.methods.base import Method
 from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, Payload, check_tensors
 from fedgc.methods.registry import register
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
 __all__ = ["EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload", "SignsUpdate", "dense_signs",
            "signed_values"]
@@ -202,6 +203,7 @@ class EFSign(Method):
     description = ("the sign of residual plus pseudo-gradient times its mean magnitude, per "
                    "tensor: one bit per entry and a float32 scale; the residual keeps the rest")
     keeps_residual = True
+    defaults = FOLD_BACK_DEFAULTS
 
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> Compressor:

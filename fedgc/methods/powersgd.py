@@ -73,6 +73,7 @@ from fedgc.methods.payloads import (
     largest,
 )
 from fedgc.methods.registry import register
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, setting
 
 __all__ = ["LowRankCodec", "LowRankTensor", "LowRankUpdate", "PowerSGD", "PowerSGDChannel",
@@ -538,6 +539,7 @@ class PowerSGD(RoundMaterial, Method[PowerSGDSettings]):
                    "the server's warm-started Q, fp16; vectors whole")
     keeps_residual = True
     settings = PowerSGDSettings
+    defaults = FOLD_BACK_DEFAULTS
 
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> PowerSGDCompressor:

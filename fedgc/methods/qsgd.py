@@ -59,6 +59,7 @@ from fedgc.methods.base import Method
 from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
 from fedgc.methods.registry import register
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, setting
 
 __all__ = ["LevelsCodec", "LevelsPayload", "LevelsUpdate", "QSGD", "QSGDCompressor",
@@ -325,6 +326,7 @@ class QSGD(Method[QSGDSettings]):
     description = ("every entry stochastically rounded to `qsgd.levels` of its bucket's float32 "
                    "norm (`qsgd.bucket_size`), unbiased; gaps, signs and levels Elias-coded")
     settings = QSGDSettings
+    defaults = FOLD_BACK_DEFAULTS  # with qsgd.error_feedback only
 
     def with_keys(self, values: Mapping[str, object]) -> Method[QSGDSettings]:
         configured = super().with_keys(values)

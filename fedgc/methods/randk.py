@@ -54,6 +54,7 @@ from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, PayloadError, SparsePayload, check_tensors
 from fedgc.methods.registry import register
 from fedgc.methods.sparsifier import SparsifierSettings, layer_config
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
 __all__ = ["RandomK", "RandomKCodec", "RandomKCompressor", "SeededUpdate", "seeded_indices"]
 
@@ -241,6 +242,7 @@ class RandomK(Method[SparsifierSettings]):
                    "travels, not the indices")
     keeps_residual = True
     settings = SparsifierSettings
+    defaults = FOLD_BACK_DEFAULTS
     secure_sum = "seed"  # positions from a seed; under secure aggregation, the run's for all
 
     def policy(self, train: TrainSettings) -> DGCConfig:

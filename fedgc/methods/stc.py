@@ -16,6 +16,7 @@ from fedgc.methods.base import Method
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 from fedgc.methods.sparsifier import SparsifierSettings
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
 __all__ = ["STC"]
 
@@ -31,7 +32,7 @@ class STC(Method[SparsifierSettings]):
     keeps_residual = True
     settings = SparsifierSettings
     defaults = {"density": STC_DENSITY, "downlink_density": STC_DENSITY,
-                "downlink_values": "ternary"}
+                "downlink_values": "ternary", **FOLD_BACK_DEFAULTS}
 
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> Compressor:

@@ -68,6 +68,7 @@ from fedgc.methods.material import Channel, RoundMaterial
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
 from fedgc.methods.registry import register
 from fedgc.methods.sparsifier import SparsifierSettings, layer_config
+from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, setting
 
 __all__ = ["TCS", "Budget", "MaskedCodec", "MaskedPayload", "MaskedUpdate", "TCSCompressor",
@@ -367,7 +368,7 @@ class TCS(RoundMaterial, Method[TCSSettings]):
                    "(`tcs.topk_share` of the mask), fp16")
     keeps_residual = True
     settings = TCSSettings
-    defaults = {"density": TCS_DENSITY}
+    defaults = {"density": TCS_DENSITY, **FOLD_BACK_DEFAULTS}
     secure_sum = "material"  # the mask's values and the tensors sent whole
 
     def policy(self, train: TrainSettings) -> DGCConfig:

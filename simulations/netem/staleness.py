@@ -143,7 +143,8 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     if compressor is None:
         compressor = _stored_compressor(record, make_compressor)
     fold_back_pending(compressor, record, ack_sequence,
-                      {n: (v.numel(),) for n, v in compressor.residual().items()}, method, train)
+                      {n: (v.numel(),) for n, v in compressor.residual().items()}, method, train,
+                      round_index)
     report = apply_stale_policy(compressor, rounds_away, policy)
     record["compressor"] = compressor.state_dict()
     for key in ("pending", "pending_shared", "pending_mask"):
