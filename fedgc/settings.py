@@ -93,6 +93,10 @@ FEEDBACKS = ("residual", "aggregate", "aggregate+residual")
 #: Simulation engines: Flower's Ray backend, every client in this process one after another, or
 #: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
 ENGINES = ("ray", "local", "batched")
+#: ``mode``: a synchronous round, or the asynchronous buffered loop (server.async_loop).
+MODES = ("sync", "async")
+#: ``async.staleness``: the weight of a reply trained on a model ``s`` versions old.
+STALENESS_WEIGHTS = ("polynomial", "constant")
 #: Where clients train and compress (``sim.device``): auto is cuda where torch sees one.
 DEVICES = ("cpu", "cuda", "auto")
 #: How the server combines a round's updates: the weighted mean (FedAvg), coordinate-wise
@@ -114,7 +118,7 @@ UNBOUNDED_ATTACK = {"norm_ratio": 10.0, "weight_ratio": 4.0}
 #: An attack stays this fraction under the bounds in force.
 ATTACK_MARGIN = 0.99
 #: The parts of fedgc that own keys (see the module docstring), besides methods' prefixes.
-PARTS = ("client", "server", "dgc", "sim", "netem", "attack")
+PARTS = ("client", "server", "dgc", "sim", "netem", "attack", "async")
 #: Keys retired in favour of one key for every method (issue 29): the old name is refused,
 #: naming the new one.
 RENAMED = {"dgc.density": "density", "stc.density": "density",
@@ -122,8 +126,9 @@ RENAMED = {"dgc.density": "density", "stc.density": "density",
            "stc.downlink_density": "downlink_density"}
 
 __all__ = ["AGGREGATIONS", "ATTACKS", "DEVICES", "ROBUST_MODES", "ROBUST_PROFILES", "DOWNLINKS",
-           "DOWNLINK_VALUES", "ENGINES", "MAX_CONFIG_BYTES", "MODEL_NAMES", "OPTION_KEYS",
-           "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "TASKS", "TASK_REF", "VALUE_DTYPES",
+           "DOWNLINK_VALUES", "ENGINES", "MAX_CONFIG_BYTES", "MODES", "MODEL_NAMES", "OPTION_KEYS",
+           "PARTITIONS", "PARTS", "RENAMED", "SELECTIONS", "STALENESS_WEIGHTS", "TASKS",
+           "TASK_REF", "VALUE_DTYPES",
            "WARMUPS", "Check", "KeyInfo", "RunConfig", "ServerSettings", "SettingsError",
            "TaskSpec", "TrainSettings", "coerce", "describe", "fields_of", "flatten",
            "fold_options", "key_table", "known_keys", "load_toml", "method_default",
@@ -427,6 +432,28 @@ class ServerSettings:
     results_dir: str = setting("results", "results_dir", "parent folder of run folders")
     rounds: int = setting(100, "rounds", "server rounds to run (in total, when resuming)",
                           Check(1))
+    mode: str = setting("sync", "mode", "sync: rounds, each waiting for its clients; async: "
+                        "FedBuff's buffered asynchronous aggregation (async.*, docs/async.md): "
+                        "async.concurrency clients train at once and the server applies an "
+                        "update every async.buffer replies (an applied step is a round of the "
+                        "results; rounds counts them)", Check(choices=MODES))
+    async_concurrency: int = setting(10, "async.concurrency", "with mode = async: clients "
+                                     "training at once (FedBuff's C); at most num_clients",
+                                     Check(1, 1_000_000))
+    async_buffer: int = setting(5, "async.buffer", "with mode = async: the server applies an "
+                                "update every this many accepted replies (FedBuff's K); at most "
+                                "async.concurrency", Check(1, 1_000_000))
+    async_max_staleness: int = setting(20, "async.max_staleness", "with mode = async: a reply "
+                                       "trained on a model more than this many applied steps "
+                                       "old is refused and counted (reason: stale)",
+                                       Check(0, 1_000_000))
+    async_staleness: str = setting("polynomial", "async.staleness", "with mode = async: the "
+                                   "weight of a reply s steps stale: polynomial = (1 + s) ** "
+                                   "-async.staleness_exponent (FedBuff's 1/sqrt(1+s) at 0.5); "
+                                   "constant = 1", Check(choices=STALENESS_WEIGHTS))
+    async_staleness_exponent: float = setting(0.5, "async.staleness_exponent", "with "
+                                              "async.staleness = polynomial: the exponent a",
+                                              Check(0.0, 10.0))
     over_selection: float = setting(1.0, "over_selection", "sample ceil(clients_per_round * "
                                     "over_selection) clients, aggregate the first "
                                     "clients_per_round valid replies (straggler defence)",
@@ -618,6 +645,10 @@ class ServerSettings:
             # A newline or an escape sequence in a folder name garbles every line that prints it.
             raise SettingsError(f"run_name = {self.run_name!r} holds a control character; "
                                 f"expected a plain folder name")
+        if self.mode == "async" and self.async_buffer > self.async_concurrency:
+            raise SettingsError(f"async.buffer = {self.async_buffer} exceeds async.concurrency = "
+                                f"{self.async_concurrency}: the buffer would wait for more "
+                                f"replies than clients train at once")
         if self.resume and not self.run_name:
             raise SettingsError("resume=true needs run_name: the name of the run folder to "
                                 "continue (without it, a run starts in a new timestamped folder)")
@@ -673,6 +704,13 @@ class RunConfig:
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
+        if self.server.mode == "async" and self.server.async_concurrency > t.num_clients:
+            raise SettingsError(f"async.concurrency = {self.server.async_concurrency} must be <= "
+                                f"num_clients = {t.num_clients}: a client trains one model at "
+                                f"a time")
+        if self.server.mode == "async" and self.server.fraction_evaluate > 0:
+            raise SettingsError(f"mode = async evaluates the global model on the server only: "
+                                f"fraction_evaluate = {self.server.fraction_evaluate} must be 0")
         if not self.server.run_name:
             # Named once, here: to_flat() and with_overrides() then carry the same folder.
             label = t.method if not is_ref(t.method) else methods.get(t.method).title
