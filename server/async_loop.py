@@ -22,13 +22,17 @@ as the reply enters the buffer (it will be applied); a refused reply is not ackn
 an error-feedback client folds it back into its residual on its next dispatch, as after a
 synchronous round that did not take it (docs/async.md: DGC under staleness).
 
-The in-process grid runs a client when its reply is pulled: the loop pulls the oldest
-dispatch first, so an in-process run is reproducible and every client takes one dispatch's
-time (the network emulator's per-client timelines are not wired to this loop yet).
+Which reply comes next: under an extension's clock (the network emulator, each client on its
+own virtual timeline: download, compute, upload, drop-outs), the one that reaches the server
+first on that clock, once every reply in flight is in (so that the order does not depend on
+the engine); without one, as they come, and on the in-process grid (which runs a client when
+its reply is pulled) the oldest dispatch first, so that every client takes one dispatch's time.
+Either way an in-process run is reproducible.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +44,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
+from fedgc import protocol as P
 from fedgc.settings import SettingsError
+from server.extensions import Arrival, Reply, apply_extensions
 from server.local_grid import LocalGrid
 from server.records import ClientRow, client_row, round_record, train_metrics
 from server.registry import RoundOutcome
@@ -78,6 +84,7 @@ class _InFlight:
     key: int  # the client
     wave: Any  # the strategy's record of what this dispatch sent (server.strategy._Round)
     pushed: float  # time.monotonic() when pushed
+    start_s: float = 0.0  # when it left on the extensions' clock (0 without one)
 
 
 @dataclass
@@ -106,15 +113,24 @@ class AsyncLoop:
         self.uplink_bytes = 0  # of those replies
         self.sequence = 0  # the last dispatch sequence used
         self.in_process = _innermost(grid)
+        # With an extension's clock (the network emulator) replies are taken in the order
+        # they reach the server on it: every reply in flight must be in before the earliest
+        # is known, so they wait in a heap of (arrival, dispatch sequence, client key).
+        self.extensions = strategy.extensions
+        self.clocked = any(ext.clocked for ext in self.extensions)
+        self.now_s = self.step_start_s = 0.0  # the clock's time, and at the last step
+        self.ready: list[tuple[float, int, int, _InFlight, Message, Arrival | None]] = []
+        self.replies: list[Reply] = []  # every reply since the last step, as they came
 
     # ------------------------------------------------------------------ dispatch
     def fill(self) -> None:
         """Dispatch idle clients until ``concurrency`` train at once."""
-        need = self.concurrency - len(self.inflight)
+        # A reply waiting in the clock's heap has not reached the server yet: still busy.
+        busy = {d.key for d in self.inflight.values()} | {r[2] for r in self.ready}
+        need = self.concurrency - len(self.inflight) - len(self.ready)
         if need <= 0:
             return
         st = self.strategy
-        busy = {d.key for d in self.inflight.values()}
         self.sequence += 1
         # Sample more than needed so that enough of them are idle, in the draw's order.
         node_of, _ = st.registry.sample_round(
@@ -123,17 +139,40 @@ class AsyncLoop:
         chosen = dict(list(chosen.items())[:need])
         if not chosen:
             return
+        for ext in self.extensions:
+            ext.dispatch_at(self.now_s)
         wave, messages = st.train_messages(self.sequence, chosen, self.train_config)
         now = time.monotonic()
         for key, mid in zip(chosen, self.grid.push_messages(messages), strict=True):
-            self.inflight[mid] = _InFlight(key, wave, now)
+            self.inflight[mid] = _InFlight(key, wave, now, self.now_s)
 
     # ------------------------------------------------------------------ collect
-    def collect(self) -> list[tuple[_InFlight, Message]]:
-        """The replies that came (at least one, or the dispatches that timed out as
-        rows)."""
+    def collect(self) -> list[tuple[_InFlight, Message, Arrival | None]]:
+        """The next replies: as they come in real time, or with a clock the one that
+        reaches the server first on it (the clock moves to its arrival)."""
+        if not self.clocked:
+            return [(d, m, None) for d, m in self.pulled()]
+        while self.inflight:
+            for dispatch, msg in self.pulled(every=True):
+                arrival = None
+                for ext in self.extensions:
+                    arrival = arrival or ext.arrival(Reply(msg, dispatch.key))
+                # A reply without a timeline (an error) arrives as it was sent.
+                at_s = dispatch.start_s if arrival is None else max(arrival.at_s,
+                                                                    dispatch.start_s)
+                heapq.heappush(self.ready, (at_s, dispatch.wave.server_round, dispatch.key,
+                                            dispatch, msg, arrival))
+        if not self.ready:
+            return []
+        at_s, _, _, dispatch, msg, arrival = heapq.heappop(self.ready)
+        self.now_s = max(self.now_s, at_s)
+        return [(dispatch, msg, arrival)]
+
+    def pulled(self, every: bool = False) -> list[tuple[_InFlight, Message]]:
+        """Replies pulled from the grid (at least one, unless dispatches timed out as rows);
+        the in-process grid runs the oldest dispatch only, unless ``every``."""
         while True:
-            if self.in_process:
+            if self.in_process and not every:
                 # The in-process grid runs a client as its reply is pulled: the oldest first.
                 ids = [next(iter(self.inflight))]
             else:
@@ -146,10 +185,11 @@ class AsyncLoop:
                     out.append((dispatch, msg))
                 else:
                     self.strategy.records.count_rejection("reply to no dispatch in flight")
-            if self.in_process and not replies:
-                # Dropped on the way (the in-process grid's intercept): it will never come.
-                self.timed_out(self.inflight.pop(ids[0]), "reply dropped on the way")
-            if out or self.expire():
+            if self.in_process:
+                # Dropped on the way (the in-process grid's intercept): they will never come.
+                for mid in [m for m in ids if m in self.inflight]:
+                    self.timed_out(self.inflight.pop(mid), "reply dropped on the way")
+            if out or self.expire() or not self.inflight:
                 return out
             time.sleep(PULL_INTERVAL_S)
 
@@ -170,9 +210,24 @@ class AsyncLoop:
                                    reason, kind, down))
         self.settle(dispatch, "timeout")
 
-    def take(self, dispatch: _InFlight, msg: Message) -> None:
-        """Check one reply against the dispatch that sent it; buffer it or refuse it."""
+    def take(self, dispatch: _InFlight, msg: Message, arrival: Arrival | None = None) -> None:
+        """Check one reply against the dispatch that sent it; buffer it or refuse it. One
+        whose ``arrival`` failed (the clock's link went down) never reached the server: a
+        ``dropped`` row, not acknowledged."""
         st, wave, key = self.strategy, dispatch.wave, dispatch.key
+        self.replies.append(Reply(msg, key))
+        if arrival is not None and not arrival.ok:
+            kind, down = wave.downlink[key]
+            self.rows.append(ClientRow(0, key, wave.node_of[key], "dropped", arrival.reason,
+                                       kind, down))
+            # One that sent an update trained on the model it was sent: it holds it.
+            trained = not msg.has_error() and P.UPDATE in msg.content.array_records
+            st.registry.settle(wave.server_round, [RoundOutcome(key, "timeout")],
+                               version_sent=wave.version_sent,
+                               processed=[key] if trained else [],
+                               dense_only=st.downlink.mode != "auto",
+                               config_digest=wave.config_digest)
+            return
         [checked] = st.checker.check_round(wave.server_round, [msg],
                                            lambda m: (key, wave.node_of[key]), [key],
                                            wave.material)
@@ -224,9 +279,14 @@ class AsyncLoop:
             row.round = step
         record = round_record(step, self.rows, self.uplink_bytes, st._dense_update_nbytes,
                               st._dense_model_nbytes, st.model_version)
+        record.clients_failed += sum(row.status == "dropped" for row in self.rows)
+        elapsed, rows, replies = self.now_s - self.step_start_s, self.rows, self.replies
+        apply_extensions(self.extensions, record, rows,
+                         lambda ext: ext.after_step(record, rows, replies, elapsed))
         st.records.client_rows.extend(self.rows)
         st.round_record = record
-        self.rows, self.uplink_bytes = [], 0
+        self.rows, self.uplink_bytes, self.replies = [], 0, []
+        self.step_start_s = self.now_s
         log(INFO, "async step %d: %d applied (staleness %s), model version %d", step,
             len(taken), [b.staleness for b in taken], st.model_version)
         return applied
@@ -256,10 +316,9 @@ def run_async(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
         Under the network emulator (not wired to this loop yet), or with ``resume = true``
         (the dispatches in flight are not checkpointed yet).
     """
-    if strategy.extensions:
-        raise SettingsError("mode = async does not run under the network emulator (netem.*) "
-                            "yet: its per-client timelines are not wired to the asynchronous "
-                            "loop (docs/async.md)")
+    if sum(ext.clocked for ext in strategy.extensions) > 1:
+        raise SettingsError("mode = async takes replies on one clock: several extensions "
+                            "keep one")
     if strategy.resume:
         raise SettingsError("mode = async cannot resume yet: the dispatches in flight are not "
                             "in the checkpoint (docs/async.md); run it again from the start")
@@ -277,10 +336,10 @@ def run_async(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
     for step in range(1, num_rounds + 1):
         while len(loop.buffer) < loop.buffer_size:
             loop.fill()
-            if not loop.inflight:
+            if not loop.inflight and not loop.ready:
                 raise RuntimeError("no client could be dispatched: the registry sampled none")
-            for dispatch, msg in loop.collect():
-                loop.take(dispatch, msg)
+            for dispatch, msg, arrival in loop.collect():
+                loop.take(dispatch, msg, arrival)
         loop.apply(step)
         record = strategy.round_record
         result.train_metrics_clientapp[step] = MetricRecord(train_metrics(record))
