@@ -7,16 +7,26 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from client.app import app as client_app
 from fedgc import methods
 from fedgc.settings import RunConfig, SettingsError
+from server.app import run_server
 from server.async_loop import staleness_weight
+from server.extensions import Added, Arrival, ConfigValue, Reply, RoundExtension
+from server.local_grid import LocalGrid
+from server.records import RoundRecord
+from server.registry import ClientRegistry
 from simulations.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"task": "digits", "num_clients": 5, "clients_per_round": 2, "rounds": 3, "seed": 3,
          "sim.engine": "local", "progress": "false", "eval_samples": 300, "mode": "async",
          "async.concurrency": 3, "async.buffer": 2}
@@ -104,16 +114,96 @@ def test_stale_replies_are_refused_counted_and_folded_back(tmp_path: Path) -> No
     assert summary["rejections"]["stale"] == len(refused)
     rounds = _csv(run / "rounds.csv")
     assert sum(int(r["clients_rejected"]) for r in rounds) == len(refused)
+    # A client that comes back is sent a patch from the version it holds to the current one.
+    assert any(r["downlink"] == "patch" and int(r["round"]) > 1 for r in rows)
     # A refused client was not acknowledged: its next reply folds the update back (restored).
     later = {r["client_key"] for r in refused}
     assert any(int(r["restored"]) > 0 for r in rows
                if r["client_key"] in later and r["status"] == "aggregated")
 
 
-def test_async_refuses_the_emulator_and_resume_until_they_are_wired(tmp_path: Path,
-                                                                    capsys) -> None:
-    argv = ["run", "--set", f"results_dir={tmp_path}", "--set", "run_name=n"]
-    for k, v in {**SMALL, "netem.enabled": "true"}.items():
-        argv += ["--set", f"{k}={v}"]
-    assert main(argv) != 0
-    assert "mode = async does not run under the network emulator" in capsys.readouterr().err
+class KeyClock(RoundExtension):
+    """A clock of this test's own: client k's reply reaches the server k + 1 seconds after its
+    message left, so the loop must take replies by client key, not as they are pulled."""
+
+    clocked = True
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.left: dict[int, float] = {}  # client key -> when its message left
+        self.elapsed: list[float] = []
+
+    def dispatch_at(self, now_s: float) -> None:
+        self.now_s = now_s
+
+    def message_keys(self, server_round: int, client_key: int) -> dict[str, ConfigValue]:
+        self.left[client_key] = self.now_s
+        return {}
+
+    def arrival(self, reply: Reply) -> Arrival:
+        return Arrival(self.left[reply.client_key] + reply.client_key + 1)
+
+    def after_step(self, record: RoundRecord, rows: list, replies: list,
+                   elapsed_s: float) -> Added:
+        self.elapsed.append(elapsed_s)
+        return Added()
+
+
+def test_a_clock_decides_which_reply_comes_next(tmp_path: Path) -> None:
+    keys = {**SMALL, "async.concurrency": 3, "async.buffer": 1, "rounds": 2,
+            "results_dir": str(tmp_path), "run_name": "clock"}
+    config = RunConfig.from_flat(keys)
+    first = ClientRegistry(config.train.seed).sample(1, range(5), 3)
+    assert first[0] != min(first)  # pulled in sampling order, the first would not be the min
+    clock = KeyClock()
+    run_server(LocalGrid(client_app, 5), config, extensions=[clock])
+    rows = _csv(tmp_path / "clock" / "clients.csv")
+    step1 = [r for r in rows if r["round"] == "1"]
+    assert [int(r["client_key"]) for r in step1] == [min(first)]
+    assert clock.elapsed[0] == min(first) + 1
+    # Step 2: the earliest of the two still in flight and the client dispatched at step 1's
+    # time (the registry's second draw, the first that is not busy).
+    rest = sorted(first)[1:]
+    new = next(k for k in ClientRegistry(config.train.seed).sample(2, range(5), 3)
+               if k not in rest)
+    arrivals = {k: k + 1 for k in rest} | {new: min(first) + 1 + new + 1}
+    step2 = [int(r["client_key"]) for r in rows if r["round"] == "2"]
+    assert step2 == [min(arrivals, key=arrivals.__getitem__)]
+    assert sum(clock.elapsed) == min(arrivals.values())
+
+
+def test_async_under_the_emulator_records_virtual_time_drops_and_time_to_target(
+        tmp_path: Path) -> None:
+    run = _run(tmp_path, "netem", method="dgc", rounds=4, num_clients=8, **{
+        "async.concurrency": 4, "netem.enabled": "true", "netem.mix": "3g:0.5,lte:0.5",
+        "netem.intermittent": 0.5, "netem.seed": 7, "netem.target_accuracy": 0.15})
+    rounds = _csv(run / "rounds.csv")
+    rows = _csv(run / "clients.csv")
+    assert all(float(r["virtual_seconds"]) >= 0 for r in rounds)
+    assert sum(float(r["virtual_seconds"]) for r in rounds) > 0
+    assert all(int(r["wire_uplink_bytes"]) > int(r["uplink_bytes"]) for r in rounds)
+    dropped = [r for r in rows if r["status"] == "dropped"]
+    assert sum(int(r["dropped_link"]) for r in rounds) == len(dropped)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["virtual_seconds"] == pytest.approx(
+        sum(float(r["virtual_seconds"]) for r in rounds))
+    assert summary["virtual_seconds_to_target"] is not None
+
+
+@pytest.mark.slow
+def test_async_runs_on_flowers_simulation_engine(tmp_path: Path) -> None:
+    # Ray in its own process, as a user runs it: the loop pulls replies as Ray's actors send
+    # them (in no fixed order), through Flower's own grid.
+    cmd = [sys.executable, "-m", "simulations", "run", "--set", f"results_dir={tmp_path}",
+           "--set", "run_name=ray", "--set", "method=dgc"]
+    for k, v in {**SMALL, "sim.engine": "ray"}.items():
+        cmd += ["--set", f"{k}={v}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rounds = _csv(tmp_path / "ray" / "rounds.csv")
+    assert [int(r["model_version"]) for r in rounds] == [1, 2, 3]
+    assert all(int(r["clients_aggregated"]) == 2 for r in rounds)
+    rows = _csv(tmp_path / "ray" / "clients.csv")
+    assert {r["status"] for r in rows} <= {"aggregated", "rejected"}
+    assert len({r["loss"] for r in rounds}) == 3
