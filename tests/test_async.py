@@ -207,3 +207,12 @@ def test_async_runs_on_flowers_simulation_engine(tmp_path: Path) -> None:
     rows = _csv(tmp_path / "ray" / "clients.csv")
     assert {r["status"] for r in rows} <= {"aggregated", "rejected"}
     assert len({r["loss"] for r in rounds}) == 3
+
+
+def test_the_run_announces_its_asynchronous_loop() -> None:
+    from simulations.cli import announcement
+
+    line = announcement(RunConfig.from_flat({**SMALL, "run_name": "a"}))
+    assert ("asynchronous (FedBuff: 3 training at once, a step every 2 replies, staleness "
+            "weight (1+s)^-0.5, at most 20 steps stale), 3 applied steps") in line
+    assert "per round" not in line
