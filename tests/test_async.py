@@ -216,3 +216,11 @@ def test_the_run_announces_its_asynchronous_loop() -> None:
     assert ("asynchronous (FedBuff: 3 training at once, a step every 2 replies, staleness "
             "weight (1+s)^-0.5, at most 20 steps stale), 3 applied steps") in line
     assert "per round" not in line
+
+
+def test_a_methods_async_run_sits_beside_its_sync_run_in_tables() -> None:
+    from simulations.compare import run_label
+
+    assert run_label({"method": "dgc", "config": {"mode": "async"}}, "x") == "dgc-async"
+    assert run_label({"method": "dense", "config": {"mode": "sync"}}, "x") == "dense"
+    assert run_label({"config": "garbled"}, "folder") == "folder"  # an old or odd summary
