@@ -9,8 +9,8 @@ One round, each step in its own module:
    its reason; an extension may select which of them the round takes; :mod:`server.records`
    turns them into client rows; :mod:`server.defences` bounds each client's weight and norm;
    :mod:`server.aggregation` averages the accepted ones in O(total nonzeros);
-   :mod:`server.optimizer` takes the server step; the downlink moves to the next version; the
-   registry records acks and held versions;
+   :mod:`fedgc.methods.optimizer` takes the server step; the downlink moves to the next
+   version; the registry records acks and held versions;
 3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
 """
 
@@ -41,8 +41,10 @@ import dgc
 from dgc import SparseUpdate
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.methods import Channel, Method
-from fedgc.settings import RunConfig, ServerSettings, fields_of
+from fedgc.keys import ServerSettings
+from fedgc.methods import Channel, Method, ServerOptimizer, material_of
+from fedgc.schema import fields_of
+from fedgc.settings import RunConfig
 from server.aggregation import Combine
 from server.async_loop import run_async
 from server.checkpoint import (
@@ -63,7 +65,6 @@ from server.extensions import (
     selector_of,
 )
 from server.loop import run_rounds
-from server.optimizer import ServerOptimizer
 from server.records import (
     ClientRow,
     RoundRecord,
@@ -219,8 +220,9 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
         self._model_changed()
-        if self.channel is None:
-            self.channel = self.method.channel(self.settings, self.shapes)
+        part = material_of(self.method)
+        if self.channel is None and part is not None:
+            self.channel = part.channel(self.settings, self.shapes)
         if self.channel is not None:
             self.channel.hold(self.sent_model, 0, self.downlink.initial_on_grid)
 

@@ -55,7 +55,8 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     assert m["dense"]["uplink_compression"] == pytest.approx(1.0)
     assert m["dense"]["uplink_bytes"] == m["dense"]["dense_uplink_bytes"]
     # The methods run the same scenario: their recorded configs differ in method and folder,
-    # and in the keys each method sets its own default for.
+    # in the keys each method sets its own default for, and in each method's own keys, which
+    # its runs alone carry (dense none, topk and stc the sparsifiers', dgc all of DGC's).
     per_method = {name: dict(s["config"]) for name, s in m.items()}
     own = {}
     for name, cfg in per_method.items():
@@ -63,7 +64,14 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
             cfg.pop(k, None)
         own[name] = {k: cfg.pop(k) for k in ("server_lr", "server_momentum", "density",
                                               "downlink_density", "downlink_values")}
-    assert all(cfg == per_method["dense"] for cfg in per_method.values())
+    from fedgc.methods import get
+    from fedgc.schema import known_keys
+
+    base = per_method["dense"]
+    for name, cfg in per_method.items():
+        mine = get(name).settings
+        assert set(cfg) == set(base) | set(known_keys([mine] if mine else [])), name
+        assert {k: cfg[k] for k in base} == base, name
     assert own["dgc"]["server_momentum"] == own["fedavgm"]["server_momentum"] == 0.5
     assert own["dense"]["server_momentum"] == own["stc"]["server_momentum"] == 0.0
     assert own["stc"]["density"] == 0.0025 and own["dgc"]["density"] == 0.001
