@@ -193,6 +193,10 @@ class RunConfig(RunSettings):
         if outside:
             raise SettingsError(f"attack.clients names client keys {outside[:5]} outside [0, "
                                 f"{t.num_clients}) (num_clients = {t.num_clients})")
+        if t.attack_kind == "alie" and len(hostile) > t.clients_per_round // 2:
+            raise SettingsError(f"attack.kind = alie needs fewer colluders than half the round "
+                                f"(Baruch et al.'s supporters): {len(hostile)} in "
+                                f"attack.clients, clients_per_round = {t.clients_per_round}")
         self.method.check(self)
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "

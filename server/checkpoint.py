@@ -105,9 +105,13 @@ RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensor
                             "sim.device", "sim.gpus_per_client"})
 
 
+#: Keys filled by ``robust`` (empty by default) that a run of before them ran without: what a
+#: checkpoint lacking them stands for (no direction gate before issue 35).
+ABSENT_BEFORE = {"min_cosine": -1.0}
+
 #: Keys that compute nothing while the key they serve is empty (or 0).
-INERT_WITHOUT = {"attack.kind": "attack.clients", "attack.norm_ratio": "attack.clients",
-                 "attack.weight_ratio": "attack.clients", "attack.target_class": "attack.clients"}
+INERT_WITHOUT = {f"attack.{k}": "attack.clients" for k in (
+    "kind", "norm_ratio", "weight_ratio", "target_class", "knowledge", "deviation", "epsilon")}
 
 
 def check_run_config(written: Mapping[str, object] | None,
@@ -155,7 +159,8 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
     every method known here) with its default; a key whose default each method sets has
     ``method``'s (a checkpoint written before the key existed ran with it, or one of another
     method's keys that its run carried before the methods declared their own), None for a
-    method not registered here."""
+    method not registered here; a key of :data:`ABSENT_BEFORE` what runs of before it ran
+    with."""
     own = methods.get(method).defaults if method in methods.names() else None
     out: dict[str, object] = {}
     for cls in (ServerSettings, TrainSettings, *method_key_classes()):
@@ -167,6 +172,7 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
                 out[key] = own.get(key, fallback_of(f))
             else:
                 out[key] = None if cls in (ServerSettings, TrainSettings) else ""
+    out.update(ABSENT_BEFORE)
     return out
 
 

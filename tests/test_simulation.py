@@ -162,8 +162,10 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
     assert capped > 0
     assert summary["defences"] == {"max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
                                    "aggregation": "mean", "trim_fraction": 0.1,
-                                   "weights_capped": capped, "updates_clipped": 0}
-    assert f"defences: {capped} weights capped, 0 updates clipped" in "\n".join(out)
+                                   "min_cosine": -1.0, "weights_capped": capped,
+                                   "updates_clipped": 0, "updates_left_out": 0}
+    assert (f"defences: {capped} weights capped, 0 updates clipped, 0 left out"
+            in "\n".join(out))
 
 
 def test_plain_fedavg_says_so():
@@ -179,3 +181,8 @@ def test_plain_fedavg_says_so():
     assert describe(2, 0, "mean", 0.1) == (
         "defences: a client's weight capped at 2x the round's median (max_weight_ratio=2); "
         "plain FedAvg would take max_weight_ratio=0")
+    assert describe(1, 0, "centered_clip", 0.1, 0.0) == (  # robust = on's, with its gate
+        "defences: a client's weight capped at the round's median (max_weight_ratio=1); updates "
+        "left out below cosine 0 with last round's aggregate (min_cosine=0); updates combined "
+        "by centered clipping around last round's aggregate (aggregation=centered_clip); plain "
+        "FedAvg would take max_weight_ratio=0 min_cosine=-1 aggregation=mean")

@@ -34,8 +34,10 @@ MODES = ("sync", "async")
 STALENESS_WEIGHTS = ("polynomial", "constant")
 #: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
 ROBUST_PROFILES: dict[str, dict[str, Any]] = {
-    "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0},
-    "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0},
+    "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
+            "min_cosine": -1.0},
+    "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
+           "min_cosine": 0.0},
 }
 
 
@@ -81,11 +83,13 @@ class ServerKeys:
                                             "default", Check(0.0, 1.0, high_open=True),
                                             fallback=0.0)
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
-                          "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
-                          "(mean, no cap, no clip); on = for clients that are not trusted "
-                          "(centered_clip, weights capped at the round's median); auto = on in "
-                          "deployments and behind the phone bridge, off in simulation "
-                          "(docs/threat_model.md)", Check(choices=ROBUST_MODES))
+                          "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine): off = "
+                          "plain FedAvg (mean, no cap, no clip, no gate); on = for clients that "
+                          "are not trusted (centered_clip, weights capped at the round's "
+                          "median, updates pointing against the last round's aggregate left "
+                          "out: min_cosine 0); auto = on in deployments and behind the phone "
+                          "bridge, off in simulation (docs/threat_model.md)",
+                          Check(choices=ROBUST_MODES))
     max_weight_ratio: float | None = setting(
         None, "max_weight_ratio", "a client's weight (num-examples) is capped at this times the "
         "median claim of the round's valid replies (server/defences.py); 0 = no cap; empty = "
@@ -111,6 +115,11 @@ class ServerKeys:
                                  "center", Check(0.0, low_open=True))
     clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
                                    "clipping iterations per round", Check(1, 100))
+    min_cosine: float | None = setting(
+        None, "min_cosine", "a client's update is left out of the round (rejected, its "
+        "method folds it back) when its cosine with the last round's aggregate (the direction "
+        "of history; none in round 1) is below this (server/aggregation.py); -1 = none left "
+        "out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
                                 "training split), on which it takes its own round each round",
