@@ -75,7 +75,7 @@ from fedgc.schema import (
 from fedgc.schema import key_table as _key_table
 
 #: The parts of fedgc that own keys, besides the methods' (each its keys' prefix: ``dgc``).
-PARTS = ("run", "client", "server", "sim", "netem", "attack")
+PARTS = ("run", "client", "server", "sim", "netem", "attack", "async")
 #: Keys retired in favour of one key for every method (issue 29): the old name is refused,
 #: naming the new one.
 RENAMED = {"dgc.density": "density", "stc.density": "density",
@@ -201,6 +201,13 @@ class RunConfig(RunSettings):
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
+        if self.server.mode == "async" and self.server.async_concurrency > t.num_clients:
+            raise SettingsError(f"async.concurrency = {self.server.async_concurrency} must be <= "
+                                f"num_clients = {t.num_clients}: a client trains one model at "
+                                f"a time")
+        if self.server.mode == "async" and self.server.fraction_evaluate > 0:
+            raise SettingsError(f"mode = async evaluates the global model on the server only: "
+                                f"fraction_evaluate = {self.server.fraction_evaluate} must be 0")
         if not self.server.run_name:
             # Named once, here: to_flat() and with_overrides() then carry the same folder.
             label = t.method if not is_ref(t.method) else method.title

@@ -22,6 +22,12 @@ changes nothing:
 5. at the end, keys of ``summary.json`` (:meth:`~RoundExtension.summary`); across a resume, the
    keys the run must keep (:meth:`~RoundExtension.run_config`) and its state in the checkpoint.
 
+Under ``mode = async`` (:mod:`server.async_loop`) there are no rounds but applied steps: an
+extension that keeps a clock (:attr:`~RoundExtension.clocked`) is told when messages leave
+(:meth:`~RoundExtension.dispatch_at`), says when each reply reaches the server
+(:meth:`~RoundExtension.arrival`: the loop takes replies in that order) and adds its columns to
+each applied step (:meth:`~RoundExtension.after_step`, in place of ``after_round``).
+
 Besides, :meth:`~RoundExtension.step` is told as each of the server's steps of a round begins
 and ends, on the thread that runs it (``configure``, ``aggregate``, ``evaluate``): the emulator
 charges the server's measured work to its clock.
@@ -38,7 +44,7 @@ server never names them. The network emulator is the largest user
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +53,7 @@ from flwr.app import Message
 from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 
-__all__ = ["Added", "Column", "ExtensionError", "Reply", "RoundExtension", "Selection"]
+__all__ = ["Added", "Arrival", "Column", "ExtensionError", "Reply", "RoundExtension", "Selection"]
 
 #: A value a train message's ConfigRecord may carry.
 ConfigValue = bool | int | float | str
@@ -112,6 +118,16 @@ class Selection:
     processed: frozenset[int] = frozenset()
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """When a reply reaches the server on an extension's clock (``mode = async``), or where
+    it failed on the way (``ok`` false, ``reason`` says why: the reply never arrived)."""
+
+    at_s: float
+    ok: bool = True
+    reason: str = ""
+
+
 class RoundExtension:
     """Hooks into every round (see the module docstring). Subclass and override what you need."""
 
@@ -148,6 +164,25 @@ class RoundExtension:
     def after_round(self, record: RoundRecord, rows: list[ClientRow]) -> Added:
         """The values this extension adds to the finished round ``record`` (accuracy and loss
         are not known yet) whose sampled clients' rows are ``rows``."""
+        return Added()
+
+    # ---- mode = async (server.async_loop) ---------------------------------------------------
+    #: Whether it keeps a clock on which replies arrive (:meth:`arrival`); at most one does.
+    clocked: bool = False
+
+    def dispatch_at(self, now_s: float) -> None:
+        """The next train messages leave at ``now_s`` on the clock (:meth:`arrival`'s)."""
+
+    def arrival(self, reply: Reply) -> Arrival | None:
+        """When ``reply`` reaches the server on this extension's clock, or fails on the way;
+        None: it does not say (the reply arrives as it was sent)."""
+        return None
+
+    def after_step(self, record: RoundRecord, rows: list[ClientRow],
+                   replies: Sequence[Reply], elapsed_s: float) -> Added:
+        """The values it adds to an applied step's ``record``: ``rows`` and ``replies`` are
+        those since the last step (in arrival order), ``elapsed_s`` the clock's seconds since
+        it (0 without a clock)."""
         return Added()
 
     def summary(self, rounds: Sequence[RoundRecord]) -> dict[str, Any]:
@@ -190,12 +225,14 @@ def arrived(extensions: Sequence[RoundExtension], server_round: int,
 
 
 def apply_extensions(extensions: Sequence[RoundExtension], record: RoundRecord,
-                     rows: list[ClientRow]) -> None:
-    """Run every extension on the finished round, keeping what each adds in ``record.extra``
-    (an extension sees the columns of those before it) and the rows' ``extra``."""
+                     rows: list[ClientRow],
+                     hook: Callable[[RoundExtension], Added] | None = None) -> None:
+    """Run every extension on the finished round (``hook(ext)``, default its
+    :meth:`~RoundExtension.after_round`), keeping what each adds in ``record.extra`` (an
+    extension sees the columns of those before it) and the rows' ``extra``."""
     by_key = {row.client_key: row for row in rows}
     for ext in extensions:
-        added = ext.after_round(record, rows)
+        added = ext.after_round(record, rows) if hook is None else hook(ext)
         record.extra.update(added.round)
         for key, values in added.clients.items():
             by_key[key].extra.update(values)

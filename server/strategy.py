@@ -46,6 +46,7 @@ from fedgc.methods import Channel, Method, ServerOptimizer, material_of
 from fedgc.schema import fields_of
 from fedgc.settings import RunConfig
 from server.aggregation import Combine
+from server.async_loop import run_async
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
     CheckpointError,
@@ -278,8 +279,17 @@ class DGCStrategy(FedAvg):
         node_of, connected = reg.sample_round(
             grid, server_round, math.ceil(self.clients_per_round * self.over_selection),
             max(self.min_available_nodes, self.clients_per_round), self.probe_timeout)
+        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(node_of), connected)
+        self._round, messages = self.train_messages(server_round, node_of, config)
+        return messages
+
+    def train_messages(self, server_round: int, node_of: dict[int, int], config: ConfigRecord,
+                       ) -> tuple[_Round, list[Message]]:
+        """The train messages of ``server_round`` for the clients ``node_of`` names (client key
+        -> node id, in sampling order), and what was sent: the model (dense or patch), its
+        acknowledgement, the round material (the asynchronous loop sends one per dispatch)."""
+        reg = self.registry
         sampled = list(node_of)
-        log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(sampled), connected)
         digest = P.config_digest(config)
         state = _Round(server_round, sampled, node_of, self.model_version, digest)
         shared_record, shared_nbytes = None, 0
@@ -313,8 +323,7 @@ class DGCStrategy(FedAvg):
                               message_type=MessageType.TRAIN, group_id=str(server_round))
             state.sent[key] = message.metadata
             messages.append(message)
-        self._round = state
-        return messages
+        return state, messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -377,11 +386,20 @@ class DGCStrategy(FedAvg):
         return (self.model_arrays() if applied else None), MetricRecord(train_metrics(record))
 
     def _aggregate(self, server_round: int, chosen: list[CheckedReply],
-                   valid: list[CheckedReply], rows: Mapping[int, ClientRow]) -> bool:
+                   valid: list[CheckedReply], rows: Mapping[int, ClientRow],
+                   scale: Sequence[float] | None = None) -> bool:
         """Defences, combine, the method's aggregator, the server step (module docstring),
-        noting a bounded client in its row; whether the step was finite."""
-        chosen = sorted(chosen, key=lambda c: c.client_key)  # a fixed order: a reproducible sum
+        noting a bounded client in its row; whether the step was finite.
+
+        ``scale``: a factor per reply of ``chosen`` applied to its update after the defences
+        (the asynchronous loop's staleness weight: ``sum(w * s * u) / sum(w)``, FedBuff's)."""
+        factor = list(scale) if scale is not None else [1.0] * len(chosen)
+        # A fixed order: a reproducible sum (sorted() is stable: one client's replies keep
+        # theirs).
+        order = sorted(range(len(chosen)), key=lambda i: chosen[i].client_key)
+        chosen, factor = [chosen[i] for i in order], [factor[i] for i in order]
         weights, factors, notes = self.bounds.apply(chosen, valid)
+        factors = [f * g for f, g in zip(factors, factor, strict=True)]
         for key, note in notes.items():
             rows[key].reason = note
             log(WARNING, "\t> Client %d: %s", key, note)
@@ -502,5 +520,8 @@ class DGCStrategy(FedAvg):
                     self._step(server_round, "evaluate", False)
 
             evaluate_fn = stepped
+        if self.settings.server.mode == "async":
+            return run_async(self, grid, initial_arrays, num_rounds, timeout, train_config,
+                             evaluate_fn)
         return run_rounds(self, grid, initial_arrays, num_rounds, timeout, train_config,
                           evaluate_config, evaluate_fn)

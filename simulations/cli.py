@@ -138,12 +138,20 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
 def announcement(config: RunConfig) -> str:
     """A run's first line: what runs where, and for a resumed run the round it resumes after
     (its checkpoint's)."""
-    t, rounds = config.train, config.server.rounds
+    t, s, rounds = config.train, config.server, config.server.rounds
     what = (f"{config.method.title} on {t.task}, {t.num_clients} clients "
             f"({t.clients_per_round} per round)")
+    if s.mode == "async":
+        weight = ("constant" if s.async_staleness == "constant"
+                  else f"(1+s)^-{s.async_staleness_exponent:g}")
+        what = (f"{config.method.title} on {t.task}, {t.num_clients} clients, asynchronous "
+                f"(FedBuff: {s.async_concurrency} training at once, a step every "
+                f"{s.async_buffer} replies, staleness weight {weight}, at most "
+                f"{s.async_max_staleness} steps stale)")
     done = checkpoint_round(config.run_dir) if config.server.resume else None
     if done is None:
-        return f"running {what}, {rounds} rounds -> {config.run_dir}"
+        steps = "applied steps" if s.mode == "async" else "rounds"
+        return f"running {what}, {rounds} {steps} -> {config.run_dir}"
     if done >= rounds:
         return (f"resuming {what}: its checkpoint is of round {done}, and rounds = {rounds} "
                 f"leaves none to run -> {config.run_dir}")

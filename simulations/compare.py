@@ -390,7 +390,7 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
         check_regular(folder / "rounds.csv")
         if (folder / "rounds.csv").is_file():
             summary = read_summary(folder)
-            add(_seed_of(summary), summary.get("method", folder.name), folder)
+            add(_seed_of(summary), run_label(summary, folder.name), folder)
             continue
         # ASCII digits: str.isdigit() also accepts 'seed-²', which int() refuses.
         seeded = sorted(d for d in folder.glob("seed-*")
@@ -405,6 +405,16 @@ def find_runs(folders: Sequence[Path]) -> dict[int | None, dict[str, Path]]:
         for seed, run in runs:
             add(seed, run.name, run)
     return found
+
+
+def run_label(summary: Mapping[str, Any], default: str) -> str:
+    """A single run's name in a table: its method, ``<method>-async`` for a run of
+    ``mode = async``, so that a method's sync and async runs sit side by side (its baseline,
+    ``dense``, stays the synchronous one)."""
+    method = str(summary.get("method", default))
+    config = summary.get("config")
+    mode = config.get("mode", "sync") if isinstance(config, Mapping) else "sync"
+    return f"{method}-async" if mode == "async" else method
 
 
 def _runs_in(folder: Path) -> list[Path]:

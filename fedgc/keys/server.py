@@ -13,8 +13,8 @@ from typing import Any
 
 from fedgc.schema import Check, SettingsError, setting
 
-__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "ROBUST_MODES", "ROBUST_PROFILES",
-           "ServerKeys", "parse_client_nodes"]
+__all__ = ["AGGREGATIONS", "DOWNLINKS", "DOWNLINK_VALUES", "MODES", "ROBUST_MODES",
+           "ROBUST_PROFILES", "STALENESS_WEIGHTS", "ServerKeys", "parse_client_nodes"]
 
 #: What clients are sent: "auto" (a patch when smaller) or always the dense model.
 DOWNLINKS = ("auto", "dense")
@@ -28,6 +28,10 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip", "fltrust")
 #: deployment's, the phone bridge's) or are (off: a simulation's, plain FedAvg); auto decides by
 #: where the run runs (``server.app.run_server``).
 ROBUST_MODES = ("auto", "on", "off")
+#: ``mode``: a synchronous round, or the asynchronous buffered loop (server.async_loop).
+MODES = ("sync", "async")
+#: ``async.staleness``: the weight of a reply trained on a model ``s`` versions old.
+STALENESS_WEIGHTS = ("polynomial", "constant")
 #: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
 ROBUST_PROFILES: dict[str, dict[str, Any]] = {
     "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
@@ -43,6 +47,28 @@ class ServerKeys:
 
     PART = "server"
 
+    mode: str = setting("sync", "mode", "sync: rounds, each waiting for its clients; async: "
+                        "FedBuff's buffered asynchronous aggregation (async.*, docs/async.md): "
+                        "async.concurrency clients train at once and the server applies an "
+                        "update every async.buffer replies (an applied step is a round of the "
+                        "results; rounds counts them)", Check(choices=MODES))
+    async_concurrency: int = setting(10, "async.concurrency", "with mode = async: clients "
+                                     "training at once (FedBuff's C); at most num_clients",
+                                     Check(1, 1_000_000))
+    async_buffer: int = setting(5, "async.buffer", "with mode = async: the server applies an "
+                                "update every this many accepted replies (FedBuff's K); at most "
+                                "async.concurrency", Check(1, 1_000_000))
+    async_max_staleness: int = setting(20, "async.max_staleness", "with mode = async: a reply "
+                                       "trained on a model more than this many applied steps "
+                                       "old is refused and counted (reason: stale)",
+                                       Check(0, 1_000_000))
+    async_staleness: str = setting("polynomial", "async.staleness", "with mode = async: the "
+                                   "weight of a reply s steps stale: polynomial = (1 + s) ** "
+                                   "-async.staleness_exponent (FedBuff's 1/sqrt(1+s) at 0.5); "
+                                   "constant = 1", Check(choices=STALENESS_WEIGHTS))
+    async_staleness_exponent: float = setting(0.5, "async.staleness_exponent", "with "
+                                              "async.staleness = polynomial: the exponent a",
+                                              Check(0.0, 10.0))
     over_selection: float = setting(1.0, "over_selection", "sample ceil(clients_per_round * "
                                     "over_selection) clients, aggregate the first "
                                     "clients_per_round valid replies (straggler defence)",
@@ -171,6 +197,10 @@ class ServerKeys:
     def check_server_keys(self) -> None:
         """The rules between these keys."""
         parse_client_nodes(self.client_nodes)
+        if self.mode == "async" and self.async_buffer > self.async_concurrency:
+            raise SettingsError(f"async.buffer = {self.async_buffer} exceeds async.concurrency = "
+                                f"{self.async_concurrency}: the buffer would wait for more "
+                                f"replies than clients train at once")
 
     def robust_defaults(self) -> dict[str, Any]:
         """The aggregation keys left empty, with the values ``robust``'s profile gives them

@@ -47,7 +47,15 @@ from typing import Any
 from flwr.supercore import log
 
 from fedgc import protocol as P
-from server.extensions import Added, Column, ConfigValue, Reply, RoundExtension, Selection
+from server.extensions import (
+    Added,
+    Arrival,
+    Column,
+    ConfigValue,
+    Reply,
+    RoundExtension,
+    Selection,
+)
 from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
@@ -256,6 +264,35 @@ class NetemClock(RoundExtension):
             added["dropped_deadline"], added["dropped_link"], added["dropped_rejected"],
             record.clients_surplus)
         return Added(added)
+
+    # ---- mode = async ----------------------------------------------------------------------
+    # The asynchronous loop (server.async_loop) orders replies by their timelines' finish on
+    # this clock; each client's timeline starts when its message leaves. There is no round
+    # deadline (async.max_staleness bounds old replies instead), and the server's work is not
+    # charged: it aggregates while the other clients train.
+    clocked = True
+
+    def dispatch_at(self, now_s: float) -> None:
+        """The next train messages leave at ``now_s`` (their ``netem.round_start``)."""
+        self.virtual_now_s = float(now_s)
+
+    def arrival(self, reply: Reply) -> Arrival | None:
+        """When the reply's upload finished, or where its timeline failed (link down, device
+        away); None for a reply without a timeline (an error: it arrives as sent)."""
+        tl = timeline_from_reply(reply.message)
+        if tl is None:
+            return None
+        return Arrival(tl.finish_s, tl.ok, "" if tl.ok else tl.reason)
+
+    def after_step(self, record: RoundRecord, rows: list[ClientRow],
+                   replies: Sequence[Reply], elapsed_s: float) -> Added:
+        """The step's virtual seconds (since the last step) and its drops: ``dropped_link``
+        counts the dispatches whose timeline failed, ``dropped_rejected`` the refused replies
+        (stale ones included)."""
+        self.server_seconds[record.round] = 0.0  # not charged (see above)
+        return Added({"virtual_seconds": elapsed_s, "dropped_deadline": 0,
+                      "dropped_link": sum(row.status == "dropped" for row in rows),
+                      "dropped_rejected": sum(row.status == "rejected" for row in rows)})
 
     # ---- the run ---------------------------------------------------------------------------
     def summary(self, rounds: Sequence[RoundRecord]) -> dict[str, Any]:

@@ -180,6 +180,14 @@ class WireColumns(RoundExtension):
         }
         return Added(values, clients)
 
+    def after_step(self, record: RoundRecord, rows: list[ClientRow],
+                   replies: Sequence[Reply], elapsed_s: float) -> Added:
+        """An asynchronous step's columns: those of a round whose replies are the step's
+        (every reply since the last step, refused and cut ones included: the wire carried
+        them)."""
+        self.arrived(record.round, replies)
+        return self.after_round(record, rows)
+
     def summary(self, rounds: Sequence[RoundRecord]) -> dict[str, Any]:
         """Totals with their ratios to dense, per client-round means, joules in all, and the
         ``wire`` entry (module docstring)."""

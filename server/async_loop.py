@@ -1,0 +1,356 @@
+"""The asynchronous buffered loop (FedBuff): keep C clients training, apply an update every K
+replies, each weighted by how stale the model it trained on is.
+
+Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation" (AISTATS 2022), as
+:func:`run_async` runs it on any Flower ``Grid``:
+
+1. dispatch: ``async.concurrency`` (C) clients train at once. A client that replied is replaced
+   by one sampled among the idle ones (the registry's seeded sampling, one draw per dispatch),
+   sent the current model as a synchronous round sends it (dense, or a patch on a version it
+   holds) and tagged with a dispatch sequence of its own, which its update carries back;
+2. collect: replies are pulled as they come (``push_messages`` / ``pull_messages``: fedgc's
+   in-process grid, Flower's simulation engine, a deployment). Each is checked as a round's
+   reply is. Its staleness ``s`` is the number of steps applied since the version it trained
+   on; one staler than ``async.max_staleness`` is refused (reason ``stale``) and counted;
+3. apply: every ``async.buffer`` (K) accepted replies, the strategy's own step on the buffer
+   (the defences, the method's aggregator, the server optimizer and its momentum), each update
+   scaled by :func:`staleness_weight`: ``sum(w_i * g(s_i) * u_i) / sum(w_i)``. An applied step
+   is a round of the results (``rounds.csv``): evaluated, recorded, checkpointed.
+
+A client's acknowledgement is the dispatch sequence of its last accepted reply, given as soon
+as the reply enters the buffer (it will be applied); a refused reply is not acknowledged, so
+an error-feedback client folds it back into its residual on its next dispatch, as after a
+synchronous round that did not take it (docs/async.md: DGC under staleness).
+
+Which reply comes next: under an extension's clock (the network emulator, each client on its
+own virtual timeline: download, compute, upload, drop-outs), the one that reaches the server
+first on that clock, once every reply in flight is in (so that the order does not depend on
+the engine); without one, as they come, and on the in-process grid (which runs a client when
+its reply is pulled) the oldest dispatch first, so that every client takes one dispatch's time.
+Either way an in-process run is reproducible.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+from flwr.supercore import log
+
+from fedgc import protocol as P
+from fedgc.settings import SettingsError
+from server.extensions import Arrival, Reply, apply_extensions
+from server.local_grid import LocalGrid
+from server.records import ClientRow, client_row, round_record, train_metrics
+from server.registry import RoundOutcome
+from server.replies import CheckedReply
+
+if TYPE_CHECKING:
+    from server.strategy import DGCStrategy
+
+#: Seconds between two pulls of a grid that had no reply ready (Flower's own grids poll too).
+PULL_INTERVAL_S = 0.05
+
+
+def staleness_weight(staleness: int, how: str = "polynomial", exponent: float = 0.5) -> float:
+    """The weight of a reply trained on a model ``staleness`` applied steps old.
+
+    ``polynomial``: ``(1 + s) ** -exponent`` (FedBuff's ``1 / sqrt(1 + s)`` at 0.5; APPFL's
+    polynomial family); ``constant``: 1.
+
+    >>> staleness_weight(3)
+    0.5
+    """
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    if how == "constant":
+        return 1.0
+    if how == "polynomial":
+        return float((1 + staleness) ** -exponent)
+    raise ValueError(f"async.staleness must be polynomial or constant, got {how!r}")
+
+
+@dataclass
+class _InFlight:
+    """One dispatched train message, not yet answered."""
+
+    key: int  # the client
+    wave: Any  # the strategy's record of what this dispatch sent (server.strategy._Round)
+    pushed: float  # time.monotonic() when pushed
+    start_s: float = 0.0  # when it left on the extensions' clock (0 without one)
+
+
+@dataclass
+class _Buffered:
+    """An accepted reply waiting for its step."""
+
+    reply: CheckedReply
+    staleness: int
+    row: ClientRow
+
+
+class AsyncLoop:
+    """The state of one asynchronous run on ``grid`` (see the module docstring)."""
+
+    def __init__(self, strategy: DGCStrategy, grid: Grid, timeout: float,
+                 train_config: ConfigRecord) -> None:
+        s = strategy.settings.server
+        self.strategy, self.grid, self.timeout = strategy, grid, timeout
+        self.train_config = train_config
+        self.concurrency, self.buffer_size = s.async_concurrency, s.async_buffer
+        self.max_staleness = s.async_max_staleness
+        self.weight_of = (s.async_staleness, s.async_staleness_exponent)
+        self.inflight: dict[str, _InFlight] = {}  # message id -> dispatch, in push order
+        self.buffer: list[_Buffered] = []
+        self.rows: list[ClientRow] = []  # every reply and timeout since the last step
+        self.uplink_bytes = 0  # of those replies
+        self.sequence = 0  # the last dispatch sequence used
+        self.in_process = _innermost(grid)
+        # With an extension's clock (the network emulator) replies are taken in the order
+        # they reach the server on it: every reply in flight must be in before the earliest
+        # is known, so they wait in a heap of (arrival, dispatch sequence, client key).
+        self.extensions = strategy.extensions
+        self.clocked = any(ext.clocked for ext in self.extensions)
+        self.now_s = self.step_start_s = 0.0  # the clock's time, and at the last step
+        self.ready: list[tuple[float, int, int, _InFlight, Message, Arrival | None]] = []
+        self.replies: list[Reply] = []  # every reply since the last step, as they came
+
+    # ------------------------------------------------------------------ dispatch
+    def fill(self) -> None:
+        """Dispatch idle clients until ``concurrency`` train at once."""
+        # A reply waiting in the clock's heap has not reached the server yet: still busy.
+        busy = {d.key for d in self.inflight.values()} | {r[2] for r in self.ready}
+        need = self.concurrency - len(self.inflight) - len(self.ready)
+        if need <= 0:
+            return
+        st = self.strategy
+        self.sequence += 1
+        # Sample more than needed so that enough of them are idle, in the draw's order.
+        node_of, _ = st.registry.sample_round(
+            self.grid, self.sequence, need + len(busy), self.concurrency, st.probe_timeout)
+        chosen = {k: n for k, n in node_of.items() if k not in busy}
+        chosen = dict(list(chosen.items())[:need])
+        if not chosen:
+            return
+        for ext in self.extensions:
+            ext.dispatch_at(self.now_s)
+        wave, messages = st.train_messages(self.sequence, chosen, self.train_config)
+        now = time.monotonic()
+        for key, mid in zip(chosen, self.grid.push_messages(messages), strict=True):
+            self.inflight[mid] = _InFlight(key, wave, now, self.now_s)
+
+    # ------------------------------------------------------------------ collect
+    def collect(self) -> list[tuple[_InFlight, Message, Arrival | None]]:
+        """The next replies: as they come in real time, or with a clock the one that
+        reaches the server first on it (the clock moves to its arrival)."""
+        if not self.clocked:
+            return [(d, m, None) for d, m in self.pulled()]
+        while self.inflight:
+            for dispatch, msg in self.pulled(every=True):
+                arrival = None
+                for ext in self.extensions:
+                    arrival = arrival or ext.arrival(Reply(msg, dispatch.key))
+                # A reply without a timeline (an error) arrives as it was sent.
+                at_s = dispatch.start_s if arrival is None else max(arrival.at_s,
+                                                                    dispatch.start_s)
+                heapq.heappush(self.ready, (at_s, dispatch.wave.server_round, dispatch.key,
+                                            dispatch, msg, arrival))
+        if not self.ready:
+            return []
+        at_s, _, _, dispatch, msg, arrival = heapq.heappop(self.ready)
+        self.now_s = max(self.now_s, at_s)
+        return [(dispatch, msg, arrival)]
+
+    def pulled(self, every: bool = False) -> list[tuple[_InFlight, Message]]:
+        """Replies pulled from the grid (at least one, unless dispatches timed out as rows);
+        the in-process grid runs the oldest dispatch only, unless ``every``."""
+        while True:
+            if self.in_process and not every:
+                # The in-process grid runs a client as its reply is pulled: the oldest first.
+                ids = [next(iter(self.inflight))]
+            else:
+                ids = list(self.inflight)
+            replies = list(self.grid.pull_messages(ids))
+            out = []
+            for msg in replies:
+                dispatch = self.inflight.pop(msg.metadata.reply_to_message_id, None)
+                if dispatch is not None:
+                    out.append((dispatch, msg))
+                else:
+                    self.strategy.records.count_rejection("reply to no dispatch in flight")
+            if self.in_process:
+                # Dropped on the way (the in-process grid's intercept): they will never come.
+                for mid in [m for m in ids if m in self.inflight]:
+                    self.timed_out(self.inflight.pop(mid), "reply dropped on the way")
+            if out or self.expire() or not self.inflight:
+                return out
+            time.sleep(PULL_INTERVAL_S)
+
+    def expire(self) -> bool:
+        """Drop the dispatches older than the timeout; whether any was."""
+        now = time.monotonic()
+        old = [mid for mid, d in self.inflight.items() if now - d.pushed > self.timeout]
+        for mid in old:
+            self.timed_out(self.inflight.pop(mid))
+        return bool(old)
+
+    def timed_out(self, dispatch: _InFlight,
+                  reason: str = "no reply before round_timeout_s") -> None:
+        """A timeout row for a dispatch no longer in flight, as a synchronous round writes."""
+        wave = dispatch.wave
+        kind, down = wave.downlink[dispatch.key]
+        self.rows.append(ClientRow(0, dispatch.key, wave.node_of[dispatch.key], "timeout",
+                                   reason, kind, down))
+        self.settle(dispatch, "timeout")
+
+    def take(self, dispatch: _InFlight, msg: Message, arrival: Arrival | None = None) -> None:
+        """Check one reply against the dispatch that sent it; buffer it or refuse it. One
+        whose ``arrival`` failed (the clock's link went down) never reached the server: a
+        ``dropped`` row, not acknowledged."""
+        st, wave, key = self.strategy, dispatch.wave, dispatch.key
+        self.replies.append(Reply(msg, key))
+        if arrival is not None and not arrival.ok:
+            kind, down = wave.downlink[key]
+            self.rows.append(ClientRow(0, key, wave.node_of[key], "dropped", arrival.reason,
+                                       kind, down))
+            # One that sent an update trained on the model it was sent: it holds it.
+            trained = not msg.has_error() and P.UPDATE in msg.content.array_records
+            st.registry.settle(wave.server_round, [RoundOutcome(key, "timeout")],
+                               version_sent=wave.version_sent,
+                               processed=[key] if trained else [],
+                               dense_only=st.downlink.mode != "auto",
+                               config_digest=wave.config_digest)
+            return
+        [checked] = st.checker.check_round(wave.server_round, [msg],
+                                           lambda m: (key, wave.node_of[key]), [key],
+                                           wave.material)
+        row = client_row(0, checked, wave.downlink[key], st._dense_update_nbytes)
+        self.rows.append(row)
+        self.uplink_bytes += checked.uplink_bytes
+        staleness = st.model_version - wave.version_sent
+        row.extra["staleness"] = staleness
+        if checked.status == "valid" and staleness > self.max_staleness:
+            row.status = "rejected"
+            row.reason = (f"stale: trained on version {wave.version_sent}, {staleness} steps "
+                          f"old (async.max_staleness = {self.max_staleness})")
+            st.records.count_rejection("stale")
+            log(INFO, "\t> Refused reply of client %d: %s", key, row.reason)
+        elif checked.status == "valid":
+            row.status = "aggregated"
+            self.buffer.append(_Buffered(checked, staleness, row))
+        elif checked.status == "rejected":
+            st.records.count_rejection(checked.reason.split(":")[0])
+            log(WARNING, "\t> Rejected reply of client %d: %s", key, checked.reason)
+        else:
+            log(INFO, "\t> Error in reply of client %d: %s", key, checked.reason)
+        self.settle(dispatch, row.status, row.reason)
+
+    def settle(self, dispatch: _InFlight, status: str, reason: str = "") -> None:
+        """Tell the registry how a dispatch ended: acknowledged (in the buffer) or not, and
+        the version the client now holds."""
+        st, wave = self.strategy, dispatch.wave
+        st.registry.settle(wave.server_round, [RoundOutcome(dispatch.key, status, reason)],
+                           version_sent=wave.version_sent,
+                           dense_only=st.downlink.mode != "auto",
+                           config_digest=wave.config_digest)
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, step: int) -> bool:
+        """The strategy's step on the buffer, each update scaled by its staleness weight;
+        whether the model moved. The buffer's rows become the step's record."""
+        st = self.strategy
+        taken, self.buffer = self.buffer, []
+        replies = [b.reply for b in taken]
+        scale = [staleness_weight(b.staleness, *self.weight_of) for b in taken]
+        # The defences' notes go to a client's row (its later one, with two in the buffer).
+        by_key = {b.reply.client_key: b.row for b in taken}
+        applied = st._aggregate(step, replies, replies, by_key, scale)
+        if not applied:
+            for b in taken:
+                b.row.status, b.row.reason = "rejected", "aggregate was not finite"
+        for row in self.rows:
+            row.round = step
+        record = round_record(step, self.rows, self.uplink_bytes, st._dense_update_nbytes,
+                              st._dense_model_nbytes, st.model_version)
+        record.clients_failed += sum(row.status == "dropped" for row in self.rows)
+        elapsed, rows, replies = self.now_s - self.step_start_s, self.rows, self.replies
+        apply_extensions(self.extensions, record, rows,
+                         lambda ext: ext.after_step(record, rows, replies, elapsed))
+        st.records.client_rows.extend(self.rows)
+        st.round_record = record
+        self.rows, self.uplink_bytes, self.replies = [], 0, []
+        self.step_start_s = self.now_s
+        log(INFO, "async step %d: %d applied (staleness %s), model version %d", step,
+            len(taken), [b.staleness for b in taken], st.model_version)
+        return applied
+
+
+def _innermost(grid: Grid) -> bool:
+    """Whether ``grid`` is (or wraps) fedgc's in-process grid."""
+    while not isinstance(grid, LocalGrid):
+        inner = getattr(grid, "grid", None)
+        if not isinstance(inner, Grid):
+            return False
+        grid = inner
+    return True
+
+
+def run_async(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
+              num_rounds: int, timeout: float, train_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              ) -> Result:
+    """Run ``num_rounds`` applied steps of FedBuff on ``grid`` (module docstring): the
+    asynchronous counterpart of :func:`server.loop.run_rounds`, with the same strategy,
+    records and results.
+
+    Raises
+    ------
+    SettingsError
+        Under the network emulator (not wired to this loop yet), or with ``resume = true``
+        (the dispatches in flight are not checkpointed yet).
+    """
+    if sum(ext.clocked for ext in strategy.extensions) > 1:
+        raise SettingsError("mode = async takes replies on one clock: several extensions "
+                            "keep one")
+    if strategy.resume:
+        raise SettingsError("mode = async cannot resume yet: the dispatches in flight are not "
+                            "in the checkpoint (docs/async.md); run it again from the start")
+    log(INFO, "Starting %s strategy, asynchronous (FedBuff):", strategy.__class__.__name__)
+    strategy.summary()
+    strategy.set_model(initial_arrays)
+    loop = AsyncLoop(strategy, grid, timeout,
+                     ConfigRecord() if train_config is None else train_config)
+    result = Result()
+    if evaluate_fn is not None:
+        res = evaluate_fn(0, strategy.model_arrays())
+        if res is not None:
+            result.evaluate_metrics_serverapp[0] = res
+    started = time.time()
+    for step in range(1, num_rounds + 1):
+        while len(loop.buffer) < loop.buffer_size:
+            loop.fill()
+            if not loop.inflight and not loop.ready:
+                raise RuntimeError("no client could be dispatched: the registry sampled none")
+            for dispatch, msg, arrival in loop.collect():
+                loop.take(dispatch, msg, arrival)
+        loop.apply(step)
+        record = strategy.round_record
+        result.train_metrics_clientapp[step] = MetricRecord(train_metrics(record))
+        if evaluate_fn is not None:
+            res = evaluate_fn(step, strategy.model_arrays())
+            if res is not None:
+                result.evaluate_metrics_serverapp[step] = res
+                record.accuracy = float(res.get("accuracy", float("nan")))  # type: ignore
+                record.loss = float(res.get("loss", float("nan")))  # type: ignore
+        record.wall_seconds = time.time() - started
+        started = time.time()
+        strategy.keep_round(record)
+    result.arrays = strategy.model_arrays()
+    return result
