@@ -40,7 +40,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import dgc
-from client import node
+from client import node, secure
 from client.attacks import Attack, attack_of
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
@@ -419,6 +419,8 @@ class RoundInput:
     #: against ``global_state``, see :func:`reply_round`).
     start: dict[str, torch.Tensor]
     attack: Attack | None = None  # a hostile client of a robustness study (client.attacks)
+    #: The node's Context (secure aggregation keeps its session there between messages).
+    context: Context | None = None
 
     @property
     def seed(self) -> int:
@@ -456,7 +458,8 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
             raise ClientProtocolError(str(ex)) from None
 
     reply = state.reply
-    if (method.keeps_residual and reply is not None and state.pending is not None
+    if (method.keeps_residual and not s.privacy_secagg and reply is not None
+            and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
@@ -496,7 +499,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         start = method.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
                       task, train_x, train_y, global_state, material, device, started,
-                      compressor, restored, start, attack)
+                      compressor, restored, start, attack, context)
 
 
 @app.train()
@@ -534,11 +537,19 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if r.start is not r.global_state:  # the pseudo-gradient is taken against the model sent
         pseudo_gradient = {k: v + (r.global_state[k] - r.start[k]).to(v.device)
                            for k, v in pseudo_gradient.items()}
+    pseudo_gradient = secure.clipped(pseudo_gradient, s)  # DP: before compression
+    shapes = {k: tuple(v.shape) for k, v in r.global_state.items()}
+    material = None if r.material is None else r.material[1]
+    layout = None
     if compressor is None:
         update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
+    if s.privacy_secagg:
+        layout = secure.layout_of(method, s, update, shapes, material, server_round)
+        update = secure.held_back(method, compressor, update, layout)
+    if compressor is not None:
         side = (method.side_part(compressor, r.material[1], server_round)
                 if r.material is not None else None)
         if side is not None:
@@ -564,7 +575,10 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         new_state.reply = {**{k: v for k, v in metrics.items() if k != "compute_seconds"},
                            "sequence": server_round, "model_version": r.version}
     r.store.save(str(r.key), new_state)
-
+    if layout is not None:  # secure aggregation: the masked vector in place of the payload
+        return Message(_on_node(secure.masked_content(
+            r.msg, r.context, r.key, s, method, data, shared_data, layout, material, shapes,
+            metrics, r.seed)), reply_to=r.msg)
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
 
 
@@ -589,6 +603,13 @@ def evaluate(msg: Message, context: Context) -> Message:
         accuracy = float((pred == y).float().mean())
     metrics = MetricRecord({"num-examples": int(len(y)), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.query(P.SECAGG_ACTION)
+def secagg_stage(msg: Message, context: Context) -> Message:
+    """Answer a secure-aggregation stage that no train message carries (setup, share keys,
+    unmask: :mod:`client.secure`)."""
+    return secure.answer_stage(msg, context, client_key(context))
 
 
 @app.query()

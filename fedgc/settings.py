@@ -39,6 +39,7 @@ from dgc import DGCConfig
 from dgc.config import SELECTIONS, WARMUP_SCHEDULES
 from dgc.sparse import VALUE_DTYPES as _VALUE_DTYPES
 from fedgc import methods
+from fedgc.privacy.keys import PrivacyKeys, check_privacy
 from fedgc.refs import REF as TASK_REF
 from fedgc.refs import is_ref
 from fedgc.schema import (
@@ -212,7 +213,7 @@ def _dgc(name: str) -> Check:
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(PrivacyKeys):
     """What a client needs to train one round: data, local optimizer, compression method.
 
     The server sends these keys in every train message (so ``run_simulation`` and ``flwr run``
@@ -673,6 +674,7 @@ class RunConfig:
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
+        check_privacy(t, self.server, self.method)
         if not self.server.run_name:
             # Named once, here: to_flat() and with_overrides() then carry the same folder.
             label = t.method if not is_ref(t.method) else methods.get(t.method).title
@@ -754,6 +756,8 @@ class RunConfig:
         flat = to_flat(self.client_train_settings())
         if not self.train.attack_clients:
             flat = {k: v for k, v in flat.items() if not k.startswith("attack.")}
+        if not self.train.private:
+            flat = {k: v for k, v in flat.items() if not k.startswith("privacy.")}
         return {**flat, **self.own}
 
     @staticmethod
