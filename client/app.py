@@ -540,15 +540,13 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     pseudo_gradient = secure.clipped(pseudo_gradient, s)  # DP: before compression
     shapes = {k: tuple(v.shape) for k, v in r.global_state.items()}
     material = None if r.material is None else r.material[1]
-    layout = None
     if compressor is None:
         update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-    if s.privacy_secagg:
-        layout = secure.layout_of(method, s, update, shapes, material, server_round)
-        update = secure.held_back(method, compressor, update, layout)
+    if s.privacy_secagg:  # a per-client top-k goes back to the residual: it cannot be summed
+        update = secure.held_back(method, s, compressor, update, shapes, material, server_round)
     if compressor is not None:
         side = (method.side_part(compressor, r.material[1], server_round)
                 if r.material is not None else None)
@@ -575,10 +573,10 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         new_state.reply = {**{k: v for k, v in metrics.items() if k != "compute_seconds"},
                            "sequence": server_round, "model_version": r.version}
     r.store.save(str(r.key), new_state)
-    if layout is not None:  # secure aggregation: the masked vector in place of the payload
+    if s.privacy_secagg:  # the masked vector in place of the payload
         return Message(_on_node(secure.masked_content(
-            r.msg, r.context, r.key, s, method, data, shared_data, layout, material, shapes,
-            metrics, r.seed)), reply_to=r.msg)
+            r.msg, r.context, r.key, s, method, data, shared_data, material, shapes, metrics,
+            server_round, r.seed)), reply_to=r.msg)
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
 
 

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from dgc import SparseUpdate
 from fedgc import methods
 from fedgc import protocol as P
-from fedgc.methods import Bound
+from fedgc.methods import Bound, Payload
 from fedgc.privacy import FixedPoint
 from fedgc.privacy.dp import clip_update, clip_vector
 from fedgc.privacy.linear import Layout, hold_back, round_layout
@@ -88,36 +88,40 @@ def answer_stage(msg: Message, context: Context, key: int) -> Message:
     return Message(RecordDict({P.SECAGG: P.bytes_to_record(reply, P.SECAGG)}), reply_to=msg)
 
 
-def layout_of(method: methods.Method, s: TrainSettings, update: SparseUpdate,
+def layout_of(method: methods.Method, s: TrainSettings, payload: Payload | None,
               shapes: dict[str, tuple[int, ...]], material: Any, server_round: int) -> Layout:
     """The round's shared coordinates as this client computes them: in the space of its
-    payload (a sketch's for a method that sums everything), from the material it holds."""
-    space = ({n: tuple(t.shape) for n, t in update.tensors.items()}
-             if method.secure_sum == "all" else shapes)
+    decoded ``payload``'s parts for a method that sums all of them (a sketch's), in the
+    model's (``shapes``) otherwise, from the material it holds."""
+    space = shapes
+    if method.secure_sum == "all" and payload is not None:
+        space = {n: tuple(t.shape) for part in payload.parts() for n, t in part.tensors.items()}
     return round_layout(method, s, space, material, server_round)
 
 
-def held_back(method: methods.Method, compressor: Any, update: SparseUpdate,
-              layout: Layout) -> SparseUpdate:
+def held_back(method: methods.Method, s: TrainSettings, compressor: Any,
+              update: SparseUpdate, shapes: dict[str, tuple[int, ...]], material: Any,
+              server_round: int) -> SparseUpdate:
     """``update`` without what secure aggregation cannot sum (a per-client top-k), which goes
-    back into the residual."""
+    back into the residual (a method whose payload sits at the round material's sets)."""
     if method.secure_sum != "material" or compressor is None:
         return update
+    layout = layout_of(method, s, None, shapes, material, server_round)
     return hold_back(compressor, update, layout)[0]
 
 
 def masked_content(msg: Message, context: Context, key: int, s: TrainSettings,
-                   method: methods.Method, data: bytes, side: bytes | None, layout: Layout,
-                   material: Any, shapes: dict[str, tuple[int, ...]],
-                   metrics: dict[str, int | float], seed: int) -> RecordDict:
+                   method: methods.Method, data: bytes, side: bytes | None, material: Any,
+                   shapes: dict[str, tuple[int, ...]], metrics: dict[str, int | float],
+                   server_round: int, seed: int) -> RecordDict:
     """The train reply's content under secure aggregation: the masked vector of the payload
-    ``data`` (and its side part ``side``) at ``layout``, clipped and in fixed point, with the
-    metrics; stage 2 of the session the message's request continues."""
+    ``data`` (and its side part ``side``) at the round's layout, clipped and in fixed point,
+    with the metrics; stage 2 of the session the message's request continues."""
     codec = method.codec(s)
-    bound = Bound(shapes, int(msg.content.config_records[P.CONFIG][P.SERVER_ROUND]), material)
-    payload = codec.decode(data, bound)
+    payload = codec.decode(data, Bound(shapes, server_round, material))
     if side is not None:
         payload = payload.attach(method.read_side(side, material, shapes))
+    layout = layout_of(method, s, payload, shapes, material, server_round)
     vector = layout.vector(payload)
     if s.privacy_clip > 0:
         vector = clip_vector(vector, s.privacy_clip)[0]

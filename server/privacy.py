@@ -44,7 +44,7 @@ from fedgc.privacy.dp import GaussianAccountant
 from fedgc.privacy.linear import Layout, round_layout
 from fedgc.privacy.secagg import ROUND_TRIPS, STAGES, SecAggError, ServerSession
 from fedgc.privacy.secagg.cost import StageBytes
-from server.extensions import Added, Column, RoundExtension
+from server.extensions import Added, Column, RoundExtension, exchanged
 from server.records import ClientRow, RoundRecord
 from server.replies import CheckedReply, ReplyRejected, recorded_fields, reply_numbers
 
@@ -96,6 +96,8 @@ class PrivateRound(RoundExtension):
         self._node_of: dict[int, int] = {}
         self._round = 0
         self._silent: set[int] = set()  # summed clients that did not answer the unmasking
+        #: The round's extensions (the strategy's), shown each exchange.
+        self.extensions: Sequence[RoundExtension] = ()
 
     def describe(self) -> str:
         parts = []
@@ -155,7 +157,8 @@ class PrivateRound(RoundExtension):
         for key, data in requests.items():
             self._bytes[key][stage] = StageBytes(len(data), 0)
         out: dict[int, bytes] = {}
-        for reply in self._grid.send_and_receive(messages, timeout=self.timeout):
+        replies = self._grid.send_and_receive(messages, timeout=self.timeout)
+        for reply in replies:
             key = key_of.get(reply.metadata.src_node_id)
             if key is None or reply.has_error() or key in out:
                 continue
@@ -167,7 +170,11 @@ class PrivateRound(RoundExtension):
             if data:
                 out[key] = data
                 self._bytes[key][stage] = StageBytes(self._bytes[key][stage].down, len(data))
-        return out
+        # The other extensions (the emulator) charge the exchange and say whose reply came.
+        sizes = {k: (len(requests[k]), len(out.get(k, b""))) for k in requests}
+        came = exchanged([e for e in self.extensions if e is not self], self._round, stage,
+                         sizes)
+        return {k: v for k, v in out.items() if k in came}
 
     def check_round(self, replies: Iterable[Message], key_of: Callable[[Message], tuple[int, int]],
                     sampled: Iterable[int], weighted_by_key: str) -> list[CheckedReply]:

@@ -151,6 +151,7 @@ class DGCStrategy(FedAvg):
                         if t.privacy_secagg or t.privacy_dp != "off" else None)
         if self.privacy is not None:
             self.extensions.append(self.privacy)
+            self.privacy.extensions = self.extensions
         self.selector = selector_of(self.extensions)
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)

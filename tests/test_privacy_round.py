@@ -205,3 +205,37 @@ def test_central_dp_reports_the_accountants_epsilon_per_round_and_at_the_end(tmp
     assert "Poisson" in summary["dp_guarantee"] and "3 rounds" in summary["dp_guarantee"]
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["dp_epsilon"] == summary["dp_epsilon"]
+
+
+def test_the_emulator_charges_the_stages_real_bytes_and_round_trips(tmp_path):
+    from client.app import app as plain_app
+    from fedgc.privacy.secagg import client_bytes
+    from simulations.netem.integration import extensions, for_run, split_netem, wrap_client_app
+
+    values = {**BASE, "results_dir": str(tmp_path), "run_name": "emu", "rounds": 1,
+              "netem.enabled": True, "netem.mix": "3g:1.0"}
+    rest, netem = split_netem(values)
+    config = RunConfig.from_flat(rest)
+    netem = for_run(netem, config)
+    made: list[DGCStrategy] = []
+
+    def factory(*args, **kw):
+        made.append(DGCStrategy(*args, **kw))
+        return made[-1]
+
+    run_server(LocalGrid(wrap_client_app(plain_app), 5, seed=3), config,
+               extensions=extensions(netem, config), strategy_factory=factory)
+    with open(config.run_dir / "rounds.csv") as f:
+        row, = list(csv.DictReader(f))
+    privacy = made[0].privacy
+    # The messages' payloads are the cost model's (k = 4: everyone, no dropout) ...
+    session = privacy.session
+    model = client_bytes(session.neighbours, session.length, session.modulus_bits)
+    for stages in privacy._bytes.values():
+        assert stages == model
+    # ... and the emulator charged them on the links: bytes and time besides the train message.
+    stage_payload_up = 5 * sum(b.up for s, b in model.items() if s != "collect_masked_vectors")
+    assert int(row["exchange_wire_up_bytes"]) > stage_payload_up
+    assert int(row["exchange_wire_down_bytes"]) > 0
+    assert int(row["wire_uplink_bytes"]) > int(row["exchange_wire_up_bytes"])
+    assert 0 < float(row["exchange_s"]) < float(row["virtual_seconds"])
