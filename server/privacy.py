@@ -110,7 +110,7 @@ class PrivateRound(RoundExtension):
                          f"multiplier {self.noise_multiplier:g}, delta "
                          f"{self.accountant.delta:g}, sampling q = {self.sampling_rate:.4g} "
                          f"assumed Poisson, dp-accounting {self.accountant.kind.upper()})")
-        return "privacy: " + "; ".join(parts)
+        return "privacy: " + "; ".join(parts) + "; every client counts once (unweighted mean)"
 
     # ------------------------------------------------------------------ secure aggregation
     def layout_of(self, space: Mapping[str, tuple[int, ...]], material: Any,
