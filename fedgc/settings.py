@@ -40,6 +40,7 @@ from dgc.config import SELECTIONS, WARMUP_SCHEDULES
 from dgc.sparse import VALUE_DTYPES as _VALUE_DTYPES
 from fedgc import methods
 from fedgc.privacy.keys import PrivacyKeys, check_privacy
+from fedgc.privacy.linear import NotLinearError, check_secure
 from fedgc.refs import REF as TASK_REF
 from fedgc.refs import is_ref
 from fedgc.schema import (
@@ -115,7 +116,7 @@ UNBOUNDED_ATTACK = {"norm_ratio": 10.0, "weight_ratio": 4.0}
 #: An attack stays this fraction under the bounds in force.
 ATTACK_MARGIN = 0.99
 #: The parts of fedgc that own keys (see the module docstring), besides methods' prefixes.
-PARTS = ("client", "server", "dgc", "sim", "netem", "attack")
+PARTS = ("client", "server", "dgc", "sim", "netem", "attack", "privacy")
 #: Keys retired in favour of one key for every method (issue 29): the old name is refused,
 #: naming the new one.
 RENAMED = {"dgc.density": "density", "stc.density": "density",
@@ -674,7 +675,12 @@ class RunConfig:
         if t.clients_per_round > t.num_clients:
             raise SettingsError(f"clients_per_round = {t.clients_per_round} must be <= "
                                 f"num_clients = {t.num_clients}")
-        check_privacy(t, self.server, self.method)
+        check_privacy(t, self.server)
+        if t.privacy_secagg:
+            try:
+                check_secure(self.method, t)
+            except NotLinearError as ex:
+                raise SettingsError(f"privacy.secagg = true: {ex}") from None
         if not self.server.run_name:
             # Named once, here: to_flat() and with_overrides() then carry the same folder.
             label = t.method if not is_ref(t.method) else methods.get(t.method).title

@@ -239,3 +239,16 @@ def test_the_emulator_charges_the_stages_real_bytes_and_round_trips(tmp_path):
     assert int(row["exchange_wire_down_bytes"]) > 0
     assert int(row["wire_uplink_bytes"]) > int(row["exchange_wire_up_bytes"])
     assert 0 < float(row["exchange_s"]) < float(row["virtual_seconds"])
+
+
+def test_compares_table_shows_epsilon_and_states_delta_and_the_sampling_assumption():
+    from simulations.cli_common import summary_table
+
+    plain = {"final_accuracy": 0.9, "last10_accuracy": 0.8, "uplink_bytes": 1e6}
+    private = {**plain, "dp_epsilon": 7.94, "dp_delta": 1e-5, "dp_sampling_rate": 0.1}
+    table = summary_table({"dense": plain, "dgc_sets": private})
+    head, _, dense, dgc_sets, note = table.splitlines()
+    assert "epsilon" in head.split()
+    assert dgc_sets.split()[3] == "7.94" and dense.split()[3] == "n/a"
+    assert "delta = 1e-05" in note and "q = 0.1" in note and "Poisson" in note
+    assert "epsilon" not in summary_table({"dense": plain})
