@@ -27,7 +27,7 @@ from fedgc import methods
 from fedgc import protocol as P
 from fedgc.methods import Bound, Payload
 from fedgc.privacy import FixedPoint
-from fedgc.privacy.dp import clip_update, clip_vector
+from fedgc.privacy.dp import DistributedDiscreteGaussian, clip_update, clip_vector
 from fedgc.privacy.linear import Layout, hold_back, round_layout
 from fedgc.privacy.secagg import ClientHandler, SecAggError
 from fedgc.settings import TrainSettings
@@ -132,7 +132,13 @@ def masked_content(msg: Message, context: Context, key: int, s: TrainSettings,
         raise SecureRoundError(f"client {key}: the session sums {summed} coordinates, this "
                                f"round's layout has {layout.length}")
     fp = FixedPoint(s.fixed_point_range, s.privacy_value_bits, setup.modulus_bits)
-    ring, clamped = fp.encode(vector, np.random.default_rng(seed))
+    if s.privacy_dp == "distributed":
+        # Its share of the noise, from the OS: a server that could repeat it could remove it.
+        share = DistributedDiscreteGaussian.for_keys(s, layout.length).privatize(
+            vector, np.random.default_rng())
+        ring, clamped = fp.to_ring(share), 0
+    else:
+        ring, clamped = fp.encode(vector, np.random.default_rng(seed))
     try:
         masked = handler.masked_vector(request_bytes(msg.content), ring)
     except SecAggError as ex:

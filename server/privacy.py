@@ -40,7 +40,11 @@ from flwr.supercore import log
 from fedgc import protocol as P
 from fedgc.methods import Method, Payload
 from fedgc.privacy import FixedPoint, FixedPointError
-from fedgc.privacy.dp import GaussianAccountant
+from fedgc.privacy.dp import (
+    DiscreteGaussianAccountant,
+    DistributedDiscreteGaussian,
+    GaussianAccountant,
+)
 from fedgc.privacy.linear import Layout, round_layout
 from fedgc.privacy.secagg import ROUND_TRIPS, STAGES, SecAggError, ServerSession
 from fedgc.privacy.secagg.cost import StageBytes
@@ -79,13 +83,17 @@ class PrivateRound(RoundExtension):
         self.clip, self.noise_multiplier = train.privacy_clip, train.privacy_noise_multiplier
         #: The sampling assumption: each client in a round with this probability (Poisson).
         self.sampling_rate = train.clients_per_round / train.num_clients
-        self.accountant = (GaussianAccountant(train.privacy_delta, train.privacy_accountant)
-                           if self.dp != "off" else None)
+        # The distributed noise's accountant is made with the first round's mechanism.
+        self.accountant: GaussianAccountant | DiscreteGaussianAccountant | None = (
+            GaussianAccountant(train.privacy_delta, train.privacy_accountant)
+            if self.dp == "central" else None)
+        self.mechanism: DistributedDiscreteGaussian | None = None
+        self._resumed: Mapping[str, Any] | None = None  # a checkpoint's discrete RDP
         self.columns = ((Column("secagg_clients"), Column("secagg_dropped"),
                          Column("secagg_overhead_bytes"), Column("secagg_round_trips"))
                         if self.secagg else ()) + (
             (Column("dp_epsilon", "privacy/epsilon", "eps {0:.3g}"),)
-            if self.accountant is not None else ())
+            if self.dp != "off" else ())
         self.session: ServerSession | None = None
         self.layout: Layout | None = None
         self.fixed_point: FixedPoint | None = None
@@ -105,11 +113,13 @@ class PrivateRound(RoundExtension):
             parts.append(f"secure aggregation (SecAgg+, {self.train.privacy_value_bits}-bit "
                          f"values in [-{self.train.fixed_point_range:g}, "
                          f"{self.train.fixed_point_range:g}], {ROUND_TRIPS} round trips)")
-        if self.accountant is not None:
+        if self.dp != "off":
+            account = (f"dp-accounting {self.train.privacy_accountant.upper()}"
+                       if self.dp == "central" else "Kairouz et al.'s RDP")
             parts.append(f"client-level DP ({self.dp} noise, clip {self.clip:g}, noise "
                          f"multiplier {self.noise_multiplier:g}, delta "
-                         f"{self.accountant.delta:g}, sampling q = {self.sampling_rate:.4g} "
-                         f"assumed Poisson, dp-accounting {self.accountant.kind.upper()})")
+                         f"{self.train.privacy_delta:g}, sampling q = {self.sampling_rate:.4g} "
+                         f"assumed Poisson, {account})")
         return "privacy: " + "; ".join(parts) + "; every client counts once (unweighted mean)"
 
     # ------------------------------------------------------------------ secure aggregation
@@ -131,6 +141,18 @@ class PrivateRound(RoundExtension):
         try:
             self.fixed_point = FixedPoint.for_clients(len(keys), t.fixed_point_range,
                                                       t.privacy_value_bits)
+            if self.dp == "distributed":
+                # The ring holds the sum of the shares with their noise's tails.
+                self.mechanism = DistributedDiscreteGaussian.for_keys(t, layout.length)
+                self.fixed_point = FixedPoint(t.fixed_point_range, t.privacy_value_bits, max(
+                    self.fixed_point.modulus_bits, self.mechanism.min_modulus_bits(len(keys))))
+                if self.accountant is None:
+                    self.accountant = DiscreteGaussianAccountant(t.privacy_delta,
+                                                                 self.mechanism)
+                    if self._resumed:
+                        self.accountant.events = [(int(n), float(q), int(r)) for n, q, r
+                                                  in self._resumed["events"]]
+                        self.accountant._rdp = np.asarray(self._resumed["rdp"], dtype=float)
             self.session = ServerSession(keys, max(layout.length, 1),
                                          self.fixed_point.modulus_bits,
                                          neighbours=t.privacy_neighbours or None,
@@ -234,14 +256,23 @@ class PrivateRound(RoundExtension):
             # In the sum, but gone before revealing its shares: its self mask is rebuilt.
             self._silent = set(requests) - set(reveals)
             total = self.session.result(reveals)
-            summed = self.fixed_point.decode_sum(total, len(self.session.summed))
+            count = len(self.session.summed)
+            if self.mechanism is not None:  # the shares' sum, their noise in it
+                summed = self.fixed_point.from_ring(
+                    total, self.mechanism.sum_bound(count)) * self.mechanism.step
+            else:
+                summed = self.fixed_point.decode_sum(total, count)
         except (SecAggError, FixedPointError) as ex:
             self.failure = f"secure aggregation failed: {ex}"
             log(WARNING, "\t> Round %d: %s", self._round, self.failure)
             return None
-        count = len(self.session.summed)
-        if self.accountant is not None:
+        if self.dp == "central":
             summed = summed + self._noise(summed.shape)
+        elif isinstance(self.accountant, DiscreteGaussianAccountant):
+            # Each round's mechanism (its dimension may change with the layout) is accounted
+            # with the shares actually summed: fewer than sized for spend more.
+            self.accountant.mechanism = self.mechanism
+            self.accountant.record(count, self.sampling_rate)
         log(INFO, "\t> Secure sum of %d clients (%d coordinates, %d-bit ring); dropped: %s",
             count, self.layout.length, self.fixed_point.modulus_bits,
             dict(sorted(self.session.dropped.items())[:8]))
@@ -271,7 +302,7 @@ class PrivateRound(RoundExtension):
 
         Seeded by the run's seed and round, so that a simulation repeats: a deployment that
         means its guarantee must draw from the OS (a key for it is future work)."""
-        assert self.accountant is not None
+        assert isinstance(self.accountant, GaussianAccountant)
         self.accountant.record(self.noise_multiplier, self.sampling_rate)
         rng = np.random.default_rng([self.train.seed, self._round, 0xD9])
         return rng.normal(0.0, self.noise_multiplier * self.clip, shape)
@@ -301,8 +332,9 @@ class PrivateRound(RoundExtension):
             for key, stages in self._bytes.items():
                 added.clients[key] = {f"secagg_{s}_bytes": b.down + b.up
                                       for s, b in stages.items()}
-        if self.accountant is not None:
-            added.round["dp_epsilon"] = self.accountant.epsilon()
+        if self.dp != "off":
+            added.round["dp_epsilon"] = (0.0 if self.accountant is None
+                                         else self.accountant.epsilon())
         return added
 
     def summary(self, rounds: Sequence[RoundRecord]) -> dict[str, Any]:
@@ -321,8 +353,15 @@ class PrivateRound(RoundExtension):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.accountant is None else {"accountant": self.accountant.state_dict()}
+        if isinstance(self.accountant, GaussianAccountant):
+            return {"accountant": self.accountant.state_dict()}
+        if isinstance(self.accountant, DiscreteGaussianAccountant):
+            # The RDP composed so far (each round's mechanism is gone once recorded).
+            return {"discrete": {"events": [list(e) for e in self.accountant.events],
+                                 "rdp": [float(x) for x in self.accountant._rdp]}}
+        return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if self.accountant is not None and "accountant" in state:
+        if isinstance(self.accountant, GaussianAccountant) and "accountant" in state:
             self.accountant.load_state_dict(state["accountant"])
+        self._resumed = state.get("discrete")

@@ -252,3 +252,27 @@ def test_compares_table_shows_epsilon_and_states_delta_and_the_sampling_assumpti
     assert dgc_sets.split()[3] == "7.94" and dense.split()[3] == "n/a"
     assert "delta = 1e-05" in note and "q = 0.1" in note and "Poisson" in note
     assert "epsilon" not in summary_table({"dense": plain})
+
+
+def test_distributed_noise_under_secure_aggregation_is_accounted_per_share_count(tmp_path):
+    from fedgc.privacy.dp import DiscreteGaussianAccountant, DistributedDiscreteGaussian
+
+    with pytest.raises(SettingsError, match="needs privacy.secagg = true"):
+        RunConfig.from_flat({**BASE, "privacy.secagg": False, "privacy.dp": "distributed",
+                             "privacy.clip": 1.0, "run_name": "x"})
+    keys = {"privacy.dp": "distributed", "privacy.clip": 0.5, "privacy.noise_multiplier": 1.0,
+            "rounds": 2}
+    strategy, summary, rows = _run(tmp_path, **keys)
+    privacy = strategy.privacy
+    assert [int(r["secagg_clients"]) for r in rows] == [5, 5]
+    # The same mechanism as the clients' (dense: one layout every round), its RDP composed
+    # over the shares summed.
+    train = RunConfig.from_flat({**BASE, **keys, "run_name": "y"}).train
+    mechanism = DistributedDiscreteGaussian.for_keys(train, privacy.layout.length)
+    expected = DiscreteGaussianAccountant(1e-5, mechanism)
+    for n in (1, 2):
+        expected.record(5, 1.0)
+        assert float(rows[n - 1]["dp_epsilon"]) == pytest.approx(expected.epsilon(), rel=1e-9)
+    assert summary["dp_epsilon"] == pytest.approx(expected.epsilon(), rel=1e-9)
+    assert "distributed discrete Gaussian" in summary["dp_guarantee"]
+    assert strategy.model_version == 2  # both rounds' noised sums were applied

@@ -16,8 +16,8 @@ from fedgc.schema import Check, SettingsError, setting
 __all__ = ["DP_MODES", "PRIVACY_ACCOUNTANTS", "PrivacyKeys", "check_privacy"]
 
 #: Where the Gaussian noise of DP-FedAvg is added: nowhere, by the server on the sum, or in
-#: shares by the clients under secure aggregation (not yet in a round: docs/privacy.md).
-DP_MODES = ("off", "central")
+#: shares by the clients under secure aggregation (the distributed discrete Gaussian).
+DP_MODES = ("off", "central", "distributed")
 #: dp-accounting's accountants (fedgc.privacy.dp.accountant).
 PRIVACY_ACCOUNTANTS = ("rdp", "pld")
 
@@ -32,9 +32,11 @@ class PrivacyKeys:
         "randk, dgc_sets as its shared sets only, tcs with tcs.topk_share = 0, fetchsgd); "
         "four round trips a round (docs/privacy.md)")
     privacy_dp: str = setting(
-        "off", "privacy.dp", "client-level DP-FedAvg: off, or central (each update clipped to "
+        "off", "privacy.dp", "client-level DP-FedAvg: off; central (each update clipped to "
         "privacy.clip, Gaussian noise of std noise_multiplier x clip added to the sum by the "
-        "server); epsilon is reported per round", Check(choices=DP_MODES))
+        "server); distributed (with privacy.secagg: each client adds its share of discrete "
+        "Gaussian noise before masking, sized for clients_per_round shares); epsilon is "
+        "reported per round", Check(choices=DP_MODES))
     privacy_clip: float = setting(
         0.0, "privacy.clip", "L2 norm each client's contribution is clipped to: its "
         "pseudo-gradient before compression and the vector it adds to the sum; 0 = none "
@@ -77,6 +79,9 @@ def check_privacy(train: Any, server: Any) -> None:
     if train.privacy_dp != "off" and train.privacy_clip <= 0:
         raise SettingsError(f"privacy.dp = {train.privacy_dp} needs privacy.clip > 0: the "
                             f"noise is sized to the clip")
+    if train.privacy_dp == "distributed" and not train.privacy_secagg:
+        raise SettingsError("privacy.dp = distributed needs privacy.secagg = true: the "
+                            "server must see only the sum of the noised shares")
     if not train.privacy_secagg:
         return
     robust = {"aggregation": server.aggregation != "mean",
