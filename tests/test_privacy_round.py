@@ -182,7 +182,7 @@ def test_secure_aggregation_refuses_robust_aggregation_and_dp_needs_a_clip():
         RunConfig.from_flat({**BASE, "privacy.dp": "central", "run_name": "x"})
 
 
-@pytest.mark.parametrize("secagg", [False, True])
+@pytest.mark.parametrize("secagg", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_central_dp_reports_the_accountants_epsilon_per_round_and_at_the_end(tmp_path, secagg):
     z, clip, delta = 1.1, 0.5, 1e-4
     _, summary, rows = _run(tmp_path, method="dense", rounds=3, num_clients=10,
