@@ -276,3 +276,20 @@ def test_distributed_noise_under_secure_aggregation_is_accounted_per_share_count
     assert summary["dp_epsilon"] == pytest.approx(expected.epsilon(), rel=1e-9)
     assert "distributed discrete Gaussian" in summary["dp_guarantee"]
     assert strategy.model_version == 2  # both rounds' noised sums were applied
+
+
+@pytest.mark.slow
+def test_a_secure_private_run_on_flowers_simulation_engine(tmp_path):
+    from simulations.cli import main
+
+    rc = main(["run", "--set", "task=digits", "--set", "method=fetchsgd", "--set",
+               "num_clients=6", "--set", "clients_per_round=4", "--set", "rounds=2", "--set",
+               "sim.engine=ray", "--set", "privacy.secagg=true", "--set", "privacy.dp=central",
+               "--set", "privacy.clip=1.0", "--set", "privacy.noise_multiplier=0.5", "--set",
+               f"results_dir={tmp_path}", "--set", "run_name=ray"])
+    assert rc == 0
+    with (tmp_path / "ray" / "rounds.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["secagg_clients"]) for r in rows] == [4, 4]
+    assert [int(r["clients_aggregated"]) for r in rows] == [4, 4]
+    assert 0 < float(rows[0]["dp_epsilon"]) < float(rows[1]["dp_epsilon"])
