@@ -293,3 +293,18 @@ def test_a_secure_private_run_on_flowers_simulation_engine(tmp_path):
     assert [int(r["secagg_clients"]) for r in rows] == [4, 4]
     assert [int(r["clients_aggregated"]) for r in rows] == [4, 4]
     assert 0 < float(rows[0]["dp_epsilon"]) < float(rows[1]["dp_epsilon"])
+
+
+def test_surplus_replies_are_left_out_of_the_sum_by_their_mask_keys(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    strategy, _, rows = _run(tmp_path, rounds=1, num_clients=6, clients_per_round=4,
+                             over_selection=1.5)
+    (server_round, summed, mean), = spy.means
+    status = {r.client_key: r.status for r in strategy.client_rows}
+    assert sorted(status.values()) == ["aggregated"] * 4 + ["surplus"] * 2
+    assert summed == tuple(sorted(k for k, s in status.items() if s == "aggregated"))
+    # The surplus clients masked with the others: their pairwise masks were taken out.
+    assert len(spy.rings) == 6
+    plain = spy.layout[1].combined(_ring_sum_matches(spy, server_round, summed), 4)
+    for name, t in mean.items():
+        assert float((t - plain[name]).abs().max()) == 0.0
