@@ -239,6 +239,7 @@ def test_the_emulator_charges_the_stages_real_bytes_and_round_trips(tmp_path):
     assert int(row["exchange_wire_down_bytes"]) > 0
     assert int(row["wire_uplink_bytes"]) > int(row["exchange_wire_up_bytes"])
     assert 0 < float(row["exchange_s"]) < float(row["virtual_seconds"])
+    assert 0 < float(row["exchange_joules"]) < float(row["joules"])
 
 
 def test_compares_table_shows_epsilon_and_states_delta_and_the_sampling_assumption():

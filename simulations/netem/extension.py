@@ -124,9 +124,9 @@ class NetemClock(RoundExtension):
         self._rejected_finish: dict[int, float] = {}
         # This round's extra exchanges (secure aggregation's stages): the virtual seconds
         # before the train messages and after the round's close, and per client key its wire
-        # (up, down) bytes, which WireColumns adds to the round's.
+        # (up, down) bytes and radio joules, which WireColumns adds to the round's.
         self._before_s = self._after_s = 0.0
-        self.exchange_bytes: dict[int, list[int]] = {}
+        self.exchange_bytes: dict[int, list[float]] = {}
 
     @property
     def server_s(self) -> float:
@@ -192,9 +192,10 @@ class NetemClock(RoundExtension):
         came, end = set(), start
         for key, (down, up) in sizes.items():
             ex = stage_exchange(self.netem, self.profile, key, server_round, start, down, up)
-            wire = self.exchange_bytes.setdefault(key, [0, 0])
+            wire = self.exchange_bytes.setdefault(key, [0, 0, 0.0])
             wire[0] += ex.wire_up_bytes
             wire[1] += ex.wire_down_bytes
+            wire[2] += ex.radio_j
             if ex.ok:
                 came.add(key)
                 end = max(end, ex.finish_s)

@@ -4,16 +4,18 @@ from the server and a reply, charged to a client's link as its train message is
 
 Each exchange waits for the node's poll, moves the request down (the profile's bytes for a
 message of one record and one Array, its RPCs' round trips), starts the app (the profile's
-start-up), and moves the reply up; a link that goes down under ``outage_policy = fail``, or a
-device away that round, loses the reply: the client drops out of the protocol there, and the
-shares recover it (:mod:`fedgc.privacy.secagg`).
+start-up), and moves the reply up, the radio's joules counted over both transfers as a train
+exchange's are (its own radio session: the stages are seconds apart); a link that goes down
+under ``outage_policy = fail``, or a device away that round, loses the reply: the client drops
+out of the protocol there, and the shares recover it (:mod:`fedgc.privacy.secagg`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulations.netem.mod import _poll_wait_s
+from simulations.netem.energy import Transfer
+from simulations.netem.mod import _energy, _poll_wait_s
 from simulations.netem.protocol import ProtocolModel, message_objects
 from simulations.netem.settings import NetemSettings, assignment_for
 
@@ -29,6 +31,7 @@ class StageExchange:
     finish_s: float
     wire_up_bytes: int
     wire_down_bytes: int
+    radio_j: float = 0.0
 
 
 def stage_exchange(settings: NetemSettings, proto: ProtocolModel | None, key: int,
@@ -48,8 +51,10 @@ def stage_exchange(settings: NetemSettings, proto: ProtocolModel | None, key: in
         requests_up, down_wire = proto.download(request_bytes, objects)
         rtt = max(0, proto.rpcs("down", objects) - 1) * latency_s
     down = net.link.transfer(down_wire, t0, "down", round_index=round_index)
+    spans = [Transfer(t0, down.end_s + rtt, up_bytes=requests_up, down_bytes=down.wire_bytes)]
     if not down.ok or reply_bytes <= 0:
-        return StageExchange(False, down.end_s, requests_up, down.wire_bytes)
+        return StageExchange(False, down.end_s, requests_up, down.wire_bytes,
+                             _energy(settings, net, proto, spans, 0.0)[0])
     startup_s = proto.clientapp_startup_s if proto is not None else 0.0
     objects = message_objects([reply_bytes], 1)
     if proto is None:
@@ -57,6 +62,10 @@ def stage_exchange(settings: NetemSettings, proto: ProtocolModel | None, key: in
     else:
         up_wire, acks_down = proto.upload(reply_bytes, objects)
         rtt_up = max(0, proto.rpcs("up", objects) - 1) * latency_s
-    up = net.link.transfer(up_wire, down.end_s + rtt + startup_s, "up", round_index=round_index)
-    return StageExchange(up.ok, up.end_s + (rtt_up if up.ok else 0.0),
-                         requests_up + up.wire_bytes, down.wire_bytes + acks_down)
+    start_up = down.end_s + rtt + startup_s
+    up = net.link.transfer(up_wire, start_up, "up", round_index=round_index)
+    finish = up.end_s + (rtt_up if up.ok else 0.0)
+    spans.append(Transfer(start_up, max(start_up, finish), up_bytes=up.wire_bytes,
+                          down_bytes=acks_down))
+    return StageExchange(up.ok, finish, requests_up + up.wire_bytes, down.wire_bytes + acks_down,
+                         _energy(settings, net, proto, spans, 0.0)[0])
