@@ -21,7 +21,9 @@ One train message, in order:
    it in fp32), encode with its codec;
 7. when the message carries the method's round material (DGC's shared index sets,
    :mod:`dgc.signs`), send the part of the residual that answers it too (the signs);
-8. store the new state and pending update(s), and reply.
+8. store the new state and pending update(s), and reply; under secure aggregation
+   (``privacy.secagg``, :mod:`client.secure`) the reply carries the masked vector of the payload
+   instead, and the protocol's other stages are ``query.secagg`` messages.
 """
 
 from __future__ import annotations
