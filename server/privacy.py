@@ -90,7 +90,8 @@ class PrivateRound(RoundExtension):
         self.mechanism: DistributedDiscreteGaussian | None = None
         self._resumed: Mapping[str, Any] | None = None  # a checkpoint's discrete RDP
         self.columns = ((Column("secagg_clients"), Column("secagg_dropped"),
-                         Column("secagg_overhead_bytes"), Column("secagg_round_trips"))
+                         Column("secagg_overhead_bytes"), Column("secagg_round_trips"),
+                         Column("secagg_saturated"))
                         if self.secagg else ()) + (
             (Column("dp_epsilon", "privacy/epsilon", "eps {0:.3g}"),)
             if self.dp != "off" else ())
@@ -104,6 +105,7 @@ class PrivateRound(RoundExtension):
         self._node_of: dict[int, int] = {}
         self._round = 0
         self._silent: set[int] = set()  # summed clients that did not answer the unmasking
+        self._saturated: dict[int, int] = {}  # coordinates each client's fixed point clamped
         #: The round's extensions (the strategy's), shown each exchange.
         self.extensions: Sequence[RoundExtension] = ()
 
@@ -136,6 +138,7 @@ class PrivateRound(RoundExtension):
         self._grid, self._node_of, self._round = grid, dict(node_of), server_round
         self.layout, self.failure, self._bytes = layout, "", {k: {} for k in node_of}
         self._silent = set()
+        self._saturated: dict[int, int] = {}
         keys = sorted(node_of)
         t = self.train
         try:
@@ -222,6 +225,10 @@ class PrivateRound(RoundExtension):
             if metrics is None:
                 raise ReplyRejected(f"no {P.METRICS!r} MetricRecord")
             numbers = reply_numbers(metrics, weighted_by_key)
+            clamped = metrics.get(P.SECAGG_SATURATED, 0)
+            if isinstance(clamped, bool) or not isinstance(clamped, int) or clamped < 0:
+                raise ReplyRejected(f"{P.SECAGG_SATURATED} must be a whole number >= 0, got "
+                                    f"{clamped!r}")
             record = msg.content.array_records.get(P.SECAGG)
             if record is None:
                 raise ReplyRejected(f"no {P.SECAGG!r} ArrayRecord (a masked vector) in a "
@@ -232,6 +239,7 @@ class PrivateRound(RoundExtension):
                 raise ReplyRejected(str(ex)) from ex
         except ReplyRejected as ex:
             return CheckedReply(msg, key, node, "rejected", str(ex), **recorded)
+        self._saturated[key] = clamped
         if key in self._bytes:
             down = self._bytes[key].get(STAGES[2], StageBytes(0, 0)).down
             self._bytes[key][STAGES[2]] = StageBytes(down, len(data))
@@ -328,7 +336,11 @@ class PrivateRound(RoundExtension):
                 "secagg_clients": 0 if session is None else len(session.summed),
                 "secagg_dropped": len(dropped) + len(self._silent),
                 "secagg_overhead_bytes": int(sum(overhead)),
-                "secagg_round_trips": ROUND_TRIPS})
+                "secagg_round_trips": ROUND_TRIPS,
+                # Coordinates the fixed point clamped, in the summed vectors (as the clients
+                # say: privacy.value_range too small when this is not 0).
+                "secagg_saturated": sum(self._saturated.get(k, 0) for k in
+                                        (session.summed if session is not None else ()))})
             for key, stages in self._bytes.items():
                 added.clients[key] = {f"secagg_{s}_bytes": b.down + b.up
                                       for s, b in stages.items()}

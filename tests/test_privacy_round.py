@@ -95,6 +95,7 @@ def test_the_masked_sum_is_the_plain_sum_of_what_the_clients_sent(tmp_path, monk
     strategy, summary, rows = _run(tmp_path, method=method)
     assert [int(r["secagg_clients"]) for r in rows] == [5, 5]
     assert [int(r["secagg_round_trips"]) for r in rows] == [4, 4]
+    assert [int(r["secagg_saturated"]) for r in rows] == [0, 0]
     assert all(int(r["secagg_overhead_bytes"]) > 0 for r in rows)
     assert summary["secagg"]["round_trips"] == 4
     # No reply carries a payload: only masked vectors reached the server.
@@ -299,13 +300,15 @@ def test_a_secure_private_run_on_flowers_simulation_engine(tmp_path):
 def test_surplus_replies_are_left_out_of_the_sum_by_their_mask_keys(tmp_path, monkeypatch):
     spy = Spy(monkeypatch)
     strategy, _, rows = _run(tmp_path, rounds=1, num_clients=6, clients_per_round=4,
-                             over_selection=1.5)
+                             over_selection=1.5, **{"privacy.value_range": 1e-4})
     (server_round, summed, mean), = spy.means
     status = {r.client_key: r.status for r in strategy.client_rows}
     assert sorted(status.values()) == ["aggregated"] * 4 + ["surplus"] * 2
     assert summed == tuple(sorted(k for k, s in status.items() if s == "aggregated"))
     # The surplus clients masked with the others: their pairwise masks were taken out.
     assert len(spy.rings) == 6
+    # A range far too small: the clients say how many coordinates they clamped.
+    assert int(rows[0]["secagg_saturated"]) > 0
     plain = spy.layout[1].combined(_ring_sum_matches(spy, server_round, summed), 4)
     for name, t in mean.items():
         assert float((t - plain[name]).abs().max()) == 0.0
