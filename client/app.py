@@ -13,7 +13,7 @@ One train message, in order:
 4. load the run's method's compressor with this client's residual; if the previous update was
    not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
    residual with the compressor's ``restore``; the method may age that residual and move the
-   model training starts from (:meth:`fedgc.methods.Method.prepare`);
+   model training starts from (:meth:`fedgc.methods.RoundMaterial.prepare`);
 5. train locally and form the pseudo-gradient ``global - local`` (against the model sent; a
    hostile client of a robustness study, ``attack.clients``, replaces it with its attack:
    ``client.attacks``);
@@ -43,21 +43,27 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from client import node, secure
-from client.attacks import Attack, attack_of
+from client.attacks import Attack, Benign, attack_of
+from client.collusion import CollusionStore, known_keys, model_digest
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
 from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
 from fedgc import protocol as P
-from fedgc.refs import ALLOWED_CALLABLES, CallableNotAllowedError, check_allowed, is_ref
-from fedgc.settings import (
-    SettingsError,
-    TaskSpec,
-    TrainSettings,
-    fields_of,
-    parse,
+from fedgc.keys import TrainSettings
+from fedgc.keys.attack import parse_attack_clients
+from fedgc.keys.run import TaskSpec
+from fedgc.methods.material import material_of
+from fedgc.privacy.linear import client_compressor
+from fedgc.refs import (
+    ALLOWED_CALLABLES,
+    CallableNotAllowedError,
+    check_allowed,
+    is_ref,
+    parse_allowed,
 )
+from fedgc.schema import SettingsError, fields_of, fill_fallbacks, parse
 from fedgc.task_loader import load_task
 from fedgc.training import LocalResult, round_seed, train_locally
 
@@ -82,13 +88,18 @@ def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
 
 
 def allowed_callables(context: Context) -> frozenset[str] | None:
-    """The ``module:callable`` references (tasks, methods) a run may make this node call: those
-    its node config lists in ``allowed-callables`` (comma-separated), so that a train message
-    cannot name code the node was not given; None (any) when the list holds ``*``, and on
-    Flower's simulation engine, whose nodes run the simulating user's own config."""
-    refs = frozenset(r.strip() for r in str(context.node_config.get(ALLOWED_CALLABLES, ""))
-                     .split(",") if r.strip())
-    return None if "*" in refs or node.in_simulation_engine() else refs
+    """The ``key=module:callable`` references (tasks, methods) a run may make this node call:
+    those its node config lists in ``allowed-callables`` (comma-separated,
+    :func:`fedgc.refs.parse_allowed`), each for its key, so that a train message cannot name
+    code the node was not given, nor a task as its method; None (any) when the list holds
+    ``*``, and on Flower's simulation engine, whose nodes run the simulating user's own config.
+    A bad entry is a :class:`ClientProtocolError` naming it."""
+    if node.in_simulation_engine():
+        return None
+    try:
+        return parse_allowed(str(context.node_config.get(ALLOWED_CALLABLES, "")))
+    except CallableNotAllowedError as ex:
+        raise ClientProtocolError(str(ex)) from None
 
 
 _models = threading.local()
@@ -224,6 +235,15 @@ def method_of(settings: TrainSettings, config: Any,
         raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
 
 
+def for_method(settings: TrainSettings, method: methods.Method) -> TrainSettings:
+    """``settings`` with a key the server left to the method (``density`` sent empty) given
+    the method's default, as the server's run config gives it."""
+    try:
+        return fill_fallbacks(settings, method.defaults)[0]
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
 def state_root(settings: TrainSettings, context: Context) -> str:
     """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
     when neither is set."""
@@ -326,15 +346,18 @@ def _patch_context(config: ConfigRecord, bases: list[int],
 
 
 def round_material(content: RecordDict, model: dict[str, torch.Tensor],
-                   method: methods.Method) -> tuple[bytes, Any] | None:
+                   method: methods.Method) -> tuple[bytes, object] | None:
     """The round's material (DGC's shared index sets) with its bytes, decoded by ``method``;
-    None when the message has none."""
+    None when the message has none (ClientProtocolError for a method that sends none)."""
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
+    part = material_of(method)
     try:
+        if part is None:
+            raise ValueError(f"method {method.name!r} sends no round material")
         data = P.record_to_bytes(record, P.SHARED_MASK)
-        material = method.read_material(data, {k: v.numel() for k, v in model.items()})
+        material = part.read_material(data, {k: v.numel() for k, v in model.items()})
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
     return data, material
@@ -409,7 +432,7 @@ class RoundInput:
     train_x: torch.Tensor
     train_y: torch.Tensor
     global_state: dict[str, torch.Tensor]
-    material: tuple[bytes, Any] | None
+    material: tuple[bytes, object] | None
     device: torch.device
     started: float
     #: The method's compressor, its residual loaded and what was lost folded back (None: the
@@ -417,10 +440,12 @@ class RoundInput:
     compressor: Compressor | None
     restored: int
     #: The model local training starts from: ``global_state`` unless the method's
-    #: :meth:`~fedgc.methods.Method.prepare` moved it (the pseudo-gradient sent is still taken
-    #: against ``global_state``, see :func:`reply_round`).
+    #: :meth:`~fedgc.methods.RoundMaterial.prepare` moved it (the pseudo-gradient sent is
+    #: still taken against ``global_state``, see :func:`reply_round`).
     start: dict[str, torch.Tensor]
     attack: Attack | None = None  # a hostile client of a robustness study (client.attacks)
+    #: The ``module:callable`` references this node allows (:func:`allowed_callables`).
+    allowed: frozenset[str] | None = None
     #: The node's Context (secure aggregation keeps its session there between messages).
     context: Context | None = None
 
@@ -439,6 +464,8 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     allowed = allowed_callables(context)
     s = settings_from(config, allowed)
     method = method_of(s, config, allowed)
+    s = for_method(s, method)
+    part = material_of(method)
     try:
         device = devices.resolve(s.device)
     except devices.DeviceError as ex:
@@ -474,21 +501,24 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     global_state = global_model(msg.content, config, state,
                                 initial=lambda: initial_model(task, s.seed))
     material = round_material(msg.content, global_state, method)
-    if material is not None:
+    if material is not None and part is not None:
         held = (None if state.model is None or state.model_version is None
                 else (int(state.model_version), state.model))
         try:
-            material = method.hold_material(*material, global_state,
-                                            lambda: initial_model(task, s.seed), held=held)
+            material = part.hold_material(*material, global_state,
+                                          lambda: initial_model(task, s.seed), held=held)
         except (ValueError, dgc.StateError) as ex:
             raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
 
     # Step 4: the compressor with this client's residual, and what was lost folded back before
     # training, since the method may start local training from a model its residual moves
-    # (Method.prepare: step-ahead feedback) or age the residual (rounds away).
+    # (RoundMaterial.prepare: step-ahead feedback) or age the residual (rounds away).
     restored = 0
     start = global_state
-    compressor = method.compressor(s, key, None if material is None else material[1])
+    decoded = None if material is None else material[1]
+    # Under secure aggregation a seeded method draws every client's positions from one seed.
+    compressor = (client_compressor(method, s, key, decoded) if s.privacy_secagg
+                  else method.compressor(s, key, decoded))
     if compressor is not None:
         if method.keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
@@ -498,10 +528,11 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
                 compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
                 method, s))
         away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
-        start = method.prepare(s, compressor, global_state, away)
+        if part is not None:
+            start = part.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
                       task, train_x, train_y, global_state, material, device, started,
-                      compressor, restored, start, attack, context)
+                      compressor, restored, start, attack, allowed, context)
 
 
 @app.train()
@@ -529,8 +560,9 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if r.attack is not None:
         # A hostile client of a robustness study (client/attacks.py): its attack replaces its
         # work before the method compresses it, so it takes the path of every update.
-        local.pseudo_gradient = r.attack.update(local.pseudo_gradient, r.seed)
-        local.num_examples = r.attack.claimed_examples(local.num_examples)
+        benign = _benign(r) if r.attack.colluding else None
+        local.pseudo_gradient = r.attack.update(local.pseudo_gradient, r.seed, benign)
+        local.num_examples = r.attack.claimed_examples(local.num_examples, benign)
     restored = r.restored
     shared_data: bytes | None = None
     new_state = ClientState()
@@ -550,8 +582,9 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if s.privacy_secagg:  # a per-client top-k goes back to the residual: it cannot be summed
         update = secure.held_back(method, s, compressor, update, shapes, material, server_round)
     if compressor is not None:
-        side = (method.side_part(compressor, r.material[1], server_round)
-                if r.material is not None else None)
+        part = material_of(method)
+        side = (part.side_part(compressor, r.material[1], server_round)
+                if r.material is not None and part is not None else None)
         if side is not None:
             shared_data = side[0]
         if keeps_residual:
@@ -580,6 +613,34 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
             r.msg, r.context, r.key, s, method, data, shared_data, material, shapes, metrics,
             server_round, r.seed)), reply_to=r.msg)
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
+
+
+def _benign(r: RoundInput) -> Benign:
+    """What a colluding hostile client knows of the round's benign updates
+    (:mod:`client.collusion`): learnt once a round by the first colluder, shared through the
+    client state folder."""
+    s = r.s
+    keys = known_keys(s.attack_knowledge, parse_attack_clients(s.attack_clients),
+                      s.num_clients)
+    tag = {"round": r.server_round, "version": r.version,
+           "model": model_digest(r.global_state)}
+    return CollusionStore(r.store.root).learn(tag, keys, lambda key: _honest_update(r, key))
+
+
+def _honest_update(r: RoundInput, key: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Client ``key``'s honest pseudo-gradient this round, trained as that client trains (its
+    data, its round seed) from the model sent, and its number of examples; torch's random
+    stream is left as it was."""
+    s = r.s
+    x, y = client_data(s, key, r.allowed)
+    model = _model(r.task, s.task_spec(), r.device)
+    model.load_state_dict(r.global_state)
+    with torch.random.fork_rng(devices=[]):
+        local = train_locally(
+            model, x, y, r.task.training_loss, lr=s.lr, batch_size=s.batch_size,
+            local_epochs=s.local_epochs, local_steps=s.local_steps, momentum=s.client_momentum,
+            weight_decay=s.weight_decay, seed=round_seed(s.seed, r.server_round, key))
+    return local.pseudo_gradient, local.num_examples
 
 
 @app.evaluate()

@@ -26,6 +26,7 @@ from dgc import SparseUpdate
 from fedgc import methods
 from fedgc import protocol as P
 from fedgc.methods import Bound, Payload
+from fedgc.methods.material import material_of
 from fedgc.privacy import FixedPoint
 from fedgc.privacy.dp import DistributedDiscreteGaussian, clip_update, clip_vector
 from fedgc.privacy.linear import Layout, hold_back, round_layout
@@ -119,8 +120,9 @@ def masked_content(msg: Message, context: Context, key: int, s: TrainSettings,
     with the metrics; stage 2 of the session the message's request continues."""
     codec = method.codec(s)
     payload = codec.decode(data, Bound(shapes, server_round, material))
-    if side is not None:
-        payload = payload.attach(method.read_side(side, material, shapes))
+    part = material_of(method)
+    if side is not None and part is not None:
+        payload = payload.attach(part.read_side(side, material, shapes))
     layout = layout_of(method, s, payload, shapes, material, server_round)
     vector = layout.vector(payload)
     if s.privacy_clip > 0:

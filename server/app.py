@@ -23,16 +23,17 @@ from flwr.serverapp import Grid, ServerApp
 from fedgc import devices, methods
 from fedgc.flower_log import drop_noise, report_once
 from fedgc.schema import to_flat
-from fedgc.settings import RunConfig, SettingsError, parse_client_nodes
+from fedgc.settings import RunConfig, SettingsError, method_key_classes, parse_client_nodes
 from fedgc.task_loader import load_task
 from server import defences
 from server.checkpoint import CheckpointError
 from server.extensions import Column, RoundExtension, columns_of
 from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
-from server.folders import make_folders, plan_folders
+from server.folders import RunLock, make_folders, plan_folders
 from server.local_grid import LocalGrid
 from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
+from server.registry import NoClientsError
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
 from server.tensorboard import RoundWriter
@@ -56,11 +57,10 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
     config = RunConfig()
     flat = config.to_flat()
     flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
-    for key in config.server.by_method | config.train.by_method:
+    for key in config.server.by_method | config.train.by_method | config.own_by_method:
         flat[key] = ""  # each method's own default, as `python -m simulations run` gives it
-    for m in methods.registered():  # every method's own keys (a run carries its method's)
-        if m.settings is not None:
-            flat.update(to_flat(m.settings()))
+    for cls in method_key_classes(methods.registered()):  # every method's own keys
+        flat.update(to_flat(cls()))
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 
@@ -82,22 +82,25 @@ class NothingAggregatedError(RuntimeError):
     """A run ended in which no round aggregated a single update: it did not train at all."""
 
 
-def prepare_run_dir(config: RunConfig) -> None:
+def prepare_run_dir(config: RunConfig) -> RunLock:
     """Check that the run may use its folders and can work, then create them: a run refused
     here leaves nothing behind (:mod:`server.folders`, :func:`server.preflight.check_run`).
+    Returns the run folder's lock, held: the caller releases it when the run ends, or at once
+    when it only checks (the run itself takes it again).
 
     Raises
     ------
     RunFolderError
         The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), belongs to
-        another run or a comparison, or cannot be created or written.
+        another run or a comparison, cannot be created or written, or another process runs
+        in it.
     server.preflight.PreflightError
         The run cannot work (clients without data, a ``state_dir`` of another run or that
         cannot be written, a damaged checkpoint to resume).
     """
     plan = plan_folders(config)
     check_run(config)
-    make_folders(config, plan)
+    return make_folders(config, plan)
 
 
 def _clock(seconds: float) -> str:
@@ -193,8 +196,16 @@ def run_server(grid: Grid, config: RunConfig,
     started = time.time()
     torch.set_num_threads(1)
     config = resolve_robust(config, grid)
+    with prepare_run_dir(config):  # the run folder's lock, held until the run ends
+        return _serve(grid, config, started, on_round, extensions, strategy_factory)
+
+
+def _serve(grid: Grid, config: RunConfig, started: float,
+           on_round: Callable[[RoundRecord], None] | None,
+           extensions: Sequence[RoundExtension],
+           strategy_factory: Callable[..., DGCStrategy]) -> dict[str, Any]:
+    """:func:`run_server` in its prepared run folder."""
     s, t = config.server, config.train
-    prepare_run_dir(config)
     task = load_task(t.task_spec())
     torch.manual_seed(t.seed)
     model = task.build_model()
@@ -234,7 +245,8 @@ def run_server(grid: Grid, config: RunConfig,
     columns = columns_of(strategy.extensions)
     if s.tensorboard:
         board = RoundWriter(run_dir, columns)
-    guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction)
+    guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction,
+             s.min_cosine)
     if s.progress:
         trust = " (robust=on: deployed clients are not trusted)" if s.robust == "on" else ""
         print(f"fedgc: {defences.describe(*guard)}{trust}", flush=True)
@@ -261,8 +273,9 @@ def run_server(grid: Grid, config: RunConfig,
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
         "config": config.to_flat(), **extra,
-        "defences": defences.in_force(*guard, [r.reason for r in strategy.client_rows
-                                               if r.status == "aggregated"]),
+        "defences": defences.in_force(
+            *guard, [r.reason for r in strategy.client_rows if r.status == "aggregated"],
+            [r.reason for r in strategy.client_rows if r.status == "rejected"]),
     })
     write_summary(run_dir, summary)
     check_something_aggregated(strategy.rounds, strategy.client_rows, run_dir)
@@ -324,7 +337,7 @@ def check_federation(grid: Grid, config: RunConfig) -> None:
 #: What the ServerApp under ``flwr run`` reports in one line (the user's to fix), not with a
 #: traceback; the run still fails.
 USER_ERRORS = (SettingsError, PreflightError, FederationSizeError, RunFolderError,
-               NothingAggregatedError, CheckpointError)
+               NothingAggregatedError, CheckpointError, NoClientsError)
 
 
 @app.main()

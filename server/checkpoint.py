@@ -21,7 +21,7 @@ from fedgc import methods
 from fedgc.files import atomic_write
 from fedgc.methods.registry import upgrade_run_config
 from fedgc.schema import fallback_of
-from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
+from fedgc.settings import ServerSettings, TrainSettings, fields_of, method_key_classes
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -94,19 +94,24 @@ def checkpoint_round(directory: str | os.PathLike[str]) -> int | None:
 
 
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
-#: what it computes (``client_nodes``: node ids change when a deployment starts again;
-#: ``robust`` only chooses the defaults of keys that are compared themselves). Every other key
-#: must be the checkpoint's (``check_run_config``).
+#: what it computes (``robust`` only chooses the defaults of keys that are compared
+#: themselves). Every other key must be the checkpoint's (``check_run_config``), ``client_nodes``
+#: too (issue 35): a client key served by another node than the one that kept its residual, or
+#: a binding dropped on resume, changes who the server trusts mid-run.
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
-                            "round_timeout_s", "client_nodes", "robust",
+                            "round_timeout_s", "robust",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
                             "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address",
                             "sim.device", "sim.gpus_per_client"})
 
 
+#: Keys filled by ``robust`` (empty by default) that a run of before them ran without: what a
+#: checkpoint lacking them stands for (no direction gate before issue 35).
+ABSENT_BEFORE = {"min_cosine": -1.0}
+
 #: Keys that compute nothing while the key they serve is empty (or 0).
-INERT_WITHOUT = {"attack.kind": "attack.clients", "attack.norm_ratio": "attack.clients",
-                 "attack.weight_ratio": "attack.clients", "attack.target_class": "attack.clients"}
+INERT_WITHOUT = {f"attack.{k}": "attack.clients" for k in (
+    "kind", "norm_ratio", "weight_ratio", "target_class", "knowledge", "deviation", "epsilon")}
 
 
 def check_run_config(written: Mapping[str, object] | None,
@@ -150,20 +155,24 @@ def check_run_config(written: Mapping[str, object] | None,
 
 
 def run_key_defaults(method: str = "") -> dict[str, object]:
-    """Every run key (``fedgc.settings``' ServerSettings and TrainSettings, and the own keys of
+    """Every run key (:mod:`fedgc.keys`' ServerSettings and TrainSettings, and the own keys of
     every method known here) with its default; a key whose default each method sets has
-    ``method``'s (a checkpoint written before the key existed ran with it), None for a method
-    not registered here."""
+    ``method``'s (a checkpoint written before the key existed ran with it, or one of another
+    method's keys that its run carried before the methods declared their own), None for a
+    method not registered here; a key of :data:`ABSENT_BEFORE` what runs of before it ran
+    with."""
     own = methods.get(method).defaults if method in methods.names() else None
     out: dict[str, object] = {}
-    for cls in (ServerSettings, TrainSettings):
+    for cls in (ServerSettings, TrainSettings, *method_key_classes()):
         for f in fields_of(cls):
             key = f.metadata["key"]
-            out[key] = (own.get(key, fallback_of(f)) if own is not None and "fallback" in f.metadata
-                        else f.default)
-    for m in methods.loaded():
-        if m.settings is not None:
-            out.update(to_flat(m.settings()))
+            if "fallback" not in f.metadata:
+                out[key] = f.default
+            elif own is not None:
+                out[key] = own.get(key, fallback_of(f))
+            else:
+                out[key] = None if cls in (ServerSettings, TrainSettings) else ""
+    out.update(ABSENT_BEFORE)
     return out
 
 

@@ -25,6 +25,14 @@ from server.replies import CheckedReply
 
 #: The words of a bounded client's note (its row's ``reason``), counted by :func:`in_force`.
 CAPPED, CLIPPED = "capped at", "clipped to"
+#: The words of the note of an update the direction gate left out (server.aggregation.Combine).
+LEFT_OUT = "left out"
+
+
+def left_out_note(cosine: float, min_cosine: float) -> str:
+    """The row's reason of an update the direction gate left out."""
+    return (f"{LEFT_OUT}: cosine {cosine:.3g} with the last round's aggregate, below "
+            f"min_cosine {min_cosine:g}")
 
 
 def update_norm(update: SparseUpdate, signs: SparseUpdate | None = None) -> float:
@@ -91,7 +99,7 @@ class Bounds:
 
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
-             trim_fraction: float) -> str:
+             trim_fraction: float, min_cosine: float = -1.0) -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -119,6 +127,10 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
         parts.append(f"an update clipped to {max_norm_ratio:g}x the round's median norm "
                      f"(max_norm_ratio={max_norm_ratio:g})")
         plain.append("max_norm_ratio=0")
+    if min_cosine > -1:
+        parts.append(f"updates left out below cosine {min_cosine:g} with last round's "
+                     f"aggregate (min_cosine={min_cosine:g})")
+        plain.append("min_cosine=-1")
     if aggregation != "mean":
         parts.append(f"updates combined by {how.get(aggregation, aggregation)} "
                      f"(aggregation={aggregation})")
@@ -129,10 +141,14 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
 
 
 def in_force(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
-             trim_fraction: float, reasons: list[str]) -> dict[str, object]:
-    """``summary.json``'s ``defences``: the settings, and how many aggregated updates were
-    capped or clipped (``reasons``: the aggregated rows' notes)."""
+             trim_fraction: float, min_cosine: float, reasons: list[str],
+             rejected: list[str]) -> dict[str, object]:
+    """``summary.json``'s ``defences``: the settings, how many aggregated updates were capped
+    or clipped (``reasons``: the aggregated rows' notes) and how many the direction gate left
+    out (``rejected``: the rejected rows' reasons)."""
     return {"max_weight_ratio": max_weight_ratio, "max_norm_ratio": max_norm_ratio,
             "aggregation": aggregation, "trim_fraction": trim_fraction,
+            "min_cosine": min_cosine,
             "weights_capped": sum(CAPPED in r for r in reasons),
-            "updates_clipped": sum(CLIPPED in r for r in reasons)}
+            "updates_clipped": sum(CLIPPED in r for r in reasons),
+            "updates_left_out": sum(r.startswith(LEFT_OUT) for r in rejected)}

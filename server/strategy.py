@@ -9,8 +9,8 @@ One round, each step in its own module:
    its reason; an extension may select which of them the round takes; :mod:`server.records`
    turns them into client rows; :mod:`server.defences` bounds each client's weight and norm;
    :mod:`server.aggregation` averages the accepted ones in O(total nonzeros);
-   :mod:`server.optimizer` takes the server step; the downlink moves to the next version; the
-   registry records acks and held versions;
+   :mod:`fedgc.methods.optimizer` takes the server step; the downlink moves to the next
+   version; the registry records acks and held versions;
 3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
 """
 
@@ -41,8 +41,10 @@ import dgc
 from dgc import SparseUpdate
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.methods import Channel, Method
-from fedgc.settings import RunConfig, ServerSettings, fields_of
+from fedgc.keys import ServerSettings
+from fedgc.methods import Channel, Method, ServerOptimizer, material_of
+from fedgc.schema import fields_of
+from fedgc.settings import RunConfig
 from server.aggregation import Combine
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
@@ -51,7 +53,7 @@ from server.checkpoint import (
     migrate_strategy_state,
     save_checkpoint,
 )
-from server.defences import Bounds
+from server.defences import Bounds, left_out_note
 from server.downlink import Downlink
 from server.extensions import (
     Reply,
@@ -62,7 +64,6 @@ from server.extensions import (
     selector_of,
 )
 from server.loop import run_rounds
-from server.optimizer import ServerOptimizer
 from server.privacy import PrivateRound
 from server.records import (
     ClientRow,
@@ -166,7 +167,7 @@ class DGCStrategy(FedAvg):
         self.bounds = Bounds(s.max_weight_ratio, s.max_norm_ratio)
         self.root_update = RootUpdate(settings) if s.aggregation == "fltrust" else None
         self.combine = Combine(s.aggregation, s.trim_fraction, s.clip_radius, s.clip_iterations,
-                               root=self._root)
+                               root=self._root, min_cosine=s.min_cosine)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0
@@ -226,8 +227,9 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
         self._model_changed()
-        if self.channel is None:
-            self.channel = self.method.channel(self.settings, self.shapes)
+        part = material_of(self.method)
+        if self.channel is None and part is not None:
+            self.channel = part.channel(self.settings, self.shapes)
         if self.channel is not None:
             self.channel.hold(self.sent_model, 0, self.downlink.initial_on_grid)
 
@@ -416,6 +418,11 @@ class DGCStrategy(FedAvg):
         except dgc.AggregationError as ex:
             log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s", server_round, ex)
             return False
+        for i, cos in self.combine.left_out.items():
+            # Rejected, not aggregated: the client's method folds its update back next round.
+            row = rows[chosen[i].client_key]
+            row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine)
+            log(WARNING, "\t> Client %d: %s", chosen[i].client_key, row.reason)
         return self.step(self.aggregator.finish(combined, self.shapes))
 
     def _aggregate_private(self, server_round: int, chosen: list[CheckedReply]) -> bool:

@@ -18,6 +18,7 @@ from fedgc.settings import (
     SettingsError,
     TrainSettings,
     key_table,
+    method_key_classes,
     new_run_name,
 )
 from server.app import (
@@ -29,6 +30,7 @@ from server.app import (
 from server.checkpoint import CheckpointError, checkpoint_round
 from server.folders import check_compare_folder, claim_compare_folder
 from server.preflight import PreflightError, check_run
+from server.registry import NoClientsError
 from server.results import write_json
 from simulations.cli_common import (
     columns_help,
@@ -116,16 +118,18 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     # Checked before it is announced: a misspelt key or task option, a run its engine or this
     # machine cannot run, a damaged checkpoint stop before the run's first line.
     check_engine(config, netem)
-    prepare_run_dir(config)
+    prepare_run_dir(config).release()  # the run takes the folder's lock again
     print(f"fedgc: {announcement(config)}", flush=True)
     _print_emulator(netem)
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.method.title: summary}))
     bounded = summary.get("defences", {})
-    if bounded.get("weights_capped") or bounded.get("updates_clipped"):
+    if (bounded.get("weights_capped") or bounded.get("updates_clipped")
+            or bounded.get("updates_left_out")):
         print(f"defences: {bounded['weights_capped']} weights capped, "
-              f"{bounded['updates_clipped']} updates clipped (clients.csv's reason)")
+              f"{bounded['updates_clipped']} updates clipped, "
+              f"{bounded.get('updates_left_out', 0)} left out (clients.csv's reason)")
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
@@ -469,7 +473,7 @@ def cmd_keys(flwr_toml: bool = False, prefixes: Sequence[str] = ()) -> None:
         print(flwr_app_config_toml(), end="")
         return
 
-    own = [m.settings for m in registry.registered() if m.settings is not None]
+    own = method_key_classes(registry.registered())
     rows = key_table([ServerSettings, TrainSettings, NetemSettings, *own])
     for prefix in prefixes:
         if not any(row.key.startswith(prefix) or row.part == prefix for row in rows):
@@ -641,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
-            ClusterError) as ex:
+            ClusterError, NoClientsError) as ex:
         print(f"python -m simulations {args.command}: error: {_one_line(ex)}", file=sys.stderr)
         return 2
     except NothingAggregatedError as ex:

@@ -29,6 +29,7 @@ from server.app import NothingAggregatedError, RunFolderError, prepare_run_dir, 
 from server.checkpoint import CheckpointError
 from server.local_grid import LocalGrid
 from server.preflight import PreflightError
+from server.registry import NoClientsError
 from simulations import cluster
 from simulations.batched_engine import BatchedGrid, check_batched
 from simulations.interrupt import GridStopped, RunInterrupted, StoppableGrid, last_kept_round
@@ -36,7 +37,8 @@ from simulations.netem.integration import extensions, for_run, wrap_client_app
 from simulations.netem.settings import NetemSettings
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
-RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError)
+RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError,
+              NoClientsError)
 #: Seconds a Ctrl-C waits for the ServerApp thread to leave its round (it polls every 0.1 s;
 #: an evaluation or a checkpoint under way finishes first).
 STOP_WAIT_S = 5.0
@@ -119,7 +121,8 @@ def check_engine(config: RunConfig, netem: NetemSettings | None) -> None:
 def _run_scenario(config: RunConfig, verbose: bool,
                   netem: NetemSettings | None) -> dict[str, Any]:
     check_engine(config, netem)
-    prepare_run_dir(config)  # fail before Ray starts when the folder is taken
+    # Fail before Ray starts when the folder is taken; run_server takes its lock again.
+    prepare_run_dir(config).release()
     extra: dict[str, Any] = {}
     client_app: ClientApp = client.app.app  # read when the run starts (tests replace it)
     if netem is not None and netem.enabled:

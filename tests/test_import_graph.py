@@ -32,8 +32,6 @@ ALLOWED = {
 #: attribute over simulations.api: ``import fedgc`` imports no simulations module.
 EXCEPTIONS = {
     ("fedgc", "simulations.api"): "fedgc.run/compare/results, resolved on first use",
-    # Issue 36 part 2 (branch p36) gives the methods the optimizer type where they can import it.
-    ("fedgc.methods.fetchsgd", "server.optimizer"): "FetchSGD's server step",
 }
 
 

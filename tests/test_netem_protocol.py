@@ -15,6 +15,12 @@ links carried, and its rounds' orchestration (the wait for a poll, the ClientApp
 the server's own time; the RPCs' round trips, which the capture counts as transfer, left out)
 within 25% of the deployment's (rounds after the first, whose start-up the emulator does not
 model).
+
+The payloads are the fixture's to 5%: the same seeds make the same payloads on the machine the
+captures were made on, and on another CPU the runs part once a top-k selection flips, which
+changes the Rice code of the sent indices and the int8 broadcast's patches (the run snapshots'
+rounds moved their uplink bytes by up to 3.9% and their downlink bytes by 0.011%,
+``tests/run_compare.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ def _fixture(method: str, link: str) -> dict:
     return json.loads((FIXTURES / f"digits-{method}-{link}-tls.json").read_text())
 
 
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize(("method", "link"), CASES)
 def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, method: str,
                                                               link: str) -> None:
@@ -62,7 +69,8 @@ def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, met
     for d in ("up", "down"):
         captured = deployed["per_client_round"][d]
         # Same seeds, same payloads: what differs is the protocol, modelled.
-        assert wire[f"payload_{d}_bytes_per_client_round"] == pytest.approx(captured["payload"])
+        assert wire[f"payload_{d}_bytes_per_client_round"] == pytest.approx(captured["payload"],
+                                                                            rel=0.05)
         on_link = sum(captured.values())
         emulated = wire[f"link_{d}_bytes_per_client_round"]
         assert abs(emulated / on_link - 1) <= 0.10, (d, emulated, on_link)

@@ -117,7 +117,8 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
     config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path),
                                   "run_name": "parity"})
     t = config.train
-    assert (t.client_momentum, t.small_density, config.server.shared_density) == (0.5, 0.03, 0.03)
+    own = config.method.own
+    assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
     task = get_task("digits")
     x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []

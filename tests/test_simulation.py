@@ -55,7 +55,8 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     assert m["dense"]["uplink_compression"] == pytest.approx(1.0)
     assert m["dense"]["uplink_bytes"] == m["dense"]["dense_uplink_bytes"]
     # The methods run the same scenario: their recorded configs differ in method and folder,
-    # and in the keys each method sets its own default for.
+    # in the keys each method sets its own default for, and in each method's own keys, which
+    # its runs alone carry (dense none, topk and stc the sparsifiers', dgc all of DGC's).
     per_method = {name: dict(s["config"]) for name, s in m.items()}
     own = {}
     for name, cfg in per_method.items():
@@ -63,7 +64,14 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
             cfg.pop(k, None)
         own[name] = {k: cfg.pop(k) for k in ("server_lr", "server_momentum", "density",
                                               "downlink_density", "downlink_values")}
-    assert all(cfg == per_method["dense"] for cfg in per_method.values())
+    from fedgc.methods import get
+    from fedgc.schema import known_keys
+
+    base = per_method["dense"]
+    for name, cfg in per_method.items():
+        mine = get(name).settings
+        assert set(cfg) == set(base) | set(known_keys([mine] if mine else [])), name
+        assert {k: cfg[k] for k in base} == base, name
     assert own["dgc"]["server_momentum"] == own["fedavgm"]["server_momentum"] == 0.5
     assert own["dense"]["server_momentum"] == own["stc"]["server_momentum"] == 0.0
     assert own["stc"]["density"] == 0.0025 and own["dgc"]["density"] == 0.001
@@ -154,8 +162,10 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
     assert capped > 0
     assert summary["defences"] == {"max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
                                    "aggregation": "mean", "trim_fraction": 0.1,
-                                   "weights_capped": capped, "updates_clipped": 0}
-    assert f"defences: {capped} weights capped, 0 updates clipped" in "\n".join(out)
+                                   "min_cosine": -1.0, "weights_capped": capped,
+                                   "updates_clipped": 0, "updates_left_out": 0}
+    assert (f"defences: {capped} weights capped, 0 updates clipped, 0 left out"
+            in "\n".join(out))
 
 
 def test_plain_fedavg_says_so():
@@ -171,3 +181,8 @@ def test_plain_fedavg_says_so():
     assert describe(2, 0, "mean", 0.1) == (
         "defences: a client's weight capped at 2x the round's median (max_weight_ratio=2); "
         "plain FedAvg would take max_weight_ratio=0")
+    assert describe(1, 0, "centered_clip", 0.1, 0.0) == (  # robust = on's, with its gate
+        "defences: a client's weight capped at the round's median (max_weight_ratio=1); updates "
+        "left out below cosine 0 with last round's aggregate (min_cosine=0); updates combined "
+        "by centered clipping around last round's aggregate (aggregation=centered_clip); plain "
+        "FedAvg would take max_weight_ratio=0 min_cosine=-1 aggregation=mean")

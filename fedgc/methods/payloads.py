@@ -28,7 +28,7 @@ import dgc
 from dgc import DecodeError, SparseUpdate, TensorLayout
 
 __all__ = ["Bound", "Codec", "Payload", "PayloadError", "SparseCodec", "SparsePayload",
-           "check_tensors"]
+           "check_tensors", "largest"]
 
 
 class PayloadError(ValueError):
@@ -57,7 +57,7 @@ class Bound:
 
     shapes: Mapping[str, tuple[int, ...]]
     server_round: int = -1
-    material: Any = None
+    material: object = None
     limit: int | None = None
 
     @property
@@ -69,11 +69,21 @@ class Bound:
         return max((math.prod(s) for s in self.shapes.values()), default=0)
 
 
+def largest(values: torch.Tensor) -> float:
+    """``max |values|`` as a float (0 for none; Inf when a value is NaN or Inf)."""
+    if values.numel() == 0:
+        return 0.0
+    if not bool(torch.isfinite(values).all()):
+        return math.inf
+    return float(values.detach().abs().max())
+
+
 class Payload:
     """A decoded client payload as the server's aggregation sees it.
 
     Subclasses set ``sequence`` (the round the client answered) and implement :meth:`parts`;
-    the rest follows from them.
+    the rest follows from them. A kind whose :meth:`parts` expand what it carries (low-rank
+    factors into their product) overrides :meth:`max_abs` to bound them without expanding.
     """
 
     sequence: int = 0
@@ -103,6 +113,15 @@ class Payload:
         """Its L2 norm, in float64 (the defences bound it)."""
         return math.sqrt(sum(float(t.values.to(torch.float64).square().sum())
                              for p in self.parts() for t in p.tensors.values()))
+
+    def max_abs(self) -> float:
+        """A bound on the absolute value of every entry its parts add up to at one coordinate
+        (each part's largest value, summed over the parts, which may overlap); Inf when a value
+        is NaN or Inf. The server's reply check (``server/replies.py``) refuses a payload above
+        its bound before anything sums it: read from what the payload carries, so a kind that
+        expands its values overrides this to bound them before the expansion."""
+        return sum(max((largest(t.values) for t in p.tensors.values()), default=0.0)
+                   for p in self.parts())
 
 
 @dataclass
@@ -144,6 +163,15 @@ class SparsePayload(Payload):
             parts += [t.values for t in u.tensors.values()]
         return math.sqrt(sum(float(p.to(torch.float64).square().sum()) for p in parts))
 
+    def max_abs(self) -> float:
+        """:meth:`Payload.max_abs`, reading the update's values packed."""
+        u = self.update
+        own = (max(largest(u.packed.sparse_values), largest(u.packed.dense_values))
+               if u.packed is not None
+               else max((largest(t.values) for t in u.tensors.values()), default=0.0))
+        return own + sum(max((largest(t.values) for t in p.tensors.values()), default=0.0)
+                         for p in self.extra)
+
 
 class Codec:
     """A payload kind's encoder and decoder.
@@ -157,7 +185,7 @@ class Codec:
 
     kind = ""
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         """The bytes of ``payload`` (what the client's compressor returned)."""
         raise NotImplementedError
 
@@ -225,7 +253,7 @@ class SparseCodec(Codec):
         self.grid_coding = grid_coding
         self._checked: set[TensorLayout] = set()  # layouts that matched the model
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         update = payload.update if isinstance(payload, SparsePayload) else payload
         return dgc.encode(update, sign_coding=self.sign_coding, grid_coding=self.grid_coding)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from android_bridge.export import MANIFEST_FILE, export_run
 from android_bridge.notices import quiet_toolchain
-from dgc.errors import DGCError
+from dgc.errors import ConfigError
 
 from .certs import make_tls
 from .errors import DeployError
@@ -114,7 +114,7 @@ class PhoneFleet:
         quiet_toolchain()
         try:
             export_run(config, self.export_dir)
-        except DGCError as err:
+        except ConfigError as err:  # what an export refuses, naming the key
             raise DeployError(f"cannot export the phones' files for this run: {err}") from err
         return True
 

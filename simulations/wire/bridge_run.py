@@ -9,9 +9,9 @@ bridge through its link (a veth pair shaped with ``tbf``, the userspace proxy fo
 ``deploy`` does for SuperNodes); the federation is ``server.app.run_server`` on a
 ``LocalGrid`` whose ClientApp hands every train round to the node's phone
 (``android_bridge.bridge_app``). ``--method dense`` runs what dense FedAvg sends through the
-bridge: the phone's update with every tensor dense in float32 (``method=topk`` at density 1,
-every tensor below ``dgc.min_sparse_numel``: the bytes of dense FedAvg's update, no indices) and
-the exact model down.
+bridge: the phone's update with every tensor dense in float32 (topk's keys for it,
+``fedgc.methods.topk.PHONE_DENSE``: the bytes of dense FedAvg's update, no indices) and the
+exact model down.
 The ledger goes to ``<out>/<run>/wire.json`` and is printed.
 """
 
@@ -28,8 +28,9 @@ from typing import Any
 
 from android_bridge.bridge import PhoneBridge
 from android_bridge.bridge_app import make_bridge_app
-from android_bridge.export import exact_config, export_all
+from android_bridge.export import exact_config, export_all, phone_config
 from client.app import task_of
+from fedgc.methods.topk import PHONE_DENSE
 from fedgc.settings import RunConfig
 from server.app import run_server
 from server.local_grid import LocalGrid
@@ -45,16 +46,11 @@ from .bridge_link import analyse_phone
 from .errors import WireError
 from .report import format_table, summarize, write_wire
 
-#: Run keys of each measured variant (on top of the task, clients, rounds and seed).
-VARIANTS: dict[str, dict[str, object]] = {
-    # A default fedgc run, as a phone exported with no options takes it.
-    "dgc": {"method": "dgc"},
-    # Dense FedAvg through the bridge: every tensor of the update dense in float32 up (the
-    # phone's encode_dense: values only, as dense FedAvg's arrays), the exact model down.
-    "dense": {"method": "topk", "density": 1.0, "dgc.value_dtype": "float32",
-              "dgc.min_sparse_numel": 2**31 - 1, "dgc.small_density": 0.0,
-              "downlink_density": 1.0, "dgc.shared_density": 0.0},
-}
+#: The measured variants (``--method``): ``dgc``, a default fedgc run, as a phone exported
+#: with no options takes it; ``dense``, dense FedAvg through the bridge: every tensor of the
+#: update dense in float32 up (the phone's encode_dense: values only, as dense FedAvg's
+#: arrays; topk's keys for it, ``fedgc.methods.topk.PHONE_DENSE``), the exact model down.
+VARIANTS = ("dense", "dgc")
 
 
 def run_config(task: str, variant: str, phones: int, rounds: int, seed: int,
@@ -62,10 +58,11 @@ def run_config(task: str, variant: str, phones: int, rounds: int, seed: int,
     """The federation's RunConfig for ``variant`` (see :data:`VARIANTS`)."""
     if variant not in VARIANTS:
         raise WireError(f"--method {variant!r} unknown, expected one of {sorted(VARIANTS)}")
+    keys = {"dense": PHONE_DENSE, "dgc": {"method": "dgc"}}[variant]
     return RunConfig.from_flat({
         "task": task, "num_clients": phones, "clients_per_round": phones, "rounds": rounds,
         "seed": seed, "progress": False, "results_dir": str(results_dir),
-        "run_name": run_name, "overwrite": True, **VARIANTS[variant]})
+        "run_name": run_name, "overwrite": True, **keys})
 
 
 def export_for(config: Any, out: Path) -> Path:
@@ -75,7 +72,7 @@ def export_for(config: Any, out: Path) -> Path:
         return out
     model = task_of(t.task_spec()).build_model()
     largest = max(p.numel() for p in model.parameters())
-    export_all(t.task, out, exact_config(config.method.phone_config(t)), batch_size=t.batch_size,
+    export_all(t.task, out, exact_config(phone_config(config)), batch_size=t.batch_size,
                learning_rate=t.lr, seed=t.seed, max_numel=largest)
     return out
 

@@ -1,5 +1,7 @@
 """The privacy keys (part ``privacy``): secure aggregation and differential privacy of a run.
 
+Composed into :class:`fedgc.keys.TrainSettings`: every client reads them for its round.
+
 What the server's secure round (:mod:`server.privacy`) and a client's masked reply
 (:mod:`client.secure`) read; sent in train messages only where a run turns one of them on
 (:meth:`fedgc.settings.RunConfig.client_config`), so that a run without them sends what it sent
