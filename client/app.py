@@ -22,7 +22,9 @@ One train message, in order:
    it in fp32), encode with its codec;
 7. when the message carries the method's round material (DGC's shared index sets,
    :mod:`dgc.signs`), send the part of the residual that answers it too (the signs);
-8. store the new state and pending update(s), and reply.
+8. store the new state and pending update(s), and reply; under secure aggregation
+   (``privacy.secagg``, :mod:`client.secure`) the reply carries the masked vector of the payload
+   instead, and the protocol's other stages are ``query.secagg`` messages.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 import dgc
-from client import node
+from client import node, secure
 from client.attacks import Attack, Benign, attack_of
 from client.collusion import CollusionStore, known_keys, model_digest
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
@@ -54,6 +56,7 @@ from fedgc.keys import TrainSettings
 from fedgc.keys.attack import parse_attack_clients
 from fedgc.keys.run import TaskSpec
 from fedgc.methods.material import material_of
+from fedgc.privacy.linear import client_compressor
 from fedgc.refs import (
     ALLOWED_CALLABLES,
     CallableNotAllowedError,
@@ -444,6 +447,8 @@ class RoundInput:
     attack: Attack | None = None  # a hostile client of a robustness study (client.attacks)
     #: The ``module:callable`` references this node allows (:func:`allowed_callables`).
     allowed: frozenset[str] | None = None
+    #: The node's Context (secure aggregation keeps its session there between messages).
+    context: Context | None = None
 
     @property
     def seed(self) -> int:
@@ -483,7 +488,8 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
             raise ClientProtocolError(str(ex)) from None
 
     reply = state.reply
-    if (method.keeps_residual and reply is not None and state.pending is not None
+    if (method.keeps_residual and not s.privacy_secagg and reply is not None
+            and state.pending is not None
             and int(reply["sequence"]) == server_round and int(reply["model_version"]) == version):
         # The server re-sent a round this client already answered (a ServerApp resumed from the
         # checkpoint before it): send the same bytes again instead of training and compressing
@@ -510,7 +516,10 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     # (RoundMaterial.prepare: step-ahead feedback) or age the residual (rounds away).
     restored = 0
     start = global_state
-    compressor = method.compressor(s, key, None if material is None else material[1])
+    decoded = None if material is None else material[1]
+    # Under secure aggregation a seeded method draws every client's positions from one seed.
+    compressor = (client_compressor(method, s, key, decoded) if s.privacy_secagg
+                  else method.compressor(s, key, decoded))
     if compressor is not None:
         if method.keeps_residual and state.compressor is not None:
             compressor.load_state_dict(state.compressor)
@@ -525,7 +534,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
             start = part.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
                       task, train_x, train_y, global_state, material, device, started,
-                      compressor, restored, start, attack, allowed)
+                      compressor, restored, start, attack, allowed, context)
 
 
 @app.train()
@@ -564,11 +573,17 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if r.start is not r.global_state:  # the pseudo-gradient is taken against the model sent
         pseudo_gradient = {k: v + (r.global_state[k] - r.start[k]).to(v.device)
                            for k, v in pseudo_gradient.items()}
+    pseudo_gradient = secure.clipped(pseudo_gradient, s)  # DP: before compression
+    shapes = {k: tuple(v.shape) for k, v in r.global_state.items()}
+    material = None if r.material is None else r.material[1]
     if compressor is None:
         update = SparseUpdate.from_dense(pseudo_gradient, "float32", sequence=server_round)
     else:
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
+    if s.privacy_secagg:  # a per-client top-k goes back to the residual: it cannot be summed
+        update = secure.held_back(method, s, compressor, update, shapes, material, server_round)
+    if compressor is not None:
         part = material_of(method)
         side = (part.side_part(compressor, r.material[1], server_round)
                 if r.material is not None and part is not None else None)
@@ -595,7 +610,10 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         new_state.reply = {**{k: v for k, v in metrics.items() if k != "compute_seconds"},
                            "sequence": server_round, "model_version": r.version}
     r.store.save(str(r.key), new_state)
-
+    if s.privacy_secagg:  # the masked vector in place of the payload
+        return Message(_on_node(secure.masked_content(
+            r.msg, r.context, r.key, s, method, data, shared_data, material, shapes, metrics,
+            server_round, r.seed)), reply_to=r.msg)
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
 
 
@@ -648,6 +666,13 @@ def evaluate(msg: Message, context: Context) -> Message:
         accuracy = float((pred == y).float().mean())
     metrics = MetricRecord({"num-examples": int(len(y)), "loss": loss, "accuracy": accuracy})
     return Message(RecordDict({P.METRICS: metrics}), reply_to=msg)
+
+
+@app.query(P.SECAGG_ACTION)
+def secagg_stage(msg: Message, context: Context) -> Message:
+    """Answer a secure-aggregation stage that no train message carries (setup, share keys,
+    unmask: :mod:`client.secure`)."""
+    return secure.answer_stage(msg, context, client_key(context))
 
 
 @app.query()

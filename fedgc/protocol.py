@@ -62,6 +62,12 @@ SHARED = "shared"  # ArrayRecord of the shared-index channel (dgc.signs), both d
 SHARED_MASK = "shared_mask"  # its byte Array in a train message
 SHARED_SIGNS = "shared_signs"  # its byte Array in a train reply
 NODE = "node"  # ConfigRecord of a reply from a Ray worker: ray_node, host (client.node)
+SECAGG = "secagg"  # byte Array of a secure-aggregation stage (fedgc.privacy.secagg.wire), both ways
+#: The query action of the secure-aggregation stages a train message does not carry
+#: (message type ``query.secagg``: setup, share keys, unmask; client/secure.py).
+SECAGG_ACTION = "secagg"
+#: The reply metric of a masked vector's coordinates the fixed point clamped.
+SECAGG_SATURATED = "secagg_saturated"
 
 # Per-node config keys the server adds to the TrainSettings keys.
 SERVER_ROUND = "server-round"

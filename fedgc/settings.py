@@ -37,6 +37,7 @@ from fedgc.keys.attack import (
     attack_bounds,
     parse_attack_clients,
 )
+from fedgc.keys.privacy import check_privacy
 from fedgc.keys.run import MODEL_NAMES, PARTITIONS, TASKS, TaskSpec
 from fedgc.keys.server import (
     AGGREGATIONS,
@@ -47,6 +48,7 @@ from fedgc.keys.server import (
     parse_client_nodes,
 )
 from fedgc.keys.sim import DEVICES, ENGINES
+from fedgc.privacy.linear import NotLinearError, check_secure
 from fedgc.refs import REF as TASK_REF
 from fedgc.refs import is_ref
 from fedgc.schema import (
@@ -75,7 +77,7 @@ from fedgc.schema import (
 from fedgc.schema import key_table as _key_table
 
 #: The parts of fedgc that own keys, besides the methods' (each its keys' prefix: ``dgc``).
-PARTS = ("run", "client", "server", "sim", "netem", "attack", "async")
+PARTS = ("run", "client", "server", "sim", "netem", "attack", "async", "privacy")
 #: Keys retired in favour of one key for every method (issue 29): the old name is refused,
 #: naming the new one.
 RENAMED = {"dgc.density": "density", "stc.density": "density",
@@ -208,6 +210,16 @@ class RunConfig(RunSettings):
         if self.server.mode == "async" and self.server.fraction_evaluate > 0:
             raise SettingsError(f"mode = async evaluates the global model on the server only: "
                                 f"fraction_evaluate = {self.server.fraction_evaluate} must be 0")
+        check_privacy(t, self.server)
+        if t.privacy_secagg:
+            try:
+                check_secure(self.method, t)
+            except NotLinearError as ex:
+                raise SettingsError(f"privacy.secagg = true: {ex}") from None
+        if self.server.mode == "async" and (t.privacy_secagg or t.privacy_dp != "off"):
+            raise SettingsError("mode = async runs without privacy.secagg and privacy.dp: secure "
+                                "aggregation and the accountant count rounds of one cohort, an "
+                                "asynchronous buffer has none (use mode = sync)")
         if not self.server.run_name:
             # Named once, here: to_flat() and with_overrides() then carry the same folder.
             label = t.method if not is_ref(t.method) else method.title
@@ -295,6 +307,8 @@ class RunConfig(RunSettings):
         flat = to_flat(self.client_train_settings())
         if not self.train.attack_clients:
             flat = {k: v for k, v in flat.items() if not k.startswith("attack.")}
+        if not self.train.private:
+            flat = {k: v for k, v in flat.items() if not k.startswith("privacy.")}
         kept = {f.metadata["key"] for cls in method_key_classes() for f in fields_of(cls)
                 if not is_sent(f)}
         return {**flat, **{k: v for k, v in self.own.items() if k not in kept}}

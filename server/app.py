@@ -250,6 +250,8 @@ def _serve(grid: Grid, config: RunConfig, started: float,
     if s.progress:
         trust = " (robust=on: deployed clients are not trusted)" if s.robust == "on" else ""
         print(f"fedgc: {defences.describe(*guard)}{trust}", flush=True)
+        if strategy.privacy is not None:
+            print(f"fedgc: {strategy.privacy.describe()}", flush=True)
     train_config = ConfigRecord(config.client_config())
     try:
         result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=s.rounds,

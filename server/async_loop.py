@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
@@ -52,8 +52,9 @@ from server.records import ClientRow, client_row, round_record, train_metrics
 from server.registry import RoundOutcome
 from server.replies import CheckedReply
 
-if TYPE_CHECKING:
-    from server.strategy import DGCStrategy
+#: The strategy the loop drives (server.strategy.DGCStrategy, which imports this module: named
+#: here without importing it, so that the two stay free of an import cycle).
+DGCStrategy = Any
 
 #: Seconds between two pulls of a grid that had no reply ready (Flower's own grids poll too).
 PULL_INTERVAL_S = 0.05

@@ -28,6 +28,11 @@ extension that keeps a clock (:attr:`~RoundExtension.clocked`) is told when mess
 (:meth:`~RoundExtension.arrival`: the loop takes replies in that order) and adds its columns to
 each applied step (:meth:`~RoundExtension.after_step`, in place of ``after_round``).
 
+A round may hold exchanges besides its train messages (secure aggregation's stages,
+:mod:`server.privacy`): :meth:`~RoundExtension.exchanged` is shown each one's bytes per client
+and says whose reply reached the server (the emulator charges them to the links and drops the
+replies a link lost).
+
 Besides, :meth:`~RoundExtension.step` is told as each of the server's steps of a round begins
 and ends, on the thread that runs it (``configure``, ``aggregate``, ``evaluate``): the emulator
 charges the server's measured work to its clock.
@@ -44,7 +49,7 @@ server never names them. The network emulator is the largest user
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +161,14 @@ class RoundExtension:
         """The ones of ``replies`` (every reply of the round) that reached the server."""
         return replies
 
+    def exchanged(self, server_round: int, stage: str,
+                  sizes: Mapping[int, tuple[int, int]]) -> Collection[int]:
+        """An exchange of the round besides its train messages (``stage``: secure
+        aggregation's ``setup``, ``share_keys`` or ``unmask``): per client key the payload bytes
+        of the server's request and of the client's reply (0: it sent none). The client keys
+        whose reply reached the server."""
+        return {key for key, (_, up) in sizes.items() if up > 0}
+
     def select(self, server_round: int, checked: Sequence[CheckedReply]) -> Selection | None:
         """What the round takes of ``checked`` (the arrived replies, checked, in arrival
         order); None: the strategy's rule (every reply). One extension at most overrides it."""
@@ -222,6 +235,15 @@ def arrived(extensions: Sequence[RoundExtension], server_round: int,
     for ext in extensions:
         kept &= {id(r) for r in ext.arrived(server_round, replies)}
     return [r for r in replies if id(r) in kept]
+
+
+def exchanged(extensions: Sequence[RoundExtension], server_round: int, stage: str,
+              sizes: Mapping[int, tuple[int, int]]) -> set[int]:
+    """The clients whose reply to an extra exchange every extension lets reach the server."""
+    kept = {key for key, (_, up) in sizes.items() if up > 0}
+    for ext in extensions:
+        kept &= set(ext.exchanged(server_round, stage, sizes))
+    return kept
 
 
 def apply_extensions(extensions: Sequence[RoundExtension], record: RoundRecord,

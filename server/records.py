@@ -75,6 +75,7 @@ def client_row(server_round: int, reply: CheckedReply, downlink: tuple[str, int]
                     state_quarantined=reply.state_quarantined)
     if reply.payload is not None:
         row.nnz, row.density = reply.payload.nnz, reply.payload.density
+    if reply.status == "valid":  # a masked vector (secure aggregation) has no payload here
         row.compression_ratio = dense_update_nbytes / reply.uplink_bytes
         row.num_examples, row.train_loss = reply.num_examples, reply.train_loss
         row.compute_seconds, row.restored = reply.compute_seconds, reply.restored

@@ -65,6 +65,7 @@ from server.extensions import (
     selector_of,
 )
 from server.loop import run_rounds
+from server.privacy import PrivateRound
 from server.records import (
     ClientRow,
     RoundRecord,
@@ -146,6 +147,13 @@ class DGCStrategy(FedAvg):
         self.checkpoint_dir = settings.run_dir if s.checkpoint else None
         self.resume, self.on_round, self.probe_timeout = s.resume, on_round, s.round_timeout_s
         self.extensions = list(extensions)
+        #: Secure aggregation and DP (server.privacy), None when the run uses neither; also
+        #: an extension (its columns, summary and state).
+        self.privacy = (PrivateRound(t, self.method, s.round_timeout_s)
+                        if t.privacy_secagg or t.privacy_dp != "off" else None)
+        if self.privacy is not None:
+            self.extensions.append(self.privacy)
+            self.privacy.extensions = self.extensions
         self.selector = selector_of(self.extensions)
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)
@@ -280,14 +288,16 @@ class DGCStrategy(FedAvg):
             grid, server_round, math.ceil(self.clients_per_round * self.over_selection),
             max(self.min_available_nodes, self.clients_per_round), self.probe_timeout)
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(node_of), connected)
-        self._round, messages = self.train_messages(server_round, node_of, config)
+        self._round, messages = self.train_messages(server_round, node_of, config, grid)
         return messages
 
     def train_messages(self, server_round: int, node_of: dict[int, int], config: ConfigRecord,
-                       ) -> tuple[_Round, list[Message]]:
+                       grid: Grid | None = None) -> tuple[_Round, list[Message]]:
         """The train messages of ``server_round`` for the clients ``node_of`` names (client key
         -> node id, in sampling order), and what was sent: the model (dense or patch), its
-        acknowledgement, the round material (the asynchronous loop sends one per dispatch)."""
+        acknowledgement, the round material (the asynchronous loop sends one per dispatch).
+        Under secure aggregation its first stages run on ``grid`` first (a sync round's; the
+        asynchronous loop runs without privacy)."""
         reg = self.registry
         sampled = list(node_of)
         digest = P.config_digest(config)
@@ -300,8 +310,17 @@ class DGCStrategy(FedAvg):
             data, state.material = planned
             shared_record, shared_nbytes = P.bytes_to_record(data, P.SHARED_MASK), len(data)
         offers = self.downlink.offers(reg.held(key) for key in sampled)
+        stage2: dict[int, bytes] | None = None
+        if self.privacy is not None and self.privacy.secagg:
+            assert grid is not None, "secure aggregation's stages need the round's grid"
+            layout = self.privacy.layout_of(self.aggregator.space(self.shapes), state.material,
+                                            server_round)
+            stage2 = self.privacy.open(grid, server_round, node_of, layout)
         messages = []
         for key in sampled:
+            if stage2 is not None and key not in stage2:
+                state.downlink[key] = ("none", 0)  # out of the secure session: sent nothing
+                continue
             offer = offers[reg.held(key)]
             cfg = ConfigRecord({P.CONFIG_DIGEST: digest})
             cfg[P.SERVER_ROUND] = server_round
@@ -317,6 +336,8 @@ class DGCStrategy(FedAvg):
                 content[P.RUN_CONFIG] = ConfigRecord(dict(config))
             if shared_record is not None:
                 content[P.SHARED] = shared_record
+            if stage2 is not None:
+                content[P.SECAGG] = P.bytes_to_record(stage2[key], P.SECAGG)
             state.downlink[key] = (offer.kind, offer.nbytes + shared_nbytes)
             # The round as group id, as Flower's own strategies set it: SuperNodes log it.
             message = Message(content, dst_node_id=node_of[key],
@@ -345,6 +366,9 @@ class DGCStrategy(FedAvg):
     def check_replies(self, server_round: int, replies: Iterable[Message]) -> list[CheckedReply]:
         """Every reply of the round, decoded (in one batch) and checked once, in order."""
         state = self._current(server_round)
+        if self.privacy is not None and self.privacy.secagg:
+            return self.privacy.check_round(replies, lambda msg: state.sender(msg, self.registry),
+                                            state.sampled, self.weighted_by_key)
         return self.checker.check_round(server_round, replies,
                                         lambda msg: state.sender(msg, self.registry),
                                         state.sampled, state.material)
@@ -367,8 +391,10 @@ class DGCStrategy(FedAvg):
         applied = bool(chosen) and self._aggregate(server_round, [valid[k] for k in chosen],
                                                    list(valid.values()), rows)
         if chosen and not applied:
+            why = (self.privacy.failure if self.privacy is not None and self.privacy.failure
+                   else "aggregate was not finite")
             for k in chosen:
-                rows[k].status, rows[k].reason = "rejected", "aggregate was not finite"
+                rows[k].status, rows[k].reason = "rejected", why
         self.registry.settle(server_round,
                              [RoundOutcome(k, r.status, r.reason) for k, r in rows.items()],
                              version_sent=state.version_sent, processed=processed,
@@ -398,6 +424,8 @@ class DGCStrategy(FedAvg):
         # theirs).
         order = sorted(range(len(chosen)), key=lambda i: chosen[i].client_key)
         chosen, factor = [chosen[i] for i in order], [factor[i] for i in order]
+        if self.privacy is not None:  # mode = async is refused with privacy: no scale here
+            return self._aggregate_private(server_round, chosen)
         weights, factors, notes = self.bounds.apply(chosen, valid)
         factors = [f * g for f, g in zip(factors, factor, strict=True)]
         for key, note in notes.items():
@@ -416,6 +444,28 @@ class DGCStrategy(FedAvg):
             row = rows[chosen[i].client_key]
             row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine)
             log(WARNING, "\t> Client %d: %s", chosen[i].client_key, row.reason)
+        return self.step(self.aggregator.finish(combined, self.shapes))
+
+    def _aggregate_private(self, server_round: int, chosen: list[CheckedReply]) -> bool:
+        """The round's aggregate under secure aggregation or central DP (server.privacy):
+        every client counts once; whether the step was finite."""
+        assert self.privacy is not None
+        space = self.aggregator.space(self.shapes)
+        self.privacy.noise_round(server_round)
+        if self.privacy.secagg:
+            combined = self.privacy.secure_mean(chosen, space)
+            if combined is None:
+                return False
+        else:
+            payloads = [c.payload for c in chosen]
+            try:
+                mean = self.combine(payloads, [1.0] * len(chosen),
+                                    self.privacy.clip_factors(payloads), space)
+            except dgc.AggregationError as ex:
+                log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s",
+                    server_round, ex)
+                return False
+            combined = self.privacy.noisy_mean(mean, len(chosen))
         return self.step(self.aggregator.finish(combined, self.shapes))
 
     def _step(self, server_round: int, name: str, begins: bool) -> None:

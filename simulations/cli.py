@@ -641,8 +641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             methods = check_methods([m.strip() for m in args.methods.split(",") if m.strip()],
                                     "--methods")
             seeds = parse_seeds(args.seeds) if args.seeds is not None else None
-            cmd_compare(build_config(args), args.verbose, methods, build_netem(args), seeds,
-                        args.jobs, args.budget_method)
+            # The first method is the base config's (below the user's keys), so that keys
+            # only some methods accept (privacy.secagg) are checked against a compared one.
+            base = {"method": methods[0]} if methods else None
+            cmd_compare(build_config(args, base), args.verbose, methods, build_netem(args),
+                        seeds, args.jobs, args.budget_method)
         elif args.command == "traffic":
             cmd_traffic(args.folders, args.budget_method, args.out)
         elif args.command == "flwr":

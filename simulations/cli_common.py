@@ -80,6 +80,9 @@ _TIME_COLUMNS = (("virtual s", "virtual_seconds", ".0f", 1.0),
                  ("s to target", "virtual_seconds_to_target", ".0f", 1.0),
                  ("wire MB to target", "wire_bytes_to_target", ".2f", 1e-6),
                  ("J to target", "joules_to_target", ".0f", 1.0))
+#: Runs with client-level DP (privacy.dp): the epsilon spent at the run's delta
+#: (server.privacy; the line under compare's table states delta and the sampling assumption).
+_PRIVACY_COLUMNS = (("epsilon", "dp_epsilon", ".3g", 1.0),)
 #: The columns whose empty value means the run never reached the target.
 _TO_TARGET = ("virtual_seconds_to_target", "wire_bytes_to_target", "joules_to_target")
 #: A comparison's readings: the mean accuracy per decade of total bytes
@@ -99,6 +102,9 @@ COLUMN_HELP = {
     "seeds": "with --seeds, the runs averaged, where methods differ",
     "final acc": "the global model's accuracy on the test split after the last round",
     "last10 acc": "the mean of that accuracy over the last 10 rounds",
+    "epsilon": "with privacy.dp: the client-level epsilon spent over the run's rounds at its "
+               "privacy.delta (dp-accounting; Poisson sampling at clients_per_round / "
+               "num_clients assumed, as the line under the table says); 'n/a': no DP",
     "virtual s": "with netem: the run's time on the emulator's clock (its rounds' virtual "
                  "seconds, each the clients' part and the server's)",
     "s to target": "with netem: virtual seconds until the model first reached the target "
@@ -147,7 +153,9 @@ def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, flo
     them, each of the readings where one of the rows has it."""
     wire = any("wire_uplink_bytes" in r for r in rows)
     emulated = any("virtual_seconds" in r for r in rows)
-    return [*_COLUMNS[:2], *(_TIME_COLUMNS if emulated else ()), *_COLUMNS[2:],
+    private = any("dp_epsilon" in r for r in rows)
+    return [*_COLUMNS[:2], *(_PRIVACY_COLUMNS if private else ()),
+            *(_TIME_COLUMNS if emulated else ()), *_COLUMNS[2:],
             *(_WIRE_COLUMNS if wire else ()),
             *(c for c in _READINGS if any(c[1] in r for r in rows))]
 
@@ -192,7 +200,22 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
                      for _, key, spec, scale in columns),
              str(s.get("clients_failed", 0)), _fmt(s.get("wall_seconds"), ".1f")]
             for name, s in summaries.items()]
-    return _table(head, rows)
+    return _table(head, rows) + privacy_note(summaries)
+
+
+def privacy_note(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """The line under a table of runs with DP: each delta and sampling rate the epsilons are
+    for, and the assumption they rest on ("" without DP)."""
+    private = [s for s in summaries.values() if "dp_epsilon" in s]
+    if not private:
+        return ""
+    deltas = sorted({s.get("dp_delta") for s in private})
+    rates = sorted({s.get("dp_sampling_rate") for s in private})
+    return (f"\nepsilon: client-level (epsilon, delta)-DP at delta = "
+            f"{', '.join(f'{d:g}' for d in deltas)}, each client in a round with probability "
+            f"q = {', '.join(f'{q:.4g}' for q in rates)} (Poisson sampling assumed; fedgc "
+            f"samples a fixed number a round), towards observers of the model "
+            f"(docs/privacy.md)")
 
 
 def seeds_table(doc: Mapping[str, Any]) -> str:

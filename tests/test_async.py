@@ -65,6 +65,10 @@ def test_staleness_weight_is_fedbuffs_by_default() -> None:
     ({"mode": "async", "fraction_evaluate": 0.5}, "fraction_evaluate = 0.5 must be 0"),
     ({"async.staleness": "hinge"}, "async.staleness = 'hinge'"),
     ({"async.max_staleness": -1}, "async.max_staleness = -1"),
+    ({"mode": "async", "method": "dense", "privacy.secagg": True},
+     "mode = async runs without privacy.secagg and privacy.dp"),
+    ({"mode": "async", "privacy.dp": "central", "privacy.clip": 1.0},
+     "mode = async runs without privacy.secagg and privacy.dp"),
 ])
 def test_bad_async_keys_are_refused_naming_the_value(keys: dict, says: str) -> None:
     with pytest.raises(SettingsError) as err:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from fedgc.keys.attack import AttackKeys
 from fedgc.keys.client import ClientKeys
+from fedgc.keys.privacy import PrivacyKeys
 from fedgc.keys.run import RunFolderKeys, RunKeys
 from fedgc.keys.server import ServerKeys
 from fedgc.keys.sim import SimDeviceKeys, SimKeys
@@ -32,9 +33,9 @@ FlatValue = bool | int | float | str
 
 
 # The owners are listed last-first: a dataclass takes its bases' fields from the last base on,
-# so the keys keep the order run, client, sim, attack.
+# so the keys keep the order run, client, sim, attack, privacy.
 @dataclass(frozen=True)
-class TrainSettings(AttackKeys, SimDeviceKeys, ClientKeys, RunKeys):
+class TrainSettings(PrivacyKeys, AttackKeys, SimDeviceKeys, ClientKeys, RunKeys):
     """What a client needs to train one round: data, local optimizer, compression density.
 
     The server sends these keys in every train message (so ``run_simulation`` and ``flwr run``

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from logging import INFO
 from typing import Any
 
@@ -67,6 +67,7 @@ from simulations.netem.settings import (
     NetemSettings,
     profile_line,
 )
+from simulations.netem.stages import stage_exchange
 from simulations.netem.target import reach_target
 
 __all__ = ["NetemClock"]
@@ -129,6 +130,11 @@ class NetemClock(RoundExtension):
         self._outcome: RoundOutcome | None = None
         # This round's replies that failed validation: client key -> when they finished.
         self._rejected_finish: dict[int, float] = {}
+        # This round's extra exchanges (secure aggregation's stages): the virtual seconds
+        # before the train messages and after the round's close, and per client key its wire
+        # (up, down) bytes and radio joules, which WireColumns adds to the round's.
+        self._before_s = self._after_s = 0.0
+        self.exchange_bytes: dict[int, list[float]] = {}
 
     @property
     def server_s(self) -> float:
@@ -163,6 +169,9 @@ class NetemClock(RoundExtension):
         now = time.thread_time()
         if begins:
             self._started[name] = now
+            if name == "configure":
+                self._before_s = self._after_s = 0.0
+                self.exchange_bytes = {}
             return
         started = self._started.pop(name, None)
         if started is None:
@@ -176,7 +185,33 @@ class NetemClock(RoundExtension):
     # ---- the round -----------------------------------------------------------------------
     def message_keys(self, server_round: int, client_key: int) -> Mapping[str, ConfigValue]:
         """The scenario and the round's virtual start."""
-        return {**self._keys, ROUND_KEY: server_round, ROUND_START_KEY: float(self.virtual_now_s)}
+        return {**self._keys, ROUND_KEY: server_round,
+                ROUND_START_KEY: float(self.virtual_now_s + self._before_s)}
+
+    def exchanged(self, server_round: int, stage: str,
+                  sizes: Mapping[int, tuple[int, int]]) -> Collection[int]:
+        """Charge an extra exchange (secure aggregation's stages) to each client's link
+        (:func:`simulations.netem.stages.stage_exchange`): before the train messages from the
+        round's start, after the round's close from its end; the stage lasts until its last
+        reply that arrived. The clients whose reply arrived."""
+        after = self._outcome is not None and self._outcome.round_index == server_round
+        start = (self._outcome.end_s + self._after_s if after and self._outcome is not None
+                 else self.virtual_now_s + self._before_s)
+        came, end = set(), start
+        for key, (down, up) in sizes.items():
+            ex = stage_exchange(self.netem, self.profile, key, server_round, start, down, up)
+            wire = self.exchange_bytes.setdefault(key, [0, 0, 0.0])
+            wire[0] += ex.wire_up_bytes
+            wire[1] += ex.wire_down_bytes
+            wire[2] += ex.radio_j
+            if ex.ok:
+                came.add(key)
+                end = max(end, ex.finish_s)
+        if after:
+            self._after_s += end - start
+        else:
+            self._before_s += end - start
+        return came
 
     def arrived(self, server_round: int, replies: Sequence[Reply]) -> Sequence[Reply]:
         """The replies whose timeline finished, and those without one (errors: the strategy
@@ -189,7 +224,8 @@ class NetemClock(RoundExtension):
             if tl is not None:
                 # The strategy's key for the sender, so that clock, rows and acks agree.
                 timelines[id(reply.message)] = dataclasses.replace(tl, client_id=reply.client_key)
-                if P.UPDATE in reply.message.content.array_records and reply.client_key >= 0:
+                records = reply.message.content.array_records
+                if (P.UPDATE in records or P.SECAGG in records) and reply.client_key >= 0:
                     processed.add(reply.client_key)
             if tl is None or tl.ok:
                 kept.append(reply)
@@ -253,12 +289,16 @@ class NetemClock(RoundExtension):
             elif late:
                 row.status, row.reason = "dropped", "deadline"
         record.clients_surplus = sum(row.status == "surplus" for row in rows)
+        # The unmasking after the round's close moves the links' clock too.
+        self.virtual_now_s += self._after_s
         added = {
-            "virtual_seconds": outcome.virtual_seconds + server_s,
+            "virtual_seconds": outcome.virtual_seconds + self._after_s + server_s,
             "dropped_deadline": outcome.dropped_deadline + sum(
                 t > outcome.end_s for t in rejected.values()),
             "dropped_link": outcome.dropped_link,
             "dropped_rejected": sum(t <= outcome.end_s for t in rejected.values())}
+        if self.exchange_bytes:
+            added["exchange_s"] = self._before_s + self._after_s
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
             "rejected; %d surplus", record.round, outcome.virtual_seconds,
             added["dropped_deadline"], added["dropped_link"], added["dropped_rejected"],

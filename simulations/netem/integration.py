@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedgc import protocol as P
 from fedgc.settings import RunConfig
 from server.extensions import RoundExtension
 from simulations.netem.extension import NetemClock
@@ -56,6 +57,7 @@ def wrap_client_app(app: ClientApp) -> ClientApp:
     wrapped.train()(forward)
     wrapped.evaluate()(forward)
     wrapped.query()(forward)
+    wrapped.query(P.SECAGG_ACTION)(forward)  # secure aggregation's stages (client/secure.py)
     return wrapped
 
 

@@ -149,6 +149,17 @@ class WireColumns(RoundExtension):
                                 "wire_downlink_bytes": int(v.get("link_down_bytes", 0)),
                                 "joules": v.get("radio_j", 0.0) + v.get("compute_j", 0.0),
                                 "radio_joules": v.get("radio_j", 0.0)}
+        # The round's extra exchanges (secure aggregation's stages), charged by the clock.
+        for key, (up, down, joules) in self.clock.exchange_bytes.items():
+            sums["link_up_bytes"] += up
+            sums["link_down_bytes"] += down
+            sums["radio_j"] += joules
+            if key in clients:
+                row = clients[key]
+                row["wire_uplink_bytes"] = int(row["wire_uplink_bytes"]) + int(up)
+                row["wire_downlink_bytes"] = int(row["wire_downlink_bytes"]) + int(down)
+                row["joules"] = float(row["joules"]) + joules
+                row["radio_joules"] = float(row["radio_joules"]) + joules
         idle_node_s = max(0.0, self.netem.num_clients * round_s - busy_s)
         up_rate, down_rate, watts = idle_rates(self.netem)
         values: dict[str, int | float] = {
@@ -178,6 +189,11 @@ class WireColumns(RoundExtension):
             "payload_up_bytes": round(sums["payload_up_bytes"]),
             "payload_down_bytes": round(sums["payload_down_bytes"]),
         }
+        if self.clock.exchange_bytes:
+            stages = self.clock.exchange_bytes.values()
+            values["exchange_wire_up_bytes"] = int(sum(b[0] for b in stages))
+            values["exchange_wire_down_bytes"] = int(sum(b[1] for b in stages))
+            values["exchange_joules"] = sum(b[2] for b in stages)
         return Added(values, clients)
 
     def after_step(self, record: RoundRecord, rows: list[ClientRow],

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -165,6 +166,15 @@ class DistributedDiscreteGaussian:
             raise RuntimeError(f"conditional rounding found no vector within norm {bound} in "
                                f"{max_tries} tries (beta = {self.beta} too small)")
         return rounded.astype(np.int64)
+
+    @classmethod
+    def for_keys(cls, train: Any, dimension: int) -> DistributedDiscreteGaussian:
+        """The mechanism of a run's ``privacy.*`` keys (``train``: its TrainSettings) for a
+        round of ``dimension`` coordinates: clip ``privacy.clip``, the fixed point's step,
+        shares sized for ``clients_per_round`` (both ends of a round build the same)."""
+        step = train.fixed_point_range / ((1 << (train.privacy_value_bits - 1)) - 1)
+        return cls(train.privacy_clip, step, train.privacy_noise_multiplier,
+                   train.clients_per_round, max(1, dimension))
 
     def tau(self, clients: int) -> float:
         """Kairouz et al.'s ``tau``: how far the sum of ``clients`` discrete Gaussians is from

@@ -1,0 +1,314 @@
+"""Secure aggregation and DP in a real round (server/privacy.py, client/secure.py): the real
+ClientApp in process, SecAgg+'s stages as Flower messages; the masked sum is the clients' plain
+sum, a client dropping at each stage leaves the survivors' exact sum, per-client coordinates are
+refused at start, and the epsilon reported is dp-accounting's for the run's rounds."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import rdp
+from flwr.app import Context, Message
+
+from client.app import app as client_app
+from fedgc import protocol as P
+from fedgc.privacy import FixedPoint
+from fedgc.privacy.linear import Layout
+from fedgc.privacy.secagg import ClientHandler
+from fedgc.schema import SettingsError
+from fedgc.settings import RunConfig
+from server.app import run_server
+from server.local_grid import LocalGrid
+from server.privacy import PrivateRound
+from server.strategy import DGCStrategy
+
+BASE = {"task": "digits", "method": "dense", "num_clients": 5, "clients_per_round": 5,
+        "partition": "iid", "progress": False, "local_steps": 2, "rounds": 2, "checkpoint": False,
+        "over_selection": 1.0, "privacy.secagg": True}
+
+
+class Spy:
+    """What the real code computed on the way: each client's float vector and ring vector
+    (in the order the clients masked them) and each secure mean the server unmasked."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.vectors: list[np.ndarray] = []
+        self.rings: dict[tuple[int, int], np.ndarray] = {}  # (round, client) -> ring vector
+        self.means: list[tuple[int, tuple[int, ...], dict]] = []  # (round, summed, mean)
+        self.fixed_point: dict[int, FixedPoint] = {}  # by round
+        self.layout: dict[int, Layout] = {}
+        vector, masked, secure_mean = (Layout.vector, ClientHandler.masked_vector,
+                                       PrivateRound.secure_mean)
+
+        def spy_vector(layout, payload):
+            self.vectors.append(out := vector(layout, payload))
+            return out
+
+        def spy_masked(handler, message, ring):
+            self.rings[(handler.setup_request.server_round, handler.client)] = ring.copy()
+            return masked(handler, message, ring)
+
+        def spy_mean(server, chosen, space):
+            out = secure_mean(server, chosen, space)
+            if out is not None:
+                self.means.append((server._round, server.session.summed,
+                                   {n: t.clone() for n, t in out.items()}))
+                self.fixed_point[server._round] = server.fixed_point
+                self.layout[server._round] = server.layout
+            return out
+
+        monkeypatch.setattr(Layout, "vector", spy_vector)
+        monkeypatch.setattr(ClientHandler, "masked_vector", spy_masked)
+        monkeypatch.setattr(PrivateRound, "secure_mean", spy_mean)
+
+
+def _run(tmp_path, client=client_app, name="run", **keys):
+    config = RunConfig.from_flat({**BASE, "results_dir": str(tmp_path), "run_name": name,
+                                  **keys})
+    made: list[DGCStrategy] = []
+
+    def factory(*args, **kw):
+        made.append(DGCStrategy(*args, **kw))
+        return made[-1]
+
+    summary = run_server(LocalGrid(client, config.train.num_clients, seed=3), config,
+                         strategy_factory=factory)
+    with open(config.run_dir / "rounds.csv") as f:
+        rows = list(csv.DictReader(f))
+    return made[0], summary, rows
+
+
+def _ring_sum_matches(spy: Spy, server_round: int, summed: tuple[int, ...]) -> np.ndarray:
+    fp = spy.fixed_point[server_round]
+    ring = sum(spy.rings[(server_round, c)] for c in summed) & np.uint64(fp.modulus - 1)
+    return fp.decode_sum(ring, len(summed))
+
+
+@pytest.mark.parametrize("method", ["dgc_sets"])
+def test_the_masked_sum_is_the_plain_sum_of_what_the_clients_sent(tmp_path, monkeypatch,
+                                                                   method):
+    spy = Spy(monkeypatch)
+    strategy, summary, rows = _run(tmp_path, method=method)
+    assert [int(r["secagg_clients"]) for r in rows] == [5, 5]
+    assert [int(r["secagg_round_trips"]) for r in rows] == [4, 4]
+    assert [int(r["secagg_saturated"]) for r in rows] == [0, 0]
+    assert all(int(r["secagg_overhead_bytes"]) > 0 for r in rows)
+    assert summary["secagg"]["round_trips"] == 4
+    # No reply carries a payload: only masked vectors reached the server.
+    assert all(r.status == "aggregated" and r.nnz == 0 for r in strategy.client_rows)
+    assert len(spy.means) == 2
+    for server_round, summed, mean in spy.means:
+        assert summed == (0, 1, 2, 3, 4)
+        # Exactly the sum of the clients' ring vectors (the masks cancel) ...
+        plain = _ring_sum_matches(spy, server_round, summed)
+        layout = spy.layout[server_round]
+        secure = layout.combined(plain, len(summed))
+        for name, t in mean.items():
+            assert float((t - secure[name]).abs().max()) == 0.0
+        # ... and the float vectors' mean within the fixed point's bound.
+        floats = spy.vectors[(server_round - 1) * 5:server_round * 5]
+        expected = layout.combined(np.sum(floats, axis=0), len(summed))
+        bound = spy.fixed_point[server_round].error_bound(len(summed)) / len(summed)
+        for name, t in mean.items():
+            assert float((t - expected[name]).abs().max()) <= bound + 1e-7
+    if method == "dgc_sets":  # the shared sets only: far fewer coordinates than the model
+        assert spy.layout[2].length < 0.5 * sum(t.numel() for t in strategy.model.values())
+
+
+def _magic(msg: Message) -> bytes:
+    record = msg.content.array_records.get(P.SECAGG)
+    return b"" if record is None else P.record_to_bytes(record, P.SECAGG)[:4]
+
+
+# The reply each stage's dropout withholds: setup's keys, share keys' shares, the train reply's
+# masked vector, the unmasking's reveal.
+STAGE_REPLIES = {"setup": b"FGA1", "share_keys": b"FGA3", "masked_vector": b"FGA5",
+                 "unmask": b"FGA7"}
+
+
+def test_a_client_dropping_at_each_stage_leaves_the_survivors_exact_sum(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    stages = list(STAGE_REPLIES)  # round r: client r drops at stage r
+    dropped_at = {r: (r, stage) for r, stage in enumerate(stages, start=1)}
+
+    def client(msg: Message, context: Context) -> Message:
+        reply = client_app(msg, context)
+        server_round = int(msg.metadata.group_id)
+        who, stage = dropped_at[server_round]
+        if context.node_config["partition-id"] == who and _magic(reply) == STAGE_REPLIES[stage]:
+            raise ConnectionError(f"client {who} dropped at {stage}")
+        return reply
+
+    strategy, _, rows = _run(tmp_path, client=client, rounds=len(stages), num_clients=6,
+                             clients_per_round=6)
+    assert [m[0] for m in spy.means] == [1, 2, 3, 4]  # every round completed
+    for server_round, summed, mean in spy.means:
+        who, stage = dropped_at[server_round]
+        in_sum = stage == "unmask"  # it sent its vector: its self mask is rebuilt from shares
+        assert (who in summed) is in_sum
+        assert len(summed) == (6 if in_sum else 5)
+        assert int(rows[server_round - 1]["secagg_clients"]) == len(summed)
+        assert int(rows[server_round - 1]["secagg_dropped"]) == 1
+        plain = spy.layout[server_round].combined(_ring_sum_matches(spy, server_round, summed),
+                                                  len(summed))
+        for name, t in mean.items():
+            assert float((t - plain[name]).abs().max()) == 0.0
+        row = next(r for r in strategy.client_rows
+                   if r.round == server_round and r.client_key == who)
+        assert row.status == {"setup": "timeout", "share_keys": "timeout",
+                              "masked_vector": "error", "unmask": "aggregated"}[stage]
+        if row.status == "timeout":
+            assert row.reason.startswith("secure aggregation: left the session at "
+                                      + stage.replace("_", " "))
+
+
+@pytest.mark.parametrize("method", ["dgc", "topk", "stc"])
+def test_a_method_with_per_client_coordinates_is_refused_at_start_in_one_line(method):
+    with pytest.raises(SettingsError) as ex:
+        RunConfig.from_flat({**BASE, "method": method, "run_name": "x"})
+    text = str(ex.value)
+    assert "\n" not in text and f"method {method!r} does not sum" in text
+    assert "dense, fedavgm, randk, dgc_sets, tcs, fetchsgd" in text
+
+
+def test_secure_aggregation_refuses_robust_aggregation_and_dp_needs_a_clip():
+    with pytest.raises(SettingsError, match="cannot weigh, bound or robustly combine"):
+        RunConfig.from_flat({**BASE, "method": "dense", "aggregation": "median",
+                             "run_name": "x"})
+    with pytest.raises(SettingsError, match="privacy.clip > 0"):
+        RunConfig.from_flat({**BASE, "privacy.dp": "central", "run_name": "x"})
+
+
+@pytest.mark.parametrize("secagg", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_central_dp_reports_the_accountants_epsilon_per_round_and_at_the_end(tmp_path, secagg):
+    z, clip, delta = 1.1, 0.5, 1e-4
+    _, summary, rows = _run(tmp_path, method="dense", rounds=3, num_clients=10,
+                            clients_per_round=4, **{
+                                "privacy.secagg": secagg, "privacy.dp": "central",
+                                "privacy.clip": clip, "privacy.noise_multiplier": z,
+                                "privacy.delta": delta})
+    q = 4 / 10
+
+    def library(rounds: int) -> float:
+        accountant = rdp.RdpAccountant()
+        accountant.compose(dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.GaussianDpEvent(z)), rounds)
+        return accountant.get_epsilon(delta)
+
+    assert [float(r["dp_epsilon"]) for r in rows] == pytest.approx(
+        [library(n) for n in (1, 2, 3)], rel=1e-9)
+    assert summary["dp_epsilon"] == pytest.approx(library(3), rel=1e-9)
+    assert summary["dp_delta"] == delta and summary["dp_sampling_rate"] == q
+    assert "Poisson" in summary["dp_guarantee"] and "3 rounds" in summary["dp_guarantee"]
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["dp_epsilon"] == summary["dp_epsilon"]
+
+
+def test_the_emulator_charges_the_stages_real_bytes_and_round_trips(tmp_path):
+    from client.app import app as plain_app
+    from fedgc.privacy.secagg import client_bytes
+    from simulations.netem.integration import extensions, for_run, split_netem, wrap_client_app
+
+    values = {**BASE, "results_dir": str(tmp_path), "run_name": "emu", "rounds": 1,
+              "netem.enabled": True, "netem.mix": "3g:1.0"}
+    rest, netem = split_netem(values)
+    config = RunConfig.from_flat(rest)
+    netem = for_run(netem, config)
+    made: list[DGCStrategy] = []
+
+    def factory(*args, **kw):
+        made.append(DGCStrategy(*args, **kw))
+        return made[-1]
+
+    run_server(LocalGrid(wrap_client_app(plain_app), 5, seed=3), config,
+               extensions=extensions(netem, config), strategy_factory=factory)
+    with open(config.run_dir / "rounds.csv") as f:
+        row, = list(csv.DictReader(f))
+    privacy = made[0].privacy
+    # The messages' payloads are the cost model's (k = 4: everyone, no dropout) ...
+    session = privacy.session
+    model = client_bytes(session.neighbours, session.length, session.modulus_bits)
+    for stages in privacy._bytes.values():
+        assert stages == model
+    # ... and the emulator charged them on the links: bytes and time besides the train message.
+    stage_payload_up = 5 * sum(b.up for s, b in model.items() if s != "collect_masked_vectors")
+    assert int(row["exchange_wire_up_bytes"]) > stage_payload_up
+    assert int(row["exchange_wire_down_bytes"]) > 0
+    assert int(row["wire_uplink_bytes"]) > int(row["exchange_wire_up_bytes"])
+    assert 0 < float(row["exchange_s"]) < float(row["virtual_seconds"])
+    assert 0 < float(row["exchange_joules"]) < float(row["joules"])
+
+
+def test_compares_table_shows_epsilon_and_states_delta_and_the_sampling_assumption():
+    from simulations.cli_common import summary_table
+
+    plain = {"final_accuracy": 0.9, "last10_accuracy": 0.8, "uplink_bytes": 1e6}
+    private = {**plain, "dp_epsilon": 7.94, "dp_delta": 1e-5, "dp_sampling_rate": 0.1}
+    table = summary_table({"dense": plain, "dgc_sets": private})
+    head, _, dense, dgc_sets, note = table.splitlines()
+    assert "epsilon" in head.split()
+    assert dgc_sets.split()[3] == "7.94" and dense.split()[3] == "n/a"
+    assert "delta = 1e-05" in note and "q = 0.1" in note and "Poisson" in note
+    assert "epsilon" not in summary_table({"dense": plain})
+
+
+def test_distributed_noise_under_secure_aggregation_is_accounted_per_share_count(tmp_path):
+    from fedgc.privacy.dp import DiscreteGaussianAccountant, DistributedDiscreteGaussian
+
+    with pytest.raises(SettingsError, match="needs privacy.secagg = true"):
+        RunConfig.from_flat({**BASE, "privacy.secagg": False, "privacy.dp": "distributed",
+                             "privacy.clip": 1.0, "run_name": "x"})
+    keys = {"privacy.dp": "distributed", "privacy.clip": 0.5, "privacy.noise_multiplier": 1.0,
+            "rounds": 2}
+    strategy, summary, rows = _run(tmp_path, **keys)
+    privacy = strategy.privacy
+    assert [int(r["secagg_clients"]) for r in rows] == [5, 5]
+    # The same mechanism as the clients' (dense: one layout every round), its RDP composed
+    # over the shares summed.
+    train = RunConfig.from_flat({**BASE, **keys, "run_name": "y"}).train
+    mechanism = DistributedDiscreteGaussian.for_keys(train, privacy.layout.length)
+    expected = DiscreteGaussianAccountant(1e-5, mechanism)
+    for n in (1, 2):
+        expected.record(5, 1.0)
+        assert float(rows[n - 1]["dp_epsilon"]) == pytest.approx(expected.epsilon(), rel=1e-9)
+    assert summary["dp_epsilon"] == pytest.approx(expected.epsilon(), rel=1e-9)
+    assert "distributed discrete Gaussian" in summary["dp_guarantee"]
+    assert strategy.model_version == 2  # both rounds' noised sums were applied
+
+
+@pytest.mark.slow
+def test_a_secure_private_run_on_flowers_simulation_engine(tmp_path):
+    from simulations.cli import main
+
+    rc = main(["run", "--set", "task=digits", "--set", "method=fetchsgd", "--set",
+               "num_clients=6", "--set", "clients_per_round=4", "--set", "rounds=2", "--set",
+               "sim.engine=ray", "--set", "privacy.secagg=true", "--set", "privacy.dp=central",
+               "--set", "privacy.clip=1.0", "--set", "privacy.noise_multiplier=0.5", "--set",
+               f"results_dir={tmp_path}", "--set", "run_name=ray"])
+    assert rc == 0
+    with (tmp_path / "ray" / "rounds.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["secagg_clients"]) for r in rows] == [4, 4]
+    assert [int(r["clients_aggregated"]) for r in rows] == [4, 4]
+    assert 0 < float(rows[0]["dp_epsilon"]) < float(rows[1]["dp_epsilon"])
+
+
+def test_surplus_replies_are_left_out_of_the_sum_by_their_mask_keys(tmp_path, monkeypatch):
+    spy = Spy(monkeypatch)
+    strategy, _, rows = _run(tmp_path, rounds=1, num_clients=6, clients_per_round=4,
+                             over_selection=1.5, **{"privacy.value_range": 1e-4})
+    (server_round, summed, mean), = spy.means
+    status = {r.client_key: r.status for r in strategy.client_rows}
+    assert sorted(status.values()) == ["aggregated"] * 4 + ["surplus"] * 2
+    assert summed == tuple(sorted(k for k, s in status.items() if s == "aggregated"))
+    # The surplus clients masked with the others: their pairwise masks were taken out.
+    assert len(spy.rings) == 6
+    # A range far too small: the clients say how many coordinates they clamped.
+    assert int(rows[0]["secagg_saturated"]) > 0
+    plain = spy.layout[1].combined(_ring_sum_matches(spy, server_round, summed), 4)
+    for name, t in mean.items():
+        assert float((t - plain[name]).abs().max()) == 0.0
