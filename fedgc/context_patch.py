@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from dgc import SparseTensor
+from dgc.ranking import ranked
 
 #: Segment boundaries of the ranking, in thousandths of the tensor's entries: the most displaced
 #: 2%, the next 4%, 9%, 25%, and the rest (chosen on the mnist5k cA run's patches; any fixed
@@ -50,9 +51,7 @@ def rank_order(base: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
     if base.shape != origin.shape:
         raise ContextError(f"held tensor of shape {tuple(base.shape)} and version 0 of shape "
                            f"{tuple(origin.shape)} differ")
-    moved = (base.detach().to(torch.float32).reshape(-1)
-             - origin.detach().to(torch.float32).reshape(-1)).abs()
-    return torch.sort(moved, descending=True, stable=True).indices
+    return ranked(base, origin)  # a stable sort's order, sorted by distinct keys (dgc.ranking)
 
 
 def split(name: str, t: SparseTensor, order: torch.Tensor) -> dict[str, SparseTensor]:
