@@ -533,7 +533,9 @@ PHONE_DEFAULT_SWITCHES = {"dgc.value_levels": ("value_levels", 0.0),
                           "dgc.shared_values": ("shared_values", "sign"),
                           "dgc.residual_decay": ("residual_decay", 1.0),
                           "dgc.step_ahead": ("step_ahead", 0.0),
-                          "dgc.feedback": ("feedback", "residual")}
+                          "dgc.feedback": ("feedback", "residual"),
+                          "dgc.budget": ("budget", "tensor"),
+                          "dgc.server_error": ("server_error", 0.0)}
 
 
 def check_phone_run(train: Any, server: Any = None) -> None:

@@ -90,6 +90,8 @@ SHARED_RANKS = ("aggregates", "displacement")
 #: What a dgc client compresses (fedgc.methods.feedback): its residual plus its pseudo-gradient
 #: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both.
 FEEDBACKS = ("residual", "aggregate", "aggregate+residual")
+#: How a dgc client shares its top-k's entries out among its tensors (dgc.DGCCompressor).
+BUDGETS = ("tensor", "model")
 #: Simulation engines: Flower's Ray backend, every client in this process one after another, or
 #: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
 ENGINES = ("ray", "local", "batched")
@@ -342,6 +344,18 @@ class TrainSettings:
                             "which the server adds back; no residual kept, CAFe) or "
                             "aggregate+residual (the difference, with a residual)",
                             Check(choices=FEEDBACKS))
+    # Issue 39's switches (docs/dgc_vs_dense.md, "The last points"); empty = the method's default.
+    budget: str | None = setting(
+        None, "dgc.budget", "dgc: how the top-k's entries are shared out among the large "
+        "sparsified tensors: tensor (density of each) or model (the same total by one top-k of "
+        "their residuals together, so a tensor's share follows its residual); empty = the "
+        "method's default", Check(choices=BUDGETS), fallback="tensor")
+    server_error: float | None = setting(
+        None, "dgc.server_error", "dgc: FetchSGD's server without a sketch: clients keep no "
+        "residual (they send their fresh pseudo-gradient's sets and top-k), the server "
+        "accumulates its momentum's steps as error and applies this fraction of the model's "
+        "entries each round, the largest of its error (momentum and error zeroed there); 0 = "
+        "off; empty = the method's default", Check(0.0, 1.0), fallback=0.0)
     min_sparse_numel: int = setting(512, "dgc.min_sparse_numel", "tensors smaller than this "
                                     "(and 1-D ones unless dgc.sparse_vectors) are sent dense; "
                                     "512 (DGCConfig's 1024 sent the LSTM's embedding dense; 256 "
@@ -393,6 +407,11 @@ class TrainSettings:
                                 "or local_steps >= 1")
         for key in OPTION_KEYS:
             options_of(key, getattr(self, key))
+        if self.server_error and (self.feedback != "residual" or self.residual_decay < 1.0
+                                  or self.step_ahead > 0.0):
+            raise SettingsError("dgc.server_error keeps the error on the server and no residual "
+                                "on clients, which dgc.feedback, dgc.residual_decay and "
+                                "dgc.step_ahead act on: leave them at residual, 1 and 0")
         if self.feedback == "aggregate" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
             raise SettingsError("dgc.feedback = aggregate keeps no residual, which "
                                 "dgc.residual_decay and dgc.step_ahead act on: leave them at 1 "

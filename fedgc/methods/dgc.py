@@ -47,6 +47,7 @@ from fedgc.methods.feedback import (
 )
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
+from fedgc.methods.server_error import ErrorAccumulation
 
 __all__ = ["DGC", "DGCSets", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
            "dgc_config", "layer_config", "small_split", "split_compressor"]
@@ -87,8 +88,9 @@ def split_compressor(train: Any, config: DGCConfig) -> Compressor:
     (docs/federated_momentum.md).
     """
     if train.small_density == 0.0:
-        return DGCCompressor(config)
-    return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel)
+        return DGCCompressor(config, budget=train.budget)
+    return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel,
+                                budget=train.budget)
 
 
 def small_split(train: Any) -> tuple[float, int] | None:
@@ -286,10 +288,11 @@ class DGC(Method):
     # -- the client's start (aged residuals, step-ahead)
     def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
                 rounds_away: int) -> dict[str, torch.Tensor]:
-        if train.feedback == "aggregate":
+        if train.feedback == "aggregate" or train.server_error > 0:
             # Aggregate feedback without a residual (CAFe): what the top-k leaves of
-            # pseudo-gradient - reference is the reference's at the server; the residual (and
-            # the velocity of momentum correction) starts every round empty.
+            # pseudo-gradient - reference is the reference's at the server; the server's error
+            # accumulation (dgc.server_error) keeps the error on the server. Either way the
+            # residual (and the velocity of momentum correction) starts every round empty.
             compressor.scale_state(0.0)
             return model
         # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
@@ -414,6 +417,12 @@ class DGC(Method):
         if s.shared_rank == "displacement":
             return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
         return SharedSigns(planner, numels)
+
+    def optimizer(self, config: Any) -> Any | None:
+        t, s = config.train, config.server
+        if t.server_error > 0:  # FetchSGD's server over the sets (fedgc.methods.server_error)
+            return ErrorAccumulation(s.server_lr, s.server_momentum, t.server_error)
+        return None
 
     def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
         inner = self._sets_channel(config, shapes)
