@@ -89,7 +89,7 @@ SHARED_VALUES = ("sign", "grid")
 SHARED_RANKS = ("aggregates", "displacement")
 #: What a dgc client compresses (fedgc.methods.feedback): its residual plus its pseudo-gradient
 #: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both.
-FEEDBACKS = ("residual", "aggregate", "aggregate+residual")
+FEEDBACKS = ("residual", "aggregate", "aggregate+residual", "own")
 #: How a dgc client shares its top-k's entries out among its tensors (dgc.DGCCompressor).
 BUDGETS = ("tensor", "model")
 #: Simulation engines: Flower's Ray backend, every client in this process one after another, or
@@ -342,8 +342,10 @@ class TrainSettings:
                             "feedback), aggregate (its pseudo-gradient less the reference: how "
                             "the model it was sent moved per version since it last trained, "
                             "which the server adds back; no residual kept, CAFe) or "
-                            "aggregate+residual (the difference, with a residual)",
-                            Check(choices=FEEDBACKS))
+                            "aggregate+residual (the difference, with a residual) or own "
+                            "(its pseudo-gradient less its own shift, what it sent so far: "
+                            "EF21, no residual; the server steps on every client's shift, "
+                            "FedVARP)", Check(choices=FEEDBACKS))
     # Issue 39's switches (docs/dgc_vs_dense.md, "The last points"); empty = the method's default.
     budget: str | None = setting(
         None, "dgc.budget", "dgc: how the top-k's entries are shared out among the large "
@@ -412,6 +414,9 @@ class TrainSettings:
             raise SettingsError("dgc.server_error keeps the error on the server and no residual "
                                 "on clients, which dgc.feedback, dgc.residual_decay and "
                                 "dgc.step_ahead act on: leave them at residual, 1 and 0")
+        if self.feedback == "own" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
+            raise SettingsError("dgc.feedback = own keeps no residual, which dgc.residual_decay "
+                                "and dgc.step_ahead act on: leave them at 1 and 0")
         if self.feedback == "aggregate" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
             raise SettingsError("dgc.feedback = aggregate keeps no residual, which "
                                 "dgc.residual_decay and dgc.step_ahead act on: leave them at 1 "

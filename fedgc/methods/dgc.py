@@ -33,7 +33,7 @@ from dgc.signs.codec import (
 )
 from dgc.signs.planner import SharedIndexPlanner, displacement_masks
 from dgc.two_density import TwoDensityCompressor
-from fedgc.methods.base import Channel, Method
+from fedgc.methods.base import Aggregator, Channel, Method
 from fedgc.methods.feedback import (
     MATERIAL_MAGIC,
     FeedbackChannel,
@@ -48,6 +48,7 @@ from fedgc.methods.feedback import (
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
 from fedgc.methods.server_error import ErrorAccumulation
+from fedgc.methods.shift import ShiftMemory, shift_by, unshift
 
 __all__ = ["DGC", "DGCSets", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
            "dgc_config", "layer_config", "small_split", "split_compressor"]
@@ -126,6 +127,9 @@ class RoundCompressor:
         # leaves the pseudo-gradient before anything else (fedgc.methods.feedback).
         self.feedback = feedback
         self.taken: SparseUpdate | None = None  # the sets' part, when taken first
+        # dgc.feedback = own: the client's shift h_i (EF21, fedgc.methods.shift), which leaves
+        # the pseudo-gradient first and takes in everything sent; None otherwise.
+        self.shift: dict[str, torch.Tensor] | None = {} if train.feedback == "own" else None
 
     def take(self, source: dict[str, torch.Tensor], server_round: int) -> SparseUpdate:
         """The residual at the sets as signs or grid values (``dgc.shared_values``)."""
@@ -136,11 +140,12 @@ class RoundCompressor:
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> SparseUpdate:
         left = None
-        ref = None if self.feedback is None else self.feedback.reference
-        if ref is not None:
+        ref = self.shift if self.feedback is None else self.feedback.reference
+        if ref:
             grads = {n: g - ref[n].view(g.shape).to(g.device, g.dtype) if n in ref else g
                      for n, g in grads.items()}
-        if self.masks is not None and self.train.shared_first:
+        if self.masks is not None and (self.train.shared_first or self.shift is not None):
+            # (under dgc.feedback = own the sets always come first: no residual holds them)
             self.taken, grads, left = self._take_first(dict(grads), sequence or 0)
         update = self.inner.compress(grads, epoch, sequence)
         if left is not None and left.tensors:
@@ -154,6 +159,10 @@ class RoundCompressor:
                 error[name] = SparseTensor(t.indices, values - rounded, t.shape)
             self.inner.restore(SparseUpdate(error, update.sequence))
             update = SparseUpdate(tensors, update.sequence)
+        if self.shift is not None:
+            for sent in (update, self.taken):
+                if sent is not None:
+                    shift_by(self.shift, sent)
         return update
 
     def _take_first(self, grads: dict[str, torch.Tensor], server_round: int,
@@ -189,6 +198,9 @@ class RoundCompressor:
         return getattr(self.inner, name)
 
     def restore(self, update: SparseUpdate) -> None:
+        if self.shift is not None:
+            unshift(self.shift, update)  # EF21 keeps no residual: the shift takes it back
+            return
         self.inner.restore(update)
 
     def residual(self) -> dict[str, torch.Tensor]:
@@ -198,10 +210,19 @@ class RoundCompressor:
         self.inner.scale_state(factor)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        if self.shift is None:
+            return self.inner.state_dict()
+        return {"shift": dict(self.shift), "compressor": self.inner.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+        if self.shift is None:
+            self.inner.load_state_dict(state)
+            return
+        if "shift" not in state:  # a state kept before the client ran dgc.feedback = own
+            self.inner.load_state_dict(state)
+            return
+        self.shift = {k: v.detach().to(torch.float32).clone() for k, v in state["shift"].items()}
+        self.inner.load_state_dict(state["compressor"])
 
 
 class DisplacementSets(Channel):
@@ -271,7 +292,7 @@ class DGC(Method):
         inner = split_compressor(train, dgc_config(train))
         if isinstance(material, FeedbackMaterial):
             return RoundCompressor(inner, train, material.inner, material)
-        if train.value_levels > 0 or material is not None:
+        if train.value_levels > 0 or material is not None or train.feedback == "own":
             return RoundCompressor(inner, train, material)
         return inner
 
@@ -288,7 +309,7 @@ class DGC(Method):
     # -- the client's start (aged residuals, step-ahead)
     def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
                 rounds_away: int) -> dict[str, torch.Tensor]:
-        if train.feedback == "aggregate" or train.server_error > 0:
+        if train.feedback in ("aggregate", "own") or train.server_error > 0:
             # Aggregate feedback without a residual (CAFe): what the top-k leaves of
             # pseudo-gradient - reference is the reference's at the server; the server's error
             # accumulation (dgc.server_error) keeps the error on the server. Either way the
@@ -418,6 +439,12 @@ class DGC(Method):
             return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
         return SharedSigns(planner, numels)
 
+    def aggregator(self, config: Any) -> Aggregator:
+        t = config.train
+        if t.feedback == "own":  # the mean of every client's shift (fedgc.methods.shift)
+            return ShiftMemory(min(1.0, t.clients_per_round / t.num_clients))
+        return Aggregator()
+
     def optimizer(self, config: Any) -> Any | None:
         t, s = config.train, config.server
         if t.server_error > 0:  # FetchSGD's server over the sets (fedgc.methods.server_error)
@@ -426,7 +453,7 @@ class DGC(Method):
 
     def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
         inner = self._sets_channel(config, shapes)
-        if config.train.feedback == "residual":
+        if config.train.feedback in ("residual", "own"):
             return inner
         s = config.server
         scale = s.feedback_scale or (1.0 - float(s.server_momentum)) / float(s.server_lr)
