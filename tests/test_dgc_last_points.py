@@ -115,3 +115,87 @@ def test_the_keys_are_checked_chosen_by_the_run_and_refused_on_phones():
     phone = RunConfig.from_flat({"method": "dgc", "dgc.budget": "model"})
     with pytest.raises(ConfigError, match="dgc.budget='model'"):
         check_phone_run(phone.train, phone.server)
+
+
+# ----------------------------------------------------------------- dgc.feedback = own
+def _own_train(**kw):
+    from fedgc.settings import TrainSettings
+
+    return TrainSettings(task="digits", density=0.1, warmup="none", feedback="own", **kw)
+
+
+def test_an_own_client_compresses_its_update_less_its_shift_and_keeps_what_it_sent():
+    from fedgc.methods import get
+
+    method, train = get("dgc"), _own_train()
+    g = torch.Generator().manual_seed(3)
+    first = {"w": torch.randn(30, 40, generator=g)}
+    c = method.compressor(train, 0, None)
+    method.prepare(train, c, {}, -1)
+    sent = c.compress(first, sequence=1)
+    assert torch.equal(c.shift["w"], sent.to_dense()["w"].reshape(-1).float())
+    second = {"w": first["w"] + 0.1 * torch.randn(30, 40, generator=g)}
+    again = method.compressor(train, 0, None)
+    again.load_state_dict(c.state_dict())
+    method.prepare(train, again, {}, 3)  # no residual carries over; the shift does
+    assert float(again.residual()["w"].abs().sum()) == 0.0
+    correction = again.compress(second, sequence=2).to_dense()["w"].reshape(-1).float()
+    wanted = (second["w"].reshape(-1) - c.shift["w"])
+    idx = torch.nonzero(correction).view(-1)
+    torch.testing.assert_close(correction[idx], wanted[idx].half().float())
+    torch.testing.assert_close(again.shift["w"], c.shift["w"] + correction)
+    unsent = again.residual()["w"].clone()
+    again.restore(SparseUpdateOf(correction))  # not aggregated: it leaves the shift again
+    torch.testing.assert_close(again.shift["w"], c.shift["w"])
+    assert torch.equal(again.residual()["w"], unsent)  # and goes into no residual
+
+
+def SparseUpdateOf(flat: torch.Tensor):  # noqa: N802 - reads as the update it builds
+    idx = torch.nonzero(flat).view(-1)
+    return dgc.SparseUpdate({"w": dgc.SparseTensor(idx, flat[idx], (30, 40))}, 2)
+
+
+def test_the_server_adds_the_mean_shift_and_takes_in_each_rounds_corrections():
+    from fedgc.methods.shift import ShiftMemory
+
+    memory = ShiftMemory(0.1)
+    one = {"w": torch.ones(3)}
+    assert torch.equal(memory.finish(one, {"w": (3,)})["w"], torch.ones(3))  # H was 0
+    torch.testing.assert_close(memory.finish(one, {"w": (3,)})["w"], torch.full((3,), 1.1))
+    state = memory.state_dict()
+    bad = memory.finish({"w": torch.tensor([1.0, float("nan"), 0.0])}, {"w": (3,)})
+    assert not bool(torch.isfinite(bad["w"]).all())
+    torch.testing.assert_close(memory.mean_shift["w"], torch.full((3,), 0.2))  # unchanged
+    resumed = ShiftMemory(0.1)
+    resumed.load_state_dict(state)
+    torch.testing.assert_close(resumed.mean_shift["w"], torch.full((3,), 0.2))
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        ShiftMemory(0.0)
+
+
+def test_a_federation_with_own_shifts_learns_and_the_server_holds_their_mean(tmp_path):
+    import csv
+
+    from client.state import ClientStateStore
+    from server.checkpoint import load_checkpoint
+    from simulations.api import run
+
+    # digits' 1,438 training images in 2 iid parts of 719: every reply weighs the same.
+    result = run(config={"task": "digits", "num_clients": 2, "clients_per_round": 1,
+                         "rounds": 8, "results_dir": str(tmp_path), "run_name": "own",
+                         "progress": False, "partition": "iid", "checkpoint": True},
+                 sim__engine="local", method="dgc_sets", dgc__feedback="own")
+    assert result.summary["clients_rejected"] == 0
+    assert all(r["clients_aggregated"] == 1 for r in result.rounds)
+    assert result.summary["final_accuracy"] > 0.8
+    rows = list(csv.DictReader((tmp_path / "own" / "clients.csv").open()))
+    assert {r["num_examples"] for r in rows} == {"719"}
+    # Every client's shift is what it sent; the server's memory is their mean, up to float32
+    # sums in another order.
+    store = ClientStateStore(tmp_path / "own" / "client_state")
+    shifts = [store.load(str(k)).compressor["shift"] for k in range(2)]
+    held = load_checkpoint(tmp_path / "own")["method"]["aggregator"]["mean_shift"]
+    for name, mean in held.items():
+        total = sum(s[name].view(mean.shape) for s in shifts) / 2
+        assert float(total.abs().sum()) > 0
+        torch.testing.assert_close(mean, total, atol=1e-6, rtol=1e-4)
