@@ -535,6 +535,7 @@ PHONE_DEFAULT_SWITCHES = {"dgc.value_levels": ("value_levels", 0.0),
                           "dgc.step_ahead": ("step_ahead", 0.0),
                           "dgc.feedback": ("feedback", "residual"),
                           "dgc.budget": ("budget", "tensor"),
+                          "dgc.compact_wire": ("compact_wire", False),
                           "dgc.server_error": ("server_error", 0.0)}
 
 

@@ -31,7 +31,7 @@ from dgc.sparse import VALUE_DTYPES, SparseTensor, SparseUpdate
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 STATE_VERSION = 1
 #: How the entries sent are shared out among the sparsified tensors (``budget``).
-BUDGETS = ("tensor", "model")
+BUDGETS = ("tensor", "model", "energy")
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -60,24 +60,34 @@ class DGCCompressor:
         launches and round trips dominate, and tensor by tensor on the host, where they do
         not. Both give the same updates (up to which of equal magnitudes at the ``k``-th place
         is kept).
-    budget : {"tensor", "model"}, default "tensor"
+    budget : {"tensor", "model", "energy"}, default "tensor"
         How many entries each sparsified tensor sends. "tensor": ``ceil(density * numel)``
-        each (the paper's per-layer top-k). "model": the same total, taken by one top-k of
-        every sparsified tensor's residual magnitudes together (at least one entry each), so a
-        tensor's share follows its residual: the split that leaves the least residual (in L2)
-        for the entries sent. Tensor by tensor only (not ``batched``).
+        each (the paper's per-layer top-k; ``small_density`` for the small ones). "model": the
+        same total, taken by one top-k of every sparsified tensor's residual magnitudes
+        together, so a tensor's share follows its residual's largest entries: the split that
+        leaves the least residual (in L2) for the entries sent. "energy": the same total, each
+        tensor's share in proportion to its residual's squared norm. At least one entry each;
+        tensor by tensor only (not ``batched``).
+    small_density, small_numel : float, int
+        With a budget other than "tensor": the density of the sparsified tensors of at most
+        ``small_numel`` entries in the total shared out (``dgc.small_density``; 0: ``density``),
+        as :class:`~dgc.TwoDensityCompressor` gives them under "tensor".
     """
 
     def __init__(self, config: DGCConfig | None = None, batched: bool | None = None,
-                 budget: str = "tensor") -> None:
+                 budget: str = "tensor", small_density: float = 0.0,
+                 small_numel: int = 10_000) -> None:
         if budget not in BUDGETS:
             raise ConfigError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
         if budget != "tensor" and batched:
             raise ConfigError(f"budget {budget!r} selects tensor by tensor; batched must be "
                               f"False or None")
+        if not 0.0 <= small_density <= 1.0:
+            raise ConfigError(f"small_density must be in [0, 1], got {small_density!r}")
         self.config = config or DGCConfig()
         self.batched = batched
         self.budget = budget
+        self.small_density, self.small_numel = float(small_density), int(small_numel)
         c = self.config
         self.memory = DGCMemory(c.momentum, c.momentum_correction, c.nesterov, c.dampening)
         self.step = 0
@@ -140,17 +150,29 @@ class DGCCompressor:
                 shapes: Mapping[str, tuple[int, ...]], density: float) -> dict[str, int]:
         """Entries each sparsified tensor sends this step (``budget``), by name."""
         sparse = [n for n in residuals if not self.is_dense_tensor(shapes[n])]
-        counts = {n: num_selected(residuals[n].numel(), density) for n in sparse}
+
+        def own_density(numel: int) -> float:
+            small = self.small_density > 0 and numel <= self.small_numel
+            return max(self.small_density, density) if small else density
+
+        counts = {n: num_selected(residuals[n].numel(), own_density(residuals[n].numel()))
+                  for n in sparse}
         if self.budget == "tensor" or len(sparse) < 2:
             return counts
-        # "model": the same total from one top-k of all the residuals' magnitudes. A tensor
-        # keeps at least one entry; the slots that floor takes come off the largest share.
         sizes = torch.tensor([residuals[n].numel() for n in sparse])
         total = min(int(sum(counts.values())), int(sizes.sum()))
-        magnitude = torch.cat([residuals[n].abs() for n in sparse])
-        top = torch.topk(magnitude, total, sorted=False).indices
-        owner = torch.bucketize(top, torch.cumsum(sizes, 0), right=True)
-        shares = torch.bincount(owner, minlength=len(sparse)).clamp(min=1)
+        if self.budget == "model":
+            # One top-k of all the residuals' magnitudes: each tensor's count is its share.
+            magnitude = torch.cat([residuals[n].abs() for n in sparse])
+            top = torch.topk(magnitude, total, sorted=False).indices
+            owner = torch.bucketize(top, torch.cumsum(sizes, 0), right=True)
+            shares = torch.bincount(owner, minlength=len(sparse))
+        else:  # "energy": in proportion to each residual's squared norm
+            energy = torch.tensor([float(residuals[n].double().pow(2).sum()) for n in sparse])
+            weights = energy / energy.sum() if float(energy.sum()) > 0 else sizes / sizes.sum()
+            shares = torch.minimum(torch.floor(weights * total).to(torch.int64), sizes)
+        # At least one entry each; the slots the floor takes come off the largest shares.
+        shares = torch.minimum(shares.clamp(min=1), sizes)
         while int(shares.sum()) > total and bool((shares > 1).any()):
             shares[int(torch.argmax(shares))] -= 1
         return {n: int(k) for n, k in zip(sparse, shares.tolist(), strict=True)}

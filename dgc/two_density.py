@@ -40,13 +40,10 @@ class TwoDensityCompressor:
         Density of the sparsified tensors with at most ``small_numel`` entries, in (0, 1].
     small_numel : int, default 10_000
         Size limit, in entries, of a "small" tensor.
-    budget : {"tensor", "model"}, default "tensor"
-        How the large tensors share their entries (:class:`~dgc.DGCCompressor`'s ``budget``);
-        the small ones keep ``small_density`` each.
     """
 
     def __init__(self, config: DGCConfig, small_density: float,
-                 small_numel: int = 10_000, budget: str = "tensor") -> None:
+                 small_numel: int = 10_000) -> None:
         if isinstance(small_density, bool) or not isinstance(small_density, (int, float)) \
                 or not 0.0 < small_density <= 1.0:
             raise ConfigError(f"small_density must be a number in (0, 1], got {small_density!r}")
@@ -54,7 +51,7 @@ class TwoDensityCompressor:
             raise ConfigError(f"small_numel must be an integer >= 1, got {small_numel!r}")
         self.config = config
         self.small_numel = small_numel
-        self.large = DGCCompressor(config, budget=budget)
+        self.large = DGCCompressor(config)
         self.small = DGCCompressor(dataclasses.replace(config, density=float(small_density)))
         self._shapes: dict[str, tuple[int, ...]] = {}
 
@@ -115,7 +112,7 @@ class TwoDensityCompressor:
             raise StateError("not a TwoDensityCompressor state (needs 'two_density', "
                              "'shapes', 'large', 'small')")
         shapes = {str(k): tuple(int(d) for d in v) for k, v in state["shapes"].items()}
-        large = DGCCompressor(self.large.config, budget=self.large.budget)
+        large = DGCCompressor(self.large.config)
         small = DGCCompressor(self.small.config)
         large.load_state_dict(state["large"])
         small.load_state_dict(state["small"])

@@ -91,7 +91,7 @@ SHARED_RANKS = ("aggregates", "displacement")
 #: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both.
 FEEDBACKS = ("residual", "aggregate", "aggregate+residual", "own")
 #: How a dgc client shares its top-k's entries out among its tensors (dgc.DGCCompressor).
-BUDGETS = ("tensor", "model")
+BUDGETS = ("tensor", "model", "energy")
 #: Simulation engines: Flower's Ray backend, every client in this process one after another, or
 #: a round's clients trained at once in this process (``torch.func``, MLP and CNN models).
 ENGINES = ("ray", "local", "batched")
@@ -348,10 +348,17 @@ class TrainSettings:
                             "FedVARP)", Check(choices=FEEDBACKS))
     # Issue 39's switches (docs/dgc_vs_dense.md, "The last points"); empty = the method's default.
     budget: str | None = setting(
-        None, "dgc.budget", "dgc: how the top-k's entries are shared out among the large "
-        "sparsified tensors: tensor (density of each) or model (the same total by one top-k of "
-        "their residuals together, so a tensor's share follows its residual); empty = the "
-        "method's default", Check(choices=BUDGETS), fallback="tensor")
+        None, "dgc.budget", "dgc: how the top-k's entries are shared out among the "
+        "sparsified tensors: tensor (density, or dgc.small_density, of each), model (the same "
+        "total by one top-k of all their residuals, so a tensor's share follows its largest "
+        "entries) or energy (the same total in proportion to each residual's squared norm); "
+        "empty = the method's default", Check(choices=BUDGETS), fallback="tensor")
+    compact_wire: bool | None = setting(
+        None, "dgc.compact_wire", "dgc: send replies and their sets' values as compact "
+        "messages (tensors by their place in the model, sizes as varints: dgc.wire.compact, "
+        "docs/wire.md) instead of update messages; the same sections, a third fewer bytes on "
+        "an LSTM's many small tensors; not for phones; empty = the method's default",
+        fallback=False)
     server_error: float | None = setting(
         None, "dgc.server_error", "dgc: FetchSGD's server without a sketch: clients keep no "
         "residual (they send their fresh pseudo-gradient's sets and top-k), the server "

@@ -11,7 +11,6 @@ import torch
 import dgc
 from android_bridge.export import check_phone_run
 from dgc.errors import ConfigError
-from dgc.two_density import TwoDensityCompressor
 from fedgc.methods.server_error import ErrorAccumulation
 from fedgc.settings import RunConfig, SettingsError
 
@@ -56,15 +55,21 @@ def test_the_tensor_budget_is_the_default_bit_for_bit_and_bad_budgets_are_refuse
         dgc.DGCCompressor(_cfg(), batched=True, budget="model")
 
 
-def test_two_densities_share_the_model_budget_among_the_large_tensors_only():
-    comp = TwoDensityCompressor(_cfg(), small_density=0.1, small_numel=10_000,
-                                budget="model")
-    upd = comp.compress(_grads({"a": 3.0, "b": 1.0, "c": 0.01}))
-    assert upd.tensors["a"].nnz == upd.tensors["b"].nnz == 1000  # small: 0.1 each, whatever
-    assert upd.tensors["c"].nnz == 200  # the only large tensor: all of the budget
-    again = TwoDensityCompressor(_cfg(), small_density=0.1, budget="model")
-    again.load_state_dict(comp.state_dict())
-    assert again.large.budget == "model"
+def test_the_budgets_count_small_tensors_at_their_own_density_in_the_total():
+    grads = _grads({"a": 1.3, "b": 1.0, "c": 0.01})
+    # per tensor: a and b are small (1000 each at 0.1), c large (200 at 0.01)
+    model = dgc.DGCCompressor(_cfg(), budget="model", small_density=0.1,
+                              small_numel=10_000).compress(grads)
+    counts = {n: model.tensors[n].nnz for n in ("a", "b", "c")}
+    assert sum(counts.values()) == 2200 and counts["c"] == 1  # c's residual is tiny
+    energy = dgc.DGCCompressor(_cfg(), budget="energy", small_density=0.1,
+                               small_numel=10_000).compress(grads)
+    shares = {n: energy.tensors[n].nnz for n in ("a", "b", "c")}
+    assert sum(shares.values()) <= 2200 and shares["c"] >= 1
+    # in proportion to the squared norms: a's is 1.69 times b's
+    assert abs(shares["a"] / shares["b"] - 1.69) < 0.1
+    with pytest.raises(ConfigError, match="small_density must be in"):
+        dgc.DGCCompressor(_cfg(), budget="model", small_density=2.0)
 
 
 def _model() -> OrderedDict[str, torch.Tensor]:

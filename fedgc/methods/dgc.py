@@ -82,16 +82,18 @@ def dgc_config(train: Any) -> DGCConfig:
 
 def split_compressor(train: Any, config: DGCConfig) -> Compressor:
     """A compressor of ``config``, with a second density for small tensors when
-    ``dgc.small_density > 0``.
+    ``dgc.small_density > 0``, and the total shared out by the residual with ``dgc.budget``.
 
     Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output layer)
     get ``dgc.small_density``: at ``density`` alone they would send 2 entries per update
     (docs/federated_momentum.md).
     """
+    if train.budget != "tensor":  # one compressor shares the total out (dgc.budget)
+        return DGCCompressor(config, budget=train.budget, small_density=train.small_density,
+                             small_numel=train.small_numel)
     if train.small_density == 0.0:
-        return DGCCompressor(config, budget=train.budget)
-    return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel,
-                                budget=train.budget)
+        return DGCCompressor(config)
+    return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel)
 
 
 def small_split(train: Any) -> tuple[float, int] | None:
@@ -298,7 +300,8 @@ class DGC(Method):
 
     def codec(self, train: Any) -> Codec:
         return SparseCodec(sign_coding=bool(train is not None and train.ternary),
-                           grid_coding=bool(train is not None and train.value_levels > 0))
+                           grid_coding=bool(train is not None and train.value_levels > 0),
+                           compact=bool(train is not None and train.compact_wire))
 
     def phone_config(self, train: Any) -> DGCConfig:
         return dgc_config(train)
@@ -394,8 +397,10 @@ class DGC(Method):
             return None
         sent = (compressor.taken if compressor.taken is not None
                 else compressor.take(compressor.residual(), server_round))
-        grid = compressor.train.shared_values == "grid"
-        return (encode_values(sent) if grid else encode_signs(sent)), sent.nnz
+        train = compressor.train
+        grid = train.shared_values == "grid"
+        return (encode_values(sent, compact=train.compact_wire) if grid
+                else encode_signs(sent)), sent.nnz
 
     def read_side(self, data: bytes, material: Any,
                   shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
