@@ -555,6 +555,8 @@ def check_phone_run(train: Any, server: Any = None) -> None:
         set_.append(f"dgc.shared_rank={server.shared_rank!r}")
     if server is not None and getattr(server, "downlink_context", False):
         set_.append("downlink_context=True")  # patches the phones' codec does not apply
+    if server is not None and getattr(server, "downlink_compact", False):
+        set_.append("downlink_compact=True")  # messages the phones' codec does not read
     if set_:
         raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
                           f"switch (docs/android.md); leave it at its default in a run with "

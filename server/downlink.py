@@ -25,6 +25,7 @@ from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
 from dgc.ranking import DisplacementOrder
 from dgc.selection import num_selected, select_exact
 from dgc.wire import encoded_size
+from dgc.wire.compact import encode_compact
 from fedgc import context_patch
 from fedgc import protocol as P
 from server.checkpoint import CheckpointError
@@ -86,7 +87,8 @@ class Downlink:
 
     def __init__(self, mode: str = "auto", history: int = 1, density: float = 1.0,
                  values: str = "float16", deltas: bool = True, deadband: float = 0.5,
-                 vectors: str = "float32", context: bool = False) -> None:
+                 vectors: str = "float32", context: bool = False,
+                 compact: bool = False) -> None:
         self.mode = mode
         self.history = history
         self.density = float(density)
@@ -100,6 +102,8 @@ class Downlink:
         # Patches on one base code a grid tensor's changed entries per segment of its ranking
         # by displacement from version 0 where that is smaller (fedgc.context_patch).
         self.context = context
+        # Patches as compact messages (dgc.wire.compact: tensors by place, varint sizes).
+        self.compact = compact
         self.origin: dict[str, torch.Tensor] = {}  # with context: version 0's grid tensors
         # With context: the sent model's ranking by displacement, moved along with each version
         # (dgc.ranking), and the rankings of the last RANKED_VERSIONS versions, which patches on
@@ -390,8 +394,15 @@ class Downlink:
                 # them is still bit for bit.
                 values = half
             tensors[name] = SparseTensor(idx, values, tuple(t.shape))
-        data = dgc.encode(SparseUpdate(tensors, self.version),
-                          grid_coding=bool(self.grid_exponents), nonzero_grid=self.nonzero)
+        update = SparseUpdate(tensors, self.version)
+        if self.compact:
+            layout = context_patch.patch_layout(
+                {k: tuple(v.shape) for k, v in self.sent_model.items()}, sorted(ranked))
+            data = encode_compact(update, layout, grid_coding=bool(self.grid_exponents),
+                                  nonzero_grid=self.nonzero)
+        else:
+            data = dgc.encode(update, grid_coding=bool(self.grid_exponents),
+                              nonzero_grid=self.nonzero)
         return Patch(data, added, ranked)
 
     def _segments(self, name: str, sent: SparseTensor, version: int,

@@ -137,3 +137,56 @@ def test_random_bytes_never_escape_as_another_error():
             decode_compact(_resealed(bytes(body)), LAYOUT, max_numel=65536)
         except DecodeError:
             pass
+
+
+# ----------------------------------------------------------------- downlink_compact
+def _downlink(compact: bool, versions: int = 10):
+    from collections import OrderedDict
+
+    from server.downlink import Downlink
+
+    d = Downlink("auto", 1000, 0.05, "int8", True, 0.5, "float16", True, compact)
+    g = torch.Generator().manual_seed(0)
+    model = OrderedDict([("w", torch.randn(60, 300, generator=g) * 0.05),
+                         ("b", torch.zeros(60)), ("v", torch.randn(10, 60, generator=g))])
+    d.reset(OrderedDict((k, v.clone()) for k, v in model.items()))
+    sent = [{k: v.clone() for k, v in d.sent_model.items()}]
+    busy = torch.rand(60, 300, generator=g) < 0.1
+    for _ in range(versions):
+        model = OrderedDict([("w", model["w"] + torch.where(
+            busy, torch.randn(60, 300, generator=g) * 0.02, torch.zeros(60, 300))),
+            ("b", model["b"] + 0.001), ("v", model["v"] * 1.01)])
+        d.advance(model, model)
+        sent.append({k: v.clone() for k, v in d.sent_model.items()})
+    return d, sent
+
+
+def test_compact_patches_rebuild_the_sent_model_on_every_base_in_fewer_bytes():
+    from fedgc import protocol as P
+
+    d, sent = _downlink(True)
+    plain, _ = _downlink(False)
+    ranked = 0
+    for base in range(d.version):
+        patch, other = d.coded_patch((base,)), plain.coded_patch((base,))
+        assert patch.context == other.context and patch.added == other.added
+        got = P.apply_patch(sent[base], patch.data, patch.added,
+                            {n: d.origin[n] for n in patch.context})
+        assert all(torch.equal(got[k].view(torch.int32), sent[-1][k].view(torch.int32))
+                   for k in got), base
+        assert len(patch.data) < len(other.data)
+        ranked += bool(patch.context)
+    assert ranked  # segments of the ranking travel by place too
+    # a client told of other ranked tensors than the patch's holds another layout: refused
+    patch = next(d.coded_patch((b,)) for b in range(1, d.version) if d.coded_patch((b,)).context)
+    with pytest.raises(DecodeError, match="layout digest"):
+        P.apply_patch(sent[1], patch.data, patch.added, None)
+
+
+def test_phones_refuse_compact_patches():
+    from android_bridge.export import check_phone_run
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "dgc", "downlink_compact": True})
+    with pytest.raises(dgc.ConfigError, match="downlink_compact=True"):
+        check_phone_run(run.train, run.server)
