@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench lint clean arm
+.PHONY: install demo test test-fast test-cross-cpu bench lint clean arm
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ arm: $(STAMP)
 # FEDGC_ARM_REQUIRED: tests/test_arm.py fails (instead of skipping) without the arm64 rootfs.
 test: $(STAMP) arm
 	FEDGC_ARM_REQUIRED=1 $(PY) -m pytest -q
+	$(MAKE) test-cross-cpu
+
+# The tests that compare float results with results made elsewhere (marker cross_cpu), again
+# under PyTorch's scalar kernels, SSE4.1 oneDNN and MKL's compatible code path: the floats of
+# another CPU, on this one (docs/guide.md, "Testing"). A few minutes.
+LOWERED_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR=COMPATIBLE
+test-cross-cpu: $(STAMP)
+	$(LOWERED_DISPATCH) FEDGC_LOWERED_DISPATCH=1 $(PY) -m pytest -q -m cross_cpu
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

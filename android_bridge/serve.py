@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
                    help="client key (partition id) of the first device; the next get the next")
     p.add_argument("--node-config", default="",
                    help="more node config for every SuperNode, Flower's syntax "
-                        "(e.g. 'allowed-callables=\"my_pkg.task:build\"')")
+                        "(e.g. 'allowed-callables=\"task=my_pkg.task:build\"')")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="how long a round waits for a phone's update (default 600)")
     p.add_argument("--poll-interval-s", type=float, default=1.0,

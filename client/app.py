@@ -50,7 +50,13 @@ from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
 from fedgc import protocol as P
-from fedgc.refs import ALLOWED_CALLABLES, CallableNotAllowedError, check_allowed, is_ref
+from fedgc.refs import (
+    ALLOWED_CALLABLES,
+    CallableNotAllowedError,
+    check_allowed,
+    is_ref,
+    parse_allowed,
+)
 from fedgc.settings import (
     SettingsError,
     TaskSpec,
@@ -82,13 +88,18 @@ def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
 
 
 def allowed_callables(context: Context) -> frozenset[str] | None:
-    """The ``module:callable`` references (tasks, methods) a run may make this node call: those
-    its node config lists in ``allowed-callables`` (comma-separated), so that a train message
-    cannot name code the node was not given; None (any) when the list holds ``*``, and on
-    Flower's simulation engine, whose nodes run the simulating user's own config."""
-    refs = frozenset(r.strip() for r in str(context.node_config.get(ALLOWED_CALLABLES, ""))
-                     .split(",") if r.strip())
-    return None if "*" in refs or node.in_simulation_engine() else refs
+    """The ``key=module:callable`` references (tasks, methods) a run may make this node call:
+    those its node config lists in ``allowed-callables`` (comma-separated,
+    :func:`fedgc.refs.parse_allowed`), each for its key, so that a train message cannot name
+    code the node was not given, nor a task as its method; None (any) when the list holds
+    ``*``, and on Flower's simulation engine, whose nodes run the simulating user's own config.
+    A bad entry is a :class:`ClientProtocolError` naming it."""
+    if node.in_simulation_engine():
+        return None
+    try:
+        return parse_allowed(str(context.node_config.get(ALLOWED_CALLABLES, "")))
+    except CallableNotAllowedError as ex:
+        raise ClientProtocolError(str(ex)) from None
 
 
 _models = threading.local()

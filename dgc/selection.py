@@ -50,6 +50,27 @@ def select_exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(idx).values
 
 
+def select_stable(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted flat int64 positions of the ``k`` largest entries of a flat finite tensor, ties
+    going to the lower position: the set ``torch.sort(values, descending=True,
+    stable=True).indices[:k]`` holds, found without sorting every entry.
+
+    A top-k gives the ``k``-th largest value; every entry above it is in, and the first entries
+    equal to it in position order fill the rest. The set does not depend on the platform's
+    top-k (which breaks ties as it likes), and on a 6.5M-entry model it costs a tenth of the
+    stable sort (docs/tasks.md, "A phone-sized model").
+    """
+    n = values.numel()
+    if k >= n:
+        return torch.arange(n, dtype=torch.int64, device=values.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=values.device)
+    kth = torch.topk(values, k, sorted=False).values.min()
+    above = nonzero_flat(values > kth)
+    ties = nonzero_flat(values == kth)[:k - above.numel()]
+    return torch.sort(torch.cat([above, ties])).values
+
+
 def sample_size(numel: int, density: float, sample_ratio: float) -> int:
     """Entries in the threshold sample: ``max(sample_ratio * n, 2 / density)``, capped at ``n``."""
     return min(numel, max(math.ceil(numel * sample_ratio), math.ceil(2.0 / density)))

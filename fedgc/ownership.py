@@ -9,7 +9,10 @@ comparison's folder mixed its files with the comparison's.
 What fedgc writes in a ``state_dir`` is listed in its manifest (:data:`MANIFEST`, one file name
 a line, appended by each writer the first time it creates a file: :func:`note_written`), and
 ``overwrite=true`` deletes the listed files only (:func:`remove_written`): never a file fedgc
-did not write, whatever its name.
+did not write, whatever its name. The manifest is itself data anyone could have written, so it
+is honoured only as fedgc writes it: a regular file (never a link), of at most
+:data:`MAX_MANIFEST_BYTES`, whose lines count only where they name a regular file by a name
+fedgc's writers give (:data:`WRITTEN_NAME`); a line naming ``thesis.tex`` deletes nothing.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["KINDS", "MANIFEST", "MARK", "Owner", "OwnershipError", "claim", "new_run_id",
-           "note_written", "owner_of", "remove_written", "written"]
+__all__ = ["KINDS", "MANIFEST", "MARK", "MAX_MANIFEST_BYTES", "WRITTEN_NAME", "Owner",
+           "OwnershipError", "claim", "new_run_id", "note_written", "owner_of", "remove_written",
+           "written"]
 
 #: The mark's file name, in the folder it marks.
 MARK = ".fedgc-owner.json"
@@ -32,6 +36,13 @@ MANIFEST = ".fedgc-written"
 #: What a mark says a folder is: a run's results, a comparison's, or a run's client state.
 KINDS = ("run", "compare", "state_dir")
 _MAX_MARK_BYTES = 64 * 1024
+#: The most bytes of a manifest read: the names of a million client records (``<key>.state``,
+#: 13 bytes a line for a six-digit key) take 13 MB.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: The names fedgc's writers give the files a manifest lists: the client state store's records,
+#: ``<key>.state`` (client keys as ``client.state`` allows them), and the damaged ones it set
+#: aside, ``<key>.state.corrupt-<n>``. No other name in a manifest is fedgc's.
+WRITTEN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\.state(?:\.corrupt-[0-9]{1,9})?")
 _NOUN = {"run": "the results folder of run", "compare": "the folder of the comparison",
          "state_dir": "the client state folder of run"}
 
@@ -127,8 +138,9 @@ def note_written(folder: Path, name: str) -> None:
     (on a network filesystem they may be lost, which leaves a file :func:`remove_written` does
     not delete, never one it deletes wrongly).
     """
-    if "/" in name or name in (".", "..", MARK, MANIFEST):
-        raise OwnershipError(f"{name!r} is not a file name a manifest may list")
+    if not WRITTEN_NAME.fullmatch(name) or name in (".", ".."):
+        raise OwnershipError(f"{name!r} is not a file name a manifest may list (a client "
+                             f"record's: {WRITTEN_NAME.pattern})")
     fd = os.open(Path(folder) / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, f"{name}\n".encode())
@@ -137,24 +149,47 @@ def note_written(folder: Path, name: str) -> None:
 
 
 def written(folder: Path) -> list[str]:
-    """The file names ``folder``'s manifest lists (sorted, once each; none without one)."""
+    """The file names ``folder``'s manifest lists that fedgc's writers give (sorted, once each;
+    none without a manifest).
+
+    Raises
+    ------
+    OwnershipError
+        The manifest is a link or not a regular file, or larger than
+        :data:`MAX_MANIFEST_BYTES` (naming it): read with ``lstat``, it is not read at all.
+    """
     path = Path(folder) / MANIFEST
     try:
-        if not path.is_file():
-            return []
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
+        info = path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    names = {line for line in text.splitlines()
-             if line and "/" not in line and line not in (".", "..", MARK, MANIFEST)}
-    return sorted(names)
+    if not stat.S_ISREG(info.st_mode):
+        raise OwnershipError(f"{path} is not fedgc's manifest (a link or not a regular file); "
+                             f"remove it or choose another folder")
+    if info.st_size > MAX_MANIFEST_BYTES:
+        raise OwnershipError(f"{path} holds {info.st_size} bytes, more than fedgc's manifest "
+                             f"of {MAX_MANIFEST_BYTES}; remove it or choose another folder")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            text = fh.read(MAX_MANIFEST_BYTES + 1).decode("utf-8", errors="replace")
+    except OSError as ex:
+        raise OwnershipError(f"{path} cannot be read ({ex.strerror or ex}); remove it or "
+                             f"choose another folder") from None
+    return sorted({line for line in text.splitlines() if WRITTEN_NAME.fullmatch(line)})
 
 
 def remove_written(folder: Path) -> list[str]:
-    """Delete the files ``folder``'s manifest lists (plain files only) and the temporary files
-    a crash left while writing them (``.<name>.<8 characters>.tmp``, what
-    :func:`fedgc.files.atomic_write` makes), then the manifest; return the names deleted.
-    Nothing else in the folder is touched."""
+    """Delete the files ``folder``'s manifest lists (:func:`written`: fedgc's names; regular
+    files only, never a link) and the temporary files a crash left while writing them
+    (``.<name>.<8 characters>.tmp``, what :func:`fedgc.files.atomic_write` makes), then the
+    manifest; return the names deleted. Nothing else in the folder is touched.
+
+    Raises
+    ------
+    OwnershipError
+        The manifest is not fedgc's (:func:`written`); nothing is deleted.
+    """
     if not Path(folder).is_dir():
         return []
     listed = written(folder)
@@ -164,8 +199,8 @@ def remove_written(folder: Path) -> list[str]:
     for name in [*listed, *leftovers]:
         path = Path(folder) / name
         try:
-            if stat.S_ISDIR(path.lstat().st_mode):
-                continue  # fedgc's writers list files only: a folder there is not theirs
+            if not stat.S_ISREG(path.lstat().st_mode):
+                continue  # fedgc's writers list regular files only: a folder or link is not
             path.unlink()
         except FileNotFoundError:
             continue

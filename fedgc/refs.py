@@ -8,8 +8,11 @@ way, naming the key, before round 1.
 Importing a module and calling a callable runs code: :func:`resolve_callable`, the one function
 that turns a reference into code, takes the set of references its caller allows and refuses
 another before importing anything. A client passes what its node allows (``client.app``: node
-config ``allowed-callables``), so a train message cannot make it run a callable it was not
-given; the server passes None, its own run config being trusted (docs/threat_model.md).
+config ``allowed-callables``, :func:`parse_allowed`), so a train message cannot make it run a
+callable it was not given; the server passes None, its own run config being trusted
+(docs/threat_model.md). Each allowed callable is bound to the run key it may be named by
+(``task=pkg.mod:build``): a node that lets a run call ``evil_mod:make`` as its task does not let
+it call the same callable as the method factory (issue 35), whose result runs on other paths.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from typing import Any
 
 from fedgc.schema import SettingsError
 
-__all__ = ["ALLOWED_CALLABLES", "REF", "CallableNotAllowedError", "check_allowed", "is_ref",
-           "resolve_callable", "short"]
+__all__ = ["ALLOWED_CALLABLES", "CALLABLE_KEYS", "REF", "CallableNotAllowedError",
+           "check_allowed", "is_ref", "parse_allowed", "resolve_callable", "short"]
 
-#: Node config key of the ``module:callable`` references a client's node lets a run call,
+#: Node config key of the ``key=module:callable`` references a client's node lets a run call,
 #: comma-separated; ``*`` lets it call any (simulated nodes: the run config is the simulating
 #: user's own).
 ALLOWED_CALLABLES = "allowed-callables"
+#: The run keys that may name a callable of the user's own.
+CALLABLE_KEYS = ("task", "method")
 
 
 class CallableNotAllowedError(SettingsError):
@@ -42,20 +47,45 @@ def is_ref(value: object) -> bool:
     return isinstance(value, str) and REF.fullmatch(value) is not None
 
 
-def check_allowed(ref: str, key: str, allowed: Collection[str] | None) -> None:
-    """Refuse ``ref`` (the value of run key ``key``) unless ``allowed`` (None: any) holds it.
+def parse_allowed(text: str) -> frozenset[str] | None:
+    """A node's ``allowed-callables``: the ``key=module:callable`` entries it lists
+    (comma-separated, each key one of :data:`CALLABLE_KEYS`), None for ``*`` (any).
 
     Raises
     ------
     CallableNotAllowedError
-        ``allowed`` is a collection without ``ref``.
+        An entry that is not ``key=module:callable`` (a bare reference binds no key), naming it.
     """
-    if allowed is not None and ref not in allowed:
+    entries = frozenset(e.strip() for e in str(text).split(",") if e.strip())
+    if "*" in entries:
+        return None
+    for entry in sorted(entries):
+        key, sep, ref = entry.partition("=")
+        if not sep or key.strip() not in CALLABLE_KEYS or not is_ref(ref.strip()):
+            raise CallableNotAllowedError(
+                f"{ALLOWED_CALLABLES} entry {short(entry)} is not 'key=module:callable' with a "
+                f"key of {list(CALLABLE_KEYS)}: a callable is allowed for the run key it is "
+                f"listed under only (e.g. 'task=own_task.task:build')")
+    return frozenset(f"{k.strip()}={r.strip()}" for k, _, r in
+                     (e.partition("=") for e in entries))
+
+
+def check_allowed(ref: str, key: str, allowed: Collection[str] | None) -> None:
+    """Refuse ``ref`` (the value of run key ``key``) unless ``allowed`` (None: any) holds it
+    for that key (``key=ref``, :func:`parse_allowed`).
+
+    Raises
+    ------
+    CallableNotAllowedError
+        ``allowed`` is a collection without ``key=ref``.
+    """
+    if allowed is not None and f"{key}={ref}" not in allowed:
         listed = ", ".join(sorted(allowed)[:5]) or "none"
         raise CallableNotAllowedError(
             f"{key} = {ref!r} is not allowed on this node: a client runs only the callables its "
-            f"node config lists in {ALLOWED_CALLABLES!r} (it lists: {listed}), whatever the "
-            f"server sends; add it there on the node to trust it (docs/threat_model.md)")
+            f"node config lists in {ALLOWED_CALLABLES!r}, each for its key (it lists: "
+            f"{listed}), whatever the server sends; add '{key}={ref}' there on the node to "
+            f"trust it (docs/threat_model.md)")
 
 
 def resolve_callable(ref: str, key: str = "task", returns: str = "a tasks.Task", *,

@@ -29,9 +29,10 @@ from server import defences
 from server.checkpoint import CheckpointError
 from server.extensions import Column, columns_of
 from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
-from server.folders import make_folders, plan_folders
+from server.folders import RunLock, make_folders, plan_folders
 from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
+from server.registry import NoClientsError
 from server.results import summarize, write_clients, write_rounds, write_summary
 from server.strategy import DGCStrategy
 from server.tensorboard import RoundWriter
@@ -81,22 +82,25 @@ class NothingAggregatedError(RuntimeError):
     """A run ended in which no round aggregated a single update: it did not train at all."""
 
 
-def prepare_run_dir(config: RunConfig) -> None:
+def prepare_run_dir(config: RunConfig) -> RunLock:
     """Check that the run may use its folders and can work, then create them: a run refused
     here leaves nothing behind (:mod:`server.folders`, :func:`server.preflight.check_run`).
+    Returns the run folder's lock, held: the caller releases it when the run ends, or at once
+    when it only checks (the run itself takes it again).
 
     Raises
     ------
     RunFolderError
         The folder holds a run (and neither ``resume`` nor ``overwrite`` is set), belongs to
-        another run or a comparison, or cannot be created or written.
+        another run or a comparison, cannot be created or written, or another process runs
+        in it.
     server.preflight.PreflightError
         The run cannot work (clients without data, a ``state_dir`` of another run or that
         cannot be written, a damaged checkpoint to resume).
     """
     plan = plan_folders(config)
     check_run(config)
-    make_folders(config, plan)
+    return make_folders(config, plan)
 
 
 def _clock(seconds: float) -> str:
@@ -192,8 +196,15 @@ def run_server(grid: Grid, config: RunConfig,
     started = time.time()
     torch.set_num_threads(1)
     config = resolve_robust(config, grid)
+    with prepare_run_dir(config):  # the run folder's lock, held until the run ends
+        return _serve(grid, config, started, on_round, strategy_factory)
+
+
+def _serve(grid: Grid, config: RunConfig, started: float,
+           on_round: Callable[[RoundRecord], None] | None,
+           strategy_factory: Callable[..., DGCStrategy]) -> dict[str, Any]:
+    """:func:`run_server` in its prepared run folder."""
     s, t = config.server, config.train
-    prepare_run_dir(config)
     task = load_task(t.task_spec())
     torch.manual_seed(t.seed)
     model = task.build_model()
@@ -321,7 +332,7 @@ def check_federation(grid: Grid, config: RunConfig) -> None:
 #: What the ServerApp under ``flwr run`` reports in one line (the user's to fix), not with a
 #: traceback; the run still fails.
 USER_ERRORS = (SettingsError, PreflightError, FederationSizeError, RunFolderError,
-               NothingAggregatedError, CheckpointError)
+               NothingAggregatedError, CheckpointError, NoClientsError)
 
 
 @app.main()

@@ -85,11 +85,12 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
-#: what it computes (``client_nodes``: node ids change when a deployment starts again;
-#: ``robust`` only chooses the defaults of keys that are compared themselves). Every other key
-#: must be the checkpoint's (``check_run_config``).
+#: what it computes (``robust`` only chooses the defaults of keys that are compared
+#: themselves). Every other key must be the checkpoint's (``check_run_config``), ``client_nodes``
+#: too (issue 35): a client key served by another node than the one that kept its residual, or
+#: a binding dropped on resume, changes who the server trusts mid-run.
 RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensorboard",
-                            "round_timeout_s", "client_nodes", "robust",
+                            "round_timeout_s", "robust",
                             "fraction_evaluate", "results_dir", "run_name", "sim.engine",
                             "sim.cpus_per_client", "sim.num_cpus", "sim.ray_address",
                             "sim.device", "sim.gpus_per_client"})

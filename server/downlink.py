@@ -23,7 +23,7 @@ import dgc
 from dgc import SparseTensor, SparseUpdate
 from dgc.int8_grid import grid_exponent, initial_exponents, to_int8_grid
 from dgc.ranking import DisplacementOrder
-from dgc.selection import num_selected, select_exact
+from dgc.selection import num_selected, select_exact, select_stable
 from dgc.wire import encoded_size
 from dgc.wire.compact import encode_compact
 from fedgc import context_patch
@@ -229,8 +229,8 @@ class Downlink:
                     target[k] = torch.where(near, out[k], target[k])
         diff = torch.cat([(target[k] - out[k]).abs().view(-1) for k in matrices])
         count = min(diff.numel(), math.ceil(self.density * diff.numel()))
-        # Ties are broken by position (stable sort), so the selection is reproducible.
-        chosen = torch.sort(diff, descending=True, stable=True).indices[:count]
+        # Ties are broken by position, so the selection is reproducible.
+        chosen = select_stable(diff, count)
         chosen = chosen[diff[chosen] > 0]
         start = 0
         for k in matrices:

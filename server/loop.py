@@ -16,6 +16,7 @@ from flwr.supercore import log
 
 from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
 from server.records import RoundRecord
+from server.registry import NoClientsError
 
 
 class RoundStrategy(Protocol):
@@ -87,9 +88,13 @@ def run_rounds(strategy: RoundStrategy, grid: Grid, initial_arrays: ArrayRecord,
         log(INFO, "")
         log(INFO, "[ROUND %s/%s]", current_round, num_rounds)
         started = time.time()
-        replies = grid.send_and_receive(
-            messages=strategy.configure_train(current_round, strategy.model_arrays(),
-                                              train_config, grid), timeout=timeout)
+        messages = list(strategy.configure_train(current_round, strategy.model_arrays(),
+                                                 train_config, grid))
+        if not messages:
+            # Counted as done, an empty round would end a resumed run "successfully".
+            raise NoClientsError(f"round {current_round} sampled no client; a round without "
+                                 f"clients is not run")
+        replies = grid.send_and_receive(messages=messages, timeout=timeout)
         _, train_metrics = strategy.aggregate_train(current_round, replies)
         if train_metrics is not None:
             result.train_metrics_clientapp[current_round] = train_metrics

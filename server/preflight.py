@@ -22,8 +22,9 @@ class PreflightError(ValueError):
 
 
 def check_run(config: Any) -> None:
-    """Refuse a run that cannot work: clients without data, a checkpoint to resume that cannot
-    be read, TensorBoard asked for but missing. Nothing is created or written.
+    """Refuse a run that cannot work: clients without data, a resume without a checkpoint or
+    with one that cannot be read, TensorBoard asked for but missing. Nothing is created or
+    written.
 
     Raises
     ------
@@ -35,7 +36,14 @@ def check_run(config: Any) -> None:
     if config.server.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise PreflightError("tensorboard=true needs the tensorboard package: `pip install -e "
                              "'.[tensorboard]'` in the fedgc checkout (or tensorboard==2.21.0)")
-    if config.server.resume and (config.run_dir / CHECKPOINT_FILE).exists():
+    if config.server.resume:
+        # Here, before any folder is made: a refused resume creates nothing (issue 35).
+        if not config.server.checkpoint:
+            raise PreflightError("resume=true needs checkpoints (checkpoint=true): there is "
+                                 "nothing to resume from")
+        if not (config.run_dir / CHECKPOINT_FILE).exists():
+            raise PreflightError(f"resume=true, but {config.run_dir} holds no "
+                                 f"{CHECKPOINT_FILE}; run without resume to start a new run")
         try:
             load_checkpoint(config.run_dir)
         except CheckpointError as ex:

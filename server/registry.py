@@ -25,6 +25,11 @@ from fedgc import protocol as P
 HINT_AFTER_S = 10.0
 
 
+class NoClientsError(RuntimeError):
+    """No connected node may serve this run (every one refused, or none identified) for as
+    long as a round may wait: a round without clients is never run, nor counted as done."""
+
+
 @runtime_checkable
 class KeyedGrid(Protocol):
     """A grid that knows its nodes' client keys (``server.local_grid.LocalGrid``): the keys are
@@ -208,11 +213,41 @@ class ClientRegistry:
             node_of = {k: grid.node_of_key(k) for k in keys}
             self.register({node: key for key, node in node_of.items()})
             return node_of, grid.num_keys
-        node_ids = self.wait_for_nodes(grid, min_nodes)
-        self.identify(grid, node_ids, timeout)
-        node_of = self.nodes_by_key(node_ids)
+        node_ids, node_of = self.wait_for_clients(grid, min_nodes, timeout)
         return {k: node_of[k] for k in self.sample(server_round, list(node_of), count)}, \
             len(node_ids)
+
+    def wait_for_clients(self, grid: Grid, min_nodes: int,
+                         timeout: float) -> tuple[list[int], dict[int, int]]:
+        """The connected node ids once ``min_nodes`` are, and client key -> node of those that
+        may serve this run, once there is one: waited for up to ``timeout`` seconds, asking
+        each new node for its key.
+
+        Raises
+        ------
+        NoClientsError
+            ``timeout`` passed with no connected node that may serve this run (each one refused,
+            ``client_nodes`` naming none of them, or none identified).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            node_ids = self.wait_for_nodes(grid, min_nodes)
+            self.identify(grid, node_ids, timeout)
+            node_of = self.nodes_by_key(node_ids)
+            if node_of:
+                return node_ids, node_of
+            if time.monotonic() >= deadline:
+                break
+            log(WARNING, "none of the %d connected nodes may serve this run; waiting %.0f s "
+                "more", len(node_ids), deadline - time.monotonic())
+            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        why = "; ".join(f"node {n} {self.refused[n]}" for n in node_ids[:3] if n in self.refused)
+        bound = "" if self.bound is None else \
+            f" client_nodes binds the nodes {sorted(self.bound)[:5]};"
+        raise NoClientsError(
+            f"none of the {len(node_ids)} connected nodes may serve this run after "
+            f"{timeout:g} s (round_timeout_s):{bound} {why or 'none identified itself'}; a "
+            f"round without clients is not run")
 
     def sample(self, server_round: int, keys: Sequence[int], count: int) -> list[int]:
         """``count`` of ``keys`` (all when fewer), reproducible from the seed and the round,

@@ -4,7 +4,10 @@ its reason.
 A rejected reply never touches the model; the strategy logs and counts it. The round's payload
 bytes are decoded by the method's codec (:mod:`fedgc.methods.payloads`) in one ``decode_many``
 call, against the model's tensors and the round's material; a reply's side part (what answers
-the round material, DGC's shared signs) by the method's ``read_side``.
+the round material, DGC's shared signs) by the method's ``read_side``. Last, every payload of
+every method is held to one bound on its values (:data:`MAX_ABS_VALUE`, read by the payload's
+``max_abs`` before anything expands or sums it), so that no valid reply can make a round's
+aggregate overflow.
 """
 
 from __future__ import annotations
@@ -19,6 +22,18 @@ from flwr.app import Message, MetricRecord
 from dgc import DecodeError
 from fedgc import protocol as P
 from fedgc.methods import Bound, Method, Payload, PayloadError
+
+#: The largest absolute value a payload may add at one coordinate (2**64, about 1.8e19). A
+#: pseudo-gradient is a difference of two models: an honest one of any task fedgc trains stays
+#: below 1e3. Under this bound no sum the server takes can overflow float32 (3.4e38, 2**128):
+#: the weighted mean of a round's payloads (a few parts each) stays below a few 2**64, so do the
+#: coordinate-wise statistics, centered clipping and FLTrust, and the server's momentum
+#: buffer (at most 1 / (1 - momentum) times that) leaves 2**60 and more of headroom; squared
+#: in float64 (the norms of the defences) it is 2**128, far from float64's 2**1024. Found by
+#: the server's fuzz of every method's replies (docs/threat_model.md): QSGD norms of 3e38,
+#: PowerSGD factors of 1e20 and sign scales of 1.7e38 decoded, and their sum or product was
+#: Inf, which failed the whole round.
+MAX_ABS_VALUE = 2.0 ** 64
 
 
 class ReplyRejected(ValueError):
@@ -258,4 +273,18 @@ class ReplyChecker:
             except PayloadError as ex:
                 raise ReplyRejected(str(ex)) from ex
             nbytes += len(side_data)
+        check_values(payload)
         return payload, numbers, nbytes
+
+
+def check_values(payload: Payload) -> None:
+    """ReplyRejected when ``payload`` carries a value that is not finite, or adds more than
+    :data:`MAX_ABS_VALUE` at a coordinate (its ``max_abs``: what decoding or expanding it, or
+    summing it with a round's others, would turn into Inf)."""
+    peak = payload.max_abs()
+    if math.isnan(peak) or math.isinf(peak):
+        raise ReplyRejected("update not finite: it carries NaN or Inf, or its decoded values "
+                            "overflow float32")
+    if peak > MAX_ABS_VALUE:
+        raise ReplyRejected(f"update too large: its values reach {peak:.3g}, above the "
+                            f"server's bound {MAX_ABS_VALUE:.3g} on any update")

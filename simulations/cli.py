@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from fedgc.settings import (
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
+from server.registry import NoClientsError
 from server.results import write_json
 from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
 from simulations.cluster import ClusterError
@@ -29,6 +31,7 @@ from simulations.compare import (
     BASELINE,
     against_dense,
     at_equal_traffic,
+    at_target,
     by_family,
     curve_above,
     find_runs,
@@ -41,6 +44,7 @@ from simulations.compare import (
 )
 from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
+from simulations.netem.target import target_of
 from simulations.scenario import load_scenario, scenario_names
 
 #: The default comparison (``make demo``): the ``mnist5k`` scenario (100 clients, 10 per round,
@@ -92,6 +96,7 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     print(f"fedgc: running {config.method.title} on {config.train.task}, "
           f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
           f"{config.server.rounds} rounds -> {config.run_dir}", flush=True)
+    _print_emulator(netem)
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
     print(summary_table({config.method.title: summary}))
@@ -102,6 +107,20 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary
+
+
+def _print_emulator(netem: Any) -> None:
+    """The run's header line of the network emulator: links, deadline and the protocol
+    profile charged (docs/netem.md, "A round's time"); nothing when it is off."""
+    if netem is None or not netem.enabled:
+        return
+    from simulations.netem.settings import profile_line
+
+    deadline = f"deadline {netem.deadline_s:g} s" if netem.deadline_s > 0 else "no deadline"
+    target = (f"target accuracy {netem.target_accuracy:g}" if netem.target_accuracy > 0
+              else "target accuracy derived (dense's last-10 in a comparison)")
+    print(f"fedgc: network emulator: links {netem.mix}, {netem.intermittent:.0%} intermittent, "
+          f"{deadline}, {target}; protocol profile {profile_line(netem)}", flush=True)
 
 
 def _method_config(config: RunConfig, method: str) -> RunConfig:
@@ -188,20 +207,36 @@ def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
 
 
 def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
-                 runs: dict[str, Path], budget_method: str | None) -> dict[str, dict[str, Any]]:
-    """Ratios to dense, ``<run_dir>/compare.json``, ``compare.png`` and the printed table."""
+                 runs: dict[str, Path], budget_method: str | None,
+                 target: float = 0.0) -> dict[str, dict[str, Any]]:
+    """Ratios to dense, the readings at the target accuracy (emulated runs; ``target``:
+    ``netem.target_accuracy``), ``<run_dir>/compare.json``, ``compare.png`` and the printed
+    table."""
     from simulations.plots import plot_runs
 
     base = config.run_dir
     summaries = against_dense(summaries)
     equal = _read_at_budget(summaries, runs, budget_method)
+    reading = at_target(runs, target)
+    for m, values in reading["runs"].items():
+        summaries[m].update(values, target_accuracy=reading["target"],
+                            target_from=reading["from"])
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
-    plot = plot_runs(runs, base / "compare.png")
+    plot = plot_runs(runs, base / "compare.png", target=reading["target"])
     print(summary_table({s.get("label", m): s for m, s in summaries.items()}))
     print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
+    if reading["runs"]:
+        print(_target_line(reading["target"], reading["from"], next(
+            (s.get("wire", {}).get("profile") for s in summaries.values() if "wire" in s), None)))
     print(f"results: {base}/compare.json, {plot.name}")
     return summaries
+
+
+def _target_line(target: float, how: str, profile: str | None) -> str:
+    """The line under an emulated comparison's table: the target and the profile charged."""
+    line = f"target accuracy {target:.4f} ({how})"
+    return line + (f"; virtual times under the protocol profile {profile}" if profile else "")
 
 
 def _read_at_budget(summaries: Mapping[str, dict[str, Any]], runs: Mapping[str, Path],
@@ -247,7 +282,8 @@ def _equal_traffic_line(whose: str, budget: float, last10: Mapping[str, float]) 
     # Many methods make a long line: wrapped at 100 columns between "method accuracy" pairs.
     lines = [f"last-10 accuracy at {whose} total traffic ({budget / 1e6:.2f} MB):"]
     for i, (m, a) in enumerate(last10.items()):
-        item = f"{m} {a:.4f}" + ("," if i < len(last10) - 1 else "")
+        value = f"{a:.4f}" if isinstance(a, (int, float)) and math.isfinite(a) else "n/a"
+        item = f"{m} {value}" + ("," if i < len(last10) - 1 else "")
         if len(lines[-1]) + 1 + len(item) > 100:
             lines.append(" ")
         lines[-1] += " " + item
@@ -298,6 +334,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     compare_id = check_compare_folder(config.run_dir)
     check_run(plan[0])
     claim_compare_folder(config.run_dir, compare_id)
+    _print_emulator(netem)
     done = iter(zip(plan, _run_all(plan, verbose, netem, jobs), strict=True))
     per_seed: dict[int, dict[str, dict[str, Any]]] = {}
     folders: dict[str, list[Path]] = {m: [] for m in methods}
@@ -305,7 +342,9 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
         runs_of_seed = [next(done) for _ in methods]
         summaries = {r.train.method: summary for r, summary in runs_of_seed}
         runs = {r.train.method: r.run_dir for r, _ in runs_of_seed}
-        per_seed[c.train.seed] = _finish_once(c, summaries, runs, budget_method)
+        per_seed[c.train.seed] = _finish_once(
+            c, summaries, runs, budget_method,
+            netem.target_accuracy if netem is not None and netem.enabled else 0.0)
         for m, run_dir in runs.items():
             folders[m].append(run_dir)
     if seeds is None:
@@ -350,6 +389,13 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
         by_method = {m: by_method[m] for m in by_family(sorted(by_method, key=_method_order))}
         summaries = against_dense({m: read_summary(r) for m, r in by_method.items()})
         equal = _read_at_budget(summaries, by_method, budget_method)
+        try:
+            reading = at_target(by_method, target_of(summaries))
+        except ValueError as ex:
+            raise SettingsError(str(ex)) from None
+        for m, values in reading["runs"].items():
+            summaries[m].update(values, target_accuracy=reading["target"],
+                                target_from=reading["from"])
         per_seed[seed] = summaries
         label = "" if seed is None else f"seed {seed}: "
         print(label + _equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
@@ -541,7 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))
     except (SettingsError, RunFolderError, NetemError, PreflightError, CheckpointError,
-            ClusterError) as ex:
+            ClusterError, NoClientsError) as ex:
         print(f"python -m simulations {args.command}: error: {_one_line(ex)}", file=sys.stderr)
         return 2
     except NothingAggregatedError as ex:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedgc.settings import SettingsError, load_toml
+from simulations.netem.target import NOT_REACHED
 
 __all__ = ["load_config_file", "parse_sets", "seeds_table", "summary_table"]
 
@@ -42,8 +43,14 @@ def parse_sets(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _fmt(x: Any, spec: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+#: A cell without a value: words, never ``nan`` (a run that never reached the target reads
+#: "not reached", :data:`simulations.netem.target.NOT_REACHED`).
+MISSING = "n/a"
+
+
+def _fmt(x: Any, spec: str, missing: str = MISSING) -> str:
+    return missing if x is None or (isinstance(x, float) and not math.isfinite(x)) \
+        else format(x, spec)
 
 
 # (header, summary key, format, scale). "x dense" is the ratio to dense FedAvg: the dense run of
@@ -63,8 +70,16 @@ _WIRE_COLUMNS = (("wire up MB", "wire_uplink_bytes", ".3f", 1e-6),
                  ("x dense", "wire_downlink", ".1f", 1.0),
                  ("wire total MB", "wire_total_bytes", ".2f", 1e-6),
                  ("x dense", "wire_total", ".1f", 1.0),
-                 ("J/client-round", "joules_per_client_round", ".1f", 1.0),
+                 ("J/client-round", "joules_per_client_round", ".1f", 1.0))
+#: Runs under the network emulator, beside the accuracy: their virtual seconds, and the
+#: virtual seconds, wire MB and joules until they first reached the target accuracy
+#: (simulations.netem.target; the line under compare's table names the target).
+_TIME_COLUMNS = (("virtual s", "virtual_seconds", ".0f", 1.0),
+                 ("s to target", "virtual_seconds_to_target", ".0f", 1.0),
+                 ("wire MB to target", "wire_bytes_to_target", ".2f", 1e-6),
                  ("J to target", "joules_to_target", ".0f", 1.0))
+#: The columns whose empty value means the run never reached the target.
+_TO_TARGET = ("virtual_seconds_to_target", "wire_bytes_to_target", "joules_to_target")
 #: A comparison's readings: the mean accuracy per decade of total bytes
 #: (simulations.compare.traffic_area); the round and total MB at which the last-10 mean first
 #: reaches dense's (simulations.compare.reach); the share of the byte range where a compressed
@@ -76,11 +91,22 @@ _READINGS = (("acc/decade", "traffic_auc_mean", ".4f", 1.0),
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:
-    """The table's columns: the payload's; the wire's and joules where a run has them; each
-    of the readings where one of the rows has it."""
+    """The table's columns: the accuracy, then virtual time and what the run spent to the
+    target where a run was emulated, the payload's, the wire's and joules where a run has
+    them, each of the readings where one of the rows has it."""
     wire = any("wire_uplink_bytes" in r for r in rows)
-    return [*_COLUMNS, *(_WIRE_COLUMNS if wire else ()),
+    emulated = any("virtual_seconds" in r for r in rows)
+    return [*_COLUMNS[:2], *(_TIME_COLUMNS if emulated else ()), *_COLUMNS[2:],
+            *(_WIRE_COLUMNS if wire else ()),
             *(c for c in _READINGS if any(c[1] in r for r in rows))]
+
+
+def _missing(s: Mapping[str, Any], key: str) -> str:
+    """The words of an empty cell: "not reached" for a run that has a target but never
+    reached it, else "n/a"."""
+    if key in _TO_TARGET and s.get("target_accuracy"):
+        return NOT_REACHED
+    return MISSING
 
 
 #: The columns of ratios to dense (:func:`_key`).
@@ -111,7 +137,7 @@ def summary_table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """A plain-text table of the headline numbers of one or more runs (method -> summary)."""
     columns = _columns(list(summaries.values()))
     head = ["method", *(c[0] for c in columns), "failed", "wall s"]
-    rows = [[name, *(_fmt(_scaled(s.get(_key(s, key)), scale), spec)
+    rows = [[name, *(_fmt(_scaled(s.get(_key(s, key)), scale), spec, _missing(s, key))
                      for _, key, spec, scale in columns),
              str(s.get("clients_failed", 0)), _fmt(s.get("wall_seconds"), ".1f")]
             for name, s in summaries.items()]
@@ -131,10 +157,15 @@ def seeds_table(doc: Mapping[str, Any]) -> str:
     rows = []
     for name, agg in doc["methods"].items():
         mean, std = agg["mean"], agg["std"]
+        reached = agg.get("reached", {})
         cells = []
         for _, key, spec, scale in columns:
             k = _key(mean, key)
-            m, d = _fmt(_scaled(mean.get(k), scale), spec), _fmt(_scaled(std.get(k), scale), spec)
-            cells.append(m if d == "-" or key in _RATIOS else f"{m} +- {d}")
+            m = _fmt(_scaled(mean.get(k), scale), spec, _missing(mean, key))
+            d = _fmt(_scaled(std.get(k), scale), spec)
+            cell = m if d == MISSING or key in _RATIOS else f"{m} +- {d}"
+            if key in reached and 0 < reached[key] < agg["runs"]:
+                cell += f" ({reached[key]} of {agg['runs']})"  # the mean is over those
+            cells.append(cell)
         rows.append([name, *([str(agg["runs"])] if len(runs) > 1 else []), *cells])
     return _table(head, rows)

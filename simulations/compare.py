@@ -14,7 +14,10 @@ accuracy against log10 of its cumulative total bytes, up to its own final bytes;
 :func:`curve_above` how much of the byte range each compressed method's curve is above every
 other compressed method's. :func:`by_family`
 orders a comparison's methods family by family (``fedgc.methods.Method.family``), as its tables
-and plots list them.
+and plots list them. Under the network emulator :func:`at_target` reads each run's virtual
+seconds, wire bytes and joules to the target accuracy (``netem.target_accuracy``, or derived
+from the dense run) from its ``rounds.csv`` alone, whatever drove the run
+(:mod:`simulations.netem.target`).
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from typing import Any
 from fedgc import methods as registry
 from fedgc.methods import baseline
 from fedgc.settings import SettingsError
-from server.results import LAST_ROUNDS
+from server.results import LAST_ROUNDS, read_rounds
+from simulations.netem.target import derived_target, reach_target
 
-__all__ = ["AGGREGATED", "DIRECTIONS", "against_dense", "at_equal_traffic", "by_family",
+__all__ = ["AGGREGATED", "DIRECTIONS", "TO_TARGET", "against_dense", "at_equal_traffic",
+           "at_target", "by_family",
            "check_regular", "compressed_methods", "curve_above", "family_of", "find_runs",
            "over_seeds", "parse_seeds", "reach", "read_summary", "traffic_area", "traffic_curve"]
 
@@ -53,8 +58,42 @@ AGGREGATED = ("final_accuracy", "last10_accuracy", "best_accuracy", "final_loss"
               "wire_uplink_compression", "wire_downlink_compression", "wire_total_compression",
               "joules_per_client_round", "joules_total", "joules_to_target",
               "virtual_seconds", "virtual_seconds_to_target", "wall_seconds",
+              "target_accuracy", "round_to_target", "wire_bytes_to_target",
               "equal_traffic_bytes", "last10_at_equal_traffic", "traffic_auc",
               "traffic_auc_mean", "reach_dense_round", "reach_dense_bytes", "curve_above_share")
+
+
+#: What :func:`at_target` adds to an emulated run's summary (None: the run never reached it).
+TO_TARGET = ("virtual_seconds_to_target", "round_to_target", "wire_bytes_to_target",
+             "joules_to_target")
+
+
+def at_target(runs: Mapping[str, Path], target: float = 0.0) -> dict[str, Any]:
+    """Each emulated run's virtual seconds, round, wire bytes and joules to the target.
+
+    ``runs`` maps a method to its run folder; a run without ``virtual_seconds`` in its
+    ``rounds.csv`` (not emulated) is left out. ``target`` is ``netem.target_accuracy``: when 0,
+    the dense run's last-10 accuracy (the first emulated run's without one,
+    :func:`simulations.netem.target.derived_target`). Returns ``{"target": accuracy, "from":
+    where it came from, "runs": {method: {key of TO_TARGET: value or None}}}``; empty runs when
+    none is emulated.
+    """
+    rows_of = {m: read_rounds(d) for m, d in runs.items()}
+    rows_of = {m: rows for m, rows in rows_of.items()
+               if rows and all("virtual_seconds" in r for r in rows)}
+    if not rows_of:
+        return {"target": None, "from": "", "runs": {}}
+    if target > 0:
+        how = "netem.target_accuracy"
+    else:
+        target, derived = derived_target(rows_of, BASELINE)
+        how = f"derived (netem.target_accuracy = 0): {derived}"
+    out: dict[str, dict[str, Any]] = {}
+    for m, rows in rows_of.items():
+        reached = reach_target(rows, target)
+        out[m] = dict(zip(TO_TARGET, (reached.virtual_s, reached.row, reached.wire_bytes,
+                                      reached.joules) if reached else (None,) * 4, strict=True))
+    return {"target": target, "from": how, "runs": out}
 
 
 def family_of(method: str) -> tuple[str, bool]:
@@ -124,7 +163,8 @@ def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[
     ``per_seed`` maps seed -> method -> summary (with its ``*_vs_dense`` ratios). For every key
     of :data:`AGGREGATED` a method has, ``mean`` and ``std`` are taken over the seeds whose value
     is finite; ``std`` is the sample standard deviation (n - 1), NaN (written null) for a single
-    seed. ``per_seed`` keeps each run's values of those keys.
+    seed; ``reached`` counts, per key of :data:`TO_TARGET`, the seeds whose run reached the
+    target (the mean is over those). ``per_seed`` keeps each run's values of those keys.
     """
     methods: list[str] = []
     for summaries in per_seed.values():
@@ -144,7 +184,10 @@ def over_seeds(per_seed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> dict[
             values = _finite([r.get(key) for r in runs])
             mean[key] = statistics.fmean(values) if values else float("nan")
             std[key] = statistics.stdev(values) if len(values) > 1 else float("nan")
-        doc["methods"][m] = {"runs": len(runs), "mean": mean, "std": std}
+        # How many seeds reached the target: a mean over those that did says so.
+        reached = {key: len(_finite([r.get(key) for r in runs])) for key in TO_TARGET
+                   if any(key in r for r in runs)}
+        doc["methods"][m] = {"runs": len(runs), "mean": mean, "std": std, "reached": reached}
     return doc
 
 

@@ -38,6 +38,7 @@ from matplotlib.ticker import (  # noqa: E402
 
 from server.results import read_rounds  # noqa: E402
 from simulations.compare import by_family, family_of  # noqa: E402
+from simulations.netem.target import reach_target, virtual_times  # noqa: E402
 
 __all__ = ["family_sizes", "integer_rounds", "legend_below", "method_styles", "plot_bands",
            "plot_run", "plot_runs", "readable_log", "runs_figure", "save", "scenario_title"]
@@ -208,26 +209,34 @@ def _cumulative_mb(rows: Sequence[Mapping[str, float]], *columns: str) -> np.nda
     return np.cumsum([sum(r[c] for c in columns) for r in rows]) / 1e6
 
 
-def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "") -> Path:
+def plot_runs(runs: Mapping[str, str | Path], out: str | Path, title: str = "",
+              target: float | None = None) -> Path:
     """Write :func:`runs_figure` to ``out``."""
-    return save(runs_figure(runs, title), out)
+    return save(runs_figure(runs, title, target), out)
 
 
 def _recorded(rows: Sequence[Mapping[str, float]], column: str) -> bool:
     return bool(rows) and all(math.isfinite(r.get(column, math.nan)) for r in rows)
 
 
-def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
+def runs_figure(runs: Mapping[str, str | Path], title: str = "",
+                target: float | None = None) -> Figure:
     """One figure for several runs (name -> run folder): accuracy against cumulative total MB
     (uplink + downlink), accuracy against cumulative uplink MB, and the MB of each round both
     ways (uplink a line, downlink thick and pale), all as fedgc's payload. Runs under the network
     emulator add the link's bytes (thin pale lines of the run's style in the panels above, gid
-    ``wire``: Flower's protocol, HTTP, TLS and TCP/IP with ``netem.protocol``) and a panel of
-    accuracy against cumulative joules. ``title`` defaults to :func:`scenario_title`."""
+    ``wire``: Flower's protocol, HTTP, TLS and TCP/IP with ``netem.protocol``), a panel of
+    accuracy against cumulative virtual seconds (with ``target`` as a dashed line and each
+    run's first reaching it as a dotted one) and one of accuracy against cumulative joules.
+    ``title`` defaults to :func:`scenario_title`."""
     loaded = {name: read_rounds(Path(d)) for name, d in runs.items()}
     wire = any(_recorded(rows, "wire_uplink_bytes") for rows in loaded.values())
-    fig, axes = plt.subplots(1, 4 if wire else 3, figsize=(22 if wire else 17, 5))
+    emulated = any(_recorded(rows, "virtual_seconds") for rows in loaded.values())
+    panels = 3 + emulated + wire
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels + 0.5, 5))
     ax_total, ax_up, ax_bytes = axes[:3]
+    ax_time = axes[3] if emulated else None
+    ax_energy = axes[-1] if wire else None
     styles = method_styles(list(runs))
     handles = {}
     for name, rows in loaded.items():
@@ -250,10 +259,16 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
                           **thin)
             ax_up.plot(_cumulative_mb(rows, "wire_uplink_bytes"), acc, **thin)
             ax_bytes.plot(rounds, [max(r["wire_uplink_bytes"], 1.0) for r in rows], **thin)
-        if wire and _recorded(rows, "joules"):
+        if ax_time is not None and _recorded(rows, "virtual_seconds"):
+            ax_time.plot(virtual_times(rows), acc, **style)
+            reached = reach_target(rows, target) if target is not None else None
+            if reached is not None:
+                ax_time.axvline(reached.virtual_s, color=style["color"], linestyle=":",
+                                linewidth=1)
+        if ax_energy is not None and _recorded(rows, "joules"):
             joules = np.cumsum([r["joules"] + (r["idle_joules"] if math.isfinite(
                 r.get("idle_joules", math.nan)) else 0.0) for r in rows])
-            axes[3].plot(joules, acc, **style)
+            ax_energy.plot(joules, acc, **style)
         handles[name] = line
     readable_log(ax_total, "x")
     wire_note = " (thin, pale: on the wire)" if wire else ""
@@ -271,10 +286,17 @@ def runs_figure(runs: Mapping[str, str | Path], title: str = "") -> Figure:
         keys.append(Line2D([], [], color="0.3", linewidth=0.8, alpha=0.6))
         names.append("uplink on the wire (thin, pale)")
     ax_bytes.legend(keys, names, loc="best")
-    if wire:
-        readable_log(axes[3], "x")
-        axes[3].set(xlabel="joules, all clients (cumulative)", ylabel="test accuracy",
-                    title="accuracy vs energy")
+    if ax_time is not None:
+        readable_log(ax_time, "x")
+        if target is not None:
+            ax_time.axhline(target, color="0.4", linestyle="--", linewidth=1)
+        ax_time.set(xlabel="virtual seconds (cumulative)", ylabel="test accuracy",
+                    title="accuracy vs emulated time" + (
+                        "" if target is None else f" (target {target:.3f}; dotted: reached)"))
+    if ax_energy is not None:
+        readable_log(ax_energy, "x")
+        ax_energy.set(xlabel="joules, all clients (cumulative)", ylabel="test accuracy",
+                      title="accuracy vs energy")
     for ax in axes:
         ax.grid(True, which="major", alpha=0.3)
     labels = {name: _label(d, name) for name, d in runs.items()}

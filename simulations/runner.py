@@ -23,6 +23,7 @@ from fedgc.task_loader import ALLOWED_CALLABLES
 from server.app import NothingAggregatedError, RunFolderError
 from server.checkpoint import CheckpointError
 from server.preflight import PreflightError
+from server.registry import NoClientsError
 from simulations import cluster
 from simulations.interrupt import GridStopped, RunInterrupted, StoppableGrid, last_kept_round
 from simulations.netem.settings import NetemSettings
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from flwr.serverapp import ServerApp
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
-RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError)
+RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError,
+              NoClientsError)
 #: Seconds a Ctrl-C waits for the ServerApp thread to leave its round (it polls every 0.1 s;
 #: an evaluation or a checkpoint under way finishes first).
 STOP_WAIT_S = 5.0
@@ -118,7 +120,8 @@ def _run_scenario(config: RunConfig, verbose: bool,
         from simulations.batched_engine import check_batched
 
         check_batched(config)
-    prepare_run_dir(config)  # fail before Ray starts when the folder is taken
+    # Fail before Ray starts when the folder is taken; run_server takes its lock again.
+    prepare_run_dir(config).release()
     extra: dict[str, Any] = {}
     if netem is not None and netem.enabled:
         from simulations.netem.integration import for_run, strategy_factory, wrap_client_app

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
-import gzip
 import io
+import math
 import pickle
+import pickletools
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.errors import DataError
+from tasks.files import gunzip, read_file
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 MNIST_FILES = (
@@ -23,6 +25,13 @@ MNIST_FILES = (
 )
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+#: The most bytes an idx file may hold, inflated: MNIST's and Fashion-MNIST's largest (the
+#: training images) hold 47 MB.
+MAX_IDX_BYTES = 1 << 30
+#: The most bytes a CIFAR-10 python batch may hold: each of the six holds 31 MB.
+MAX_CIFAR_BATCH_BYTES = 64 << 20
+#: The most pickle opcodes a CIFAR-10 batch may run: 10,000 labels and file names take ~40,000.
+MAX_CIFAR_OPCODES = 1_000_000
 
 # idx type codes (LeCun's MNIST format): the third magic byte; data is big-endian.
 _IDX_DTYPES = {
@@ -123,29 +132,42 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> ImageData:
 def read_idx(path: Path) -> np.ndarray:
     """Read one idx file (gzip-compressed or not) into a native-endian numpy array.
 
+    Sizes are checked before anything is allocated (:mod:`tasks.files`): the file must be a
+    regular file of at most :data:`MAX_IDX_BYTES`, and so must the size its header declares;
+    a gzip stream is inflated to that size, never past it.
+
     Raises
     ------
     DataError
-        When the file is not a well-formed idx file or its size disagrees with its header.
+        When the file is not a well-formed idx file, is too large, or its size disagrees with
+        its header.
     """
     path = Path(path)
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
-            raise DataError(f"{path}: corrupt gzip stream ({exc})") from exc
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+    raw = read_file(path, MAX_IDX_BYTES, "an idx file")
+    compressed = raw[:2] == b"\x1f\x8b"
+
+    def head(n: int) -> bytes:
+        return gunzip(raw, 0, path, "an idx file", first=n) if compressed else raw[:n]
+
+    magic = head(4)
+    if len(magic) < 4 or magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES:
         raise DataError(
-            f"{path}: not an idx file (magic {raw[:4].hex() or 'empty'}; expected 0000 followed "
-            f"by a type code in {[hex(c) for c in _IDX_DTYPES]} and the number of dimensions)"
+            f"{path}: not an idx file (magic {magic[:4].hex() or 'empty'}; expected 0000 "
+            f"followed by a type code in {[hex(c) for c in _IDX_DTYPES]} and the number of "
+            f"dimensions)"
         )
-    dtype, ndim = _IDX_DTYPES[raw[2]], raw[3]
+    dtype, ndim = _IDX_DTYPES[magic[2]], magic[3]
     header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"{path}: truncated idx header ({len(raw)} bytes, need {header})")
-    shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    expected = header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    start = head(header)
+    if len(start) < header:
+        raise DataError(f"{path}: truncated idx header ({len(start)} bytes, need {header})")
+    shape = tuple(int(d) for d in np.frombuffer(start, dtype=">u4", count=ndim, offset=4))
+    expected = header + math.prod(shape) * dtype.itemsize
+    if expected > MAX_IDX_BYTES:
+        raise DataError(f"{path}: idx header says shape {shape} ({expected} bytes), more than "
+                        f"an idx file may hold ({MAX_IDX_BYTES} bytes)")
+    if compressed:
+        raw = gunzip(raw, expected, path, "an idx file")
     if len(raw) != expected:
         raise DataError(
             f"{path}: idx header says shape {shape} ({expected} bytes) but the file has "
@@ -236,50 +258,109 @@ def load_mnist(data_dir: str | Path | None) -> ImageData:
     return _load_idx_set(folder, "mnist", hint)
 
 
+class _NDArray:
+    """What a batch's pickle gets for ``numpy.ndarray``: a name for ``_reconstruct`` to build an
+    empty array of, never a callable (``ndarray(shape)`` allocates whatever shape it is
+    given)."""
+
+
+def _reconstruct(subtype: object, shape: object, dtype: object) -> np.ndarray:
+    """``numpy``'s ``_reconstruct`` as a pickled array calls it: an empty array, which
+    ``__setstate__`` then fills from bytes the file holds."""
+    if subtype is not _NDArray or not isinstance(shape, tuple) or math.prod(
+            int(d) for d in shape if isinstance(d, int)) > 0:
+        raise pickle.UnpicklingError("an array is rebuilt only empty, from numpy.ndarray")
+    return np.ndarray.__new__(np.ndarray, (0,), _dtype(dtype))
+
+
+def _dtype(spec: object, *args: object) -> np.dtype:
+    """A numeric dtype (bool, integers, floats): an object or structured dtype would let
+    ``__setstate__`` allocate per entry, or run code."""
+    if not isinstance(spec, (str, bytes)):
+        raise pickle.UnpicklingError(f"dtype {spec!r} is not a type code")
+    try:
+        dtype = np.dtype(spec.decode("ascii") if isinstance(spec, bytes) else spec)
+    except (TypeError, ValueError, UnicodeDecodeError) as exc:
+        raise pickle.UnpicklingError(f"dtype {spec!r}: {exc}") from None
+    if dtype.kind not in "biuf":
+        raise pickle.UnpicklingError(f"dtype {dtype} is not numeric")
+    return dtype
+
+
+def _bytearray(source: object = b"", *args: object) -> bytearray:
+    """``bytearray`` of bytes the file holds, never of a size (``bytearray(4_300_000_000)``
+    allocated 4.3 GB from a 73-byte batch, issue 35)."""
+    if not isinstance(source, (bytes, bytearray, str)):
+        raise pickle.UnpicklingError(f"bytearray of a {type(source).__name__} is not allowed")
+    return bytearray(source, *args) if isinstance(source, str) else bytearray(source)
+
+
 class _ArrayUnpickler(pickle.Unpickler):
     """Unpickler that rebuilds numpy arrays and plain containers, and refuses everything else.
 
     CIFAR-10's python batches are pickles; restricting the globals keeps a tampered file from
-    running code.
+    running code, and the callables it may name allocate no more than the file holds
+    (:func:`_reconstruct`, :func:`_dtype`, :func:`_bytearray`).
     """
 
     _ALLOWED = {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("builtins", "bytearray"),
+        ("numpy", "ndarray"): _NDArray,
+        ("numpy", "dtype"): _dtype,
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy.core.multiarray", "scalar"): None,
+        ("numpy._core.multiarray", "scalar"): None,
+        ("numpy.core.numeric", "_frombuffer"): None,
+        ("numpy._core.numeric", "_frombuffer"): None,
+        ("builtins", "bytearray"): _bytearray,
         # Protocol-2 pickles written by Python 3 encode bytes objects through _codecs.encode.
-        ("_codecs", "encode"),
+        ("_codecs", "encode"): None,
     }
 
     def find_class(self, module: str, name: str) -> object:
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a CIFAR batch")
-        return super().find_class(module, name)
+        guarded = self._ALLOWED[(module, name)]
+        return super().find_class(module, name) if guarded is None else guarded
+
+
+def _check_opcodes(data: bytes, path: Path) -> None:
+    """Read the pickle's opcodes without running them (``pickletools.genops``): every length
+    it declares must be in the file, which the unpickler itself allocates before it reads
+    (``BINBYTES8`` of 8 GB), and it may run at most :data:`MAX_CIFAR_OPCODES`."""
+    try:
+        for count, _ in enumerate(pickletools.genops(io.BytesIO(data)), 1):
+            if count > MAX_CIFAR_OPCODES:
+                raise DataError(f"{path}: more than {MAX_CIFAR_OPCODES} pickle opcodes; not a "
+                                f"CIFAR-10 python batch")
+    except (ValueError, KeyError, EOFError, OverflowError) as exc:
+        raise DataError(f"{path}: not a CIFAR-10 python batch ({exc})") from None
 
 
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    data = read_file(path, MAX_CIFAR_BATCH_BYTES, "a CIFAR-10 python batch")
+    _check_opcodes(data, path)
     try:
-        batch = _ArrayUnpickler(io.BytesIO(path.read_bytes()), encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise DataError(f"{path}: not a CIFAR-10 python batch ({exc})") from exc
+        batch = _ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            KeyError, IndexError, OverflowError, MemoryError) as exc:
+        raise DataError(f"{path}: not a CIFAR-10 python batch ({exc})") from None
     if not isinstance(batch, dict):
         raise DataError(f"{path}: expected a pickled dict, got {type(batch).__name__}")
     data = batch.get(b"data", batch.get("data"))
     labels = batch.get(b"labels", batch.get("labels"))
     if data is None or labels is None:
         raise DataError(f"{path}: missing key b'data' or b'labels' (keys {sorted(batch)})")
-    data = np.asarray(data)
-    labels = np.asarray(labels, dtype=np.int64)
-    if data.ndim != 2 or data.shape[1] != 3072 or data.shape[0] != labels.shape[0]:
+    try:
+        data = np.asarray(data)
+        labels = np.asarray(labels, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise DataError(f"{path}: data or labels are not numbers ({exc})") from None
+    if data.ndim != 2 or data.shape[1] != 3072 or data.shape[0] != labels.shape[0] \
+            or labels.ndim != 1:
         raise DataError(
-            f"{path}: data of shape {data.shape} with {labels.shape[0]} labels; expected "
-            "(N, 3072) uint8 rows and N labels"
+            f"{path}: data of shape {data.shape} with {labels.shape[0] if labels.ndim else 0} "
+            f"labels; expected (N, 3072) uint8 rows and N labels"
         )
     if labels.size and (labels.min() < 0 or labels.max() > 9):
         raise DataError(f"{path}: labels range {labels.min()}..{labels.max()}, expected 0..9")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tasks.errors import DataError
+from tasks.files import check_file, read_file
 
 #: Texts that are poems, not plays: they have no speaking roles and are left out.
 POEMS = (
@@ -22,6 +23,10 @@ POEMS = (
     "lovers_complaint",
 )
 TEXT_GLOB = "*_gut.txt"  # the modern-spelling texts; *_gut_f.txt are the First Folio ones
+#: The most bytes one play's text may hold (the longest shipped, Hamlet, holds ~190 kB), and
+#: all of a folder's together (the shipped 44 hold ~5.5 MB): checked before a text is read.
+MAX_TEXT_BYTES = 16 << 20
+MAX_TEXTS_BYTES = 256 << 20
 
 # A complete stage direction inside one paragraph; a few use '{' for '['.
 _STAGE = re.compile(r"[\[{][^\[\]{}]*[\]}]")
@@ -152,11 +157,19 @@ def texts_folder(data_dir: str | Path | None = None) -> Path:
 @functools.lru_cache(maxsize=4)
 def _load_roles(folder: str) -> tuple[Role, ...]:
     roles: list[Role] = []
+    total = 0
     for path in sorted(Path(folder).glob(TEXT_GLOB)):
         play = path.name[: -len("_gut.txt")]
         if play.startswith(POEMS):
             continue
-        for name, text in sorted(parse_play(path.read_text(encoding="latin-1")).items()):
+        total += check_file(path, MAX_TEXT_BYTES, "a play's text")
+        if total > MAX_TEXTS_BYTES:
+            raise DataError(f"shakespeare: the texts of {folder} hold more than "
+                            f"{MAX_TEXTS_BYTES} bytes in all")
+        # Newlines as text mode reads them (universal newlines), from the bounded bytes.
+        whole = read_file(path, MAX_TEXT_BYTES, "a play's text").decode("latin-1")
+        whole = whole.replace("\r\n", "\n").replace("\r", "\n")
+        for name, text in sorted(parse_play(whole).items()):
             roles.append(Role(play, name, text))
     if not roles:
         raise DataError(f"shakespeare: no speaking roles found in the plays of {folder}")

@@ -39,6 +39,13 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) 
     return worst
 
 
+def _apart(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every tensor."""
+    diff = sum(float((a[k] - b[k]).double().square().sum()) for k in b)
+    return (diff / sum(float(t.double().square().sum()) for t in b.values())) ** 0.5
+
+
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize("sets", [
     ("task=digits", "method=dgc", "density=0.05", "weight_decay=0.001",
      "dgc.value_dtype=float32"),
@@ -54,16 +61,32 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) 
 ], ids=["digits-dgc", "digits-dense-steps", "mnist5k-dgc", "digits-dgc-step-ahead",
         "digits-dense-hostile"])
 def test_the_batched_engine_gives_the_local_engines_model(tmp_path: Path, sets: tuple) -> None:
-    # Dirichlet partitions: clients of different sizes, so rounds of different lengths. The
-    # batched kernels sum in another order (6e-8 apart after a round); a value rounded to fp16
-    # may then round to the next fp16 step (1.2e-5 apart after digits-dgc's 3 rounds), so that
-    # run sends float32 values; mnist5k-dgc keeps fp16.
+    """Dirichlet partitions: clients of different sizes, so rounds of different lengths.
+
+    The batched kernels sum in another order (6e-8 apart after a round). Dense updates keep
+    that: the models within 1e-5. A top-k selection does not: where two entries of a residual
+    are nearly tied, that order picks the other one, and the runs part from there (issue 35: on
+    an Intel Xeon with AVX-512, and under ``make test``'s lowered CPU dispatch, digits-dgc's
+    models ended 0.025 apart at an entry, 0.56% of the model's norm, 680 of 15,010 entries
+    beyond 1e-5). So a DGC run is held to what a flip cannot move, the rounds' structure (the
+    clients aggregated, the entries and bytes sent within 5%: a flipped entry changes the Rice
+    code of its gaps), and to its model within 1.5% of the norm: a run without its weight
+    decay of 0.001 ends 4.2% apart. Values rounded to fp16 would flip with any last-bit
+    difference, so the digits runs send float32 values; mnist5k-dgc keeps fp16.
+    """
     local, local_rows = _run(tmp_path, "local", "sim.engine=local", *sets)
     batched, batched_rows = _run(tmp_path, "batched", "sim.engine=batched", *sets)
-    _close(local, batched, atol=1e-5)
+    if "method=dense" in sets:
+        _close(local, batched, atol=1e-5)
+    else:
+        assert _apart(batched, local) <= 0.015
     for a, b in zip(local_rows, batched_rows, strict=True):
-        assert a["uplink_bytes"] == b["uplink_bytes"] and a["nnz"] == b["nnz"]
         assert a["clients_aggregated"] == b["clients_aggregated"]
+        for key in ("uplink_bytes", "nnz"):
+            if "method=dense" in sets:
+                assert a[key] == b[key]
+            else:
+                assert abs(int(a[key]) - int(b[key])) <= 0.05 * int(a[key]), (key, a, b)
     assert float(local_rows[-1]["loss"]) < float(local_rows[0]["loss"])  # it learned
 
 

@@ -3,6 +3,7 @@ ones still read, and a resume that changes the run's configuration refused by ke
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 from pathlib import Path
@@ -20,6 +21,7 @@ from server.checkpoint import (
     CheckpointError,
     check_run_config,
     load_checkpoint,
+    migrate_strategy_state,
     save_checkpoint,
 )
 from server.strategy import DGCStrategy
@@ -142,15 +144,45 @@ V1_KEYS = ["task=digits", "sim.engine=local", "num_clients=3", "clients_per_roun
            "max_weight_ratio=4", "max_norm_ratio=10"]
 
 
-def test_a_checkpoint_from_before_the_method_plugins_resumes_bit_for_bit(tmp_path: Path) -> None:
-    """Version 1 is migrated: resumed after its round 2, the run equals one run whole by
-    today's code (every column but timings, and the model)."""
+def _rows(folder: Path, name: str) -> list[dict[str, str]]:
     import csv
+
+    with (folder / name).open() as fh:
+        return list(csv.DictReader(fh))
+
+
+#: What no float decides in a run's rows: compared exactly with a run made on another machine.
+DISCRETE = ("round", "client_key", "status", "num_examples", "clients_sampled",
+            "clients_aggregated", "model_version")
+
+
+def _apart(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every tensor, in float64."""
+    diff = math.sqrt(sum(float((a[k] - b[k]).double().square().sum()) for k in b))
+    return diff / math.sqrt(sum(float(t.double().square().sum()) for t in b.values()))
+
+
+@pytest.mark.cross_cpu
+def test_a_checkpoint_from_before_the_method_plugins_resumes(tmp_path: Path) -> None:
+    """Version 1 is migrated and resumed after its round 2.
+
+    The fixture was written on another machine, whose kernels part its runs from this one's in
+    round 1 (issue 35: after round 4 the resumed run and one of today's code made whole here
+    were 4 points of accuracy apart), so each property is checked where it holds:
+
+    - bit for bit, on this machine: resumed to round 4 at once, the run is what a resume of its
+      own round-3 checkpoint (today's format, written by the migrated run) makes of round 4;
+    - exactly, anywhere: the resumed run's rows of rounds 1-2 are the fixture's own (its
+      records migrate whole), and its rounds 3-4 sample, aggregate and weigh the clients that
+      a run of today's code does (no float decides them);
+    - within 10% of their norm: the migrated model and server momentum are those of a run of
+      today's code after the same two rounds (measured here: 1.7% and 2.7% apart, the same
+      under the lowered dispatch), which a migration that lost the momentum (100%) or mixed
+      tensors up would exceed many times over.
+    """
     import shutil
 
     from simulations.cli import main
-
-    shutil.copytree(V1_RUN, tmp_path / "v1")
 
     def run(*sets: str) -> None:
         argv = ["run"]
@@ -158,20 +190,31 @@ def test_a_checkpoint_from_before_the_method_plugins_resumes_bit_for_bit(tmp_pat
             argv += ["--set", s]
         assert main(argv) == 0
 
+    for name in ("v1", "v1-in-two"):
+        shutil.copytree(V1_RUN, tmp_path / name)
     run("run_name=v1", "rounds=4", "resume=true")
-    run("run_name=whole", "rounds=4")
-    for name in ("rounds.csv", "clients.csv"):
-        got, want = (list(csv.DictReader((tmp_path / d / name).open())) for d in ("v1", "whole"))
-        # The fixture's rounds 1-2 carry the node ids of the local engine it was written by;
-        # those ids are an engine detail (they changed when LocalGrid made nodes on demand).
-        # The resumed rounds must carry today's.
-        def same(row: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in row.items() if "seconds" not in k
-                    and not (k == "node_id" and int(row["round"]) <= 2)}
+    run("run_name=v1-in-two", "rounds=3", "resume=true")
+    run("run_name=v1-in-two", "rounds=4", "resume=true")
+    run("run_name=whole", "rounds=2")
+    whole_after_2 = load_checkpoint(tmp_path / "whole")
+    run("run_name=whole", "rounds=4", "resume=true")
 
-        assert [same(r) for r in got] == [same(r) for r in want]
-    a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("v1", "whole"))
+    for name in ("rounds.csv", "clients.csv"):
+        got, again, whole = (_rows(tmp_path / d, name) for d in ("v1", "v1-in-two", "whole"))
+        assert [{k: v for k, v in r.items() if "seconds" not in k} for r in got] == \
+            [{k: v for k, v in r.items() if "seconds" not in k} for r in again]
+        fixture = _rows(V1_RUN, name)
+        assert [{k: r[k] for k in fixture[0] if k in r} for r in got[:len(fixture)]] == \
+            [{k: r[k] for k in r if k in got[0]} for r in fixture]
+        assert [[r.get(k) for k in DISCRETE] for r in got] == \
+            [[r.get(k) for k in DISCRETE] for r in whole]
+    a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("v1", "v1-in-two"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    migrated = migrate_strategy_state(load_checkpoint(V1_RUN))
+    for key in ("completed_rounds", "model_version", "clients", "rejections"):
+        assert migrated[key] == whole_after_2[key], key
+    for key in ("model", "momentum_buffer"):
+        assert _apart(migrated[key], whole_after_2[key]) <= 0.1, key
 
 
 def test_a_strategy_state_of_an_unknown_version_is_refused() -> None:

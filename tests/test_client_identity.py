@@ -127,3 +127,49 @@ def test_client_nodes_keys_are_keys_of_the_run() -> None:
     with pytest.raises(SettingsError, match=r"binds client keys \[4\] outside \[0, 4\)"):
         RunConfig.from_flat({"num_clients": 4, "clients_per_round": 2,
                              "client_nodes": "0:12,4:99"})
+
+
+def _run(tmp_path: Path, capsys: pytest.CaptureFixture[str], *sets: str) -> tuple[int, str]:
+    from simulations.cli import main
+
+    argv = ["run", "--set", "task=digits", "--set", "num_clients=4", "--set",
+            "clients_per_round=2", "--set", "sim.engine=local", "--set", "progress=false",
+            "--set", "partition=iid", "--set", f"results_dir={tmp_path}", "--set", "run_name=r"]
+    for s in sets:
+        argv += ["--set", s]
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return code, err
+
+
+def test_client_nodes_naming_no_connected_node_runs_no_round(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35: such a run ran its rounds with 0 clients (and a fresh one then exited 1).
+    The round waits for a node it may sample (round_timeout_s), then the run stops in one
+    line naming why each node was refused; no round is counted."""
+    code, err = _run(tmp_path, capsys, "rounds=2", "round_timeout_s=1",
+                     "client_nodes=0:12345,1:67890")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "none of the 4 connected nodes may serve this run after 1 s (round_timeout_s): " \
+        "client_nodes binds the nodes [12345, 67890];" in err
+    assert "is not one of the authenticated nodes client_nodes lists" in err
+    assert not (tmp_path / "r" / "rounds.csv").exists()
+
+
+def test_a_resume_keeps_the_runs_client_nodes(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35: a resume accepted a changed client_nodes; binding the keys to nodes that are
+    not there, it ran an empty round, counted it as done and exited 0."""
+    from server.local_grid import node_id
+
+    bound = ",".join(f"{k}:{node_id(k, 0)}" for k in range(4))  # the local engine's nodes
+    assert _run(tmp_path, capsys, "rounds=1", f"client_nodes={bound}")[0] == 0
+    for changed in ("0:12345", ""):
+        code, err = _run(tmp_path, capsys, "rounds=2", "resume=true",
+                         f"client_nodes={changed}")
+        assert code == 2 and len(err.splitlines()) == 1
+        assert f"client_nodes = {bound!r} (now {changed!r})" in err
+    with (tmp_path / "r" / "rounds.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 1
+    assert _run(tmp_path, capsys, "rounds=2", "resume=true", f"client_nodes={bound}")[0] == 0

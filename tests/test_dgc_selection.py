@@ -186,3 +186,20 @@ def test_nonzero_flat_equals_torch_nonzero(n: int, p: float, start: int, seed: i
     mask = torch.rand(n, generator=torch.Generator().manual_seed(seed)) < p
     for m in (mask, mask[start:]):  # offset views take the plain path, aligned ones the words
         assert torch.equal(selection.nonzero_flat(m), torch.nonzero(m).view(-1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_select_stable_is_the_stable_sorts_prefix_without_the_sort(seed: int) -> None:
+    """The server's broadcast and the shared sets rank by a stable descending sort (ties to
+    the lower position); select_stable finds the same set from a top-k, ties included."""
+    from dgc.selection import select_stable
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 5000, (1,), generator=g))
+    # Few distinct values (many ties, zeros among them), or continuous ones.
+    values = (torch.randint(0, 6, (n,), generator=g).float() if seed % 2 else
+              torch.rand(n, generator=g))
+    for k in {0, 1, n // 7, n // 2, n - 1, n, n + 3}:
+        want = torch.sort(torch.sort(values, descending=True, stable=True).indices[:k]).values
+        got = select_stable(values, k)
+        assert torch.equal(got, want), (n, k)

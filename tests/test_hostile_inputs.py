@@ -134,7 +134,7 @@ def test_traffic_reads_a_run_without_rounds_as_nothing(
     base = _comparison(tmp_path / "cmp")
     (base / "dgc" / "rounds.csv").write_text("round,accuracy,loss,uplink_bytes,downlink_bytes\n")
     assert main(["traffic", str(base)]) == 0
-    assert "dense 0.5500, dgc nan" in capsys.readouterr().out
+    assert "dense 0.5500, dgc n/a" in capsys.readouterr().out  # words, never nan
 
 
 def test_traffic_out_naming_a_file_is_refused_and_the_file_kept(

@@ -65,8 +65,9 @@ def _context(key: int) -> Context:
 
 
 def test_mod_charges_the_exact_encoded_bytes_both_ways() -> None:
+    # netem.protocol = none: the payload only (a profile's bytes: test_netem_orchestration.py).
     settings = NetemSettings(enabled=True, mix="3g:1.0", num_clients=8, seed=3,
-                             local_epochs=2.0)
+                             local_epochs=2.0, protocol="none")
     msg = _message(settings)
     calls: list[int] = []
     reply = _app(calls)(msg, _context(5))
@@ -84,6 +85,44 @@ def test_mod_charges_the_exact_encoded_bytes_both_ways() -> None:
     assert reply.content["update"]["w"].numpy().size == 2000  # the client's reply is intact
     tl = timeline_from_reply(reply)
     assert tl.ok and tl.client_id == 5 and tl.finish_s == up.end_s
+
+
+def test_a_profile_charges_its_bytes_and_its_named_orchestration_parts() -> None:
+    """A SuperNode profile: the message waits for a poll (uniform over the interval), every
+    RPC beyond a transfer's own costs the link's latency, the ClientApp starts per message;
+    the bridge's profile: no wait, one RPC each way, a resident app. The parts add up to the
+    client's orchestration, and the finish time is the sum of every part."""
+    from simulations.netem.mod import content_objects, payload_nbytes
+
+    for name in ("supernode-tls-devbox", "bridge-tls"):
+        settings = NetemSettings(enabled=True, mix="lte:1.0", num_clients=8, seed=3,
+                                 protocol=name)
+        proto = settings.protocol_model()
+        msg = _message(settings)
+        reply = _app([])(msg, _context(5))
+        m = reply_metrics(reply)
+        latency = assignment_for(settings)[5].link.latency_ms / 1000
+        objects_up = content_objects(reply.content)
+        trips = (proto.rpcs("down", content_objects(msg.content)) - 1
+                 + proto.rpcs("up", objects_up) - 1) * latency
+        assert m["round_trips_s"] == pytest.approx(trips)
+        assert m["startup_s"] == proto.clientapp_startup_s
+        assert 0 <= m["poll_s"] <= proto.poll_interval_s
+        assert m["orchestration_s"] == pytest.approx(m["poll_s"] + m["round_trips_s"]
+                                                     + m["startup_s"])
+        assert m["finish_s"] - 50.0 == pytest.approx(m["orchestration_s"] + m["transfer_s"]
+                                                     + m["compute_s"])
+        # The bytes of the profile, not the encoded message.
+        assert m["download_bytes"] == proto.download(payload_nbytes(msg.content),
+                                                     content_objects(msg.content))[1]
+        if name == "bridge-tls":
+            assert m["poll_s"] == m["startup_s"] == m["round_trips_s"] == 0
+        else:
+            assert m["startup_s"] > 7 and m["round_trips_s"] > 10 * latency
+    # A key sets a part of the profile: a phone's resident app behind a SuperNode's polls.
+    quick = NetemSettings(enabled=True, mix="lte:1.0", num_clients=8, seed=3,
+                          protocol="supernode-tls-devbox", app_startup_s=0.25)
+    assert reply_metrics(_app([])(_message(quick), _context(5)))["startup_s"] == 0.25
 
 
 def test_unavailable_client_replies_without_training() -> None:

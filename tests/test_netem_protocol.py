@@ -8,11 +8,19 @@
         --set rounds=3 --set method=METHOD
     python tests/fixtures/wire/make_fixture.py RUN_DIR > tests/fixtures/wire/NAME.json
 
-The same scenario under the emulator (``netem.protocol=supernode-tls``, same seeds, so the same
-payloads) must put on each client's link, per client-round and each way, within 10% of the
-bytes the deployment's links carried, and its rounds' orchestration (the wait for a poll, the
-ClientApp's start-up, the server's own time) within 25% of the deployment's (rounds after the
-first, whose start-up the emulator does not model).
+The same scenario under the emulator (``netem.protocol=supernode-tls-devbox``: the profile
+fitted on the machine these deployments ran on; same seeds, so the same payloads) must put on
+each client's link, per client-round and each way, within 10% of the bytes the deployment's
+links carried, and its rounds' orchestration (the wait for a poll, the ClientApp's start-up,
+the server's own time; the RPCs' round trips, which the capture counts as transfer, left out)
+within 25% of the deployment's (rounds after the first, whose start-up the emulator does not
+model).
+
+The payloads are the fixture's to 5%: the same seeds make the same payloads on the machine the
+captures were made on, and on another CPU the runs part once a top-k selection flips, which
+changes the Rice code of the sent indices and the int8 broadcast's patches (the run snapshots'
+rounds moved their uplink bytes by up to 3.9% and their downlink bytes by 0.011%,
+``tests/run_compare.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ def _fixture(method: str, link: str) -> dict:
     return json.loads((FIXTURES / f"digits-{method}-{link}-tls.json").read_text())
 
 
+@pytest.mark.cross_cpu
 @pytest.mark.parametrize(("method", "link"), CASES)
 def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, method: str,
                                                               link: str) -> None:
@@ -52,7 +61,7 @@ def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, met
             "clients_per_round=2", "--set", "rounds=3", "--set", f"method={method}",
             "--set", "sim.engine=local", "--set", "progress=false", "--set",
             f"results_dir={tmp_path}", "--set", "run_name=emu", "--set", "netem.enabled=true",
-            "--set", f"netem.mix={link}:1.0", "--set", "netem.protocol=supernode-tls"]
+            "--set", f"netem.mix={link}:1.0", "--set", "netem.protocol=supernode-tls-devbox"]
     assert main(argv) == 0
     summary = json.loads((tmp_path / "emu" / "summary.json").read_text())
     wire = summary["wire"]
@@ -60,14 +69,18 @@ def test_the_emulator_puts_on_the_link_what_a_deployment_did(tmp_path: Path, met
     for d in ("up", "down"):
         captured = deployed["per_client_round"][d]
         # Same seeds, same payloads: what differs is the protocol, modelled.
-        assert wire[f"payload_{d}_bytes_per_client_round"] == pytest.approx(captured["payload"])
+        assert wire[f"payload_{d}_bytes_per_client_round"] == pytest.approx(captured["payload"],
+                                                                            rel=0.05)
         on_link = sum(captured.values())
         emulated = wire[f"link_{d}_bytes_per_client_round"]
         assert abs(emulated / on_link - 1) <= 0.10, (d, emulated, on_link)
     _check_the_columns_add_up(tmp_path / "emu", summary, method)
     later = [r for r in deployed["rounds"] if r["round"] > 1]
     orchestration = statistics.fmean(r["orchestration_s"] for r in later)
-    emulated = wire["round_split_s"]["orchestration"]
+    split = wire["round_split_s"]
+    emulated = split["orchestration"] - split["round_trips"]
+    assert split["orchestration"] == pytest.approx(
+        sum(split[part] for part in ("poll", "round_trips", "startup", "server")))
     assert abs(emulated / orchestration - 1) <= 0.25, (emulated, orchestration)
 
 

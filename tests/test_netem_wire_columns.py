@@ -3,6 +3,7 @@ table and compare.json, and in the netem report (simulations.netem.wire_columns)
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -38,6 +39,51 @@ def test_compare_reports_payload_and_wire_with_ratios_and_joules(tmp_path: Path,
     assert 1 < dgc["wire_uplink_vs_dense"] < dgc["uplink_vs_dense"]
     assert dgc["joules_per_client_round"] > 0 and dgc["joules_total"] > 0
     assert dgc["joules_per_client_round"] < dense["joules_per_client_round"]
+    # Time to the target beside the accuracy: netem.target_accuracy = 0 derives it from the
+    # dense run's last-10, read from rounds.csv like the seconds, wire bytes and joules to it.
+    head = out.splitlines()[out.splitlines().index(next(
+        line for line in out.splitlines() if line.startswith("method")))]
+    for column in ("virtual s", "s to target", "wire MB to target", "J to target"):
+        assert column in head
+    assert head.index("s to target") < head.index("uplink MB")  # beside the accuracy
+    assert "nan" not in out
+    assert dense["target_accuracy"] == pytest.approx(dense["last10_accuracy"])
+    assert "derived (netem.target_accuracy = 0): dense FedAvg's last-10 accuracy" in out
+    assert "under the protocol profile bridge-tls" in out
+    for m in (dense, dgc):
+        rows = list(csv.DictReader((tmp_path / "cmp" / m["method"] / "rounds.csv").open()))
+        reached = next((i for i, r in enumerate(rows)
+                        if float(r["accuracy"]) >= m["target_accuracy"]), None)
+        if reached is None:
+            assert m["virtual_seconds_to_target"] is None and "not reached" in out
+            continue
+        assert m["round_to_target"] == reached + 1
+        assert m["virtual_seconds_to_target"] == pytest.approx(
+            sum(float(r["virtual_seconds"]) for r in rows[:reached + 1]))
+        assert m["wire_bytes_to_target"] == sum(int(r["wire_uplink_bytes"]) + int(
+            r["wire_downlink_bytes"]) for r in rows[:reached + 1])
+        assert m["joules_to_target"] == pytest.approx(sum(
+            float(r["joules"]) + float(r["idle_joules"]) for r in rows[:reached + 1]))
+
+
+def test_the_seeds_table_says_how_many_seeds_reached_the_target() -> None:
+    from simulations.cli_common import seeds_table
+    from simulations.compare import over_seeds
+
+    def run(seconds: float | None) -> dict:
+        return {"final_accuracy": 0.9, "virtual_seconds": 100.0, "target_accuracy": 0.85,
+                "virtual_seconds_to_target": seconds, "joules_to_target": seconds,
+                "wire_bytes_to_target": None if seconds is None else 1e6,
+                "wire_uplink_bytes": 5e6}
+
+    doc = over_seeds({0: {"dense": run(40.0), "dgc": run(None)},
+                      1: {"dense": run(60.0), "dgc": run(20.0)}})
+    assert doc["methods"]["dgc"]["reached"]["virtual_seconds_to_target"] == 1
+    dense, dgc = seeds_table(doc).splitlines()[2:]
+    assert "50 +- 14" in dense and "(1 of 2)" not in dense
+    assert "20 (1 of 2)" in dgc and "nan" not in dgc
+    doc = over_seeds({0: {"dgc": run(None)}})
+    assert "not reached" in seeds_table(doc)
 
 
 def _run(tmp_path: Path, method: str, up: int, wire_up: int, joules: float) -> Path:

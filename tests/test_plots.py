@@ -136,8 +136,11 @@ def test_runs_with_wire_bytes_show_them_beside_the_payload_and_energy(tmp_path) 
     netem report, and accuracy against cumulative joules (clients and idle nodes)."""
     runs = {"dense": _run(tmp_path, "dense", 100_000, netem=True, wire=True),
             "dgc": _run(tmp_path, "dgc", 500, netem=True, wire=True)}
-    fig = runs_figure(runs)
-    ax_total, ax_up, ax_bytes, ax_energy = fig.axes
+    fig = runs_figure(runs, target=0.45)
+    ax_total, ax_up, ax_bytes, ax_time, ax_energy = fig.axes
+    # Emulated runs: accuracy against virtual time, the target dashed, each run's reaching it.
+    assert len([line for line in ax_time.lines if line.get_linestyle() != ":"]) == 2 + 1
+    assert "target 0.450" in ax_time.get_title()
     on_wire = [line for line in ax_total.lines if line.get_gid() == "wire"]
     assert len(on_wire) == 2 and on_wire[1].get_xdata()[-1] == pytest.approx(7 * 90_000 / 1e6)
     assert len(ax_bytes.lines) == 6  # payload up and down, wire up, of each run

@@ -321,7 +321,9 @@ def test_a_powersgd_federation_learns_resumes_bit_for_bit_and_is_not_a_default(t
 def test_powersgd_runs_under_the_emulator(tmp_path):
     rows = _run(tmp_path, "emu", "rounds=5", "clients_per_round=4", "netem.enabled=true",
                 "netem.mix=3g:0.5,edge:0.5", "netem.deadline_s=3", "netem.seed=3")
-    assert all(0 < float(r["virtual_seconds"]) <= 3 + 1e-9 for r in rows)
+    # The deadline closes a round; the server's own work (measured) comes on top.
+    assert all(0 < float(r["virtual_seconds"]) - float(r["round_server_s"]) <= 3 + 1e-9
+               for r in rows)
     clients = list(csv.DictReader((tmp_path / "emu" / "clients.csv").open()))
     assert {r["status"] for r in clients} == {"aggregated", "dropped"}
     assert float(rows[-1]["accuracy"]) > float(rows[0]["accuracy"])

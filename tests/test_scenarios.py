@@ -27,15 +27,32 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def test_the_shipped_scenarios_are_valid_runs() -> None:
-    assert {"mnist5k", "fashion-mnist", "shakespeare"} <= set(scenario_names())
+    assert {"mnist5k", "fashion-mnist", "shakespeare", "fashion-mnist-6m"} <= set(
+        scenario_names())
     for name in scenario_names():
         c = build_config(_args(scenario=name))
+        task = c.train.task
         # No scenario names its folder: each run gets a new one, named by time, task, method.
-        assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{name}-{c.train.method}", c.server.run_name)
-        assert c.train.task == name
+        assert re.fullmatch(rf"\d{{8}}-\d{{6}}-{task}-{c.train.method}", c.server.run_name)
+        # A scenario is named by its task, or by a variant of it (another model).
+        assert name == task or name.startswith(f"{task}-")
     # make demo is the mnist5k scenario, in its own folder.
     assert {k: v for k, v in DEMO.items() if k not in ("run_name", "overwrite")} == \
         {k: v for k, v in load_scenario("mnist5k").items() if k != "run_name"}
+
+
+def test_the_phone_sized_scenario_trains_leafs_femnist_cnn() -> None:
+    """fashion-mnist-6m: Fashion-MNIST with LEAF's FEMNIST CNN (conv5x5-32, pool, conv5x5-64,
+    pool, fc-2048, fc-10): 6.5M parameters, phone-sized, on data that ships in a package."""
+    from client.app import task_of
+
+    c = build_config(_args(scenario="fashion-mnist-6m")).train
+    model = task_of(c.task_spec()).build_model()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert shapes[0] == (32, 1, 5, 5) and shapes[2] == (64, 32, 5, 5)
+    assert (2048, 64 * 7 * 7) in shapes and (10, 2048) in shapes
+    assert sum(p.numel() for p in model.parameters()) == 6_497_162
+    assert c.num_clients >= 100
 
 
 def test_precedence_defaults_scenario_config_set(tmp_path: Path) -> None:

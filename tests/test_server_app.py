@@ -16,6 +16,7 @@ from fedgc.settings import RunConfig
 from server.app import RunFolderError, run_server
 from server.checkpoint import CheckpointError, load_checkpoint
 from server.local_grid import LocalGrid
+from server.preflight import PreflightError
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
 from server.strategy import DGCStrategy
 
@@ -60,9 +61,9 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
 def test_resume_without_a_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     for extra in ({}, {"checkpoint": False}):
         c = _config(tmp_path, run_name="nothing", rounds=2, resume=True, **extra)
-        with pytest.raises(CheckpointError, match="resume=true"):
+        with pytest.raises(PreflightError, match="resume=true"):
             run_server(LocalGrid(client_app, 6), c)
-        assert not (c.run_dir / "rounds.csv").exists()
+        assert not c.run_dir.exists()  # refused before any folder was made (issue 35)
 
 
 def test_run_folder_is_not_clobbered(tmp_path):

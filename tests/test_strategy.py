@@ -379,7 +379,9 @@ def test_huge_values_are_clipped_to_ten_times_the_median_norm():
     from server.defences import update_norm
 
     def huge(m, u):
-        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30, t.shape)
+        # 1e15 times: huge, yet under the server's bound on any value (server.replies), which
+        # refuses 1e30 times before the defences see it.
+        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e15, t.shape)
                                               for n, t in u.tensors.items()}, u.sequence))
 
     s, arrays, before, updates = _hostile_round(huge, max_weight_ratio=4, max_norm_ratio=10)
@@ -392,21 +394,33 @@ def test_huge_values_are_clipped_to_ten_times_the_median_norm():
     assert clipped[0].status == "aggregated"
 
 
-def test_a_sign_scale_of_3e38_is_clipped_with_its_update():
-    s, parts, before = _shared_rounds(scale_signs=3e38, max_norm_ratio=10)
+def test_a_huge_sign_scale_is_clipped_with_its_update():
+    s, parts, before = _shared_rounds(scale_signs=1e15, max_norm_ratio=10)
     rows = [r for r in s.client_rows if r.round == 2]
     assert [r.reason.startswith("update norm") for r in sorted(rows, key=lambda r: r.client_key)
             ] == [True, False, False, False]
-    assert all(r.status == "aggregated" for r in rows)  # not a non-finite aggregate thrown away
+    assert all(r.status == "aggregated" for r in rows)
     moved = math.sqrt(sum(float((s.model[k] - before[k]).double().square().sum())
                           for k in before))
     assert math.isfinite(moved) and moved < 100
 
 
+def test_a_sign_scale_of_3e38_is_refused_alone():
+    """Issue 35: its sum with the update overflowed float32; the reply is refused before the
+    defences (server.replies' bound on any value), the round aggregates the others."""
+    s, parts, before = _shared_rounds(scale_signs=3e38, max_norm_ratio=10)
+    rows = sorted((r for r in s.client_rows if r.round == 2), key=lambda r: r.client_key)
+    assert [r.status for r in rows] == ["rejected", "aggregated", "aggregated", "aggregated"]
+    assert rows[0].reason.startswith("update too large: its values reach 3e+38")
+    expected = _expected([p for p in parts if p[1] != 0], before)
+    for k in expected:
+        torch.testing.assert_close(s.model[k], expected[k], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("aggregation", ["median", "trimmed_mean"])
 def test_robust_aggregation_runs_in_the_strategy(aggregation):
     def hostile(m, u):
-        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e30,
+        return _update_reply(m, SparseUpdate({n: SparseTensor(t.indices, t.values * 1e15,
                                                               t.shape)
                                               for n, t in u.tensors.items()}, 1), weight=1e12)
 

@@ -134,6 +134,14 @@ def test_read_idx_rejects_corrupt_files(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"shape \(3, 4\) \(60 bytes\) but the file has 56 bytes"):
         read_idx(tmp_path / "short")
     (tmp_path / "gz").write_bytes(gzip.compress(b"x" * 100)[:20])
+    with pytest.raises(DataError, match="not an idx file"):
+        read_idx(tmp_path / "gz")
+    whole = gzip.compress((tmp_path / "ok").read_bytes())
+    (tmp_path / "gz").write_bytes(whole[:-12])
+    with pytest.raises(DataError, match="truncated or corrupt gzip"):
+        read_idx(tmp_path / "gz")
+    (tmp_path / "gz").write_bytes(whole[:12] + bytes(b ^ 0xFF for b in whole[12:-8])
+                                  + whole[-8:])
     with pytest.raises(DataError, match="corrupt gzip"):
         read_idx(tmp_path / "gz")
 
@@ -188,3 +196,118 @@ def test_cifar10_missing_and_malicious_files(tmp_path: Path) -> None:
     )
     with pytest.raises(DataError, match=r"data_batch_3: data of shape \(2, 100\)"):
         get_task("cifar10", data_dir=tmp_path)
+
+
+# ------------------------------------------------------------------ bounded loaders (issue 35)
+
+#: Checks each crafted file in a process that may allocate at most 512 MB more than it holds
+#: after its imports: a loader that sized an allocation from a header would fail there with a
+#: MemoryError (or worse), where a bounded one refuses the file in one line.
+BOUNDED = """
+import resource, sys, traceback
+from pathlib import Path
+from tasks import get_task
+from tasks.errors import DataError
+from tasks.images import read_idx
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
+for kind, path in (line.split(" ", 1) for line in sys.stdin.read().splitlines()):
+    try:
+        if kind == "idx":
+            read_idx(Path(path))
+        else:
+            get_task(kind, data_dir=path)
+        print("LOADED", path)
+    except DataError as ex:
+        print("REFUSED", str(ex).replace(chr(10), " "))
+    except BaseException as ex:
+        print("CRASHED", type(ex).__name__, str(ex)[:200].replace(chr(10), " "))
+"""
+
+
+def _loaded_in_bounds(cases: list[tuple[str, Path]]) -> list[str]:
+    """What a bounded process said of each of ``cases`` ((kind, path): "idx" or a task)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", BOUNDED], capture_output=True, text=True,
+                          input="".join(f"{k} {p}\n" for k, p in cases), timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
+
+
+def _pickle_ops(*ops: bytes) -> bytes:
+    return b"\x80\x02}U\x04data" + b"".join(ops) + b"s."
+
+
+def test_crafted_cifar_batches_are_refused_without_allocating(tmp_path: Path) -> None:
+    """Issue 35: a 73-byte batch made the loader allocate 4.3 GB (``bytearray`` was on the
+    unpickler's allow-list and took a size); a pickle's declared lengths and ``ndarray`` are
+    sizes too. Each is now one DataError, inside 512 MB, and a FIFO is not waited on."""
+    import os
+
+    huge = (4_300_000_000).to_bytes(5, "little")
+    crafted = {
+        "bytearray_of_a_size": _pickle_ops(b"cbuiltins\nbytearray\n\x8a\x05", huge,
+                                           b"\x85R"),
+        "ndarray_of_a_shape": _pickle_ops(b"cnumpy\nndarray\n\x8a\x05", huge, b"\x85\x85R"),
+        "bytes8_of_8gb": b"\x80\x04\x8e" + (2**33).to_bytes(8, "little") + b"abc",
+        "object_array": pickle.dumps({b"data": np.array([None] * 3, dtype=object),
+                                      b"labels": [0, 1, 2]}, protocol=2),
+    }
+    assert len(crafted["bytearray_of_a_size"]) < 73
+    cases = []
+    for name, data in crafted.items():
+        folder = tmp_path / name / "cifar-10-batches-py"
+        _write_cifar(folder)
+        (folder / "data_batch_2").write_bytes(data)
+        cases.append(("cifar10", tmp_path / name))
+    fifo = tmp_path / "fifo" / "cifar-10-batches-py"
+    _write_cifar(fifo)
+    (fifo / "test_batch").unlink()
+    os.mkfifo(fifo / "test_batch")
+    cases.append(("cifar10", tmp_path / "fifo"))
+    said = _loaded_in_bounds(cases)
+    assert all(line.startswith("REFUSED") for line in said), said
+    assert "bytearray of a int is not allowed" in said[0]
+    assert "an array is rebuilt only empty" in said[1] or "takes no arguments" in said[1]
+    assert "expected 8589934592 bytes" in said[2]
+    assert "dtype object is not numeric" in said[3]
+    assert "cifar10: missing test_batch" in said[4]  # not a regular file: not waited on
+
+
+def test_crafted_idx_files_are_refused_without_allocating(tmp_path: Path) -> None:
+    """Issue 35: a 26 MB gzip idx file ended in a 19-frame MemoryError traceback. An idx file is
+    now inflated to the size its header declares and no further, a header declaring more than
+    an idx file may hold is refused before anything is inflated, and so is a file that large."""
+    header = bytes([0, 0, 0x08, 2]) + np.asarray([10, 10], dtype=">u4").tobytes()
+    (tmp_path / "bomb.gz").write_bytes(gzip.compress(header + bytes(300 << 20),
+                                                     compresslevel=1))
+    claims = bytes([0, 0, 0x08, 3]) + np.asarray([60000, 60000, 60000], dtype=">u4").tobytes()
+    (tmp_path / "claims.gz").write_bytes(gzip.compress(claims + bytes(100)))
+    (tmp_path / "claims").write_bytes(claims + bytes(100))
+    with (tmp_path / "sparse").open("wb") as fh:
+        fh.truncate(3 << 30)  # 3 GB that take no disk
+    said = _loaded_in_bounds([("idx", tmp_path / n) for n in
+                              ("bomb.gz", "claims.gz", "claims", "sparse")])
+    assert all(line.startswith("REFUSED") for line in said), said
+    assert "inflates to more than the 112 bytes its header says" in said[0]
+    assert "header says shape (60000, 60000, 60000)" in said[1] and "more than an idx" in said[1]
+    assert "header says shape (60000, 60000, 60000)" in said[2]
+    assert f"{3 << 30} bytes, more than an idx file may hold" in said[3]
+
+
+def test_a_shakespeare_folder_is_read_within_bounds(tmp_path: Path) -> None:
+    import os
+
+    from tasks.shakespeare import MAX_TEXT_BYTES, load_roles
+
+    os.mkfifo(tmp_path / "hamlet_gut.txt")  # reading it would wait for a writer for ever
+    with pytest.raises(DataError, match="a play's text must be a regular file"):
+        load_roles(tmp_path)
+    (tmp_path / "hamlet_gut.txt").unlink()
+    with (tmp_path / "hamlet_gut.txt").open("wb") as fh:
+        fh.truncate(MAX_TEXT_BYTES + 1)
+    with pytest.raises(DataError, match="more than a play's text may hold"):
+        load_roles(tmp_path)

@@ -167,6 +167,9 @@ class Method:
         The schema of its own keys (a frozen dataclass of ``fedgc.schema.setting`` fields).
     defaults : mapping
         Its own defaults for shared keys declared with ``fallback`` (``server_momentum``...).
+    secure_sum : str
+        Where its payload sums at coordinates every client knows, for secure aggregation:
+        "all", "seed" or "material" (:mod:`fedgc.privacy.linear`); "" (default): it does not.
     """
 
     name: ClassVar[str] = ""
@@ -181,6 +184,7 @@ class Method:
     prefix: ClassVar[str] = ""
     settings: ClassVar[type | None] = None
     defaults: ClassVar[Mapping[str, Any]] = {}
+    secure_sum: ClassVar[str] = ""
 
     _own: Any = None
 

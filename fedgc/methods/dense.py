@@ -22,6 +22,7 @@ class Dense(Method):
     family = "dense"
     description = "every entry, fp32"
     baseline = True
+    secure_sum = "all"
 
     def uplink_density(self, train: Any) -> float:
         return 1.0

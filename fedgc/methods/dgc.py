@@ -492,6 +492,7 @@ class DGCSets(DGC):
     defaults = {**DGC.defaults, "dgc.shared_rank": "displacement", "dgc.shared_values": "grid",
                 "dgc.shared_levels": 0.5, "dgc.shared_first": True, "dgc.value_levels": 4.0,
                 "downlink_vectors": "float16", "downlink_context": True}
+    secure_sum = "material"  # the sets' values; under secure aggregation its top-k is held back
 
     def phone_config(self, train: Any) -> DGCConfig | None:
         return None  # phones' encoder is plain dgc's (android_bridge.export.check_phone_run)

@@ -371,6 +371,7 @@ class FetchSGD(Method):
     prefix = "fetchsgd"
     settings = FetchSGDSettings
     defaults = {"server_momentum": 0.9}
+    secure_sum = "all"  # every cell of the sketch: the sum of sketches is the sketch of the sum
 
     def compressor(self, train: Any, client_key: int, material: Any = None) -> CountSketcher:
         return CountSketcher(self.own, train.seed)

@@ -29,7 +29,7 @@ from dgc import DecodeError, SparseUpdate, TensorLayout
 from dgc.wire.compact import decode_compact, encode_compact, layout_of
 
 __all__ = ["Bound", "Codec", "Payload", "PayloadError", "SparseCodec", "SparsePayload",
-           "check_tensors"]
+           "check_tensors", "largest"]
 
 
 class PayloadError(ValueError):
@@ -70,11 +70,21 @@ class Bound:
         return max((math.prod(s) for s in self.shapes.values()), default=0)
 
 
+def largest(values: torch.Tensor) -> float:
+    """``max |values|`` as a float (0 for none; Inf when a value is NaN or Inf)."""
+    if values.numel() == 0:
+        return 0.0
+    if not bool(torch.isfinite(values).all()):
+        return math.inf
+    return float(values.detach().abs().max())
+
+
 class Payload:
     """A decoded client payload as the server's aggregation sees it.
 
     Subclasses set ``sequence`` (the round the client answered) and implement :meth:`parts`;
-    the rest follows from them.
+    the rest follows from them. A kind whose :meth:`parts` expand what it carries (low-rank
+    factors into their product) overrides :meth:`max_abs` to bound them without expanding.
     """
 
     sequence: int = 0
@@ -104,6 +114,15 @@ class Payload:
         """Its L2 norm, in float64 (the defences bound it)."""
         return math.sqrt(sum(float(t.values.to(torch.float64).square().sum())
                              for p in self.parts() for t in p.tensors.values()))
+
+    def max_abs(self) -> float:
+        """A bound on the absolute value of every entry its parts add up to at one coordinate
+        (each part's largest value, summed over the parts, which may overlap); Inf when a value
+        is NaN or Inf. The server's reply check (``server/replies.py``) refuses a payload above
+        its bound before anything sums it: read from what the payload carries, so a kind that
+        expands its values overrides this to bound them before the expansion."""
+        return sum(max((largest(t.values) for t in p.tensors.values()), default=0.0)
+                   for p in self.parts())
 
 
 @dataclass
@@ -144,6 +163,15 @@ class SparsePayload(Payload):
         else:
             parts += [t.values for t in u.tensors.values()]
         return math.sqrt(sum(float(p.to(torch.float64).square().sum()) for p in parts))
+
+    def max_abs(self) -> float:
+        """:meth:`Payload.max_abs`, reading the update's values packed."""
+        u = self.update
+        own = (max(largest(u.packed.sparse_values), largest(u.packed.dense_values))
+               if u.packed is not None
+               else max((largest(t.values) for t in u.tensors.values()), default=0.0))
+        return own + sum(max((largest(t.values) for t in p.tensors.values()), default=0.0)
+                         for p in self.extra)
 
 
 class Codec:

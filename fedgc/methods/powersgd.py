@@ -64,7 +64,14 @@ from dgc.wire.framing import (
 )
 from dgc.wire.value_codings import DTYPES_BY_ID, VALUE_DTYPE_IDS
 from fedgc.methods.base import Channel, Method
-from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
+from fedgc.methods.payloads import (
+    Bound,
+    Codec,
+    Payload,
+    PayloadError,
+    check_tensors,
+    largest,
+)
 from fedgc.methods.registry import register
 from fedgc.schema import Check, setting
 
@@ -218,6 +225,20 @@ class LowRankUpdate(Payload):
                                    t.dense(), t.shape)
                 for name, t in self.tensors.items()}, self.seq)]
         return self._parts
+
+    def max_abs(self) -> float:
+        """A bound on every entry of ``P Q^T`` from the factors, without the product (which
+        overflows float32 for factors of 1e20): ``|P_i . Q_j| <= ||P_i|| ||Q_j||``
+        (Cauchy-Schwarz), in float64."""
+        out = 0.0
+        for t in self.tensors.values():
+            if t.whole is not None:
+                out = max(out, largest(t.whole))
+            elif t.p is not None and t.q is not None and t.p.numel() and t.q.numel():
+                rows = [float(torch.linalg.vector_norm(f.to(torch.float64), dim=1).max())
+                        for f in (t.p, t.q)]
+                out = max(out, rows[0] * rows[1])
+        return out
 
     @property
     def nnz(self) -> int:

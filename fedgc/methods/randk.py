@@ -258,6 +258,7 @@ class RandomK(Method):
                    "travels, not the indices")
     keeps_residual = True
     prefix = "dgc"
+    secure_sum = "seed"  # positions from a seed; under secure aggregation, the run's for all
 
     @staticmethod
     def policy(train: Any) -> Any:

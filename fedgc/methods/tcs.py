@@ -378,6 +378,7 @@ class TCS(Method):
     prefix = "tcs"
     settings = TCSSettings
     defaults = {"density": TCS_DENSITY}
+    secure_sum = "material"  # the mask's values and the tensors sent whole
 
     @staticmethod
     def policy(train: Any) -> Any:

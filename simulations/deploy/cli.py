@@ -196,8 +196,8 @@ def _workdir(args: argparse.Namespace) -> Path:
 def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None,
                        allowed: str = "") -> DeploymentConfig:
     """The deployment of ``args``, with the phone bridge's SuperNodes of ``fleet``; ``allowed``:
-    the ``module:callable`` references the SuperNodes' node config lets a run call (the run's
-    own task and method: this command is the nodes' operator too)."""
+    the ``key=module:callable`` references the SuperNodes' node config lets a run call (the
+    run's own task and method, each for its key: this command is the nodes' operator too)."""
     workdir = _workdir(args)
     phones = fleet.count if fleet is not None else 0
 
@@ -285,7 +285,8 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         fleet.export(run_config, reuse)
     started_s = time.monotonic()
     # The run's own task and method, when they are module:callable: the nodes run nothing else.
-    own = ",".join(ref for ref in (run_config.train.task, run_config.train.method)
+    own = ",".join(f"{key}={ref}" for key, ref in (("task", run_config.train.task),
+                                                   ("method", run_config.train.method))
                    if is_ref(ref))
     with Deployment(_deployment_config(args, fleet, allowed=own)) as dep:
         if dep.client_nodes():

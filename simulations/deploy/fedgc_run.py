@@ -77,7 +77,8 @@ def check_fedgc_run(config: Any) -> None:
     from server.preflight import PreflightError
 
     try:
-        prepare_run_dir(config)
+        # The deployed ServerApp takes the run folder's lock itself, in its own process.
+        prepare_run_dir(config).release()
     except (RunFolderError, PreflightError) as err:
         raise DeployError(str(err)) from err
 

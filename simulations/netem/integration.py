@@ -28,11 +28,14 @@ def split_netem(values: Mapping[str, object]) -> tuple[dict[str, object], NetemS
 
 def for_run(netem: NetemSettings, config: Any) -> NetemSettings:
     """``netem`` with the client count and per-round samples taken from a RunConfig, and the
-    trace and power-model files as absolute paths (clients may run in another folder)."""
+    trace, power-model and protocol-profile files as absolute paths (clients may run in
+    another folder)."""
     t = config.train
     samples = t.local_steps * t.batch_size if t.local_steps > 0 else 0
     traces = {k: os.path.abspath(getattr(netem, k))
               for k in ("trace_down", "trace_up", "power_model") if getattr(netem, k)}
+    if netem.profile_file():
+        traces["protocol"] = netem.profile_file()
     return dataclasses.replace(netem, num_clients=t.num_clients,
                                local_epochs=float(t.local_epochs), local_samples=samples,
                                **traces)

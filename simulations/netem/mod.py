@@ -70,9 +70,13 @@ _FIELDS = ("ok", "reason", "client_key", "finish_s", "download_end_s", "compute_
            "outage_s", "stale_factor", "stale_discarded_l1",
            # What the protocol adds (netem.protocol; equal to the above without one): payload
            # and link bytes each way over the whole round trip (requests and acknowledgements
-           # included), the transfer and orchestration seconds, and the joules spent.
+           # included), the transfer and orchestration seconds, and the joules spent. The
+           # client's orchestration is the sum of its named parts (the server's is the
+           # strategy's): the wait for a poll, the round trips of the RPCs beyond each
+           # transfer's own, and the app's start-up.
            "payload_down_bytes", "payload_up_bytes", "link_down_bytes", "link_up_bytes",
-           "transfer_s", "orchestration_s", "radio_j", "compute_j")
+           "transfer_s", "orchestration_s", "radio_j", "compute_j",
+           "poll_s", "round_trips_s", "startup_s")
 #: Seeds the wait for a node's next poll, per (scenario seed, client, round).
 _STREAM_POLL = 0x9011
 
@@ -246,7 +250,7 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         objects = content_objects(msg.content)
         requests_up, down_nbytes = proto.download(payload_down, objects)
         # Every RPC but the first costs a round trip of its own (the transfer charges one).
-        rtt_down = (proto.rpcs("down", objects) - 1) * net.link.latency_ms / 1000.0
+        rtt_down = max(0, proto.rpcs("down", objects) - 1) * net.link.latency_ms / 1000.0
     down = net.link.transfer(down_nbytes, t0, "down", round_index=round_index)
     if not down.ok:
         return _early_reply(msg, key, down.reason, down.end_s, down)
@@ -269,14 +273,17 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     startup_s = proto.clientapp_startup_s if proto is not None else 0.0
     upload_start = download_end + startup_s + compute_s
     payload_up = payload_nbytes(reply.content)
+    rtt_up = 0.0
     if proto is None:
-        up_nbytes, acks_down, rtt_up = encoded_nbytes(reply.content), 0, 0.0
+        up_nbytes, acks_down = encoded_nbytes(reply.content), 0
     else:
         objects = content_objects(reply.content)
         up_nbytes, acks_down = proto.upload(payload_up, objects)
-        rtt_up = (proto.rpcs("up", objects) - 1) * net.link.latency_ms / 1000.0
+        rtt_up = max(0, proto.rpcs("up", objects) - 1) * net.link.latency_ms / 1000.0
     up = net.link.transfer(up_nbytes, upload_start, "up", round_index=round_index)
-    finish_s = up.end_s + rtt_up if up.ok else up.end_s
+    if not up.ok:
+        rtt_up = 0.0  # the reply never got through: no more requests
+    finish_s = up.end_s + rtt_up
     transfers = [Transfer(t0, download_end, up_bytes=requests_up, down_bytes=down.wire_bytes),
                  Transfer(upload_start, max(upload_start, finish_s), up_bytes=up.wire_bytes,
                           down_bytes=acks_down)]
@@ -292,8 +299,11 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         "payload_down_bytes": payload_down, "payload_up_bytes": payload_up,
         "link_down_bytes": down.wire_bytes + acks_down,
         "link_up_bytes": requests_up + up.wire_bytes,
-        "transfer_s": (download_end - t0) + (finish_s - upload_start),
-        "orchestration_s": wait_s + startup_s, "radio_j": radio_j, "compute_j": compute_j,
+        # The round trips of the RPCs beyond each transfer's own are orchestration.
+        "transfer_s": (down.end_s - t0) + (up.end_s - upload_start),
+        "orchestration_s": wait_s + rtt_down + rtt_up + startup_s,
+        "poll_s": wait_s, "round_trips_s": rtt_down + rtt_up, "startup_s": startup_s,
+        "radio_j": radio_j, "compute_j": compute_j,
     })
     return reply
 

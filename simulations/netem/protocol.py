@@ -1,22 +1,38 @@
-"""What a protocol adds to a message on the wire and on the clock, calibrated from captures.
+"""What a protocol adds to a message on the wire and on the clock: a profile of named parts.
 
 fedgc's payload travels inside a protocol: a Flower SuperNode pulls a message as one RPC per
 object (``PullMessages``, ``PullObject`` each, ``ConfirmMessageReceived``) and pushes its reply
 the same way, each RPC an HTTP request with Flower's signed head lines, in TLS records, in TCP
 segments; a phone on fedgc's bridge fetches its task in one gRPC call and uploads in one stream.
-A :class:`ProtocolModel` says, for a message of ``content`` bytes in ``objects`` objects:
+A :class:`ProtocolModel` (a *profile*) says, for a message of ``content`` bytes in ``objects``
+objects:
 
 - the bytes on the wire each way: ``fixed + per_object * objects + (1 + per_byte) * content``
   the way the message goes, ``fixed + per_object * objects + per_byte_ack * content`` the other
   way (requests, responses and the acknowledgements of the content);
-- the round trips it takes (one per RPC), which the emulator adds to the transfer's one;
-- the traffic of an idle node (a poll and a heartbeat, their bytes and intervals), and the time
-  between a message being ready and the node starting on it (half a poll interval on average,
-  plus a ClientApp's start-up), and the server's own time between rounds.
+- the traffic of an idle node (a poll and a heartbeat, their bytes and intervals);
+- a round's orchestration, as named parts (:data:`ORCHESTRATION_PARTS`):
 
-The numbers come from :mod:`simulations.wire` ledgers of real deployments
+  ``poll``
+      the wait for the node's next poll: uniform over ``poll_interval_s`` (a Flower SuperNode
+      polls every 3 s when idle, ``time.sleep(3)`` in ``flwr/supernode/start_client_internal.py``;
+      0 for a held call: the bridge's long poll answers at once);
+  ``round_trips``
+      one link round trip (the client's own latency) per RPC beyond the transfer's own:
+      ``rpcs_down_fixed + rpcs_per_object * objects`` to fetch, the same up;
+  ``startup``
+      an app's start-up on the path, per message (``clientapp_startup_s``: a SuperNode in
+      subprocess isolation starts a ClientApp process for each message; 0 for a resident app);
+  ``server``
+      the server's own work in the round's path: with ``server_measured``, the aggregation and
+      the downlink's encoding *as this run's server measured them* (its thread's CPU seconds, by
+      :class:`simulations.netem.strategy.NetemStrategy`), plus ``server_s`` fixed seconds.
+
+The byte terms come from :mod:`simulations.wire` ledgers of real deployments
 (``python -m simulations wire calibrate RUN_DIR ... --out FILE``, a least-squares fit per
-direction over every message captured); ``protocols.json`` beside this module holds fedgc's.
+direction over every message captured); ``protocols.json`` beside this module holds fedgc's
+profiles, each with the source of its clock terms (``clock_source``). A user's own profile is a
+JSON file of the same form (:func:`load_protocols`).
 """
 
 from __future__ import annotations
@@ -58,11 +74,11 @@ class Direction:
 
 @dataclass(frozen=True)
 class ProtocolModel:
-    """One protocol's wire and clock costs (see the module docstring).
+    """One profile: a protocol's wire costs and a round's orchestration (module docstring).
 
     ``down_*`` describe fetching a server message (the node's requests go up, the message comes
     down), ``up_*`` pushing a reply (it goes up, the server's answers come down). Bytes are
-    IP bytes on the link; seconds are wall seconds of the calibration run.
+    IP bytes on the link; the byte terms' seconds are wall seconds of the calibration run.
     """
 
     name: str
@@ -70,17 +86,20 @@ class ProtocolModel:
     down_acks: Direction  # fetching a message: what goes up (requests, acknowledgements)
     up_sent: Direction  # pushing a reply: what goes up
     up_acks: Direction  # pushing a reply: what comes down
-    rpcs_down_fixed: int  # RPCs to fetch a message besides one per object
+    rpcs_down_fixed: int  # RPCs to fetch a message besides those per object
     rpcs_up_fixed: int
+    rpcs_per_object: int  # RPCs per Flower object each way (1: PullObject/PushObject; 0: bridge)
     poll_interval_s: float  # 0: the node does not poll (a held call instead)
     poll_bytes_up: float
     poll_bytes_down: float
     heartbeat_interval_s: float  # 0: none
     heartbeat_bytes_up: float
     heartbeat_bytes_down: float
-    clientapp_startup_s: float
-    server_s: float
-    source: str = ""
+    clientapp_startup_s: float  # an app's start-up per message (0: the app is resident)
+    server_s: float  # fixed server seconds per round, besides the measured work
+    server_measured: bool  # charge the server's work as measured in the run
+    source: str = ""  # where the byte terms come from
+    clock_source: str = ""  # where the clock terms come from (machine, date)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,7 +107,11 @@ class ProtocolModel:
             if isinstance(value, Direction):
                 for part in ("fixed", "per_object", "per_content"):
                     _finite(f"{self.name}.{f.name}.{part}", getattr(value, part))
-            elif f.name not in ("name", "source"):
+            elif f.name == "server_measured":
+                if not isinstance(value, bool):
+                    raise ProtocolError(f"{self.name}.server_measured must be true or false, "
+                                        f"got {value!r}")
+            elif f.name not in ("name", *_TEXT_FIELDS):
                 if not _finite(f"{self.name}.{f.name}", value) >= 0:
                     raise ProtocolError(f"{self.name}.{f.name} must be >= 0, got {value!r}")
 
@@ -103,8 +126,7 @@ class ProtocolModel:
     def rpcs(self, direction: str, objects: int) -> int:
         """RPCs (round trips) to move a message of ``objects`` objects ``down`` or ``up``."""
         fixed = self.rpcs_down_fixed if direction == "down" else self.rpcs_up_fixed
-        per_object = objects if self.name.startswith("supernode") else 0
-        return fixed + per_object
+        return fixed + self.rpcs_per_object * objects
 
     def idle_bytes(self, seconds: float) -> tuple[float, float]:
         """(up, down) bytes an online idle node sends and receives in ``seconds``."""
@@ -118,32 +140,63 @@ class ProtocolModel:
                 down += b_down * seconds / interval
         return up, down
 
+    def orchestration(self) -> str:
+        """The profile's orchestration in words (the run's header and ``summary.json``)."""
+        poll = (f"a poll every {self.poll_interval_s:.3g} s" if self.poll_interval_s > 0
+                else "a held call (no poll wait)")
+        startup = (f"an app start-up of {self.clientapp_startup_s:.3g} s per message"
+                   if self.clientapp_startup_s > 0 else "a resident app")
+        server = " + ".join(part for part in (
+            "the server's measured work" if self.server_measured else "",
+            f"{self.server_s:.3g} s" if self.server_s > 0 else "") if part) or "none"
+        return (f"{poll}; RPCs {self.rpcs_down_fixed} down + {self.rpcs_up_fixed} up"
+                f"{' + 1 per object' if self.rpcs_per_object else ''}, a round trip each; "
+                f"{startup}; server time: {server}")
+
     def to_dict(self) -> dict[str, Any]:
         """The model as JSON-ready values."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any], where: str) -> ProtocolModel:
-        """A model from :meth:`to_dict`'s form; a missing or bad field names ``where``."""
+        """A model from :meth:`to_dict`'s form (without ``name``); a missing, unknown or bad
+        field names ``where`` (the file), the profile and the field."""
+        if not isinstance(data, Mapping):
+            raise ProtocolError(f"{where}: profile {name!r} must be an object of the fields "
+                                f"{list(_REQUIRED)}, got {type(data).__name__}")
+        missing = [f for f in _REQUIRED if f not in data]
+        unknown = sorted(k for k in set(data) - set(_REQUIRED) - set(_TEXT_FIELDS)
+                         if not k.startswith("_"))
+        if missing or unknown:
+            what = (f"lacks field {missing[0]!r}" if missing
+                    else f"has unknown field {unknown[0]!r}")
+            raise ProtocolError(f"{where}: profile {name!r} {what}; expected the fields "
+                                f"{list(_REQUIRED)} (and optionally {list(_TEXT_FIELDS)})")
         values: dict[str, Any] = {"name": name}
-        try:
-            for f in fields(cls):
-                if f.name == "name":
-                    continue
-                if f.name == "source":
-                    values["source"] = str(data.get("source", where))
-                    continue
-                raw = data[f.name]
-                if f.type in ("Direction", Direction):
-                    values[f.name] = Direction(*(float(raw[k]) for k in
-                                                 ("fixed", "per_object", "per_content")))
-                else:
-                    values[f.name] = int(raw) if f.type in ("int", int) else float(raw)
-        except KeyError as err:
-            raise ProtocolError(f"{where}: protocol {name!r} lacks field {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
-            raise ProtocolError(f"{where}: protocol {name!r} has a malformed field "
-                                f"({err})") from None
+        for f in _REQUIRED:
+            raw, label = data[f], f"{where}: {name}.{f}"
+            if f in _DIRECTIONS:
+                if not isinstance(raw, Mapping) or set(raw) != {"fixed", "per_object",
+                                                                "per_content"}:
+                    raise ProtocolError(f"{label} must be an object of 'fixed', 'per_object' "
+                                        f"and 'per_content' (numbers), got {raw!r}")
+                values[f] = Direction(*(_finite(f"{label}.{k}", raw[k])
+                                        for k in ("fixed", "per_object", "per_content")))
+            elif f == "server_measured":
+                if not isinstance(raw, bool):
+                    raise ProtocolError(f"{label} must be true or false, got {raw!r}")
+                values[f] = raw
+            elif f in _COUNTS:
+                if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+                    raise ProtocolError(f"{label} must be an integer >= 0, got {raw!r}")
+                values[f] = raw
+            else:
+                value = _finite(label, raw)
+                if value < 0:
+                    raise ProtocolError(f"{label} must be a number >= 0, got {raw!r}")
+                values[f] = value
+        for f in _TEXT_FIELDS:
+            values[f] = str(data.get(f, where if f == "source" else ""))
         return cls(**values)
 
 
@@ -153,24 +206,52 @@ def _finite(name: str, value: object) -> float:
     return float(value)
 
 
-def load_protocols(path: Path = PROTOCOLS_FILE) -> dict[str, ProtocolModel]:
-    """The protocol models of a JSON file (``{name: model}``).
+_DIRECTIONS = ("down_sent", "down_acks", "up_sent", "up_acks")
+_COUNTS = ("rpcs_down_fixed", "rpcs_up_fixed", "rpcs_per_object")
+_TEXT_FIELDS = ("source", "clock_source")
+#: Every field a profile in a JSON file must give (``source`` and ``clock_source`` optional).
+_REQUIRED = tuple(f.name for f in fields(ProtocolModel) if f.name not in ("name", *_TEXT_FIELDS))
+#: The named parts of a round's orchestration (module docstring), as ``rounds.csv`` splits it.
+ORCHESTRATION_PARTS = ("poll", "round_trips", "startup", "server")
+
+
+def load_protocols(path: str | Path = PROTOCOLS_FILE) -> dict[str, ProtocolModel]:
+    """The profiles of a JSON file: an object of profile name -> fields (keys starting with
+    ``_`` are comments).
 
     Raises
     ------
     ProtocolError
-        The file cannot be read, is not a JSON object, or a model is incomplete or out of range.
+        One line naming the file (and the profile and field): a missing or unreadable file,
+        text that is not a JSON object, a missing or unknown field, a negative, NaN or
+        non-numeric value.
     """
+    path = Path(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ProtocolError(f"{path}: cannot read the protocol models ({err.strerror})") from None
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise ProtocolError(f"{path}: cannot read the protocol profiles ({why})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ProtocolError(f"{path}: nests too deeply to be a file of protocol profiles") \
+            from None
     except ValueError as err:
-        raise ProtocolError(f"{path}: not a JSON object of protocol models ({err})") from None
-    if not isinstance(data, dict):
-        raise ProtocolError(f"{path}: expected a JSON object of protocol name -> model")
+        raise ProtocolError(f"{path}: not a JSON object of protocol profiles ({err})") from None
+    profiles = {k: v for k, v in data.items() if not k.startswith("_")} \
+        if isinstance(data, dict) else {}
+    if not profiles:
+        raise ProtocolError(f"{path}: expected a JSON object of profile name -> fields (the "
+                            f"form of simulations/netem/protocols.json), got "
+                            f"{type(data).__name__ if not isinstance(data, dict) else 'none'}")
     return {name: ProtocolModel.from_dict(name, spec, str(path))
-            for name, spec in data.items() if not name.startswith("_")}
+            for name, spec in profiles.items()}
+
+
+def _refuse_constant(name: str) -> float:
+    # JSON has no NaN or Infinity; Python's parser accepts them unless told not to.
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def message_objects(arrays: Iterable[int], records: int) -> int:
@@ -221,20 +302,19 @@ def calibrate(name: str, ledgers: Sequence[Mapping[str, Any]],
     """
     down_sent, down_acks, up_sent, up_acks = [], [], [], []
     rpcs_down, rpcs_up = [], []
+    per_object = 1 if name.startswith("supernode") else 0  # a PullObject/PushObject per object
     for ledger in ledgers:
         for m in ledger.get("messages", []):
             if m["kind"] == "train-down":
                 c = m["content"]["down"]
                 down_sent.append((m["objects"], c, m["bytes"]["down"]))
                 down_acks.append((m["objects"], c, m["bytes"]["up"]))
-                rpcs_down.append(m["rpcs"] - (m["objects"] if name.startswith("supernode")
-                                              else 0))
+                rpcs_down.append(m["rpcs"] - m["objects"] * per_object)
             elif m["kind"] == "train-up":
                 c = m["content"]["up"]
                 up_sent.append((m["objects"], c, m["bytes"]["up"]))
                 up_acks.append((m["objects"], c, m["bytes"]["down"]))
-                rpcs_up.append(m["rpcs"] - (m["objects"] if name.startswith("supernode")
-                                            else 0))
+                rpcs_up.append(m["rpcs"] - m["objects"] * per_object)
     if not down_sent or not up_sent:
         raise ProtocolError(f"calibrating {name!r}: the ledgers hold no train message in both "
                             f"directions")
@@ -259,11 +339,16 @@ def calibrate(name: str, ledgers: Sequence[Mapping[str, Any]],
         down_acks=_fit(down_acks, PER_CONTENT_ACKS), up_sent=_fit(up_sent, PER_CONTENT_SENT),
         up_acks=_fit(up_acks, PER_CONTENT_ACKS),
         rpcs_down_fixed=round(float(np.median(rpcs_down))),
-        rpcs_up_fixed=round(float(np.median(rpcs_up))),
+        rpcs_up_fixed=round(float(np.median(rpcs_up))), rpcs_per_object=per_object,
         poll_interval_s=poll[0], poll_bytes_up=poll[1], poll_bytes_down=poll[2],
         heartbeat_interval_s=heartbeat[0], heartbeat_bytes_up=heartbeat[1],
         heartbeat_bytes_down=heartbeat[2],
         clientapp_startup_s=float(np.median(startup)) if startup else 0.0,
         server_s=float(np.median(server)) if server else 0.0,
+        # The fitted server time is the calibration run's wall time (its evaluation and the
+        # machine's load included): charged as it is, not measured again.
+        server_measured=False,
         source=f"fit over {len(ledgers)} captured runs ({len(down_sent)} messages down, "
-               f"{len(up_sent)} up)")
+               f"{len(up_sent)} up)",
+        clock_source=f"fit over {len(later)} captured rounds after the first (wall seconds of "
+                     f"the machine that ran them)" if later else "")

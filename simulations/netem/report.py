@@ -1,17 +1,21 @@
 """Reports of emulated runs: accuracy against virtual time, time to accuracy, drops, bytes.
 
-``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...] [--target ACC]``
-plots accuracy against cumulative virtual seconds for each run (e.g. dense FedAvg and DGC under
-a mobile mix) with the target accuracy as a line, accuracy against cumulative joules (runs with
-the emulator's energy accounting), the per-round virtual duration, the updates not aggregated by
-cause (drops, and the surplus of over-selection) and MB up, down and in total, as payload and on
-the wire, titled with the methods, scenario and links; and prints the time-to-accuracy table
-(target: the first run's final accuracy unless ``--target``), whose virtual seconds are the run's
-total, as the progress line's ``total``, with payload and link bytes both ways, each with its
-ratio to dense (the run of method ``dense`` among them, else dense FedAvg for the run's own
-client-rounds), and joules per client-round and to the target
-(:mod:`simulations.netem.wire_columns`; link bytes count Flower's protocol with
-``netem.protocol``).
+``python -m simulations.netem.report OUT.png NAME=RUN_DIR [NAME=RUN_DIR ...]
+[--set netem.target_accuracy=ACC]`` plots accuracy against cumulative virtual seconds for each
+run (e.g. dense FedAvg and DGC under a mobile mix) with the target accuracy as a line, accuracy
+against cumulative joules (runs with the emulator's energy accounting), the per-round virtual
+duration, the updates not aggregated by cause (drops, and the surplus of over-selection) and
+MB up, down and in total, as payload and on the wire, titled with the methods, scenario and
+links; and prints the time-to-accuracy table, whose virtual seconds are the run's total, as the
+progress line's ``total``, with payload and link bytes both ways, each with its ratio to dense
+(the run of method ``dense`` among them, else dense FedAvg for the run's own client-rounds),
+and joules per client-round, and the virtual seconds, wire bytes and joules to the target
+(:mod:`simulations.netem.target`; link bytes count Flower's protocol with ``netem.protocol``).
+
+The target is the one key of every reading, ``netem.target_accuracy``: as given with ``--set``,
+else as the runs were made with (their ``summary.json``), else derived (0): the dense run's
+last-10 accuracy (the first run's without one). A cell with no value says so in words
+("not reached", "n/a"), never ``nan``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from fedgc.methods import baseline  # noqa: E402
 from server.results import read_rounds  # noqa: E402
 from simulations.netem.errors import NetemError  # noqa: E402
+from simulations.netem.target import (  # noqa: E402
+    NOT_REACHED,
+    TARGET_KEY,
+    derived_target,
+    reach_target,
+    target_of,
+)
+from simulations.netem.target import virtual_times as target_times  # noqa: E402
 from simulations.plots import (  # noqa: E402
     integer_rounds,
     legend_below,
@@ -50,23 +62,18 @@ SURPLUS = "clients_surplus"
 
 
 def virtual_times(rows: Sequence[Mapping[str, float]]) -> list[float]:
-    """Cumulative virtual seconds at the end of each round."""
-    out, t = [], 0.0
-    for r in rows:
-        if "virtual_seconds" not in r:
-            raise NetemError("rounds.csv has no virtual_seconds column: the run was not "
-                             "emulated (set netem.enabled=true)")
-        t += r["virtual_seconds"]
-        out.append(t)
-    return out
+    """Cumulative virtual seconds at the end of each round (a run not emulated is an error)."""
+    if any("virtual_seconds" not in r for r in rows):
+        raise NetemError("rounds.csv has no virtual_seconds column: the run was not "
+                         "emulated (set netem.enabled=true)")
+    return target_times(rows)
 
 
 def time_to_accuracy(rows: Sequence[Mapping[str, float]], target: float) -> float | None:
     """Virtual seconds until the accuracy first reached ``target`` (None: never)."""
-    for t, r in zip(virtual_times(rows), rows, strict=True):
-        if math.isfinite(r["accuracy"]) and r["accuracy"] >= target:
-            return t
-    return None
+    virtual_times(rows)
+    reached = reach_target(rows, target)
+    return reached.virtual_s if reached else None
 
 
 def _has(rows: Sequence[Mapping[str, float]], column: str) -> bool:
@@ -88,21 +95,21 @@ def cumulative_joules(rows: Sequence[Mapping[str, float]]) -> list[float] | None
 
 def energy_to_accuracy(rows: Sequence[Mapping[str, float]], target: float) -> float | None:
     """Joules until the accuracy first reached ``target`` (None: never, or not recorded)."""
-    joules = cumulative_joules(rows)
-    if joules is None:
-        return None
-    for j, r in zip(joules, rows, strict=True):
-        if math.isfinite(r["accuracy"]) and r["accuracy"] >= target:
-            return j
-    return None
+    reached = reach_target(rows, target)
+    return reached.joules if reached else None
 
 
-def _method_of(run_dir: str | Path) -> str:
+def _summary_of(run_dir: str | Path) -> dict:
+    """A run's ``summary.json`` ({} when it has none or it is unreadable)."""
     try:
         summary = json.loads(Path(run_dir, "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return ""
-    return str(summary.get("method", "")) if isinstance(summary, dict) else ""
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def _method_of(run_dir: str | Path) -> str:
+    return str(_summary_of(run_dir).get("method", ""))
 
 
 #: The traffic columns of the table: (key, rounds.csv columns summed, dense columns summed).
@@ -114,11 +121,31 @@ TRAFFIC = (("uplink", ("uplink_bytes",), ("dense_uplink_bytes",)),
             ("dense_wire_uplink_bytes", "dense_wire_downlink_bytes")))
 
 
+def run_target(runs: Mapping[str, str | Path], target: float | None = None
+               ) -> tuple[float, str]:
+    """``(target accuracy, where it comes from)`` for ``runs`` (name -> folder): ``target``
+    when given (> 0), else the ``netem.target_accuracy`` the runs were made with
+    (:func:`simulations.netem.target.target_of`), else derived
+    (:func:`simulations.netem.target.derived_target`)."""
+    if target is not None and target > 0:
+        return target, TARGET_KEY
+    try:
+        given = target_of({name: _summary_of(d) for name, d in runs.items()})
+    except ValueError as ex:
+        raise NetemError(str(ex)) from None
+    if given > 0:
+        return given, f"{TARGET_KEY} of the runs"
+    dense = next((n for n, d in runs.items() if _method_of(d) == baseline()), None)
+    value, how = derived_target({n: read_rounds(Path(d)) for n, d in runs.items()}, dense)
+    return value, f"derived: {how}"
+
+
 def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
                    ) -> dict[str, dict[str, float | None]]:
-    """Per run: final accuracy, virtual seconds, time to ``target``, drops, payload bytes and
-    (runs that recorded them) link bytes both ways, each with its ratio to dense, and joules
-    per client-round, in all and to ``target``.
+    """Per run: final accuracy, virtual seconds, the target (:func:`run_target`) and what the
+    run spent to reach it (virtual seconds, wire bytes, joules), drops, payload bytes and (runs
+    that recorded them) link bytes both ways, each with its ratio to dense, and joules per
+    client-round and in all.
 
     A ratio to dense (``<traffic>_vs_dense``) is the bytes of the baseline method's run (dense)
     among ``runs`` over this run's; without one, what dense FedAvg would have sent for the
@@ -126,9 +153,7 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
     """
     table: dict[str, dict[str, float | None]] = {}
     rows_of = {name: read_rounds(Path(d)) for name, d in runs.items()}
-    if target is None:
-        first = next(iter(rows_of.values()))
-        target = first[-1]["accuracy"]
+    target, _ = run_target(runs, target)
     dense_run = next((n for n, d in runs.items() if _method_of(d) == baseline()), None)
 
     def total(rows: Sequence[Mapping[str, float]], columns: Sequence[str]) -> float | None:
@@ -139,12 +164,14 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
     for name, rows in rows_of.items():
         joules = cumulative_joules(rows)
         client_rounds = total(rows, ("client_rounds",))
+        reached = reach_target(rows, target)
         table[name] = {
             "final_accuracy": rows[-1]["accuracy"],
             "rounds": len(rows),
             "virtual_seconds": virtual_times(rows)[-1],
             "target_accuracy": target,
-            "virtual_seconds_to_target": time_to_accuracy(rows, target),
+            "virtual_seconds_to_target": reached.virtual_s if reached else None,
+            "wire_bytes_to_target": reached.wire_bytes if reached else None,
             "dropped_deadline": sum(r["dropped_deadline"] for r in rows),
             "dropped_link": sum(r["dropped_link"] for r in rows),
             "dropped_rejected": sum(r["dropped_rejected"] for r in rows),
@@ -152,7 +179,7 @@ def summarize_runs(runs: Mapping[str, str | Path], target: float | None = None
             "joules_per_client_round": (sum(r["joules"] for r in rows) / client_rounds
                                         if joules is not None and client_rounds else None),
             "joules_total": joules[-1] if joules else None,
-            "joules_to_target": energy_to_accuracy(rows, target),
+            "joules_to_target": reached.joules if reached else None,
         }
         for key, columns, dense in TRAFFIC:
             sent = total(rows, columns)
@@ -266,22 +293,34 @@ def _grouped_bars(ax: Axes, names: Sequence[str], values: Sequence[Sequence[floa
 
 
 def table_text(table: Mapping[str, Mapping[str, float | None]]) -> str:
-    """The printed time-to-accuracy table: accuracy, time, drops, surplus, payload and wire MB
-    both ways with their ratios to dense, joules per client-round and to the target."""
-    def cell(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
-        return "-" if value is None or not math.isfinite(value) else f"{value / scale:.{digits}f}"
+    """The printed time-to-accuracy table: accuracy, time, what each run spent to the target
+    (virtual seconds, wire MB, joules), drops, surplus, payload and wire MB both ways with their
+    ratios to dense, joules per client-round. No cell says ``nan``: a run that never reached
+    the target says "not reached", a value it did not record "n/a"."""
+    def cell(value: float | None, scale: float = 1.0, digits: int = 2, missing: str = "n/a"
+             ) -> str:
+        return missing if value is None or not math.isfinite(value) \
+            else f"{value / scale:.{digits}f}"
+
+    def to_target(r: Mapping[str, float | None], key: str, scale: float, digits: int) -> str:
+        if r["virtual_seconds_to_target"] is None:
+            return NOT_REACHED
+        return cell(r[key], scale, digits)
 
     head = (f"{'run':<12} {'final acc':>9} {'rounds':>6} {'virtual s total':>15} "
-            f"{'s to target':>12} {'deadline':>8} {'link':>5} {'rejected':>8} {'surplus':>7} "
+            f"{'s to target':>12} {'wire MB to tgt':>14} {'J to target':>12} "
+            f"{'deadline':>8} {'link':>5} {'rejected':>8} {'surplus':>7} "
             f"{'up MB':>8} {'x dense':>7} {'down MB':>8} {'x dense':>7} "
             f"{'wire up':>8} {'x dense':>7} {'wire dn':>8} {'x dense':>7} {'x total':>7} "
-            f"{'J/c-round':>9} {'J to tgt':>9}")
+            f"{'J/c-round':>9}")
     lines = [head]
     for name, r in table.items():
-        tt = r["virtual_seconds_to_target"]
         lines.append(
-            f"{name:<12} {r['final_accuracy']:9.4f} {r['rounds']:6.0f} "
-            f"{r['virtual_seconds']:15.1f} {'never' if tt is None else f'{tt:.1f}':>12} "
+            f"{name:<12} {cell(r['final_accuracy'], 1, 4):>9} {r['rounds']:6.0f} "
+            f"{cell(r['virtual_seconds'], 1, 1):>15} "
+            f"{to_target(r, 'virtual_seconds_to_target', 1, 1):>12} "
+            f"{to_target(r, 'wire_bytes_to_target', 1e6, 3):>14} "
+            f"{to_target(r, 'joules_to_target', 1, 0):>12} "
             f"{r['dropped_deadline']:8.0f} {r['dropped_link']:5.0f} "
             f"{r['dropped_rejected']:8.0f} {r['surplus']:7.0f} "
             f"{cell(r['uplink_bytes'], 1e6, 3):>8} "
@@ -291,8 +330,7 @@ def table_text(table: Mapping[str, Mapping[str, float | None]]) -> str:
             f"{cell(r['wire_uplink_vs_dense'], 1, 1):>7} {cell(r['wire_downlink_bytes'], 1e6):>8} "
             f"{cell(r['wire_downlink_vs_dense'], 1, 1):>7} "
             f"{cell(r['wire_total_vs_dense'], 1, 1):>7} "
-            f"{cell(r['joules_per_client_round'], 1, 1):>9} "
-            f"{cell(r['joules_to_target'], 1, 0):>9}")
+            f"{cell(r['joules_per_client_round'], 1, 1):>9}")
     return "\n".join(lines)
 
 
@@ -302,9 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("out", help="PNG file to write")
     p.add_argument("runs", nargs="+", metavar="NAME=RUN_DIR")
-    p.add_argument("--target", type=float, default=None,
-                   help="accuracy for the time-to-accuracy column (default: the first run's "
-                        "final accuracy)")
+    p.add_argument("--set", action="append", default=[], metavar=f"{TARGET_KEY}=ACC",
+                   help="the target accuracy of the 'to target' columns (default: the key the "
+                        "runs were made with, else the dense run's last-10 accuracy, else the "
+                        "first run's)")
     p.add_argument("--title", default="")
     args = p.parse_args(argv)
     runs = {}
@@ -315,15 +354,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         runs[name] = path
     try:
-        table = summarize_runs(runs, args.target)
-        plot_virtual_time(runs, args.out, args.title,
-                          next(iter(table.values()))["target_accuracy"])
+        target = _target_set(args.set)
+        value, how = run_target(runs, target)
+        table = summarize_runs(runs, value)
+        plot_virtual_time(runs, args.out, args.title, value)
     except NetemError as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2
     print(table_text(table))
-    print(f"target accuracy {next(iter(table.values()))['target_accuracy']:.4f}; plot: {args.out}")
+    print(f"target accuracy {value:.4f} ({how}); plot: {args.out}")
     return 0
+
+
+def _target_set(items: Sequence[str]) -> float | None:
+    """The value of ``--set netem.target_accuracy=ACC`` (None when not given); any other key,
+    or a value outside (0, 1], is a NetemError naming it."""
+    target = None
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key.strip() != TARGET_KEY or not sep:
+            raise NetemError(f"--set takes {TARGET_KEY}=ACC only (the report reads finished "
+                             f"runs), got {item!r}")
+        try:
+            target = float(value)
+        except ValueError:
+            target = math.nan
+        if not 0 < target <= 1:
+            raise NetemError(f"{TARGET_KEY} must be an accuracy in (0, 1], got {value!r}")
+    return target
 
 
 if __name__ == "__main__":

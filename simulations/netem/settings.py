@@ -10,6 +10,7 @@ every key.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from fedgc.schema import to_flat
 from fedgc.settings import (
     Check,
     SettingsError,
@@ -49,6 +51,14 @@ ROUND_START_KEY = "netem.round_start_s"
 #: The link preset ``netem.mix`` may name when ``netem.trace_down`` and ``netem.trace_up`` are
 #: set: a link that replays those trace files.
 TRACE_PRESET = "trace"
+#: The profile charged when the emulator is on and ``netem.protocol`` is not given: a phone
+#: through fedgc's bridge (docs/netem.md, "A round's time from its causes").
+DEFAULT_PROTOCOL = "bridge-tls"
+#: ``netem.protocol``'s value for the payload alone: no protocol bytes, no orchestration.
+NO_PROTOCOL = "none"
+#: Keys that override a part of the profile (``netem.x`` -> the profile's field).
+PROFILE_KEYS = {"poll_interval_s": "poll_interval_s", "app_startup_s": "clientapp_startup_s",
+                "server_measured": "server_measured", "server_s": "server_s"}
 
 
 def _fraction() -> Check:
@@ -96,9 +106,12 @@ class NetemSettings:
     local_samples: int = setting(0, "netem.local_samples", "samples trained per round instead "
                                  "(local steps times batch size); 0 = num-examples * "
                                  "local_epochs", Check(0))
-    target_accuracy: float = setting(0.0, "netem.target_accuracy", "accuracy for "
-                                     "virtual_seconds_to_target in summary.json; 0 = none",
-                                     _fraction())
+    target_accuracy: float = setting(0.0, "netem.target_accuracy", "the accuracy of 'to "
+                                     "target' (virtual seconds, wire bytes, joules) in "
+                                     "summary.json, compare and the report; 0 = derived: in "
+                                     "compare and the report dense FedAvg's last-10 accuracy "
+                                     "(the first run's without a dense run), none in a "
+                                     "single run", _fraction())
     stale_policy: str = setting("keep", "netem.stale_policy", "what happens to the residual of "
                                 "a client away for rounds (simulations.netem.staleness)",
                                 Check(choices=STALE_POLICIES))
@@ -116,11 +129,35 @@ class NetemSettings:
     trace_latency_ms: float = setting(50.0, "netem.trace_latency_ms", "round-trip latency of "
                                       "the 'trace' link preset (the traces carry throughput "
                                       "only)", Check(0.0))
-    protocol: str = setting("none", "netem.protocol", "what the protocol adds on the wire and "
-                            "the clock (simulations.netem.protocol, calibrated from captured "
-                            "deployments): none (the payload only), supernode, supernode-tls, "
-                            "supernode-tls-phone (deploy --phone-settings) or bridge-tls (the "
-                            "phone bridge)")
+    protocol: str = setting(DEFAULT_PROTOCOL, "netem.protocol", "the profile charged on the "
+                            "wire and the clock (docs/netem.md, 'A round's time from its "
+                            "causes'): bridge-tls "
+                            "(a phone through fedgc's bridge: held call, resident app), "
+                            "supernode, supernode-tls, supernode-tls-phone (a Flower SuperNode: "
+                            "a poll wait, a ClientApp process per message), "
+                            "supernode-tls-devbox (the 2-core development machine's fit of "
+                            "2026-12-04), a JSON file of one profile (the form of "
+                            "simulations/netem/protocols.json), or none (the payload only, "
+                            "no orchestration)")
+    poll_interval_s: float | None = setting(None, "netem.poll_interval_s", "a node's poll "
+                                            "interval: a message waits uniform [0, interval) "
+                                            "for the next poll; 0 = a held call; empty = the "
+                                            "profile's", Check(0.0))
+    app_startup_s: float | None = setting(None, "netem.app_startup_s", "an app's start-up per "
+                                          "message on the round's path (a ClientApp process); "
+                                          "0 = a resident app; empty = the profile's",
+                                          Check(0.0))
+    server_measured: bool | None = setting(None, "netem.server_measured", "charge the "
+                                           "server's work in the round's path (aggregation, "
+                                           "the downlink's encoding) as measured in the run "
+                                           "(the server thread's CPU seconds); empty = the "
+                                           "profile's")
+    server_s: float | None = setting(None, "netem.server_s", "fixed server seconds per round, "
+                                     "on top of the measured work; empty = the profile's",
+                                     Check(0.0))
+    server_eval: bool = setting(False, "netem.server_eval", "with the server's work measured: "
+                                "its central evaluation (for the report) on the clock too, "
+                                "charged to the next round; false = off the clock")
     power_model: str = setting("", "netem.power_model", "JSON file of radio power models "
                                "laid over the presets (simulations.netem.energy: lte, 3g, "
                                "wifi from Huang et al., MobiSys 2012); empty = the presets")
@@ -163,14 +200,25 @@ class NetemSettings:
             trace_file(PREFIX + k, getattr(self, k))
 
     def protocol_model(self) -> ProtocolModel | None:
-        """The calibrated protocol model (None for ``none``: payload bytes only)."""
-        if self.protocol == "none":
+        """The profile charged (None for ``none``: payload bytes only), with the parts the
+        ``netem.*`` keys set (:data:`PROFILE_KEYS`) laid over it."""
+        overrides = {field: getattr(self, key) for key, field in PROFILE_KEYS.items()
+                     if getattr(self, key) is not None}
+        if self.protocol == NO_PROTOCOL:
+            if overrides:
+                keys = ", ".join(PREFIX + k for k in PROFILE_KEYS if getattr(self, k) is not None)
+                raise SettingsError(f"{keys} set, but {PREFIX}protocol = {NO_PROTOCOL!r} charges "
+                                    f"the payload only; name a profile (e.g. "
+                                    f"{PREFIX}protocol={DEFAULT_PROTOCOL})")
             return None
-        models = _protocols()
-        if self.protocol not in models:
-            raise SettingsError(f"{PREFIX}protocol must be 'none' or one of {sorted(models)}, "
-                                f"got {self.protocol!r}")
-        return models[self.protocol]
+        return _profile(self.protocol, tuple(sorted(overrides.items())))
+
+    def profile_file(self) -> str:
+        """``netem.protocol`` as an absolute path when it names a file ("" for a profile of
+        fedgc's or ``none``): the clients read the file themselves."""
+        if self.protocol == NO_PROTOCOL or self.protocol in _protocols():
+            return ""
+        return os.path.abspath(self.protocol)
 
     def power_models(self) -> dict[str, RadioPowerModel]:
         """The radio power models: the presets, with ``power_model``'s file laid over them."""
@@ -210,8 +258,9 @@ class NetemSettings:
         return parse(cls, values)
 
     def to_config(self) -> dict[str, bool | int | float | str]:
-        """The ``netem.*`` keys, typed, for a Flower ConfigRecord."""
-        return {f.metadata["key"]: getattr(self, f.name) for f in fields_of(type(self))}
+        """The ``netem.*`` keys, typed, for a Flower ConfigRecord (a key left to the profile
+        is "")."""
+        return to_flat(self)
 
     @property
     def deadline(self) -> float:
@@ -242,6 +291,21 @@ class NetemSettings:
                       link_presets=self.link_presets())
 
 
+def profile_line(settings: NetemSettings) -> str:
+    """The charged profile in words, for a run's header and log: its name and orchestration
+    (``none``: the payload only)."""
+    model = settings.protocol_model()
+    if model is None:
+        return f"{NO_PROTOCOL} (the payload only: no protocol bytes, no orchestration)"
+    name = settings.protocol if settings.profile_file() == "" else \
+        f"{model.name} (from {settings.protocol})"
+    changed = [PREFIX + k for k in PROFILE_KEYS if getattr(settings, k) is not None]
+    return (f"{name}: {model.orchestration()}"
+            + (f" ({', '.join(changed)} set)" if changed else "")
+            + (", central evaluation on the clock" if settings.server_eval
+               and model.server_measured else ""))
+
+
 _ASSIGNMENTS: dict[tuple, Assignment] = {}
 
 
@@ -261,11 +325,57 @@ _TRACES: dict[tuple[str, int, int], Trace] = {}
 
 @lru_cache(maxsize=1)
 def _protocols() -> dict[str, ProtocolModel]:
-    """fedgc's calibrated protocol models (``protocols.json``), read once per process."""
+    """fedgc's profiles (``protocols.json``), read once per process."""
     try:
         return load_protocols()
     except ProtocolError as ex:
         raise SettingsError(f"{PREFIX}protocol: {ex}") from None
+
+
+def _profile(name: str, overrides: tuple[tuple[str, Any], ...]) -> ProtocolModel:
+    """Profile ``name`` (fedgc's, or a JSON file of one), with ``overrides`` laid over it."""
+    models = _protocols()
+    if name in models:
+        base = models[name]
+    else:
+        base = profile_file(name)
+    return dataclasses.replace(base, **dict(overrides)) if overrides else base
+
+
+_PROFILE_FILES: dict[tuple[str, int, int], ProtocolModel] = {}
+
+
+def profile_file(path: str) -> ProtocolModel:
+    """The one profile of JSON file ``path`` (cached per process while the file is unchanged);
+    a missing or unreadable file, bad JSON, a missing, unknown or negative field, or a file of
+    several profiles is a :class:`SettingsError` naming ``netem.protocol`` and the file."""
+    key = PREFIX + "protocol"
+    known = sorted(_protocols())
+    try:
+        stat = os.stat(path)
+    except OSError as ex:
+        raise SettingsError(f"{key} = {path!r} is neither {NO_PROTOCOL!r}, a profile of "
+                            f"fedgc's {known}, nor a readable file ({ex.strerror or ex})") \
+            from None
+    if not Path(path).is_file():
+        raise SettingsError(f"{key} = {path!r} is not a file; expected a JSON file of one "
+                            f"profile (the form of simulations/netem/protocols.json) or one "
+                            f"of {known}")
+    cache_key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    hit = _PROFILE_FILES.get(cache_key)
+    if hit is None:
+        try:
+            profiles = load_protocols(path)
+        except ProtocolError as ex:
+            raise SettingsError(f"{key} = {path!r}: {ex}") from None
+        if len(profiles) != 1:
+            raise SettingsError(f"{key} = {path!r} holds {len(profiles)} profiles "
+                                f"({sorted(profiles)}); keep the one to charge in the file")
+        (hit,) = profiles.values()
+        if len(_PROFILE_FILES) >= 8:
+            _PROFILE_FILES.pop(next(iter(_PROFILE_FILES)))
+        _PROFILE_FILES[cache_key] = hit
+    return hit
 
 
 def trace_file(key: str, path: str) -> Trace:

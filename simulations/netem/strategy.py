@@ -15,20 +15,34 @@ bytes both ways and reports the client's timeline. ``aggregate_train`` then
    and the round's time split (:class:`~simulations.netem.wire_columns.WireColumns`), through
    the server's extension point (:mod:`server.extensions`); the stragglers that came in time
    but after the K-th are over-selection's surplus (``clients_surplus``), not drops; and
-   advances the virtual clock to the round's close (plus the server's own time, with
-   ``netem.protocol``).
+   advances the virtual clock to the round's close.
+
+The server's own time in a round (the profile's ``server`` part, :mod:`simulations.netem.protocol`)
+is its work in the round's path as this run measures it: the CPU seconds of the server's thread
+(``time.thread_time``: neither the machine's load nor a simulation engine's other threads count)
+in ``configure_train`` (sampling, the downlink's patches) and in ``aggregate_train`` (decoding,
+checks, aggregation, the server step and the broadcast's compression) up to the round's
+record, plus, with ``netem.server_eval``, the previous round's central evaluation (it delays
+this round), plus the profile's fixed ``server_s``. A round's ``virtual_seconds`` is its
+clients' part (from its start to its close) plus that server time. The links' processes
+(outages, traces) run on a clock without the measured part: it varies from run to run with the
+machine, and a link clock that does not see it keeps a run's drops, bytes and accuracy
+reproducible from its seeds (the on/off chains are stationary, so leaving the server's seconds
+out of their time changes none of their statistics).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from logging import INFO
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from fedgc import protocol as P
@@ -38,7 +52,14 @@ from server.replies import CheckedReply
 from server.strategy import DGCStrategy
 from simulations.netem.clock import REASON_STRAGGLER, ClientTimeline, RoundClock, RoundOutcome
 from simulations.netem.mod import timeline_from_reply
-from simulations.netem.settings import PREFIX, ROUND_KEY, ROUND_START_KEY, NetemSettings
+from simulations.netem.settings import (
+    PREFIX,
+    ROUND_KEY,
+    ROUND_START_KEY,
+    NetemSettings,
+    profile_line,
+)
+from simulations.netem.target import reach_target
 from simulations.netem.wire_columns import WireColumns
 
 
@@ -65,6 +86,7 @@ class NetemColumns(RoundExtension):
         as failed. Every other drop is a failure: ``dropped`` with its cause.
         """
         outcome = self.strategy.outcomes[record.round]
+        server_s = self.strategy.round_server_s(record.round)
         rejected = self.strategy.rejected_finish
         for row in rows:
             why = outcome.dropped.get(row.client_key)
@@ -79,7 +101,7 @@ class NetemColumns(RoundExtension):
                 row.status, row.reason = "dropped", "deadline"
         record.clients_surplus = sum(row.status == "surplus" for row in rows)
         return Added({
-            "virtual_seconds": outcome.virtual_seconds + self.strategy.server_s,
+            "virtual_seconds": outcome.virtual_seconds + server_s,
             "dropped_deadline": outcome.dropped_deadline + sum(
                 t > outcome.end_s for t in rejected.values()),
             "dropped_link": outcome.dropped_link,
@@ -91,16 +113,15 @@ class NetemColumns(RoundExtension):
             return sum(r.extra.get(name, 0) for r in rounds)
 
         target = self.strategy.target_accuracy
-        to_target: float | None = None
-        if target > 0:
-            elapsed = 0.0
-            for r in rounds:
-                elapsed += r.extra.get("virtual_seconds", 0.0)
-                if math.isfinite(r.accuracy) and r.accuracy >= target:
-                    to_target = elapsed
-                    break
+        reached = reach_target([{"accuracy": r.accuracy, **r.extra} for r in rounds],
+                               target) if target > 0 else None
         return {"virtual_seconds": total("virtual_seconds"),
-                "virtual_seconds_to_target": to_target, "target_accuracy": target or None,
+                "target_accuracy": target or None,
+                "virtual_seconds_to_target": reached.virtual_s if reached else None,
+                "round_to_target": reached.row if reached else None,
+                "wire_bytes_to_target": reached.wire_bytes if reached else None,
+                "joules_to_target": reached.joules if reached else None,
+                "server_seconds": total("round_server_s"),
                 "dropped_deadline": total("dropped_deadline"),
                 "dropped_link": total("dropped_link"),
                 "dropped_rejected": total("dropped_rejected"),
@@ -121,8 +142,8 @@ class NetemStrategy(DGCStrategy):
     netem : NetemSettings
         The scenario (links, devices, deadline); sent to every client with each train message.
     target_accuracy : float (default: 0.0)
-        When > 0, the summary reports the virtual seconds until the global model first reached
-        it (``virtual_seconds_to_target``).
+        When > 0, the summary reports the virtual seconds, wire bytes and joules until the
+        global model first reached it (:mod:`simulations.netem.target`).
     *args, **kwargs
         What :class:`server.strategy.DGCStrategy` takes (``settings``, ``method``,
         ``on_round``, ``extensions``).
@@ -140,17 +161,38 @@ class NetemStrategy(DGCStrategy):
         self.netem = netem
         self.target_accuracy = float(target_accuracy)
         self.clock = RoundClock(self.clients_per_round, netem.deadline, self.over_selection)
+        self.profile = netem.protocol_model()
+        # The links' clock: the clients' part of every round and the profile's fixed server
+        # seconds, never the measured ones (module docstring).
         self.virtual_now_s = 0.0
+        # The server's work measured this round so far (CPU seconds), and each finished
+        # round's server seconds as charged.
+        self._work_s = 0.0
+        self._work_started: float | None = None
+        self._eval_s = 0.0
+        self.server_seconds: dict[int, float] = {}
         self.outcomes: dict[int, RoundOutcome] = {}
         # This round's replies that failed validation: client key -> when they finished.
         self.rejected_finish: dict[int, float] = {}
 
     @property
     def server_s(self) -> float:
-        """The server's own seconds between rounds, as the protocol's calibration measured
-        them (0 without ``netem.protocol``)."""
-        proto = self.netem.protocol_model()
-        return proto.server_s if proto is not None else 0.0
+        """The profile's fixed server seconds per round (0 without a profile)."""
+        return self.profile.server_s if self.profile is not None else 0.0
+
+    def round_server_s(self, server_round: int) -> float:
+        """Round ``server_round``'s server seconds: the profile's fixed ones, plus (with
+        ``server_measured``) the work measured from its ``configure_train`` to now, inside its
+        ``aggregate_train`` (module docstring). The first call of a round fixes the value."""
+        if server_round not in self.server_seconds:
+            work = self._work_s
+            if self._work_started is not None:
+                work += time.thread_time() - self._work_started
+            measured = self.profile is not None and self.profile.server_measured
+            self.server_seconds[server_round] = self.server_s + (work if measured else 0.0)
+            for old in [r for r in self.server_seconds if r < server_round - 1]:
+                del self.server_seconds[old]
+        return self.server_seconds[server_round]
 
     def summary(self) -> None:
         """Log summary configuration of the strategy."""
@@ -158,12 +200,16 @@ class NetemStrategy(DGCStrategy):
         log(INFO, "\t├──> Network emulator: mix %s, %.0f%% intermittent (%s), deadline %s",
             n.mix, 100 * n.intermittent, n.outage_policy,
             f"{n.deadline_s:g} s" if n.deadline_s > 0 else "none")
+        log(INFO, "\t├──> Protocol profile: %s", profile_line(n))
         super().summary()
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         """DGCStrategy's messages, each told the scenario and the round's virtual start."""
+        started = time.thread_time()
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        # The previous round's evaluation (with netem.server_eval) delayed this one.
+        self._work_s, self._eval_s = time.thread_time() - started + self._eval_s, 0.0
         keys = {**self.netem.to_config(), ROUND_KEY: server_round,
                 ROUND_START_KEY: float(self.virtual_now_s)}
         for msg in messages:
@@ -175,6 +221,7 @@ class NetemStrategy(DGCStrategy):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Close the round on the virtual clock, then aggregate the first K valid finishers."""
+        self._work_started = time.thread_time()
         start_s = self.virtual_now_s
         arrived: list[tuple[Message, ClientTimeline]] = []
         others: list[Message] = []  # errors and replies without a timeline: DGCStrategy decides
@@ -209,7 +256,7 @@ class NetemStrategy(DGCStrategy):
             timelines.append(tl)
         outcome = self.clock.close(server_round, start_s, timelines)
         self.wire.take(server_round, [(tl.client_id, m) for m, tl in arrived],
-                       outcome.virtual_seconds + self.server_s)
+                       outcome.virtual_seconds)
         in_time_rejected = [c for c, t in rejected.values() if t <= outcome.end_s]
         self.outcomes[server_round] = outcome
         self.rejected_finish = {k: t for k, (_, t) in rejected.items()}
@@ -219,8 +266,7 @@ class NetemStrategy(DGCStrategy):
         forwarded = ([valid[k] for k in outcome.aggregated] + in_time_rejected
                      + checked[len(finished):] + ignored)
         arrays, metrics = self.aggregate_checked(server_round, forwarded, processed=computed)
-        # The server's own work between rounds (aggregation, evaluation, scheduling), as the
-        # protocol's calibration measured it.
+        self._work_started = None
         self.virtual_now_s = outcome.end_s + self.server_s
         added = self.round_record.extra
         log(INFO, "netem: round %d took %.1f virtual s; dropped %d deadline, %d link, %d "
@@ -228,6 +274,29 @@ class NetemStrategy(DGCStrategy):
             added["dropped_deadline"], added["dropped_link"], added["dropped_rejected"],
             self.round_record.clients_surplus)
         return arrays, metrics
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3,
+              timeout: float = 3600, train_config: ConfigRecord | None = None,
+              evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              ) -> Result:
+        """DGCStrategy's loop; with ``netem.server_eval`` (and the server's work measured) the
+        central evaluation is timed and charged to the next round (module docstring)."""
+        charged = (evaluate_fn is not None and self.netem.server_eval
+                   and self.profile is not None and self.profile.server_measured)
+        if charged:
+            evaluate = evaluate_fn
+
+            def timed(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+                started = time.thread_time()
+                try:
+                    return evaluate(server_round, arrays)
+                finally:
+                    self._eval_s += time.thread_time() - started
+
+            evaluate_fn = timed
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config,
+                             evaluate_config, evaluate_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """DGCStrategy's state plus the virtual clock."""

@@ -13,12 +13,14 @@ processor spent. :class:`WireColumns` (a :class:`server.extensions.RoundExtensio
   links for the same client-rounds (``dense_wire_*``) and their ratios
   (``wire_*_compression``), the idle nodes' traffic, the joules of the clients that worked and
   of the idle nodes, and the round's compute / transfer / orchestration split (the client whose
-  reply came last, the server's own time counted as orchestration);
+  reply came last, the server's own time counted as orchestration), with the orchestration's
+  named parts (``round_poll_s``, ``round_trips_s``, ``round_startup_s``, ``round_server_s``);
 - ``clients.csv``: each client's link preset, its link bytes both ways and its joules (radio
   and compute; ``radio_joules`` the radio's part);
 - ``summary.json``: the same totals with their ratios (``wire_total_compression``, ...), per
-  client-round means, ``joules_per_client_round``, ``joules_total`` and ``joules_to_target``,
-  and a ``wire`` entry with the protocol and the round split.
+  client-round means, ``joules_per_client_round`` and ``joules_total`` (what a run spent to its
+  target accuracy is :mod:`simulations.netem.target`'s, in the emulator's summary), and a
+  ``wire`` entry with the protocol, its profile in words and the round split.
 
 Dense FedAvg's link bytes for a client-round: with a protocol model, what it charges for the
 dense model down and a dense float32 update up (one Array per tensor, as Flower ships a
@@ -40,8 +42,13 @@ from server.records import ClientRow, RoundRecord
 from server.results import traffic
 from simulations.netem.energy import LINK_RADIO, RadioPowerModel, Transfer, radio_energy
 from simulations.netem.mod import reply_metrics
-from simulations.netem.protocol import ProtocolModel, message_objects
-from simulations.netem.settings import NetemSettings, assignment_for, parse_fractions
+from simulations.netem.protocol import ORCHESTRATION_PARTS, ProtocolModel, message_objects
+from simulations.netem.settings import (
+    NetemSettings,
+    assignment_for,
+    parse_fractions,
+    profile_line,
+)
 
 if TYPE_CHECKING:
     from simulations.netem.strategy import NetemStrategy
@@ -76,6 +83,9 @@ class WireColumns(RoundExtension):
         Column("joules", "energy/joules", "{:7.1f} J"), Column("idle_joules", "energy/idle_joules"),
         Column("client_rounds"),
         Column("round_compute_s"), Column("round_transfer_s"), Column("round_orchestration_s"),
+        # The orchestration's named parts (simulations.netem.protocol.ORCHESTRATION_PARTS).
+        Column("round_poll_s"), Column("round_trips_s"), Column("round_startup_s"),
+        Column("round_server_s"),
     )
 
     def __init__(self, strategy: NetemStrategy) -> None:
@@ -100,6 +110,8 @@ class WireColumns(RoundExtension):
     def after_round(self, record: RoundRecord, rows: list[ClientRow]) -> Added:
         """The round's wire, energy and time columns (module docstring)."""
         per_client, round_s = self._taken.pop(record.round, ({}, 0.0))
+        server_s = self.strategy.round_server_s(record.round)
+        round_s += server_s
         proto = self.strategy.netem.protocol_model()
         sums = dict.fromkeys(_SUMS, 0.0)
         clients: dict[int, dict[str, int | float | str]] = {}
@@ -124,7 +136,6 @@ class WireColumns(RoundExtension):
                                 "wire_downlink_bytes": int(v.get("link_down_bytes", 0)),
                                 "joules": v.get("radio_j", 0.0) + v.get("compute_j", 0.0),
                                 "radio_joules": v.get("radio_j", 0.0)}
-        server_s = proto.server_s if proto is not None else 0.0
         idle_node_s = max(0.0, self.strategy.netem.num_clients * round_s - busy_s)
         up_rate, down_rate, watts = idle_rates(self.strategy.netem)
         values: dict[str, int | float] = {
@@ -146,6 +157,10 @@ class WireColumns(RoundExtension):
             "round_compute_s": last.get("compute_s", 0.0),
             "round_transfer_s": last.get("transfer_s", 0.0),
             "round_orchestration_s": last.get("orchestration_s", 0.0) + server_s,
+            "round_poll_s": last.get("poll_s", 0.0),
+            "round_trips_s": last.get("round_trips_s", 0.0),
+            "round_startup_s": last.get("startup_s", 0.0),
+            "round_server_s": server_s,
             # Kept for the summary's per client-round payload (rounds.csv has the core's).
             "payload_up_bytes": round(sums["payload_up_bytes"]),
             "payload_down_bytes": round(sums["payload_down_bytes"]),
@@ -153,8 +168,8 @@ class WireColumns(RoundExtension):
         return Added(values, clients)
 
     def summary(self, rounds: Sequence[RoundRecord]) -> dict[str, Any]:
-        """Totals with their ratios to dense, per client-round means, joules in all and to the
-        target accuracy, and the ``wire`` entry (module docstring)."""
+        """Totals with their ratios to dense, per client-round means, joules in all, and the
+        ``wire`` entry (module docstring)."""
         def total(name: str) -> float:
             return sum(float(r.extra.get(name, 0.0)) for r in rounds)
 
@@ -165,19 +180,10 @@ class WireColumns(RoundExtension):
             round(total("dense_wire_uplink_bytes")),
             round(total("dense_wire_downlink_bytes"))).items()}
         joules = total("joules") + total("idle_joules")
-        target = self.strategy.target_accuracy
-        to_target: float | None = None
-        if target > 0:
-            spent = 0.0
-            for r in rounds:
-                spent += float(r.extra.get("joules", 0.0)) + float(r.extra.get("idle_joules", 0.0))
-                if math.isfinite(r.accuracy) and r.accuracy >= target:
-                    to_target = spent
-                    break
         # A deployment's first round carries start-up: the split is the mean of the others.
         later = [r for r in rounds if r.round > 1] or list(rounds)
-        split = {k: (sum(float(r.extra.get(f"round_{k}_s", 0.0)) for r in later) / len(later)
-                     if later else None) for k in ("compute", "transfer", "orchestration")}
+        split = {k: (sum(float(r.extra.get(column, 0.0)) for r in later) / len(later)
+                     if later else None) for k, column in SPLIT_COLUMNS.items()}
 
         def per(name: str) -> float | None:
             return total(name) / n if n else None
@@ -191,9 +197,9 @@ class WireColumns(RoundExtension):
                 link: (j / n_link if n_link else None)
                 for link, (j, n_link) in sorted(self.by_link.items())},
             "joules_total": joules,
-            "joules_to_target": to_target,
             "idle_joules": total("idle_joules"),
-            "wire": {"protocol": self.strategy.netem.protocol, "client_rounds": int(n),
+            "wire": {"protocol": self.strategy.netem.protocol,
+                     "profile": profile_line(self.strategy.netem), "client_rounds": int(n),
                      "round_split_s": split,
                      **{f"{k}_per_client_round": per(c) for k, c in (
                          ("payload_up_bytes", "payload_up_bytes"),
@@ -244,6 +250,11 @@ class WireColumns(RoundExtension):
         return up, down
 
 
+#: The round's time split (``summary.json``'s ``wire.round_split_s``): its parts and columns.
+SPLIT_COLUMNS = {"compute": "round_compute_s", "transfer": "round_transfer_s",
+                 "orchestration": "round_orchestration_s",
+                 **{part: "round_trips_s" if part == "round_trips" else f"round_{part}_s"
+                    for part in ORCHESTRATION_PARTS}}
 #: What WireColumns adds to ``rounds.csv`` and ``clients.csv``, in order.
 ROUND_COLUMNS = (*(c.name for c in WireColumns.columns), "payload_up_bytes", "payload_down_bytes")
 CLIENT_COLUMNS = ("link", "wire_uplink_bytes", "wire_downlink_bytes", "joules", "radio_joules")
