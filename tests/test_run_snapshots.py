@@ -41,6 +41,11 @@ metrics the server reads: the emulator charges smaller messages, so ``netem_drop
 the code with both issue 30's keys and issue 25's digest, whose every other value is the
 snapshot's. Its wire and energy columns are not compared.
 
+Issue 39's dgc client keys (``dgc.budget``, ``dgc.compact_wire``, ``dgc.server_error``, off)
+travel in every train message's config too: ``netem_drop``'s ``virtual_seconds`` (each round's
+and the total; 3-5 ms a round more) were taken again on 2026-12-06 from a run of the code with
+them, whose every other value is the snapshot's.
+
 Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
 changes no value of these runs (its attack keys travel only in a run with hostile clients).
 """
@@ -97,6 +102,9 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0,
                "downlink_deadband": 0.5, "downlink_vectors": "float32",
                "downlink_context": False,
+               # issue 39's switches, off
+               "dgc.budget": "tensor", "dgc.compact_wire": False, "dgc.server_error": 0.0,
+               "downlink_compact": False,
                "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
                "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
                "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
