@@ -326,13 +326,20 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         self.max_partial_uploads_per_device = max_partial_uploads_per_device
         self.max_sessions_per_device = max_sessions_per_device
         self.finished_uploads_kept = finished_uploads_kept
-        self._lock = threading.Condition()
+        # One lock for all the state; the waits wake on conditions of their own (a task's
+        # result, a device's task), so that an event wakes only who waits for it: with a
+        # thousand phones a condition shared by every wait made each event wake them all.
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)
+        self._task_done: dict[str, threading.Condition] = {}  # task id -> its result's
+        self._device_wake: dict[str, threading.Condition] = {}  # device -> its held fetch's
         self._sessions: dict[str, str] = {}  # session -> device
         self._device_sessions: dict[str, list[str]] = {}  # device -> its sessions, oldest first
         self._open: dict[str, PhoneTask] = {}  # device -> its open task
         self._tasks: dict[str, PhoneTask] = {}  # task id -> task, until its wait ends
-        # (device, upload id) -> upload: one device cannot see, or tell apart, another's ids.
-        self._uploads: dict[tuple[str, str], _Upload] = {}
+        # device -> upload id -> upload, oldest first: one device cannot see, or tell apart,
+        # another's ids, and what one device holds is found without looking at the others'.
+        self._uploads: dict[str, dict[str, _Upload]] = {}
         self._results: dict[str, PhoneResult] = {}
         self._masks: dict[str, _Masks] = {}  # task id -> its shared index sets
         self._last_ack: dict[str, int] = {}
@@ -374,7 +381,8 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         """Stop serving (in-flight calls get ``grace_s`` to finish)."""
         self._stopping.set()
         with self._lock:
-            self._lock.notify_all()  # held FetchTask calls answer now
+            for wake in self._device_wake.values():
+                wake.notify_all()  # held FetchTask calls answer now
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
@@ -394,8 +402,10 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         partial uploads, undelivered results, open upload streams and held FetchTask calls."""
         with self._lock:
             return {"sessions": len(self._sessions), "open_tasks": len(self._open),
-                    "tasks": len(self._tasks), "uploads": len(self._uploads),
-                    "upload_bytes": sum(len(u.data) for u in self._uploads.values()),
+                    "tasks": len(self._tasks),
+                    "uploads": sum(len(u) for u in self._uploads.values()),
+                    "upload_bytes": sum(len(u.data) for ups in self._uploads.values()
+                                        for u in ups.values()),
                     "results": len(self._results), "streams": len(self._streams),
                     "waiting": sum(self._waiting.values())}
 
@@ -419,8 +429,9 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 self._masks[task.task_id] = _Masks(task)
             self._open[task.device_id] = task
             self._tasks[task.task_id] = task
+            self._task_done[task.task_id] = threading.Condition(self._mutex)
             self._last_ack[task.device_id] = task.ack_sequence
-            self._lock.notify_all()
+            self._wake(task.device_id)
         return task.task_id
 
     def wait(self, task_id: str, timeout_s: float,
@@ -448,13 +459,14 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                     self._close(task_id)
                     raise BridgeError(f"the federation stopped waiting for task {task_id!r} "
                                       f"of device {device!r}")
-                self._lock.wait(left if alive is None else min(left, 1.0))
+                self._task_done[task_id].wait(left if alive is None else min(left, 1.0))
             self._close(task_id)
             return self._results.pop(task_id)
 
     def _close(self, task_id: str) -> None:
         """Forget a task whose wait ended; its partial uploads can no longer count."""
         task = self._tasks.pop(task_id)
+        self._task_done.pop(task_id, None)
         self._masks.pop(task_id, None)
         if self._open.get(task.device_id) is task:
             del self._open[task.device_id]
@@ -468,12 +480,21 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         self._prune_uploads(task.device_id)
 
     def _device_uploads(self, device: str) -> list[_Upload]:
-        return [u for (d, _), u in self._uploads.items() if d == device]
+        return list(self._uploads.get(device, {}).values())
+
+    def _upload(self, device: str, upload_id: str) -> _Upload | None:
+        return self._uploads.get(device, {}).get(upload_id)
 
     def _prune_uploads(self, device: str) -> None:
         finished = [u for u in self._device_uploads(device) if u.state != pb.INCOMPLETE]
         for upload in finished[:max(0, len(finished) - self.finished_uploads_kept)]:
-            del self._uploads[(device, upload.upload_id)]
+            del self._uploads[device][upload.upload_id]
+
+    def _wake(self, device: str) -> None:
+        """Wake the device's held FetchTask call (a task opened, or its session ended)."""
+        wake = self._device_wake.get(device)
+        if wake is not None:
+            wake.notify_all()
 
     # -- phone side (gRPC) ----------------------------------------------------------------
 
@@ -526,7 +547,8 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                         if left <= 0:
                             break
                         # Wake at least every second to notice a phone that hung up.
-                        self._lock.wait(min(left, 1.0))
+                        self._device_wake.setdefault(
+                            device, threading.Condition(self._mutex)).wait(min(left, 1.0))
                         if self._sessions.get(request.session_id) != device:
                             break  # the session ended (a newer Register took its place)
                         task = self._ready_task(device)
@@ -634,7 +656,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
     def _accept_chunk(self, device: str, chunk: pb.UploadChunk,
                       context: grpc.ServicerContext) -> _Upload:
         bad = grpc.StatusCode.INVALID_ARGUMENT
-        upload = self._uploads.get((device, chunk.upload_id))
+        upload = self._upload(device, chunk.upload_id)
         if upload is None:
             task = self._open.get(device)
             if task is None or task.task_id != chunk.task_id:
@@ -677,7 +699,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                               f"most {self.max_partial_uploads_per_device}); finish one first")
             upload = _Upload(chunk.upload_id, device, chunk.task_id, chunk.total_bytes,
                              chunk.sha256, metrics, int(chunk.side_bytes))
-            self._uploads[(device, chunk.upload_id)] = upload
+            self._uploads.setdefault(device, {})[chunk.upload_id] = upload
         if (chunk.task_id, chunk.total_bytes, chunk.sha256, chunk.side_bytes) != (
                 upload.task_id, upload.total_bytes, upload.sha256, upload.side_bytes):
             context.abort(bad, f"chunk of upload {upload.upload_id!r} disagrees with its first "
@@ -730,7 +752,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         upload.finish(pb.DELIVERED, "handed to the federation")
         self._results[task.task_id] = PhoneResult(task.task_id, upload.upload_id, data[:cut],
                                                   update, upload.metrics, side, entries)
-        self._lock.notify_all()
+        self._task_done[task.task_id].notify_all()
 
     def _status(self, upload: _Upload) -> pb.UploadStatus:
         return pb.UploadStatus(upload_id=upload.upload_id, received_bytes=upload.received,
@@ -743,7 +765,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         """How many bytes of an upload arrived (0 for an upload this device never sent)."""
         with self._lock:
             device = self._device(request.session_id, context)
-            upload = self._uploads.get((device, request.upload_id))
+            upload = self._upload(device, request.upload_id)
             if upload is None:
                 return pb.UploadStatus(upload_id=request.upload_id)
             return self._status(upload)
@@ -753,7 +775,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         """Whether an upload was delivered, and the device's last aggregated sequence."""
         with self._lock:
             device = self._device(request.session_id, context)
-            upload = self._uploads.get((device, request.upload_id))
+            upload = self._upload(device, request.upload_id)
             if upload is None:
                 context.abort(grpc.StatusCode.NOT_FOUND,
                               f"no upload {request.upload_id!r} from device {device!r}")

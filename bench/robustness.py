@@ -17,7 +17,9 @@ before issue 26, where none is in force).
         centered_clip_r05 fltrust --seeds 0 1 2 --rounds 20
 
 ``--attacks silent`` adds a reference, not an attack: the hostile clients' updates x1e-6 (what
-the honest clients' data alone trains).
+the honest clients' data alone trains, at the step their weight shrinks); ``absent`` the same
+with a claim of one example (the honest clients alone, at their full step: what a defence that
+recognised the hostile clients perfectly would give).
 """
 
 from __future__ import annotations
@@ -44,20 +46,32 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "trimmed_mean": {"aggregation": "trimmed_mean", "trim_fraction": 0.2,
                      "max_weight_ratio": 0, "max_norm_ratio": 0},
     "median": {"aggregation": "median", "max_weight_ratio": 0, "max_norm_ratio": 0},
-    # robust = on: centered clipping, radius 1, 3 iterations, weights capped at the median.
+    # robust = on: the deployed default (fedgc.settings.ROBUST_PROFILES["on"]).
     "robust_on": {"robust": "on"},
+    # The deployed default of issue 26 (robust = on before issue 35): centered clipping,
+    # radius 1, 3 iterations, weights capped at the median, no direction gate.
+    "issue26_default": {"aggregation": "centered_clip", "max_weight_ratio": 1,
+                        "max_norm_ratio": 0, "min_cosine": -1},
     "centered_clip_r2": {"aggregation": "centered_clip", "clip_radius": 2,
                          "max_weight_ratio": 1, "max_norm_ratio": 0},
     "centered_clip_r05": {"aggregation": "centered_clip", "clip_radius": 0.5,
                           "max_weight_ratio": 1, "max_norm_ratio": 0},
     "fltrust": {"aggregation": "fltrust", "max_weight_ratio": 0, "max_norm_ratio": 0},
 }
-ATTACKS = ("none", "sign_flip", "scaled", "targeted")
+ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
+#: The attacks whose clients collude from what they know of the benign updates
+#: (client/collusion.py); ``--knowledge`` says what (the study's default: full).
+COLLUDING = ("alie", "ipm", "min_max", "min_sum")
 #: Not an attack: the hostile clients send their honest update times 1e-6 and claim their real
 #: number of examples, as if they were absent but for their weight (which shrinks the step by
 #: their share of the examples). What the best defence could do: the model the honest
 #: clients' data alone can train.
 SILENT = "silent"
+#: Not an attack either: the hostile clients send their honest update times 1e-6 and claim one
+#: example, as if they were not in the federation at all: what a defence that recognised them
+#: perfectly would leave (the honest clients' data alone, at its full step).
+ABSENT = "absent"
+REFERENCES = (SILENT, ABSENT)
 
 
 def _cells(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -83,9 +97,11 @@ def _keys(cell: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[str
         keys["attack.clients"] = ",".join(str(k) for k in range(args.hostile))
         keys["attack.kind"] = cell["attack"]
         keys["attack.target_class"] = args.target_class
-    if cell["attack"] == SILENT:
+    if cell["attack"] in COLLUDING:
+        keys["attack.knowledge"] = args.knowledge
+    if cell["attack"] in REFERENCES:
         keys.update({"attack.kind": "scaled", "attack.norm_ratio": 1e-6,
-                     "attack.weight_ratio": 1})
+                     "attack.weight_ratio": 1 if cell["attack"] == SILENT else 1e-6})
     return keys
 
 
@@ -139,7 +155,8 @@ def run_cell(cell: dict[str, Any], args: argparse.Namespace, out: Path) -> dict[
             "target_share": _target_share(result.folder, cell["task"], args.target_class),
             "wall_s": time.perf_counter() - started,
             "rounds": args.rounds, "clients": args.clients, "per_round": args.per_round,
-            "hostile": args.hostile if cell["attack"] != "none" else 0}
+            "hostile": args.hostile if cell["attack"] != "none" else 0,
+            "knowledge": args.knowledge if cell["attack"] in COLLUDING else None}
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
@@ -164,9 +181,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         seeds = sorted({r["seed"] for r in rows if (r["task"], r["method"]) == (task, method)})
         mean_ms = [r["combine_ms"] for r in rows if (r["task"], r["method"], r["aggregation"])
                    == (task, method, "fedavg")]
-        columns = [*ATTACKS, *([SILENT] if any(
-            r["attack"] == SILENT and (r["task"], r["method"]) == (task, method)
-            for r in rows) else [])]
+        present = {r["attack"] for r in rows if (r["task"], r["method"]) == (task, method)}
+        columns = [a for a in (*ATTACKS, *REFERENCES) if a in present]
         lines += [f"\n{task}, {method}: last-10-round accuracy (mean of seeds {seeds}), "
                   "(points vs clean FedAvg)", "",
                   "| defence | " + " | ".join(columns) + " | worst loss | combine ms/round "
@@ -183,7 +199,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 if base is None:
                     cells.append(f"{a:.3f}{n}")
                 else:
-                    if attack != SILENT:
+                    if attack not in REFERENCES:
                         losses.append(100 * (base - a))
                     cells.append(f"{a:.3f} ({100 * (a - base):+.1f}){n}")
                 if attack == "targeted":
@@ -206,13 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--aggregations", nargs="+", default=list(AGGREGATIONS),
                         choices=list(AGGREGATIONS))
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS),
-                        choices=[*ATTACKS, SILENT])
+                        choices=[*ATTACKS, *REFERENCES])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--per-round", type=int, default=10)
     parser.add_argument("--hostile", type=int, default=2, help="clients 0..hostile-1 attack")
     parser.add_argument("--target-class", type=int, default=0)
+    parser.add_argument("--knowledge", choices=("full", "partial"), default="full",
+                        help="what colluding attackers know of the benign updates")
     parser.add_argument("--out", default="results/robustness")
     parser.add_argument("--jsonl", default="results/robustness/rows.jsonl")
     parser.add_argument("--table-only", action="store_true",
@@ -224,11 +242,13 @@ def main(argv: list[str] | None = None) -> int:
             if jsonl.exists() else [])
     if not args.table_only:
         keys = ("task", "method", "aggregation", "attack", "seed", "rounds", "clients",
-                "per_round")
+                "per_round", "knowledge")
         done = {tuple(r.get(k) for k in keys) for r in rows}
         for cell in _cells(args):
             ident = tuple({**cell, "rounds": args.rounds, "clients": args.clients,
-                           "per_round": args.per_round}[k] for k in keys)
+                           "per_round": args.per_round,
+                           "knowledge": args.knowledge if cell["attack"] in COLLUDING
+                           else None}[k] for k in keys)
             if ident in done:
                 continue
             row = run_cell(cell, args, out)
@@ -240,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     wanted = [r for r in rows if r["rounds"] == args.rounds and r["clients"] == args.clients
               and r["per_round"] == args.per_round and r["task"] in args.tasks
-              and r["method"] in args.methods]
+              and r["method"] in args.methods and r.get("knowledge") in (None, args.knowledge)]
     print(_table(wanted))
     return 0
 

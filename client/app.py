@@ -42,7 +42,8 @@ from flwr.clientapp import ClientApp
 
 import dgc
 from client import node
-from client.attacks import Attack, attack_of
+from client.attacks import Attack, Benign, attack_of
+from client.collusion import CollusionStore, known_keys, model_digest
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
 from client.training import LocalResult, round_seed, train_locally
@@ -63,6 +64,7 @@ from fedgc.settings import (
     TrainSettings,
     fields_of,
     parse,
+    parse_attack_clients,
 )
 
 app = ClientApp()
@@ -454,6 +456,8 @@ class RoundInput:
     #: against ``global_state``, see :func:`reply_round`).
     start: dict[str, torch.Tensor]
     attack: Attack | None = None  # a hostile client of a robustness study (client.attacks)
+    #: The ``module:callable`` references this node allows (:func:`allowed_callables`).
+    allowed: frozenset[str] | None = None
 
     @property
     def seed(self) -> int:
@@ -532,7 +536,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         start = method.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
                       task, train_x, train_y, global_state, material, device, started,
-                      compressor, restored, start, attack)
+                      compressor, restored, start, attack, allowed)
 
 
 @app.train()
@@ -560,8 +564,9 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if r.attack is not None:
         # A hostile client of a robustness study (client/attacks.py): its attack replaces its
         # work before the method compresses it, so it takes the path of every update.
-        local.pseudo_gradient = r.attack.update(local.pseudo_gradient, r.seed)
-        local.num_examples = r.attack.claimed_examples(local.num_examples)
+        benign = _benign(r) if r.attack.colluding else None
+        local.pseudo_gradient = r.attack.update(local.pseudo_gradient, r.seed, benign)
+        local.num_examples = r.attack.claimed_examples(local.num_examples, benign)
     restored = r.restored
     shared_data: bytes | None = None
     new_state = ClientState()
@@ -602,6 +607,34 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     r.store.save(str(r.key), new_state)
 
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
+
+
+def _benign(r: RoundInput) -> Benign:
+    """What a colluding hostile client knows of the round's benign updates
+    (:mod:`client.collusion`): learnt once a round by the first colluder, shared through the
+    client state folder."""
+    s = r.s
+    keys = known_keys(s.attack_knowledge, parse_attack_clients(s.attack_clients),
+                      s.num_clients)
+    tag = {"round": r.server_round, "version": r.version,
+           "model": model_digest(r.global_state)}
+    return CollusionStore(r.store.root).learn(tag, keys, lambda key: _honest_update(r, key))
+
+
+def _honest_update(r: RoundInput, key: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Client ``key``'s honest pseudo-gradient this round, trained as that client trains (its
+    data, its round seed) from the model sent, and its number of examples; torch's random
+    stream is left as it was."""
+    s = r.s
+    x, y = client_data(s, key, r.allowed)
+    model = _model(r.task, s.task_spec(), r.device)
+    model.load_state_dict(r.global_state)
+    with torch.random.fork_rng(devices=[]):
+        local = train_locally(
+            model, x, y, r.task.training_loss, lr=s.lr, batch_size=s.batch_size,
+            local_epochs=s.local_epochs, local_steps=s.local_steps, momentum=s.client_momentum,
+            weight_decay=s.weight_decay, seed=round_seed(s.seed, r.server_round, key))
+    return local.pseudo_gradient, local.num_examples
 
 
 @app.evaluate()

@@ -41,8 +41,11 @@ _MAX_MARK_BYTES = 64 * 1024
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 #: The names fedgc's writers give the files a manifest lists: the client state store's records,
 #: ``<key>.state`` (client keys as ``client.state`` allows them), and the damaged ones it set
-#: aside, ``<key>.state.corrupt-<n>``. No other name in a manifest is fedgc's.
-WRITTEN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\.state(?:\.corrupt-[0-9]{1,9})?")
+#: aside, ``<key>.state.corrupt-<n>``; and the two files of a study's colluding clients
+#: (``client/collusion.py``: ``collusion.knowledge`` and its lock, ``collusion.lock``). No other
+#: name in a manifest is fedgc's.
+WRITTEN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}\.state(?:\.corrupt-[0-9]{1,9})?"
+                          r"|collusion\.(?:knowledge|lock)")
 _NOUN = {"run": "the results folder of run", "compare": "the folder of the comparison",
          "state_dir": "the client state folder of run"}
 
@@ -139,8 +142,8 @@ def note_written(folder: Path, name: str) -> None:
     not delete, never one it deletes wrongly).
     """
     if not WRITTEN_NAME.fullmatch(name) or name in (".", ".."):
-        raise OwnershipError(f"{name!r} is not a file name a manifest may list (a client "
-                             f"record's: {WRITTEN_NAME.pattern})")
+        raise OwnershipError(f"{name!r} is not a file name a manifest may list (fedgc's "
+                             f"writers': {WRITTEN_NAME.pattern})")
     fd = os.open(Path(folder) / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, f"{name}\n".encode())

@@ -106,11 +106,22 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip", "fltrust")
 ROBUST_MODES = ("auto", "on", "off")
 #: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
 ROBUST_PROFILES: dict[str, dict[str, Any]] = {
-    "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0},
-    "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0},
+    "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
+            "min_cosine": -1.0},
+    "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
+           "min_cosine": 0.0},
 }
 #: Hostile clients (``client.attacks``).
-ATTACKS = ("sign_flip", "scaled", "targeted", "noise")
+ATTACKS = ("sign_flip", "scaled", "targeted", "noise", "alie", "ipm", "min_max", "min_sum")
+#: The attacks whose clients collude: they craft one update from what they know of the round's
+#: benign updates (``client.collusion``): ALIE, IPM, min-max, min-sum.
+COLLUDING_ATTACKS = ("alie", "ipm", "min_max", "min_sum")
+#: What colluders know of the benign updates (``attack.knowledge``): their own honest updates
+#: (partial, as in Shejwalkar and Houmansadr 2021), or every benign client's (full).
+KNOWLEDGE = ("partial", "full")
+#: The perturbation min-max and min-sum add to the benign mean, against its direction
+#: (``attack.deviation``, the NDSS 2021 paper's three).
+DEVIATIONS = ("std", "unit_vec", "sign")
 #: How far an attack goes where no bound stops it: the bounds fedgc had before issue 26.
 UNBOUNDED_ATTACK = {"norm_ratio": 10.0, "weight_ratio": 4.0}
 #: An attack stays this fraction under the bounds in force.
@@ -392,15 +403,32 @@ class TrainSettings:
     attack_kind: str = setting("sign_flip", "attack.kind", "what a hostile client sends: "
                                "sign_flip (its update negated), scaled (its update scaled up), "
                                "targeted (trained to predict attack.target_class, scaled up), "
-                               "noise (Gaussian, of the same norm)", Check(choices=ATTACKS))
+                               "noise (Gaussian, of the same norm); colluding, from what they "
+                               "know of the benign updates (attack.knowledge): alie (Baruch et "
+                               "al. 2019), ipm (Xie et al. 2019), min_max, min_sum (Shejwalkar "
+                               "and Houmansadr 2021)", Check(choices=ATTACKS))
+    attack_knowledge: str = setting("partial", "attack.knowledge", "what colluding hostile "
+                                    "clients know of the benign updates: partial = their own "
+                                    "honest updates; full = every other client's honest update, "
+                                    "computed from its data (a simulation's study)",
+                                    Check(choices=KNOWLEDGE))
+    attack_deviation: str = setting("std", "attack.deviation", "the perturbation min_max and "
+                                    "min_sum subtract from the benign mean: std (coordinate-"
+                                    "wise), unit_vec (the mean's direction), sign (its signs)",
+                                    Check(choices=DEVIATIONS))
+    attack_epsilon: float = setting(0.0, "attack.epsilon", "ipm sends -epsilon times the benign "
+                                    "mean; 0 = the largest epsilon whose update is no farther "
+                                    "from any benign update than the two farthest benign "
+                                    "updates are apart (min-max's bound)", Check(0.0))
     attack_norm_ratio: float | None = setting(
         None, "attack.norm_ratio", "the norm of a hostile update, as a multiple of the client's "
         "honest update's norm (its estimate of the round's median); empty = just under the norm "
         "bound in force: 0.99 x max_norm_ratio, 10 without one", Check(0.0, low_open=True))
     attack_weight_ratio: float | None = setting(
         None, "attack.weight_ratio", "the num-examples a hostile client claims, as a multiple of "
-        "its real number; empty = just under the weight cap in force: 0.99 x max_weight_ratio, "
-        "4 without one", Check(0.0, low_open=True))
+        "its real number (colluding kinds: of the median of the benign claims they know); empty "
+        "= just under the weight cap in force: 0.99 x max_weight_ratio, without one 4 (colluding "
+        "kinds: 1)", Check(0.0, low_open=True))
     attack_target_class: int = setting(0, "attack.target_class", "the class attack.kind = "
                                        "targeted trains every input towards", Check(0))
 
@@ -503,11 +531,13 @@ class ServerSettings:
                                     "version); a client last sent an older one compresses "
                                     "without a reference", Check(1, 100_000))
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
-                          "(aggregation, max_weight_ratio, max_norm_ratio): off = plain FedAvg "
-                          "(mean, no cap, no clip); on = for clients that are not trusted "
-                          "(centered_clip, weights capped at the round's median); auto = on in "
-                          "deployments and behind the phone bridge, off in simulation "
-                          "(docs/threat_model.md)", Check(choices=ROBUST_MODES))
+                          "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine): off = "
+                          "plain FedAvg (mean, no cap, no clip, no gate); on = for clients that "
+                          "are not trusted (centered_clip, weights capped at the round's "
+                          "median, updates pointing against the last round's aggregate left "
+                          "out: min_cosine 0); auto = on in deployments and behind the phone "
+                          "bridge, off in simulation (docs/threat_model.md)",
+                          Check(choices=ROBUST_MODES))
     max_weight_ratio: float | None = setting(
         None, "max_weight_ratio", "a client's weight (num-examples) is capped at this times the "
         "median claim of the round's valid replies (server/defences.py); 0 = no cap; empty = "
@@ -533,6 +563,11 @@ class ServerSettings:
                                  "center", Check(0.0, low_open=True))
     clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
                                    "clipping iterations per round", Check(1, 100))
+    min_cosine: float | None = setting(
+        None, "min_cosine", "a client's update is left out of the round (rejected, its "
+        "method folds it back) when its cosine with the last round's aggregate (the direction "
+        "of history; none in round 1) is below this (server/aggregation.py); -1 = none left "
+        "out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
                                 "training split), on which it takes its own round each round",
@@ -702,6 +737,10 @@ class RunConfig:
         if outside:
             raise SettingsError(f"attack.clients names client keys {outside[:5]} outside [0, "
                                 f"{t.num_clients}) (num_clients = {t.num_clients})")
+        if t.attack_kind == "alie" and len(hostile) > t.clients_per_round // 2:
+            raise SettingsError(f"attack.kind = alie needs fewer colluders than half the round "
+                                f"(Baruch et al.'s supporters): {len(hostile)} in "
+                                f"attack.clients, clients_per_round = {t.clients_per_round}")
         if t.feedback != "residual" and self.server.downlink == "dense":
             raise SettingsError(f"dgc.feedback = {t.feedback} needs downlink = auto: its "
                                 f"reference is how the model a client keeps moved, and with "
@@ -856,11 +895,15 @@ def _resolve_attack(train: TrainSettings, server: ServerSettings) -> TrainSettin
     """``train`` with an empty ``attack.norm_ratio`` / ``attack.weight_ratio`` just under the
     server's bounds (:data:`ATTACK_MARGIN` of them; :data:`UNBOUNDED_ATTACK` without one)."""
     bounds = {"norm_ratio": server.max_norm_ratio, "weight_ratio": server.max_weight_ratio}
+    unbounded = dict(UNBOUNDED_ATTACK)
+    if train.attack_kind in COLLUDING_ATTACKS:
+        # Colluders blend in: without a cap they claim the benign median (Shejwalkar and
+        # Houmansadr's attackers weigh as much as a benign client).
+        unbounded["weight_ratio"] = 1.0
     values = {}
     for name, bound in bounds.items():
         if getattr(train, f"attack_{name}") is None:
-            values[f"attack.{name}"] = (ATTACK_MARGIN * bound if bound
-                                        else UNBOUNDED_ATTACK[name])
+            values[f"attack.{name}"] = ATTACK_MARGIN * bound if bound else unbounded[name]
     return _filled(train, values)
 
 

@@ -23,7 +23,7 @@ import dgc
 from dgc import SparseUpdate
 from fedgc.methods import Payload
 from fedgc.settings import AGGREGATIONS
-from server.robust import CenteredClip, client_entries, fltrust, space_offsets
+from server.robust import CenteredClip, client_entries, cosines, fltrust, space_offsets
 
 
 class SparseAverage:
@@ -120,26 +120,75 @@ class Combine:
     ``trim_fraction`` for the trimmed mean), ``centered_clip`` (weighted, ``clip_radius``,
     ``clip_iterations``; its center is kept across rounds, :meth:`state_dict`) or ``fltrust``
     (``root(shapes)``: the server's own update on its root set, flat float64 over the space;
-    claimed weights are ignored)."""
+    claimed weights are ignored).
+
+    ``min_cosine`` above -1 puts a direction gate before any of them: an update whose cosine
+    with the robust direction of history (the last round's combined aggregate: centered
+    clipping's center, which "Learning from History" trusts, Karimireddy et al. 2021) is below
+    ``min_cosine`` is left out of the round (:attr:`left_out`: its index and cosine), a
+    minority at most (the lowest cosines: a round keeps more than half its updates). It is
+    FLTrust's trust score (Cao et al., NDSS 2021: ``ReLU(cos)`` against a trusted direction)
+    used as a filter before the combine, as FLAME filters by direction (Nguyen et al., USENIX
+    Security 2022), with history as the trusted direction instead of the server's own data;
+    this round's clients cannot turn it. Without history (round 1) nothing is left out. The
+    combined result is the next round's center whatever ``how`` is.
+    """
 
     def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
                  clip_iterations: int = 3,
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
-                 ) -> None:
+                 min_cosine: float = -1.0) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
             raise ValueError("aggregation = fltrust needs the server's root update (root)")
+        if not -1.0 <= min_cosine <= 1.0:
+            raise ValueError(f"min_cosine must be in [-1, 1], got {min_cosine!r}")
         self.how, self.trim_fraction = how, float(trim_fraction)
         self.root = root
+        self.min_cosine = float(min_cosine)
         self.centered = CenteredClip(clip_radius, clip_iterations)
         self._average = SparseAverage()
+        #: The last call's updates the direction gate left out: index -> cosine.
+        self.left_out: dict[int, float] = {}
+
+    @property
+    def gated(self) -> bool:
+        """Whether the direction gate is on (``min_cosine`` above -1)."""
+        return self.min_cosine > -1.0
 
     def __call__(self, payloads: Sequence[Payload], weights: Sequence[float],
                  factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
                  ) -> dict[str, torch.Tensor]:
         """The round's sum in the space of ``shapes``; ``dgc.AggregationError`` when the
         weights total zero (for fltrust: when no update agrees with the root's)."""
+        self.left_out = {}
+        if not self.gated:
+            return self._combine(payloads, weights, factors, shapes)
+        offsets, size = space_offsets(shapes)
+        clients = [client_entries(p.parts(), f, offsets)
+                   for p, f in zip(payloads, factors, strict=True)]
+        reference = self.centered.center_of(size)
+        # No history yet (round 1): nothing to judge by, nothing left out.
+        judged = cosines(clients, reference) if bool(reference.any()) else [1.0] * len(clients)
+        below = sorted((i for i, cos in enumerate(judged) if cos < self.min_cosine),
+                       key=lambda i: judged[i])
+        # A minority at most: attackers are fewer than half, so when half or more point against
+        # history it is history that turned (EF-sign's round 2 undoes round 1's overshoot), and
+        # only the farthest minority is left out; the round always keeps a majority.
+        for i in below[:(len(clients) - 1) // 2]:
+            self.left_out[i] = judged[i]
+        keep = [i for i in range(len(clients)) if i not in self.left_out]
+        out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
+                            [factors[i] for i in keep], shapes)
+        if self.how != "centered_clip":  # which keeps its own result
+            self.centered.remember(torch.cat([out[n].reshape(-1).to(torch.float64)
+                                              for n in shapes]))
+        return out
+
+    def _combine(self, payloads: Sequence[Payload], weights: Sequence[float],
+                 factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
+                 ) -> dict[str, torch.Tensor]:
         if self.how in COORDINATE_WISE:
             return robust_average([p.parts() for p in payloads], list(factors), self.how,
                                   self.trim_fraction, shapes)
@@ -164,10 +213,15 @@ class Combine:
         return self._average(updates, weights, total_weight, shapes)
 
     def state_dict(self) -> dict[str, Any]:
-        """What the combine keeps across rounds (centered clipping's center)."""
-        return self.centered.state_dict() if self.how == "centered_clip" else {}
+        """What the combine keeps across rounds (centered clipping's center, which the gate
+        uses too)."""
+        return self.centered.state_dict() if self._keeps_center else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`."""
-        if self.how == "centered_clip":
+        if self._keeps_center:
             self.centered.load_state_dict(state)
+
+    @property
+    def _keeps_center(self) -> bool:
+        return self.how == "centered_clip" or self.gated

@@ -244,7 +244,8 @@ def _serve(grid: Grid, config: RunConfig, started: float,
     columns = columns_of(strategy.extensions)
     if s.tensorboard:
         board = RoundWriter(run_dir, columns)
-    guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction)
+    guard = (s.max_weight_ratio, s.max_norm_ratio, s.aggregation, s.trim_fraction,
+             s.min_cosine)
     if s.progress:
         trust = " (robust=on: deployed clients are not trusted)" if s.robust == "on" else ""
         print(f"fedgc: {defences.describe(*guard)}{trust}", flush=True)
@@ -269,8 +270,9 @@ def _serve(grid: Grid, config: RunConfig, started: float,
         "num_parameters": sum(v.numel() for v in strategy.model.values()),
         "rejections": strategy.rejections, "process_seconds": time.time() - started,
         "config": config.to_flat(), **extra,
-        "defences": defences.in_force(*guard, [r.reason for r in strategy.client_rows
-                                               if r.status == "aggregated"]),
+        "defences": defences.in_force(
+            *guard, [r.reason for r in strategy.client_rows if r.status == "aggregated"],
+            [r.reason for r in strategy.client_rows if r.status == "rejected"]),
     })
     write_summary(run_dir, summary)
     check_something_aggregated(strategy.rounds, strategy.client_rows, run_dir)

@@ -96,9 +96,13 @@ RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensor
                             "sim.device", "sim.gpus_per_client"})
 
 
+#: Keys filled by ``robust`` (empty by default) that a run of before them ran without: what a
+#: checkpoint lacking them stands for (no direction gate before issue 35).
+ABSENT_BEFORE = {"min_cosine": -1.0}
+
 #: Keys that compute nothing while the key they serve is empty (or 0).
-INERT_WITHOUT = {"attack.kind": "attack.clients", "attack.norm_ratio": "attack.clients",
-                 "attack.weight_ratio": "attack.clients", "attack.target_class": "attack.clients"}
+INERT_WITHOUT = {f"attack.{k}": "attack.clients" for k in (
+    "kind", "norm_ratio", "weight_ratio", "target_class", "knowledge", "deviation", "epsilon")}
 
 
 def check_run_config(written: Mapping[str, object] | None,
@@ -145,7 +149,7 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
     """Every run key (``fedgc.settings``' ServerSettings and TrainSettings, and the own keys of
     every method known here) with its default; a key whose default each method sets has
     ``method``'s (a checkpoint written before the key existed ran with it), None for a method
-    not registered here."""
+    not registered here; a key of :data:`ABSENT_BEFORE` what runs of before it ran with."""
     from fedgc import methods
     from fedgc.schema import fallback_of
     from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
@@ -160,6 +164,7 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
     for m in methods.loaded():
         if m.settings is not None:
             out.update(to_flat(m.settings()))
+    out.update(ABSENT_BEFORE)
     return out
 
 

@@ -25,6 +25,14 @@ from server.replies import CheckedReply
 
 #: The words of a bounded client's note (its row's ``reason``), counted by :func:`in_force`.
 CAPPED, CLIPPED = "capped at", "clipped to"
+#: The words of the note of an update the direction gate left out (server.aggregation.Combine).
+LEFT_OUT = "left out"
+
+
+def left_out_note(cosine: float, min_cosine: float) -> str:
+    """The row's reason of an update the direction gate left out."""
+    return (f"{LEFT_OUT}: cosine {cosine:.3g} with the last round's aggregate, below "
+            f"min_cosine {min_cosine:g}")
 
 
 def update_norm(update: SparseUpdate, signs: SparseUpdate | None = None) -> float:
@@ -91,7 +99,7 @@ class Bounds:
 
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
-             trim_fraction: float) -> str:
+             trim_fraction: float, min_cosine: float = -1.0) -> str:
     """The defences a run aggregates with, in one line (the run's header): they make the
     ``dense`` method something other than plain FedAvg where a client claims far more examples
     than the others, or sends a far larger update."""
@@ -103,18 +111,25 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
            "trimmed_mean": f"coordinate-wise trimmed mean ({trim_fraction:g} cut)",
            "centered_clip": "centered clipping around last round's aggregate",
            "fltrust": "FLTrust on the server's root set"}
+    gate = (f", updates left out below cosine {min_cosine:g} with the last round's "
+            f"aggregate" if min_cosine > -1 else "")
     plain = " ".join(f"{k}={v}" for k, v, off in (
         ("max_weight_ratio", 0, not max_weight_ratio), ("max_norm_ratio", 0, not max_norm_ratio),
-        ("aggregation", "mean", aggregation == "mean")) if not off)
+        ("aggregation", "mean", aggregation == "mean"), ("min_cosine", -1, min_cosine <= -1))
+        if not off)
     plain = f" ({plain}: plain FedAvg)" if plain else ""
-    return f"defences: {cap}, {clip}, {how.get(aggregation, aggregation)}{plain}"
+    return f"defences: {cap}, {clip}{gate}, {how.get(aggregation, aggregation)}{plain}"
 
 
 def in_force(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
-             trim_fraction: float, reasons: list[str]) -> dict[str, object]:
-    """``summary.json``'s ``defences``: the settings, and how many aggregated updates were
-    capped or clipped (``reasons``: the aggregated rows' notes)."""
+             trim_fraction: float, min_cosine: float, reasons: list[str],
+             rejected: list[str]) -> dict[str, object]:
+    """``summary.json``'s ``defences``: the settings, how many aggregated updates were capped
+    or clipped (``reasons``: the aggregated rows' notes) and how many the direction gate left
+    out (``rejected``: the rejected rows' reasons)."""
     return {"max_weight_ratio": max_weight_ratio, "max_norm_ratio": max_norm_ratio,
             "aggregation": aggregation, "trim_fraction": trim_fraction,
+            "min_cosine": min_cosine,
             "weights_capped": sum(CAPPED in r for r in reasons),
-            "updates_clipped": sum(CLIPPED in r for r in reasons)}
+            "updates_clipped": sum(CLIPPED in r for r in reasons),
+            "updates_left_out": sum(r.startswith(LEFT_OUT) for r in rejected)}

@@ -22,8 +22,8 @@ import dgc
 from dgc import SparseUpdate
 from fedgc.schema import SettingsError
 
-__all__ = ["CenteredClip", "ClientEntries", "RootUpdate", "client_entries", "fltrust",
-           "space_offsets"]
+__all__ = ["CenteredClip", "ClientEntries", "RootUpdate", "client_entries", "cosines",
+           "fltrust", "space_offsets"]
 
 #: One client's entries in the flat space: (sorted unique positions, float64 values).
 ClientEntries = tuple[torch.Tensor, torch.Tensor]
@@ -103,14 +103,13 @@ class CenteredClip:
 
     def __call__(self, clients: Sequence[ClientEntries], weights: Sequence[float],
                  size: int) -> torch.Tensor:
-        """The round's aggregate (flat float64 of ``size``); ``dgc.AggregationError`` when
-        the weights total zero."""
+        """The round's aggregate (flat float64 of ``size``), kept as the next round's center;
+        ``dgc.AggregationError`` when the weights total zero."""
         total = float(sum(weights))
         if not clients or total <= 0:
             raise dgc.AggregationError("total weight is zero; nothing to aggregate")
         shares = [float(w) / total for w in weights]
-        v = (self.center.clone() if self.center is not None and self.center.numel() == size
-             else torch.zeros(size, dtype=torch.float64))
+        v = self.center_of(size).clone()
         for _ in range(self.iterations):
             dist = _distances(clients, v)
             tau = self.radius_ratio * statistics.median(dist)
@@ -122,9 +121,20 @@ class CenteredClip:
                 if a:
                     new.index_add_(0, idx, val * a)
             v = new
-        if torch.isfinite(v).all():
-            self.center = v.clone()
+        self.remember(v)
         return v
+
+    def center_of(self, size: int) -> torch.Tensor:
+        """The center kept (flat float64 of ``size``): the last round's aggregate, 0 before
+        the first or when the space changed size."""
+        if self.center is not None and self.center.numel() == size:
+            return self.center
+        return torch.zeros(size, dtype=torch.float64)
+
+    def remember(self, aggregate: torch.Tensor) -> None:
+        """Keep ``aggregate`` (flat float64) as the next round's center, if it is finite."""
+        if torch.isfinite(aggregate).all():
+            self.center = aggregate.clone()
 
     def state_dict(self) -> dict[str, Any]:
         """The center, for the checkpoint."""
@@ -134,6 +144,18 @@ class CenteredClip:
         """Continue from :meth:`state_dict`."""
         center = state.get("center")
         self.center = None if center is None else torch.as_tensor(center, dtype=torch.float64)
+
+
+def cosines(clients: Sequence[ClientEntries], reference: torch.Tensor) -> list[float]:
+    """``cos(x_i, reference)`` for each sparse ``x_i`` and the dense ``reference``, each in
+    O(its nonzeros); 0 where either is zero."""
+    ref_norm = float(reference.norm())
+    out = []
+    for idx, val in clients:
+        norm = float(val.norm())
+        out.append(float(val @ reference[idx]) / (norm * ref_norm) if norm and ref_norm
+                   else 0.0)
+    return out
 
 
 def fltrust(clients: Sequence[ClientEntries], root: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ from server.checkpoint import (
     migrate_strategy_state,
     save_checkpoint,
 )
-from server.defences import Bounds
+from server.defences import Bounds, left_out_note
 from server.downlink import Downlink
 from server.extensions import RoundExtension, apply_extensions
 from server.loop import run_rounds
@@ -146,7 +146,7 @@ class DGCStrategy(FedAvg):
         self.bounds = Bounds(s.max_weight_ratio, s.max_norm_ratio)
         self.root_update = RootUpdate(settings) if s.aggregation == "fltrust" else None
         self.combine = Combine(s.aggregation, s.trim_fraction, s.clip_radius, s.clip_iterations,
-                               root=self._root)
+                               root=self._root, min_cosine=s.min_cosine)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0
@@ -357,6 +357,11 @@ class DGCStrategy(FedAvg):
         except dgc.AggregationError as ex:
             log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s", server_round, ex)
             return False
+        for i, cos in self.combine.left_out.items():
+            # Rejected, not aggregated: the client's method folds its update back next round.
+            row = rows[chosen[i].client_key]
+            row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine)
+            log(WARNING, "\t> Client %d: %s", chosen[i].client_key, row.reason)
         return self.step(self.aggregator.finish(combined, self.shapes))
 
     def _root(self, space: Mapping[str, tuple[int, ...]]) -> torch.Tensor:

@@ -101,9 +101,11 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     plot = plot_run(config.run_dir)
     print(summary_table({config.method.title: summary}))
     bounded = summary.get("defences", {})
-    if bounded.get("weights_capped") or bounded.get("updates_clipped"):
+    if (bounded.get("weights_capped") or bounded.get("updates_clipped")
+            or bounded.get("updates_left_out")):
         print(f"defences: {bounded['weights_capped']} weights capped, "
-              f"{bounded['updates_clipped']} updates clipped (clients.csv's reason)")
+              f"{bounded['updates_clipped']} updates clipped, "
+              f"{bounded.get('updates_left_out', 0)} left out (clients.csv's reason)")
     board = ", tensorboard/" if config.server.tensorboard else ""
     print(f"results: {config.run_dir}/rounds.csv, summary.json, {plot.name}{board}")
     return summary

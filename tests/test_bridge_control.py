@@ -8,6 +8,7 @@ bridge app a phone's SuperNode runs (:func:`android_bridge.bridge_app.node_app`)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -184,3 +185,39 @@ def test_node_app_reads_its_node_config_and_keeps_held_models(tmp_path):
     again = HeldModels(tmp_path / "held")["phone-a"]  # another process, the same store
     assert again.model_version == 3 and torch.equal(again.model["w"], model["w"])
     assert again.pending is None and list(again.model) == ["w"] and len(held) == 1
+
+
+def test_a_round_of_many_phones_wakes_each_wait_only_for_its_own_task():
+    """The federation waits on every phone's task at once (a RunTask per phone); opening the
+    other phones' tasks must not wake a wait for one: with a thousand phones every event woke
+    every wait (bench/bridge_load.py). ``alive`` is asked once per wake-up, so it counts them:
+    300 tasks opened while one wait is held wake it at most once a second (its own check),
+    where one condition for every wait woke it 300 times."""
+    import time
+
+    tokens = {f"phone-{i:03d}": f"token-{i:03d}-0123456789" for i in range(301)}
+    bridge = PhoneBridge(tokens)  # submit and wait need no server
+    task, _ = _task("phone-000")
+    bridge.submit(task)
+    wakes: list[float] = []
+    done = threading.Event()
+
+    def alive() -> bool:
+        wakes.append(time.monotonic())
+        return not done.is_set()
+
+    waiter = threading.Thread(target=lambda: pytest.raises(
+        BridgeError, bridge.wait, task.task_id, 60.0, alive=alive))
+    waiter.start()
+    while not wakes:  # the wait is held
+        time.sleep(0.01)
+    started = time.monotonic()
+    for i in range(1, 301):
+        bridge.submit(dataclasses.replace(task, device_id=f"phone-{i:03d}", task_id=f"t{i}"))
+        time.sleep(0.001)  # tasks open one after another, as RunTask calls arrive
+    during = [t for t in wakes if t >= started]
+    elapsed = time.monotonic() - started
+    done.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert len(during) <= 2 + int(elapsed), (len(during), elapsed)

@@ -5,6 +5,7 @@ their dense definitions, bound what one client moves, keep their state across a 
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -237,6 +238,19 @@ def test_a_checkpoint_of_before_the_attack_keys_resumes():
         check_run_config(written, hostile)
 
 
+@pytest.mark.parametrize("robust", ["off", "on"])
+def test_a_checkpoint_of_before_the_direction_gate_resumes_without_it(robust):
+    """A run config written before min_cosine ran without the gate (-1): it resumes where the
+    gate is still off, and a resume that would turn it on is refused, naming the key."""
+    from server.checkpoint import CheckpointError
+
+    current = RunConfig.from_flat({"robust": robust}).to_flat()
+    written = {k: v for k, v in current.items() if k != "min_cosine"}
+    check_run_config(written, {**current, "min_cosine": -1.0})
+    with pytest.raises(CheckpointError, match=r"min_cosine = -1.0 \(now 0.0\)"):
+        check_run_config(written, {**current, "min_cosine": 0.0})
+
+
 def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_path):
     """The ServerApp decides by its grid: Flower's deployment grid (the SuperLink's, no
     connection made here) turns it on, fedgc's in-process engine off; ``deploy`` decides before
@@ -271,3 +285,125 @@ def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_p
         "on", ROBUST_PROFILES["on"]["aggregation"])
     assert deploy_run_config({"results_dir": str(tmp_path), "run_name": "d",
                               "robust": "off"}, 3).server.aggregation == "mean"
+
+
+def _round_of_ten(seed: int = 3) -> tuple[torch.Tensor, list[float]]:
+    """Eight honest dense updates of the test space that share a direction (rows), as honest
+    updates do, and their claimed weights (skewed, as a Dirichlet partition's)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(SIZE, generator=g, dtype=torch.float64)
+    honest = common + 1.5 * torch.randn(8, SIZE, generator=g, dtype=torch.float64)
+    return honest, [60.0, 250.0, 120.0, 90.0, 300.0, 140.0, 75.0, 180.0]
+
+
+def _payload(row: torch.Tensor) -> SparsePayload:
+    offsets, _ = space_offsets(SHAPES)
+    dense = {n: row[offsets[n]:offsets[n] + math.prod(s)].view(s).float()
+             for n, s in SHAPES.items()}
+    return SparsePayload(SparseUpdate.from_dense(dense, "float32", 1), [])
+
+
+def _deployed(rows: torch.Tensor, weights: list[float], center: torch.Tensor,
+              ) -> tuple[torch.Tensor, dict[int, float]]:
+    """``robust = on``'s defences and combine (ROBUST_PROFILES) on one round: the aggregate
+    (flat float64) and the updates the direction gate left out."""
+    from server.defences import Bounds
+    from server.replies import CheckedReply
+
+    profile = ROBUST_PROFILES["on"]
+    payloads = [_payload(r) for r in rows]
+    replies = [CheckedReply(None, i, i + 1, "valid", num_examples=int(w), payload=p)
+               for i, (w, p) in enumerate(zip(weights, payloads, strict=True))]
+    capped, factors, _ = Bounds(profile["max_weight_ratio"], profile["max_norm_ratio"]).apply(
+        replies, replies)
+    combine = Combine(profile["aggregation"], min_cosine=profile["min_cosine"])
+    combine.centered.center = center.clone()
+    out = combine(payloads, capped, factors, SHAPES)
+    return torch.cat([out[n].reshape(-1).double() for n in SHAPES]), combine.left_out
+
+
+def test_the_deployed_default_leaves_out_a_crafted_ipm_update():
+    """Two colluders send IPM (Xie et al. 2019) at the largest epsilon min-max's bound allows,
+    from full knowledge of the eight honest updates, claiming the honest median weight: plain
+    FedAvg's aggregate turns against the honest mean; robust = on leaves both out, and its
+    aggregate is what the honest updates alone give it."""
+    from client.attacks import ipm
+
+    honest, weights = _round_of_ten()
+    crafted = ipm(honest, 0.0)
+    claim = statistics.median(weights)
+    rows = torch.cat([honest, crafted.expand(2, SIZE)])
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    assert float(crafted @ mean_h) < 0
+    all_w = [*weights, claim, claim]
+    fedavg = (torch.tensor(all_w, dtype=torch.float64)[:, None] * rows).sum(0) / sum(all_w)
+    center = 0.8 * mean_h
+    got, left_out = _deployed(rows, all_w, center)
+    alone, none_out = _deployed(honest, weights, center)
+    assert set(left_out) == {8, 9} and not none_out
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-6)
+    assert float(got @ mean_h) > 0.8 * float(mean_h @ mean_h) > float(fedavg @ mean_h)
+
+
+def test_the_deployed_default_bounds_a_crafted_alie_update_whatever_its_size():
+    """Two colluders send ALIE (Baruch et al. 2019, mean - z * std of the honest updates), with
+    z far beyond the paper's 0.25: it points the honest way, so it is not left out, but its pull
+    does not grow with z (centered clipping), where plain FedAvg's grows with it."""
+    from client.attacks import alie
+
+    honest, weights = _round_of_ten()
+    claim = statistics.median(weights)
+    all_w = [*weights, claim, claim]
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    alone, _ = _deployed(honest, weights, 0.8 * mean_h)
+    shifts, fedavg_shifts = [], []
+    for z in (5.0, 500.0):
+        rows = torch.cat([honest, alie(honest, z).expand(2, SIZE)])
+        got, left_out = _deployed(rows, all_w, 0.8 * mean_h)
+        assert not left_out
+        shifts.append(float((got - alone).norm()))
+        fedavg = (torch.tensor(all_w, dtype=torch.float64)[:, None] * rows).sum(0) / sum(all_w)
+        fedavg_shifts.append(float((fedavg - mean_h).norm()))
+    assert shifts[1] < 1.1 * shifts[0] < 0.5 * float(mean_h.norm())
+    assert fedavg_shifts[1] > 50 * fedavg_shifts[0]
+
+
+def test_the_direction_gate_judges_by_history_only():
+    """Round 1 has no history: nothing is left out, whatever min_cosine, not even an update
+    against every other; from round 2 one pointing against the last round's aggregate is, and
+    its weight leaves the mean with it."""
+    honest, weights = _round_of_ten()
+    rows = torch.cat([honest, -3 * honest.mean(0, keepdim=True)])
+    payloads = [_payload(r) for r in rows]
+    combine = Combine("mean", min_cosine=0.5)
+    combine(payloads, [*weights, 10.0], [1.0] * 9, SHAPES)
+    assert combine.left_out == {}
+    second = combine(payloads, [*weights, 10.0], [1.0] * 9, SHAPES)
+    assert 8 in combine.left_out and combine.left_out[8] < 0
+    kept = [i for i in range(9) if i not in combine.left_out]
+    w = torch.tensor([[*weights, 10.0][i] for i in kept], dtype=torch.float64)
+    expected = (w[:, None] * rows[kept]).sum(0) / w.sum()
+    torch.testing.assert_close(torch.cat([second[n].reshape(-1).double() for n in SHAPES]),
+                               expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_direction_gate_leaves_out_a_minority_at_most():
+    """When every update points against history (history turned, as EF-sign's round 2 does),
+    the gate leaves out only the farthest minority, lowest cosines first: the round keeps a
+    majority and its mean is theirs."""
+    honest, weights = _round_of_ten()
+    rows, w5 = honest[:5], weights[:5]
+    combine = Combine("mean", min_cosine=0.0)
+    first = combine([_payload(r) for r in rows], w5, [1.0] * 5, SHAPES)  # history: their mean
+    history = torch.cat([first[n].reshape(-1).double() for n in SHAPES])
+    flipped = -rows
+    out = combine([_payload(r) for r in flipped], w5, [1.0] * 5, SHAPES)
+    cos = torch.nn.functional.cosine_similarity(flipped, history[None, :], dim=1)
+    assert bool((cos < 0).all())  # every one below min_cosine 0
+    lowest = set(torch.argsort(cos)[:2].tolist())
+    assert set(combine.left_out) == lowest  # two of five: a minority
+    kept = [i for i in range(5) if i not in lowest]
+    w = torch.tensor([w5[i] for i in kept], dtype=torch.float64)
+    expected = (w[:, None] * flipped[kept]).sum(0) / w.sum()
+    torch.testing.assert_close(torch.cat([out[n].reshape(-1).double() for n in SHAPES]),
+                               expected, rtol=1e-5, atol=1e-6)

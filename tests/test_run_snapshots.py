@@ -108,7 +108,10 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
                "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
                "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
-               "attack.target_class": 0}
+               "attack.target_class": 0,
+               # issue 35: the colluding attacks' keys, and the direction gate (off: robust = off)
+               "attack.deviation": "std", "attack.epsilon": 0.0, "attack.knowledge": "partial",
+               "min_cosine": -1.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
 #: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).

@@ -154,8 +154,10 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
     assert capped > 0
     assert summary["defences"] == {"max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
                                    "aggregation": "mean", "trim_fraction": 0.1,
-                                   "weights_capped": capped, "updates_clipped": 0}
-    assert f"defences: {capped} weights capped, 0 updates clipped" in "\n".join(out)
+                                   "min_cosine": -1.0, "weights_capped": capped,
+                                   "updates_clipped": 0, "updates_left_out": 0}
+    assert (f"defences: {capped} weights capped, 0 updates clipped, 0 left out"
+            in "\n".join(out))
 
 
 def test_plain_fedavg_says_so():
