@@ -9,24 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
-import warnings
 from collections.abc import Sequence
 
-
-def quiet_toolchain() -> None:
-    """Silence the export toolchain's notices that a user of this command cannot act on.
-
-    torch.export's pytree raises a FutureWarning about ``LeafSpec`` once per exported graph node
-    kind (20 lines per export), torch logs a deprecation of ``register_constant`` on enums, and
-    torchao logs the CUDA kernels it cannot load on a CPU build. None is about fedgc's code or
-    the user's input. ``--verbose`` shows them.
-    """
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+from android_bridge.notices import quiet_toolchain
+from android_bridge.run_phone import main as phone
+from android_bridge.serve import main as serve
 
 
 def export_parser() -> argparse.ArgumentParser:
@@ -63,8 +51,13 @@ def export(argv: Sequence[str]) -> int:
     args = export_parser().parse_args(list(argv))
     if not args.verbose:
         quiet_toolchain()
-    # Imported after the filters: importing the toolchain already logs.
-    from android_bridge.export import DEFAULT_MAX_NUMEL, export_all, export_run
+    # Imported here, after the filters (importing the toolchain logs); start-up without torch.
+    from android_bridge.export import (
+        DEFAULT_MAX_NUMEL,
+        export_all,
+        export_run,
+        federation_defaults,
+    )
     from android_bridge.models import MODELS
     from dgc.config import DGCConfig
     from dgc.errors import DGCError
@@ -83,8 +76,6 @@ def export(argv: Sequence[str]) -> int:
             if args.set or args.run_config or args.task_options:
                 raise DGCError(f"--model {args.model} is a registered model, not a task: "
                                f"--set, --run-config and --task-options do not apply")
-            from android_bridge.export import federation_defaults
-
             config = DGCConfig.from_dict({**federation_defaults()["config"].to_dict(), **fields})
             manifest = export_all(args.model, args.out, config, batch_size=args.batch_size,
                                   learning_rate=args.learning_rate, seed=args.seed or 0,
@@ -129,10 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] == "export":
         return export(argv[1:])
     if argv[0] == "serve":
-        from android_bridge.serve import main as serve
-
         return serve(argv[1:])
-    from android_bridge.run_phone import main as phone
 
     return phone(argv[1:])
 

@@ -32,6 +32,7 @@ from dgc.int8_grid import round_initial
 from dgc.wire import max_numel_of
 from fedgc import methods
 from fedgc import protocol as P
+from fedgc.keys import TrainSettings
 
 DEVICE_KEY = "device-id"
 
@@ -123,12 +124,12 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                 base_sha256 = model_digest(start) if start else ""
         held[device] = ClientState(model=global_state, model_version=version)
         method = client_module.method_of(s, config, allowed)
-        dgc_config = method.phone_config(s) if method.phone else None
+        s = client_module.for_method(s, method)
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
             sequence=server_round, ack_sequence=ack,
             dense_model=dgc.encode(SparseUpdate.from_dense(global_state, "float32", version)),
-            config=_phone_config(s, dgc_config, key, method.phone_small(s)), patch=patch,
+            config=_phone_config(s, method, key), patch=patch,
             base_version=-1 if base is None else base, base_sha256=base_sha256,
             shared_mask=_shared_mask(msg))
         bridge.submit(task)
@@ -168,39 +169,33 @@ def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any]) -> byte
     return dgc.encode(SparseUpdate(tensors, update.sequence), grid_coding=True)
 
 
-def phone_methods() -> list[str]:
-    """The registered methods a phone's exported encoder runs (DGC's top-k, with or without its
-    residual: :attr:`fedgc.methods.Method.phone`)."""
-    return [m.name for m in methods.registered() if m.phone]
-
-
 def _shared_mask(msg: Message) -> bytes | None:
     """The round material of a train message (DGC's shared index sets), None without one."""
     record = msg.content.array_records.get(P.SHARED)
     return None if record is None else P.record_to_bytes(record, P.SHARED_MASK)
 
 
-def _phone_config(s: Any, dgc_config: dgc.DGCConfig | None, client_key: int = 0,
-                  small: tuple[float, int] | None = None) -> dict[str, Any]:
+def _phone_config(s: TrainSettings, method: methods.Method,
+                  client_key: int = 0) -> dict[str, Any]:
     """The task config a phone gets (``FetchTaskReply.config_json``): what a simulated client
-    of the same key reads from its train message (docs/android.md)."""
-    if dgc_config is None:
-        raise BridgeError(f"method {s.method!r} is not served by phones: their encoder is DGC "
-                          f"(methods {phone_methods()})")
-    # A run whose client phones cannot run as a simulated client does (issue 30's switches)
-    # fails the round here, named, rather than letting the phone train otherwise.
+    of the same key reads from its train message (docs/android.md), for the run's ``method``
+    configured with the message's keys."""
+    # A method phones do not run, or a run whose client phones cannot run as a simulated client
+    # does (its phone refusals), fails the round here, named, rather than letting the phone
+    # train otherwise.
     try:
-        check_phone_run(s)
+        part = check_phone_run(method)
     except dgc.ConfigError as ex:
         raise BridgeError(str(ex)) from ex
+    small = part.phone_small(s)
     # The phone runs exact top-k whatever the server's simulated clients use: the server only
     # decodes what arrives, and exact is what the exported graph implements.
-    phone_dgc = dataclasses.replace(dgc_config, selection="exact")
+    phone_dgc = dataclasses.replace(part.phone_config(s), selection="exact")
     out: dict[str, Any] = {
         "train": {"lr": s.lr, "batch_size": s.batch_size, "local_steps": s.local_steps,
                   "local_epochs": s.local_epochs, "seed": s.seed, "method": s.method,
                   # The shuffle is seeded by the run's seed, the round and the client's key
-                  # (client.training.round_seed); SGD as client.training.train_locally runs it.
+                  # (fedgc.training.round_seed); SGD as fedgc.training.train_locally runs it.
                   "client_key": int(client_key), "momentum": s.client_momentum,
                   "weight_decay": s.weight_decay},
         "dgc": phone_dgc.to_dict()}

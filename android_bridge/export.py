@@ -48,6 +48,10 @@ from android_bridge.initial_model import initial_digests
 from android_bridge.models import ModelSpec, get_model, task_model
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError
+from fedgc import methods
+from fedgc.keys import ServerSettings
+from fedgc.settings import RunConfig
+from fedgc.task_loader import load_task
 
 MANIFEST_VERSION = 1
 #: Longest flat tensor the exported encoder accepts by default. ExecuTorch plans memory for the
@@ -365,16 +369,31 @@ def parameter_layout(model: nn.Module, config: DGCConfig) -> list[dict[str, Any]
 
 
 def federation_defaults() -> dict[str, Any]:
-    """What a default fedgc run (``method = "dgc"``, ``fedgc.settings.TrainSettings()``) asks
-    a phone for: the DGC config (exact selection, as phones run), batch size and learning rate,
-    and the run-config keys (``--run-config`` / pyproject) whose values the export bakes in."""
-    from fedgc.methods import get
-    from fedgc.settings import TrainSettings
-
-    s = TrainSettings()
-    config = exact_config(get(s.method).phone_config(s))
+    """What a default fedgc run (``method = "dgc"``, every key at its default) asks a phone
+    for: the DGC config (exact selection, as phones run), batch size and learning rate, and
+    the run-config keys (``--run-config`` / pyproject) whose values the export bakes in."""
+    run = RunConfig.from_flat({"run_name": "federation-defaults"})
+    s = run.train
+    config = exact_config(phone_config(run))
     return {"task": s.task, "config": config, "batch_size": s.batch_size,
             "learning_rate": s.lr, "run_config": _run_config_keys(config, s.batch_size, s.lr)}
+
+
+def phone_config(run: RunConfig) -> DGCConfig:
+    """The DGC configuration a phone's encoder runs for ``run``'s method
+    (:meth:`fedgc.methods.PhoneExport.phone_config`); ConfigError naming the methods phones
+    run when phones do not run it."""
+    part = methods.phone_export_of(run.method)
+    if part is None:
+        raise ConfigError(f"method {run.train.method!r} is not served by phones: their encoder "
+                          f"is DGC (methods {phone_methods()})")
+    return part.phone_config(run.train)
+
+
+def phone_methods() -> list[str]:
+    """The registered methods a phone's exported encoder runs (DGC's top-k, with or without
+    its residual: :class:`fedgc.methods.PhoneExport`)."""
+    return [m.name for m in methods.registered() if methods.phone_export_of(m) is not None]
 
 
 def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float,
@@ -525,42 +544,27 @@ def exact_config(config: DGCConfig) -> DGCConfig:
     return dataclasses.replace(config, selection="exact")
 
 
-#: Switches of the ``dgc`` method (issue 30) that phones do not run, with their defaults: a
-#: phone runs the default client, so a run that sets one is refused before phones train
-#: otherwise than the simulated clients they stand beside.
-PHONE_DEFAULT_SWITCHES = {"dgc.value_levels": ("value_levels", 0.0),
-                          "dgc.shared_first": ("shared_first", False),
-                          "dgc.shared_values": ("shared_values", "sign"),
-                          "dgc.residual_decay": ("residual_decay", 1.0),
-                          "dgc.step_ahead": ("step_ahead", 0.0),
-                          "dgc.feedback": ("feedback", "residual"),
-                          "dgc.budget": ("budget", "tensor"),
-                          "dgc.compact_wire": ("compact_wire", False),
-                          "dgc.server_error": ("server_error", 0.0)}
-
-
-def check_phone_run(train: Any, server: Any = None) -> None:
-    """Raise ``ConfigError`` when phones cannot run a client of this run as a simulated client
-    does: a method phones do not serve (naming those they do), or one of the ``dgc`` switches
-    they lack set (:data:`PHONE_DEFAULT_SWITCHES`; the server's ``dgc.shared_rank``
-    ``displacement``, whose sets clients derive themselves)."""
-    from fedgc.methods import get, registered
-
-    if not get(train.method).phone:
-        raise ConfigError(f"method {train.method!r} is not served by phones: their encoder is "
-                          f"DGC (methods {[m.name for m in registered() if m.phone]})")
-    set_ = [f"{key}={getattr(train, field)!r}" for key, (field, default)
-            in PHONE_DEFAULT_SWITCHES.items() if getattr(train, field, default) != default]
-    if server is not None and getattr(server, "shared_rank", "aggregates") != "aggregates":
-        set_.append(f"dgc.shared_rank={server.shared_rank!r}")
-    if server is not None and getattr(server, "downlink_context", False):
+def check_phone_run(method: methods.Method,
+                    server: ServerSettings | None = None) -> methods.PhoneExport:
+    """The method's phone export part; ``ConfigError`` when phones cannot run a client of this
+    run as a simulated client does: a method phones do not serve (naming those they do), one of
+    its own keys set to what phones do not run (:meth:`fedgc.methods.PhoneExport.phone_refusals`,
+    from the configured ``method``), or, with the ``server``'s keys, patches the phones' codec
+    does not apply."""
+    part = methods.phone_export_of(method)
+    if part is None:
+        raise ConfigError(f"method {method.name!r} is not served by phones: their encoder is "
+                          f"DGC (methods {phone_methods()})")
+    set_ = part.phone_refusals()
+    if server is not None and server.downlink_context:
         set_.append("downlink_context=True")  # patches the phones' codec does not apply
-    if server is not None and getattr(server, "downlink_compact", False):
+    if server is not None and server.downlink_compact:
         set_.append("downlink_compact=True")  # messages the phones' codec does not read
     if set_:
         raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
                           f"switch (docs/android.md); leave it at its default in a run with "
                           f"phones")
+    return part
 
 
 def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
@@ -569,17 +573,15 @@ def export_run(config: Any, out_dir: str | Path, max_numel: int | None = None,
 
     Everything comes from the run's keys: its task (a shipped one or ``module:callable`` with
     its ``task_options``, ``model`` and ``model_options``), the DGC config its method gives
-    phones (:meth:`fedgc.methods.Method.phone_config`, with ``dgc_fields`` laid over it),
+    phones (:meth:`fedgc.methods.PhoneExport.phone_config`, with ``dgc_fields`` laid over it),
     ``batch_size`` (the largest batch the training step takes), ``lr`` and ``seed`` (the
     parameters baked into ``train_step.pte`` are the run's version 0). ``max_numel`` defaults to
     the model's largest tensor (the encoder's memory plan is sized by it). A method phones do
     not run is a ``ConfigError`` naming the ones they do.
     """
-    from fedgc.task_loader import load_task
-
-    check_phone_run(config.train, config.server)
+    check_phone_run(config.method, config.server)
     t = config.train
-    phone = exact_config(config.method.phone_config(t))
+    phone = exact_config(phone_config(config))
     if dgc_fields:
         phone = DGCConfig.from_dict({**phone.to_dict(), **dgc_fields})
     spec = task_model(load_task(t.task_spec()), t.task)

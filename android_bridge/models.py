@@ -10,6 +10,10 @@ import torch
 from torch import nn
 
 from dgc.errors import ConfigError
+from fedgc.refs import is_ref
+from fedgc.settings import TaskSpec
+from fedgc.task_loader import load_task
+from tasks import DATASETS
 
 
 @dataclass(frozen=True)
@@ -64,10 +68,6 @@ def get_model(name: str, task_options: str = "") -> ModelSpec:
     """
     if name in MODELS:
         return MODELS[name]
-    from fedgc.refs import is_ref
-    from fedgc.settings import TaskSpec
-    from fedgc.task_loader import load_task
-    from tasks import DATASETS
 
     if name not in DATASETS and not is_ref(name):
         raise ConfigError(f"unknown model {name!r}; known: {sorted(MODELS) + sorted(DATASETS)} "

@@ -36,15 +36,16 @@ import numpy as np
 
 import dgc
 from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
+from android_bridge.encoder import check_compatible
 from android_bridge.initial_model import FORMS, initial_form
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from android_bridge.shuffle import local_batches
-from client.training import round_seed
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
 from dgc.wire import max_numel_of
+from fedgc.training import round_seed
 
 
 class PhoneError(RuntimeError):
@@ -199,7 +200,7 @@ class ReferencePhone:
         return model
 
     def _batches(self, train: dict[str, Any], server_round: int) -> Iterator[tuple[Any, Any]]:
-        """The round's minibatches, as ``client.training.train_locally`` takes them: seeded by
+        """The round's minibatches, as ``fedgc.training.train_locally`` takes them: seeded by
         the run's seed, the round and this client's key; the last batch of an epoch holds what
         is left (the training step takes 1..batch_size examples)."""
         seed = round_seed(int(train["seed"]), int(server_round), int(train.get("client_key", 0)))
@@ -243,7 +244,7 @@ class ReferencePhone:
         self.model, self.model_version = global_model, int(task.model_version)
         # What the bridge app reads (it times the round itself); "restored" only when 1.
         metrics: dict[str, Any] = {"num-examples": len(self.x),
-                                   # Summed in order, as client.training.train_locally
+                                   # Summed in order, as fedgc.training.train_locally
                                    # averages its losses.
                                    "train_loss": sum(losses) / max(len(losses), 1)}
         if restored:
@@ -351,8 +352,6 @@ class ReferencePhone:
 def compatible_config(manifest: dict[str, Any], requested: DGCConfig) -> DGCConfig:
     """``requested`` with ``selection="exact"`` (what the phone runs), checked against the
     exported config; raises ``dgc.ConfigError`` on a baked-in difference."""
-    from android_bridge.encoder import check_compatible
-
     config = dataclasses.replace(requested, selection="exact")
     check_compatible(DGCConfig.from_dict(manifest["dgc_config"]), config)
     return config

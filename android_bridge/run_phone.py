@@ -30,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from android_bridge.arm.emulator import ArmEnv, ArmEnvError
+from android_bridge.notices import quiet_toolchain
+
 
 class PhoneCliError(RuntimeError):
     """A bad option or file; the message names it."""
@@ -94,6 +97,7 @@ def phone_data(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
                                 f"{ex}") from None
     if args.partition_id is None:
         raise PhoneCliError("give --partition-id (the phone's client key) with --set, or --data")
+    # Imported here: start-up; a phone given --data loads neither Flower nor the run's task.
     from client.app import client_data
     from fedgc.schema import load_toml
     from fedgc.settings import RunConfig, SettingsError
@@ -134,8 +138,6 @@ def main(argv: Sequence[str]) -> int:
 
 def _on_arm64(args: argparse.Namespace, argv: list[str]) -> int:
     """Hand the partition over as ``--data`` and run this command in the emulated phone."""
-    from android_bridge.arm.emulator import ArmEnv, ArmEnvError
-
     try:
         env = ArmEnv.find()
     except ArmEnvError as ex:
@@ -175,9 +177,8 @@ def _without(argv: list[str], options: set[str]) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     import grpc
 
-    from android_bridge.__main__ import quiet_toolchain
-
     quiet_toolchain()
+    # Imported here, after the filters (importing the toolchain logs); start-up without torch.
     from android_bridge.phone import ReferencePhone
 
     x, y = phone_data(args)

@@ -22,6 +22,7 @@ import torch
 
 from android_bridge.encoder import BLOCK, check_compatible, check_exportable, clip_scale
 from android_bridge.export import ENCODER_FILE, MANIFEST_FILE, TRAIN_FILE, TRAIN_PREFIX
+from android_bridge.notices import start_threadpool
 from dgc.base import check_factor
 from dgc.config import DGCConfig
 from dgc.errors import ConfigError, StateError
@@ -69,6 +70,7 @@ class PteEncoder:
                  shapes: Mapping[str, tuple[int, ...]]) -> None:
         from executorch.runtime import Runtime
 
+        start_threadpool()  # before the first method loads: quiet
         check_exportable(config)
         self.config = config
         self.shapes = {name: tuple(int(s) for s in shape) for name, shape in shapes.items()}
@@ -332,6 +334,7 @@ class PteTrainer:
             get_sgd_optimizer,
         )
 
+        start_threadpool()  # before the first method loads: quiet
         self.manifest = load_manifest(export_dir)
         t = self.manifest["training"]
         self.batch_shape = tuple(t["input_shape"])

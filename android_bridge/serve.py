@@ -214,6 +214,7 @@ def _credentials(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Imported here: start-up; a bad option is answered before torch loads.
     from android_bridge.bridge import BridgeError, PhoneBridge
     from android_bridge.control import control_address, serve_control
 

@@ -1,6 +1,6 @@
 """The local minibatch order of a simulated client, reproduced without torch: MT19937 and randperm.
 
-``client.training.train_locally`` shuffles a client's examples with
+``fedgc.training.train_locally`` shuffles a client's examples with
 ``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` once per epoch, and takes
 batches of ``batch_size`` in that order (the last one of an epoch may be smaller). A phone that
 trains on the same examples in the same order, with the same optimizer, runs the same round
@@ -95,7 +95,7 @@ def randperm(n: int, generator: MT19937) -> np.ndarray:
 
 def local_batches(n: int, batch_size: int, local_epochs: int, local_steps: int,
                   seed: int) -> Iterator[np.ndarray]:
-    """The example indices of each local step, in the order ``client.training.train_locally``
+    """The example indices of each local step, in the order ``fedgc.training.train_locally``
     takes them: ``local_steps`` steps if positive, else ``local_epochs`` epochs of
     ``ceil(n / batch_size)`` steps; a new permutation whenever one is used up."""
     if n < 1 or batch_size < 1:

@@ -18,7 +18,7 @@ Three parts, each printing its figures with the device and the date beside them:
 
    with the ratios batched/topk and batched/floor (targets on a GPU: <= 1 and <= 2).
 2. ``clients``: the Fashion-MNIST CNN, 120 SGD steps of batch 10 per client (momentum 0.5):
-   clients per second trained one at a time (:func:`client.training.train_locally`) and all at
+   clients per second trained one at a time (:func:`fedgc.training.train_locally`) and all at
    once (:func:`client.batched_training.train_batched`, ``torch.func``), for ``--clients``.
 3. ``study``: ``python -m simulations compare --scenario fashion-mnist`` (5 methods,
    ``--seeds``, ``--study-rounds``), its wall time. On a GPU the default is the whole study
@@ -164,7 +164,7 @@ CLIENT_STEPS, CLIENT_BATCH = 120, 10
 def run_clients(device: torch.device, counts: list[int], repeats: int) -> None:
     import tasks
     from client.batched_training import BatchedClient, train_batched
-    from client.training import train_locally
+    from fedgc.training import train_locally
 
     print(f"\n## clients per second, Fashion-MNIST CNN, {CLIENT_STEPS} steps of batch "
           f"{CLIENT_BATCH} per client ({device_line(device)})")

@@ -38,7 +38,7 @@ from bench.common import interleaved_wall_cpu_ms, machine_line  # noqa: E402
 from client.app import initial_model, initial_model_of  # noqa: E402
 from dgc.int8_grid import round_initial  # noqa: E402
 from dgc.ranking import ranked, top_positions  # noqa: E402
-from fedgc.settings import TaskSpec  # noqa: E402
+from fedgc.keys.run import TaskSpec  # noqa: E402
 from fedgc.task_loader import get_task  # noqa: E402
 from server.downlink import Downlink  # noqa: E402
 

@@ -180,8 +180,6 @@ def mutate(data: bytes, rng: np.random.Generator, fields: Sequence[int] = (),
     return kind, _reseal(out, _inner_frame(data)) if rng.random() < 0.85 else bytes(out)
 
 
-#: Every run key of fedgc's settings (a method's own keys are its settings').
-RUN_KEYS = frozenset(RunConfig().to_flat())
 #: The round fuzzed: the second, so that the replies answer round material (DGC's shared
 #: signs, TCS's mask, PowerSGD's warm-started Q) and clients hold state.
 ROUND = 2
@@ -189,7 +187,8 @@ ROUND = 2
 
 def cases(names: Sequence[str] = ()) -> dict[str, dict[str, object]]:
     """Label -> run keys of each case fuzzed: every registered method (or ``names``) with its
-    defaults, and, for a method whose values travel in ``<prefix>.value_dtype``, float32 too
+    defaults, and, for a method whose own keys say how its values travel (a ``*.value_dtype``
+    key: ``dgc.value_dtype`` for the sparsifiers, ``powersgd.value_dtype``), float32 too
     (float16's largest is 65504; PowerSGD's factors of 1e20 need float32 or bfloat16)."""
     out: dict[str, dict[str, object]] = {}
     for m in methods.registered():
@@ -197,8 +196,7 @@ def cases(names: Sequence[str] = ()) -> dict[str, dict[str, object]]:
             continue
         out[m.name] = {"method": m.name}
         own = {f.metadata["key"] for f in fields_of(m.settings)} if m.settings else set()
-        key = f"{m.prefix or m.name}.value_dtype"
-        if key in own or key in RUN_KEYS:
+        for key in sorted(k for k in own if k.endswith(".value_dtype")):
             out[f"{m.name}+float32"] = {"method": m.name, key: "float32"}
     return out
 

@@ -7,7 +7,7 @@ same local settings, and evaluate centrally every round:
 
 * ``fedgc``: the fedgc ClientApp behind the network emulator's mod (LTE/3G mix, virtual time),
   DGC at density 0.001 with the per-client residual in the on-disk ClientStateStore, and
-  NetemStrategy (DGCStrategy + round clock);
+  DGCStrategy with the emulator's extensions (round clock, wire columns);
 * ``vanilla``: a plain ClientApp that returns its dense weights and Flower's own ``FedAvg``.
 
 It prints the wall time per round of each (round 1 includes Ray start-up and the identification
@@ -134,7 +134,7 @@ def vanilla_client_app(num_clients: int, seed: int, lr: float, batch_size: int):
     def train(msg: Message, context: Context) -> Message:
         import torch
 
-        from client.training import round_seed, train_locally
+        from fedgc.training import round_seed, train_locally
 
         task, parts = setup()
         key = int(context.node_config["partition-id"])
@@ -226,7 +226,7 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
     import client.app as fedgc_client
     from fedgc.settings import RunConfig
     from server.app import run_server
-    from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
+    from simulations.netem.integration import extensions, for_run, wrap_client_app
     from simulations.netem.settings import NetemSettings
     from simulations.runner import run_engine
 
@@ -248,11 +248,10 @@ def run_fedgc(args, backend: dict, results: Path) -> list[float]:
 
     @server.main()
     def main(grid, context) -> None:
-        make = strategy_factory(netem)
-        # 10,000 identification queries take minutes on 2 busy cores: DGCStrategy's default
-        # 120 s probe timeout would leave most nodes unidentified and re-probe every round.
-        run_server(grid, config,
-                   strategy_factory=lambda **kw: make(**{**kw, "probe_timeout": 3600.0}))
+        # 10,000 identification queries take minutes on 2 busy cores: the probe timeout is
+        # round_timeout_s (3600 s above), or most nodes would stay unidentified and be
+        # probed again every round.
+        run_server(grid, config, extensions=extensions(netem, config))
 
     run_engine(server, app, args.clients, backend)
     import csv

@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import interleaved_wall_cpu_ms, machine_line  # noqa: E402
 from client.state import ClientStateStore, decode_record, encode_record  # noqa: E402
-from fedgc.methods import get  # noqa: E402
-from fedgc.settings import TrainSettings  # noqa: E402
+from fedgc.settings import RunConfig  # noqa: E402
 
 HIDDEN = 1262  # 784 * 1262 + 1262 + 1262 * 10 + 10 = 1,003,300 parameters
 
@@ -58,7 +57,8 @@ def client_record(seed: int) -> dict:
     import dgc
 
     model = model_state(seed)
-    compressor = get("dgc").compressor(TrainSettings(method="dgc"), 0)
+    run = RunConfig.from_flat({"method": "dgc", "run_name": "bench"})
+    compressor = run.method.compressor(run.train, 0)
     g = torch.Generator().manual_seed(seed + 1)
     update = None
     for rnd in (1, 2):

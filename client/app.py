@@ -13,7 +13,7 @@ One train message, in order:
 4. load the run's method's compressor with this client's residual; if the previous update was
    not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
    residual with the compressor's ``restore``; the method may age that residual and move the
-   model training starts from (:meth:`fedgc.methods.Method.prepare`);
+   model training starts from (:meth:`fedgc.methods.RoundMaterial.prepare`);
 5. train locally and form the pseudo-gradient ``global - local`` (against the model sent; a
    hostile client of a robustness study, ``attack.clients``, replaces it with its attack:
    ``client.attacks``);
@@ -46,11 +46,14 @@ from client.attacks import Attack, Benign, attack_of
 from client.collusion import CollusionStore, known_keys, model_digest
 from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
 from client.stores import StateMissingError, read_state
-from client.training import LocalResult, round_seed, train_locally
 from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
 from fedgc import devices, methods
 from fedgc import protocol as P
+from fedgc.keys import TrainSettings
+from fedgc.keys.attack import parse_attack_clients
+from fedgc.keys.run import TaskSpec
+from fedgc.methods.material import material_of
 from fedgc.refs import (
     ALLOWED_CALLABLES,
     CallableNotAllowedError,
@@ -58,14 +61,9 @@ from fedgc.refs import (
     is_ref,
     parse_allowed,
 )
-from fedgc.settings import (
-    SettingsError,
-    TaskSpec,
-    TrainSettings,
-    fields_of,
-    parse,
-    parse_attack_clients,
-)
+from fedgc.schema import SettingsError, fields_of, fill_fallbacks, parse
+from fedgc.task_loader import load_task
+from fedgc.training import LocalResult, round_seed, train_locally
 
 app = ClientApp()
 logger = logging.getLogger(__name__)
@@ -84,8 +82,6 @@ class ClientProtocolError(P.ProtocolError):
 def task_of(spec: TaskSpec, allowed: frozenset[str] | None = None) -> Any:
     """The task of ``spec``, loaded once per process (the bridge app shares it); a
     ``module:callable`` only if ``allowed`` (:func:`allowed_callables`, None: any) holds it."""
-    from fedgc.task_loader import load_task  # imported lazily: the Ray actor pays for it once
-
     return load_task(spec, allowed)
 
 
@@ -237,6 +233,15 @@ def method_of(settings: TrainSettings, config: Any,
         raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
 
 
+def for_method(settings: TrainSettings, method: methods.Method) -> TrainSettings:
+    """``settings`` with a key the server left to the method (``density`` sent empty) given
+    the method's default, as the server's run config gives it."""
+    try:
+        return fill_fallbacks(settings, method.defaults)[0]
+    except SettingsError as ex:
+        raise ClientProtocolError(f"train message config is invalid: {ex}") from ex
+
+
 def state_root(settings: TrainSettings, context: Context) -> str:
     """Folder of this client's state store: the node's ``state-dir``, else ``state_dir``; ""
     when neither is set."""
@@ -361,15 +366,18 @@ def _patch_context(config: ConfigRecord, bases: list[int],
 
 
 def round_material(content: RecordDict, model: dict[str, torch.Tensor],
-                   method: methods.Method) -> tuple[bytes, Any] | None:
+                   method: methods.Method) -> tuple[bytes, object] | None:
     """The round's material (DGC's shared index sets) with its bytes, decoded by ``method``;
-    None when the message has none."""
+    None when the message has none (ClientProtocolError for a method that sends none)."""
     record = content.array_records.get(P.SHARED)
     if record is None:
         return None
+    part = material_of(method)
     try:
+        if part is None:
+            raise ValueError(f"method {method.name!r} sends no round material")
         data = P.record_to_bytes(record, P.SHARED_MASK)
-        material = method.read_material(data, {k: v.numel() for k, v in model.items()})
+        material = part.read_material(data, {k: v.numel() for k, v in model.items()})
     except (ValueError, dgc.DecodeError) as ex:
         raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
     return data, material
@@ -444,7 +452,7 @@ class RoundInput:
     train_x: torch.Tensor
     train_y: torch.Tensor
     global_state: dict[str, torch.Tensor]
-    material: tuple[bytes, Any] | None
+    material: tuple[bytes, object] | None
     device: torch.device
     started: float
     #: The method's compressor, its residual loaded and what was lost folded back (None: the
@@ -452,8 +460,8 @@ class RoundInput:
     compressor: Compressor | None
     restored: int
     #: The model local training starts from: ``global_state`` unless the method's
-    #: :meth:`~fedgc.methods.Method.prepare` moved it (the pseudo-gradient sent is still taken
-    #: against ``global_state``, see :func:`reply_round`).
+    #: :meth:`~fedgc.methods.RoundMaterial.prepare` moved it (the pseudo-gradient sent is
+    #: still taken against ``global_state``, see :func:`reply_round`).
     start: dict[str, torch.Tensor]
     attack: Attack | None = None  # a hostile client of a robustness study (client.attacks)
     #: The ``module:callable`` references this node allows (:func:`allowed_callables`).
@@ -461,7 +469,7 @@ class RoundInput:
 
     @property
     def seed(self) -> int:
-        """The seed of this round's local shuffling (:func:`client.training.round_seed`)."""
+        """The seed of this round's local shuffling (:func:`fedgc.training.round_seed`)."""
         return round_seed(self.s.seed, self.server_round, self.key)
 
 
@@ -474,6 +482,8 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     allowed = allowed_callables(context)
     s = settings_from(config, allowed)
     method = method_of(s, config, allowed)
+    s = for_method(s, method)
+    part = material_of(method)
     try:
         device = devices.resolve(s.device)
     except devices.DeviceError as ex:
@@ -510,17 +520,17 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
 
     global_state = global_model(msg.content, config, state, initial=initial)
     material = round_material(msg.content, global_state, method)
-    if material is not None:
+    if material is not None and part is not None:
         held = (None if state.model is None or state.model_version is None
                 else (int(state.model_version), state.model))
         try:
-            material = method.hold_material(*material, global_state, initial, held=held)
+            material = part.hold_material(*material, global_state, initial, held=held)
         except (ValueError, dgc.StateError) as ex:
             raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
 
     # Step 4: the compressor with this client's residual, and what was lost folded back before
     # training, since the method may start local training from a model its residual moves
-    # (Method.prepare: step-ahead feedback) or age the residual (rounds away).
+    # (RoundMaterial.prepare: step-ahead feedback) or age the residual (rounds away).
     restored = 0
     start = global_state
     compressor = method.compressor(s, key, None if material is None else material[1])
@@ -533,7 +543,8 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
                 compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
                 method, s))
         away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
-        start = method.prepare(s, compressor, global_state, away)
+        if part is not None:
+            start = part.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,
                       task, train_x, train_y, global_state, material, device, started,
                       compressor, restored, start, attack, allowed)
@@ -580,8 +591,9 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     else:
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-        side = (method.side_part(compressor, r.material[1], server_round)
-                if r.material is not None else None)
+        part = material_of(method)
+        side = (part.side_part(compressor, r.material[1], server_round)
+                if r.material is not None and part is not None else None)
         if side is not None:
             shared_data = side[0]
         if keeps_residual:

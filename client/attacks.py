@@ -66,11 +66,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fedgc.settings import (
+from fedgc.keys import TrainSettings
+from fedgc.keys.attack import (
     ATTACKS,
     COLLUDING_ATTACKS,
     UNBOUNDED_ATTACK,
-    TrainSettings,
     parse_attack_clients,
 )
 

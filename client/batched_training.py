@@ -1,6 +1,6 @@
 """Local training of many clients at once: one round of every client, batched with torch.func.
 
-:func:`client.training.train_locally` trains one client; here the clients of a round train
+:func:`fedgc.training.train_locally` trains one client; here the clients of a round train
 together, each on its own data and its own copy of the model, in one ``vmap`` of ``grad``
 (``torch.func.functional_call``) per step. The parameters of all clients are stacked along a
 first dimension, and each client takes exactly the steps :func:`train_locally` takes:
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from client.training import LocalResult, _diverged, steps_of
+from fedgc.training import LocalResult, _diverged, steps_of
 
 _RECURRENT = (nn.RNNBase,)
 
@@ -74,7 +74,7 @@ def unsupported_model(model: nn.Module) -> str | None:
 
 def batch_plan(n: int, batch_size: int, total: int, seed: int) -> torch.Tensor:
     """The sample positions of a client's ``total`` steps (rows), -1 where a batch is short:
-    the batches :func:`client.training.train_locally` draws from ``seed``."""
+    the batches :func:`fedgc.training.train_locally` draws from ``seed``."""
     generator = torch.Generator().manual_seed(seed)
     per_epoch = math.ceil(n / batch_size)
     epochs = math.ceil(total / per_epoch)
@@ -93,7 +93,7 @@ def train_batched(model: nn.Module, clients: Sequence[BatchedClient], *, lr: flo
     """Train every client of ``clients`` for one round, at once; their results in order.
 
     ``model`` gives the architecture (its own weights are not used) and the device. Each
-    client's result is :func:`client.training.train_locally`'s for the same arguments (its
+    client's result is :func:`fedgc.training.train_locally`'s for the same arguments (its
     pseudo-gradient on the device), or the :class:`FloatingPointError` it would raise.
     """
     if not clients:

@@ -36,7 +36,8 @@ import torch
 
 from dgc import Compressor
 from fedgc.files import atomic_write_bytes
-from fedgc.methods.dgc import DGC
+from fedgc.keys import TrainSettings
+from fedgc.methods import Method, pending_parts
 from fedgc.ownership import note_written
 
 _KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -429,15 +430,15 @@ class ClientState:
 
 def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, Any],
                       ack_sequence: int, shapes: Mapping[str, tuple[int, ...]],
-                      method: Any = None, train: Any = None) -> bool:
+                      method: Method, train: TrainSettings) -> bool:
     """Restore a state's last update into ``compressor`` unless the server aggregated it.
 
     The state keeps the payload it sent as ``pending`` (wire bytes) and, with a side part (the
     shared sign channel), the side part sent beside it (``pending_shared``) with the round
     material it answers (``pending_mask``). When the payload's sequence is not ``ack_sequence``
     they go back into the residual, so nothing the client computed is lost. ``shapes`` gives
-    each tensor's shape; ``method`` (a :class:`fedgc.methods.Method`, default DGC's) reads
-    the bytes (:meth:`~fedgc.methods.Method.pending_parts`) with the run's ``train`` settings.
+    each tensor's shape; the run's ``method`` reads the bytes
+    (:func:`fedgc.methods.pending_parts`) with the run's ``train`` settings.
     Returns whether anything was restored. ``state`` may be a store record (the emulator's
     stale policy works on those).
     """
@@ -445,9 +446,8 @@ def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, 
         state = ClientState.from_record(state)
     if state.pending is None:
         return False
-    method = DGC() if method is None else method
-    sequence, parts = method.pending_parts(train, state.pending, state.pending_shared,
-                                           state.pending_mask, shapes)
+    sequence, parts = pending_parts(method, train, state.pending, state.pending_shared,
+                                    state.pending_mask, shapes)
     if sequence == ack_sequence:
         return False
     for part in parts:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fedgc.settings import DEVICES, SettingsError
+from fedgc.keys.sim import DEVICES
+from fedgc.schema import SettingsError
 
 
 class DeviceError(SettingsError):
@@ -18,7 +19,7 @@ def resolve(name: str) -> torch.device:
     ------
     DeviceError
         ``cuda`` on a machine where ``torch.cuda.is_available()`` is False, or a name outside
-        :data:`fedgc.settings.DEVICES`.
+        :data:`fedgc.keys.sim.DEVICES`.
     """
     if name not in DEVICES:
         raise DeviceError(f"sim.device must be one of {list(DEVICES)}, got {name!r}")

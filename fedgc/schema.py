@@ -10,15 +10,18 @@ A key that a compression method may give its own default (``server_momentum``: 0
 for dense FedAvg) is declared with ``fallback``: its field holds None until the run's method
 fills it (:mod:`fedgc.settings`), and its external form "" means "the method's default".
 
-This module knows no key of fedgc: :mod:`fedgc.settings` (the run's keys), the compression
-methods' own keys (:mod:`fedgc.methods`) and the network emulator's
-(``simulations.netem.settings``) are declared with it.
+This module knows no key of fedgc: each owner declares its keys with it (:mod:`fedgc.keys`: the
+run, client, server, engine and attack keys; each compression method its own,
+:attr:`fedgc.methods.Method.settings`; the network emulator its ``netem.*`` keys,
+``simulations.netem.settings``), and :mod:`fedgc.settings` combines them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import json
 import os
 import stat
@@ -32,9 +35,9 @@ from typing import Any, NamedTuple, TypeVar, Union, get_args, get_origin, get_ty
 from dgc.config import Check
 
 __all__ = ["MAX_CONFIG_BYTES", "OPTION_KEYS", "Check", "KeyInfo", "SettingsError", "coerce",
-           "describe", "fallback_of", "fields_of", "flatten", "fold_options", "key_table",
-           "known_keys", "load_toml", "options_of", "options_text", "parse", "part_of",
-           "per_method_keys", "setting", "to_flat", "validate"]
+           "describe", "fallback_of", "fields_of", "fill_fallbacks", "flatten", "fold_options",
+           "is_sent", "key_table", "known_keys", "load_toml", "options_of", "options_text",
+           "parse", "part_of", "per_method_keys", "setting", "to_flat", "validate"]
 
 T = TypeVar("T")
 
@@ -49,20 +52,29 @@ class SettingsError(ValueError):
 
 
 def setting(default: Any, key: str, doc: str, check: Check | None = None, *,
-            fallback: Any = _NO_FALLBACK) -> Any:
+            fallback: Any = _NO_FALLBACK, sent: bool = True) -> Any:
     """A dataclass field with its external key, documentation and accepted range.
 
-    A schema class names the part that owns its keys in a ``PART`` class attribute; a dotted
-    key's prefix (``dgc.``, ``sim.``, ``netem.``) names it instead. With ``fallback`` the key
-    is one a method may set its own default for: declare it ``None`` (the field's type
-    ``float | None``), and ``fallback`` is the default of the methods that set none.
+    A schema class names the part that owns its keys in a ``PART`` class attribute (the class
+    that declares the field: owners compose by inheritance); a dotted key's prefix (``dgc.``,
+    ``sim.``, ``netem.``) names it instead. With ``fallback`` the key is one a method may set
+    its own default for: declare it ``None`` (the field's type ``float | None``), and
+    ``fallback`` is the default of the methods that set none. ``sent=False`` marks a method's
+    key that only its server half reads: it stays out of the train messages.
     """
-    metadata = {"key": key, "doc": doc, "check": check or Check()}
+    metadata = {"key": key, "doc": doc, "check": check or Check(), "sent": sent}
     if fallback is not _NO_FALLBACK:
         if default is not None:
             raise TypeError(f"key {key!r}: a per-method key's field default must be None")
         metadata["fallback"] = fallback
     return dataclasses.field(default=default, metadata=metadata)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The type hints of a schema class, resolved once per class (resolving the string
+    annotations is most of what parsing a message's keys costs)."""
+    return get_type_hints(cls)
 
 
 def fields_of(cls: type) -> list[dataclasses.Field]:
@@ -73,6 +85,28 @@ def fields_of(cls: type) -> list[dataclasses.Field]:
 def fallback_of(f: dataclasses.Field) -> Any:
     """The default of a per-method key for methods that set none (:func:`setting`)."""
     return f.metadata["fallback"]
+
+
+def is_sent(f: dataclasses.Field) -> bool:
+    """Whether a method's key travels to clients (:func:`setting`'s ``sent``)."""
+    return bool(f.metadata.get("sent", True))
+
+
+def fill_fallbacks(obj: T, defaults: Mapping[str, Any]) -> tuple[T, frozenset[str]]:
+    """``obj`` with its per-method keys that are still None set to ``defaults`` (a method's
+    :attr:`~fedgc.methods.Method.defaults`; the key's ``fallback`` where it has none), checked,
+    and the keys it filled. ``obj`` itself when none is None."""
+    filled, named = {}, []
+    for f in fields_of(type(obj)):
+        if "fallback" in f.metadata and getattr(obj, f.name) is None:
+            key = f.metadata["key"]
+            filled[f.name] = defaults.get(key, fallback_of(f))
+            named.append(key)
+    if not filled:
+        return obj, frozenset()
+    out = dataclasses.replace(obj, **filled)  # type: ignore[type-var]
+    validate(out)  # a method's own default must be in range too
+    return out, frozenset(named)
 
 
 def per_method_keys(cls: type) -> list[str]:
@@ -146,7 +180,7 @@ def unknown_keys(unknown: Iterable[str], known: Iterable[str]) -> SettingsError:
 
 def parse(cls: type[T], values: Mapping[str, object], *, strict: bool = True) -> T:
     """Build ``cls`` from external keys; with ``strict`` an unknown key is an error."""
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     by_key = {f.metadata["key"]: f for f in fields_of(cls)}
     if strict:
         unknown = sorted(set(values) - set(by_key))
@@ -215,7 +249,7 @@ def options_of(key: str, text: str) -> dict[str, Any]:
 def validate(obj: object) -> None:
     """Check every schema field of ``obj`` against its accepted range (a per-method key that
     is still None, the method's default to come, is not checked)."""
-    hints = get_type_hints(type(obj))
+    hints = _hints(type(obj))
     for f in fields_of(type(obj)):
         key, check = f.metadata["key"], f.metadata["check"]
         value = getattr(obj, f.name)
@@ -242,10 +276,16 @@ def to_flat(obj: object) -> dict[str, bool | int | float | str]:
     return out
 
 
+def _declaring_class(cls: type, key: str) -> type:
+    """The class of ``cls``'s bases (or itself) that declares the field of ``key``."""
+    name = next(f.name for f in fields_of(cls) if f.metadata["key"] == key)
+    return next((c for c in cls.__mro__ if name in inspect.get_annotations(c)), cls)
+
+
 def part_of(cls: type, key: str, parts: Sequence[str]) -> str:
     """The part of fedgc that owns ``key`` of schema ``cls`` (one of ``parts``)."""
     prefix, dot, _ = key.partition(".")
-    part = prefix if dot else getattr(cls, "PART", "")
+    part = prefix if dot else getattr(_declaring_class(cls, key), "PART", "")
     if part not in parts:
         raise SettingsError(f"key {key!r} of {cls.__name__} names no part of {list(parts)}")
     return part
@@ -265,12 +305,20 @@ class KeyInfo(NamedTuple):
 def key_table(classes: Sequence[type], parts: Sequence[str],
               per_method: Callable[[str, Any], str] | None = None) -> list[KeyInfo]:
     """Every key of the given schema classes with its part, sorted by key (``per_method``
-    writes the default of a per-method key, see :func:`describe`)."""
-    rows = []
+    writes the default of a per-method key, see :func:`describe`). A key that several classes
+    share (the sparsifiers' keys, inherited by each method that reads them) is listed once;
+    two different declarations of one key are a TypeError."""
+    rows: dict[str, KeyInfo] = {}
+    declared: dict[str, dataclasses.Field] = {}
     for cls in classes:
+        by_key = {f.metadata["key"]: f for f in fields_of(cls)}
         for key, kind, default, accepted, doc in describe(cls, per_method):
-            rows.append(KeyInfo(key, part_of(cls, key, parts), kind, default, accepted, doc))
-    return sorted(rows)
+            if key in declared and declared[key] is not by_key[key]:
+                raise TypeError(f"key {key!r} is declared twice ({cls.__name__} and another "
+                                f"class); declare it once and inherit it")
+            declared[key] = by_key[key]
+            rows[key] = KeyInfo(key, part_of(cls, key, parts), kind, default, accepted, doc)
+    return sorted(rows.values())
 
 
 def describe(cls: type, per_method: Callable[[str, Any], str] | None = None,
@@ -280,7 +328,7 @@ def describe(cls: type, per_method: Callable[[str, Any], str] | None = None,
     ``per_method(key, fallback)`` writes the default of a per-method key (the methods that set
     their own); without it, ``fallback`` and "(per method)".
     """
-    hints = get_type_hints(cls)
+    hints = _hints(cls)
     rows = []
     for f in fields_of(cls):
         kind, _ = _kind(hints[f.name])

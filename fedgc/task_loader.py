@@ -1,6 +1,6 @@
 """Build a run's Task from its keys: a shipped dataset by name, or a callable of the user's own.
 
-``task = "mnist5k"`` (one of :data:`fedgc.settings.TASKS`) loads the shipped dataset with
+``task = "mnist5k"`` (one of :data:`fedgc.keys.run.TASKS`) loads the shipped dataset with
 :func:`tasks.get_task`, its ``model``, ``model_options``, ``data_dir`` and ``task_options``;
 ``task = "my_pkg.my_task:build"`` imports ``my_pkg.my_task`` and calls ``build(**task_options)``,
 which must return a :class:`tasks.Task`. Server and clients both call :func:`load_task` with the
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+from fedgc.keys.run import TASKS, TaskSpec
 from fedgc.refs import (
     ALLOWED_CALLABLES,
     CallableNotAllowedError,
@@ -28,7 +29,6 @@ from fedgc.refs import (
     short,
 )
 from fedgc.schema import SettingsError, options_of
-from fedgc.settings import TASKS, TaskSpec
 from tasks import Task, get_task
 
 __all__ = ["ALLOWED_CALLABLES", "CallableNotAllowedError", "load_task", "resolve_callable"]

@@ -21,8 +21,8 @@ import torch
 
 import dgc
 from dgc import SparseUpdate
+from fedgc.keys.server import AGGREGATIONS
 from fedgc.methods import Payload
-from fedgc.settings import AGGREGATIONS
 from server.robust import CenteredClip, client_entries, cosines, fltrust, space_offsets
 
 

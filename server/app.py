@@ -23,13 +23,14 @@ from flwr.serverapp import Grid, ServerApp
 from fedgc import devices, methods
 from fedgc.flower_log import drop_noise, report_once
 from fedgc.schema import to_flat
-from fedgc.settings import RunConfig, SettingsError, parse_client_nodes
+from fedgc.settings import RunConfig, SettingsError, method_key_classes, parse_client_nodes
 from fedgc.task_loader import load_task
 from server import defences
 from server.checkpoint import CheckpointError
-from server.extensions import Column, columns_of
+from server.extensions import Column, RoundExtension, columns_of
 from server.folders import RunFolderError as RunFolderError  # re-exported: its old home
 from server.folders import RunLock, make_folders, plan_folders
+from server.local_grid import LocalGrid
 from server.preflight import PreflightError, check_run
 from server.records import RoundRecord
 from server.registry import NoClientsError
@@ -56,11 +57,10 @@ def flwr_app_config() -> dict[str, bool | int | float | str]:
     config = RunConfig()
     flat = config.to_flat()
     flat["run_name"] = ""  # the default, not the folder RunConfig() just named: one per run
-    for key in config.server.by_method | config.train.by_method:
+    for key in config.server.by_method | config.train.by_method | config.own_by_method:
         flat[key] = ""  # each method's own default, as `python -m simulations run` gives it
-    for m in methods.registered():  # every method's own keys (a run carries its method's)
-        if m.settings is not None:
-            flat.update(to_flat(m.settings()))
+    for cls in method_key_classes(methods.registered()):  # every method's own keys
+        flat.update(to_flat(cls()))
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(ENGINE_KEY_PREFIX)}
 
 
@@ -162,8 +162,6 @@ def simulated(grid: Grid) -> bool:
     simulation engine), which run the user's own code and config, rather than deployed ones."""
     from flwr.superlink.grid import InMemoryGrid
 
-    from server.local_grid import LocalGrid
-
     # A grid that wraps another (simulations.interrupt.StoppableGrid, around Flower's
     # simulation grid) reaches the clients its inner grid reaches.
     while not isinstance(grid, (LocalGrid, InMemoryGrid)):
@@ -186,22 +184,25 @@ def resolve_robust(config: RunConfig, grid: Grid) -> RunConfig:
 
 def run_server(grid: Grid, config: RunConfig,
                on_round: Callable[[RoundRecord], None] | None = None,
+               extensions: Sequence[RoundExtension] = (),
                strategy_factory: Callable[..., DGCStrategy] = DGCStrategy) -> dict[str, Any]:
     """Run a whole federation on ``grid`` and write the results files; return the summary.
 
-    ``strategy_factory(config, on_round=...)`` builds the strategy (the network emulator passes
-    one that builds a NetemStrategy); its extensions add columns to the results and keys to
-    the summary (:mod:`server.extensions`).
+    ``extensions`` hook into every round (:mod:`server.extensions`: the network emulator's
+    are :func:`simulations.netem.integration.extensions`); they add columns to the results and
+    keys to the summary. ``strategy_factory(config, on_round=..., extensions=...)`` builds the
+    strategy.
     """
     started = time.time()
     torch.set_num_threads(1)
     config = resolve_robust(config, grid)
     with prepare_run_dir(config):  # the run folder's lock, held until the run ends
-        return _serve(grid, config, started, on_round, strategy_factory)
+        return _serve(grid, config, started, on_round, extensions, strategy_factory)
 
 
 def _serve(grid: Grid, config: RunConfig, started: float,
            on_round: Callable[[RoundRecord], None] | None,
+           extensions: Sequence[RoundExtension],
            strategy_factory: Callable[..., DGCStrategy]) -> dict[str, Any]:
     """:func:`run_server` in its prepared run folder."""
     s, t = config.server, config.train
@@ -237,7 +238,7 @@ def _serve(grid: Grid, config: RunConfig, started: float,
         if on_round is not None:
             on_round(record)
 
-    strategy = strategy_factory(config, on_round=round_done)
+    strategy = strategy_factory(config, on_round=round_done, extensions=extensions)
     # A node's client key is its claim: only keys of this run, bound to authenticated nodes
     # when client_nodes lists them (docs/threat_model.md).
     strategy.registry.bind(t.num_clients, parse_client_nodes(s.client_nodes))

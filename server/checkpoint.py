@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 
+from fedgc import methods
 from fedgc.files import atomic_write
 from fedgc.methods.registry import upgrade_run_config
+from fedgc.schema import fallback_of
+from fedgc.settings import ServerSettings, TrainSettings, fields_of, method_key_classes
 
 CHECKPOINT_VERSION = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -84,6 +87,12 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return state
 
 
+def checkpoint_round(directory: str | os.PathLike[str]) -> int | None:
+    """The last round the checkpoint in ``directory`` kept (None: no checkpoint yet)."""
+    state = load_checkpoint(directory)
+    return None if state is None else int(state.get("completed_rounds", 0))
+
+
 #: Run config keys a resumed run may change: how long and how it runs, and what it shows, not
 #: what it computes (``robust`` only chooses the defaults of keys that are compared
 #: themselves). Every other key must be the checkpoint's (``check_run_config``), ``client_nodes``
@@ -146,24 +155,23 @@ def check_run_config(written: Mapping[str, object] | None,
 
 
 def run_key_defaults(method: str = "") -> dict[str, object]:
-    """Every run key (``fedgc.settings``' ServerSettings and TrainSettings, and the own keys of
+    """Every run key (:mod:`fedgc.keys`' ServerSettings and TrainSettings, and the own keys of
     every method known here) with its default; a key whose default each method sets has
-    ``method``'s (a checkpoint written before the key existed ran with it), None for a method
-    not registered here; a key of :data:`ABSENT_BEFORE` what runs of before it ran with."""
-    from fedgc import methods
-    from fedgc.schema import fallback_of
-    from fedgc.settings import ServerSettings, TrainSettings, fields_of, to_flat
-
+    ``method``'s (a checkpoint written before the key existed ran with it, or one of another
+    method's keys that its run carried before the methods declared their own), None for a
+    method not registered here; a key of :data:`ABSENT_BEFORE` what runs of before it ran
+    with."""
     own = methods.get(method).defaults if method in methods.names() else None
     out: dict[str, object] = {}
-    for cls in (ServerSettings, TrainSettings):
+    for cls in (ServerSettings, TrainSettings, *method_key_classes()):
         for f in fields_of(cls):
             key = f.metadata["key"]
-            out[key] = (own.get(key, fallback_of(f)) if own is not None and "fallback" in f.metadata
-                        else f.default)
-    for m in methods.loaded():
-        if m.settings is not None:
-            out.update(to_flat(m.settings()))
+            if "fallback" not in f.metadata:
+                out[key] = f.default
+            elif own is not None:
+                out[key] = own.get(key, fallback_of(f))
+            else:
+                out[key] = None if cls in (ServerSettings, TrainSettings) else ""
     out.update(ABSENT_BEFORE)
     return out
 
@@ -214,6 +222,15 @@ def migrate_strategy_state(state: dict[str, Any]) -> dict[str, Any]:
     state = dict(state)
     if version == 1:
         state = _from_version_1(state)
+    if "virtual_now_s" in state:
+        # The network emulator's clock, kept by its strategy subclass until issue 36, is its
+        # extension's state now: the first of its two, which kept nothing then.
+        clock = state.pop("virtual_now_s")
+        extensions = [dict(e) for e in state.get("extensions", [])]
+        empty = [e for e in extensions if not e]
+        if empty:
+            empty[0]["virtual_now_s"] = clock
+        state["extensions"] = extensions
     clients = {}
     for key, info in state["clients"].items():
         if "versions" in info:

@@ -100,25 +100,44 @@ class Bounds:
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
              trim_fraction: float, min_cosine: float = -1.0) -> str:
-    """The defences a run aggregates with, in one line (the run's header): they make the
-    ``dense`` method something other than plain FedAvg where a client claims far more examples
-    than the others, or sends a far larger update."""
-    cap = (f"weight cap {max_weight_ratio:g}x the round's median" if max_weight_ratio
-           else "no weight cap")
-    clip = (f"update clip {max_norm_ratio:g}x the median norm" if max_norm_ratio
-            else "no update clip")
-    how = {"mean": "weighted mean", "median": "coordinate-wise median",
-           "trimmed_mean": f"coordinate-wise trimmed mean ({trim_fraction:g} cut)",
+    """The defences a run aggregates with, in one line (the run's header), each with the key
+    that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
+    something other than plain FedAvg where a client claims far more examples than the others,
+    or sends a far larger update.
+
+    >>> describe(0, 0, "mean", 0.1)
+    'defences: none, plain FedAvg (the weighted mean of the updates)'
+    >>> describe(1, 0, "centered_clip", 0.1)  # doctest: +NORMALIZE_WHITESPACE
+    "defences: a client's weight capped at the round's median (max_weight_ratio=1); updates
+    combined by centered clipping around last round's aggregate (aggregation=centered_clip);
+    plain FedAvg would take max_weight_ratio=0 aggregation=mean"
+    """
+    how = {"mean": "the weighted mean",
+           "median": "the coordinate-wise median",
+           "trimmed_mean": f"the coordinate-wise mean trimmed of {trim_fraction:g} at each end",
            "centered_clip": "centered clipping around last round's aggregate",
            "fltrust": "FLTrust on the server's root set"}
-    gate = (f", updates left out below cosine {min_cosine:g} with the last round's "
-            f"aggregate" if min_cosine > -1 else "")
-    plain = " ".join(f"{k}={v}" for k, v, off in (
-        ("max_weight_ratio", 0, not max_weight_ratio), ("max_norm_ratio", 0, not max_norm_ratio),
-        ("aggregation", "mean", aggregation == "mean"), ("min_cosine", -1, min_cosine <= -1))
-        if not off)
-    plain = f" ({plain}: plain FedAvg)" if plain else ""
-    return f"defences: {cap}, {clip}{gate}, {how.get(aggregation, aggregation)}{plain}"
+    parts, plain = [], []
+    if max_weight_ratio:
+        times = "" if max_weight_ratio == 1 else f"{max_weight_ratio:g}x "
+        parts.append(f"a client's weight capped at {times}the round's median "
+                     f"(max_weight_ratio={max_weight_ratio:g})")
+        plain.append("max_weight_ratio=0")
+    if max_norm_ratio:
+        parts.append(f"an update clipped to {max_norm_ratio:g}x the round's median norm "
+                     f"(max_norm_ratio={max_norm_ratio:g})")
+        plain.append("max_norm_ratio=0")
+    if min_cosine > -1:
+        parts.append(f"updates left out below cosine {min_cosine:g} with last round's "
+                     f"aggregate (min_cosine={min_cosine:g})")
+        plain.append("min_cosine=-1")
+    if aggregation != "mean":
+        parts.append(f"updates combined by {how.get(aggregation, aggregation)} "
+                     f"(aggregation={aggregation})")
+        plain.append("aggregation=mean")
+    if not parts:
+        return "defences: none, plain FedAvg (the weighted mean of the updates)"
+    return f"defences: {'; '.join(parts)}; plain FedAvg would take {' '.join(plain)}"
 
 
 def in_force(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,

@@ -14,7 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fedgc.devices import DeviceError, resolve
+from fedgc.task_loader import load_task
 from server.checkpoint import CHECKPOINT_FILE, CheckpointError, load_checkpoint
+from tasks.errors import DataError
 
 
 class PreflightError(ValueError):
@@ -55,8 +58,6 @@ def check_device(config: Any) -> None:
     (its actors would wait for them for ever)."""
     import torch
 
-    from fedgc.devices import DeviceError, resolve
-
     try:
         resolve(config.train.device)
     except DeviceError as ex:
@@ -75,9 +76,6 @@ def check_partitions(config: Any) -> None:
     Loading the task here also makes a task of the user's own fail before round 1, with the
     :class:`fedgc.settings.SettingsError` that names it.
     """
-    from fedgc.task_loader import load_task
-    from tasks.errors import DataError
-
     t = config.train
     try:
         task = load_task(t.task_spec())

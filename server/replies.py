@@ -21,7 +21,7 @@ from flwr.app import Message, MetricRecord
 
 from dgc import DecodeError
 from fedgc import protocol as P
-from fedgc.methods import Bound, Method, Payload, PayloadError
+from fedgc.methods import Bound, Codec, Method, Payload, PayloadError, material_of
 
 #: The largest absolute value a payload may add at one coordinate (2**64, about 1.8e19). A
 #: pseudo-gradient is a difference of two models: an honest one of any task fedgc trains stays
@@ -133,16 +133,18 @@ class ReplyChecker:
     Parameters
     ----------
     method : fedgc.methods.Method
-        The run's method: its codec reads the payloads, its ``read_side`` the side parts.
+        The run's method: its codec reads the payloads, its round material part's
+        ``read_side`` the side parts (:class:`fedgc.methods.RoundMaterial`).
     codec : fedgc.methods.Codec
         The method's codec for the run's settings.
     weighted_by_key : str (default: "num-examples")
         The reply metric that weighs each update.
     """
 
-    def __init__(self, method: Method, codec: Any,
+    def __init__(self, method: Method, codec: Codec,
                  weighted_by_key: str = "num-examples") -> None:
         self.method, self.codec = method, codec
+        self.material_part = material_of(method)
         self.weighted_by_key = weighted_by_key
         self.shapes: dict[str, tuple[int, ...]] = {}
 
@@ -258,11 +260,11 @@ class ReplyChecker:
         nbytes = len(data)
         shared = content.array_records.get(P.SHARED)
         if shared is not None:
-            if material is None:
+            if material is None or self.material_part is None:
                 raise ReplyRejected("shared signs in reply to a round without shared index sets")
             try:
                 side_data = P.record_to_bytes(shared, P.SHARED_SIGNS)
-                side = self.method.read_side(side_data, material, self.shapes)
+                side = self.material_part.read_side(side_data, material, self.shapes)
             except (ValueError, DecodeError) as ex:
                 raise ReplyRejected(f"undecodable shared signs: {ex}") from ex
             if side.sequence != server_round:

@@ -21,6 +21,8 @@ import torch
 import dgc
 from dgc import SparseUpdate
 from fedgc.schema import SettingsError
+from fedgc.task_loader import load_task
+from fedgc.training import round_seed, train_locally
 
 __all__ = ["CenteredClip", "ClientEntries", "RootUpdate", "client_entries", "cosines",
            "fltrust", "space_offsets"]
@@ -191,15 +193,13 @@ class RootUpdate:
     were sent, on ``root_samples`` examples of the task's training split (seeded by the run's
     seed, the same every round), with the clients' training keys (lr, batch, epochs or steps,
     momentum, weight decay). A client round run by the server: it trains with the clients' own
-    function (``client.training``), so the two are computed alike.
+    function (``fedgc.training``), so the two are computed alike.
 
     FLTrust compares updates with the root update in the model's space only: a method whose
     aggregator works in a space of its own (``Aggregator.space``) is refused.
     """
 
     def __init__(self, config: Any) -> None:
-        from fedgc.task_loader import load_task
-
         self.config = config
         self.task = load_task(config.train.task_spec())  # the server's own config: trusted
         n = int(self.task.train_x.shape[0])
@@ -212,8 +212,6 @@ class RootUpdate:
                  space: Mapping[str, tuple[int, ...]]) -> torch.Tensor:
         """The root update from ``model`` in round ``server_round``, flat float64 over
         ``space`` (which must be the model's)."""
-        from client.training import round_seed, train_locally
-
         shapes = {k: tuple(v.shape) for k, v in model.items()}
         if dict(space) != shapes:
             raise SettingsError("aggregation = fltrust compares updates with the server's own "

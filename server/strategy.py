@@ -4,11 +4,13 @@ One round, each step in its own module:
 
 1. ``configure_train``: the registry (:mod:`server.registry`) identifies and samples clients;
    the downlink (:mod:`server.downlink`) gives each the dense model or a patch on what it holds;
-2. ``aggregate_train``: :mod:`server.replies` decodes and validates each reply into an accepted
-   update or a rejection with its reason; :mod:`server.records` turns them into client rows;
-   :mod:`server.defences` bounds each client's weight and norm; :mod:`server.aggregation`
-   averages the accepted ones in O(total nonzeros); :mod:`server.optimizer` takes the server
-   step; the downlink moves to the next version; the registry records acks and held versions;
+2. ``aggregate_train``: the extensions (:mod:`server.extensions`) say which replies arrived;
+   :mod:`server.replies` decodes and validates each into an accepted update or a rejection with
+   its reason; an extension may select which of them the round takes; :mod:`server.records`
+   turns them into client rows; :mod:`server.defences` bounds each client's weight and norm;
+   :mod:`server.aggregation` averages the accepted ones in O(total nonzeros);
+   :mod:`fedgc.methods.optimizer` takes the server step; the downlink moves to the next
+   version; the registry records acks and held versions;
 3. ``start`` (:mod:`server.loop`): evaluate, checkpoint (:mod:`server.checkpoint`), go on.
 """
 
@@ -39,8 +41,10 @@ import dgc
 from dgc import SparseUpdate
 from dgc.wire import encoded_size
 from fedgc import protocol as P
-from fedgc.methods import Channel, Method
-from fedgc.settings import RunConfig, ServerSettings, fields_of
+from fedgc.keys import ServerSettings
+from fedgc.methods import Channel, Method, ServerOptimizer, material_of
+from fedgc.schema import fields_of
+from fedgc.settings import RunConfig
 from server.aggregation import Combine
 from server.checkpoint import (
     STRATEGY_STATE_VERSION,
@@ -51,9 +55,15 @@ from server.checkpoint import (
 )
 from server.defences import Bounds, left_out_note
 from server.downlink import Downlink
-from server.extensions import RoundExtension, apply_extensions
+from server.extensions import (
+    Reply,
+    RoundExtension,
+    Selection,
+    apply_extensions,
+    arrived,
+    selector_of,
+)
 from server.loop import run_rounds
-from server.optimizer import ServerOptimizer
 from server.records import (
     ClientRow,
     RoundRecord,
@@ -115,7 +125,9 @@ class DGCStrategy(FedAvg):
     on_round : callable, optional
         Called with each finished :class:`RoundRecord` (progress display, results files).
     extensions : sequence of server.extensions.RoundExtension
-        Columns added to every round (the network emulator's virtual time and drops).
+        Hooks into every round (:mod:`server.extensions`): keys added to the train messages,
+        which replies a round takes, columns added to the results (the network emulator's
+        virtual clock, drops, wire bytes and joules).
     """
 
     def __init__(self, settings: RunConfig | None = None, method: Method | None = None, *,
@@ -133,6 +145,7 @@ class DGCStrategy(FedAvg):
         self.checkpoint_dir = settings.run_dir if s.checkpoint else None
         self.resume, self.on_round, self.probe_timeout = s.resume, on_round, s.round_timeout_s
         self.extensions = list(extensions)
+        self.selector = selector_of(self.extensions)
         self.registry = ClientRegistry(t.seed, [0] if s.clients_build_initial_model else [])
         policy = self.method.downlink(settings)
         self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
@@ -165,6 +178,8 @@ class DGCStrategy(FedAvg):
 
     def summary(self) -> None:
         """Log the strategy's settings: the method and every server key."""
+        for line in filter(None, (ext.describe() for ext in self.extensions)):
+            log(INFO, "\t├──> %s", line)
         log(INFO, "\t├──> DGCStrategy settings (method %s):", self.method.title)
         keys = {f.metadata["key"] for f in fields_of(ServerSettings)}
         for key, value in sorted(self.settings.to_flat().items()):
@@ -204,13 +219,16 @@ class DGCStrategy(FedAvg):
             model[name] = t.detach().to(torch.float32).clone().contiguous()
         self.downlink.reset(model)
         self._model_changed()
-        if self.channel is None:
-            self.channel = self.method.channel(self.settings, self.shapes)
+        part = material_of(self.method)
+        if self.channel is None and part is not None:
+            self.channel = part.channel(self.settings, self.shapes)
         if self.channel is not None:
             self.channel.hold(self.sent_model, 0, self.downlink.initial_on_grid)
 
     def _model_changed(self) -> None:
         self.checker.expect(self.shapes)
+        for ext in self.extensions:
+            ext.set_model(self.shapes)
         # What a dense fp32 update costs on the same wire, and what the dense model costs as
         # Flower ArrayRecord: the baselines of the compression ratios.
         self._dense_update_nbytes = encoded_size(SparseUpdate.from_dense(self.model, "float32"))
@@ -247,6 +265,13 @@ class DGCStrategy(FedAvg):
         """Sample clients and send each the model (dense or patch) with its acknowledgement,
         and the run's ``config`` whole only to a client not known to hold it (its digest
         otherwise: :mod:`fedgc.protocol`)."""
+        self._step(server_round, "configure", True)
+        messages = self._configure(server_round, arrays, config, grid)
+        self._step(server_round, "configure", False)
+        return messages
+
+    def _configure(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                   grid: Grid) -> list[Message]:
         if self.model is None:
             self.set_model(arrays)
         reg = self.registry
@@ -274,6 +299,9 @@ class DGCStrategy(FedAvg):
             cfg[P.ACK_SEQUENCE] = reg.acked(key)
             for k, v in self.downlink.config(offer, reg.initial_versions).items():
                 cfg[k] = v
+            for ext in self.extensions:
+                for k, v in ext.message_keys(server_round, key).items():
+                    cfg[k] = v
             content = RecordDict({P.ARRAYS: offer.record, P.CONFIG: cfg})
             if not reg.holds_config(key, digest):
                 content[P.RUN_CONFIG] = ConfigRecord(dict(config))
@@ -290,15 +318,23 @@ class DGCStrategy(FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message],
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate replies, aggregate the valid ones sparsely, apply the server optimizer."""
-        return self.aggregate_checked(server_round, self.check_replies(server_round, replies))
+        """Validate the replies that arrived, take what the round takes (every reply, or what
+        the selecting extension says), aggregate the valid ones sparsely, apply the server
+        optimizer."""
+        self._step(server_round, "aggregate", True)
+        state = self._current(server_round)
+        came = [Reply(msg, state.sender(msg, self.registry)[0]) for msg in replies]
+        checked = self.check_replies(server_round, [r.message for r in
+                                                    arrived(self.extensions, server_round, came)])
+        chosen = None if self.selector is None else self.selector.select(server_round, checked)
+        if chosen is None:
+            chosen = Selection(tuple(checked))
+        out = self.aggregate_checked(server_round, chosen.taken, chosen.processed)
+        self._step(server_round, "aggregate", False)
+        return out
 
     def check_replies(self, server_round: int, replies: Iterable[Message]) -> list[CheckedReply]:
-        """Every reply of the round, decoded (in one batch) and checked once.
-
-        Extension point: a subclass that must know which replies are valid before it
-        aggregates (the network emulator) calls this, then :meth:`aggregate_checked`.
-        """
+        """Every reply of the round, decoded (in one batch) and checked once, in order."""
         state = self._current(server_round)
         return self.checker.check_round(server_round, replies,
                                         lambda msg: state.sender(msg, self.registry),
@@ -311,7 +347,7 @@ class DGCStrategy(FedAvg):
         order; sampled clients without a reply among them timed out.
 
         ``processed``: clients known to hold this round's model although their reply is not
-        in ``checked`` (the network emulator's late replies): their next patch builds on it.
+        in ``checked`` (:class:`server.extensions.Selection`): their next patch builds on it.
         """
         state = self._current(server_round)
         taken = RoundRows(server_round, state.sampled, state.node_of, state.downlink,
@@ -363,6 +399,10 @@ class DGCStrategy(FedAvg):
             row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine)
             log(WARNING, "\t> Client %d: %s", chosen[i].client_key, row.reason)
         return self.step(self.aggregator.finish(combined, self.shapes))
+
+    def _step(self, server_round: int, name: str, begins: bool) -> None:
+        for ext in self.extensions:
+            ext.step(server_round, name, begins)
 
     def _root(self, space: Mapping[str, tuple[int, ...]]) -> torch.Tensor:
         """FLTrust's root update: the server's own round on its root set, from the model
@@ -451,5 +491,16 @@ class DGCStrategy(FedAvg):
         ``evaluate_fn`` is expected to return a MetricRecord with ``accuracy`` (a fraction) and
         ``loss``; they fill :class:`RoundRecord`.
         """
+        if evaluate_fn is not None and self.extensions:
+            evaluate = evaluate_fn
+
+            def stepped(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+                self._step(server_round, "evaluate", True)
+                try:
+                    return evaluate(server_round, arrays)
+                finally:
+                    self._step(server_round, "evaluate", False)
+
+            evaluate_fn = stepped
         return run_rounds(self, grid, initial_arrays, num_rounds, timeout, train_config,
                           evaluate_config, evaluate_fn)

@@ -1,8 +1,10 @@
-"""The Python API: ``run`` and ``compare`` from a notebook, on the command line's own code path.
+"""The Python API: ``run``, ``compare`` and ``results`` from a notebook, on the command line's
+own code path (also as ``fedgc.run``, ``fedgc.compare``, ``fedgc.results``).
 
 ::
 
-    from simulations.api import run, compare
+    import fedgc
+    from simulations.api import run, compare   # the same functions
 
     result = run("mnist5k", rounds=20, sim__engine="local")
     result.summary["final_accuracy"], result.rounds[-1]["uplink_bytes"], result.folder
@@ -10,6 +12,7 @@
 
     both = compare(config={"task": "digits", "rounds": 10}, methods=["dense", "dgc"])
     both.summary["methods"]["dgc"]["uplink_vs_dense"], both.runs["dgc"][0].rounds
+    again = fedgc.results(both.folder)              # read back later, from its folder
 
 Keys merge as on the command line: defaults < ``scenario`` < ``config`` (a TOML file, or a dict
 of keys) < ``**keys``. A keyword's ``__`` stands for the key's dot (``dgc__density=0.01`` is
@@ -24,15 +27,20 @@ says which round the run folder kept.
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedgc.methods import compared
 from fedgc.settings import RunConfig
+from simulations.cli import check_methods, cmd_compare, cmd_run, method_folder, name_comparison
+from simulations.cli_common import load_config_file
+from simulations.netem.integration import split_netem
 from simulations.scenario import load_scenario
 
-__all__ = ["CompareResult", "RunResult", "compare", "config_of", "run"]
+__all__ = ["CompareResult", "RunResult", "compare", "config_of", "results", "run"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +64,6 @@ class RunResult:
     @classmethod
     def read(cls, folder: str | Path, summary: Mapping[str, Any] | None = None) -> RunResult:
         """The result of the run in ``folder`` (``summary``: its summary, when already read)."""
-        import json
-
         folder = Path(folder)
         if summary is None:
             summary = json.loads((folder / "summary.json").read_text())
@@ -66,6 +72,7 @@ class RunResult:
     def plot(self, path: str | Path | None = None) -> Path:
         """Plot accuracy against traffic and bytes per round to ``path`` (default
         ``<folder>/plots.png``); returns the file."""
+        # Imported here: start-up; matplotlib loads only when something is plotted.
         from simulations.plots import plot_run, plot_runs
 
         if path is None:
@@ -95,6 +102,7 @@ class CompareResult:
     def plot(self, path: str | Path | None = None) -> Path:
         """The comparison's plot to ``path`` (default: the command line's, ``compare.png``, or
         ``accuracy_vs_traffic.png`` with seeds); returns the file."""
+        # Imported here: start-up; matplotlib loads only when something is plotted.
         from simulations.plots import plot_bands, plot_runs
 
         if max(len(r) for r in self.runs.values()) > 1:
@@ -117,11 +125,9 @@ def read_rounds_table(path: Path) -> list[dict[str, int | float]]:
 
 
 def config_of(scenario: str | None = None, config: str | Path | Mapping[str, Any] | None = None,
-              **keys: Any) -> tuple[RunConfig, Any]:
-    """The run's RunConfig and NetemSettings from the same layers as the command line."""
-    from simulations.cli_common import load_config_file
-    from simulations.netem.integration import split_netem
-
+              comparison: bool = False, **keys: Any) -> tuple[RunConfig, Any]:
+    """The run's (or with ``comparison``, the comparison's) RunConfig and NetemSettings from
+    the same layers as the command line."""
     values: dict[str, Any] = {}
     if scenario is not None:
         values.update(load_scenario(scenario))
@@ -131,6 +137,8 @@ def config_of(scenario: str | None = None, config: str | Path | Mapping[str, Any
         values.update(load_config_file(str(config)))
     for name, value in keys.items():
         values[name.replace("__", ".")] = value
+    if comparison:
+        name_comparison(values)
     rest, netem = split_netem(values)
     return RunConfig.from_flat(rest), netem
 
@@ -150,8 +158,6 @@ def run(scenario: str | None = None, config: str | Path | Mapping[str, Any] | No
     **keys
         Keys over the others (``--set``); ``__`` for a dot: ``dgc__density=0.01``.
     """
-    from simulations.cli import cmd_run
-
     run_config, netem = config_of(scenario, config, **keys)
     summary = cmd_run(run_config, verbose, netem)
     return RunResult.read(run_config.run_dir, summary)
@@ -164,14 +170,32 @@ def compare(scenario: str | None = None, config: str | Path | Mapping[str, Any] 
     as ``"module:callable"``) as ``python -m simulations compare`` does (``seeds``: once per
     seed; ``jobs``: runs at a time, ``sim__engine="local"`` only); returns ``compare.json`` and
     the runs."""
-    from fedgc.methods import compared
-    from simulations.cli import check_methods, cmd_compare, method_folder
-
     methods = list(compared()) if methods is None else check_methods(list(methods), "methods")
-    run_config, netem = config_of(scenario, config, **keys)
+    run_config, netem = config_of(scenario, config, comparison=True, **keys)
     doc = cmd_compare(run_config, verbose, methods, netem,
                       list(seeds) if seeds is not None else None, jobs)
-    base = run_config.run_dir
+    return _comparison(run_config.run_dir, doc, methods, seeds)
+
+
+def results(folder: str | Path) -> RunResult | CompareResult:
+    """A finished run or comparison, read back from its folder: a run's ``summary.json`` and
+    ``rounds.csv``, or a comparison's ``compare.json`` and its runs (one per method, and per
+    seed in ``seed-<s>/``)."""
+    folder = Path(folder)
+    if (folder / "compare.json").is_file():
+        doc = json.loads((folder / "compare.json").read_text())
+        seeds = sorted(int(p.name[5:]) for p in folder.glob("seed-*")
+                       if p.is_dir() and p.name[5:].isdigit())
+        return _comparison(folder, doc, list(doc["methods"]), seeds or None)
+    if (folder / "summary.json").is_file():
+        return RunResult.read(folder)
+    raise FileNotFoundError(f"{folder} holds no summary.json (a run's results) nor compare.json "
+                            f"(a comparison's)")
+
+
+def _comparison(base: Path, doc: dict[str, Any], methods: Sequence[str],
+                seeds: Sequence[int] | None) -> CompareResult:
+    """The comparison in ``base`` with its runs: ``<method>/``, or ``seed-<s>/<method>/``."""
     folders = {m: [base / method_folder(m)] for m in methods} if seeds is None else {
         m: [base / f"seed-{s}" / method_folder(m) for s in seeds] for m in methods}
     return CompareResult(base, doc, {m: [RunResult.read(f) for f in fs]

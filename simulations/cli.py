@@ -18,14 +18,27 @@ from fedgc.settings import (
     SettingsError,
     TrainSettings,
     key_table,
+    method_key_classes,
     new_run_name,
 )
-from server.app import NothingAggregatedError, RunFolderError
-from server.checkpoint import CheckpointError
-from server.preflight import PreflightError
+from server.app import (
+    NothingAggregatedError,
+    RunFolderError,
+    flwr_app_config_toml,
+    prepare_run_dir,
+)
+from server.checkpoint import CheckpointError, checkpoint_round
+from server.folders import check_compare_folder, claim_compare_folder
+from server.preflight import PreflightError, check_run
 from server.registry import NoClientsError
 from server.results import write_json
-from simulations.cli_common import load_config_file, parse_sets, seeds_table, summary_table
+from simulations.cli_common import (
+    columns_help,
+    load_config_file,
+    parse_sets,
+    seeds_table,
+    summary_table,
+)
 from simulations.cluster import ClusterError
 from simulations.compare import (
     BASELINE,
@@ -42,9 +55,13 @@ from simulations.compare import (
     traffic_area,
     traffic_curve,
 )
+from simulations.flwr_run import cmd_flwr
 from simulations.interrupt import RunInterrupted
 from simulations.netem.errors import NetemError
+from simulations.netem.integration import split_netem
+from simulations.netem.settings import NetemSettings, profile_line
 from simulations.netem.target import target_of
+from simulations.runner import check_engine, run_scenario
 from simulations.scenario import load_scenario, scenario_names
 
 #: The default comparison (``make demo``): the ``mnist5k`` scenario (100 clients, 10 per round,
@@ -62,14 +79,21 @@ def _values(args: argparse.Namespace, base: Mapping[str, object] | None) -> dict
     if args.config:
         values.update(load_config_file(args.config))
     values.update(parse_sets(args.set or []))
-    resume = str(values.get("resume", "")).strip().lower() in ("true", "1", "yes", "on")
-    if getattr(args, "command", None) == "compare" and not values.get("run_name") and not resume:
-        # One folder for the whole comparison, named for it (a run's default names its method);
-        # a resume without run_name is left to RunConfig, which names the missing key.
-        task = values.get("task", TrainSettings.task)
-        values["run_name"] = new_run_name(values.get("results_dir", ServerSettings.results_dir),
-                                          f"{task}-compare")
+    if getattr(args, "command", None) == "compare":
+        name_comparison(values)
     return values
+
+
+def name_comparison(values: dict[str, object]) -> None:
+    """Give a comparison's keys without ``run_name`` one folder for the whole comparison, named
+    for it (``<time>-<task>-compare``; a run's default names its method); a resume without
+    ``run_name`` is left to RunConfig, which names the missing key."""
+    resume = str(values.get("resume", "")).strip().lower() in ("true", "1", "yes", "on")
+    if not values.get("run_name") and not resume:
+        task = values.get("task", TrainSettings.task)
+        values["run_name"] = new_run_name(str(values.get("results_dir",
+                                                         ServerSettings.results_dir)),
+                                          f"{task}-compare")
 
 
 def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> RunConfig:
@@ -83,19 +107,19 @@ def build_config(args: argparse.Namespace, base: Mapping[str, object] | None = N
 
 def build_netem(args: argparse.Namespace, base: Mapping[str, object] | None = None) -> Any:
     """The network emulator's settings from the ``netem.*`` keys (disabled when none)."""
-    from simulations.netem.integration import split_netem
-
     return split_netem(_values(args, base))[1]
 
 
 def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, Any]:
     """Run one scenario, plot it, print its table."""
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_run
-    from simulations.runner import run_scenario
 
-    print(f"fedgc: running {config.method.title} on {config.train.task}, "
-          f"{config.train.num_clients} clients ({config.train.clients_per_round} per round), "
-          f"{config.server.rounds} rounds -> {config.run_dir}", flush=True)
+    # Checked before it is announced: a misspelt key or task option, a run its engine or this
+    # machine cannot run, a damaged checkpoint stop before the run's first line.
+    check_engine(config, netem)
+    prepare_run_dir(config).release()  # the run takes the folder's lock again
+    print(f"fedgc: {announcement(config)}", flush=True)
     _print_emulator(netem)
     summary = run_scenario(config, verbose=verbose, netem=netem)
     plot = plot_run(config.run_dir)
@@ -111,13 +135,27 @@ def cmd_run(config: RunConfig, verbose: bool, netem: Any = None) -> dict[str, An
     return summary
 
 
+def announcement(config: RunConfig) -> str:
+    """A run's first line: what runs where, and for a resumed run the round it resumes after
+    (its checkpoint's)."""
+    t, rounds = config.train, config.server.rounds
+    what = (f"{config.method.title} on {t.task}, {t.num_clients} clients "
+            f"({t.clients_per_round} per round)")
+    done = checkpoint_round(config.run_dir) if config.server.resume else None
+    if done is None:
+        return f"running {what}, {rounds} rounds -> {config.run_dir}"
+    if done >= rounds:
+        return (f"resuming {what}: its checkpoint is of round {done}, and rounds = {rounds} "
+                f"leaves none to run -> {config.run_dir}")
+    return (f"resuming {what} after round {done} (its checkpoint): rounds {done + 1}-{rounds} "
+            f"-> {config.run_dir}")
+
+
 def _print_emulator(netem: Any) -> None:
     """The run's header line of the network emulator: links, deadline and the protocol
     profile charged (docs/netem.md, "A round's time"); nothing when it is off."""
     if netem is None or not netem.enabled:
         return
-    from simulations.netem.settings import profile_line
-
     deadline = f"deadline {netem.deadline_s:g} s" if netem.deadline_s > 0 else "no deadline"
     target = (f"target accuracy {netem.target_accuracy:g}" if netem.target_accuracy > 0
               else "target accuracy derived (dense's last-10 in a comparison)")
@@ -168,8 +206,6 @@ def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, An
     """One run of ``compare --jobs N`` in a worker process, on one torch thread."""
     import torch
 
-    from simulations.runner import run_scenario
-
     torch.set_num_threads(1)  # N runs side by side must not each spread over every core
     return run_scenario(config, verbose=verbose, netem=netem)
 
@@ -177,8 +213,6 @@ def _run_in_worker(config: RunConfig, verbose: bool, netem: Any) -> dict[str, An
 def _run_all(configs: Sequence[RunConfig], verbose: bool, netem: Any,
              jobs: int) -> list[dict[str, Any]]:
     """The summaries of ``configs``' runs, in order; ``jobs`` runs at a time."""
-    from simulations.runner import run_scenario
-
     def started(c: RunConfig, verb: str = "") -> None:
         print(f"fedgc: {verb}[{c.method.title}] seed {c.train.seed}, {c.server.rounds} rounds "
               f"-> {c.run_dir}", flush=True)
@@ -214,6 +248,7 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     """Ratios to dense, the readings at the target accuracy (emulated runs; ``target``:
     ``netem.target_accuracy``), ``<run_dir>/compare.json``, ``compare.png`` and the printed
     table."""
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_runs
 
     base = config.run_dir
@@ -226,8 +261,10 @@ def _finish_once(config: RunConfig, summaries: dict[str, dict[str, Any]],
     base.mkdir(parents=True, exist_ok=True)
     write_json(base / "compare.json", {"methods": summaries})
     plot = plot_runs(runs, base / "compare.png", target=reading["target"])
-    print(summary_table({s.get("label", m): s for m, s in summaries.items()}))
-    print(_equal_traffic_line(f"{equal['method']}'s", equal["bytes"], equal["last10"]))
+    label = {m: s.get("label", m) for m, s in summaries.items()}  # as the table names them
+    print(summary_table({label[m]: s for m, s in summaries.items()}))
+    print(_equal_traffic_line(f"{label.get(equal['method'], equal['method'])}'s", equal["bytes"],
+                              {label[m]: a for m, a in equal["last10"].items()}))
     if reading["runs"]:
         print(_target_line(reading["target"], reading["from"], next(
             (s.get("wire", {}).get("profile") for s in summaries.values() if "wire" in s), None)))
@@ -311,8 +348,7 @@ def cmd_compare(config: RunConfig, verbose: bool, methods: Sequence[str] | None 
     that sent the least): ``last10_at_equal_traffic``
     (:func:`simulations.compare.at_equal_traffic`).
     """
-    from server.folders import check_compare_folder, claim_compare_folder
-    from server.preflight import check_run
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_bands
 
     methods = by_family(registry.compared() if methods is None
@@ -375,6 +411,7 @@ def cmd_traffic(folders: Sequence[Path], budget_method: str | None = None,
     ``out``, ``compare.json`` and ``accuracy_vs_traffic.png`` are written there. Returns the
     aggregate document.
     """
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_bands
 
     if out is not None and (out.exists() or out.is_symlink()) and not out.is_dir():
@@ -425,19 +462,27 @@ def _method_order(method: str) -> tuple[int, str]:
     return (names.index(method) if method in names else len(names), method)
 
 
-def cmd_keys(flwr_toml: bool = False) -> None:
-    """Print every configuration key with the part that owns it, type, default and range; with
-    ``flwr_toml`` the ``[tool.flwr.app.config]`` table of ``pyproject.toml`` instead."""
-    from simulations.netem.settings import NetemSettings
+def cmd_keys(flwr_toml: bool = False, prefixes: Sequence[str] = ()) -> None:
+    """Print every configuration key with the part that owns it, type, default and range (with
+    ``prefixes``, the keys starting with one of them or owned by a part of that name); with
+    ``flwr_toml`` the ``[tool.flwr.app.config]`` table of ``pyproject.toml`` instead.
 
+    A prefix that no key starts with and no part is named is a SettingsError listing the
+    parts."""
     if flwr_toml:
-        from server.app import flwr_app_config_toml
-
         print(flwr_app_config_toml(), end="")
         return
 
-    own = [m.settings for m in registry.registered() if m.settings is not None]
-    for row in key_table([ServerSettings, TrainSettings, NetemSettings, *own]):
+    own = method_key_classes(registry.registered())
+    rows = key_table([ServerSettings, TrainSettings, NetemSettings, *own])
+    for prefix in prefixes:
+        if not any(row.key.startswith(prefix) or row.part == prefix for row in rows):
+            parts = sorted({row.part for row in rows})
+            raise SettingsError(f"no key starts with {prefix!r} and no part is named so; the "
+                                f"parts are {', '.join(parts)}")
+    for row in rows:
+        if prefixes and not any(row.key.startswith(p) or row.part == p for p in prefixes):
+            continue
         print("\n".join(key_lines(row.key, row.part, row.kind, row.default, row.accepted,
                                    row.doc)))
 
@@ -489,8 +534,10 @@ def _parser() -> argparse.ArgumentParser:
                                             "Compression on Flower's simulation engine")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def scenario(name: str, help_text: str, named: bool = True) -> argparse.ArgumentParser:
-        q = sub.add_parser(name, help=help_text)
+    def scenario(name: str, help_text: str, named: bool = True,
+                 epilog: str | None = None) -> argparse.ArgumentParser:
+        q = sub.add_parser(name, help=help_text, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         if named:
             q.add_argument("--scenario", metavar="NAME",
                            help=f"a shipped scenario ({', '.join(scenario_names())}); "
@@ -507,7 +554,8 @@ def _parser() -> argparse.ArgumentParser:
                      "federation sized to num_clients, a local SuperLink started and stopped "
                      "if none runs, the run's status as exit status")
     compared = registry.compared()
-    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them")
+    c = scenario("compare", f"run {', '.join(compared)} on the same scenario and plot them",
+                 epilog=columns_help())
     c.add_argument("--methods", default=",".join(compared),
                    help=f"comma-separated methods among {','.join(registry.names())}, or your "
                         f"own as module:callable; '{ALL_METHODS}': every registered method "
@@ -531,8 +579,13 @@ def _parser() -> argparse.ArgumentParser:
                         "the least, per seed")
     t.add_argument("--out", type=Path, metavar="DIR",
                    help="write the merged compare.json and accuracy_vs_traffic.png there")
-    scenario("demo", "the default comparison (what `make demo` runs)", named=False)
-    k = sub.add_parser("keys", help="list every configuration key")
+    scenario("demo", "the default comparison (what `make demo` runs)", named=False,
+             epilog=columns_help())
+    k = sub.add_parser("keys", help="list every configuration key (or those of PREFIX)")
+    k.add_argument("prefixes", nargs="*", metavar="PREFIX",
+                   help="list only the keys that start with PREFIX (netem, dgc.shared) or that "
+                        "a part of that name owns (server, client, sim, attack, netem, a "
+                        "method's prefix)")
     k.add_argument("--flwr-toml", action="store_true",
                    help="print the [tool.flwr.app.config] table of pyproject.toml (`flwr run .`)")
     sub.add_parser("methods", help="the registered compression methods, as docs/methods.md's "
@@ -554,7 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "deploy":
         try:
-            from simulations.deploy.cli import main as deploy_main  # another package's CLI
+            # Imported here: start-up; cryptography and the deployment load for deploy only.
+            from simulations.deploy.cli import main as deploy_main
         except ModuleNotFoundError as ex:
             if ex.name not in ("simulations.deploy", "simulations.deploy.cli"):
                 raise
@@ -563,13 +617,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(deploy_main(argv[1:]) or 0)
     if argv and argv[0] == "wire":
+        # Imported here: start-up; cryptography and the capture analysis load for wire only.
         from simulations.wire.cli import main as wire_main
 
         return wire_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "keys":
-            cmd_keys(args.flwr_toml)
+            cmd_keys(args.flwr_toml, args.prefixes)
         elif args.command == "methods":
             print("\n".join(methods_table()))
         elif args.command == "run":
@@ -583,8 +638,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "traffic":
             cmd_traffic(args.folders, args.budget_method, args.out)
         elif args.command == "flwr":
-            from simulations.flwr_run import cmd_flwr
-
             return cmd_flwr(_values(args, None), args.verbose)
         elif args.command == "demo":
             cmd_compare(build_config(args, DEMO), args.verbose, netem=build_netem(args, DEMO))

@@ -8,6 +8,7 @@ and neither imports the other's internals.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,8 @@ from typing import Any
 from fedgc.settings import SettingsError, load_toml
 from simulations.netem.target import NOT_REACHED
 
-__all__ = ["load_config_file", "parse_sets", "seeds_table", "summary_table"]
+__all__ = ["COLUMN_HELP", "columns_help", "load_config_file", "parse_sets", "seeds_table",
+           "summary_table"]
 
 
 def load_config_file(path: str) -> dict[str, object]:
@@ -88,6 +90,55 @@ _READINGS = (("acc/decade", "traffic_auc_mean", ".4f", 1.0),
              ("above others", "curve_above_share", ".2f", 1.0),
              ("rounds to dense", "reach_dense_round", ".0f", 1.0),
              ("MB to dense", "reach_dense_bytes", ".2f", 1e-6))
+
+
+#: What every column of the tables of ``run``, ``compare`` and ``compare --seeds`` says, by
+#: header (``compare --help`` prints it, docs/guide.md's "The compare table" holds it).
+COLUMN_HELP = {
+    "method": "the method's label (a method of your own: its label, not its module:callable)",
+    "seeds": "with --seeds, the runs averaged, where methods differ",
+    "final acc": "the global model's accuracy on the test split after the last round",
+    "last10 acc": "the mean of that accuracy over the last 10 rounds",
+    "virtual s": "with netem: the run's time on the emulator's clock (its rounds' virtual "
+                 "seconds, each the clients' part and the server's)",
+    "s to target": "with netem: virtual seconds until the model first reached the target "
+                   "accuracy (netem.target_accuracy; 0: in a comparison, dense FedAvg's "
+                   "last-10, said under the table); 'not reached', or 'n/a' without a target",
+    "wire MB to target": "with netem: the bytes the links carried until then",
+    "uplink MB": "payload the clients sent in all rounds (fedgc's wire format), in MB",
+    "downlink MB": "payload the server sent (models, patches, round material), in MB",
+    "total MB": "uplink + downlink payload",
+    "x dense": "dense FedAvg's bytes over this method's, for the column on its left: the dense "
+               "run of the same comparison (without one, dense float32 for the same messages)",
+    "wire up MB": "with netem: bytes the emulated links carried up for that payload "
+                  "(netem.protocol adds Flower's messages, HTTP, TLS, TCP/IP)",
+    "wire down MB": "with netem: the same, down",
+    "wire total MB": "with netem: up + down on the links",
+    "J/client-round": "with netem: the joules (radio and processor) a client spent per round "
+                      "it worked in",
+    "J to target": "with netem: every client's joules, idle ones included, until then",
+    "acc/decade": "accuracy averaged over the run's total bytes on a log axis: the area "
+                  "under accuracy against log10(cumulative bytes), per decade, from the "
+                  "comparison's smallest first round (higher: more accuracy per byte)",
+    "above others": "the share of the byte range (log-spaced budgets) at which this "
+                    "compressed method's last-10 accuracy is at or above every other "
+                    "compressed method's",
+    "rounds to dense": "the round after which its last-10 accuracy first reaches dense "
+                       "FedAvg's final last-10 ('-': never)",
+    "MB to dense": "the total MB it had sent by then",
+    "failed": "sampled client-rounds without an update (timed out, errors; the emulator's "
+              "drops)",
+    "wall s": "the run's wall-clock seconds",
+}
+
+
+def columns_help(width: int = 100) -> str:
+    """:data:`COLUMN_HELP` as an indented list for ``--help``."""
+    out = ["the table's columns:"]
+    for head, text in COLUMN_HELP.items():
+        out += textwrap.wrap(f"{head}: {text}", width, initial_indent="  ",
+                             subsequent_indent="      ")
+    return "\n".join(out)
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:

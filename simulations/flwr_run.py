@@ -34,6 +34,7 @@ from pathlib import Path
 
 from fedgc.settings import RunConfig, SettingsError
 from server.app import ENGINE_KEY_PREFIX
+from simulations.cli_common import summary_table
 
 #: The project folder: what ``flwr run .`` is run on.
 PROJECT = Path(__file__).resolve().parents[1]
@@ -263,8 +264,6 @@ def cmd_flwr(values: Mapping[str, object], verbose: bool = False) -> int:
         return 1
     summary = config.run_dir / "summary.json"
     if summary.exists():
-        from simulations.cli_common import summary_table
-
         print(summary_table({config.method.title: json.loads(summary.read_text())}))
     print(f"results: {config.run_dir}/rounds.csv, summary.json (run {run_id}, {status})")
     return 0

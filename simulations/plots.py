@@ -4,10 +4,11 @@ Every figure is titled with its methods and scenario (read from the runs' ``summ
 shows total traffic (uplink + downlink: the downlink is most of the bytes), labels log axes in
 plain numbers (0.05, 1, 20 MB; 5 kB), rounds as integers, and keeps its legend off the data
 (one legend for the runs, under the panels, as many rows as it needs). A comparison of many
-methods stays readable: each method family (``fedgc.methods.Method.family``) has one colour,
-its methods are told apart by line style, and the legend lists them family by family
-(:func:`method_styles`). :func:`readable_log` and :func:`integer_rounds` are shared with the
-network emulator's report (``simulations.netem.report``).
+methods stays readable: every method has its own colour, a method family
+(``fedgc.methods.Method.family``) shades of one hue, its methods also told apart by line style,
+and the legend lists them family by family (:func:`method_styles`). :func:`readable_log` and
+:func:`integer_rounds` are shared with the network emulator's report
+(``simulations.netem.report``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ matplotlib.use("Agg")  # files only; no display on servers and CI
 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import (  # noqa: E402
@@ -48,7 +50,7 @@ __all__ = ["family_sizes", "integer_rounds", "legend_below", "method_styles", "p
 _LINESTYLES = ("-", "--", ":", "-.")
 _MARKERS = ("o", "s", "^", "D", "v")
 #: Family colours (matplotlib's tab10 without its grey); the family of the baseline (dense
-#: FedAvg) is drawn in black, a tenth family on takes tab20's lighter tones.
+#: FedAvg) is drawn in black and greys, a tenth family on takes tab20's lighter tones.
 _COLOURS = ("C0", "C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9")
 #: Height of a legend row, in inches (10-point text and its spacing).
 _LEGEND_ROW_IN = 0.26
@@ -125,10 +127,11 @@ def method_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """A ``color``, ``linestyle`` and ``marker`` per method, and the order in which a legend
     lists them (the dict's): family by family, families in the order of their first method.
 
-    A family (``Method.family``; a method without one, or one this process does not know, is
-    a family of its own) has one colour, black for the baseline's (dense FedAvg); its methods
-    take the line styles ``-``, ``--``, ``:``, ``-.`` in turn, and a marker from the fifth on.
-    Each style also names its ``family``.
+    Every method has a colour of its own: a family (``Method.family``; a method without one,
+    or one this process does not know, is a family of its own) takes shades of one hue (its
+    first method the family colour, the next ones darker, then lighter), greys from black for
+    the baseline's (dense FedAvg); its methods also take the line styles ``-``, ``--``, ``:``,
+    ``-.`` in turn, and a marker from the fifth on. Each style also names its ``family``.
     """
     families: dict[str, list[str]] = {}
     black: set[str] = set()
@@ -140,12 +143,26 @@ def method_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     colours = iter([*_COLOURS, *(plt.get_cmap("tab20")(i) for i in range(1, 20, 2))] * 4)
     for family, members in families.items():
-        colour = "black" if family in black else next(colours)
+        base = (0.0, 0.0, 0.0) if family in black else to_rgb(next(colours))
         for i, name in enumerate(members):
-            out[name] = {"color": colour, "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+            out[name] = {"color": _shade(base, i, family in black),
+                         "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
                          "marker": _MARKERS[(i // len(_LINESTYLES) - 1) % len(_MARKERS)]
                          if i >= len(_LINESTYLES) else None, "family": family}
     return out
+
+
+#: How far a family's later methods move from its colour: towards black, then towards white
+#: (a light shade stays visible on white; greys for the baseline only lighten).
+_SHADES = (0.0, -0.4, 0.4, 0.65, -0.6, 0.25, -0.2)
+
+
+def _shade(base: tuple[float, float, float], i: int, grey: bool) -> tuple[float, ...]:
+    """The colour of a family's ``i``-th method: ``base`` darkened or lightened, same hue."""
+    t = abs(_SHADES[i % len(_SHADES)]) * 0.9 if grey else _SHADES[i % len(_SHADES)]
+    if t < 0:
+        return tuple(c * (1 + t) for c in base)
+    return tuple(c + (1 - c) * t for c in base)
 
 
 def _line(style: Mapping[str, Any]) -> dict[str, Any]:

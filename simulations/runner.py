@@ -15,22 +15,26 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from flwr.app import Context
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+import client.app
 from fedgc.flower_log import flower_logging
 from fedgc.settings import RunConfig, SettingsError
 from fedgc.task_loader import ALLOWED_CALLABLES
-from server.app import NothingAggregatedError, RunFolderError
+from server.app import NothingAggregatedError, RunFolderError, prepare_run_dir, run_server
 from server.checkpoint import CheckpointError
+from server.local_grid import LocalGrid
 from server.preflight import PreflightError
 from server.registry import NoClientsError
 from simulations import cluster
+from simulations.batched_engine import BatchedGrid, check_batched
 from simulations.interrupt import GridStopped, RunInterrupted, StoppableGrid, last_kept_round
+from simulations.netem.integration import extensions, for_run, wrap_client_app
 from simulations.netem.settings import NetemSettings
-
-if TYPE_CHECKING:
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import ServerApp
 
 #: What a run reports as a message rather than a traceback (``simulations.cli`` prints them).
 RUN_ERRORS = (NothingAggregatedError, RunFolderError, CheckpointError, PreflightError,
@@ -103,45 +107,37 @@ def run_scenario(config: RunConfig, verbose: bool = False,
                              config.server.rounds, config.server.checkpoint) from None
 
 
-def _run_scenario(config: RunConfig, verbose: bool,
-                  netem: NetemSettings | None) -> dict[str, Any]:
-    # Imported here so that `python -m simulations --help` stays fast.
-    from flwr.app import Context
-    from flwr.serverapp import Grid, ServerApp
-
-    from client.app import app as client_app
-    from server.app import prepare_run_dir, run_server
-
+def check_engine(config: RunConfig, netem: NetemSettings | None) -> None:
+    """SettingsError for a run its engine cannot run (``sim.engine=batched`` and the emulator,
+    or a method or task the batched engine lacks); nothing is created."""
     if config.server.engine == "batched":
         if netem is not None and netem.enabled:
             raise SettingsError("sim.engine=batched does not run the network emulator (its "
                                 "mod charges each client's messages one at a time); use "
                                 "sim.engine=local or ray with netem.enabled")
-        from simulations.batched_engine import check_batched
-
         check_batched(config)
+
+
+def _run_scenario(config: RunConfig, verbose: bool,
+                  netem: NetemSettings | None) -> dict[str, Any]:
+    check_engine(config, netem)
     # Fail before Ray starts when the folder is taken; run_server takes its lock again.
     prepare_run_dir(config).release()
     extra: dict[str, Any] = {}
+    client_app: ClientApp = client.app.app  # read when the run starts (tests replace it)
     if netem is not None and netem.enabled:
-        from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
-
         netem = for_run(netem, config)
         client_app = wrap_client_app(client_app)
-        extra["strategy_factory"] = strategy_factory(netem)
+        extra["extensions"] = extensions(netem, config)
     # Simulated nodes run the simulating user's own config: any callable it names (a deployed
     # node runs only those its node config lists, client.app.allowed_callables).
     simulated = {ALLOWED_CALLABLES: "*"}
     if config.server.engine == "batched":
-        from simulations.batched_engine import BatchedGrid
-
         with flower_logging(verbose):
             return run_server(BatchedGrid(client_app, config.train.num_clients,
                                           seed=config.train.seed, node_config=simulated),
                               config, **extra)
     if config.server.engine == "local":
-        from server.local_grid import LocalGrid
-
         with flower_logging(verbose):
             return run_server(LocalGrid(client_app, config.train.num_clients,
                                         seed=config.train.seed, node_config=simulated),

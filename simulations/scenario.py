@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedgc.settings import SettingsError, load_toml
+from fedgc.settings import TASKS, SettingsError, load_toml
 
 __all__ = ["SCENARIO_DIR", "load_scenario", "scenario_names", "scenario_path"]
 
@@ -27,8 +27,11 @@ def scenario_path(name: str) -> Path:
     """The file of scenario ``name``; an unknown name lists the known ones."""
     known = scenario_names()
     if name not in known:
-        raise SettingsError(f"unknown scenario {name!r}; known scenarios: {', '.join(known)} "
-                            f"(files in {SCENARIO_DIR}; for your own file use --config FILE)")
+        task = (f"; {name!r} is a task: --set task={name} (a scenario is a file of keys, a "
+                f"task one of them)" if name in TASKS else "")
+        raise SettingsError(f"unknown scenario {name!r}{task}; known scenarios: "
+                            f"{', '.join(known)} (files in {SCENARIO_DIR}; for your own file "
+                            f"use --config FILE)")
     return SCENARIO_DIR / f"{name}.toml"
 
 

@@ -308,16 +308,16 @@ def test_pte_encoder_is_a_compressor_that_ages_and_gives_signs_like_dgc(exported
 
 def test_default_export_takes_a_default_runs_tasks():
     """With no options the export is made for a default run: the config, batch and lr the
-    bridge app sends for TrainSettings() pass the phone's checks; the paper's settings (the old
+    bridge app sends for a default run pass the phone's checks; the paper's settings (the old
     export default) are refused with the re-export message."""
     from android_bridge.bridge_app import _phone_config
     from android_bridge.export import federation_defaults
-    from fedgc.methods import get
-    from fedgc.settings import TrainSettings
+    from fedgc.settings import RunConfig
 
     defaults = federation_defaults()
-    s = TrainSettings()
-    sent = _phone_config(s, get(s.method).phone_config(s))
+    run = RunConfig.from_flat({"run_name": "t"})
+    s, own = run.train, run.method.own
+    sent = _phone_config(s, run.method)
     requested = DGCConfig.from_dict(sent["dgc"])
     check_compatible(defaults["config"], requested)
     assert defaults["config"] == requested
@@ -331,11 +331,11 @@ def test_default_export_takes_a_default_runs_tasks():
     # The manifest's run_config: the server's own key names and default values.
     keys = defaults["run_config"]
     assert keys == {"method": s.method, "batch_size": s.batch_size, "lr": s.lr,
-                    "dgc.momentum": s.dgc_momentum,
-                    "dgc.momentum_correction": s.momentum_correction,
-                    "dgc.nesterov": s.nesterov, "dgc.dampening": s.dampening,
-                    "dgc.momentum_masking": s.momentum_masking,
-                    "dgc.value_dtype": s.value_dtype, "dgc.ternary": s.ternary}
+                    "dgc.momentum": own.momentum,
+                    "dgc.momentum_correction": own.momentum_correction,
+                    "dgc.nesterov": own.nesterov, "dgc.dampening": own.dampening,
+                    "dgc.momentum_masking": own.momentum_masking,
+                    "dgc.value_dtype": own.value_dtype, "dgc.ternary": own.ternary}
     assert (keys["dgc.momentum_correction"], keys["batch_size"], keys["lr"]) == (False, 10, 0.1)
 
 

@@ -12,8 +12,8 @@ from torch import nn
 
 import tasks
 from client.batched_training import BatchedClient, train_batched, unsupported
-from client.training import train_locally
 from fedgc.settings import RunConfig
+from fedgc.training import train_locally
 from simulations.cli import main
 from simulations.runner import backend_config
 

@@ -135,21 +135,17 @@ def test_methods_phones_do_not_run_are_refused_by_name(method):
     from android_bridge.bridge import BridgeError
     from android_bridge.bridge_app import _phone_config
 
-    s = RunConfig.from_flat({"method": method}).train
+    run = RunConfig.from_flat({"method": method})
     with pytest.raises(BridgeError, match=rf"method '{method}' is not served by phones"):
-        _phone_config(s, None)
-    from fedgc.methods import get
-
-    topk = RunConfig.from_flat({"method": "topk"}).train
-    assert _phone_config(topk, get("topk").phone_config(topk))["train"]["method"] == "topk"
+        _phone_config(run.train, run.method)
+    topk = RunConfig.from_flat({"method": "topk"})
+    assert _phone_config(topk.train, topk.method)["train"]["method"] == "topk"
 
 
 def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
     """Issue 30's dgc switches are not on the phone: the bridge app names the one set."""
     from android_bridge.bridge import BridgeError
     from android_bridge.bridge_app import _phone_config
-    from fedgc.methods import get
-
-    s = RunConfig.from_flat({"dgc.value_levels": 4}).train
+    run = RunConfig.from_flat({"dgc.value_levels": 4})
     with pytest.raises(BridgeError, match=r"dgc.value_levels=4.0: phones run dgc's default "):
-        _phone_config(s, get("dgc").phone_config(s))
+        _phone_config(run.train, run.method)

@@ -115,6 +115,38 @@ def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed()
     assert other.model_version == 2 and other.registry.clients == {}  # refused: unchanged
 
 
+#: DGC's keys as every run's config carried them before issue 36 (the train and server keys
+#: then), at their defaults: what a checkpoint of a dense or topk run of then holds.
+DGC_KEYS_BEFORE_36 = {
+    "dgc.momentum": 0.0, "dgc.dampening": 0.0, "dgc.momentum_correction": False,
+    "dgc.nesterov": False, "dgc.momentum_masking": True, "dgc.small_density": 0.03,
+    "dgc.small_numel": 10_000, "dgc.warmup": "exponential", "dgc.warmup_rounds": 0,
+    "dgc.selection": "sampled", "dgc.value_dtype": "float16", "dgc.ternary": False,
+    "dgc.shared_values": "sign", "dgc.shared_levels": 1.0, "dgc.shared_first": False,
+    "dgc.value_levels": 0.0, "dgc.residual_decay": 1.0, "dgc.residual_after_rounds": 0,
+    "dgc.step_ahead": 0.0, "dgc.feedback": "residual", "dgc.min_sparse_numel": 512,
+    "dgc.sparse_vectors": True, "dgc.clip_norm": 0.0, "dgc.shared_density": 0.03,
+    "dgc.shared_small_density": 0.0, "dgc.shared_momentum": 0.9,
+    "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0, "dgc.feedback_scale": 0.0,
+    "dgc.feedback_history": 50}
+
+
+@pytest.mark.parametrize("method", ["dense", "topk", "stc", "dgc", "dgc_sets", "qsgd"])
+def test_a_run_config_of_before_the_methods_keys_resumes(method: str) -> None:
+    """Before issue 36 every run carried every dgc.* key; now a method's runs carry its own
+    only. A checkpoint of then resumes under today's config of the same run, and a dgc.* key
+    its run had at another value is still named (for the methods that read it)."""
+    from fedgc.settings import RunConfig
+
+    now = RunConfig.from_flat({"method": method, "run_name": "r"}).to_flat()
+    then = {**DGC_KEYS_BEFORE_36, **now}
+    assert set(DGC_KEYS_BEFORE_36) - set(now) or method.startswith("dgc")
+    check_run_config(then, now)
+    if "dgc.small_density" in now:  # the sparsifiers read it
+        with pytest.raises(CheckpointError, match=r"dgc.small_density = 0.1 \(now 0.03\)"):
+            check_run_config({**then, "dgc.small_density": 0.1}, now)
+
+
 def test_a_checkpoint_of_the_older_layout_is_migrated() -> None:
     """Older checkpoints kept one ``version`` per client and no ``changed_at``."""
     s = _strategy()

@@ -84,6 +84,27 @@ def test_runs_that_cannot_work_are_refused_before_round_one(tmp_path: Path, caps
     assert not (tmp_path / "big" / "rounds.csv").exists()  # no round ran
 
 
+def test_a_misspelt_task_option_is_refused_before_the_run_is_announced(tmp_path: Path,
+                                                                      capsys) -> None:
+    code = main(["run", *BASE, "--set", f"results_dir={tmp_path}",
+                 "--set", 'task_options={"test_fractoin": 0.2}'])
+    out, err = capsys.readouterr()
+    assert code == 2 and "unknown option(s) ['test_fractoin']" in err
+    assert "running" not in out and not any(tmp_path.iterdir())
+
+
+def test_a_resumed_run_says_the_round_it_resumes_after(tmp_path: Path, capsys) -> None:
+    argv = ["run", *BASE, "--set", f"results_dir={tmp_path}", "--set", "run_name=r"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("fedgc: running dgc on digits") and first.endswith(
+        f"2 rounds -> {tmp_path / 'r'}")
+    assert main([*argv, "--set", "resume=true", "--set", "rounds=3"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (f"fedgc: resuming dgc on digits, 4 clients (2 per round) after round 2 "
+                     f"(its checkpoint): rounds 3-3 -> {tmp_path / 'r'}")
+
+
 def test_a_run_that_aggregated_nothing_fails(tmp_path: Path, capsys,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from client.app import app as real

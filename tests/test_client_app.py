@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 
 import numpy as np
@@ -15,20 +14,30 @@ from client.app import app as client_app
 from client.state import ClientStateStore
 from dgc.signs.codec import decode_signs, encode_mask
 from fedgc import protocol as P
-from fedgc.methods import get
-from fedgc.settings import TrainSettings, to_flat
+from fedgc.settings import RunConfig, TrainSettings, to_flat
 from server.local_grid import LocalGrid
 
-
-def _settings(tmp_path, **kw) -> TrainSettings:
-    return TrainSettings(task="digits", num_clients=3, partition="iid", clients_per_round=3,
-                         density=0.05, warmup="none", state_dir=str(tmp_path / "state"), **kw)
+#: The keys of dgc (and the other sparsifiers) these tests give without their prefix.
+_DGC_KEYS = ("small_density", "small_numel", "selection", "ternary")
 
 
-def _send(grid: LocalGrid, key: int, settings: TrainSettings, server_round: int, ack: int,
+def _settings(tmp_path, base: RunConfig | None = None, **kw) -> RunConfig:
+    """A run's keys for these clients, or ``base`` with ``kw`` replaced (dgc's keys of
+    :data:`_DGC_KEYS` named without their prefix)."""
+    keys = {f"dgc.{k}" if k in _DGC_KEYS else k: v for k, v in kw.items()}
+    if base is not None:
+        return base.with_overrides(keys)
+    return RunConfig.from_flat({
+        "task": "digits", "num_clients": 3, "partition": "iid", "clients_per_round": 3,
+        "density": 0.05, "dgc.warmup": "none", "state_dir": str(tmp_path / "state"),
+        "results_dir": str(tmp_path), "run_name": "t", **keys})
+
+
+def _send(grid: LocalGrid, key: int, settings: RunConfig, server_round: int, ack: int,
           arrays: ArrayRecord, shared: bytes | None = None, **extra) -> Message:
     node = next(n for n, k in grid.partition_of.items() if k == key)
-    cfg = ConfigRecord({**to_flat(settings), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
+    cfg = ConfigRecord({**settings.client_config(), P.SERVER_ROUND: server_round,
+                        P.MODEL_VERSION: 0,
                         P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", **extra})
     content = RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg})
     if shared is not None:
@@ -61,14 +70,14 @@ def test_reply_carries_encoded_update_and_metrics(tmp_path, method):
     else:
         assert update.density < 0.2
     # Only DGC keeps a residual and a pending update between rounds.
-    record = ClientStateStore(s.state_dir).get("1")
+    record = ClientStateStore(s.train.state_dir).get("1")
     assert ("pending" in record) == (method == "dgc")
 
 
-def _residual(settings: TrainSettings, key: str) -> dict[str, torch.Tensor]:
+def _residual(settings: RunConfig, key: str) -> dict[str, torch.Tensor]:
     """The stored residual of a client, read back through the compressor its settings build."""
-    compressor = get(settings.method).compressor(settings, 0)
-    compressor.load_state_dict(ClientStateStore(settings.state_dir).get(key)["compressor"])
+    compressor = settings.method.compressor(settings.train, 0)
+    compressor.load_state_dict(ClientStateStore(settings.train.state_dir).get(key)["compressor"])
     return compressor.residual()
 
 
@@ -86,7 +95,7 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, t
     pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]),
                          max_numel=dgc.wire.MAX_NUMEL)
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
-    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+    s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
 
     def sent_plus_residual(settings, ack):
         reply = _send(grid, 0, settings, 2, ack, _global())
@@ -136,10 +145,10 @@ def test_state_of_the_other_compressor_kind_is_an_error_reply(tmp_path):
     grid = LocalGrid(client_app, 3)
     one = _settings(tmp_path, small_density=0.0)
     assert not _send(grid, 0, one, 1, -1, _global()).has_error()
-    before = ClientStateStore(one.state_dir).get("0")
-    reply = _send(grid, 0, dataclasses.replace(one, small_density=0.1), 2, 1, _global())
+    before = ClientStateStore(one.train.state_dir).get("0")
+    reply = _send(grid, 0, _settings(tmp_path, one, small_density=0.1), 2, 1, _global())
     assert reply.has_error() and "TwoDensityCompressor" in reply.error.reason
-    after = ClientStateStore(one.state_dir).get("0")
+    after = ClientStateStore(one.train.state_dir).get("0")
     assert torch.equal(after["pending"], before["pending"])
     for k, v in before["compressor"]["memory"]["v"].items():
         assert torch.equal(after["compressor"]["memory"]["v"][k], v)
@@ -153,13 +162,12 @@ def test_patch_for_a_version_the_client_lacks_is_an_error_reply(tmp_path):
                   **{P.DOWNLINK: "patch", P.BASE_VERSION: 7})
     assert reply.has_error()
     assert "version 7" in reply.error.reason and "holds version None" in reply.error.reason
-    assert ClientStateStore(s.state_dir).get("2") is None  # nothing was stored
+    assert ClientStateStore(s.train.state_dir).get("2") is None  # nothing was stored
 
 
 def test_missing_state_dir_is_an_error_reply(tmp_path):
     grid = LocalGrid(client_app, 3)
-    s = dataclasses.replace(_settings(tmp_path), state_dir="")
-    reply = _send(grid, 0, s, 1, -1, _global())
+    reply = _send(grid, 0, _settings(tmp_path), 1, -1, _global(), state_dir="")
     assert reply.has_error() and "state_dir" in reply.error.reason
 
 
@@ -188,7 +196,7 @@ def test_a_re_sent_round_gets_the_same_reply_and_leaves_the_state_alone(tmp_path
     s = _settings(tmp_path, method="dgc")
     _send(grid, 0, s, 1, -1, _global(), **{P.KEEP_MODEL: True})
     second = _send(grid, 0, s, 2, 1, _global(), **{P.KEEP_MODEL: True, P.MODEL_VERSION: 1})
-    store = ClientStateStore(s.state_dir)
+    store = ClientStateStore(s.train.state_dir)
     before = _residual(s, "0")
     patch = dgc.encode(dgc.SparseUpdate({}, 0))
     again = _send(grid, 0, s, 2, 1, P.bytes_to_record(patch, P.PATCH),
@@ -208,7 +216,7 @@ def test_a_patch_to_the_version_the_client_holds_trains_on_the_held_model(tmp_pa
     s = _settings(tmp_path, method="dgc")
     _send(grid, 1, s, 1, -1, _global(), **{P.KEEP_MODEL: True, P.MODEL_VERSION: 4})
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
-    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+    s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
     patch = dgc.encode(dgc.SparseUpdate({}, 0))
     # Round 2 on version 4 again: a patch "from 3 to 4" needs nothing the client lacks.
     via_patch = _send(grid, 1, s, 2, 1, P.bytes_to_record(patch, P.PATCH),
@@ -247,7 +255,7 @@ def test_shared_signs_leave_the_residual_and_are_counted(tmp_path, small_density
     s = _settings(tmp_path, method="dgc", small_density=small_density)
     _send(grid, 0, s, 1, -1, _global())
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
-    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+    s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
     with_mask = _send(grid, 0, s, 2, 1, _global(), shared=encode_mask(_MASKS, _NUMELS, 2))
     without = _send(grid, 0, s_b, 2, 1, _global())
     assert P.SHARED not in without.content.array_records
@@ -279,7 +287,7 @@ def test_unacknowledged_signs_are_folded_back_with_the_update(tmp_path):
                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
     pending_signs = _signs(first).to_dense()
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
-    s_b = dataclasses.replace(s, state_dir=str(tmp_path / "state_b"))
+    s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
 
     def sent_plus_residual(settings, ack):
         reply = _send(grid, 0, settings, 2, ack, _global())
@@ -311,12 +319,12 @@ def test_a_bad_index_set_is_an_error_reply_that_changes_nothing(tmp_path):
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, method="dgc")
     _send(grid, 2, s, 1, -1, _global())
-    before = ClientStateStore(s.state_dir).get("2")
+    before = ClientStateStore(s.train.state_dir).get("2")
     wrong_model = encode_mask({"net.1.weight": np.array([1, 2])}, {"net.1.weight": 999}, 2)
     for bad in (wrong_model, b"FGCM not a mask"):
         reply = _send(grid, 2, s, 2, 1, _global(), shared=bad)
         assert reply.has_error() and "bad shared index set" in reply.error.reason
-    after = ClientStateStore(s.state_dir).get("2")
+    after = ClientStateStore(s.train.state_dir).get("2")
     assert torch.equal(after["pending"], before["pending"])
 
 
@@ -335,7 +343,7 @@ def test_a_patch_on_several_versions_applies_to_any_of_them(tmp_path):
                   **{P.MODEL_VERSION: 6, P.DOWNLINK: "patch", P.BASE_VERSION: 5,
                      P.BASE_VERSIONS: [4, 5], P.KEEP_MODEL: True})
     assert not reply.has_error()
-    record = ClientStateStore(s.state_dir).get("1")
+    record = ClientStateStore(s.train.state_dir).get("1")
     assert record["model_version"] == 6
     assert all(torch.equal(record["model"][k], target[k]) for k in target)
     lacking = _send(grid, 1, s, 3, 1, P.bytes_to_record(patch, P.PATCH),
@@ -363,20 +371,20 @@ def test_a_patch_that_adds_differences_adds_them_and_bad_ones_change_nothing(tmp
         other: dgc.SparseTensor(torch.arange(2), torch.full((2,), 7.0),
                                 tuple(target[other].shape))}, 5))
     record = P.bytes_to_record(patch, P.PATCH)
-    before = ClientStateStore(s.state_dir).get("1")
+    before = ClientStateStore(s.train.state_dir).get("1")
     for bad, reason in (({P.PATCH_ADD: [name], P.BASE_VERSIONS: [3, 4]}, "applies to one version"),
                         ({P.PATCH_ADD: ["nope"]}, "names tensors the patch lacks: ['nope']"),
                         ({P.PATCH_ADD: name}, "must be a list of tensor names")):
         reply = _send(grid, 1, s, 2, 1, record, **{P.MODEL_VERSION: 5, P.DOWNLINK: "patch",
                                                    P.BASE_VERSION: 4, **bad})
         assert reply.has_error() and reason in reply.error.reason, reply.error.reason
-        after = ClientStateStore(s.state_dir).get("1")
+        after = ClientStateStore(s.train.state_dir).get("1")
         assert after["model_version"] == 4 and torch.equal(after["pending"], before["pending"])
     reply = _send(grid, 1, s, 2, 1, record, **{P.MODEL_VERSION: 5, P.DOWNLINK: "patch",
                                                P.BASE_VERSION: 4, P.PATCH_ADD: [name],
                                                P.KEEP_MODEL: True})
     assert not reply.has_error()
-    stored = ClientStateStore(s.state_dir).get("1")
+    stored = ClientStateStore(s.train.state_dir).get("1")
     assert stored["model_version"] == 5
     assert all(torch.equal(stored["model"][k], target[k]) for k in target)
 
@@ -391,7 +399,7 @@ def test_a_client_that_builds_version_0_rounds_it_to_the_grid_when_told(tmp_path
 
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path, method="dgc")
-    built = initial_model(get_task("digits"), s.seed)
+    built = initial_model(get_task("digits"), s.train.seed)
     server_v0 = round_initial(built)
     assert any(not torch.equal(server_v0[k], built[k]) for k in built)
     empty = P.bytes_to_record(dgc.encode(dgc.SparseUpdate({}, 1)), P.PATCH)
@@ -401,7 +409,7 @@ def test_a_client_that_builds_version_0_rounds_it_to_the_grid_when_told(tmp_path
                       **{P.MODEL_VERSION: 1, P.DOWNLINK: "patch", P.BASE_VERSION: 0,
                          P.KEEP_MODEL: True, P.INITIAL_GRID: on_grid})
         assert not reply.has_error()
-        stored = ClientStateStore(s.state_dir).get(str(key))["model"]
+        stored = ClientStateStore(s.train.state_dir).get(str(key))["model"]
         assert all(torch.equal(stored[k].view(torch.int32), expected[k].view(torch.int32))
                    for k in expected)
 
@@ -431,9 +439,9 @@ def test_reused_model_carries_nothing_between_clients(tmp_path):
     app_module._models.__dict__.pop("by_task", None)
     alone = _send(LocalGrid(client_app, 3), 2, s, 1, -1, _global())
     # the model was kept, one per task and device
-    assert app_module._models.by_task[(s.task_spec(), torch.device("cpu"))] is not None
+    assert app_module._models.by_task[(s.train.task_spec(), torch.device("cpu"))] is not None
 
-    s2 = dataclasses.replace(s, state_dir=str(tmp_path / "state2"))
+    s2 = _settings(tmp_path, s, state_dir=str(tmp_path / "state2"))
     grid = LocalGrid(client_app, 3)
     # Another client first, from a different global model, so that its weights and gradients
     # are left behind in the kept model.
@@ -448,8 +456,7 @@ def test_ternary_client_sends_sign_coded_values(tmp_path):
     """dgc.ternary: each sparsified tensor goes as +-scale, sign-coded (one bit per value)."""
     replies = {}
     for ternary in (False, True):
-        s = dataclasses.replace(_settings(tmp_path / str(ternary), method="dgc"),
-                                ternary=ternary)
+        s = _settings(tmp_path / str(ternary), method="dgc", ternary=ternary)
         reply = _send(LocalGrid(client_app, 3), 1, s, 1, -1, _global())
         assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
         replies[ternary] = P.record_to_bytes(reply.content.array_records[P.UPDATE])

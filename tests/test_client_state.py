@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from client.state import ClientStateStore, StateStoreError
-from fedgc.methods import get
 from fedgc.ownership import MANIFEST
 
 
@@ -56,17 +55,19 @@ def _grads(seed: int) -> dict[str, torch.Tensor]:
 def test_compressor_state_round_trips_through_the_store(tmp_path, small_density):
     """What client.app stores continues bit-identically, and restore() works after the trip."""
     import dgc
-    from fedgc.settings import TrainSettings
+    from fedgc.settings import RunConfig
 
-    settings = TrainSettings(density=0.01, small_density=small_density, warmup="none",
-                             selection="exact", min_sparse_numel=100)
-    kept = get(settings.method).compressor(settings, 0)
+    config = RunConfig.from_flat({
+        "density": 0.01, "dgc.small_density": small_density, "dgc.warmup": "none",
+        "dgc.selection": "exact", "dgc.min_sparse_numel": 100, "run_name": "t"})
+    method, settings = config.method, config.train
+    kept = method.compressor(settings, 0)
     assert type(kept).__name__ == ("DGCCompressor" if small_density == 0 else
                                    "TwoDensityCompressor")
     pending = kept.compress(_grads(0), sequence=1)
     store = ClientStateStore(tmp_path)
     store.put("3", {"compressor": kept.state_dict()})
-    loaded = get(settings.method).compressor(settings, 0)
+    loaded = method.compressor(settings, 0)
     loaded.load_state_dict(store.get("3")["compressor"])
     for k, v in kept.residual().items():
         assert torch.equal(loaded.residual()[k], v)
@@ -137,11 +138,13 @@ def test_record_round_trips_exactly(tmp_path):
 def test_a_client_record_continues_the_compressor_bit_for_bit(tmp_path):
     """The record client.app writes (compressor state + pending bytes) survives unchanged."""
     import dgc
-    from fedgc.settings import TrainSettings
+    from fedgc.settings import RunConfig
 
-    settings = TrainSettings(density=0.01, small_density=0.1, warmup="none",
-                             selection="exact", min_sparse_numel=100)
-    c = get(settings.method).compressor(settings, 0)
+    config = RunConfig.from_flat({
+        "density": 0.01, "dgc.small_density": 0.1, "dgc.warmup": "none",
+        "dgc.selection": "exact", "dgc.min_sparse_numel": 100, "run_name": "t"})
+    method, settings = config.method, config.train
+    c = method.compressor(settings, 0)
     update = c.compress(_grads(0), sequence=1)
     store = ClientStateStore(tmp_path)
     data = dgc.encode(update)
@@ -149,7 +152,7 @@ def test_a_client_record_continues_the_compressor_bit_for_bit(tmp_path):
                     "pending": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
     record = store.get("4")
     assert bytes(record["pending"].numpy().tobytes()) == data
-    loaded = get(settings.method).compressor(settings, 0)
+    loaded = method.compressor(settings, 0)
     loaded.load_state_dict(record["compressor"])
     assert dgc.encode(loaded.compress(_grads(1), sequence=2)) == \
         dgc.encode(c.compress(_grads(1), sequence=2))

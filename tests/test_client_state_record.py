@@ -21,9 +21,8 @@ from client.state import (
     StateVersionError,
 )
 from fedgc import protocol as P
-from fedgc.methods import get
 from fedgc.ownership import MANIFEST
-from fedgc.settings import RunConfig, TrainSettings, to_flat
+from fedgc.settings import RunConfig
 from server.app import run_server
 from server.local_grid import LocalGrid
 from server.strategy import DGCStrategy
@@ -31,11 +30,12 @@ from server.strategy import DGCStrategy
 FIXTURE = Path(__file__).parent / "fixtures" / "client_state_v1.state"
 
 
-def _settings(tmp_path: Path, **kw: object) -> TrainSettings:
+def _settings(tmp_path: Path, **kw: object) -> RunConfig:
     # The settings the fixture was written with (tests/test_client_app.py's _settings, dgc).
-    return TrainSettings(task="digits", num_clients=3, partition="iid", clients_per_round=3,
-                         density=0.05, warmup="none", state_dir=str(tmp_path / "state"),
-                         method="dgc", **kw)  # type: ignore[arg-type]
+    return RunConfig.from_flat({
+        "task": "digits", "num_clients": 3, "partition": "iid", "clients_per_round": 3,
+        "density": 0.05, "dgc.warmup": "none", "state_dir": str(tmp_path / "state"),
+        "method": "dgc", "results_dir": str(tmp_path), "run_name": "t", **kw})
 
 
 def _global() -> ArrayRecord:
@@ -45,10 +45,11 @@ def _global() -> ArrayRecord:
     return ArrayRecord(get_task("digits").build_model().state_dict())
 
 
-def _send(grid: LocalGrid, key: int, settings: TrainSettings, server_round: int,
+def _send(grid: LocalGrid, key: int, settings: RunConfig, server_round: int,
           ack: int) -> Message:
     node = next(n for n, k in grid.partition_of.items() if k == key)
-    cfg = ConfigRecord({**to_flat(settings), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
+    cfg = ConfigRecord({**settings.client_config(), P.SERVER_ROUND: server_round,
+                        P.MODEL_VERSION: 0,
                         P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", P.KEEP_MODEL: True})
     msg = Message(RecordDict({P.ARRAYS: _global(), P.CONFIG: cfg}), dst_node_id=node,
                   message_type=MessageType.TRAIN)
@@ -73,7 +74,8 @@ def test_a_record_written_before_the_typed_state_loads(tmp_path):
     assert state.pending_shared is not None and state.pending_mask is not None
     assert state.model_version == 0 and set(state.model) == set(_global())
     assert state.quarantined == 0
-    compressor = get("dgc").compressor(_settings(tmp_path), 0)
+    run = _settings(tmp_path)
+    compressor = run.method.compressor(run.train, 0)
     compressor.load_state_dict(state.compressor)  # the residual of the same compressor kind
     assert sum(float(v.abs().sum()) for v in compressor.residual().values()) > 0
 

@@ -16,7 +16,7 @@ from fedgc import protocol as P
 from fedgc.methods import feedback as F
 from fedgc.methods import get
 from fedgc.methods.dgc import DGC
-from fedgc.settings import RunConfig, SettingsError, TrainSettings
+from fedgc.settings import RunConfig, SettingsError
 from server.app import run_server
 from server.local_grid import LocalGrid
 from tests.strategies import make_strategy
@@ -123,12 +123,12 @@ def test_with_reference_adds_the_sets_part_at_its_indices():
 def test_a_client_compresses_its_pseudo_gradient_less_the_reference():
     """``aggregate``: the top-k of ``pseudo_gradient - reference`` with an empty residual;
     ``aggregate+residual``: what it does not send stays in the residual."""
-    train = TrainSettings(task="digits", density=0.1, warmup="none", feedback="aggregate",
-                          shared_first=False)
+    keys = {"run_name": "x", "task": "digits", "density": 0.1, "dgc.warmup": "none"}
+    run = RunConfig.from_flat({**keys, "dgc.feedback": "aggregate", "dgc.shared_first": False})
+    method, train = run.method, run.train
     g = {"w": torch.randn(30, 40, generator=torch.Generator().manual_seed(3))}
     ref = {"w": torch.full((30, 40), 0.25)}
     material = F.FeedbackMaterial(1, 3, 0, 0.5, None, 2, ref)
-    method = get("dgc")
     c = method.compressor(train, 0, material)
     method.prepare(train, c, {}, 0)
     sent = c.compress(g, sequence=1).to_dense()["w"]
@@ -143,11 +143,10 @@ def test_a_client_compresses_its_pseudo_gradient_less_the_reference():
     c2.load_state_dict(c.state_dict())
     method.prepare(train, c2, {}, 0)
     assert float(c2.residual()["w"].abs().sum()) == 0.0
-    both = TrainSettings(task="digits", density=0.1, warmup="none",
-                         feedback="aggregate+residual")
-    c3 = method.compressor(both, 0, material)
+    both = RunConfig.from_flat({**keys, "dgc.feedback": "aggregate+residual"})
+    c3 = both.method.compressor(both.train, 0, material)
     c3.load_state_dict(c.state_dict())
-    method.prepare(both, c3, {}, 0)
+    both.method.prepare(both.train, c3, {}, 0)
     assert torch.equal(c3.residual()["w"], kept)
 
 
@@ -242,21 +241,22 @@ def test_phones_refuse_aggregate_feedback():
     from android_bridge.export import check_phone_run
     from dgc.errors import ConfigError
 
-    check_phone_run(TrainSettings())
+    check_phone_run(RunConfig.from_flat({"run_name": "x"}).method)
     with pytest.raises(ConfigError, match="dgc.feedback='aggregate'"):
-        check_phone_run(TrainSettings(feedback="aggregate"))
+        check_phone_run(RunConfig.from_flat({"run_name": "x", "dgc.feedback": "aggregate"})
+                        .method)
 
 
 def test_residual_feedback_is_todays_dgc():
     """The default builds today's channel and compressor: no feedback material."""
     c = RunConfig.from_flat({"run_name": "x"})
-    assert c.train.feedback == "residual"
-    channel = get("dgc").channel(c, {"w": (200, 784)})
+    assert c.method.own.feedback == "residual"
+    channel = c.method.channel(c, {"w": (200, 784)})
     assert not isinstance(channel, F.FeedbackChannel)
     on = RunConfig.from_flat({"run_name": "x", "dgc.feedback": "aggregate"})
-    fb = get("dgc").channel(on, {"w": (200, 784)})
+    fb = on.method.channel(on, {"w": (200, 784)})
     assert isinstance(fb, F.FeedbackChannel) and fb.scale == 0.5  # (1 - 0.5) / 1
     assert type(fb.inner) is type(channel)
     scaled = RunConfig.from_flat({"run_name": "x", "dgc.feedback": "aggregate",
                                   "dgc.feedback_scale": 0.25})
-    assert get("dgc").channel(scaled, {"w": (200, 784)}).scale == 0.25
+    assert scaled.method.channel(scaled, {"w": (200, 784)}).scale == 0.25

@@ -119,20 +119,18 @@ def test_the_keys_are_checked_chosen_by_the_run_and_refused_on_phones():
         RunConfig.from_flat({"dgc.budget": "layer"})
     phone = RunConfig.from_flat({"method": "dgc", "dgc.budget": "model"})
     with pytest.raises(ConfigError, match="dgc.budget='model'"):
-        check_phone_run(phone.train, phone.server)
+        check_phone_run(phone.method, phone.server)
 
 
 # ----------------------------------------------------------------- dgc.feedback = own
-def _own_train(**kw):
-    from fedgc.settings import TrainSettings
-
-    return TrainSettings(task="digits", density=0.1, warmup="none", feedback="own", **kw)
+def _own_run():
+    return RunConfig.from_flat({"method": "dgc", "task": "digits", "density": 0.1,
+                                "dgc.warmup": "none", "dgc.feedback": "own"})
 
 
 def test_an_own_client_compresses_its_update_less_its_shift_and_keeps_what_it_sent():
-    from fedgc.methods import get
-
-    method, train = get("dgc"), _own_train()
+    run = _own_run()
+    method, train = run.method, run.train
     g = torch.Generator().manual_seed(3)
     first = {"w": torch.randn(30, 40, generator=g)}
     c = method.compressor(train, 0, None)

@@ -3,7 +3,6 @@ displacement, values on a grid, aged residuals, step-ahead, and the downlink's d
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import OrderedDict
 
@@ -15,7 +14,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 import dgc
 from client.app import app as client_app
 from client.state import ClientStateStore
-from client.training import round_seed, train_locally
 from dgc import DecodeError, StateError
 from dgc.signs import (
     SharedIndexPlanner,
@@ -31,8 +29,8 @@ from dgc.signs.client import on_grid
 from dgc.signs.codec import decode_rank_request, encode_rank_request
 from dgc.signs.planner import displacement_masks
 from fedgc import protocol as P
-from fedgc.methods import get
-from fedgc.settings import TrainSettings, to_flat
+from fedgc.settings import RunConfig
+from fedgc.training import round_seed, train_locally
 from server.downlink import Downlink
 from server.local_grid import LocalGrid
 from simulations.compare import reach, traffic_area
@@ -196,10 +194,13 @@ def test_float16_vectors_move_only_when_their_float16_value_moves():
 
 
 # ----------------------------------------------------------------- the client, on real messages
-def _settings(tmp_path, **kw) -> TrainSettings:
-    return TrainSettings(task="digits", num_clients=3, partition="iid", clients_per_round=3,
-                         density=0.05, warmup="none", method="dgc",
-                         state_dir=str(tmp_path / "state"), **kw)
+def _settings(tmp_path, **kw) -> RunConfig:
+    """A dgc run's keys with dgc's own keys ``kw`` (named without their ``dgc.`` prefix)."""
+    return RunConfig.from_flat({
+        "task": "digits", "num_clients": 3, "partition": "iid", "clients_per_round": 3,
+        "density": 0.05, "dgc.warmup": "none", "method": "dgc", "run_name": "t",
+        "results_dir": str(tmp_path), "state_dir": str(tmp_path / "state"),
+        **{f"dgc.{k}": v for k, v in kw.items()}})
 
 
 def _global(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -210,10 +211,10 @@ def _global(seed: int = 0) -> dict[str, torch.Tensor]:
             .items()}
 
 
-def _send(grid: LocalGrid, s: TrainSettings, server_round: int, ack: int,
+def _send(grid: LocalGrid, s: RunConfig, server_round: int, ack: int,
           model: dict[str, torch.Tensor], shared: bytes | None = None, **extra) -> Message:
     node = next(n for n, k in grid.partition_of.items() if k == 0)
-    cfg = ConfigRecord({**to_flat(s), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
+    cfg = ConfigRecord({**s.client_config(), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
                         P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", **extra})
     content = RecordDict({P.ARRAYS: ArrayRecord(OrderedDict(model)), P.CONFIG: cfg})
     if shared is not None:
@@ -235,17 +236,18 @@ def _sent(reply: Message, shapes: dict, masks: dict | None = None) -> dict[str, 
     return out
 
 
-def _residual(s: TrainSettings) -> dict[str, torch.Tensor]:
-    c = get("dgc").compressor(s, 0)
-    c.load_state_dict(ClientStateStore(s.state_dir).get("0")["compressor"])
+def _residual(s: RunConfig) -> dict[str, torch.Tensor]:
+    c = s.method.compressor(s.train, 0)
+    c.load_state_dict(ClientStateStore(s.train.state_dir).get("0")["compressor"])
     return {k: v.double() for k, v in c.residual().items()}
 
 
-def _pseudo_gradient(s: TrainSettings, server_round: int, sent: dict[str, torch.Tensor],
+def _pseudo_gradient(run: RunConfig, server_round: int, sent: dict[str, torch.Tensor],
                      start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``sent - local``, local trained from ``start`` exactly as client 0 trains."""
     from client.app import _partitions, task_of
 
+    s = run.train
     task = task_of(s.task_spec(), None)  # None: any callable (the test's own settings)
     idx = torch.from_numpy(_partitions(s.task_spec(), None, s.num_clients, s.partition, s.alpha,
                                        s.seed)[0])
@@ -282,7 +284,7 @@ def test_grid_values_lose_no_mass(tmp_path, kw):
         torch.testing.assert_close(sent[k] + resid[k], pg[k], rtol=0, atol=1e-6)
     update = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
                         max_numel=dgc.wire.MAX_NUMEL)
-    if s.value_levels > 0:  # each tensor's values: int8 multiples of one power of two
+    if s.method.own.value_levels > 0:  # each tensor's values: int8 multiples of one power of two
         for t in update.tensors.values():
             assert t.values.dtype == torch.float32
             if bool((t.values != 0).any()):
@@ -298,7 +300,7 @@ def test_grid_values_lose_no_mass(tmp_path, kw):
     pg2 = _pseudo_gradient(s, 2, g, g)
     for k in pg2:
         torch.testing.assert_close(sent2[k] + resid2[k], resid[k] + pg2[k], rtol=0, atol=1e-5)
-    if s.shared_first and s.shared_values == "grid":
+    if s.method.own.shared_first and s.method.own.shared_values == "grid":
         # The top-k spends fewer entries on the sets than in the usual order (with signs it
         # may spend more: a sign overshoots every entry smaller than the mean by the mean).
         def on_sets(reply: Message) -> int:
@@ -307,7 +309,8 @@ def test_grid_values_lose_no_mass(tmp_path, kw):
             return len(np.intersect1d(update.tensors["net.1.weight"].indices.numpy(),
                                       masks["net.1.weight"]))
 
-        usual = dataclasses.replace(s, shared_first=False, state_dir=str(tmp_path / "usual"))
+        usual = s.with_overrides({"dgc.shared_first": False,
+                                  "state_dir": str(tmp_path / "usual")})
         _send(grid, usual, 1, -1, g, shared=encode_mask(masks, {"net.1.weight": 12_800}, 1))
         assert on_sets(reply) < on_sets(_send(grid, usual, 2, 1, g, shared=mask_bytes))
 
@@ -359,7 +362,7 @@ def test_client_ranks_shared_sets_by_displacement_as_the_server_does(tmp_path):
     client ranks the model it holds against version 0, as the server does, and answers them."""
     grid = LocalGrid(client_app, 3)
     s = _settings(tmp_path)
-    version0 = _global(s.seed)
+    version0 = _global(s.train.seed)
     g = {k: v.clone() for k, v in version0.items()}
     g["net.1.weight"].view(-1)[[5, 77, 4000]] += torch.tensor([1.0, -2.0, 0.5])
     numels = {k: v.numel() for k, v in g.items()}
@@ -373,7 +376,8 @@ def test_client_ranks_shared_sets_by_displacement_as_the_server_does(tmp_path):
                            {k: tuple(v.shape) for k, v in g.items()})
     assert shared.tensors["net.1.weight"].indices.tolist() == [5, 77, 4000]
     # what the client keeps to fold its signs back is the sets themselves
-    kept = bytes(ClientStateStore(s.state_dir).get("0")["pending_mask"].numpy().tobytes())
+    kept = bytes(ClientStateStore(s.train.state_dir).get("0")["pending_mask"].numpy()
+                 .tobytes())
     assert decode_mask(kept, numels)[1]["net.1.weight"].tolist() == [5, 77, 4000]
     with pytest.raises(DecodeError, match="holds 0"):
         decode_rank_request(encode_rank_request({"net.1.weight": 0}, numels, 2, False), numels)
@@ -432,8 +436,8 @@ def test_phones_refuse_dgc_sets_naming_the_methods_they_serve():
 
     config = RunConfig.from_flat({"task": "digits", "method": "dgc_sets"})
     with pytest.raises(ConfigError, match="'dgc_sets' is not served by phones.*'dgc'"):
-        check_phone_run(config.train, config.server)
-    assert (config.train.value_levels, config.server.downlink_vectors) == (4.0, "float16")
+        check_phone_run(config.method, config.server)
+    assert (config.method.own.value_levels, config.server.downlink_vectors) == (4.0, "float16")
     # half a grid step, the server's own dead band: a whole step lost 1.8 points on shakespeare
     assert config.server.downlink_deadband == 0.5
 

@@ -190,8 +190,8 @@ def test_the_key_is_validated_and_refused_on_phones():
     on = RunConfig.from_flat({"downlink_context": True})
     assert on.server.downlink_context and not RunConfig().server.downlink_context
     with pytest.raises(ConfigError, match="downlink_context"):
-        check_phone_run(on.train, on.server)
-    check_phone_run(RunConfig().train, RunConfig().server)
+        check_phone_run(on.method, on.server)
+    check_phone_run(RunConfig().method, RunConfig().server)
     # a bridge that meets a ranked patch anyway fails the round, naming it
     from android_bridge.bridge import BridgeError
     from android_bridge.bridge_app import check_plain_patch

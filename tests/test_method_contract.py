@@ -22,7 +22,19 @@ import torch
 
 from dgc import DecodeError, SparseTensor, SparseUpdate
 from dgc.signs.codec import decode_mask, encode_mask
-from fedgc.methods import Aggregator, Bound, Channel, Codec, Method, PayloadError, SparseCodec
+from fedgc.keys import RunSettings, TrainSettings
+from fedgc.methods import (
+    Aggregator,
+    Bound,
+    Channel,
+    Codec,
+    Method,
+    PayloadError,
+    RoundMaterial,
+    SparseCodec,
+    pending_parts,
+)
+from fedgc.settings import RunConfig
 from simulations.cli import main
 from tests.golden.payload_golden import records
 
@@ -118,24 +130,25 @@ class VoteMomentum(Aggregator):
         self.m = state["m"]
 
 
-class Vote(Method):
+class Vote(RoundMaterial, Method):
     name = "vote"
     description = "signs at the server's mask"
     keeps_residual = True
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> SignsAtMask:
-        return SignsAtMask(material)
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> SignsAtMask:
+        return SignsAtMask(material)  # type: ignore[arg-type]
 
-    def codec(self, train: Any) -> Codec:
+    def codec(self, train: TrainSettings) -> Codec:
         return MaskedCodec(sign_coding=True)
 
-    def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
+    def read_material(self, data: bytes, numels: Mapping[str, int]) -> object:
         return decode_mask(data, numels)[1]
 
-    def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel:
-        return MaskChannel(shapes, config.train.seed)
+    def channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]]) -> Channel:
+        return MaskChannel(shapes, run.train.seed)
 
-    def aggregator(self, config: Any) -> Aggregator:
+    def aggregator(self, run: RunSettings) -> Aggregator:
         return VoteMomentum()
 
 
@@ -214,8 +227,8 @@ def test_a_pending_payload_folds_back_read_against_the_material_it_answered():
     method = Vote()
     method.codec = lambda train: codec  # type: ignore[method-assign]
     pending = codec.encode(NeedsMask.golden_cases(codec)[0][1])
-    sequence, parts = method.pending_parts(None, pending, None,
-                                           encode_mask(NeedsMask.MASK, {"w": 12}, 3), {"w": (12,)})
+    sequence, parts = pending_parts(method, RunConfig().train, pending, None,
+                                    encode_mask(NeedsMask.MASK, {"w": 12}, 3), {"w": (12,)})
     assert sequence == 3 and parts[0].tensors["w"].indices.tolist() == [1, 4]
     assert np.array_equal(codec.seen[-1]["w"], NeedsMask.MASK["w"])
 
@@ -226,18 +239,20 @@ def test_a_methods_own_keys_stay_out_of_the_other_methods_runs():
     changes no other method's run (the fixed-seed snapshots, whose emulator charges every
     train message's bytes, hold to that)."""
     from fedgc.methods import get, registered
-    from fedgc.schema import fields_of
-    from fedgc.settings import RunConfig
+    from fedgc.schema import fields_of, is_sent
 
-    def keys(m: Method) -> set[str]:
-        return {f.metadata["key"] for f in fields_of(m.settings)} if m.settings else set()
+    def keys(m: Method, sent: bool = False) -> set[str]:
+        """Its own keys (``sent``: those that travel to clients)."""
+        return ({f.metadata["key"] for f in fields_of(m.settings) if is_sent(f) or not sent}
+                if m.settings else set())
 
     own = {k for m in registered() for k in keys(m)}
     assert own and own <= set(RunConfig.keys())
     for m in registered():
         config = RunConfig.from_flat({"method": m.name, "run_name": "x"})
-        for carried in (config.client_config(), config.to_flat()):
-            assert own & set(carried) == keys(m)
+        assert own & set(config.to_flat()) == keys(m)
+        # The keys only its server half reads (dgc's sign channel's) stay on the server.
+        assert own & set(config.client_config()) == keys(m, sent=True)
         # compare's next method gets its own defaults, and no other method's keys...
         after = config.with_overrides({"method": "dense"})
         assert not own & set(after.client_config())

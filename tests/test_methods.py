@@ -30,9 +30,12 @@ def test_each_method_gives_the_whole_contract():
         assert m.name and m.description and config.method.name == m.name
         assert m.codec(config.train).kind
         assert 0 < m.downlink(config).density <= 1
-        assert (m.phone_config(config.train) is not None) == m.phone
+        phone = methods.phone_export_of(config.method)
+        assert (phone is not None) == m.phone
+        assert phone is None or phone.phone_config(config.train).density == config.train.density
+        own = [] if m.settings is None else per_method_keys(m.settings)
         assert set(m.defaults) <= set(per_method_keys(TrainSettings)
-                                      + per_method_keys(ServerSettings))
+                                      + per_method_keys(ServerSettings) + own)
     assert methods.baseline() == "dense"
     assert set(methods.compared()) == {"dense", "fedavgm", "topk", "stc", "dgc"}
 

@@ -1,4 +1,5 @@
-"""No update lost: the real ClientApp and NetemStrategy under 30%+ dropouts, mass conserved.
+"""No update lost: the real ClientApp and the emulator's extensions under 30%+ dropouts, mass
+conserved.
 
 The federation runs in this process through :class:`InProcessGrid`, a Flower ``Grid`` that hands
 each message to the real ClientApp (wrapped by the emulator's mod) with the node's own Context,
@@ -28,7 +29,8 @@ from dgc.signs.codec import decode_mask, decode_signs
 from fedgc import protocol as P
 from fedgc.methods import get
 from fedgc.settings import RunConfig, to_flat
-from simulations.netem.integration import for_run, strategy_factory, wrap_client_app
+from server.strategy import DGCStrategy
+from simulations.netem.integration import extensions, for_run, wrap_client_app
 from simulations.netem.mod import reply_metrics
 from simulations.netem.settings import NetemSettings
 
@@ -122,7 +124,7 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
     task = get_task("digits")
     torch.manual_seed(0)
     model = task.build_model()
-    strategy = strategy_factory(netem)(config)
+    strategy = DGCStrategy(config, extensions=extensions(netem, config))
     train_config = ConfigRecord(to_flat(config.client_train_settings()))
     strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=rounds,
                    train_config=train_config)
@@ -166,7 +168,7 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
         assert 0 < e["virtual_seconds"] - e["round_server_s"] <= 40.0 + 1e-9
     # The links' clock: the clients' part of every round (the measured work is not on it).
     clock = sum(r.extra["virtual_seconds"] - r.extra["round_server_s"] for r in strategy.rounds)
-    assert strategy.state_dict()["virtual_now_s"] == pytest.approx(clock)
+    assert strategy.state_dict()["extensions"][0]["virtual_now_s"] == pytest.approx(clock)
 
     store = ClientStateStore(config.state_dir)
     seed_of = {k: [] for k in range(num_clients)}
@@ -203,8 +205,9 @@ def test_no_update_is_lost_under_dropouts_and_mid_transfer_failures(tmp_path, mo
 
 
 def test_each_reply_is_decoded_and_validated_once_per_round(tmp_path, monkeypatch) -> None:
-    """NetemStrategy validates replies to close the round; DGCStrategy reuses those results
-    (update and signs) instead of decoding and checking the forwarded replies again."""
+    """The emulator's clock needs the replies validated to close the round; DGCStrategy
+    aggregates those results (update and signs) instead of decoding and checking the taken
+    replies again."""
     from server.replies import ReplyChecker
 
     validated: list[int] = []
@@ -234,7 +237,7 @@ def test_each_reply_is_decoded_and_validated_once_per_round(tmp_path, monkeypatc
 
     torch.manual_seed(0)
     model = get_task("digits").build_model()
-    strategy = strategy_factory(netem)(config)
+    strategy = DGCStrategy(config, extensions=extensions(netem, config))
     strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=3,
                    train_config=ConfigRecord(to_flat(config.client_train_settings())))
     updates = [m for m in grid.replies if P.UPDATE in m.content.array_records]

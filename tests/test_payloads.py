@@ -15,14 +15,13 @@ import pytest
 
 from dgc import DecodeError
 from fedgc import methods
-from fedgc.settings import TrainSettings
-from tests.golden.payload_golden import GOLDEN_DIR, codecs, content, records
+from tests.golden.payload_golden import GOLDEN_DIR, codec_of, codecs, content, records
 
 KINDS = codecs()
 
 
 def test_every_registered_methods_payload_kind_has_golden_vectors():
-    kinds = {m.codec(TrainSettings(method=m.name)).kind for m in methods.registered()}
+    kinds = {codec_of(m).kind for m in methods.registered()}
     assert kinds == set(KINDS) and "sparse" in kinds
     for kind in kinds:
         assert (GOLDEN_DIR / f"{kind}.json").exists(), \
@@ -34,7 +33,7 @@ def test_the_codec_reproduces_its_golden_vectors(kind):
     golden = json.loads((GOLDEN_DIR / f"{kind}.json").read_text())
     assert golden == records(kind, KINDS[kind]), f"{kind}: the encoder's bytes changed"
     for m in methods.registered():
-        codec = m.codec(TrainSettings(method=m.name))
+        codec = codec_of(m)
         if codec.kind != kind:
             continue
         for case in golden["cases"]:

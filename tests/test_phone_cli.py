@@ -109,14 +109,14 @@ def test_export_refusals_name_the_task(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_task_of_your_own_trains_on_the_phone_as_in_simulation(monkeypatch):
     """``task = "own_task.task:build"`` (examples/own_task: a 1-D CNN): its exported training
-    step (ExecuTorch, dynamic batch) follows client.training.train_locally within 1e-5."""
+    step (ExecuTorch, dynamic batch) follows fedgc.training.train_locally within 1e-5."""
     from android_bridge.export import TRAIN_FILE, export_training_step
     from android_bridge.models import get_model
     from android_bridge.runtime import PteTrainer
     from android_bridge.shuffle import local_batches
-    from client.training import train_locally
     from fedgc.settings import TaskSpec
     from fedgc.task_loader import load_task
+    from fedgc.training import train_locally
 
     monkeypatch.syspath_prepend(str(EXAMPLES))
     options = json.dumps({"num_train": 23, "num_test": 5})
@@ -142,3 +142,33 @@ def test_a_task_of_your_own_trains_on_the_phone_as_in_simulation(monkeypatch):
     assert len(losses) == eager.steps == 3
     for name, g in eager.pseudo_gradient.items():
         assert np.abs((start[name].numpy() - local[name]) - g.numpy()).max() < 1e-5, name
+
+
+def test_the_runtimes_cpu_probe_lines_are_silenced_where_the_pool_starts() -> None:
+    """ExecuTorch's thread pool logs ``[cpuinfo_utils.cpp:...]`` lines as it starts, on any
+    machine (five on this x86 host, every phone process printed them): PteEncoder and
+    PteTrainer start it through ``android_bridge.notices.start_threadpool``, which keeps them
+    off the process's stderr and nothing else."""
+    import subprocess
+    import sys
+
+    from android_bridge.notices import CPU_PROBE
+
+    done = subprocess.run([sys.executable, "-c", (
+        "import os\n"
+        "from android_bridge import notices\n"
+        "from android_bridge.runtime import PteEncoder, PteTrainer\n"
+        "from dgc.config import DGCConfig\n"
+        "for make in (lambda: PteEncoder('/nonexistent.pte', DGCConfig(selection='exact'), {}),\n"
+        "             lambda: PteTrainer('/nonexistent')):\n"
+        "    notices._threadpool_started = False\n"
+        "    try:\n"
+        "        make()\n"
+        "    except Exception:\n"
+        "        pass\n"
+        "    print(notices._threadpool_started)\n"
+        "os.write(2, b'stderr still written\\n')\n")],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+        check=True)
+    assert done.stdout.split() == ["True", "True"]
+    assert CPU_PROBE not in done.stderr and "stderr still written" in done.stderr

@@ -8,7 +8,7 @@ also after a round the server did not aggregate (both fold it back). The phone t
 1e-8 apart, docs/android.md); here its trainer is swapped for eager torch running the same
 steps, so that what is compared is everything else: the batches, the optimizer's settings, the
 pseudo-gradient, the fold-back, the encoder program with two densities, the signs. The training
-step itself is compared with ``client.training.train_locally`` separately, within 1e-5.
+step itself is compared with ``fedgc.training.train_locally`` separately, within 1e-5.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from android_bridge.shuffle import MT19937, local_batches, randperm
-from client.training import round_seed, train_locally
+from fedgc.training import round_seed, train_locally
 
 torch.set_num_threads(1)
 
@@ -37,7 +37,7 @@ def test_randperm_is_torchs_draw_for_draw():
 
 @pytest.mark.parametrize("n,batch,epochs,steps", [(23, 5, 2, 0), (10, 10, 1, 0), (7, 3, 1, 9)])
 def test_local_batches_are_train_locallys(n, batch, epochs, steps):
-    """The phone's minibatches: the indices client.training.train_locally takes, step by step
+    """The phone's minibatches: the indices fedgc.training.train_locally takes, step by step
     (a smaller last batch of each epoch, local_steps wrapping into a new permutation)."""
     seen: list[list[int]] = []
 
@@ -54,7 +54,7 @@ def test_local_batches_are_train_locallys(n, batch, epochs, steps):
 
 class EagerTrainer:
     """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
-    ``client.training.train_locally`` does with each batch."""
+    ``fedgc.training.train_locally`` does with each batch."""
 
     def __init__(self, task, batch_size: int) -> None:
         self.task = task
@@ -117,7 +117,8 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
     config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path),
                                   "run_name": "parity"})
     t = config.train
-    assert (t.client_momentum, t.small_density, config.server.shared_density) == (0.5, 0.03, 0.03)
+    own = config.method.own
+    assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
     task = get_task("digits")
     x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []
@@ -196,7 +197,7 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
 @pytest.mark.slow
 def test_pte_training_step_follows_train_locally(parity_export):
     """``train_step.pte`` with ExecuTorch's SGD (momentum, weight decay, a smaller last batch)
-    against ``client.training.train_locally`` on the same batches: within 1e-5."""
+    against ``fedgc.training.train_locally`` on the same batches: within 1e-5."""
     from android_bridge.runtime import PteTrainer
     from tasks import get_task
 

@@ -154,7 +154,11 @@ def test_runs_with_wire_bytes_show_them_beside_the_payload_and_energy(tmp_path) 
     plt.close(fig)
 
 
-def test_a_family_shares_a_colour_and_its_methods_differ_by_line_style() -> None:
+def test_every_method_has_its_own_colour_a_family_shades_of_one_hue() -> None:
+    """compare.png drew top-k, STC and DGC in one colour told apart by dash style only: each
+    method has a colour of its own, a family shades of one hue, and line styles besides."""
+    import colorsys
+
     from simulations.plots import method_styles
 
     styles = method_styles(["tcs", "dense", "topk", "fedavgm", "dgc", "stc", "randk",
@@ -162,12 +166,17 @@ def test_a_family_shares_a_colour_and_its_methods_differ_by_line_style() -> None
     # Family by family, in the order of each family's first method.
     assert list(styles) == ["tcs", "randk", "dense", "fedavgm", "topk", "dgc", "stc",
                             "not_a_method", "pkg.gone:make"]
-    assert styles["dense"]["color"] == styles["fedavgm"]["color"] == "black"  # the baseline's
+    colours = [tuple(round(c, 3) for c in s["color"]) for s in styles.values()]
+    assert len(set(colours)) == len(colours)  # one colour per method
+    assert styles["dense"]["color"] == (0.0, 0.0, 0.0)  # the baseline's: black, then greys
+    assert len(set(styles["fedavgm"]["color"])) == 1
     for family in (("topk", "dgc", "stc"), ("tcs", "randk")):
-        assert len({styles[m]["color"] for m in family}) == 1
+        hues = {round(colorsys.rgb_to_hsv(*styles[m]["color"])[0], 3) for m in family}
+        assert len(hues) == 1, family  # shades of one hue
         assert len({styles[m]["linestyle"] for m in family}) == len(family)
-    colours = [styles[m]["color"] for m in ("tcs", "topk", "not_a_method", "pkg.gone:make")]
-    assert len(set(colours)) == 4 and "black" not in colours  # unknown: families of their own
+    hues = {round(colorsys.rgb_to_hsv(*styles[m]["color"])[0], 3)
+            for m in ("tcs", "topk", "not_a_method", "pkg.gone:make")}
+    assert len(hues) == 4  # unknown methods: families of their own
 
 
 def test_a_dozen_methods_read_family_by_family_with_the_legend_below_the_data(tmp_path) -> None:

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 )
 
 from dgc import DecodeError, StateError
-from fedgc.methods import Bound, PayloadError, compared, get, names
+from fedgc.methods import Bound, PayloadError, compared, get, names, pending_parts
 from fedgc.methods.powersgd import (
     LowRankCodec,
     LowRankTensor,
@@ -122,7 +122,7 @@ def test_an_update_the_server_did_not_aggregate_goes_back_whole():
     grads = _grads()
     update = comp.compress(grads, sequence=1)
     data = LowRankCodec().encode(update)
-    sequence, parts = get("powersgd").pending_parts(None, data, None, None, SHAPES)
+    sequence, parts = pending_parts(get("powersgd"), RunConfig().train, data, None, None, SHAPES)
     assert sequence == 1
     for part in parts:
         comp.restore(part)

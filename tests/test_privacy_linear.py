@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dgc import SparseUpdate
-from fedgc.methods import Bound, get, registered
+from fedgc.methods import Bound, get, material_of, registered
 from fedgc.privacy import FixedPoint
 from fedgc.privacy.linear import (
     NotLinearError,
@@ -47,7 +47,8 @@ def _round(name: str, clients: int = 4, **keys):
     hold) for round ROUND of a run of ``name``."""
     config = _config(name, **keys)
     method = get(name).with_keys(config.own)
-    channel = method.channel(config, SHAPES)
+    part = material_of(method)
+    channel = part.channel(config, SHAPES) if part is not None else None
     server, held = None, [None] * clients
     if name == "tcs":
         channel.observe(_grads(99))  # a first aggregate: the mask follows it
@@ -143,7 +144,8 @@ def test_per_client_coordinates_are_refused_naming_the_methods_that_work():
         assert "\n" not in message and f"method {method.name!r}" in message
         assert all(name in message for name in LINEAR)
     with pytest.raises(NotLinearError, match="dgc.feedback = aggregate"):
-        check_secure(get("dgc_sets"), _config("dgc_sets", **{"dgc.feedback": "aggregate"}).train)
+        aggregate = _config("dgc_sets", **{"dgc.feedback": "aggregate"})
+        check_secure(aggregate.method, aggregate.train)
 
 
 def test_a_top_k_outside_the_sets_is_held_back_into_the_residual_or_refused():

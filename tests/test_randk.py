@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from dgc import DecodeError
-from fedgc.methods import Bound, PayloadError, get
+from fedgc.methods import Bound, PayloadError
 from fedgc.methods.randk import RandomKCodec, SeededUpdate, seeded_indices
-from fedgc.settings import RunConfig, TrainSettings
+from fedgc.settings import RunConfig
 from simulations.cli import main
 
 
-def _train(**keys) -> TrainSettings:
-    return RunConfig.from_flat({"method": "randk", "dgc.min_sparse_numel": 100, **keys}).train
+def _config(**keys) -> RunConfig:
+    return RunConfig.from_flat({"method": "randk", "dgc.min_sparse_numel": 100,
+                                "run_name": "t", **keys})
 
 
 def _grads(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -41,8 +42,9 @@ def test_seeded_indices_are_k_distinct_sorted_positions_the_seed_fixes(numel, k)
 
 
 def test_the_compressor_sends_the_residual_at_the_seeded_positions_and_keeps_the_rest():
-    train = _train(density=0.05, **{"dgc.value_dtype": "float32"})
-    comp = get("randk").compressor(train, client_key=3)
+    run = _config(density=0.05, **{"dgc.value_dtype": "float32"})
+    method, train = run.method, run.train
+    comp = method.compressor(train, client_key=3)
     grads = _grads()
     update = comp.compress(grads, sequence=1)
     assert isinstance(update, SeededUpdate)
@@ -54,8 +56,8 @@ def test_the_compressor_sends_the_residual_at_the_seeded_positions_and_keeps_the
     torch.testing.assert_close(sent + comp.residual()["w"], grads["w"].reshape(-1), rtol=0,
                                atol=0)
     # Another round, another client: other positions.
-    again = get("randk").compressor(train, client_key=3).compress(grads, sequence=2)
-    other = get("randk").compressor(train, client_key=4).compress(grads, sequence=1)
+    again = method.compressor(train, client_key=3).compress(grads, sequence=2)
+    other = method.compressor(train, client_key=4).compress(grads, sequence=1)
     assert not torch.equal(again.tensors["w"].indices, w.indices)
     assert not torch.equal(other.tensors["w"].indices, w.indices)
     # An update the server did not aggregate goes back whole.
@@ -65,8 +67,8 @@ def test_the_compressor_sends_the_residual_at_the_seeded_positions_and_keeps_the
 
 
 def test_the_wire_carries_the_seed_and_the_values_not_the_indices():
-    train = _train(density=0.05)
-    method = get("randk")
+    run = _config(density=0.05)
+    method, train = run.method, run.train
     update = method.compressor(train, 0).compress(_grads(), sequence=5)
     codec = method.codec(train)
     data = codec.encode(update)
@@ -81,9 +83,10 @@ def test_the_wire_carries_the_seed_and_the_values_not_the_indices():
         assert torch.equal(back.update.tensors[name].indices, t.indices)
         assert torch.equal(back.update.tensors[name].values, t.values)
     # topk at the same density sends the same values plus their indices.
-    topk = get("topk").codec(train).encode(get("topk").compressor(
-        RunConfig.from_flat({"method": "topk", "density": 0.05, "dgc.small_density": 0,
-                             "dgc.min_sparse_numel": 100}).train, 0).compress(_grads()))
+    top = RunConfig.from_flat({"method": "topk", "density": 0.05, "dgc.small_density": 0,
+                               "dgc.min_sparse_numel": 100, "run_name": "t"})
+    topk = top.method.codec(top.train).encode(
+        top.method.compressor(top.train, 0).compress(_grads()))
     assert len(data) < len(topk)
 
 
@@ -114,8 +117,8 @@ def test_the_decoder_refuses_each_defect_before_allocating(data, words):
 
 
 def test_the_server_holds_every_client_to_the_k_it_sends():
-    train = _train(density=0.05)
-    codec = get("randk").codec(train)
+    run = _config(density=0.05)
+    codec = run.method.codec(run.train)
     shapes = {"w": (40, 50), "b": (50,)}
     greedy = SeededUpdate({"w": _dense(40 * 50, (40, 50)), "b": _dense(50, (50,))}, 1, seed=0)
     payload = codec.decode(codec.encode(greedy), Bound(shapes, 1))

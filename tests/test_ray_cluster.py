@@ -27,8 +27,7 @@ import dgc
 from client.state import ClientState, ClientStateStore
 from client.stores import StateMissingError, read_state
 from fedgc import protocol as P
-from fedgc.methods import get
-from fedgc.settings import RunConfig, TrainSettings, to_flat
+from fedgc.settings import RunConfig
 from server.local_grid import LocalGrid
 from simulations.cli import main
 from simulations.cluster import check_marker
@@ -37,19 +36,21 @@ from simulations.local_cluster import LocalRayCluster, free_port
 # ---------------------------------------------------------------- a client whose record is gone
 
 
-def _settings(tmp_path: Path) -> TrainSettings:
-    return TrainSettings(task="digits", num_clients=3, partition="iid", clients_per_round=3,
-                         density=0.05, warmup="none",
-                         state_dir=str(tmp_path / "state"))
+def _settings(tmp_path: Path) -> RunConfig:
+    return RunConfig.from_flat({
+        "task": "digits", "num_clients": 3, "partition": "iid", "clients_per_round": 3,
+        "density": 0.05, "dgc.warmup": "none", "state_dir": str(tmp_path / "state"),
+        "results_dir": str(tmp_path), "run_name": "t"})
 
 
-def _send(grid: LocalGrid, settings: TrainSettings, server_round: int, ack: int) -> Message:
+def _send(grid: LocalGrid, settings: RunConfig, server_round: int, ack: int) -> Message:
     from tasks import get_task
 
     torch.manual_seed(0)
     arrays = ArrayRecord(get_task("digits").build_model().state_dict())
     node = next(n for n, k in grid.partition_of.items() if k == 1)
-    cfg = ConfigRecord({**to_flat(settings), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
+    cfg = ConfigRecord({**settings.client_config(), P.SERVER_ROUND: server_round,
+                        P.MODEL_VERSION: 0,
                         P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense"})
     msg = Message(RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg}), dst_node_id=node,
                   message_type=MessageType.TRAIN)
@@ -62,7 +63,7 @@ def test_a_client_whose_record_is_gone_starts_over_counted(tmp_path, caplog):
     grid = LocalGrid(client_app_module.app, 3)
     s = _settings(tmp_path)
     assert not _send(grid, s, 1, -1).has_error()
-    store = ClientStateStore(s.state_dir)
+    store = ClientStateStore(s.train.state_dir)
     path = store.root / "1.state"
     path.unlink()  # a lost disk, a reinstalled node, a node that never saw round 1
 
@@ -82,7 +83,7 @@ def test_a_client_with_an_older_record_starts_over_counted(tmp_path):
     grid = LocalGrid(client_app_module.app, 3)
     s = _settings(tmp_path)
     assert not _send(grid, s, 1, -1).has_error()
-    path = ClientStateStore(s.state_dir).root / "1.state"
+    path = ClientStateStore(s.train.state_dir).root / "1.state"
     old = path.read_bytes()
     assert not _send(grid, s, 2, -1).has_error()
     path.write_bytes(old)  # the copy of round 1 a node-local folder would still hold
@@ -242,7 +243,7 @@ def test_clients_move_between_two_nodes_and_lose_no_gradient_mass(ray_cluster, t
                       for r in mine if r["status"] == "aggregated"]
         acked = max((int(r["round"]) for r in mine if r["status"] == "aggregated"), default=-1)
         record = store.get(str(key))
-        c = get(config.train.method).compressor(config.train, 0)
+        c = config.method.compressor(config.train, 0)
         c.load_state_dict(record["compressor"])
         pending = dgc.decode(bytes(record["pending"].numpy().tobytes()),
                              max_numel=dgc.wire.MAX_NUMEL)

@@ -15,6 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- quick:"
 
 
+def api_block(markdown: str) -> str:
+    """The Python block right after the ``<!-- api: ... -->`` line."""
+    found = re.findall(r"^<!-- api:.*?-->\n```python\n(.*?)^```", markdown, re.M | re.S)
+    assert len(found) == 1, "the README's <!-- api: --> block is missing or not alone"
+    return found[0]
+
+
 def quick_commands(markdown: str) -> list[str]:
     """The commands of every fenced block right after a ``<!-- quick: ... -->`` line: one per
     logical line (backslash continuations joined), comment-only and blank lines left out."""
@@ -87,3 +94,33 @@ def test_the_stated_defences_are_the_defaults() -> None:
     gate = "leaving out updates that point against the last round's aggregate"
     assert (gate in re.sub(r"\s+", " ", (ROOT / "README.md").read_text())) == (
         ROBUST_PROFILES["on"]["min_cosine"] == 0.0)
+
+
+@pytest.mark.slow
+def test_readme_api_block_runs_as_written(tmp_path: Path) -> None:
+    """The README's Python block, as written, in a fresh folder: it prints what it says."""
+    block = api_block((ROOT / "README.md").read_text())
+    assert "import fedgc" in block and "fedgc.run(" in block and "fedgc.compare(" in block
+    done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, text=True,
+                          capture_output=True, timeout=600, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Among the run's and the comparison's own lines, the block's two prints.
+    one = re.search(r"^(\S+) (\d+) (results/\S+-digits-dgc)$", done.stdout, re.M)
+    assert one, done.stdout[-3000:]
+    assert 0 < float(one.group(1)) <= 1 and int(one.group(2)) > 0
+    assert (tmp_path / one.group(3) / "summary.json").is_file()
+    both = re.search(r"^(\S+) \{'dense': \[RunResult\(folder=.*'dgc': \[RunResult\(", done.stdout,
+                     re.M)
+    assert both and float(both.group(1)) > 1, done.stdout[-3000:]  # DGC sends less than dense
+    assert re.search(r"RunResult\(folder=PosixPath\('results/\d{8}-\d{6}-digits-compare/dgc'\)",
+                     done.stdout)  # a comparison's folder, named as the command line names it
+
+
+def test_the_readme_makes_the_venv_with_make_install() -> None:
+    """The first run's venv comes from ``make install``, the target that only installs."""
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    found = re.search(r"source \.venv/bin/activate` after `make (\S+)`\)", readme)
+    assert found and found.group(1) == "install", found
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^install: \$\(STAMP\)\n\t@echo", makefile, re.M)

@@ -155,8 +155,8 @@ def test_valid_replies_at_the_bound_combine_to_a_finite_step(how: str) -> None:
     values of 3e38 (finite, each) made the mean Inf."""
     from dgc import SparseTensor
     from fedgc.methods import SparsePayload
+    from fedgc.methods.optimizer import ServerOptimizer
     from server.aggregation import Combine
-    from server.optimizer import ServerOptimizer
 
     shapes = {"w": (64, 32), "b": (32,)}
 

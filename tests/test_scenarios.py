@@ -73,6 +73,13 @@ def test_unknown_scenario_names_the_known_ones(argv: list[str], capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "'cifar'" in err and all(name in err for name in scenario_names())
+    assert "is a task" not in err
+
+
+def test_a_task_given_as_scenario_gets_the_key_to_use(capsys) -> None:
+    assert main(["run", "--scenario", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert "'digits' is a task: --set task=digits" in err and "mnist5k" in err
 
 
 @pytest.mark.parametrize("seeds", ["0,x", "1,1", "-1", ""])
@@ -368,3 +375,38 @@ def test_the_seeds_table_of_a_dozen_methods_fits_125_columns() -> None:
     assert "0.8900 +- 0.0089" in dgc and " 301.0 " in dgc and "301.0 +-" not in dgc
     uneven = seeds_table({"methods": {"dense": agg(0, 3), "dgc": agg(5, 2)}})
     assert uneven.splitlines()[0].split()[:2] == ["method", "seeds"]
+
+
+def test_every_column_of_the_tables_is_explained_in_compare_help_and_the_guide(capsys) -> None:
+    """Each header the run, compare and seeds tables can print has its explanation
+    (COLUMN_HELP), printed by ``compare --help`` and held by docs/guide.md."""
+    import re
+
+    from simulations.cli import main
+    from simulations.cli_common import COLUMN_HELP, seeds_table, summary_table
+
+    every = {"final_accuracy": 0.9, "last10_accuracy": 0.9, "uplink_bytes": 1e6,
+             "downlink_bytes": 1e6, "total_bytes": 2e6, "uplink_vs_dense": 2.0,
+             "downlink_vs_dense": 2.0, "total_vs_dense": 2.0, "wire_uplink_bytes": 2e6,
+             "wire_downlink_bytes": 2e6, "wire_total_bytes": 4e6, "wire_uplink_vs_dense": 1.5,
+             "wire_downlink_vs_dense": 1.5, "wire_total_vs_dense": 1.5,
+             "joules_per_client_round": 3.0, "joules_to_target": 90.0,
+             "virtual_seconds": 120.0, "virtual_seconds_to_target": 80.0,
+             "wire_bytes_to_target": 3e6, "target_accuracy": 0.8,
+             "traffic_auc_mean": 0.8, "curve_above_share": 1.0, "reach_dense_round": 5,
+             "reach_dense_bytes": 1e6, "clients_failed": 0, "wall_seconds": 1.0}
+
+    def heads(table: str) -> set[str]:
+        return set(re.split(r"\s{2,}", table.splitlines()[0].strip()))
+
+    agg = {"mean": every, "std": every}
+    printed = heads(summary_table({"dgc": every})) | heads(
+        seeds_table({"methods": {"a": {**agg, "runs": 3}, "b": {**agg, "runs": 2}}}))
+    assert printed == set(COLUMN_HELP)
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide.md").read_text()
+    for head, text in COLUMN_HELP.items():
+        assert f"{head}: {text}" in help_text, head
+        assert f"| `{head}` | {text} |" in guide, head

@@ -345,13 +345,13 @@ def test_only_dgc_runs_get_the_sign_channel_and_each_method_its_server_momentum(
 def test_progress_line_shows_elapsed_eta_virtual_time_and_surplus():
     from server.app import progress_line
     from server.records import RoundRecord
-    from simulations.netem.strategy import NetemColumns
+    from simulations.netem.extension import NetemClock
 
     record = RoundRecord(round=3, accuracy=0.5, loss=1.0, uplink_bytes=1000,
                          dense_uplink_bytes=100_000, clients_sampled=6, clients_aggregated=4,
                          clients_surplus=2, wall_seconds=2.0, extra={"virtual_seconds": 41.5})
     line = progress_line(record, 10, elapsed=90.0, rounds_timed=3,
-                         columns=NetemColumns.columns, totals=[123.25])
+                         columns=NetemClock.columns, totals=[123.25])
     assert "failed 0 surplus 2" in line
     # The round's virtual seconds, and the run's so far: the report's (cumulative) axis.
     assert "virtual s: round 41.5 total 123.2" in line

@@ -2,9 +2,7 @@
 
 import pytest
 
-from fedgc.methods import get
 from fedgc.methods.dgc import dgc_config
-from fedgc.methods.topk import TopK
 from fedgc.settings import ROBUST_PROFILES, RunConfig, SettingsError, flatten, load_toml
 
 
@@ -19,30 +17,32 @@ def test_defaults_and_round_trip():
 def test_defaults_are_the_researched_federated_settings():
     """docs/federated_momentum.md, section 5: error feedback only, more local work per round;
     issue 19: both directions compressed, the output layer at 0.03, no warm-up."""
-    t, s = RunConfig().train, RunConfig().server
+    config = RunConfig()
+    t, s, own = config.train, config.server, config.method.own
     assert (t.lr, t.local_epochs, t.batch_size, t.client_momentum) == (0.1, 2, 10, 0.5)
-    assert (t.momentum_correction, t.dgc_momentum, t.small_density, t.small_numel) == \
+    assert (own.momentum_correction, own.momentum, own.small_density, own.small_numel) == \
         (False, 0.0, 0.03, 10_000)
-    assert t.warmup_rounds == 0
+    assert own.warmup_rounds == 0
     # The layer policy of issue 19: the LSTM's biases and embedding are sparsified, the CNN's
     # first convolution (16x1x5x5) and the MLP's biases are not.
-    assert (t.min_sparse_numel, t.sparse_vectors) == (512, True)
-    policy = get("dgc").compressor(t, 0).large.config
+    assert (own.min_sparse_numel, own.sparse_vectors) == (512, True)
+    policy = config.method.compressor(t, 0).large.config
     assert not policy.sends_dense((512,)) and not policy.sends_dense((76, 8))
     assert policy.sends_dense((16, 1, 5, 5)) and policy.sends_dense((200,))
     assert (s.downlink_density, s.downlink_values, s.downlink_history,
             s.clients_build_initial_model) == (0.05, "int8", 1000, True)
     # Section 6: the shared sign channel and server momentum 0.5, dgc's default (dense FedAvg's
     # is 0).
-    assert (s.shared_density, s.shared_small_density, s.shared_momentum) == (0.03, 0.0, 0.9)
+    assert (own.shared_density, own.shared_small_density, own.shared_momentum) == (0.03, 0.0, 0.9)
     assert (s.server_lr, s.server_momentum) == (1.0, 0.5)
     dense = RunConfig.from_flat({"method": "dense"}).server
     assert (dense.server_lr, dense.server_momentum) == (1.0, 0.0)
-    comp = get("dgc").compressor(t, 0)
+    comp = config.method.compressor(t, 0)
     assert type(comp).__name__ == "TwoDensityCompressor" and comp.small_numel == 10_000
     assert comp.small.config.density == 0.03 and comp.large.config.density == 0.001
     assert comp.large.config.error_feedback and not comp.large.config.momentum_correction
-    off = get("dgc").compressor(RunConfig.from_flat({"dgc.small_density": 0}).train, 0)
+    off_config = RunConfig.from_flat({"dgc.small_density": 0})
+    off = off_config.method.compressor(off_config.train, 0)
     assert type(off).__name__ == "DGCCompressor"
 
 
@@ -84,7 +84,7 @@ def test_bad_values_name_key_and_range(values, words):
 def test_strings_from_the_command_line_are_typed():
     c = RunConfig.from_flat({"rounds": "7", "dgc.momentum_correction": "false", "lr": "0.1",
                              "density": "1"})
-    assert c.server.rounds == 7 and c.train.momentum_correction is False
+    assert c.server.rounds == 7 and c.method.own.momentum_correction is False
     assert c.train.lr == 0.1 and c.train.density == 1.0
 
 
@@ -94,7 +94,7 @@ def test_toml_tables_flatten(tmp_path):
     assert flatten({"a": {"b": {"c": 1}}}) == {"a.b.c": 1}
     c = RunConfig.from_flat(load_toml(f))
     assert (c.server.rounds, c.train.density, c.server.engine) == (3, 0.01, "local")
-    assert c.train.dgc_momentum == 0.5
+    assert c.method.own.momentum == 0.5 and c.own["dgc.momentum"] == 0.5
     with pytest.raises(SettingsError, match="does not exist"):
         load_toml(tmp_path / "missing.toml")
     (tmp_path / "bad.toml").write_text("rounds = = 3")
@@ -109,14 +109,14 @@ def test_every_key_is_documented():
 
 
 def test_topk_drops_residual_and_dgc_keeps_it():
-    topk = RunConfig.from_flat({"method": "topk"}).train
-    t = TopK.config(topk)
+    topk = RunConfig.from_flat({"method": "topk"})
+    t = topk.method.config(topk.train)
     assert not t.error_feedback and not t.momentum_correction
     # topk splits the densities like dgc, so that the two differ only in the residual.
-    k = get("topk").compressor(topk, 0)
+    k = topk.method.compressor(topk.train, 0)
     assert k.small.config.density == 0.03 and not k.small.config.error_feedback
-    d = dgc_config(RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5,
-                                        "dgc.dampening": 0.5}).train)
+    dgc = RunConfig.from_flat({"method": "dgc", "dgc.momentum": 0.5, "dgc.dampening": 0.5})
+    d = dgc_config(dgc.train, dgc.method.own)
     assert d.error_feedback and d.momentum == 0.5 and d.dampening == 0.5
 
 

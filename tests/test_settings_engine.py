@@ -6,13 +6,15 @@ import pytest
 
 from dgc import DGCConfig
 from dgc.errors import ConfigError
-from fedgc.methods.dgc import dgc_config
+from fedgc.methods.dgc import DGCSettings, dgc_config
 from fedgc.settings import (
+    RunConfig,
     ServerSettings,
     SettingsError,
     TrainSettings,
     fields_of,
     key_table,
+    method_key_classes,
     setting,
 )
 from simulations.cli import main
@@ -39,16 +41,36 @@ def test_keys_lists_every_key_with_its_part(capsys):
     assert len(netem) == 27 and all(listed[k] == "netem" for k in netem)
     assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"
     assert listed["density"] == "client" and listed["server_momentum"] == "server"
-    assert listed["lr"] == "client" and listed["rounds"] == "server"
+    assert listed["lr"] == "client" and listed["rounds"] == "run" and listed["task"] == "run"
+    assert listed["attack.kind"] == "attack" and listed["sim.device"] == "sim"
     from fedgc.methods import registered
 
-    own = [m.settings for m in registered() if m.settings is not None]  # the methods' own keys
+    own = method_key_classes(registered())  # the registered methods' own keys
     every = {f.metadata["key"] for cls in (TrainSettings, ServerSettings, NetemSettings, *own)
              for f in fields_of(cls)}
     assert set(listed) == every
-    # ... each listed under its method's prefix.
-    assert all(listed[f.metadata["key"]] == m.prefix for m in registered()
-               if m.settings is not None for f in fields_of(m.settings))
+    # ... each listed under its prefix: the method's (the sparsifiers' shared ones under dgc).
+    assert all(listed[f.metadata["key"]] == f.metadata["key"].split(".")[0]
+               for cls in own for f in fields_of(cls))
+    assert listed["dgc.small_density"] == "dgc" and listed["tcs.topk_share"] == "tcs"
+
+
+def test_keys_lists_the_keys_of_a_prefix_or_a_part(capsys):
+    def listed(*prefixes: str) -> list[str]:
+        assert main(["keys", *prefixes]) == 0
+        return [line.split()[0] for line in capsys.readouterr().out.splitlines()
+                if not line.startswith(" ")]
+
+    netem = sorted(f.metadata["key"] for f in fields_of(NetemSettings))
+    assert listed("netem") == netem
+    assert listed("dgc.shared") and all(k.startswith("dgc.shared") for k in listed("dgc.shared"))
+    server = {f.metadata["key"] for f in fields_of(ServerSettings)}
+    assert "aggregation" in listed("server") and set(listed("server")) <= server
+    assert "rounds" in listed("run") and "rounds" not in listed("server")  # by owner (fedgc.keys)
+    assert listed("netem", "rounds") == sorted([*netem, "rounds"])
+    assert main(["keys", "netx"]) == 2
+    err = capsys.readouterr().err
+    assert "no key starts with 'netx'" in err and "netem" in err
 
 
 def test_a_key_of_no_known_part_is_refused():
@@ -64,18 +86,20 @@ def test_a_key_of_no_known_part_is_refused():
 
 @pytest.mark.parametrize(("key", "name"), sorted(DGC_FIELDS.items()))
 def test_dgc_keys_take_their_range_from_dgc_config(key, name):
-    check = next(f.metadata["check"] for f in fields_of(TrainSettings)
-                 if f.metadata["key"] == key)
+    check = next(f.metadata["check"] for cls in (TrainSettings, DGCSettings)
+                 for f in fields_of(cls) if f.metadata["key"] == key)
     assert check == DGCConfig.check(name)
 
 
 def test_clip_norm_is_dgc_configs_range_plus_zero_for_off():
-    check = next(f.metadata["check"] for f in fields_of(TrainSettings)
+    check = next(f.metadata["check"] for f in fields_of(DGCSettings)
                  if f.metadata["key"] == "dgc.clip_norm")
     assert check.accepts(0.0) and not DGCConfig.check("clip_norm").accepts(0.0)
-    assert dgc_config(TrainSettings(clip_norm=0.0)).clip_norm is None
+    assert dgc_config(RunConfig().train, DGCSettings(clip_norm=0.0)).clip_norm is None
     with pytest.raises(SettingsError, match=r"dgc.clip_norm = -1.0 .*\[0, inf\)"):
-        TrainSettings(clip_norm=-1.0)
+        DGCSettings(clip_norm=-1.0)
+    with pytest.raises(SettingsError, match=r"dgc.clip_norm = -1.0 .*\[0, inf\)"):
+        RunConfig.from_flat({"dgc.clip_norm": -1.0})
     with pytest.raises(ConfigError, match="clip_norm must be a number in \\(0, inf\\)"):
         DGCConfig(clip_norm=0.0)
 

@@ -55,7 +55,8 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     assert m["dense"]["uplink_compression"] == pytest.approx(1.0)
     assert m["dense"]["uplink_bytes"] == m["dense"]["dense_uplink_bytes"]
     # The methods run the same scenario: their recorded configs differ in method and folder,
-    # and in the keys each method sets its own default for.
+    # in the keys each method sets its own default for, and in each method's own keys, which
+    # its runs alone carry (dense none, topk and stc the sparsifiers', dgc all of DGC's).
     per_method = {name: dict(s["config"]) for name, s in m.items()}
     own = {}
     for name, cfg in per_method.items():
@@ -63,7 +64,14 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
             cfg.pop(k, None)
         own[name] = {k: cfg.pop(k) for k in ("server_lr", "server_momentum", "density",
                                               "downlink_density", "downlink_values")}
-    assert all(cfg == per_method["dense"] for cfg in per_method.values())
+    from fedgc.methods import get
+    from fedgc.schema import known_keys
+
+    base = per_method["dense"]
+    for name, cfg in per_method.items():
+        mine = get(name).settings
+        assert set(cfg) == set(base) | set(known_keys([mine] if mine else [])), name
+        assert {k: cfg[k] for k in base} == base, name
     assert own["dgc"]["server_momentum"] == own["fedavgm"]["server_momentum"] == 0.5
     assert own["dense"]["server_momentum"] == own["stc"]["server_momentum"] == 0.0
     assert own["stc"]["density"] == 0.0025 and own["dgc"]["density"] == 0.001
@@ -144,8 +152,8 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
             "--set", "rounds=2", "--set", "sim.engine=local", "--set", "max_weight_ratio=1"]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1] == ("fedgc: defences: weight cap 1x the round's median, no update clip, "
-                      "weighted mean (max_weight_ratio=0: plain FedAvg)"), out[:3]
+    assert out[1] == ("fedgc: defences: a client's weight capped at the round's median "
+                      "(max_weight_ratio=1); plain FedAvg would take max_weight_ratio=0"), out[:3]
     run = tmp_path / "bounded"
     summary = json.loads((run / "summary.json").read_text())
     reasons = [r["reason"] for r in csv.DictReader((run / "clients.csv").open())
@@ -161,10 +169,20 @@ def test_the_defences_in_force_are_in_the_header_and_the_summary(tmp_path, capsy
 
 
 def test_plain_fedavg_says_so():
+    """The header names each defence with its key, and says what plain FedAvg would take."""
     from server.defences import describe
 
-    assert describe(0, 0, "mean", 0.1) == ("defences: no weight cap, no update clip, "
-                                           "weighted mean")
+    assert describe(0, 0, "mean", 0.1) == ("defences: none, plain FedAvg (the weighted mean of "
+                                           "the updates)")
     assert describe(0, 5, "trimmed_mean", 0.2) == (
-        "defences: no weight cap, update clip 5x the median norm, coordinate-wise trimmed mean "
-        "(0.2 cut) (max_norm_ratio=0 aggregation=mean: plain FedAvg)")
+        "defences: an update clipped to 5x the round's median norm (max_norm_ratio=5); updates "
+        "combined by the coordinate-wise mean trimmed of 0.2 at each end "
+        "(aggregation=trimmed_mean); plain FedAvg would take max_norm_ratio=0 aggregation=mean")
+    assert describe(2, 0, "mean", 0.1) == (
+        "defences: a client's weight capped at 2x the round's median (max_weight_ratio=2); "
+        "plain FedAvg would take max_weight_ratio=0")
+    assert describe(1, 0, "centered_clip", 0.1, 0.0) == (  # robust = on's, with its gate
+        "defences: a client's weight capped at the round's median (max_weight_ratio=1); updates "
+        "left out below cosine 0 with last round's aggregate (min_cosine=0); updates combined "
+        "by centered clipping around last round's aggregate (aggregation=centered_clip); plain "
+        "FedAvg would take max_weight_ratio=0 min_cosine=-1 aggregation=mean")

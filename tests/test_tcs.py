@@ -18,7 +18,7 @@ import dgc
 from dgc import DecodeError, SparseTensor, SparseUpdate, StateError
 from dgc.signs.codec import encode_mask
 from dgc.signs.planner import SharedIndexPlanner
-from fedgc.methods import Bound, PayloadError, get
+from fedgc.methods import Bound, PayloadError, get, pending_parts
 from fedgc.methods.tcs import Budget, MaskedCodec, MaskedUpdate
 from fedgc.settings import RunConfig, SettingsError
 from simulations.cli import main
@@ -219,7 +219,7 @@ def test_state_round_trip_and_fold_back_of_an_update_the_server_did_not_aggregat
     data = method.codec(config.train).encode(update)
     mask_bytes = encode_mask(masks, {n: int(np.prod(s)) for n, s in SHAPES.items()}, 2)
     # What the client stored, read as its fold-back reads it: against the mask it answered.
-    sequence, parts = method.pending_parts(config.train, data, None, mask_bytes, SHAPES)
+    sequence, parts = pending_parts(method, config.train, data, None, mask_bytes, SHAPES)
     assert sequence == 2 and len(parts) == 2
     for part in parts:
         comp.restore(part)
@@ -227,7 +227,7 @@ def test_state_round_trip_and_fold_back_of_an_update_the_server_did_not_aggregat
     for name, g in _grads(1).items():
         torch.testing.assert_close(comp.residual()[name], before[name] + g.reshape(-1))
     with pytest.raises(DecodeError, match="has no mask this round"):
-        method.pending_parts(config.train, data, None, None, SHAPES)
+        pending_parts(method, config.train, data, None, None, SHAPES)
     with pytest.raises(StateError, match="residual"):
         comp.load_state_dict({"u": {}})
 

@@ -15,7 +15,7 @@ from server.local_grid import LocalGrid
 from server.preflight import PreflightError
 from server.records import RoundRecord
 from server.tensorboard import EVENTS_DIR, RoundWriter, scalars
-from simulations.netem.strategy import NetemColumns
+from simulations.netem.extension import NetemClock
 
 BASE = {"task": "digits", "num_clients": 6, "clients_per_round": 3, "partition": "iid",
         "density": 0.01, "dgc.warmup_rounds": 1, "progress": False, "local_steps": 3,
@@ -73,7 +73,7 @@ def test_scalars_leave_out_what_a_round_lacks_and_add_the_emulators_clock():
     assert plain["traffic/cumulative_total_MB"] == pytest.approx(6.0)
     emulated = scalars(RoundRecord(round=1, extra={"virtual_seconds": 12.5,
                                                    "dropped_deadline": 2}),
-                       columns=NetemColumns.columns)
+                       columns=NetemClock.columns)
     assert emulated["time/virtual_seconds"] == 12.5
     assert emulated["clients/dropped_deadline"] == 2.0
 

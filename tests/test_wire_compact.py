@@ -189,4 +189,4 @@ def test_phones_refuse_compact_patches():
 
     run = RunConfig.from_flat({"method": "dgc", "downlink_compact": True})
     with pytest.raises(dgc.ConfigError, match="downlink_compact=True"):
-        check_phone_run(run.train, run.server)
+        check_phone_run(run.method, run.server)

@@ -53,6 +53,7 @@ def update_arrays(update: Any, prefix: str) -> dict[str, np.ndarray]:
 
 def encode(job: Path) -> None:
     """Every case of ``job.json``: its steps through ``PteEncoder``; updates and state saved."""
+    # Imported per command: under emulation every import is start-up time (a minute for all).
     from android_bridge.runtime import PteEncoder
     from dgc.config import DGCConfig
 
@@ -77,6 +78,7 @@ def encode(job: Path) -> None:
 
 def train(job: Path) -> None:
     """``train_step.pte`` from ``init.npz`` over ``batches.npz``: parameters and losses."""
+    # Imported per command: under emulation every import is start-up time (a minute for all).
     from android_bridge.runtime import PteTrainer
 
     spec = json.loads((job / "job.json").read_text())
@@ -106,6 +108,7 @@ def _flatc_through_qemu(job: Path) -> None:
 
 def export(job: Path) -> None:
     """The encoder of ``job.json``'s config and mlp-digits' training step, exported here."""
+    # Imported per command: under emulation every import is start-up time (a minute for all).
     import torch
 
     from android_bridge.export import export_encoder, export_training_step
@@ -148,6 +151,7 @@ def memory(job: Path) -> None:
     ``numel`` entries) and of the training step (load, ``steps`` steps), each above the RSS the
     process held just before loading it. Measured on the qemu process: the emulated process
     plus what qemu allocates translating the code."""
+    # Imported per command: under emulation every import is start-up time (a minute for all).
     import torch
 
     from android_bridge.runtime import PteEncoder, PteTrainer
@@ -198,6 +202,7 @@ def memory(job: Path) -> None:
 def phones(job: Path) -> None:
     """Reference phones (one thread each) that register with the bridge, say READY on stdout
     and run ``rounds`` rounds each; their reports go to ``phones-arm.json``."""
+    # Imported per command: under emulation every import is start-up time (a minute for all).
     from android_bridge.phone import ReferencePhone
 
     spec = json.loads((job / "job.json").read_text())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from dgc.errors import DecodeError
 from dgc.golomb import MAX_NUMEL
@@ -163,6 +163,41 @@ def name_bytes(name: str) -> bytes:
     """How a name is written: u16 length, then its utf-8 bytes (at most 65535 of them)."""
     raw = name.encode("utf-8")
     return NAME_LEN.pack(len(raw)) + raw
+
+
+def open_records(data: bytes | bytearray | memoryview, preamble: Preamble, min_record: int,
+                 what: str = "tensors") -> tuple[memoryview, tuple[int, ...], int]:
+    """A message of ``preamble`` whose last preamble field counts its records, each at least
+    ``min_record`` bytes long: its view, the preamble's fields and the CRC's offset (the end of
+    what a reader may read), once the count fits the bytes and the CRC holds. How every
+    payload of records opens (the DecodeError names ``what`` the records are)."""
+    view = as_view(data)
+    fields = preamble.open(view)
+    end = crc_offset(view)
+    count = fields[-1]
+    if count * min_record > end - preamble.size:
+        raise DecodeError(f"truncated input: {count} {what} cannot fit in "
+                          f"{end - preamble.size} bytes")
+    check_crc(view, end)
+    return view, fields, end
+
+
+def tensor_head(name: str, shape: Iterable[int]) -> bytes:
+    """How a tensor record starts: its name (:func:`name_bytes`), then its shape
+    (:func:`shape_bytes`)."""
+    return name_bytes(name) + shape_bytes(shape)
+
+
+def read_tensor_head(view: memoryview, pos: int, end: int, seen: Container[str],
+                     limit: int) -> tuple[str, tuple[int, ...], int, int]:
+    """The name, shape and entries of the tensor record at ``pos`` (:func:`tensor_head`), and
+    the offset after them; a name in ``seen`` (the records read so far) is a DecodeError, as is
+    a shape past ``limit`` entries (:func:`read_shape`)."""
+    name, pos = read_name(view, pos, end, "tensor name")
+    if name in seen:
+        raise DecodeError(f"tensor {name!r} appears twice")
+    shape, numel, pos = read_shape(view, pos, end, name, limit)
+    return name, shape, numel, pos
 
 
 def check_end(view: memoryview, pos: int, end: int) -> None:

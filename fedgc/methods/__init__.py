@@ -1,18 +1,25 @@
 """Compression methods as plugins: one :class:`Method` object per method, in one registry.
 
 ``fedgc.methods.get("dgc")`` is the method a run's ``method`` key names (a registered name, or
-``pkg.module:callable`` returning a Method of the user's own); :mod:`fedgc.methods.base` is the
-contract (client compressor, payload codec, server aggregator, round material, downlink, keys),
-:mod:`fedgc.methods.payloads` the payload kinds, and one small module per shipped method holds
-it whole and registers it: importing this package imports every module in it, so a new method is
+``pkg.module:callable`` returning a Method of the user's own). The contract: :mod:`.base` (the
+core: compressor, codec, aggregator, optimizer, downlink, the method's keys and defaults),
+:mod:`.material` and :mod:`.phone` (the opt-in parts: round material, phone export),
+:mod:`.compressors` (residual and stateless compressor bases), :mod:`.payloads` (the payload
+kinds and their codecs), :mod:`.optimizer` (the server optimizer) and :mod:`.sparsifier` (the
+keys and layer policy the top-k methods share). One small module per shipped method holds it
+whole and registers it: importing this package imports every module in it, so a new method is
 one new file. ``docs/methods.md`` says how to write one.
 """
 
 import importlib
 import pkgutil
 
-from fedgc.methods.base import Aggregator, Channel, DownlinkPolicy, Method
+from fedgc.methods.base import Aggregator, DownlinkPolicy, Method
+from fedgc.methods.compressors import ResidualCompressor, StatelessCompressor
+from fedgc.methods.material import Channel, RoundMaterial, material_of, pending_parts
+from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, SparseCodec, SparsePayload
+from fedgc.methods.phone import PhoneExport, phone_export_of
 from fedgc.methods.registry import (
     baseline,
     compared,
@@ -25,11 +32,14 @@ from fedgc.methods.registry import (
     registered,
 )
 
-_CONTRACT = {"base", "payloads", "registry"}
+_CONTRACT = {"base", "compressors", "material", "optimizer", "payloads", "phone", "registry",
+             "sparsifier"}
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module not in _CONTRACT:
         importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["Aggregator", "Bound", "Channel", "Codec", "DownlinkPolicy", "Method", "Payload",
-           "PayloadError", "SparseCodec", "SparsePayload", "baseline", "compared", "get",
-           "is_known", "load_method", "loaded", "names", "register", "registered"]
+           "PayloadError", "PhoneExport", "ResidualCompressor", "RoundMaterial",
+           "ServerOptimizer", "SparseCodec", "SparsePayload", "StatelessCompressor", "baseline",
+           "compared", "get", "is_known", "load_method", "loaded", "material_of", "names",
+           "pending_parts", "phone_export_of", "register", "registered"]

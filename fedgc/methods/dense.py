@@ -6,8 +6,7 @@ The baseline of every compression ratio: its clients always get the exact global
 
 from __future__ import annotations
 
-from typing import Any
-
+from fedgc.keys import RunSettings, TrainSettings
 from fedgc.methods.base import DownlinkPolicy, Method
 from fedgc.methods.registry import register
 
@@ -24,11 +23,11 @@ class Dense(Method):
     baseline = True
     secure_sum = "all"
 
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return 1.0
 
-    def downlink(self, config: Any) -> DownlinkPolicy:
-        return DownlinkPolicy(1.0, config.server.downlink_values)
+    def downlink(self, run: RunSettings) -> DownlinkPolicy:
+        return DownlinkPolicy(1.0, run.server.downlink_values)  # type: ignore[arg-type]
 
 
 register(Dense())

@@ -1,24 +1,28 @@
 """``dgc``: Deep Gradient Compression (Lin et al., ICLR 2018) in federated rounds, as fedgc runs it.
 
 Clients compress ``global - local`` with DGC's top-k, residual (error feedback) and optional
-momentum correction (``dgc.*`` keys; two densities, ``dgc.small_density`` for small tensors) and
-send the residual at the round's shared index sets as scaled signs (the sign channel,
-:mod:`dgc.signs`, ``dgc.shared_density``); the server applies its momentum to the aggregate
-(``server_momentum``, 0.5 for this method) and broadcasts per ``downlink_density``. With
-``dgc.feedback = aggregate`` a client compresses its pseudo-gradient less a reference both ends
-derive from the sent models, which the server adds back (:mod:`fedgc.methods.feedback`).
+momentum correction (its ``dgc.*`` keys, :class:`DGCSettings`, on the sparsifiers' shared ones:
+two densities, ``dgc.small_density`` for small tensors) and send the residual at the round's
+shared index sets as scaled signs (the sign channel, :mod:`dgc.signs`, ``dgc.shared_density``);
+the server applies its momentum to the aggregate (``server_momentum``, 0.5 for this method) and
+broadcasts per ``downlink_density``. With ``dgc.feedback = aggregate`` a client compresses its
+pseudo-gradient less a reference both ends derive from the sent models, which the server adds
+back (:mod:`fedgc.methods.feedback`). Its keys, its round material and its phone export are all
+here: the server, the clients and the emulator know none of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from dgc import Compressor, DGCCompressor, DGCConfig, SparseTensor, SparseUpdate
+from dgc import Compressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.int8_grid import round_initial
 from dgc.signs.client import on_grid, take_signs, take_values
 from dgc.signs.codec import (
@@ -32,8 +36,9 @@ from dgc.signs.codec import (
     encode_values,
 )
 from dgc.signs.planner import SharedIndexPlanner, displacement_masks
-from dgc.two_density import TwoDensityCompressor
-from fedgc.methods.base import Aggregator, Channel, Method
+from fedgc.keys import RunSettings, TrainSettings
+from fedgc.keys.client import momentum_range
+from fedgc.methods.base import Aggregator, Method
 from fedgc.methods.feedback import (
     MATERIAL_MAGIC,
     FeedbackChannel,
@@ -45,63 +50,180 @@ from fedgc.methods.feedback import (
     reference,
     with_reference,
 )
+from fedgc.methods.material import Channel, RoundMaterial
+from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Codec, SparseCodec
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.server_error import ErrorAccumulation
 from fedgc.methods.shift import ShiftMemory, shift_by, unshift
+from fedgc.methods.sparsifier import SparsifierSettings, layer_config, small_split, split_compressor
+from fedgc.schema import Check, SettingsError, fields_of, setting, validate
 
-__all__ = ["DGC", "DGCSets", "DisplacementSets", "RankRequest", "RoundCompressor", "SharedSigns",
-           "dgc_config", "layer_config", "small_split", "split_compressor"]
+__all__ = ["BUDGETS", "DGC", "DGCSets", "DGCSettings", "DisplacementSets", "FEEDBACKS",
+           "RankRequest", "RoundCompressor", "SHARED_RANKS", "SHARED_VALUES", "SharedSigns",
+           "dgc_config"]
 
-
-def layer_config(train: Any, **method: Any) -> DGCConfig:
-    """A :class:`DGCConfig` of the run's ``density`` and the ``dgc.*`` keys every DGC-family
-    method shares (selection, value precision, layer policy, warm-up), with ``method``'s own
-    fields.
-
-    The run keys of DGCConfig's fields were validated against its own ranges; the renames are
-    the run's vocabulary: rounds are the paper's epochs.
-    """
-    return DGCConfig(
-        density=train.density, selection=train.selection, value_dtype=train.value_dtype,
-        ternary=train.ternary, min_sparse_numel=train.min_sparse_numel,
-        sparse_vectors=train.sparse_vectors,
-        warmup="exponential" if train.warmup == "exponential" and train.warmup_rounds else "none",
-        warmup_epochs=max(train.warmup_rounds, 0), **method)
+#: What a dgc client sends at the shared indices: scaled signs, or values on a grid.
+SHARED_VALUES = ("sign", "grid")
+#: How the server ranks the shared indices (dgc.signs.planner).
+SHARED_RANKS = ("aggregates", "displacement")
+#: What a dgc client compresses (fedgc.methods.feedback): its residual plus its pseudo-gradient
+#: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both,
+#: or its pseudo-gradient less its own shift (EF21, fedgc.methods.shift).
+FEEDBACKS = ("residual", "aggregate", "aggregate+residual", "own")
+#: How a dgc client shares its top-k's entries out among its tensors (dgc.DGCCompressor).
+BUDGETS = ("tensor", "model", "energy")
 
 
-def dgc_config(train: Any) -> DGCConfig:
+@dataclass(frozen=True)
+class DGCSettings(SparsifierSettings):
+    """DGC's own keys (``dgc.*``), on the sparsifiers' shared ones: its momentum correction and
+    clipping, issue 30's client switches, its residual's ageing and feedback (sent to clients),
+    and the sign channel's and aggregate feedback's server keys (``sent=False``). The ranges of
+    the keys that configure :class:`dgc.DGCConfig` are that class's own."""
+
+    momentum: float = setting(0.0, "dgc.momentum", "momentum m of DGC's momentum "
+                              "correction on the pseudo-gradient; 0 = residual only",
+                              DGCConfig.check("momentum"))
+    dampening: float = setting(0.0, "dgc.dampening", "u = m*u + (1 - dampening)*g; "
+                               "dampening = m keeps the step size of plain SGD",
+                               DGCConfig.check("dampening"))
+    momentum_correction: bool = setting(False, "dgc.momentum_correction", "accumulate the "
+                                        "velocity (True) or the raw pseudo-gradient (False: "
+                                        "error feedback only)")
+    nesterov: bool = setting(False, "dgc.nesterov", "Nesterov form of momentum correction")
+    momentum_masking: bool = setting(True, "dgc.momentum_masking", "zero the momentum at the "
+                                     "sent coordinates (momentum factor masking)")
+    # The issue-30 switches below take the method's default when left empty (dgc_sets sets them).
+    shared_values: str | None = setting(
+        None, "dgc.shared_values", "what a dgc client sends at the shared indices: sign (one "
+        "bit each, times the mean magnitude) or grid (values on a power-of-two grid with "
+        "dgc.shared_levels steps to the mean magnitude, Rice-coded); empty = the method's "
+        "default", Check(choices=SHARED_VALUES), fallback="sign")
+    shared_levels: float | None = setting(
+        None, "dgc.shared_levels", "with dgc.shared_values = grid: the mean magnitude at the "
+        "shared indices in grid steps (the step is the power of two nearest mean / levels); "
+        "larger is finer and costs more bits; empty = the method's default",
+        Check(0.0, 128.0, low_open=True), fallback=1.0)
+    shared_first: bool | None = setting(
+        None, "dgc.shared_first", "dgc: take the shared sets before the top-k, so that the "
+        "top-k sends what the sets miss (GlueFL's order) instead of entries the sets carry "
+        "anyway; empty = the method's default", fallback=False)
+    value_levels: float | None = setting(
+        None, "dgc.value_levels", "dgc: send each tensor's values on a power-of-two grid whose "
+        "step is the power of two nearest mean(|values|) / value_levels, Rice-coded; the "
+        "rounding stays in the residual; 0 = the values in dgc.value_dtype; empty = the "
+        "method's default", Check(0.0, 128.0), fallback=0.0)
+    residual_decay: float = setting(1.0, "dgc.residual_decay", "aged residuals (dgc): a client's "
+                                    "residual is scaled by this per round it was away beyond "
+                                    "dgc.residual_after_rounds (CSER, Fed-EF); 1 = keep it all, "
+                                    "0 = reset it", Check(0.0, 1.0))
+    residual_after_rounds: int = setting(0, "dgc.residual_after_rounds", "rounds away a "
+                                         "residual keeps whole before dgc.residual_decay acts",
+                                         Check(0))
+    step_ahead: float = setting(0.0, "dgc.step_ahead", "step-ahead partial error feedback "
+                                "(SA-PEF, dgc): local training starts from the model minus "
+                                "this fraction of the client's residual, which leaves the "
+                                "residual; 0 = plain error feedback", Check(0.0, 1.0))
+    feedback: str = setting("residual", "dgc.feedback", "what a dgc client compresses: "
+                            "residual (its pseudo-gradient plus its residual, DGC's error "
+                            "feedback), aggregate (its pseudo-gradient less the reference: how "
+                            "the model it was sent moved per version since it last trained, "
+                            "which the server adds back; no residual kept, CAFe) or "
+                            "aggregate+residual (the difference, with a residual) or own "
+                            "(its pseudo-gradient less its own shift, what it sent so far: "
+                            "EF21, no residual; the server steps on every client's shift, "
+                            "FedVARP)", Check(choices=FEEDBACKS))
+    # Issue 39's switches (docs/dgc_vs_dense.md, "The last points"); empty = the method's default.
+    budget: str | None = setting(
+        None, "dgc.budget", "dgc: how the top-k's entries are shared out among the "
+        "sparsified tensors: tensor (density, or dgc.small_density, of each), model (the same "
+        "total by one top-k of all their residuals, so a tensor's share follows its largest "
+        "entries) or energy (the same total in proportion to each residual's squared norm); "
+        "empty = the method's default", Check(choices=BUDGETS), fallback="tensor")
+    compact_wire: bool | None = setting(
+        None, "dgc.compact_wire", "dgc: send replies and their sets' values as compact "
+        "messages (tensors by their place in the model, sizes as varints: dgc.wire.compact, "
+        "docs/wire.md) instead of update messages; the same sections, a third fewer bytes on "
+        "an LSTM's many small tensors; not for phones; empty = the method's default",
+        fallback=False)
+    server_error: float | None = setting(
+        None, "dgc.server_error", "dgc: FetchSGD's server without a sketch: clients keep no "
+        "residual (they send their fresh pseudo-gradient's sets and top-k), the server "
+        "accumulates its momentum's steps as error and applies this fraction of the model's "
+        "entries each round, the largest of its error (momentum and error zeroed there); 0 = "
+        "off; empty = the method's default", Check(0.0, 1.0), fallback=0.0)
+    clip_norm: float = setting(0.0, "dgc.clip_norm", "local gradient clipping threshold "
+                               "(scaled by clients_per_round**-0.5); 0 = off",
+                               # DGCConfig's range, plus 0 for off (clip_norm=None there).
+                               dataclasses.replace(DGCConfig.check("clip_norm"), low_open=False))
+    # The server's: the sign channel and aggregate feedback.
+    shared_density: float = setting(0.03, "dgc.shared_density", "shared-index sign channel "
+                                    "(dgc only): fraction of each sparsified tensor at which "
+                                    "every client of a round sends its residual as scaled signs, "
+                                    "1 bit per entry, at indices the server picks; 0 = off",
+                                    Check(0.0, 1.0), sent=False)
+    shared_small_density: float = setting(0.0, "dgc.shared_small_density", "the same for "
+                                          "tensors of at most dgc.small_numel entries; 0 = "
+                                          "dgc.shared_density", Check(0.0, 1.0), sent=False)
+    shared_momentum: float = setting(0.9, "dgc.shared_momentum", "factor of the moving average "
+                                     "of aggregates by which the server ranks shared indices",
+                                     momentum_range(), sent=False)
+    shared_rank: str | None = setting(
+        None, "dgc.shared_rank", "how the server ranks shared indices: aggregates (a moving "
+        "average of the applied aggregates, dgc.shared_momentum; the sets travel with the "
+        "model) or displacement (how far the model clients hold has moved from version 0, "
+        "which clients compute themselves: no index bytes); empty = the method's default",
+        Check(choices=SHARED_RANKS), fallback="aggregates", sent=False)
+    shared_churn: float = setting(1.0, "dgc.shared_churn", "the most of each shared index set "
+                                  "that may change from one round to the next, the weakest "
+                                  "members swapped for the strongest newcomers (GlueFL's "
+                                  "bounded mask shift; dgc.shared_rank = aggregates); 1 = "
+                                  "unbounded", Check(0.0, 1.0), sent=False)
+    feedback_scale: float = setting(0.0, "dgc.feedback_scale", "with dgc.feedback = aggregate: "
+                                    "the reference is the sent model's movement per version "
+                                    "times this; 0 = (1 - server_momentum) / server_lr, the mean "
+                                    "pseudo-gradient that movement stands for",
+                                    Check(0.0, 100.0), sent=False)
+    feedback_history: int = setting(50, "dgc.feedback_history", "with dgc.feedback = "
+                                    "aggregate: the sent models the server keeps (one a "
+                                    "version); a client last sent an older one compresses "
+                                    "without a reference", Check(1, 100_000), sent=False)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.server_error and (self.feedback != "residual" or self.residual_decay < 1.0
+                                  or self.step_ahead > 0.0):
+            raise SettingsError("dgc.server_error keeps the error on the server and no residual "
+                                "on clients, which dgc.feedback, dgc.residual_decay and "
+                                "dgc.step_ahead act on: leave them at residual, 1 and 0")
+        if self.feedback == "own" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
+            raise SettingsError("dgc.feedback = own keeps no residual, which dgc.residual_decay "
+                                "and dgc.step_ahead act on: leave them at 1 and 0")
+        if self.feedback == "aggregate" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
+            raise SettingsError("dgc.feedback = aggregate keeps no residual, which "
+                                "dgc.residual_decay and dgc.step_ahead act on: leave them at 1 "
+                                "and 0, or use dgc.feedback = aggregate+residual")
+
+
+#: DGC's switches (issue 30) that phones do not run, with the value phones run: their exported
+#: encoder is the default client's (``dgc.shared_rank = displacement``: sets clients derive
+#: themselves; a server's key, known where the server's keys are).
+PHONE_SWITCHES: dict[str, object] = {
+    "value_levels": 0.0, "shared_first": False, "shared_values": "sign", "residual_decay": 1.0,
+    "step_ahead": 0.0, "feedback": "residual", "shared_rank": "aggregates",
+    "budget": "tensor", "compact_wire": False, "server_error": 0.0}
+
+
+def dgc_config(train: TrainSettings, own: DGCSettings) -> DGCConfig:
     """DGC's configuration: :func:`layer_config` with its momentum correction, error feedback
     and local clipping (0 turns it off; scaled by ``clients_per_round**-0.5``)."""
     return layer_config(
-        train, momentum=train.dgc_momentum, momentum_correction=train.momentum_correction,
-        nesterov=train.nesterov, dampening=train.dampening,
-        momentum_masking=train.momentum_masking, error_feedback=True,
-        clip_norm=train.clip_norm or None, num_workers=train.clients_per_round)
-
-
-def split_compressor(train: Any, config: DGCConfig) -> Compressor:
-    """A compressor of ``config``, with a second density for small tensors when
-    ``dgc.small_density > 0``, and the total shared out by the residual with ``dgc.budget``.
-
-    Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output layer)
-    get ``dgc.small_density``: at ``density`` alone they would send 2 entries per update
-    (docs/federated_momentum.md).
-    """
-    if train.budget != "tensor":  # one compressor shares the total out (dgc.budget)
-        return DGCCompressor(config, budget=train.budget, small_density=train.small_density,
-                             small_numel=train.small_numel)
-    if train.small_density == 0.0:
-        return DGCCompressor(config)
-    return TwoDensityCompressor(config, train.small_density, small_numel=train.small_numel)
-
-
-def small_split(train: Any) -> tuple[float, int] | None:
-    """``(dgc.small_density, dgc.small_numel)`` when :func:`split_compressor` gives small tensors
-    a density of their own; None when it does not (what a phone is told to do the same)."""
-    if train.small_density == 0.0:
-        return None
-    return float(train.small_density), int(train.small_numel)
+        train, own, momentum=own.momentum, momentum_correction=own.momentum_correction,
+        nesterov=own.nesterov, dampening=own.dampening,
+        momentum_masking=own.momentum_masking, error_feedback=True,
+        clip_norm=own.clip_norm or None, num_workers=train.clients_per_round)
 
 
 class RankRequest(NamedTuple):
@@ -122,21 +244,22 @@ class RoundCompressor:
     Everything else is the wrapped compressor's (:class:`dgc.base.Compressor`).
     """
 
-    def __init__(self, inner: Compressor, train: Any, masks: Any = None,
+    def __init__(self, inner: Compressor, own: DGCSettings,
+                 masks: Mapping[str, np.ndarray] | None = None,
                  feedback: FeedbackMaterial | None = None) -> None:
-        self.inner, self.train, self.masks = inner, train, masks
+        self.inner, self.own, self.masks = inner, own, masks
         # dgc.feedback = aggregate: the round's material with this client's reference, which
         # leaves the pseudo-gradient before anything else (fedgc.methods.feedback).
         self.feedback = feedback
         self.taken: SparseUpdate | None = None  # the sets' part, when taken first
         # dgc.feedback = own: the client's shift h_i (EF21, fedgc.methods.shift), which leaves
         # the pseudo-gradient first and takes in everything sent; None otherwise.
-        self.shift: dict[str, torch.Tensor] | None = {} if train.feedback == "own" else None
+        self.shift: dict[str, torch.Tensor] | None = {} if own.feedback == "own" else None
 
     def take(self, source: dict[str, torch.Tensor], server_round: int) -> SparseUpdate:
         """The residual at the sets as signs or grid values (``dgc.shared_values``)."""
-        if self.train.shared_values == "grid":
-            return take_values(source, self.masks, server_round, self.train.shared_levels)
+        if self.own.shared_values == "grid":
+            return take_values(source, self.masks, server_round, self.own.shared_levels)
         return take_signs(source, self.masks, server_round)
 
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
@@ -146,17 +269,17 @@ class RoundCompressor:
         if ref:
             grads = {n: g - ref[n].view(g.shape).to(g.device, g.dtype) if n in ref else g
                      for n, g in grads.items()}
-        if self.masks is not None and (self.train.shared_first or self.shift is not None):
+        if self.masks is not None and (self.own.shared_first or self.shift is not None):
             # (under dgc.feedback = own the sets always come first: no residual holds them)
             self.taken, grads, left = self._take_first(dict(grads), sequence or 0)
         update = self.inner.compress(grads, epoch, sequence)
         if left is not None and left.tensors:
             self.inner.restore(left)  # a first round's remainder at the sets
-        if self.train.value_levels > 0:
+        if self.own.value_levels > 0:
             tensors, error = {}, {}
             for name, t in update.tensors.items():
                 values = t.values.to(torch.float32)
-                rounded = on_grid(values, self.train.value_levels)
+                rounded = on_grid(values, self.own.value_levels)
                 tensors[name] = SparseTensor(t.indices, rounded, t.shape)
                 error[name] = SparseTensor(t.indices, values - rounded, t.shape)
             self.inner.restore(SparseUpdate(error, update.sequence))
@@ -245,7 +368,7 @@ class DisplacementSets(Channel):
             self.initial = {n: sent_model[n].clone() for n in self.counts}
         self.held, self.version, self.initial_on_grid = sent_model, version, initial_on_grid
 
-    def plan(self, server_round: int) -> tuple[bytes, Any] | None:
+    def plan(self, server_round: int) -> tuple[bytes, object] | None:
         if self.version == 0:  # version 0 has not moved: no set in the first round
             return None
         masks = displacement_masks(self.held, self.initial, self.counts)
@@ -261,7 +384,7 @@ class SharedSigns(Channel):
         self.planner = planner
         self.numels = dict(numels)
 
-    def plan(self, server_round: int) -> tuple[bytes, Any] | None:
+    def plan(self, server_round: int) -> tuple[bytes, object] | None:
         masks = self.planner.plan()
         if not masks:
             return None
@@ -277,7 +400,7 @@ class SharedSigns(Channel):
         self.planner.load_state_dict(state)
 
 
-class DGC(Method):
+class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
     """DGC with error feedback, the sign channel and server momentum (module docstring)."""
 
     name = "dgc"
@@ -286,33 +409,49 @@ class DGC(Method):
     description = ("DGC's top-k of the residual (`dgc.*`), fp16, and the residual at the "
                    "round's shared indices as signs (`dgc.shared_density`)")
     keeps_residual = True
-    phone = True
-    prefix = "dgc"
+    settings = DGCSettings
     defaults = {"server_momentum": 0.5}
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
-        inner = split_compressor(train, dgc_config(train))
+    def check(self, run: RunSettings) -> None:
+        if self.own.feedback != "residual" and run.server.downlink == "dense":
+            raise SettingsError(f"dgc.feedback = {self.own.feedback} needs downlink = auto: its "
+                                f"reference is how the model a client keeps moved, and with "
+                                f"downlink = dense clients keep none")
+
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
+        own = self.own
+        inner = split_compressor(own, dgc_config(train, own), str(own.budget))
         if isinstance(material, FeedbackMaterial):
-            return RoundCompressor(inner, train, material.inner, material)
-        if train.value_levels > 0 or material is not None or train.feedback == "own":
-            return RoundCompressor(inner, train, material)
+            return RoundCompressor(inner, own, material.inner, material)
+        if own.value_levels > 0 or material is not None or own.feedback == "own":
+            return RoundCompressor(inner, own, material)
         return inner
 
-    def codec(self, train: Any) -> Codec:
-        return SparseCodec(sign_coding=bool(train is not None and train.ternary),
-                           grid_coding=bool(train is not None and train.value_levels > 0),
-                           compact=bool(train is not None and train.compact_wire))
+    def codec(self, train: TrainSettings) -> Codec:
+        return SparseCodec(sign_coding=self.own.ternary, grid_coding=self.own.value_levels > 0,
+                           compact=bool(self.own.compact_wire))
 
-    def phone_config(self, train: Any) -> DGCConfig:
-        return dgc_config(train)
+    # -- phones (their exported encoder is DGC's)
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        return dgc_config(train, self.own)
 
-    def phone_small(self, train: Any) -> tuple[float, int] | None:
-        return small_split(train)
+    def phone_small(self, train: TrainSettings) -> tuple[float, int] | None:
+        return small_split(self.own)
+
+    def phone_refusals(self) -> list[str]:
+        """Issue 30's switches set (:data:`PHONE_SWITCHES`): a phone runs the default client,
+        so a run that sets one is refused before phones train otherwise than the simulated
+        clients they stand beside."""
+        keys = {f.name: f.metadata["key"] for f in fields_of(DGCSettings)}
+        return [f"{keys[name]}={getattr(self.own, name)!r}"
+                for name, value in PHONE_SWITCHES.items() if getattr(self.own, name) != value]
 
     # -- the client's start (aged residuals, step-ahead)
-    def prepare(self, train: Any, compressor: Compressor, model: dict[str, torch.Tensor],
-                rounds_away: int) -> dict[str, torch.Tensor]:
-        if train.feedback in ("aggregate", "own") or train.server_error > 0:
+    def prepare(self, train: TrainSettings, compressor: Compressor,
+                model: dict[str, torch.Tensor], rounds_away: int) -> dict[str, torch.Tensor]:
+        own = self.own
+        if own.feedback in ("aggregate", "own") or own.server_error > 0:
             # Aggregate feedback without a residual (CAFe): what the top-k leaves of
             # pseudo-gradient - reference is the reference's at the server; the server's error
             # accumulation (dgc.server_error) keeps the error on the server. Either way the
@@ -322,10 +461,10 @@ class DGC(Method):
         # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
         # a model many rounds old is scaled down by dgc.residual_decay per round beyond
         # dgc.residual_after_rounds.
-        over = rounds_away - train.residual_after_rounds
-        if train.residual_decay < 1.0 and over > 0:
-            compressor.scale_state(train.residual_decay ** over)
-        if train.step_ahead <= 0:
+        over = rounds_away - own.residual_after_rounds
+        if own.residual_decay < 1.0 and over > 0:
+            compressor.scale_state(own.residual_decay ** over)
+        if own.step_ahead <= 0:
             return model
         # Step-ahead partial error feedback (SA-PEF, Redie et al. 2026): local training starts
         # at the model less a of the residual; that part leaves the residual, and the
@@ -333,12 +472,12 @@ class DGC(Method):
         start = dict(model)
         for name, v in compressor.residual().items():
             if name in start and start[name].numel() == v.numel():
-                start[name] = model[name] - train.step_ahead * v.view(model[name].shape)
-                v.mul_(1.0 - train.step_ahead)
+                start[name] = model[name] - own.step_ahead * v.view(model[name].shape)
+                v.mul_(1.0 - own.step_ahead)
         return start
 
     # -- the sign channel, client half
-    def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
+    def read_material(self, data: bytes, numels: Mapping[str, int]) -> object:
         if bytes(data[:4]) == MATERIAL_MAGIC:
             sequence, version, oldest, scale, inner = decode_material(data)
             return FeedbackMaterial(sequence, version, oldest, scale,
@@ -349,9 +488,10 @@ class DGC(Method):
             return RankRequest(counts, on_grid_)
         return decode_mask(data, numels)[1]
 
-    def hold_material(self, data: bytes, material: Any, model: dict[str, torch.Tensor],
-                      initial: Any, held: tuple[int, Mapping[str, torch.Tensor]] | None = None,
-                      ) -> tuple[bytes, Any]:
+    def hold_material(self, data: bytes, material: object, model: Mapping[str, torch.Tensor],
+                      initial: Callable[[], dict[str, torch.Tensor]],
+                      held: tuple[int, Mapping[str, torch.Tensor]] | None = None,
+                      ) -> tuple[bytes, object]:
         if isinstance(material, FeedbackMaterial):
             return self._hold_feedback(material, model, initial, held)
         if not isinstance(material, RankRequest):
@@ -363,7 +503,8 @@ class DGC(Method):
         return encode_mask(masks, {n: model[n].numel() for n in masks}, 0), masks
 
     def _hold_feedback(self, material: FeedbackMaterial, model: dict[str, torch.Tensor],
-                       initial: Any, held: tuple[int, Mapping[str, torch.Tensor]] | None,
+                       initial: Callable[[], dict[str, torch.Tensor]],
+                       held: tuple[int, Mapping[str, torch.Tensor]] | None,
                        ) -> tuple[bytes, FeedbackMaterial]:
         """The feedback material with the sets derived and this client's reference: from the
         model it kept (``held``: its version and the model) when the server keeps that
@@ -386,7 +527,7 @@ class DGC(Method):
         return data, FeedbackMaterial(material.sequence, material.version, material.oldest,
                                       material.scale, inner, base, ref, inner_bytes=inner_bytes)
 
-    def side_part(self, compressor: Compressor, material: Any,
+    def side_part(self, compressor: Compressor, material: object,
                   server_round: int) -> tuple[bytes, int] | None:
         if isinstance(material, FeedbackMaterial) and isinstance(compressor, RoundCompressor):
             inner = (self.side_part(compressor, material.inner, server_round)
@@ -397,12 +538,12 @@ class DGC(Method):
             return None
         sent = (compressor.taken if compressor.taken is not None
                 else compressor.take(compressor.residual(), server_round))
-        train = compressor.train
-        grid = train.shared_values == "grid"
-        return (encode_values(sent, compact=train.compact_wire) if grid
+        own = compressor.own
+        grid = own.shared_values == "grid"
+        return (encode_values(sent, compact=bool(own.compact_wire)) if grid
                 else encode_signs(sent)), sent.nnz
 
-    def read_side(self, data: bytes, material: Any,
+    def read_side(self, data: bytes, material: object,
                   shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
         if isinstance(material, FeedbackMaterial):
             return self._read_feedback_side(data, material, shapes)
@@ -428,41 +569,41 @@ class DGC(Method):
         return with_reference(side, ref, shapes, sequence)
 
     # -- the sign channel and aggregate feedback, server half
-    def _sets_channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]],
+    def _sets_channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]],
                       ) -> Channel | None:
         """The shared index sets' channel (None: ``dgc.shared_density`` 0)."""
-        s, t = config.server, config.train
-        if s.shared_density <= 0:
+        own = self.own
+        if own.shared_density <= 0:
             return None
-        policy = dgc_config(t)
+        policy = dgc_config(run.train, own)
         sparse = {n: tuple(shape) for n, shape in shapes.items()
                   if not policy.sends_dense(tuple(shape))}
-        planner = SharedIndexPlanner(sparse, s.shared_density, s.shared_small_density,
-                                     t.small_numel, s.shared_momentum, s.shared_churn)
+        planner = SharedIndexPlanner(sparse, own.shared_density, own.shared_small_density,
+                                     own.small_numel, own.shared_momentum, own.shared_churn)
         numels = {n: math.prod(shape) for n, shape in shapes.items()}
-        if s.shared_rank == "displacement":
+        if own.shared_rank == "displacement":
             return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
         return SharedSigns(planner, numels)
 
-    def aggregator(self, config: Any) -> Aggregator:
-        t = config.train
-        if t.feedback == "own":  # the mean of every client's shift (fedgc.methods.shift)
+    def aggregator(self, run: RunSettings) -> Aggregator:
+        if self.own.feedback == "own":  # the mean of every client's shift (fedgc.methods.shift)
+            t = run.train
             return ShiftMemory(min(1.0, t.clients_per_round / t.num_clients))
         return Aggregator()
 
-    def optimizer(self, config: Any) -> Any | None:
-        t, s = config.train, config.server
-        if t.server_error > 0:  # FetchSGD's server over the sets (fedgc.methods.server_error)
-            return ErrorAccumulation(s.server_lr, s.server_momentum, t.server_error)
+    def optimizer(self, run: RunSettings) -> ServerOptimizer | None:
+        if self.own.server_error > 0:  # FetchSGD's server over the sets (server_error.py)
+            s = run.server
+            return ErrorAccumulation(s.server_lr, s.server_momentum, self.own.server_error)
         return None
 
-    def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
-        inner = self._sets_channel(config, shapes)
-        if config.train.feedback in ("residual", "own"):
+    def channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
+        inner = self._sets_channel(run, shapes)
+        if self.own.feedback in ("residual", "own"):
             return inner
-        s = config.server
-        scale = s.feedback_scale or (1.0 - float(s.server_momentum)) / float(s.server_lr)
-        return FeedbackChannel(inner, scale, s.feedback_history)
+        s, own = run.server, self.own
+        scale = own.feedback_scale or (1.0 - float(s.server_momentum)) / float(s.server_lr)
+        return FeedbackChannel(inner, scale, own.feedback_history)
 
 
 register(DGC())
@@ -485,7 +626,7 @@ class DGCSets(DGC):
     name = "dgc_sets"
     order = 41
     compared = False
-    phone = False
+    phone = False  # phones' encoder is plain dgc's (fedgc.methods.phone.phone_export_of)
     description = ("DGC's top-k of the residual on a 4-level grid after the residual at shared "
                    "sets clients rank themselves (the model's displacement), sent as grid "
                    "values (`dgc.*` as dgc)")
@@ -493,12 +634,6 @@ class DGCSets(DGC):
                 "dgc.shared_levels": 0.5, "dgc.shared_first": True, "dgc.value_levels": 4.0,
                 "downlink_vectors": "float16", "downlink_context": True}
     secure_sum = "material"  # the sets' values; under secure aggregation its top-k is held back
-
-    def phone_config(self, train: Any) -> DGCConfig | None:
-        return None  # phones' encoder is plain dgc's (android_bridge.export.check_phone_run)
-
-    def phone_small(self, train: Any) -> tuple[float, int] | None:
-        return None
 
 
 register(DGCSets())

@@ -34,26 +34,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgc import Compressor, DecodeError, DGCMemory, SparseTensor, SparseUpdate, StateError
+from dgc import Compressor, DecodeError, SparseTensor, SparseUpdate
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
     NDIM,
     Preamble,
-    as_view,
-    check_crc,
     check_end,
-    crc_offset,
-    name_bytes,
+    open_records,
     read,
-    read_name,
-    read_shape,
+    read_tensor_head,
     seal,
-    shape_bytes,
+    tensor_head,
 )
+from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
+from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, Payload, check_tensors
 from fedgc.methods.registry import register
-from fedgc.methods.residual import ResidualCompressor
 
 __all__ = ["EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload", "SignsUpdate", "dense_signs",
            "signed_values"]
@@ -91,18 +88,12 @@ class EFSignCompressor(ResidualCompressor):
     label = "EF-signSGD"
 
     def __init__(self) -> None:
-        self.memory = DGCMemory(0.0, False, False, 0.0)
+        super().__init__()
 
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> SignsUpdate:
         """Add ``grads`` to the residual, send its scaled sign, keep the difference."""
-        for name, g in grads.items():
-            if not torch.isfinite(g).all():
-                raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was changed")
-            held = self.memory.v.get(name)
-            if held is not None and held.numel() != g.numel():
-                raise StateError(f"gradient {name!r} has {g.numel()} entries, the residual "
-                                 f"holds {held.numel()}")
+        self.check_gradients(grads)
         out = SignsUpdate({}, 0 if sequence is None else int(sequence))
         for name, g in grads.items():
             # On the host, where the residual and the sign bits live (sim.device = cuda too).
@@ -136,7 +127,7 @@ class SignsCodec(Codec):
 
     kind = "signs"
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         if not isinstance(payload, SignsUpdate):
             raise TypeError(f"the FGCB payload encodes a SignsUpdate, got "
                             f"{type(payload).__name__}")
@@ -146,25 +137,16 @@ class SignsCodec(Codec):
                 raise ValueError(f"tensor {name!r}: a signs payload carries every entry")
             scale = torch.tensor([payload.scales[name]], dtype=torch.float32)
             bits = np.packbits(torch.signbit(t.values).numpy(), bitorder="little")
-            parts += [name_bytes(name), shape_bytes(t.shape),
+            parts += [tensor_head(name, t.shape),
                       scale.numpy().astype("<f4").tobytes(), bits.tobytes()]
         return seal(parts)
 
     def decode(self, data: bytes, bound: Bound) -> SignsPayload:
-        view = as_view(data)
-        sequence, count = PREAMBLE.open(view)
-        end = crc_offset(view)
-        if count * _MIN_RECORD > end - PREAMBLE.size:
-            raise DecodeError(f"truncated input: {count} tensors cannot fit in "
-                              f"{end - PREAMBLE.size} bytes")
-        check_crc(view, end)
+        view, (sequence, count), end = open_records(data, PREAMBLE, _MIN_RECORD)
         limit = min(MAX_NUMEL, bound.max_numel)
         pos, tensors, scales = PREAMBLE.size, {}, {}
         for _ in range(count):
-            name, pos = read_name(view, pos, end, "tensor name")
-            if name in tensors:
-                raise DecodeError(f"tensor {name!r} appears twice")
-            shape, numel, pos = read_shape(view, pos, end, name, limit)
+            name, shape, numel, pos = read_tensor_head(view, pos, end, tensors, limit)
             (raw,) = read(_SCALE, view, pos, end, f"scale of {name!r}")
             pos += _SCALE.size
             if raw & 0x7F800000 == 0x7F800000:
@@ -187,7 +169,7 @@ class SignsCodec(Codec):
         check_end(view, pos, end)
         return SignsPayload(SparseUpdate(tensors, sequence), scales)
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: SignsPayload, bound: Bound) -> None:  # type: ignore[override]
         check_tensors({n: t.shape for n, t in payload.update.tensors.items()}, bound.shapes)
 
     def golden_cases(self) -> list[tuple[str, Any]]:
@@ -221,13 +203,14 @@ class EFSign(Method):
                    "tensor: one bit per entry and a float32 scale; the residual keeps the rest")
     keeps_residual = True
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
         return EFSignCompressor()
 
-    def codec(self, train: Any) -> Codec:
+    def codec(self, train: TrainSettings) -> Codec:
         return SignsCodec()
 
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # one bit for every entry
 
 

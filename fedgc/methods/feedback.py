@@ -44,7 +44,7 @@ import torch
 from dgc import SparseTensor, SparseUpdate
 from dgc.errors import DecodeError
 from dgc.wire.framing import Preamble, as_view, check_crc, crc_offset, seal
-from fedgc.methods.base import Channel
+from fedgc.methods.material import Channel
 
 __all__ = ["FeedbackChannel", "FeedbackMaterial", "decode_material", "decode_side",
            "encode_material", "encode_side", "reference", "with_reference"]

@@ -47,7 +47,10 @@ from dgc import DecodeError, SparseTensor, SparseUpdate
 from dgc.sparse import VALUE_DTYPES
 from dgc.wire.framing import Preamble, as_view, check_crc, check_end, crc_offset, seal
 from dgc.wire.value_codings import VALUE_DTYPE_IDS
+from fedgc.keys import RunSettings, TrainSettings
 from fedgc.methods.base import Aggregator, Method
+from fedgc.methods.compressors import StatelessCompressor
+from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError
 from fedgc.methods.powersgd import raw_bytes, read_values, wire_values
 from fedgc.methods.registry import register
@@ -208,7 +211,7 @@ class SketchCodec(Codec):
     def __init__(self, own: FetchSGDSettings | None = None, seed: int = 0) -> None:
         self.own, self.seed = own, int(seed) & _MASK
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         if not isinstance(payload, SketchPayload):
             raise TypeError(f"the FGCH payload encodes a SketchPayload, got "
                             f"{type(payload).__name__}")
@@ -238,7 +241,7 @@ class SketchCodec(Codec):
         check_end(view, pos, end)
         return SketchPayload(values.reshape(rows, cols), seed, sequence, numel)
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: Payload, bound: Bound) -> None:
         if not isinstance(payload, SketchPayload):
             raise PayloadError(f"a {type(payload).__name__} is not a sketch")
         if self.own is not None and payload.seed != self.seed:
@@ -264,7 +267,7 @@ class SketchCodec(Codec):
 
 
 # ---------------------------------------------------------------------- client and server
-class CountSketcher:
+class CountSketcher(StatelessCompressor):
     """A client's compressor: the sketch of its update, nothing kept (implements
     :class:`dgc.base.Compressor`; FetchSGD's clients are stateless)."""
 
@@ -283,21 +286,6 @@ class CountSketcher:
         return SketchPayload(wire_values(table, VALUE_DTYPES[self.own.value_dtype]), self.seed,
                              0 if sequence is None else int(sequence),
                              sum(math.prod(s) for s in shapes.values()))
-
-    def restore(self, update: SparseUpdate) -> None:
-        """Nothing to restore into: what the server did not aggregate is lost."""
-
-    def residual(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def scale_state(self, factor: float) -> None:
-        """No state to scale."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """No state to load."""
 
 
 class SketchAggregator(Aggregator):
@@ -358,7 +346,7 @@ class SketchAggregator(Aggregator):
         self.e = None if e is None else e.clone()
 
 
-class FetchSGD(Method):
+class FetchSGD(Method[FetchSGDSettings]):
     """FetchSGD (module docstring)."""
 
     name = "fetchsgd"
@@ -368,27 +356,25 @@ class FetchSGD(Method):
     family = "sketch"
     description = ("a count sketch of the update (`fetchsgd.rows` x `fetchsgd.columns`), fp16; "
                    "the server keeps momentum and error as sketches, applies their top-k")
-    prefix = "fetchsgd"
     settings = FetchSGDSettings
     defaults = {"server_momentum": 0.9}
     secure_sum = "all"  # every cell of the sketch: the sum of sketches is the sketch of the sum
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> CountSketcher:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> CountSketcher:
         return CountSketcher(self.own, train.seed)
 
-    def codec(self, train: Any) -> Codec:
-        return SketchCodec(self.own, 0 if train is None else train.seed)
+    def codec(self, train: TrainSettings) -> Codec:
+        return SketchCodec(self.own, train.seed)
 
-    def aggregator(self, config: Any) -> Aggregator:
-        return SketchAggregator(self.own, config.train.seed, config.server.server_momentum)
+    def aggregator(self, run: RunSettings) -> Aggregator:
+        return SketchAggregator(self.own, run.train.seed, run.server.server_momentum)
 
-    def optimizer(self, config: Any) -> Any:
+    def optimizer(self, run: RunSettings) -> ServerOptimizer:
         # The momentum lives in the sketch (the aggregator): the step itself is plain.
-        from server.optimizer import ServerOptimizer
+        return ServerOptimizer(run.server.server_lr, 0.0)
 
-        return ServerOptimizer(config.server.server_lr, 0.0)
-
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return self.own.rows * self.own.columns  # cells per model entry
 
 

@@ -58,7 +58,7 @@ class Bound:
 
     shapes: Mapping[str, tuple[int, ...]]
     server_round: int = -1
-    material: Any = None
+    material: object = None
     limit: int | None = None
 
     @property
@@ -186,7 +186,7 @@ class Codec:
 
     kind = ""
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         """The bytes of ``payload`` (what the client's compressor returned)."""
         raise NotImplementedError
 
@@ -260,7 +260,7 @@ class SparseCodec(Codec):
         self.compact = compact
         self._checked: set[TensorLayout] = set()  # layouts that matched the model
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         update = payload.update if isinstance(payload, SparsePayload) else payload
         if self.compact:
             return encode_compact(update, sign_coding=self.sign_coding,

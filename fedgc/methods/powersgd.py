@@ -51,19 +51,19 @@ from dgc.sparse import VALUE_DTYPES
 from dgc.wire.framing import (
     NDIM,
     Preamble,
-    as_view,
-    check_crc,
     check_end,
-    crc_offset,
     name_bytes,
+    open_records,
     read,
     read_name,
-    read_shape,
+    read_tensor_head,
     seal,
-    shape_bytes,
+    tensor_head,
 )
 from dgc.wire.value_codings import DTYPES_BY_ID, VALUE_DTYPE_IDS
-from fedgc.methods.base import Channel, Method
+from fedgc.keys import RunSettings, TrainSettings
+from fedgc.methods.base import Method
+from fedgc.methods.material import Channel, RoundMaterial
 from fedgc.methods.payloads import (
     Bound,
     Codec,
@@ -259,13 +259,13 @@ class LowRankCodec(Codec):
 
     kind = "low-rank"
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         if not isinstance(payload, LowRankUpdate):
             raise TypeError(f"the FGCL payload encodes a LowRankUpdate, got "
                             f"{type(payload).__name__}")
         parts = [PREAMBLE.pack(payload.seq, len(payload.tensors))]
         for name, t in payload.tensors.items():
-            parts += [name_bytes(name), shape_bytes(t.shape)]
+            parts += [tensor_head(name, t.shape)]
             if t.whole is not None:
                 parts += [_TAIL.pack(0, VALUE_DTYPE_IDS[t.whole.dtype]), raw_bytes(t.whole)]
                 continue
@@ -280,20 +280,11 @@ class LowRankCodec(Codec):
         return seal(parts)
 
     def decode(self, data: bytes, bound: Bound) -> LowRankUpdate:
-        view = as_view(data)
-        sequence, count = PREAMBLE.open(view)
-        end = crc_offset(view)
-        if count * _MIN_RECORD > end - PREAMBLE.size:
-            raise DecodeError(f"truncated input: {count} tensors cannot fit in "
-                              f"{end - PREAMBLE.size} bytes")
-        check_crc(view, end)
+        view, (sequence, count), end = open_records(data, PREAMBLE, _MIN_RECORD)
         limit = min(MAX_NUMEL, bound.max_numel)
         pos, tensors = PREAMBLE.size, {}
         for _ in range(count):
-            name, pos = read_name(view, pos, end, "tensor name")
-            if name in tensors:
-                raise DecodeError(f"tensor {name!r} appears twice")
-            shape, numel, pos = read_shape(view, pos, end, name, limit)
+            name, shape, numel, pos = read_tensor_head(view, pos, end, tensors, limit)
             rank, dtype_id = read(_TAIL, view, pos, end, f"header of {name!r}")
             pos += _TAIL.size
             if rank == 0:
@@ -312,7 +303,7 @@ class LowRankCodec(Codec):
         check_end(view, pos, end)
         return LowRankUpdate(tensors, sequence)
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: Payload, bound: Bound) -> None:
         if not isinstance(payload, LowRankUpdate):
             raise PayloadError(f"a {type(payload).__name__} is not a low-rank payload")
         check_tensors({n: t.shape for n, t in payload.tensors.items()}, bound.shapes)
@@ -364,13 +355,7 @@ def decode_material(data: bytes, numels: Mapping[str, int]) -> dict[str, torch.T
     """The round's ``Q`` per tensor name, float32 (m x r), read against the model's tensor
     sizes: each names a tensor of the model whose size ``m`` divides, at a rank of at most
     ``min(numel / m, m)``; DecodeError otherwise."""
-    view = as_view(data)
-    _, count = MATERIAL.open(view)
-    end = crc_offset(view)
-    if count * _MIN_Q_RECORD > end - MATERIAL.size:
-        raise DecodeError(f"truncated input: {count} tensors cannot fit in "
-                          f"{end - MATERIAL.size} bytes")
-    check_crc(view, end)
+    view, (_, count), end = open_records(data, MATERIAL, _MIN_Q_RECORD)
     pos, out = MATERIAL.size, {}
     for _ in range(count):
         name, pos = read_name(view, pos, end, "tensor name")
@@ -541,7 +526,7 @@ class PowerSGDCompressor:
         self.v = {k: t.detach().to(torch.float32).clone() for k, t in v.items()}
 
 
-class PowerSGD(Method):
+class PowerSGD(RoundMaterial, Method[PowerSGDSettings]):
     """PowerSGD in federated rounds (module docstring)."""
 
     name = "powersgd"
@@ -552,25 +537,25 @@ class PowerSGD(Method):
     description = ("rank-`powersgd.rank` factors P, Q of each matrix from one power step on "
                    "the server's warm-started Q, fp16; vectors whole")
     keeps_residual = True
-    prefix = "powersgd"
     settings = PowerSGDSettings
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> PowerSGDCompressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> PowerSGDCompressor:
         if material is None:
             raise StateError("PowerSGD needs the round's Q from the server; the train message "
                              "carried none")
         return PowerSGDCompressor(material, VALUE_DTYPES[self.own.value_dtype])
 
-    def codec(self, train: Any) -> Codec:
+    def codec(self, train: TrainSettings) -> Codec:
         return LowRankCodec()
 
-    def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
+    def read_material(self, data: bytes, numels: Mapping[str, int]) -> object:
         return decode_material(data, numels)
 
-    def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel:
-        return PowerSGDChannel(shapes, self.own, config.train.seed)
+    def channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]]) -> Channel:
+        return PowerSGDChannel(shapes, self.own, run.train.seed)
 
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return float("nan")  # (n + m) r of n m per matrix: no one nominal density
 
 

@@ -41,27 +41,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgc import Compressor, DecodeError, DGCMemory, SparseTensor, SparseUpdate, StateError
+from dgc import Compressor, DecodeError, SparseTensor, SparseUpdate
 from dgc.elias import GammaError, gamma_bits, read_gamma
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
     NDIM,
     Preamble,
-    as_view,
-    check_crc,
     check_end,
-    crc_offset,
-    name_bytes,
+    open_records,
     read,
-    read_name,
-    read_shape,
+    read_tensor_head,
     seal,
-    shape_bytes,
+    tensor_head,
 )
+from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
+from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
 from fedgc.methods.registry import register
-from fedgc.methods.residual import ResidualCompressor
 from fedgc.schema import Check, setting
 
 __all__ = ["LevelsCodec", "LevelsPayload", "LevelsUpdate", "QSGD", "QSGDCompressor",
@@ -146,18 +143,12 @@ class QSGDCompressor(ResidualCompressor):
     def __init__(self, bucket: int, levels: int, seed: int, error_feedback: bool) -> None:
         self.bucket, self.levels = int(bucket), int(levels)
         self.seed, self.error_feedback = int(seed), bool(error_feedback)
-        self.memory = DGCMemory(0.0, False, False, 0.0)
+        super().__init__()
 
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> LevelsUpdate:
         """The quantized update of ``grads`` (plus the residual, with error feedback)."""
-        for name, g in grads.items():
-            if not torch.isfinite(g).all():
-                raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was changed")
-            held = self.memory.v.get(name)
-            if held is not None and held.numel() != g.numel():
-                raise StateError(f"gradient {name!r} has {g.numel()} entries, the residual "
-                                 f"holds {held.numel()}")
+        self.check_gradients(grads)
         sequence = 0 if sequence is None else int(sequence)
         rng = np.random.default_rng([self.seed, sequence])
         out = LevelsUpdate({}, sequence, bucket=self.bucket, levels=self.levels)
@@ -235,7 +226,7 @@ class LevelsCodec(Codec):
     def __init__(self, bucket: int | None = None, levels: int | None = None) -> None:
         self.bucket, self.levels = bucket, levels
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         if not isinstance(payload, LevelsUpdate):
             raise TypeError(f"the FGCQ payload encodes a LevelsUpdate, got "
                             f"{type(payload).__name__}")
@@ -247,27 +238,18 @@ class LevelsCodec(Codec):
                 raise ValueError(f"tensor {name!r}: {norms.numel()} norms for "
                                  f"{-(-t.numel // payload.bucket)} buckets")
             code = _code(t.indices, payload.signed[name])
-            parts += [name_bytes(name), shape_bytes(t.shape), _COUNT.pack(t.nnz),
+            parts += [tensor_head(name, t.shape), _COUNT.pack(t.nnz),
                       norms.numpy().astype("<f4").tobytes(), _COUNT.pack(len(code)), code]
         return seal(parts)
 
     def decode(self, data: bytes, bound: Bound) -> LevelsPayload:
-        view = as_view(data)
-        sequence, bucket, levels, count = PREAMBLE.open(view)
-        end = crc_offset(view)
-        if count * _MIN_RECORD > end - PREAMBLE.size:
-            raise DecodeError(f"truncated input: {count} tensors cannot fit in "
-                              f"{end - PREAMBLE.size} bytes")
-        check_crc(view, end)
+        view, (sequence, bucket, levels, count), end = open_records(data, PREAMBLE, _MIN_RECORD)
         if bucket < 1 or levels < 1:
             raise DecodeError(f"bucket {bucket} and levels {levels} must be at least 1")
         limit = min(MAX_NUMEL, bound.max_numel)
         pos, tensors = PREAMBLE.size, {}
         for _ in range(count):
-            name, pos = read_name(view, pos, end, "tensor name")
-            if name in tensors:
-                raise DecodeError(f"tensor {name!r} appears twice")
-            shape, numel, pos = read_shape(view, pos, end, name, limit)
+            name, shape, numel, pos = read_tensor_head(view, pos, end, tensors, limit)
             (nonzero,) = read(_COUNT, view, pos, end, f"count of {name!r}")
             pos += _COUNT.size
             if nonzero > numel:
@@ -299,7 +281,7 @@ class LevelsCodec(Codec):
         check_end(view, pos, end)
         return LevelsPayload(SparseUpdate(tensors, sequence), bucket, levels)
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: LevelsPayload, bound: Bound) -> None:  # type: ignore[override]
         update = payload.update
         check_tensors({n: t.shape for n, t in update.tensors.items()}, bound.shapes)
         for what, sent, want in (("bucket size", payload.bucket, self.bucket),
@@ -332,7 +314,7 @@ class LevelsCodec(Codec):
         ]
 
 
-class QSGD(Method):
+class QSGD(Method[QSGDSettings]):
     """QSGD of the pseudo-gradient, every tensor, no residual by default (module docstring)."""
 
     name = "qsgd"
@@ -342,25 +324,25 @@ class QSGD(Method):
     family = "quantization"
     description = ("every entry stochastically rounded to `qsgd.levels` of its bucket's float32 "
                    "norm (`qsgd.bucket_size`), unbiased; gaps, signs and levels Elias-coded")
-    prefix = "qsgd"
     settings = QSGDSettings
 
-    def with_keys(self, values: Mapping[str, object]) -> Method:
+    def with_keys(self, values: Mapping[str, object]) -> Method[QSGDSettings]:
         configured = super().with_keys(values)
         # A residual only with error feedback: the client then keeps state and folds back an
         # update the server did not aggregate, as every keeps_residual method.
         configured.keeps_residual = bool(configured.own.error_feedback)  # type: ignore[misc]
         return configured
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
         own = self.own
         return QSGDCompressor(own.bucket_size, own.levels, (int(train.seed) << 32)
                               + int(client_key), own.error_feedback)
 
-    def codec(self, train: Any) -> Codec:
+    def codec(self, train: TrainSettings) -> Codec:
         return LevelsCodec(self.own.bucket_size, self.own.levels)
 
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # every entry is quantized; the zero levels cost their gaps' bits
 
 

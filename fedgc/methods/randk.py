@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgc import Compressor, DecodeError, DGCMemory, SparseTensor, SparseUpdate, StateError
+from dgc import Compressor, DecodeError, DGCConfig, SparseTensor, SparseUpdate
 from dgc.golomb import MAX_NUMEL
 from dgc.selection import num_selected
 from dgc.sparse import VALUE_DTYPES
@@ -40,23 +40,20 @@ from dgc.wire.framing import (
     MAX_U64,
     NDIM,
     Preamble,
-    as_view,
-    check_crc,
     check_end,
-    crc_offset,
-    name_bytes,
+    open_records,
     read,
-    read_name,
-    read_shape,
+    read_tensor_head,
     seal,
-    shape_bytes,
+    tensor_head,
 )
 from dgc.wire.value_codings import DTYPES_BY_ID, VALUE_DTYPE_IDS
+from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
-from fedgc.methods.dgc import layer_config
+from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, PayloadError, SparsePayload, check_tensors
 from fedgc.methods.registry import register
-from fedgc.methods.residual import ResidualCompressor
+from fedgc.methods.sparsifier import SparsifierSettings, layer_config
 
 __all__ = ["RandomK", "RandomKCodec", "RandomKCompressor", "SeededUpdate", "seeded_indices"]
 
@@ -126,21 +123,15 @@ class RandomKCompressor(ResidualCompressor):
     label = "random-k"
 
     def __init__(self, policy: Any, seed: int) -> None:
+        super().__init__()
         self.policy = policy
         self.seed = int(seed) & _MASK
-        self.memory = DGCMemory(0.0, False, False, 0.0)
         self._dtype = VALUE_DTYPES[policy.value_dtype]
 
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> SeededUpdate:
         """Add ``grads`` to the residual and send it at the round's seeded positions."""
-        for name, g in grads.items():
-            if not torch.isfinite(g).all():
-                raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was changed")
-            held = self.memory.v.get(name)
-            if held is not None and held.numel() != g.numel():
-                raise StateError(f"gradient {name!r} has {g.numel()} entries, the residual "
-                                 f"holds {held.numel()}")
+        self.check_gradients(grads)
         sequence = 0 if sequence is None else int(sequence)
         seed = int(_splitmix64(np.array([(self.seed + sequence) & _MASK], dtype=np.uint64))[0])
         density = self.policy.density_at(epoch)
@@ -166,7 +157,7 @@ class RandomKCodec(Codec):
     def __init__(self, policy: Any = None) -> None:
         self.policy = policy
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         if not isinstance(payload, SeededUpdate):
             raise TypeError(f"the FGCR payload encodes a SeededUpdate, got "
                             f"{type(payload).__name__}")
@@ -175,25 +166,17 @@ class RandomKCodec(Codec):
             if not torch.equal(t.indices, torch.from_numpy(
                     seeded_indices(payload.seed, position, t.numel, t.nnz))):
                 raise ValueError(f"tensor {name!r}: its indices are not the seeded ones")
-            parts += [name_bytes(name), shape_bytes(t.shape),
+            parts += [tensor_head(name, t.shape),
                       _TAIL.pack(t.nnz, VALUE_DTYPE_IDS[t.values.dtype]),
                       _raw(t.values)]
         return seal(parts)
 
     def decode(self, data: bytes, bound: Bound) -> SparsePayload:
-        view = as_view(data)
-        sequence, seed, count = PREAMBLE.open(view)
-        end = crc_offset(view)
-        if count * _MIN_RECORD > end - PREAMBLE.size:
-            raise DecodeError(f"truncated input: {count} tensors cannot fit in "
-                              f"{end - PREAMBLE.size} bytes")
-        check_crc(view, end)
+        view, (sequence, seed, count), end = open_records(data, PREAMBLE, _MIN_RECORD)
         pos, tensors = PREAMBLE.size, {}
         for position in range(count):
-            name, pos = read_name(view, pos, end, "tensor name")
-            if name in tensors:
-                raise DecodeError(f"tensor {name!r} appears twice")
-            shape, numel, pos = read_shape(view, pos, end, name, min(MAX_NUMEL, bound.max_numel))
+            name, shape, numel, pos = read_tensor_head(view, pos, end, tensors,
+                                                       min(MAX_NUMEL, bound.max_numel))
             k, dtype_id = read(_TAIL, view, pos, end, f"header of {name!r}")
             pos += _TAIL.size
             dtype = DTYPES_BY_ID.get(dtype_id)
@@ -215,7 +198,7 @@ class RandomKCodec(Codec):
         check_end(view, pos, end)
         return SparsePayload(SeededUpdate(tensors, sequence, seed=seed))
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: SparsePayload, bound: Bound) -> None:  # type: ignore[override]
         update = payload.update
         check_tensors({n: t.shape for n, t in update.tensors.items()}, bound.shapes)
         if self.policy is None or bound.server_round < 1:
@@ -247,7 +230,7 @@ class RandomKCodec(Codec):
         ]
 
 
-class RandomK(Method):
+class RandomK(Method[SparsifierSettings]):
     """Random-k with a shared seed and error feedback (module docstring)."""
 
     name = "randk"
@@ -257,21 +240,21 @@ class RandomK(Method):
     description = ("the residual at `density` of positions drawn from a seed, fp16; the seed "
                    "travels, not the indices")
     keeps_residual = True
-    prefix = "dgc"
+    settings = SparsifierSettings
     secure_sum = "seed"  # positions from a seed; under secure aggregation, the run's for all
 
-    @staticmethod
-    def policy(train: Any) -> Any:
+    def policy(self, train: TrainSettings) -> DGCConfig:
         """DGC's layer policy, density, warm-up and value precision for the run."""
-        return layer_config(train, momentum=0.0, momentum_correction=False,
+        return layer_config(train, self.own, momentum=0.0, momentum_correction=False,
                             momentum_masking=False, error_feedback=True)
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
         # One seed per client and run; splitmix64 spreads neighbouring keys apart.
         return RandomKCompressor(self.policy(train), (int(train.seed) << 32) + int(client_key))
 
-    def codec(self, train: Any) -> Codec:
-        return RandomKCodec(None if train is None else self.policy(train))
+    def codec(self, train: TrainSettings) -> Codec:
+        return RandomKCodec(self.policy(train))
 
 
 register(RandomK())

@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
+from fedgc.methods.optimizer import ServerOptimizer
+
 __all__ = ["ErrorAccumulation"]
 
 
-class ErrorAccumulation:
-    """The server optimizer of ``dgc.server_error`` (module docstring); the interface of
-    ``server.optimizer.ServerOptimizer``.
+class ErrorAccumulation(ServerOptimizer):
+    """The server optimizer of ``dgc.server_error`` (module docstring): a
+    :class:`fedgc.methods.optimizer.ServerOptimizer` whose step applies the error's top.
 
     Parameters
     ----------
@@ -47,9 +49,8 @@ class ErrorAccumulation:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"dgc.server_error must be in (0, 1] to apply anything, got "
                              f"{fraction!r}")
-        self.learning_rate, self.momentum, self.fraction = (float(learning_rate),
-                                                            float(momentum), float(fraction))
-        self.buffer: dict[str, torch.Tensor] | None = None  # u
+        super().__init__(learning_rate, momentum)  # its buffer is u
+        self.fraction = float(fraction)
         self.error: dict[str, torch.Tensor] | None = None  # e
 
     def step(self, model: Mapping[str, torch.Tensor],

@@ -20,14 +20,15 @@ with scale 1; the server refuses any other scale, so that no client weighs its v
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
 
-from dgc import Compressor, SparseUpdate, StateError
+from dgc import Compressor, StateError
+from fedgc.keys import RunSettings, TrainSettings
 from fedgc.methods.base import Aggregator, Method
-from fedgc.methods.efsign import SignsCodec, SignsUpdate, dense_signs
+from fedgc.methods.compressors import StatelessCompressor
+from fedgc.methods.efsign import SignsCodec, SignsPayload, SignsUpdate, dense_signs
 from fedgc.methods.payloads import Bound, Codec, PayloadError
 from fedgc.methods.registry import register
 
@@ -38,9 +39,10 @@ __all__ = ["MajorityVote", "SignVote", "VoteCodec", "VoteCompressor"]
 SERVER_LR = 0.003
 
 
-class VoteCompressor:
+class VoteCompressor(StatelessCompressor):
     """The sign of each entry of the pseudo-gradient, a coin flip for an exact 0 (implements
-    :class:`dgc.base.Compressor`; it keeps no state).
+    :class:`dgc.base.Compressor`; it keeps no state: a vote that was not counted is lost, as in
+    the paper).
 
     Parameters
     ----------
@@ -68,26 +70,11 @@ class VoteCompressor:
             out.tensors[name], out.scales[name] = dense_signs(tuple(g.shape), negative, 1.0), 1.0
         return out
 
-    def restore(self, update: SparseUpdate) -> None:
-        """Nothing to restore: a vote that was not counted is lost, as in the paper."""
-
-    def residual(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def scale_state(self, factor: float) -> None:
-        """No state to scale."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """No state to load."""
-
 
 class VoteCodec(SignsCodec):
     """The ``signs`` payload, every scale 1: a vote, that no client may weigh."""
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: SignsPayload, bound: Bound) -> None:  # type: ignore[override]
         super().check(payload, bound)
         for name, scale in payload.scales.items():
             if scale != 1.0:
@@ -117,16 +104,17 @@ class SignVote(Method):
                    "steps by `server_lr` times the sign of the unweighted sum (majority vote)")
     defaults = {"server_lr": SERVER_LR}
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
         return VoteCompressor((int(train.seed) << 32) + int(client_key))
 
-    def codec(self, train: Any) -> Codec:
+    def codec(self, train: TrainSettings) -> Codec:
         return VoteCodec()
 
-    def aggregator(self, config: Any) -> Aggregator:
+    def aggregator(self, run: RunSettings) -> Aggregator:
         return MajorityVote()
 
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # one bit for every entry
 
 

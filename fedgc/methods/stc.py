@@ -9,18 +9,18 @@ both ways. docs/methods.md sets them beside the reference code's.
 
 from __future__ import annotations
 
-from typing import Any
-
 from dgc import Compressor
 from dgc.stc import STC_DENSITY, STCCompressor, stc_config
+from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.registry import register
+from fedgc.methods.sparsifier import SparsifierSettings
 
 __all__ = ["STC"]
 
 
-class STC(Method):
+class STC(Method[SparsifierSettings]):
     """Sparse ternary compression of both directions (module docstring)."""
 
     name = "stc"
@@ -29,15 +29,16 @@ class STC(Method):
     description = ("top-k at `density` of every tensor (biases too) as sign * mean "
                    "magnitude, one bit each")
     keeps_residual = True
-    prefix = "dgc"
+    settings = SparsifierSettings
     defaults = {"density": STC_DENSITY, "downlink_density": STC_DENSITY,
                 "downlink_values": "ternary"}
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
         # One density for every tensor, as STC has; the scale's precision is dgc.value_dtype.
-        return STCCompressor(stc_config(train.density, train.value_dtype))
+        return STCCompressor(stc_config(train.density, self.own.value_dtype))
 
-    def codec(self, train: Any) -> Codec:
+    def codec(self, train: TrainSettings) -> Codec:
         return SparseCodec(sign_coding=True)  # ternary whatever dgc.ternary says
 
 

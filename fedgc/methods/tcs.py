@@ -42,7 +42,7 @@ import dgc
 from dgc import (
     Compressor,
     DecodeError,
-    DGCMemory,
+    DGCConfig,
     EncodeError,
     SparseTensor,
     SparseUpdate,
@@ -53,20 +53,21 @@ from dgc.signs.planner import SharedIndexPlanner
 from dgc.sparse import VALUE_DTYPES
 from dgc.wire.framing import (
     Preamble,
-    as_view,
-    check_crc,
-    crc_offset,
     name_bytes,
+    open_records,
     read,
     read_name,
     seal,
 )
 from dgc.wire.value_codings import DTYPES_BY_ID, RAW_BITS, VALUE_DTYPE_IDS, raw_values
-from fedgc.methods.base import Channel, Method
-from fedgc.methods.dgc import SharedSigns, layer_config
+from fedgc.keys import RunSettings, TrainSettings
+from fedgc.methods.base import Method
+from fedgc.methods.compressors import ResidualCompressor
+from fedgc.methods.dgc import SharedSigns
+from fedgc.methods.material import Channel, RoundMaterial
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
 from fedgc.methods.registry import register
-from fedgc.methods.residual import ResidualCompressor
+from fedgc.methods.sparsifier import SparsifierSettings, layer_config
 from fedgc.schema import Check, setting
 
 __all__ = ["TCS", "Budget", "MaskedCodec", "MaskedPayload", "MaskedUpdate", "TCSCompressor",
@@ -82,8 +83,10 @@ _MIN_RECORD = 2 + _TAIL.size
 
 
 @dataclass(frozen=True)
-class TCSSettings:
-    """TCS's own keys (``tcs.*``); the mask's density is the shared ``density`` (TCS: 0.01)."""
+class TCSSettings(SparsifierSettings):
+    """TCS's own keys (``tcs.*``), on the sparsifiers' shared ones (its layer policy, value
+    precision and small tensors' density); the mask's density is the shared ``density`` (TCS:
+    0.01)."""
 
     topk_share: float = setting(
         0.1, "tcs.topk_share", "entries a client sends outside the server's mask (its top-k of "
@@ -185,17 +188,11 @@ class TCSCompressor(ResidualCompressor):
                  masks: Mapping[str, np.ndarray] | None = None) -> None:
         self.policy, self.budget = policy, budget
         self.masks = dict(masks or {})
-        self.memory = DGCMemory(0.0, False, False, 0.0)
+        super().__init__()
         self._dtype = VALUE_DTYPES[policy.value_dtype]
 
     def _check(self, grads: Mapping[str, torch.Tensor]) -> None:
-        for name, g in grads.items():
-            if not torch.isfinite(g).all():
-                raise StateError(f"gradient {name!r} contains NaN or Inf; nothing was changed")
-            held = self.memory.v.get(name)
-            if held is not None and held.numel() != g.numel():
-                raise StateError(f"gradient {name!r} has {g.numel()} entries, the residual "
-                                 f"holds {held.numel()}")
+        self.check_gradients(grads)
         for name, mask in self.masks.items():
             g = grads.get(name)
             if g is None or self.policy.sends_dense(tuple(g.shape)):
@@ -247,7 +244,7 @@ class MaskedCodec(Codec):
     def __init__(self, policy: Any = None, budget: Budget | None = None) -> None:
         self.policy, self.budget = policy, budget
 
-    def encode(self, payload: Any) -> bytes:
+    def encode(self, payload: object) -> bytes:
         if isinstance(payload, MaskedPayload):
             rest, masked = payload.update, payload.masked.tensors
         elif isinstance(payload, MaskedUpdate):
@@ -268,13 +265,7 @@ class MaskedCodec(Codec):
         return seal(parts)
 
     def decode(self, data: bytes, bound: Bound) -> MaskedPayload:
-        view = as_view(data)
-        (count,) = PREAMBLE.open(view)
-        end = crc_offset(view)
-        if count * _MIN_RECORD > end - PREAMBLE.size:
-            raise DecodeError(f"truncated input: {count} masked tensors cannot fit in "
-                              f"{end - PREAMBLE.size} bytes")
-        check_crc(view, end)
+        view, (count,), end = open_records(data, PREAMBLE, _MIN_RECORD, "masked tensors")
         masks: Mapping[str, np.ndarray] = bound.material or {}
         pos, masked = PREAMBLE.size, {}
         for _ in range(count):
@@ -311,7 +302,7 @@ class MaskedCodec(Codec):
         rest = dgc.decode(view[pos:end], max_numel=bound.max_numel)
         return MaskedPayload(rest, SparseUpdate(masked, rest.sequence))
 
-    def check(self, payload: Any, bound: Bound) -> None:
+    def check(self, payload: MaskedPayload, bound: Bound) -> None:  # type: ignore[override]
         rest = payload.update
         if rest.packed is not None:
             layout = rest.packed.layout
@@ -363,7 +354,7 @@ _GOLDEN_MASKS = {"fc.weight": np.array([0, 17, 100, 254], dtype=np.int64),
                  "层.权重": np.array([4, 19], dtype=np.int64)}
 
 
-class TCS(Method):
+class TCS(RoundMaterial, Method[TCSSettings]):
     """Time-correlated sparsification (module docstring)."""
 
     name = "tcs"
@@ -375,42 +366,39 @@ class TCS(Method):
                    "the last aggregate moved most; no indices) and its top-k outside it "
                    "(`tcs.topk_share` of the mask), fp16")
     keeps_residual = True
-    prefix = "tcs"
     settings = TCSSettings
     defaults = {"density": TCS_DENSITY}
     secure_sum = "material"  # the mask's values and the tensors sent whole
 
-    @staticmethod
-    def policy(train: Any) -> Any:
+    def policy(self, train: TrainSettings) -> DGCConfig:
         """DGC's layer policy and value precision for the run (``dgc.min_sparse_numel``,
         ``dgc.sparse_vectors``, ``dgc.value_dtype``)."""
-        return layer_config(train, momentum=0.0, momentum_correction=False,
+        return layer_config(train, self.own, momentum=0.0, momentum_correction=False,
                             momentum_masking=False, error_feedback=True)
 
-    def budget(self, train: Any) -> Budget:
+    def budget(self, train: TrainSettings) -> Budget:
         """The mask's and the top-k's sizes: ``density``, and ``dgc.small_density`` (when
         larger) for tensors of at most ``dgc.small_numel`` entries, as the other methods of
         the DGC family give their output layer."""
-        small = max(train.small_density, train.density) if train.small_density > 0 else 0.0
-        return Budget(float(train.density), float(small), int(train.small_numel),
-                      float(self.own.topk_share))
+        own, density = self.own, float(train.density)  # type: ignore[arg-type]
+        small = max(own.small_density, density) if own.small_density > 0 else 0.0
+        return Budget(density, float(small), int(own.small_numel), float(own.topk_share))
 
-    def compressor(self, train: Any, client_key: int, material: Any = None) -> Compressor:
+    def compressor(self, train: TrainSettings, client_key: int,
+                   material: object = None) -> Compressor:
         return TCSCompressor(self.policy(train), self.budget(train), material)
 
-    def codec(self, train: Any) -> Codec:
-        if train is None:
-            return MaskedCodec()
+    def codec(self, train: TrainSettings) -> Codec:
         return MaskedCodec(self.policy(train), self.budget(train))
 
-    def read_material(self, data: bytes, numels: Mapping[str, int]) -> Any:
+    def read_material(self, data: bytes, numels: Mapping[str, int]) -> object:
         return decode_mask(data, numels)[1]
 
-    def uplink_density(self, train: Any) -> float:
+    def uplink_density(self, train: TrainSettings) -> float:
         return float(train.density) * (1.0 + float(self.own.topk_share))
 
-    def channel(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
-        train = config.train
+    def channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
+        train = run.train
         policy, budget = self.policy(train), self.budget(train)
         sparse = {n: tuple(s) for n, s in shapes.items() if not policy.sends_dense(tuple(s))}
         if not sparse:

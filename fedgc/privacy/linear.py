@@ -52,7 +52,7 @@ import torch
 
 from dgc import SparseTensor, SparseUpdate
 from fedgc.methods import Method, Payload, registered
-from fedgc.methods.dgc import layer_config
+from fedgc.methods.sparsifier import SparsifierSettings, layer_config
 
 __all__ = ["SECURE_SUMS", "Layout", "NotLinearError", "Segment", "check_secure",
            "client_compressor", "hold_back", "round_layout", "secure_methods"]
@@ -75,7 +75,7 @@ def secure_methods() -> tuple[str, ...]:
 
 def check_secure(method: Method, train: Any) -> None:
     """NotLinearError (one line) unless secure aggregation can sum ``method``'s payloads in a
-    run of ``train`` (the run's TrainSettings)."""
+    run of ``train`` (the run's TrainSettings; ``method`` configured with the run's keys)."""
     kind = method.secure_sum
     if kind not in ("", *SECURE_SUMS):
         raise NotLinearError(f"method {method.name!r} declares secure_sum = {kind!r}; expected "
@@ -85,9 +85,10 @@ def check_secure(method: Method, train: Any) -> None:
             f"method {method.name!r} does not sum at coordinates every client knows (per-client "
             f"indices, scales or factors); secure aggregation works with "
             f"{', '.join(secure_methods())}")
-    if kind == "material" and getattr(train, "feedback", "residual") != "residual":
+    feedback = getattr(method.own, "feedback", "residual")  # dgc's aggregate feedback
+    if kind == "material" and feedback != "residual":
         raise NotLinearError(
-            f"method {method.name!r} with dgc.feedback = {train.feedback}: the server adds each "
+            f"method {method.name!r} with dgc.feedback = {feedback}: the server adds each "
             f"client's own reference to its reply, which a masked sum cannot; use "
             f"dgc.feedback = residual")
 
@@ -203,7 +204,9 @@ def round_layout(method: Method, train: Any, space: Mapping[str, tuple[int, ...]
             isinstance(v, np.ndarray) for v in material.values())):
         raise NotLinearError(f"method {method.name!r}: the round material is a "
                              f"{type(material).__name__}, not index sets")
-    policy = layer_config(train)
+    # The sparsifiers' layer policy (their keys' defaults for a method without them).
+    own = method.own if isinstance(method.own, SparsifierSettings) else SparsifierSettings()
+    policy = layer_config(train, own)
     sets = dict(material or {})
     segments = []
     for name, shape in space.items():

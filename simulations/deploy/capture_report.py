@@ -5,6 +5,9 @@ from __future__ import annotations
 import csv
 from typing import Any
 
+from simulations.wire.report import format_table, summarize, write_wire
+from simulations.wire.supernode import analyse_deployment
+
 from .cluster import Deployment
 from .fedgc_run import FedgcRun
 
@@ -25,9 +28,6 @@ def payload_in_clients_csv(run_dir: Any) -> dict[str, int]:
 
 def write_capture_ledger(dep: Deployment, run: FedgcRun) -> str:
     """Analyse every node's capture, write ``<run_dir>/wire.json``, return its table."""
-    from simulations.wire.report import format_table, summarize, write_wire
-    from simulations.wire.supernode import analyse_deployment
-
     link = dep.config.link
     nodes = analyse_deployment(dep.capture_dir, dep.config.nodes)
     summary = summarize(nodes, "supernode", {

@@ -17,13 +17,28 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
+from android_bridge.export import check_phone_run
+from dgc.errors import ConfigError
 from fedgc.refs import ALLOWED_CALLABLES, is_ref
+from fedgc.settings import SettingsError, new_run_name
 from simulations.cli_common import load_config_file, summary_table
 from simulations.cli_common import parse_sets as parse_run_sets
 
 from .calibrate import measure, point_to_dict, predicted_transfer_s
+from .capture_report import write_capture_ledger
 from .cluster import Deployment, DeploymentConfig, default_node_config
 from .errors import DeployError, DeployInterrupted
+from .fedgc_run import (
+    bytes_table,
+    check_fedgc_run,
+    deploy_run_config,
+    finish_fedgc,
+    format_nodes,
+    link_stats,
+    node_rows,
+    submit_fedgc,
+    write_deploy_record,
+)
 from .links import MODES, choose_mode
 from .phones import PhoneFleet
 from .presets import preset, preset_names
@@ -236,19 +251,8 @@ def _deployment_config(args: argparse.Namespace, fleet: PhoneFleet | None = None
 def _run_fedgc(args: argparse.Namespace) -> int:
     import time
 
-    from fedgc.settings import SettingsError, new_run_name
+    # Imported here: start-up; matplotlib loads only when something is plotted.
     from simulations.plots import plot_run
-
-    from .fedgc_run import (
-        bytes_table,
-        check_fedgc_run,
-        deploy_run_config,
-        finish_fedgc,
-        format_nodes,
-        node_rows,
-        submit_fedgc,
-        write_deploy_record,
-    )
 
     try:
         values: dict[str, object] = {}
@@ -265,11 +269,8 @@ def _run_fedgc(args: argparse.Namespace) -> int:
     run_config = deploy_run_config(values, args.nodes + args.phones,
                                    "--nodes + --phones" if args.phones else "--nodes")
     if args.phones:
-        from android_bridge.export import check_phone_run
-        from dgc.errors import ConfigError
-
         try:
-            check_phone_run(run_config.train, run_config.server)
+            check_phone_run(run_config.method, run_config.server)
         except ConfigError as err:
             raise DeployError(str(err)) from err
     check_fedgc_run(run_config)  # before any process starts
@@ -325,8 +326,6 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         print(format_nodes(node_rows(run.run_dir, record)))
     written = ["rounds.csv", "clients.csv", "summary.json", "deploy.json", plot.name]
     if args.capture:
-        from .capture_report import write_capture_ledger
-
         print(write_capture_ledger(dep, run))
         written.append("wire.json")
     print(f"results: {run.run_dir}/{', '.join(written)}")
@@ -336,8 +335,6 @@ def _run_fedgc(args: argparse.Namespace) -> int:
 def phones_record(fleet: PhoneFleet) -> dict[str, object]:
     """``deploy.json``'s keys for the phones: each phone's arch and rounds (client key ->),
     and what each phone's link carried."""
-    from .fedgc_run import link_stats
-
     reports = fleet.reports()
     return {
         "phones": {str(fleet.first_key + k): {"device": r.get("device"), "arch": fleet.arch,

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedgc.settings import RunConfig, SettingsError
+from server.app import RunFolderError, prepare_run_dir, progress_line
+from server.preflight import PreflightError
+from server.records import RoundRecord
+
 from .cluster import Deployment, RunResult
 from .errors import DeployError
 from .fedgc_app import PHONE_CLIENT_APP, write_app
@@ -31,8 +36,6 @@ def deploy_run_config(base: Mapping[str, object], nodes: int, nodes_option: str 
     DeployError
         When ``num_clients`` is set to something else than ``nodes``, or a key is invalid.
     """
-    from fedgc.settings import RunConfig, SettingsError
-
     values = dict(base)
     if "num_clients" in values and int(str(values["num_clients"])) != nodes:
         raise DeployError(
@@ -73,9 +76,6 @@ def check_fedgc_run(config: Any) -> None:
     DeployError
         What :func:`server.app.prepare_run_dir` refused.
     """
-    from server.app import RunFolderError, prepare_run_dir
-    from server.preflight import PreflightError
-
     try:
         # The deployed ServerApp takes the run folder's lock itself, in its own process.
         prepare_run_dir(config).release()
@@ -109,9 +109,6 @@ class RoundProgress:
         self.started = time.monotonic()
 
     def __call__(self) -> None:
-        from server.app import progress_line
-        from server.records import RoundRecord
-
         try:
             with self.path.open(newline="", encoding="utf-8") as fh:
                 rows = list(csv.DictReader(fh))

@@ -25,6 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from android_bridge.export import MANIFEST_FILE, export_run
+from android_bridge.notices import quiet_toolchain
+from dgc.errors import ConfigError
+
 from .certs import make_tls
 from .errors import DeployError
 from .files import private_dir, write_private
@@ -103,10 +107,6 @@ class PhoneFleet:
         """Export the phones' files for the run of ``config`` (a RunConfig) into ``reuse``, or
         the fleet's folder; an export already in ``reuse`` is used as it is (a phone refuses a
         task its export cannot run, naming the key). Returns whether it exported."""
-        from android_bridge.__main__ import quiet_toolchain
-        from android_bridge.export import MANIFEST_FILE, export_run
-        from dgc.errors import DGCError
-
         if reuse is not None:
             self.export_dir = reuse.resolve()
             if (self.export_dir / MANIFEST_FILE).exists():
@@ -114,7 +114,7 @@ class PhoneFleet:
         quiet_toolchain()
         try:
             export_run(config, self.export_dir)
-        except DGCError as err:
+        except ConfigError as err:  # what an export refuses, naming the key
             raise DeployError(f"cannot export the phones' files for this run: {err}") from err
         return True
 

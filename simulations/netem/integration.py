@@ -1,22 +1,27 @@
-"""Wiring of the emulator into a fedgc run: config keys, the wrapped ClientApp, the strategy.
+"""Wiring of the emulator into a fedgc run: config keys, the wrapped ClientApp, the server's
+extensions.
 
 ``python -m simulations run --set netem.enabled=true --set netem.mix=lte:0.5,3g:0.5 ...``:
 the CLI splits the ``netem.*`` keys off with :func:`split_netem`, and the runner wraps the
-ClientApp with :func:`wrap_client_app` and builds :class:`NetemStrategy` instead of DGCStrategy.
+ClientApp with :func:`wrap_client_app` and gives the strategy the emulator's
+:func:`extensions` (:mod:`server.extensions`), like any other extension.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from fedgc.settings import RunConfig
+from server.extensions import RoundExtension
+from simulations.netem.extension import NetemClock
 from simulations.netem.mod import netem_mod
 from simulations.netem.settings import PREFIX, NetemSettings
+from simulations.netem.wire_columns import WireColumns
 
 
 def split_netem(values: Mapping[str, object]) -> tuple[dict[str, object], NetemSettings]:
@@ -26,7 +31,7 @@ def split_netem(values: Mapping[str, object]) -> tuple[dict[str, object], NetemS
     return rest, netem
 
 
-def for_run(netem: NetemSettings, config: Any) -> NetemSettings:
+def for_run(netem: NetemSettings, config: RunConfig) -> NetemSettings:
     """``netem`` with the client count and per-round samples taken from a RunConfig, and the
     trace, power-model and protocol-profile files as absolute paths (clients may run in
     another folder)."""
@@ -54,11 +59,9 @@ def wrap_client_app(app: ClientApp) -> ClientApp:
     return wrapped
 
 
-def strategy_factory(netem: NetemSettings) -> Callable[..., Any]:
-    """A DGCStrategy-compatible constructor that builds :class:`NetemStrategy` for ``netem``."""
-    from simulations.netem.strategy import NetemStrategy
-
-    def make(*args: Any, **kwargs: Any) -> NetemStrategy:
-        return NetemStrategy(*args, netem=netem, target_accuracy=netem.target_accuracy, **kwargs)
-
-    return make
+def extensions(netem: NetemSettings, config: RunConfig) -> list[RoundExtension]:
+    """The emulator's server extensions for a run of ``config`` (``netem`` from
+    :func:`for_run`): its round clock, then its wire and energy columns (which read the
+    clock's ``virtual_seconds``)."""
+    clock = NetemClock(netem, config.train.clients_per_round, config.server.over_selection)
+    return [clock, WireColumns(netem, clock)]

@@ -34,6 +34,7 @@ from flwr.proto.recorddict_pb2 import Array as ProtoArray
 from client.app import (
     allowed_callables,
     client_key,
+    for_method,
     message_config,
     method_of,
     settings_from,
@@ -212,6 +213,7 @@ def _age_residual(msg: Message, context: Context, key: int, round_index: int,
         return None
     record = state.to_record()
     method = method_of(train, config, allowed)
+    train = for_method(train, method)
     report = apply_stale_policy_to_record(record, round_index,
                                           int(config.get(ACK_SEQUENCE, -1)), settings.stale,
                                           lambda: method.compressor(train, key), method, train)

@@ -26,7 +26,7 @@ objects:
   ``server``
       the server's own work in the round's path: with ``server_measured``, the aggregation and
       the downlink's encoding *as this run's server measured them* (its thread's CPU seconds, by
-      :class:`simulations.netem.strategy.NetemStrategy`), plus ``server_s`` fixed seconds.
+      :class:`simulations.netem.extension.NetemClock`), plus ``server_s`` fixed seconds.
 
 The byte terms come from :mod:`simulations.wire` ledgers of real deployments
 (``python -m simulations wire calibrate RUN_DIR ... --out FILE``, a least-squares fit per

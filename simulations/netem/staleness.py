@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from client.state import fold_back_pending
-from dgc import Compressor, DGCCompressor, DGCConfig, StateError
+from dgc import Compressor
 from dgc.wire import MAX_NUMEL
-from fedgc.methods import Bound
-from fedgc.methods.dgc import DGC
+from fedgc.keys import TrainSettings
+from fedgc.methods import Bound, Method, pending_parts
 from simulations.netem._validate import integer, number
 from simulations.netem.errors import LinkConfigError
 
@@ -99,28 +99,21 @@ def apply_stale_policy(compressor: Compressor, rounds_away: int,
 
 
 def _stored_compressor(record: dict[str, Any],
-                       make_compressor: Callable[[], Compressor] | None) -> Compressor:
+                       make_compressor: Callable[[], Compressor]) -> Compressor:
     """The compressor of a stored record, its state loaded."""
-    if make_compressor is not None:
-        compressor = make_compressor()
-    elif "config" in record["compressor"]:
-        compressor = DGCCompressor(DGCConfig.from_dict(record["compressor"]["config"]))
-    else:
-        raise StateError("the stored compressor state carries no config; pass make_compressor")
+    compressor = make_compressor()
     compressor.load_state_dict(record["compressor"])
     return compressor
 
 
 def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_sequence: int,
-                                 policy: StalePolicy,
-                                 make_compressor: Callable[[], Compressor] | None = None,
-                                 method: Any = None, train: Any = None) -> StaleReport | None:
+                                 policy: StalePolicy, make_compressor: Callable[[], Compressor],
+                                 method: Method, train: TrainSettings) -> StaleReport | None:
     """Apply ``policy`` to a client's stored record (``client.app``'s format), in place.
 
     ``make_compressor`` builds an empty compressor of the client's kind (its method's
-    ``compressor``); without it the record must hold a plain ``DGCCompressor.state_dict()``,
-    whose config it carries. ``method`` and ``train`` read the stored payload (default: DGC's
-    format, :func:`client.state.fold_back_pending`).
+    ``compressor``); the run's ``method`` and ``train`` settings read the stored payload
+    (:func:`client.state.fold_back_pending`).
     The record holds ``compressor`` (the compressor's ``state_dict()``) and ``pending`` (the
     encoded last update, a uint8 tensor; with the shared sign channel also ``pending_shared``
     and ``pending_mask``). The client was last trained in round
@@ -131,7 +124,6 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     """
     if policy.mode == "keep" or "compressor" not in record or record.get("pending") is None:
         return None
-    method = DGC() if method is None else method
     compressor = None
     if record.get("pending_mask") is not None:
         # A payload that answered the round's material (TCS's values at the server's mask) is
@@ -139,7 +131,7 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
         compressor = _stored_compressor(record, make_compressor)
         stored = [None if record.get(k) is None else bytes(record[k].numpy().tobytes())
                   for k in ("pending", "pending_shared", "pending_mask")]
-        sequence, _ = method.pending_parts(train, *stored, {  # type: ignore[arg-type]
+        sequence, _ = pending_parts(method, train, *stored, {  # type: ignore[arg-type]
             n: (v.numel(),) for n, v in compressor.residual().items()})
     else:
         # The client's own bytes, from its own store: bounded by the format alone.

@@ -1,6 +1,6 @@
 """Time, wire bytes and joules to a target accuracy, read from a run's rows of ``rounds.csv``.
 
-One reading for ``summary.json`` (:class:`~simulations.netem.strategy.NetemColumns`,
+One reading for ``summary.json`` (:class:`~simulations.netem.extension.NetemClock`,
 :class:`~simulations.netem.wire_columns.WireColumns`), ``compare`` (:mod:`simulations.cli`) and
 the report (:mod:`simulations.netem.report`), whatever drove the run: each row is one model the
 server applied (a synchronous round; an asynchronous server step when there is one), and its

@@ -35,9 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from flwr.app import Message
-
-from server.extensions import Added, Column, RoundExtension
+from server.extensions import Added, Column, Reply, RoundExtension
 from server.records import ClientRow, RoundRecord
 from server.results import traffic
 from simulations.netem.energy import LINK_RADIO, RadioPowerModel, Transfer, radio_energy
@@ -51,7 +49,7 @@ from simulations.netem.settings import (
 )
 
 if TYPE_CHECKING:
-    from simulations.netem.strategy import NetemStrategy
+    from simulations.netem.extension import NetemClock
 
 __all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "WireColumns", "idle_rates", "idle_watts"]
 
@@ -70,7 +68,17 @@ def _ratio(dense: float, sent: float) -> float:
 
 class WireColumns(RoundExtension):
     """Payload and link bytes with their ratios to dense, joules and the round split (module
-    docstring). ``take`` is given each round's replies before the round is recorded."""
+    docstring), from the ``netem`` records of every reply of the round (arrived or not: the
+    wire carried them), over the round's virtual time (the ``virtual_seconds`` column of
+    ``clock``, which runs first) and with its server seconds (``clock.round_server_s``).
+
+    Parameters
+    ----------
+    netem : NetemSettings
+        The scenario: its protocol, link mix and clients.
+    clock : NetemClock
+        The emulator's round clock, whose server seconds this splits out.
+    """
 
     columns = (
         Column("uplink_compression"), Column("downlink_compression"),
@@ -88,31 +96,36 @@ class WireColumns(RoundExtension):
         Column("round_server_s"),
     )
 
-    def __init__(self, strategy: NetemStrategy) -> None:
-        self.strategy = strategy
-        self._taken: dict[int, tuple[dict[int, dict[str, float]], float]] = {}
+    def __init__(self, netem: NetemSettings, clock: NetemClock) -> None:
+        self.netem, self.clock = netem, clock
+        self._tensor_bytes: list[int] = []  # float32 bytes of each model tensor
+        self._taken: dict[int, dict[int, dict[str, float]]] = {}
         # Per link preset: [joules, client-rounds] of the clients that worked on it.
         self.by_link: dict[str, list[float]] = {}
 
-    # ---- what the strategy hands over --------------------------------------------------------
-    def take(self, server_round: int, replies: Sequence[tuple[int, Message]],
-             round_s: float) -> None:
-        """Keep the ``netem`` records of the round's replies (client key, message) and its
-        virtual length (the idle nodes' traffic runs over it)."""
+    def set_model(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Keep the model's tensor sizes: what dense FedAvg ships."""
+        self._tensor_bytes = [4 * math.prod(shape) for shape in shapes.values()]
+
+    def arrived(self, server_round: int, replies: Sequence[Reply]) -> Sequence[Reply]:
+        """Keep the ``netem`` records of the round's replies, by client key; every reply
+        arrives as far as the wire is concerned."""
         per_client: dict[int, dict[str, float]] = {}
-        for key, msg in replies:
-            values = {k: v for k, v in reply_metrics(msg).items() if math.isfinite(v) and v >= 0}
+        for reply in replies:
+            values = {k: v for k, v in reply_metrics(reply.message).items()
+                      if math.isfinite(v) and v >= 0}
             if values:
-                per_client[key] = values
-        self._taken[server_round] = (per_client, round_s)
+                per_client[reply.client_key] = values
+        self._taken[server_round] = per_client
+        return replies
 
     # ---- RoundExtension ----------------------------------------------------------------------
     def after_round(self, record: RoundRecord, rows: list[ClientRow]) -> Added:
         """The round's wire, energy and time columns (module docstring)."""
-        per_client, round_s = self._taken.pop(record.round, ({}, 0.0))
-        server_s = self.strategy.round_server_s(record.round)
-        round_s += server_s
-        proto = self.strategy.netem.protocol_model()
+        per_client = self._taken.pop(record.round, {})
+        server_s = self.clock.round_server_s(record.round)
+        round_s = float(record.extra.get("virtual_seconds", 0.0))  # the clock's, server's too
+        proto = self.netem.protocol_model()
         sums = dict.fromkeys(_SUMS, 0.0)
         clients: dict[int, dict[str, int | float | str]] = {}
         busy_s = 0.0
@@ -136,8 +149,8 @@ class WireColumns(RoundExtension):
                                 "wire_downlink_bytes": int(v.get("link_down_bytes", 0)),
                                 "joules": v.get("radio_j", 0.0) + v.get("compute_j", 0.0),
                                 "radio_joules": v.get("radio_j", 0.0)}
-        idle_node_s = max(0.0, self.strategy.netem.num_clients * round_s - busy_s)
-        up_rate, down_rate, watts = idle_rates(self.strategy.netem)
+        idle_node_s = max(0.0, self.netem.num_clients * round_s - busy_s)
+        up_rate, down_rate, watts = idle_rates(self.netem)
         values: dict[str, int | float] = {
             "uplink_compression": _ratio(record.dense_uplink_bytes, record.uplink_bytes),
             "downlink_compression": _ratio(record.dense_downlink_bytes, record.downlink_bytes),
@@ -198,8 +211,8 @@ class WireColumns(RoundExtension):
                 for link, (j, n_link) in sorted(self.by_link.items())},
             "joules_total": joules,
             "idle_joules": total("idle_joules"),
-            "wire": {"protocol": self.strategy.netem.protocol,
-                     "profile": profile_line(self.strategy.netem), "client_rounds": int(n),
+            "wire": {"protocol": self.netem.protocol,
+                     "profile": profile_line(self.netem), "client_rounds": int(n),
                      "round_split_s": split,
                      **{f"{k}_per_client_round": per(c) for k, c in (
                          ("payload_up_bytes", "payload_up_bytes"),
@@ -221,15 +234,14 @@ class WireColumns(RoundExtension):
 
     def _link_of(self, key: int) -> str:
         """The link preset of client ``key`` in the scenario ("" when it has none)."""
-        assignment = assignment_for(self.strategy.netem)
+        assignment = assignment_for(self.netem)
         return assignment.link_name(key) if 0 <= key < len(assignment) else ""
 
     # ---- dense FedAvg on the same links --------------------------------------------------------
     def _dense_link(self, v: Mapping[str, float], proto: ProtocolModel | None
                     ) -> tuple[float, float]:
         """(up, down) link bytes dense FedAvg would have moved in this client-round."""
-        s = self.strategy
-        tensors = [4 * math.prod(shape) for shape in s.shapes.values()]
+        tensors = self._tensor_bytes
         model = update = sum(tensors)  # float32 arrays, as dense FedAvg ships its state dict
         got = v.get("payload_down_bytes", 0.0) > 0
         sent = v.get("payload_up_bytes", 0.0) > 0

@@ -9,9 +9,9 @@ bridge through its link (a veth pair shaped with ``tbf``, the userspace proxy fo
 ``deploy`` does for SuperNodes); the federation is ``server.app.run_server`` on a
 ``LocalGrid`` whose ClientApp hands every train round to the node's phone
 (``android_bridge.bridge_app``). ``--method dense`` runs what dense FedAvg sends through the
-bridge: the phone's update with every tensor dense in float32 (``method=topk`` at density 1,
-every tensor below ``dgc.min_sparse_numel``: the bytes of dense FedAvg's update, no indices) and
-the exact model down.
+bridge: the phone's update with every tensor dense in float32 (topk's keys for it,
+``fedgc.methods.topk.PHONE_DENSE``: the bytes of dense FedAvg's update, no indices) and the
+exact model down.
 The ledger goes to ``<out>/<run>/wire.json`` and is printed.
 """
 
@@ -26,7 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from android_bridge.bridge import PhoneBridge
+from android_bridge.bridge_app import make_bridge_app
+from android_bridge.export import exact_config, export_all, phone_config
+from client.app import task_of
+from fedgc.methods.topk import PHONE_DENSE
+from fedgc.settings import RunConfig
+from server.app import run_server
+from server.local_grid import LocalGrid
 from simulations.deploy.capture import PacketCapture
+from simulations.deploy.capture_report import payload_in_clients_csv
 from simulations.deploy.certs import make_tls
 from simulations.deploy.files import private_dir
 from simulations.deploy.links import LinkSet, choose_mode
@@ -37,42 +46,33 @@ from .bridge_link import analyse_phone
 from .errors import WireError
 from .report import format_table, summarize, write_wire
 
-#: Run keys of each measured variant (on top of the task, clients, rounds and seed).
-VARIANTS: dict[str, dict[str, object]] = {
-    # A default fedgc run, as a phone exported with no options takes it.
-    "dgc": {"method": "dgc"},
-    # Dense FedAvg through the bridge: every tensor of the update dense in float32 up (the
-    # phone's encode_dense: values only, as dense FedAvg's arrays), the exact model down.
-    "dense": {"method": "topk", "density": 1.0, "dgc.value_dtype": "float32",
-              "dgc.min_sparse_numel": 2**31 - 1, "dgc.small_density": 0.0,
-              "downlink_density": 1.0, "dgc.shared_density": 0.0},
-}
+#: The measured variants (``--method``): ``dgc``, a default fedgc run, as a phone exported
+#: with no options takes it; ``dense``, dense FedAvg through the bridge: every tensor of the
+#: update dense in float32 up (the phone's encode_dense: values only, as dense FedAvg's
+#: arrays; topk's keys for it, ``fedgc.methods.topk.PHONE_DENSE``), the exact model down.
+VARIANTS = ("dense", "dgc")
 
 
 def run_config(task: str, variant: str, phones: int, rounds: int, seed: int,
                results_dir: Path, run_name: str) -> Any:
     """The federation's RunConfig for ``variant`` (see :data:`VARIANTS`)."""
-    from fedgc.settings import RunConfig
-
     if variant not in VARIANTS:
         raise WireError(f"--method {variant!r} unknown, expected one of {sorted(VARIANTS)}")
+    keys = {"dense": PHONE_DENSE, "dgc": {"method": "dgc"}}[variant]
     return RunConfig.from_flat({
         "task": task, "num_clients": phones, "clients_per_round": phones, "rounds": rounds,
         "seed": seed, "progress": False, "results_dir": str(results_dir),
-        "run_name": run_name, "overwrite": True, **VARIANTS[variant]})
+        "run_name": run_name, "overwrite": True, **keys})
 
 
 def export_for(config: Any, out: Path) -> Path:
     """The phone files for ``config`` (exported once into ``out``)."""
-    from android_bridge.export import exact_config, export_all
-    from client.app import task_of
-
     t = config.train
     if (out / "manifest.json").exists():
         return out
     model = task_of(t.task_spec()).build_model()
     largest = max(p.numel() for p in model.parameters())
-    export_all(t.task, out, exact_config(config.method.phone_config(t)), batch_size=t.batch_size,
+    export_all(t.task, out, exact_config(phone_config(config)), batch_size=t.batch_size,
                learning_rate=t.lr, seed=t.seed, max_numel=largest)
     return out
 
@@ -80,11 +80,6 @@ def export_for(config: Any, out: Path) -> Path:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the phones, the bridge and the federation; return the wire ledger."""
     import grpc
-
-    from android_bridge.bridge import PhoneBridge
-    from android_bridge.bridge_app import make_bridge_app
-    from server.app import run_server
-    from server.local_grid import LocalGrid
 
     out = Path(args.out).resolve()
     name = args.run_name or f"bridge-{args.method}-{args.link}-{'tls' if args.tls else 'plain'}"
@@ -144,7 +139,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         bridge.stop()
     nodes = {i: analyse_phone(work / f"phone{i}.pcap", work / f"phone{i}.calls.json")
              for i in range(args.phones)}
-    from simulations.deploy.capture_report import payload_in_clients_csv
 
     ledger = summarize(nodes, "bridge", {
         "link": args.link, "tls": bool(args.tls), "method": args.method, "task": t.task,

@@ -8,8 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from simulations.netem.protocol import calibrate
+
+from .bridge_link import analyse_phone
+from .bridge_run import main as bridge_main
 from .errors import WireError
 from .report import format_table, read_wire, summarize, write_wire
+from .supernode import analyse_deployment
+from .timing import round_split
 
 #: Keys of ``wire.json`` that :func:`.report.summarize` computes (the rest describes the run).
 _COMPUTED = ("protocol", "nodes", "client_rounds", "captured_bytes", "payload_bytes",
@@ -29,13 +35,9 @@ def reanalyse(run: Path, capture_dir: Path | None) -> dict[str, Any]:
     meta = {k: v for k, v in old.items() if k not in _COMPUTED}
     meta["capture_dir"] = str(folder)
     if old["protocol"] == "bridge":
-        from .bridge_link import analyse_phone
-
         nodes = {i: analyse_phone(folder / f"phone{i}.pcap", folder / f"phone{i}.calls.json")
                  for i in range(int(old["nodes"]))}
     else:
-        from .supernode import analyse_deployment
-
         nodes = analyse_deployment(folder, int(old["nodes"]))
     summary = summarize(nodes, str(old["protocol"]), meta)
     write_wire(run, summary)
@@ -54,10 +56,6 @@ def protocol_name(ledger: dict[str, Any]) -> str:
 def calibrate_main(argv: Sequence[str]) -> int:
     """Fit the emulator's protocol models from captured runs and write them as JSON."""
     import json
-
-    from simulations.netem.protocol import calibrate
-
-    from .timing import round_split
 
     parser = argparse.ArgumentParser(
         prog="python -m simulations wire calibrate",
@@ -95,8 +93,6 @@ def main(argv: Sequence[str]) -> int:
             print(f"python -m simulations wire calibrate: error: {err}", file=sys.stderr)
             return 2
     if argv and argv[0] == "bridge":
-        from .bridge_run import main as bridge_main
-
         try:
             return bridge_main(argv[1:])
         except WireError as err:

@@ -96,6 +96,7 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--task-timeout-s", type=float, default=600.0)
     args = p.parse_args(list(argv))
 
+    # Imported here: start-up; a bad option is answered before torch loads.
     import torch
 
     from android_bridge.phone import ReferencePhone

@@ -27,14 +27,21 @@ _RAW_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloa
 _MASKS = {torch.float32: 0xFFFFFFFF, torch.float16: 0xFFFF, torch.bfloat16: 0xFFFF}
 
 
+def codec_of(method: Any) -> Any:
+    """``method``'s codec in a run of it with every key at its default."""
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": method.name, "run_name": "golden"})
+    return run.method.codec(run.train)
+
+
 def codecs() -> dict[str, Any]:
     """Every payload kind of the registered methods and its codec (the first method's)."""
     from fedgc import methods
-    from fedgc.settings import TrainSettings
 
     out: dict[str, Any] = {}
     for m in methods.registered():
-        codec = m.codec(TrainSettings(method=m.name))
+        codec = codec_of(m)
         out.setdefault(codec.kind, codec)
     return out
 

@@ -1,4 +1,9 @@
-"""Local training of one client round and the pseudo-gradient it produces (plain PyTorch)."""
+"""Local training of one client round and the pseudo-gradient it produces (plain PyTorch).
+
+Shared: the ClientApp trains with it (:mod:`client.app`), the server's FLTrust root update runs
+a client round with it (:mod:`server.robust`), and phones draw their batches as it does
+(:mod:`android_bridge.phone`), so all of them compute alike.
+"""
 
 from __future__ import annotations
 

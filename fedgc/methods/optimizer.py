@@ -1,7 +1,10 @@
 """The server optimizer: momentum SGD on the round's averaged pseudo-gradient (FedAvgM's
 convention), and the look-ahead direction the compressed broadcast follows.
 
-The one implementation: the strategy and every bench use it.
+The one implementation: the strategy steps with it, and a method that keeps its momentum
+elsewhere (FetchSGD's sketches) returns one of its own settings from
+:meth:`fedgc.methods.Method.optimizer`. It lives with the method contract so that methods import
+it without importing the server.
 """
 
 from __future__ import annotations
