@@ -558,6 +558,8 @@ def check_phone_run(method: methods.Method,
     set_ = part.phone_refusals()
     if server is not None and server.downlink_context:
         set_.append("downlink_context=True")  # patches the phones' codec does not apply
+    if server is not None and server.downlink_compact:
+        set_.append("downlink_compact=True")  # messages the phones' codec does not read
     if set_:
         raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
                           f"switch (docs/android.md); leave it at its default in a run with "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -275,6 +276,28 @@ def initial_model(task: Any, seed: int) -> dict[str, torch.Tensor]:
                 for k, v in task.build_model().state_dict().items()}
 
 
+#: Version 0 of the last runs this process served, by (task spec, seed); a few, as task_of.
+_initial_models: OrderedDict[tuple[TaskSpec, int], dict[str, torch.Tensor]] = OrderedDict()
+_initial_models_lock = threading.Lock()
+
+
+def initial_model_of(spec: TaskSpec, task: Any, seed: int) -> dict[str, torch.Tensor]:
+    """:func:`initial_model` of the run's task (``spec``, ``task`` its Task) and seed, built
+    once per process and copied for each caller.
+
+    A client that ranks by displacement (DGC's sets, ``downlink_context`` patches) needs version
+    0 every round, once or twice; seeding torch and initialising a model each time was about a
+    tenth of a ``dgc_sets`` run (docs/dgc_vs_dense.md). The copy is the same bits."""
+    with _initial_models_lock:  # one build per run and seed when threads of a process race
+        built = _initial_models.get((spec, seed))
+        if built is None:
+            built = _initial_models[(spec, seed)] = initial_model(task, seed)
+            while len(_initial_models) > 4:
+                _initial_models.popitem(last=False)
+        _initial_models.move_to_end((spec, seed))
+    return {k: v.clone() for k, v in built.items()}
+
+
 def global_model(content: RecordDict, config: ConfigRecord, held: ClientState | None,
                  initial: Callable[[], dict[str, torch.Tensor]] | None = None,
                  ) -> dict[str, torch.Tensor]:
@@ -499,15 +522,16 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         return Message(_on_node(P.reply_content(state.pending, metrics, state.pending_shared)),
                        reply_to=msg)
 
-    global_state = global_model(msg.content, config, state,
-                                initial=lambda: initial_model(task, s.seed))
+    def initial() -> dict[str, torch.Tensor]:
+        return initial_model_of(s.task_spec(), task, s.seed)
+
+    global_state = global_model(msg.content, config, state, initial=initial)
     material = round_material(msg.content, global_state, method)
     if material is not None and part is not None:
         held = (None if state.model is None or state.model_version is None
                 else (int(state.model_version), state.model))
         try:
-            material = part.hold_material(*material, global_state,
-                                          lambda: initial_model(task, s.seed), held=held)
+            material = part.hold_material(*material, global_state, initial, held=held)
         except (ValueError, dgc.StateError) as ex:
             raise ClientProtocolError(f"train message has a bad shared index set: {ex}") from ex
 

@@ -23,13 +23,15 @@ import torch
 from dgc.base import check_factor
 from dgc.batched import BatchedSelector
 from dgc.config import DGCConfig
-from dgc.errors import StateError
+from dgc.errors import ConfigError, StateError
 from dgc.memory import DGCMemory
 from dgc.selection import num_selected, select_exact, select_sampled
 from dgc.sparse import VALUE_DTYPES, SparseTensor, SparseUpdate
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 STATE_VERSION = 1
+#: How the entries sent are shared out among the sparsified tensors (``budget``).
+BUDGETS = ("tensor", "model", "energy")
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -58,11 +60,34 @@ class DGCCompressor:
         launches and round trips dominate, and tensor by tensor on the host, where they do
         not. Both give the same updates (up to which of equal magnitudes at the ``k``-th place
         is kept).
+    budget : {"tensor", "model", "energy"}, default "tensor"
+        How many entries each sparsified tensor sends. "tensor": ``ceil(density * numel)``
+        each (the paper's per-layer top-k; ``small_density`` for the small ones). "model": the
+        same total, taken by one top-k of every sparsified tensor's residual magnitudes
+        together, so a tensor's share follows its residual's largest entries: the split that
+        leaves the least residual (in L2) for the entries sent. "energy": the same total, each
+        tensor's share in proportion to its residual's squared norm. At least one entry each;
+        tensor by tensor only (not ``batched``).
+    small_density, small_numel : float, int
+        With a budget other than "tensor": the density of the sparsified tensors of at most
+        ``small_numel`` entries in the total shared out (``dgc.small_density``; 0: ``density``),
+        as :class:`~dgc.TwoDensityCompressor` gives them under "tensor".
     """
 
-    def __init__(self, config: DGCConfig | None = None, batched: bool | None = None) -> None:
+    def __init__(self, config: DGCConfig | None = None, batched: bool | None = None,
+                 budget: str = "tensor", small_density: float = 0.0,
+                 small_numel: int = 10_000) -> None:
+        if budget not in BUDGETS:
+            raise ConfigError(f"budget must be one of {list(BUDGETS)}, got {budget!r}")
+        if budget != "tensor" and batched:
+            raise ConfigError(f"budget {budget!r} selects tensor by tensor; batched must be "
+                              f"False or None")
+        if not 0.0 <= small_density <= 1.0:
+            raise ConfigError(f"small_density must be in [0, 1], got {small_density!r}")
         self.config = config or DGCConfig()
         self.batched = batched
+        self.budget = budget
+        self.small_density, self.small_numel = float(small_density), int(small_numel)
         c = self.config
         self.memory = DGCMemory(c.momentum, c.momentum_correction, c.nesterov, c.dampening)
         self.step = 0
@@ -93,17 +118,18 @@ class DGCCompressor:
         flat = self._validated(grads)
         self._clip(flat)
         out: dict[str, SparseTensor] = {}
-        for name, g in flat.items():
+        residuals = {name: self.memory.accumulate(name, g) for name, g in flat.items()}
+        counts = self._counts(residuals, {n: tuple(grads[n].shape) for n in grads}, density)
+        for name, v in residuals.items():
             shape = tuple(grads[name].shape)
-            v = self.memory.accumulate(name, g)
-            sparse = not self.is_dense_tensor(shape)
+            sparse = name in counts
             if not sparse:
                 idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
                 mask = False  # dense layers keep ordinary momentum, as in the paper
             else:
-                k = num_selected(v.numel(), density)
+                k = counts[name]
                 magnitude = self._magnitude_of(v)
-                if c.selection == "exact" or k >= v.numel():
+                if c.selection == "exact" or self.budget != "tensor" or k >= v.numel():
                     idx = select_exact(magnitude, k)
                 else:
                     idx = select_sampled(magnitude, k, density, c.sample_ratio,
@@ -120,7 +146,40 @@ class DGCCompressor:
         self.step += 1
         return SparseUpdate(out, self.step if sequence is None else sequence)
 
+    def _counts(self, residuals: Mapping[str, torch.Tensor],
+                shapes: Mapping[str, tuple[int, ...]], density: float) -> dict[str, int]:
+        """Entries each sparsified tensor sends this step (``budget``), by name."""
+        sparse = [n for n in residuals if not self.is_dense_tensor(shapes[n])]
+
+        def own_density(numel: int) -> float:
+            small = self.small_density > 0 and numel <= self.small_numel
+            return max(self.small_density, density) if small else density
+
+        counts = {n: num_selected(residuals[n].numel(), own_density(residuals[n].numel()))
+                  for n in sparse}
+        if self.budget == "tensor" or len(sparse) < 2:
+            return counts
+        sizes = torch.tensor([residuals[n].numel() for n in sparse])
+        total = min(int(sum(counts.values())), int(sizes.sum()))
+        if self.budget == "model":
+            # One top-k of all the residuals' magnitudes: each tensor's count is its share.
+            magnitude = torch.cat([residuals[n].abs() for n in sparse])
+            top = torch.topk(magnitude, total, sorted=False).indices
+            owner = torch.bucketize(top, torch.cumsum(sizes, 0), right=True)
+            shares = torch.bincount(owner, minlength=len(sparse))
+        else:  # "energy": in proportion to each residual's squared norm
+            energy = torch.tensor([float(residuals[n].double().pow(2).sum()) for n in sparse])
+            weights = energy / energy.sum() if float(energy.sum()) > 0 else sizes / sizes.sum()
+            shares = torch.minimum(torch.floor(weights * total).to(torch.int64), sizes)
+        # At least one entry each; the slots the floor takes come off the largest shares.
+        shares = torch.minimum(shares.clamp(min=1), sizes)
+        while int(shares.sum()) > total and bool((shares > 1).any()):
+            shares[int(torch.argmax(shares))] -= 1
+        return {n: int(k) for n, k in zip(sparse, shares.tolist(), strict=True)}
+
     def _use_batched(self, grads: Mapping[str, torch.Tensor]) -> bool:
+        if self.budget != "tensor":
+            return False
         if self.batched is not None:
             return self.batched and bool(grads)
         return any(isinstance(g, torch.Tensor) and g.device.type != "cpu"

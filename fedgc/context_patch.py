@@ -21,6 +21,8 @@ from collections.abc import Mapping
 import torch
 
 from dgc import SparseTensor
+from dgc.ranking import ranked
+from dgc.wire.compact import Layout, layout_of
 
 #: Segment boundaries of the ranking, in thousandths of the tensor's entries: the most displaced
 #: 2%, the next 4%, 9%, 25%, and the rest (chosen on the mnist5k cA run's patches; any fixed
@@ -50,9 +52,7 @@ def rank_order(base: torch.Tensor, origin: torch.Tensor) -> torch.Tensor:
     if base.shape != origin.shape:
         raise ContextError(f"held tensor of shape {tuple(base.shape)} and version 0 of shape "
                            f"{tuple(origin.shape)} differ")
-    moved = (base.detach().to(torch.float32).reshape(-1)
-             - origin.detach().to(torch.float32).reshape(-1)).abs()
-    return torch.sort(moved, descending=True, stable=True).indices
+    return ranked(base, origin)  # a stable sort's order, sorted by distinct keys (dgc.ranking)
 
 
 def split(name: str, t: SparseTensor, order: torch.Tensor) -> dict[str, SparseTensor]:
@@ -103,3 +103,19 @@ def segment_owner(segment: str, context: Mapping[str, object]) -> str | None:
     if not sep or name not in context or not j.isdigit() or str(int(j)) != j:
         return None
     return name if int(j) <= len(BOUNDS_PER_MILLE) else None
+
+
+def patch_layout(shapes: Mapping[str, tuple[int, ...]], context: list[str] | tuple[str, ...],
+                 ) -> Layout:
+    """The layout of a compact patch (:mod:`dgc.wire.compact`, ``downlink_compact``) on a model
+    of ``shapes`` whose tensors ``context`` go as segments of their ranking: the model's tensors
+    and every segment of those, which both ends list alike."""
+    out = {name: tuple(shape) for name, shape in shapes.items()}
+    for name in context:
+        numel = 1
+        for d in shapes[name]:
+            numel *= int(d)
+        bounds = cuts(numel)
+        for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            out[segment_name(name, j)] = (hi - lo,)
+    return layout_of(out)

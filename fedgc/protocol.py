@@ -46,6 +46,7 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 import dgc
 from dgc.wire import max_numel_of
+from dgc.wire.compact import COMPACT_MAGIC, decode_compact
 from fedgc import context_patch
 
 #: stype of a byte Array that holds ``dgc.encode`` output.
@@ -176,14 +177,24 @@ def apply_patch(model: Mapping[str, torch.Tensor], patch: bytes,
                 context: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The model a patch makes of ``model`` (which is left unchanged).
 
-    ``patch`` is ``dgc.encode`` output whose values replace the entries at its indices, except
+    ``patch`` is ``dgc.encode`` output (or a compact message, :mod:`dgc.wire.compact`, on the
+    layout of the model and its ranked tensors' segments) whose values replace the entries at
+    its indices, except
     in the tensors named in ``added`` (``patch_add``), whose values are differences to add.
     ``context`` (``patch_context``): per tensor sent as segments of its ranking by displacement,
     that tensor of version 0 (:mod:`fedgc.context_patch`). A patch tensor the model lacks, of
     another size, a tensor sent both whole and as segments, or an ``added`` name the patch lacks
     is a :class:`ProtocolError` (``dgc.DecodeError`` for bytes that do not decode).
     """
-    update = dgc.decode(patch, max_numel=max_numel_of(t.shape for t in model.values()))
+    limit = max_numel_of(t.shape for t in model.values())
+    if bytes(patch[:4]) == COMPACT_MAGIC:  # downlink_compact: tensors by place (dgc.wire.compact)
+        if unknown := sorted(set(context or {}) - set(model)):
+            raise ProtocolError(f"{PATCH_CONTEXT} names tensors the model lacks: {unknown}")
+        layout = context_patch.patch_layout({k: tuple(v.shape) for k, v in model.items()},
+                                            sorted(context or {}))
+        update = decode_compact(patch, layout, max_numel=limit)
+    else:
+        update = dgc.decode(patch, max_numel=limit)
     tensors = dict(update.tensors)
     if context:
         tensors = _joined(model, tensors, context)

@@ -159,7 +159,7 @@ class DGCStrategy(FedAvg):
         policy = self.method.downlink(settings)
         self.downlink = Downlink(s.downlink, s.downlink_history, policy.density, policy.values,
                                  s.downlink_deltas, s.downlink_deadband, s.downlink_vectors,
-                                 s.downlink_context)
+                                 s.downlink_context, s.downlink_compact)
         self.downlink_lookahead = s.downlink_lookahead
         self.optimizer = (self.method.optimizer(settings)
                           or ServerOptimizer(s.server_lr, s.server_momentum))

@@ -41,6 +41,11 @@ metrics the server reads: the emulator charges smaller messages, so ``netem_drop
 the code with both issue 30's keys and issue 25's digest, whose every other value is the
 snapshot's. Its wire and energy columns are not compared.
 
+Issue 39's dgc client keys (``dgc.budget``, ``dgc.compact_wire``, ``dgc.server_error``, off)
+travel in every train message's config too: ``netem_drop``'s ``virtual_seconds`` (each round's
+and the total; 3-5 ms a round more) were taken again on 2026-12-06 from a run of the code with
+them, whose every other value is the snapshot's.
+
 Since issue 26 a simulation's defaults are plain FedAvg (:data:`CHANGED_DEFAULTS`), which
 changes no value of these runs (its attack keys travel only in a run with hostile clients).
 
@@ -105,6 +110,9 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "dgc.shared_rank": "aggregates", "dgc.shared_churn": 1.0,
                "downlink_deadband": 0.5, "downlink_vectors": "float32",
                "downlink_context": False,
+               # issue 39's switches, off
+               "dgc.budget": "tensor", "dgc.compact_wire": False, "dgc.server_error": 0.0,
+               "downlink_compact": False,
                "client_nodes": "", "robust": "off", "clip_radius": 1.0, "clip_iterations": 3,
                "root_samples": 100, "attack.clients": "", "attack.kind": "sign_flip",
                "attack.norm_ratio": 10.0, "attack.weight_ratio": 4.0,
@@ -113,7 +121,14 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "attack.deviation": "std", "attack.epsilon": 0.0, "attack.knowledge": "partial",
                "min_cosine": -1.0,
                # issue 37's fold-back of unaggregated updates, whole
-               "unaggregated": "keep", "unaggregated_decay": 0.5, "unaggregated_cap": 1.0}
+               "unaggregated": "keep", "unaggregated_decay": 0.5, "unaggregated_cap": 1.0,
+               # issue 37's asynchronous mode (off: sync), issue 38's privacy (off)
+               "mode": "sync", "async.buffer": 5, "async.concurrency": 10,
+               "async.max_staleness": 20, "async.staleness": "polynomial",
+               "async.staleness_exponent": 0.5,
+               "privacy.accountant": "rdp", "privacy.clip": 0.0, "privacy.delta": 1e-05,
+               "privacy.dp": "off", "privacy.neighbours": 0, "privacy.noise_multiplier": 1.0,
+               "privacy.secagg": False, "privacy.value_bits": 16, "privacy.value_range": 0.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
 #: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).

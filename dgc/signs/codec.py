@@ -32,6 +32,7 @@ from dgc.golomb import IndexCodingError, golomb_decode, golomb_encode
 from dgc.sparse import SparseTensor, SparseUpdate
 from dgc.wire import decode as decode_update
 from dgc.wire import encode as encode_update
+from dgc.wire.compact import COMPACT_MAGIC, decode_compact, encode_compact, layout_of
 from dgc.wire.framing import (
     Preamble,
     as_view,
@@ -170,20 +171,24 @@ def decode_signs(data: bytes | bytearray | memoryview, masks: Mapping[str, np.nd
     return SparseUpdate(out, sequence)
 
 
-def encode_values(sent: SparseUpdate) -> bytes:
+def encode_values(sent: SparseUpdate, compact: bool = False) -> bytes:
     """The uplink bytes of :func:`dgc.signs.client.take_values`'s result: a wire message whose
     tensor ``name`` is the flat vector of the values at that set's indices, in index order
-    (index coding ``all``: no indices; values grid-coded, Rice-coded where smaller)."""
+    (index coding ``all``: no indices; values grid-coded, Rice-coded where smaller); with
+    ``compact``, the compact message (:mod:`dgc.wire.compact`) of the same tensors."""
     flat = {name: SparseTensor(torch.arange(t.nnz, dtype=torch.int64),
                                t.values.to(torch.float32), (t.nnz,))
             for name, t in sent.tensors.items()}
+    if compact:
+        return encode_compact(SparseUpdate(flat, sent.sequence), grid_coding=True)
     return encode_update(SparseUpdate(flat, sent.sequence), grid_coding=True)
 
 
 def decode_shared(data: bytes | bytearray | memoryview, masks: Mapping[str, np.ndarray],
                   shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
     """A client's shared update for ``masks``, signs (:func:`decode_signs`) or values
-    (:func:`encode_values`), told apart by the magic; every defect is a DecodeError.
+    (:func:`encode_values`, either message), told apart by the magic; every defect is a
+    DecodeError.
 
     Values must carry exactly the tensors of ``masks``, each a flat vector of as many finite
     values as its set holds.
@@ -192,7 +197,11 @@ def decode_shared(data: bytes | bytearray | memoryview, masks: Mapping[str, np.n
     if bytes(view[:4]) == SIGN_MAGIC:
         return decode_signs(view, masks, shapes)
     bound = max((len(m) for m in masks.values()), default=0)
-    flat = decode_update(view, max_numel=max(bound, 1))
+    if bytes(view[:4]) == COMPACT_MAGIC:
+        flat = decode_compact(view, layout_of({n: (len(m),) for n, m in masks.items()}),
+                              max_numel=max(bound, 1))
+    else:
+        flat = decode_update(view, max_numel=max(bound, 1))
     out: dict[str, SparseTensor] = {}
     for name, t in flat.tensors.items():
         if name not in masks:

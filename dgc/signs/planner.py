@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dgc.errors import ConfigError, StateError
-from dgc.selection import select_stable
+from dgc.ranking import top_positions
 from dgc.signs.codec import Masks
 
 
@@ -146,8 +146,7 @@ def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, 
         if now.numel() != then.numel() or not 0 < int(k) <= now.numel():
             raise StateError(f"shared set of {name!r}: {k} entries of a tensor of "
                              f"{now.numel()} (version 0 has {then.numel()})")
-        moved = (now.to(torch.float32) - then.to(torch.float32)).abs()
-        top = select_stable(moved, int(k))
+        top = top_positions(now, then, int(k))  # the stable sort's first k (dgc.ranking)
         out[name] = np.sort(top.numpy()).astype(np.int64)
     return out
 

@@ -167,6 +167,11 @@ class ServerKeys:
         "build), where that encodes smaller, and differences without a code for zero (wire "
         "value dtype 66); the same model in about a fifth fewer patch bytes; not on phones; "
         "empty = the method's default", fallback=False)
+    downlink_compact: bool | None = setting(
+        None, "downlink_compact", "patches as compact messages (tensors by their place in the "
+        "model and its ranked segments, sizes as varints: dgc.wire.compact, docs/wire.md); the "
+        "same sections in fewer bytes; not on phones; empty = the method's default",
+        fallback=False)
     downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
                                         "and server momentum: the broadcast follows the global "
                                         "model minus this fraction of the step the momentum "

@@ -38,7 +38,7 @@ from dgc.signs.codec import (
 from dgc.signs.planner import SharedIndexPlanner, displacement_masks
 from fedgc.keys import RunSettings, TrainSettings
 from fedgc.keys.client import momentum_range
-from fedgc.methods.base import Method
+from fedgc.methods.base import Aggregator, Method
 from fedgc.methods.feedback import (
     MATERIAL_MAGIC,
     FeedbackChannel,
@@ -51,23 +51,30 @@ from fedgc.methods.feedback import (
     with_reference,
 )
 from fedgc.methods.material import Channel, RoundMaterial
+from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Codec, SparseCodec
 from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
+from fedgc.methods.server_error import ErrorAccumulation
+from fedgc.methods.shift import ShiftMemory, shift_by, unshift
 from fedgc.methods.sparsifier import SparsifierSettings, layer_config, small_split, split_compressor
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, SettingsError, fields_of, setting, validate
 
-__all__ = ["DGC", "DGCSets", "DGCSettings", "DisplacementSets", "FEEDBACKS", "RankRequest",
-           "RoundCompressor", "SHARED_RANKS", "SHARED_VALUES", "SharedSigns", "dgc_config"]
+__all__ = ["BUDGETS", "DGC", "DGCSets", "DGCSettings", "DisplacementSets", "FEEDBACKS",
+           "RankRequest", "RoundCompressor", "SHARED_RANKS", "SHARED_VALUES", "SharedSigns",
+           "dgc_config"]
 
 #: What a dgc client sends at the shared indices: scaled signs, or values on a grid.
 SHARED_VALUES = ("sign", "grid")
 #: How the server ranks the shared indices (dgc.signs.planner).
 SHARED_RANKS = ("aggregates", "displacement")
 #: What a dgc client compresses (fedgc.methods.feedback): its residual plus its pseudo-gradient
-#: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both.
-FEEDBACKS = ("residual", "aggregate", "aggregate+residual")
+#: (DGC's error feedback), its pseudo-gradient less the aggregate reference (CAFe), or both,
+#: or its pseudo-gradient less its own shift (EF21, fedgc.methods.shift).
+FEEDBACKS = ("residual", "aggregate", "aggregate+residual", "own")
+#: How a dgc client shares its top-k's entries out among its tensors (dgc.DGCCompressor).
+BUDGETS = ("tensor", "model", "energy")
 
 
 @dataclass(frozen=True)
@@ -125,8 +132,29 @@ class DGCSettings(SparsifierSettings):
                             "feedback), aggregate (its pseudo-gradient less the reference: how "
                             "the model it was sent moved per version since it last trained, "
                             "which the server adds back; no residual kept, CAFe) or "
-                            "aggregate+residual (the difference, with a residual)",
-                            Check(choices=FEEDBACKS))
+                            "aggregate+residual (the difference, with a residual) or own "
+                            "(its pseudo-gradient less its own shift, what it sent so far: "
+                            "EF21, no residual; the server steps on every client's shift, "
+                            "FedVARP)", Check(choices=FEEDBACKS))
+    # Issue 39's switches (docs/dgc_vs_dense.md, "The last points"); empty = the method's default.
+    budget: str | None = setting(
+        None, "dgc.budget", "dgc: how the top-k's entries are shared out among the "
+        "sparsified tensors: tensor (density, or dgc.small_density, of each), model (the same "
+        "total by one top-k of all their residuals, so a tensor's share follows its largest "
+        "entries) or energy (the same total in proportion to each residual's squared norm); "
+        "empty = the method's default", Check(choices=BUDGETS), fallback="tensor")
+    compact_wire: bool | None = setting(
+        None, "dgc.compact_wire", "dgc: send replies and their sets' values as compact "
+        "messages (tensors by their place in the model, sizes as varints: dgc.wire.compact, "
+        "docs/wire.md) instead of update messages; the same sections, a third fewer bytes on "
+        "an LSTM's many small tensors; not for phones; empty = the method's default",
+        fallback=False)
+    server_error: float | None = setting(
+        None, "dgc.server_error", "dgc: FetchSGD's server without a sketch: clients keep no "
+        "residual (they send their fresh pseudo-gradient's sets and top-k), the server "
+        "accumulates its momentum's steps as error and applies this fraction of the model's "
+        "entries each round, the largest of its error (momentum and error zeroed there); 0 = "
+        "off; empty = the method's default", Check(0.0, 1.0), fallback=0.0)
     clip_norm: float = setting(0.0, "dgc.clip_norm", "local gradient clipping threshold "
                                "(scaled by clients_per_round**-0.5); 0 = off",
                                # DGCConfig's range, plus 0 for off (clip_norm=None there).
@@ -166,6 +194,14 @@ class DGCSettings(SparsifierSettings):
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.server_error and (self.feedback != "residual" or self.residual_decay < 1.0
+                                  or self.step_ahead > 0.0):
+            raise SettingsError("dgc.server_error keeps the error on the server and no residual "
+                                "on clients, which dgc.feedback, dgc.residual_decay and "
+                                "dgc.step_ahead act on: leave them at residual, 1 and 0")
+        if self.feedback == "own" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
+            raise SettingsError("dgc.feedback = own keeps no residual, which dgc.residual_decay "
+                                "and dgc.step_ahead act on: leave them at 1 and 0")
         if self.feedback == "aggregate" and (self.residual_decay < 1.0 or self.step_ahead > 0.0):
             raise SettingsError("dgc.feedback = aggregate keeps no residual, which "
                                 "dgc.residual_decay and dgc.step_ahead act on: leave them at 1 "
@@ -177,7 +213,8 @@ class DGCSettings(SparsifierSettings):
 #: themselves; a server's key, known where the server's keys are).
 PHONE_SWITCHES: dict[str, object] = {
     "value_levels": 0.0, "shared_first": False, "shared_values": "sign", "residual_decay": 1.0,
-    "step_ahead": 0.0, "feedback": "residual", "shared_rank": "aggregates"}
+    "step_ahead": 0.0, "feedback": "residual", "shared_rank": "aggregates",
+    "budget": "tensor", "compact_wire": False, "server_error": 0.0}
 
 
 def dgc_config(train: TrainSettings, own: DGCSettings) -> DGCConfig:
@@ -216,6 +253,9 @@ class RoundCompressor:
         # leaves the pseudo-gradient before anything else (fedgc.methods.feedback).
         self.feedback = feedback
         self.taken: SparseUpdate | None = None  # the sets' part, when taken first
+        # dgc.feedback = own: the client's shift h_i (EF21, fedgc.methods.shift), which leaves
+        # the pseudo-gradient first and takes in everything sent; None otherwise.
+        self.shift: dict[str, torch.Tensor] | None = {} if own.feedback == "own" else None
 
     def take(self, source: dict[str, torch.Tensor], server_round: int) -> SparseUpdate:
         """The residual at the sets as signs or grid values (``dgc.shared_values``)."""
@@ -226,11 +266,12 @@ class RoundCompressor:
     def compress(self, grads: Mapping[str, torch.Tensor], epoch: float = 0.0,
                  sequence: int | None = None) -> SparseUpdate:
         left = None
-        ref = None if self.feedback is None else self.feedback.reference
-        if ref is not None:
+        ref = self.shift if self.feedback is None else self.feedback.reference
+        if ref:
             grads = {n: g - ref[n].view(g.shape).to(g.device, g.dtype) if n in ref else g
                      for n, g in grads.items()}
-        if self.masks is not None and self.own.shared_first:
+        if self.masks is not None and (self.own.shared_first or self.shift is not None):
+            # (under dgc.feedback = own the sets always come first: no residual holds them)
             self.taken, grads, left = self._take_first(dict(grads), sequence or 0)
         update = self.inner.compress(grads, epoch, sequence)
         if left is not None and left.tensors:
@@ -244,6 +285,10 @@ class RoundCompressor:
                 error[name] = SparseTensor(t.indices, values - rounded, t.shape)
             self.inner.restore(SparseUpdate(error, update.sequence))
             update = SparseUpdate(tensors, update.sequence)
+        if self.shift is not None:
+            for sent in (update, self.taken):
+                if sent is not None:
+                    shift_by(self.shift, sent)
         return update
 
     def _take_first(self, grads: dict[str, torch.Tensor], server_round: int,
@@ -279,6 +324,9 @@ class RoundCompressor:
         return getattr(self.inner, name)
 
     def restore(self, update: SparseUpdate) -> None:
+        if self.shift is not None:
+            unshift(self.shift, update)  # EF21 keeps no residual: the shift takes it back
+            return
         self.inner.restore(update)
 
     def residual(self) -> dict[str, torch.Tensor]:
@@ -288,10 +336,19 @@ class RoundCompressor:
         self.inner.scale_state(factor)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        if self.shift is None:
+            return self.inner.state_dict()
+        return {"shift": dict(self.shift), "compressor": self.inner.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+        if self.shift is None:
+            self.inner.load_state_dict(state)
+            return
+        if "shift" not in state:  # a state kept before the client ran dgc.feedback = own
+            self.inner.load_state_dict(state)
+            return
+        self.shift = {k: v.detach().to(torch.float32).clone() for k, v in state["shift"].items()}
+        self.inner.load_state_dict(state["compressor"])
 
 
 class DisplacementSets(Channel):
@@ -365,15 +422,16 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> Compressor:
         own = self.own
-        inner = split_compressor(own, dgc_config(train, own))
+        inner = split_compressor(own, dgc_config(train, own), str(own.budget))
         if isinstance(material, FeedbackMaterial):
             return RoundCompressor(inner, own, material.inner, material)
-        if own.value_levels > 0 or material is not None:
+        if own.value_levels > 0 or material is not None or own.feedback == "own":
             return RoundCompressor(inner, own, material)
         return inner
 
     def codec(self, train: TrainSettings) -> Codec:
-        return SparseCodec(sign_coding=self.own.ternary, grid_coding=self.own.value_levels > 0)
+        return SparseCodec(sign_coding=self.own.ternary, grid_coding=self.own.value_levels > 0,
+                           compact=bool(self.own.compact_wire))
 
     # -- phones (their exported encoder is DGC's)
     def phone_config(self, train: TrainSettings) -> DGCConfig:
@@ -394,10 +452,11 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
     def prepare(self, train: TrainSettings, compressor: Compressor,
                 model: dict[str, torch.Tensor], rounds_away: int) -> dict[str, torch.Tensor]:
         own = self.own
-        if own.feedback == "aggregate":
+        if own.feedback in ("aggregate", "own") or own.server_error > 0:
             # Aggregate feedback without a residual (CAFe): what the top-k leaves of
-            # pseudo-gradient - reference is the reference's at the server; the residual (and
-            # the velocity of momentum correction) starts every round empty.
+            # pseudo-gradient - reference is the reference's at the server; the server's error
+            # accumulation (dgc.server_error) keeps the error on the server. Either way the
+            # residual (and the velocity of momentum correction) starts every round empty.
             compressor.scale_state(0.0)
             return model
         # Aged residuals (CSER, Xie et al. 2020; Fed-EF, Li and Li 2023): a residual built on
@@ -480,8 +539,10 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
             return None
         sent = (compressor.taken if compressor.taken is not None
                 else compressor.take(compressor.residual(), server_round))
-        grid = compressor.own.shared_values == "grid"
-        return (encode_values(sent) if grid else encode_signs(sent)), sent.nnz
+        own = compressor.own
+        grid = own.shared_values == "grid"
+        return (encode_values(sent, compact=bool(own.compact_wire)) if grid
+                else encode_signs(sent)), sent.nnz
 
     def read_side(self, data: bytes, material: object,
                   shapes: Mapping[str, tuple[int, ...]]) -> SparseUpdate:
@@ -525,9 +586,21 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
             return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
         return SharedSigns(planner, numels)
 
+    def aggregator(self, run: RunSettings) -> Aggregator:
+        if self.own.feedback == "own":  # the mean of every client's shift (fedgc.methods.shift)
+            t = run.train
+            return ShiftMemory(min(1.0, t.clients_per_round / t.num_clients))
+        return Aggregator()
+
+    def optimizer(self, run: RunSettings) -> ServerOptimizer | None:
+        if self.own.server_error > 0:  # FetchSGD's server over the sets (server_error.py)
+            s = run.server
+            return ErrorAccumulation(s.server_lr, s.server_momentum, self.own.server_error)
+        return None
+
     def channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
         inner = self._sets_channel(run, shapes)
-        if self.own.feedback == "residual":
+        if self.own.feedback in ("residual", "own"):
             return inner
         s, own = run.server, self.own
         scale = own.feedback_scale or (1.0 - float(s.server_momentum)) / float(s.server_lr)

@@ -26,6 +26,7 @@ import torch
 
 import dgc
 from dgc import DecodeError, SparseUpdate, TensorLayout
+from dgc.wire.compact import decode_compact, encode_compact, layout_of
 
 __all__ = ["Bound", "Codec", "Payload", "PayloadError", "SparseCodec", "SparsePayload",
            "check_tensors", "largest"]
@@ -244,23 +245,37 @@ class SparseCodec(Codec):
     grid_coding : bool (default: False)
         Send a float32 tensor whose values sit on a power-of-two int8 grid as the grid's step
         and its integers, Rice-coded where smaller (``dgc.value_levels``).
+    compact : bool (default: False)
+        Send the compact message (:mod:`dgc.wire.compact`, magic ``FGCK``: tensors by their
+        place in the model, sizes as varints; ``dgc.compact_wire``), whose sections are the
+        same; not for phones.
     """
 
     kind = "sparse"
 
-    def __init__(self, sign_coding: bool = False, grid_coding: bool = False) -> None:
+    def __init__(self, sign_coding: bool = False, grid_coding: bool = False,
+                 compact: bool = False) -> None:
         self.sign_coding = sign_coding
         self.grid_coding = grid_coding
+        self.compact = compact
         self._checked: set[TensorLayout] = set()  # layouts that matched the model
 
     def encode(self, payload: object) -> bytes:
         update = payload.update if isinstance(payload, SparsePayload) else payload
+        if self.compact:
+            return encode_compact(update, sign_coding=self.sign_coding,
+                                  grid_coding=self.grid_coding)
         return dgc.encode(update, sign_coding=self.sign_coding, grid_coding=self.grid_coding)
 
     def decode(self, data: bytes, bound: Bound) -> SparsePayload:
+        if self.compact:
+            return SparsePayload(decode_compact(data, layout_of(bound.shapes),
+                                                max_numel=bound.max_numel))
         return SparsePayload(dgc.decode(data, max_numel=bound.max_numel))
 
     def decode_many(self, blobs: Sequence[bytes], bound: Bound) -> list[Payload | DecodeError]:
+        if self.compact:
+            return super().decode_many(blobs, bound)
         # One call for the round: the replies share their structure, so the headers of all but
         # the first are read against it.
         return [r if isinstance(r, DecodeError) else SparsePayload(r)

@@ -83,14 +83,19 @@ def layer_config(train: TrainSettings, own: SparsifierSettings, **method: object
         warmup_epochs=max(own.warmup_rounds, 0), **method)  # type: ignore[arg-type]
 
 
-def split_compressor(own: SparsifierSettings, config: DGCConfig) -> Compressor:
+def split_compressor(own: SparsifierSettings, config: DGCConfig,
+                     budget: str = "tensor") -> Compressor:
     """A compressor of ``config``, with a second density for small tensors when
-    ``dgc.small_density > 0``.
+    ``dgc.small_density > 0``, and the total shared out by the residual with a ``budget`` other
+    than ``"tensor"`` (dgc's ``dgc.budget``: :class:`dgc.DGCCompressor`).
 
     Small sparsified tensors (``dgc.small_numel`` entries or fewer, e.g. a 10x200 output layer)
     get ``dgc.small_density``: at ``density`` alone they would send 2 entries per update
     (docs/federated_momentum.md).
     """
+    if budget != "tensor":  # one compressor shares the total out
+        return DGCCompressor(config, budget=budget, small_density=own.small_density,
+                             small_numel=own.small_numel)
     if own.small_density == 0.0:
         return DGCCompressor(config)
     return TwoDensityCompressor(config, own.small_density, small_numel=own.small_numel)
