@@ -394,7 +394,8 @@ def test_every_column_of_the_tables_is_explained_in_compare_help_and_the_guide(c
              "virtual_seconds": 120.0, "virtual_seconds_to_target": 80.0,
              "wire_bytes_to_target": 3e6, "target_accuracy": 0.8,
              "traffic_auc_mean": 0.8, "curve_above_share": 1.0, "reach_dense_round": 5,
-             "reach_dense_bytes": 1e6, "clients_failed": 0, "wall_seconds": 1.0}
+             "reach_dense_bytes": 1e6, "clients_failed": 0, "wall_seconds": 1.0,
+             "dp_epsilon": 4.2, "dp_delta": 1e-5, "dp_sampling_rate": 0.1}
 
     def heads(table: str) -> set[str]:
         return set(re.split(r"\s{2,}", table.splitlines()[0].strip()))
