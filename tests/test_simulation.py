@@ -63,7 +63,8 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
         for k in ("method", "run_name", "results_dir", "state_dir"):
             cfg.pop(k, None)
         own[name] = {k: cfg.pop(k) for k in ("server_lr", "server_momentum", "density",
-                                              "downlink_density", "downlink_values")}
+                                              "downlink_density", "downlink_values",
+                                              "unaggregated")}
     from fedgc.methods import get
     from fedgc.schema import known_keys
 
@@ -75,6 +76,8 @@ def test_compare_writes_all_methods_and_a_plot(tmp_path, capsys):
     assert own["dgc"]["server_momentum"] == own["fedavgm"]["server_momentum"] == 0.5
     assert own["dense"]["server_momentum"] == own["stc"]["server_momentum"] == 0.0
     assert own["stc"]["density"] == 0.0025 and own["dgc"]["density"] == 0.001
+    assert own["dgc"]["unaggregated"] == own["stc"]["unaggregated"] == "decay"
+    assert own["dense"]["unaggregated"] == "keep"  # no residual: nothing to fold back
     # ... and the same clients, sampled by the run's seed whatever the method.
     sampled = {name: [(r["round"], r["client_key"]) for r in
                       csv.DictReader((tmp_path / "cmp" / name / "clients.csv").open())]
