@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import datetime
 import hashlib
-import ipaddress
 import json
 import os
 import random
@@ -56,43 +55,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from simulations.deploy.certs import make_tls  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A CA, and a certificate for 127.0.0.1 it signed, with its key (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedgc load CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
-    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
-    paths[0].write_bytes(ca.public_bytes(pem))
-    paths[1].write_bytes(cert.public_bytes(pem))
-    paths[2].write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return paths
 
 
 def _rss_kib(pid: int) -> int:
@@ -474,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="fedgc-bridge-load-"))
     os.chmod(work, 0o700)
-    ca, cert, key = _certificates(work)
+    tls = make_tls(work, ["127.0.0.1", "localhost"])  # the deployment's own CA and certificate
+    ca, cert, key = tls.ca_cert, tls.server_cert, tls.server_key
     tokens = {f"phone-{i:04d}": f"token-{i:04d}-" + os.urandom(8).hex()
               for i in range(args.phones)}
     devices = work / "devices.json"
