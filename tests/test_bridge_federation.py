@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +151,39 @@ def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
     run = RunConfig.from_flat({"dgc.value_levels": 4})
     with pytest.raises(BridgeError, match=r"dgc.value_levels=4.0: phones run dgc's default "):
         _phone_config(run.train, run.method)
+
+
+def test_a_random_k_task_names_its_payload_and_the_bridge_reads_it_with_its_codec():
+    """randk's phones compress on the host (android_bridge.seeded): the task names the seeded
+    payload and the client's seed, and the bridge reads an upload with randk's codec, bounded
+    by the task's model; an upload of another kind, or a kind phones do not send, is named."""
+    from android_bridge.bridge import PhoneTask, decode_update
+    from android_bridge.bridge_app import _phone_config
+    from android_bridge.seeded import SeededEncoder
+    from dgc import DecodeError, SparseUpdate, encode
+    from fedgc.methods.randk import RandomKCodec, client_seed
+
+    run = RunConfig.from_flat({"method": "randk", "seed": 5})
+    config = _phone_config(run.train, run.method, client_key=3)
+    assert config["codec"] == {"payload": "seeded", "seed": client_seed(run.train, 3)} \
+        == {"payload": "seeded", "seed": (5 << 32) + 3}
+    model = {"w": torch.zeros(30, 40), "b": torch.zeros(40)}
+    task = PhoneTask("phone-a", 1, 1, 1, -1, encode(SparseUpdate.from_dense(model, "float32", 1)),
+                     config)
+    phone = SeededEncoder(config["codec"]["seed"])
+    sent = phone.compress({n: np.ones(tuple(t.shape), np.float32) for n, t in model.items()},
+                          run.method.phone_config(run.train), 0.0, 1)
+    got = decode_update(task, RandomKCodec().encode(sent))
+    assert got.seed == sent.seed and got.sequence == 1
+    assert {n: t.indices.tolist() for n, t in got.tensors.items()} == \
+        {n: t.indices.tolist() for n, t in sent.tensors.items()}
+    with pytest.raises(DecodeError):  # the exported encoder's bytes where FGCR is due
+        decode_update(task, encode(sent))
+    big = SeededEncoder(1).compress({"w": np.ones((50, 50), np.float32)},
+                                    run.method.phone_config(run.train), 0.0, 1)
+    with pytest.raises(DecodeError, match="2500"):  # larger than the model's largest tensor
+        decode_update(task, RandomKCodec().encode(big))
+    odd = dataclasses.replace(task, config={**config, "codec": {"payload": "levels"}})
+    with pytest.raises(ValueError, match=r"phone payload 'levels' is not one phones send; "
+                                         r"they send \['seeded'\]"):
+        decode_update(odd, b"")

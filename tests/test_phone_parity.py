@@ -52,6 +52,43 @@ def test_local_batches_are_train_locallys(n, batch, epochs, steps):
     assert ours == seen
 
 
+@pytest.mark.parametrize("value_dtype", ["float16", "bfloat16", "float32"])
+def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
+    """``android_bridge.seeded`` (numpy on the phone) against randk's simulated client
+    (``RandomKCompressor``): the same ``FGCR`` bytes and residual, round after round, with a
+    tensor sent whole, a warm-up density, a value beyond float16 and an update folded back."""
+    from android_bridge.seeded import SeededEncoder
+    from fedgc.methods.randk import RandomKCodec, client_seed
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "randk", "density": 0.05, "seed": 7,
+                               "dgc.value_dtype": value_dtype, "dgc.warmup_rounds": 2})
+    method, t = run.method, run.train
+    policy = method.phone_config(t)
+    task = method.phone_task(t, 3)
+    assert task == {"payload": "seeded", "seed": client_seed(t, 3)}
+    simulated = method.compressor(t, 3)
+    phone = SeededEncoder(task["seed"])
+    codec = RandomKCodec()
+    shapes = {"fc1.weight": (40, 30), "fc1.bias": (40,), "fc2.weight": (20, 40)}
+    rng = np.random.default_rng(0)
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        grads["fc2.weight"][0, :3] = [1e5, -7e4, 3.0]  # beyond float16's range
+        epoch = float(sequence - 1)
+        ours = phone.compress(grads, policy, epoch, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
+                                  sequence)
+        assert codec.encode(ours) == codec.encode(want), sequence
+        if sequence == 2:  # not aggregated: both fold it back whole
+            phone.restore(ours)
+            simulated.restore(want)
+        for name, v in simulated.residual().items():
+            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+    # below dgc.min_sparse_numel: whole; the others at the density after warm-up (5%)
+    assert [t.nnz for t in ours.tensors.values()] == [60, 40, 40]
+
+
 class EagerTrainer:
     """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
     ``fedgc.training.train_locally`` does with each batch."""

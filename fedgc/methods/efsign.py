@@ -196,6 +196,9 @@ class EFSign(Method):
     """EF-signSGD of the pseudo-gradient, every tensor (module docstring)."""
 
     name = "efsign"
+    phone_needs = ("one sign bit per entry and a float32 scale per tensor (the signs payload): "
+                   "the exported encoder sends sparse values, and no phone-side sign codec "
+                   "exists")
     label = "EF-signSGD"
     order = 51
     compared = False  # a catalogue method: compare --methods ...,efsign

@@ -96,6 +96,9 @@ class SignVote(Method):
     """signSGD with majority vote, stateless clients (module docstring)."""
 
     name = "signvote"
+    phone_needs = ("the sign of every entry, zeros by numpy default_rng coins (the signs "
+                   "payload): the exported encoder sends sparse values, and no phone-side sign "
+                   "codec exists")
     label = "signSGD-MV"
     order = 52
     compared = False  # a catalogue method: compare --methods ...,signvote
