@@ -142,22 +142,66 @@ def parity_export(digits_phone_export):
 
 @pytest.mark.slow
 def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
+    config = _run(SETTINGS, tmp_path)
+    t = config.train
+    own = config.method.own
+    assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
+    signs = _assert_same_bytes(_phone_and_simulated(parity_export, config))
+    assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+
+
+@pytest.mark.slow
+def test_a_random_k_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
+    """randk (issue 39): the phone compresses on the host (android_bridge.seeded) from the
+    export of a dgc run (the training step is the same) and sends FGCR, as a simulated
+    client; no sign channel."""
+    config = _run({**SETTINGS, "method": "randk", "density": 0.05}, tmp_path)
+    assert _assert_same_bytes(_phone_and_simulated(parity_export, config)) == 0
+
+
+def _run(settings: dict, tmp_path):
+    from fedgc.settings import RunConfig
+
+    return RunConfig.from_flat({**settings, "results_dir": str(tmp_path), "run_name": "parity"})
+
+
+def _assert_same_bytes(compared: list[dict]) -> int:
+    """Each round's update, signs and metrics alike on the phone and the simulated client;
+    how many rounds carried signs."""
+    from fedgc import protocol as P
+
+    assert len(compared) == SETTINGS["rounds"]
+    signs = 0
+    for server_round, pair in enumerate(compared, start=1):
+        (update, shared, metrics), (p_update, p_shared, p_metrics) = (pair["simulated"],
+                                                                      pair["phone"])
+        assert p_update == update, f"round {server_round}: the updates differ"
+        assert p_shared == shared, f"round {server_round}: the signs differ"
+        signs += shared is not None
+        # The reply's metrics (fedgc.protocol.REPLY_METRICS; restored only when not 0) but the
+        # time the round took.
+        for key in ("num-examples", "train_loss", P.RESTORED):
+            assert p_metrics.get(key) == metrics.get(key), (server_round, key)
+        # The round after the dropped one folded that update back, on both.
+        assert metrics.get(P.RESTORED, 0) == int(server_round == DROPPED_ROUND + 1), server_round
+    return signs
+
+
+def _phone_and_simulated(parity_export, config) -> list[dict]:
+    """Run ``config`` on a LocalGrid whose client PHONE_KEY is both a reference phone behind
+    the bridge and a simulated client given a copy of each train message; the pairs of
+    replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost)."""
     from android_bridge.bridge import PhoneBridge
     from android_bridge.bridge_app import make_bridge_app
     from android_bridge.phone import ReferencePhone
     from client.app import app as client_app
     from client.app import client_data, client_key
     from fedgc import protocol as P
-    from fedgc.settings import RunConfig
     from server.app import run_server
     from server.local_grid import LocalGrid
     from tasks import get_task
 
-    config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path),
-                                  "run_name": "parity"})
     t = config.train
-    own = config.method.own
-    assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
     task = get_task("digits")
     x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []
@@ -216,21 +260,7 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
             worker.join(30)
             phone.close()
     assert not errors, errors
-    assert len(compared) == SETTINGS["rounds"]
-    signs = 0
-    for server_round, pair in enumerate(compared, start=1):
-        (update, shared, metrics), (p_update, p_shared, p_metrics) = (pair["simulated"],
-                                                                      pair["phone"])
-        assert p_update == update, f"round {server_round}: the updates differ"
-        assert p_shared == shared, f"round {server_round}: the signs differ"
-        signs += shared is not None
-        # The reply's metrics (fedgc.protocol.REPLY_METRICS; restored only when not 0) but the
-        # time the round took.
-        for key in ("num-examples", "train_loss", P.RESTORED):
-            assert p_metrics.get(key) == metrics.get(key), (server_round, key)
-        # The round after the dropped one folded that update back, on both.
-        assert metrics.get(P.RESTORED, 0) == int(server_round == DROPPED_ROUND + 1), server_round
-    assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+    return compared
 
 
 @pytest.mark.slow
