@@ -12,8 +12,9 @@ the same order (:mod:`android_bridge.shuffle`: torch's generator and ``randperm`
 run's ``client_momentum`` and ``weight_decay`` from fresh buffers, the pseudo-gradient, the
 fold-back of an update the server did not aggregate (the update, then its signs), DGC with a
 second density for small tensors (``dgc.small_density``), then the sign channel
-(``dgc.signs.take_signs`` on the residual). A task that names the ``seeded`` payload (random-k)
-is compressed on the host instead (:mod:`android_bridge.seeded`) and sent in its ``FGCR`` bytes.
+(``dgc.signs.take_signs`` on the residual). A task whose ``codec`` names a payload (random-k's
+``seeded``, EF-signSGD's ``signs``) is compressed on the host instead
+(:mod:`android_bridge.host_encoders`) and sent in that payload's bytes.
 Given the same data and seed, and a training step
 that computes what eager torch computes, it sends the same bytes (tests/test_phone_parity.py).
 Torch appears as the buffer type of the ExecuTorch Python bindings and in the sign channel's
@@ -39,16 +40,15 @@ import numpy as np
 import dgc
 from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
 from android_bridge.encoder import check_compatible
+from android_bridge.host_encoders import HostEncoder, host_encoder
 from android_bridge.initial_model import FORMS, initial_form
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
-from android_bridge.seeded import SeededEncoder
 from android_bridge.shuffle import local_batches
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
 from dgc.wire import max_numel_of
-from fedgc.methods.randk import RandomKCodec
 from fedgc.training import round_seed
 
 
@@ -131,8 +131,10 @@ class ReferencePhone:
         self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
         self.initial = self.trainer.parameters() if self.initial_sha256 else None
         self.pending: dgc.SparseUpdate | None = None
-        # random-k's residual, when a task names the seeded payload (android_bridge.seeded).
-        self.seeded: SeededEncoder | None = None
+        # The host encoder a task's codec entry names (android_bridge.host_encoders), with
+        # its residual, and that entry.
+        self.host: HostEncoder | None = None
+        self.host_codec: dict[str, Any] = {}
         self.pending_signs: dgc.SparseUpdate | None = None
         self.poll_interval_s = 0.05
         self.max_wait_s = 0.0
@@ -222,8 +224,8 @@ class ReferencePhone:
         train = config["train"]
         dgc_config = DGCConfig.from_dict(config["dgc"])
         small = config.get("small") or {}
-        seeded = self._seeded(config.get("codec") or {})
-        if seeded is None:  # random-k's host encoder reads the config's layer policy only
+        host = self._host_encoder(config.get("codec") or {})
+        if host is None:  # a host encoder reads the config's layer policy only
             self.encoder.reconfigure(dgc_config, float(small.get("density", 0.0)),
                                      int(small.get("numel", 10_000)))
         largest = self.trainer.batch_shape[0]
@@ -240,13 +242,13 @@ class ReferencePhone:
         restored = self.pending is not None and self.pending.sequence != task.ack_sequence
         if restored:
             # As client.state.fold_back_pending: the update, then the signs sent beside it.
-            (self.encoder if seeded is None else seeded).restore(self.pending)
+            (self.encoder if host is None else host).restore(self.pending)
             if self.pending_signs is not None:
                 self.encoder.restore(self.pending_signs)
         epoch = float(task.server_round - 1)
-        if seeded is not None:
-            update = seeded.compress(pseudo_gradient, dgc_config, epoch, int(task.sequence))
-            data = RandomKCodec().encode(update)
+        if host is not None:
+            update = host.compress(pseudo_gradient, dgc_config, epoch, int(task.sequence))
+            data = host.encode(update)
         else:
             update = self.encoder.compress(pseudo_gradient, epoch=epoch,
                                            sequence=int(task.sequence))
@@ -277,21 +279,18 @@ class ReferencePhone:
                            downlink_bytes=len(task.model_bytes), side_bytes=len(side),
                            data=data + side)
 
-    def _seeded(self, codec: dict[str, Any]) -> SeededEncoder | None:
-        """The random-k encoder when the task names the ``seeded`` payload (its residual kept
-        while the seed stays), None for the exported encoder."""
-        kind = codec.get("payload")
-        if kind is None:
+    def _host_encoder(self, codec: dict[str, Any]) -> HostEncoder | None:
+        """The host encoder the task's ``codec`` entry names (kept, with its residual, while
+        the entry stays the same), None for the exported encoder."""
+        if not codec:
             return None
-        if kind != RandomKCodec.kind:
-            raise PhoneError(f"task asks for payload {kind!r}; this phone sends the exported "
-                             f"encoder's update or {RandomKCodec.kind!r}")
-        seed = codec.get("seed")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-            raise PhoneError(f"task's seeded payload needs a seed in [0, 2^64), got {seed!r}")
-        if self.seeded is None or self.seeded.seed != seed:
-            self.seeded = SeededEncoder(seed)
-        return self.seeded
+        if self.host is None or self.host_codec != codec:
+            try:
+                self.host = host_encoder(codec)
+            except ValueError as ex:
+                raise PhoneError(f"task's codec {codec!r}: {ex}") from ex
+            self.host_codec = dict(codec)
+        return self.host
 
     def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
         """The residual at the task's shared index sets as scaled signs, taken out of the

@@ -153,14 +153,16 @@ def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
         _phone_config(run.train, run.method)
 
 
-def test_a_random_k_task_names_its_payload_and_the_bridge_reads_it_with_its_codec():
-    """randk's phones compress on the host (android_bridge.seeded): the task names the seeded
-    payload and the client's seed, and the bridge reads an upload with randk's codec, bounded
-    by the task's model; an upload of another kind, or a kind phones do not send, is named."""
+def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_codec():
+    """randk's and efsign's phones compress on the host (android_bridge.host_encoders): the
+    task names the payload (and randk's client seed), and the bridge reads an upload with the
+    method's codec, bounded by the task's model; an upload of another kind, or a kind phones
+    do not send, is named."""
     from android_bridge.bridge import PhoneTask, decode_update
     from android_bridge.bridge_app import _phone_config
-    from android_bridge.seeded import SeededEncoder
+    from android_bridge.host_encoders import SeededEncoder, host_encoder
     from dgc import DecodeError, SparseUpdate, encode
+    from fedgc.methods.efsign import SignsCodec
     from fedgc.methods.randk import RandomKCodec, client_seed
 
     run = RunConfig.from_flat({"method": "randk", "seed": 5})
@@ -185,5 +187,15 @@ def test_a_random_k_task_names_its_payload_and_the_bridge_reads_it_with_its_code
         decode_update(task, RandomKCodec().encode(big))
     odd = dataclasses.replace(task, config={**config, "codec": {"payload": "levels"}})
     with pytest.raises(ValueError, match=r"phone payload 'levels' is not one phones send; "
-                                         r"they send \['seeded'\]"):
+                                         r"they send \['seeded', 'signs'\]"):
         decode_update(odd, b"")
+    # efsign's phones send the signs payload, read with its codec
+    ef = RunConfig.from_flat({"method": "efsign"})
+    signs = dataclasses.replace(task, config=_phone_config(ef.train, ef.method, client_key=3))
+    assert signs.config["codec"] == {"payload": "signs"}
+    sent = host_encoder(signs.config["codec"]).compress(
+        {n: np.full(tuple(t.shape), -0.5, np.float32) for n, t in model.items()},
+        ef.method.phone_config(ef.train), 0.0, 1)
+    got = decode_update(signs, SignsCodec().encode(sent))
+    assert {n: t.values.unique().tolist() for n, t in got.tensors.items()} == \
+        {"w": [-0.5], "b": [-0.5]} and got.tensors["w"].nnz == 1200

@@ -54,10 +54,10 @@ def test_local_batches_are_train_locallys(n, batch, epochs, steps):
 
 @pytest.mark.parametrize("value_dtype", ["float16", "bfloat16", "float32"])
 def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
-    """``android_bridge.seeded`` (numpy on the phone) against randk's simulated client
+    """``android_bridge.host_encoders`` (numpy on the phone) against randk's simulated client
     (``RandomKCompressor``): the same ``FGCR`` bytes and residual, round after round, with a
     tensor sent whole, a warm-up density, a value beyond float16 and an update folded back."""
-    from android_bridge.seeded import SeededEncoder
+    from android_bridge.host_encoders import SeededEncoder
     from fedgc.methods.randk import RandomKCodec, client_seed
     from fedgc.settings import RunConfig
 
@@ -87,6 +87,37 @@ def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
             assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
     # below dgc.min_sparse_numel: whole; the others at the density after warm-up (5%)
     assert [t.nnz for t in ours.tensors.values()] == [60, 40, 40]
+
+
+def test_the_phones_ef_sign_sends_a_simulated_clients_bytes():
+    """``android_bridge.host_encoders.SignsEncoder`` against efsign's simulated client
+    (``EFSignCompressor``): the same ``FGCB`` bytes (signs and float32 scales) and residual,
+    round after round, with an update folded back and a tensor of zeros (scale 0)."""
+    from android_bridge.host_encoders import SignsEncoder, host_encoder
+    from fedgc.methods.efsign import SignsCodec
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "efsign"})
+    method, t = run.method, run.train
+    phone = host_encoder(method.phone_task(t, 3))
+    assert isinstance(phone, SignsEncoder)
+    simulated = method.compressor(t, 3)
+    codec = SignsCodec()
+    shapes = {"fc1.weight": (40, 30), "fc1.bias": (40,), "zeros": (7,)}
+    rng = np.random.default_rng(1)
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) * 1e-3 for n, s in shapes.items()}
+        grads["zeros"][:] = 0.0
+        ours = phone.compress(grads, method.phone_config(t), 0.0, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
+                                  sequence)
+        assert codec.encode(ours) == codec.encode(want), sequence
+        if sequence == 2:  # not aggregated: both fold it back whole
+            phone.restore(ours)
+            simulated.restore(want)
+        for name, v in simulated.residual().items():
+            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+    assert ours.scales["zeros"] == 0.0 and ours.scales["fc1.weight"] > 0
 
 
 class EagerTrainer:
@@ -151,11 +182,15 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_random_k_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
-    """randk (issue 39): the phone compresses on the host (android_bridge.seeded) from the
-    export of a dgc run (the training step is the same) and sends FGCR, as a simulated
-    client; no sign channel."""
-    config = _run({**SETTINGS, "method": "randk", "density": 0.05}, tmp_path)
+@pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"}],
+                         ids=["randk", "efsign"])
+def test_a_host_encoder_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
+                                                                       keys):
+    """randk and efsign (issue 39): the phone compresses on the host
+    (android_bridge.host_encoders) with the training step of a dgc run's export (the same
+    model, seed and batch) and sends the method's payload (FGCR, FGCB), as a simulated client;
+    no sign channel."""
+    config = _run({**SETTINGS, **keys}, tmp_path)
     assert _assert_same_bytes(_phone_and_simulated(parity_export, config)) == 0
 
 

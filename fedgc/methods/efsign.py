@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgc import Compressor, DecodeError, SparseTensor, SparseUpdate
+from dgc import Compressor, DecodeError, DGCConfig, SparseTensor, SparseUpdate
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
     NDIM,
@@ -50,6 +50,7 @@ from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
 from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, Payload, check_tensors
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
@@ -192,13 +193,10 @@ class SignsCodec(Codec):
         ]
 
 
-class EFSign(Method):
+class EFSign(PhoneExport, Method):
     """EF-signSGD of the pseudo-gradient, every tensor (module docstring)."""
 
     name = "efsign"
-    phone_needs = ("one sign bit per entry and a float32 scale per tensor (the signs payload): "
-                   "the exported encoder sends sparse values, and no phone-side sign codec "
-                   "exists")
     label = "EF-signSGD"
     order = 51
     compared = False  # a catalogue method: compare --methods ...,efsign
@@ -217,6 +215,20 @@ class EFSign(Method):
 
     def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # one bit for every entry
+
+    # -- phones: the signs on the host (android_bridge.host_encoders), no program
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        """Every entry of every tensor, plain error feedback: what its client sends (the
+        encoder program it is exported with is not run)."""
+        return DGCConfig(density=1.0, selection="exact", momentum=0.0,
+                         momentum_correction=False, momentum_masking=False,
+                         error_feedback=True, value_dtype="float32")
+
+    def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
+        return {"payload": SignsCodec.kind}
+
+    def phone_codec(self) -> Codec:
+        return SignsCodec()
 
 
 register(EFSign())
