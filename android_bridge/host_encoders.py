@@ -1,10 +1,11 @@
-"""The catalogue's encoders a phone runs on its host, no program: random-k's and EF-signSGD's.
+"""The catalogue's encoders a phone runs on its host, no program: random-k, EF-signSGD, the vote.
 
-A phone whose task names a payload in its ``codec`` entry (``PhoneExport.phone_task``: random-k's
-``seeded``, EF-signSGD's ``signs``) runs one of these instead of the exported encoder, as the
-method's simulated client runs its compressor (``fedgc.methods.randk.RandomKCompressor``,
-``fedgc.methods.efsign.EFSignCompressor``): the pseudo-gradient joins a float32 residual, what
-is sent leaves it, and an update the server did not aggregate is folded back whole. The
+A phone whose task has a ``codec`` entry (``PhoneExport.phone_task``: the encoder, the payload
+kind, a seed) runs one of these instead of the exported encoder, as the method's simulated
+client runs its compressor (``fedgc.methods.randk.RandomKCompressor``,
+``fedgc.methods.efsign.EFSignCompressor``, ``fedgc.methods.signvote.VoteCompressor``): the
+pseudo-gradient joins a float32 residual, what is sent leaves it, and an update the server did
+not aggregate is folded back whole (the vote keeps nothing: a lost vote is lost). The
 arithmetic is float32 numpy, an addition and a subtraction per entry, as it would be plain Java
 on a phone; torch rounds the values (float16, bfloat16), sums EF-signSGD's scale (in float64,
 as the simulated client sums it: another order could move the float32 scale by a bit) and holds
@@ -30,10 +31,12 @@ FLOAT16_MAX = 65504.0
 
 
 class HostEncoder:
-    """A phone's residual, flat float32 per tensor, and the payload kind it sends; subclasses
-    write :meth:`compress` and :meth:`encode`."""
+    """A phone's residual, flat float32 per tensor, the method it stands for (``name``, a
+    task's ``codec.encoder``) and whether it keeps what the server did not aggregate;
+    subclasses write :meth:`compress` and :meth:`encode`."""
 
-    kind = ""
+    name = ""
+    keeps_residual = True
 
     def __init__(self) -> None:
         self.residual: dict[str, np.ndarray] = {}
@@ -84,7 +87,7 @@ class SeededEncoder(HostEncoder):
         The client's seed (``fedgc.methods.randk.client_seed``), sent with every task.
     """
 
-    kind = RandomKCodec.kind
+    name = "randk"
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -118,7 +121,7 @@ class SignsEncoder(HostEncoder):
     mean magnitude (``||p||_1 / d``, summed in float64, sent as float32); the residual keeps
     the difference."""
 
-    kind = SignsCodec.kind
+    name = "efsign"
 
     def compress(self, grads: Mapping[str, np.ndarray], policy: DGCConfig, epoch: float,
                  sequence: int) -> SignsUpdate:
@@ -135,14 +138,55 @@ class SignsEncoder(HostEncoder):
         return SignsCodec().encode(update)
 
 
+class VoteEncoder(HostEncoder):
+    """signSGD-MV: the sign of every entry of the pseudo-gradient, scale 1, an exact 0 by a
+    coin of ``numpy.random.default_rng([seed, round])``; nothing kept.
+
+    Parameters
+    ----------
+    seed : int
+        The client's seed (``fedgc.methods.signvote.SignVote.phone_task``).
+    """
+
+    name = "signvote"
+    keeps_residual = False
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = int(seed)
+
+    def compress(self, grads: Mapping[str, np.ndarray], policy: DGCConfig, epoch: float,
+                 sequence: int) -> SignsUpdate:
+        for name, g in grads.items():
+            if not np.isfinite(g).all():
+                raise StateError(f"gradient {name!r} contains NaN or Inf")
+        rng = np.random.default_rng([self.seed, int(sequence)])
+        out = SignsUpdate({}, int(sequence))
+        for name, g in grads.items():
+            flat = np.asarray(g, dtype=np.float32).reshape(-1)
+            coin = rng.random(flat.size) < 0.5
+            negative = torch.from_numpy(np.where(flat == 0, coin, flat < 0))
+            out.tensors[name], out.scales[name] = dense_signs(tuple(g.shape), negative, 1.0), 1.0
+        return out
+
+    def encode(self, update: SparseUpdate) -> bytes:
+        return SignsCodec().encode(update)
+
+    def restore(self, update: SparseUpdate) -> None:
+        """Nothing to restore into (the simulated client keeps nothing either)."""
+
+
 def host_encoder(codec: Mapping[str, object]) -> HostEncoder:
-    """The encoder a task's ``codec`` entry names; ValueError naming the kinds phones run."""
-    kind, seed = codec.get("payload"), codec.get("seed")
-    if kind == SeededEncoder.kind:
+    """The encoder a task's ``codec`` entry names (``encoder``, and ``seed`` for random-k and
+    the vote); ValueError naming the encoders phones run."""
+    name, seed = codec.get("encoder"), codec.get("seed")
+    seeded = {SeededEncoder.name: SeededEncoder, VoteEncoder.name: VoteEncoder}
+    if name in seeded:
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-            raise ValueError(f"the seeded payload needs a seed in [0, 2^64), got {seed!r}")
-        return SeededEncoder(seed)
-    if kind == SignsEncoder.kind:
+            raise ValueError(f"encoder {name!r} needs a seed in [0, 2^64), got {seed!r}")
+        return seeded[name](seed)
+    if name == SignsEncoder.name:
         return SignsEncoder()
-    raise ValueError(f"payload {kind!r} is not one this phone sends: "
-                     f"{[SeededEncoder.kind, SignsEncoder.kind]} or the exported encoder's")
+    raise ValueError(f"encoder {name!r} is not one this phone runs: "
+                     f"{[SeededEncoder.name, SignsEncoder.name, VoteEncoder.name]} or the "
+                     f"exported one")

@@ -255,7 +255,9 @@ class ReferencePhone:
             data = dgc.encode(update)
         signs = self._signs(task)
         side = encode_signs(signs) if signs is not None else b""
-        self.pending, self.pending_signs = update, signs
+        # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
+        kept = host is None or host.keeps_residual
+        self.pending, self.pending_signs = (update if kept else None), signs
         self.model, self.model_version = global_model, int(task.model_version)
         # What the bridge app reads (it times the round itself); "restored" only when 1.
         metrics: dict[str, Any] = {"num-examples": len(self.x),

@@ -167,8 +167,9 @@ def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_
 
     run = RunConfig.from_flat({"method": "randk", "seed": 5})
     config = _phone_config(run.train, run.method, client_key=3)
-    assert config["codec"] == {"payload": "seeded", "seed": client_seed(run.train, 3)} \
-        == {"payload": "seeded", "seed": (5 << 32) + 3}
+    assert config["codec"] == {"encoder": "randk", "payload": "seeded",
+                               "seed": client_seed(run.train, 3)} \
+        and client_seed(run.train, 3) == (5 << 32) + 3
     model = {"w": torch.zeros(30, 40), "b": torch.zeros(40)}
     task = PhoneTask("phone-a", 1, 1, 1, -1, encode(SparseUpdate.from_dense(model, "float32", 1)),
                      config)
@@ -192,7 +193,7 @@ def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_
     # efsign's phones send the signs payload, read with its codec
     ef = RunConfig.from_flat({"method": "efsign"})
     signs = dataclasses.replace(task, config=_phone_config(ef.train, ef.method, client_key=3))
-    assert signs.config["codec"] == {"payload": "signs"}
+    assert signs.config["codec"] == {"encoder": "efsign", "payload": "signs"}
     sent = host_encoder(signs.config["codec"]).compress(
         {n: np.full(tuple(t.shape), -0.5, np.float32) for n, t in model.items()},
         ef.method.phone_config(ef.train), 0.0, 1)

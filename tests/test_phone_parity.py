@@ -66,7 +66,7 @@ def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
     method, t = run.method, run.train
     policy = method.phone_config(t)
     task = method.phone_task(t, 3)
-    assert task == {"payload": "seeded", "seed": client_seed(t, 3)}
+    assert task == {"encoder": "randk", "payload": "seeded", "seed": client_seed(t, 3)}
     simulated = method.compressor(t, 3)
     phone = SeededEncoder(task["seed"])
     codec = RandomKCodec()
@@ -118,6 +118,31 @@ def test_the_phones_ef_sign_sends_a_simulated_clients_bytes():
         for name, v in simulated.residual().items():
             assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
     assert ours.scales["zeros"] == 0.0 and ours.scales["fc1.weight"] > 0
+
+
+def test_the_phones_vote_sends_a_simulated_clients_bytes():
+    """``VoteEncoder`` against signvote's simulated client (``VoteCompressor``): the same
+    ``FGCB`` bytes, exact zeros by the same coins, round after round; nothing kept."""
+    from android_bridge.host_encoders import VoteEncoder, host_encoder
+    from fedgc.methods.signvote import VoteCodec
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "signvote", "seed": 4})
+    method, t = run.method, run.train
+    phone = host_encoder(method.phone_task(t, 2))
+    assert isinstance(phone, VoteEncoder) and phone.seed == (4 << 32) + 2
+    simulated = method.compressor(t, 2)
+    rng = np.random.default_rng(2)
+    for sequence in range(1, 4):
+        grads = {"w": rng.standard_normal((30, 20)).astype(np.float32),
+                 "zeros": np.zeros(64, np.float32)}
+        ours = phone.compress(grads, method.phone_config(t), 0.0, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
+                                  sequence)
+        assert VoteCodec().encode(ours) == VoteCodec().encode(want), sequence
+        coins = ours.tensors["zeros"].values
+        assert 0 < int((coins < 0).sum()) < 64  # a coin each, not one sign for all
+    assert phone.residual == {} and not phone.keeps_residual
 
 
 class EagerTrainer:
@@ -182,16 +207,17 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"}],
-                         ids=["randk", "efsign"])
+@pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"},
+                                  {"method": "signvote"}], ids=["randk", "efsign", "signvote"])
 def test_a_host_encoder_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
                                                                        keys):
-    """randk and efsign (issue 39): the phone compresses on the host
+    """randk, efsign and signvote (issue 39): the phone compresses on the host
     (android_bridge.host_encoders) with the training step of a dgc run's export (the same
     model, seed and batch) and sends the method's payload (FGCR, FGCB), as a simulated client;
-    no sign channel."""
+    no sign channel; the vote folds nothing back."""
     config = _run({**SETTINGS, **keys}, tmp_path)
-    assert _assert_same_bytes(_phone_and_simulated(parity_export, config)) == 0
+    compared = _phone_and_simulated(parity_export, config)
+    assert _assert_same_bytes(compared, config.method.keeps_residual) == 0
 
 
 def _run(settings: dict, tmp_path):
@@ -200,9 +226,10 @@ def _run(settings: dict, tmp_path):
     return RunConfig.from_flat({**settings, "results_dir": str(tmp_path), "run_name": "parity"})
 
 
-def _assert_same_bytes(compared: list[dict]) -> int:
-    """Each round's update, signs and metrics alike on the phone and the simulated client;
-    how many rounds carried signs."""
+def _assert_same_bytes(compared: list[dict], folds_back: bool = True) -> int:
+    """Each round's update, signs and metrics alike on the phone and the simulated client (the
+    round after the dropped one folded it back, when the method keeps a residual); how many
+    rounds carried signs."""
     from fedgc import protocol as P
 
     assert len(compared) == SETTINGS["rounds"]
@@ -218,7 +245,8 @@ def _assert_same_bytes(compared: list[dict]) -> int:
         for key in ("num-examples", "train_loss", P.RESTORED):
             assert p_metrics.get(key) == metrics.get(key), (server_round, key)
         # The round after the dropped one folded that update back, on both.
-        assert metrics.get(P.RESTORED, 0) == int(server_round == DROPPED_ROUND + 1), server_round
+        folded = folds_back and server_round == DROPPED_ROUND + 1
+        assert metrics.get(P.RESTORED, 0) == int(folded), server_round
     return signs
 
 

@@ -54,8 +54,8 @@ from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
-__all__ = ["EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload", "SignsUpdate", "dense_signs",
-           "signed_values"]
+__all__ = ["SIGNS_PHONE_CONFIG", "EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload",
+           "SignsUpdate", "dense_signs", "signed_values"]
 
 PREAMBLE = Preamble(b"FGCB", 1, "QI")  # sequence, tensor count
 _SCALE = struct.Struct("<I")  # the float32 scale's raw bits
@@ -193,6 +193,13 @@ class SignsCodec(Codec):
         ]
 
 
+#: The phone config of a method that sends signs (efsign, signvote): every entry of every
+#: tensor, plain error feedback; the encoder program it is exported with is not run.
+SIGNS_PHONE_CONFIG = DGCConfig(density=1.0, selection="exact", momentum=0.0,
+                               momentum_correction=False, momentum_masking=False,
+                               error_feedback=True, value_dtype="float32")
+
+
 class EFSign(PhoneExport, Method):
     """EF-signSGD of the pseudo-gradient, every tensor (module docstring)."""
 
@@ -218,14 +225,10 @@ class EFSign(PhoneExport, Method):
 
     # -- phones: the signs on the host (android_bridge.host_encoders), no program
     def phone_config(self, train: TrainSettings) -> DGCConfig:
-        """Every entry of every tensor, plain error feedback: what its client sends (the
-        encoder program it is exported with is not run)."""
-        return DGCConfig(density=1.0, selection="exact", momentum=0.0,
-                         momentum_correction=False, momentum_masking=False,
-                         error_feedback=True, value_dtype="float32")
+        return SIGNS_PHONE_CONFIG
 
     def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
-        return {"payload": SignsCodec.kind}
+        return {"encoder": self.name, "payload": SignsCodec.kind}
 
     def phone_codec(self) -> Codec:
         return SignsCodec()

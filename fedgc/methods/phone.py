@@ -89,7 +89,9 @@ def phone_refusal(method: Method) -> str | None:
 
 def phone_codec_of(kind: str) -> Codec:
     """The codec of a phone-side payload ``kind`` (a task's ``codec.payload``), from the
-    registered methods phones run; ValueError naming the kinds there are."""
+    registered methods phones run (methods of one kind read its bytes alike: efsign's and the
+    vote's ``signs``; the server checks a payload with its method's own); ValueError naming
+    the kinds there are."""
     codecs = {}
     for m in registered():
         part = phone_export_of(m)

@@ -272,8 +272,10 @@ class RandomK(PhoneExport, Method[SparsifierSettings]):
         return self.policy(train)
 
     def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
-        """The ``seeded`` payload and the client's seed, as :meth:`compressor` takes it."""
-        return {"payload": RandomKCodec.kind, "seed": client_seed(train, client_key)}
+        """randk's host encoder, the ``seeded`` payload and the client's seed, as
+        :meth:`compressor` takes it."""
+        return {"encoder": self.name, "payload": RandomKCodec.kind,
+                "seed": client_seed(train, client_key)}
 
     def phone_codec(self) -> Codec:
         return RandomKCodec()
