@@ -123,9 +123,10 @@ def _whole(metrics: Mapping[str, Any], key: str, low: int, required: bool) -> No
 
 def decode_update(task: PhoneTask, data: bytes) -> dgc.SparseUpdate:
     """A phone's update for ``task``: the exported encoder's ``FGCU`` bytes (``dgc.decode``),
-    or the payload of the kind the task's ``codec`` names (random-k's ``seeded``), read by the
-    method's codec; no tensor claims more entries than the task's model's largest.
-    ``dgc.DecodeError`` or ValueError naming what is wrong."""
+    or the payload of the kind the task's ``codec`` names (random-k's ``seeded``, the
+    ``signs`` of EF-signSGD and the vote), read by the method's codec; no tensor claims more
+    entries than the task's model's largest. ``dgc.DecodeError`` or ValueError naming what is
+    wrong."""
     limit = max_numel_of_message(task.dense_model)
     kind = (task.config.get("codec") or {}).get("payload")
     if kind is None:

@@ -202,7 +202,7 @@ def _phone_config(s: TrainSettings, method: methods.Method,
     if small is not None:
         out["small"] = {"density": small[0], "numel": small[1]}
     codec = part.phone_task(s, client_key)
-    if codec:  # an encoder of the method's own on the phone (random-k's seeded positions)
+    if codec:  # an encoder of the method's own on the phone's host (randk, efsign, signvote)
         out["codec"] = codec
     return out
 

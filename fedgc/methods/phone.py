@@ -5,8 +5,9 @@ or without its residual and momentum correction, configured by a :class:`dgc.DGC
 optional second density for small tensors. A method whose clients phones can stand in for
 inherits :class:`PhoneExport` beside :class:`fedgc.methods.Method` and says which configuration,
 or names a phone-side encoder of its own instead (:meth:`PhoneExport.phone_task`: random-k's
-seeded positions, in a few lines of host code), whose payload the bridge then reads with the
-method's codec (:meth:`PhoneExport.phone_codec`); the DGCConfig still gives its layer policy;
+seeded positions, EF-signSGD's and the vote's signs, in a few lines of host code), whose
+payload the bridge then reads with the method's codec (:meth:`PhoneExport.phone_codec`); the
+DGCConfig still gives its layer policy;
 ``phone_refusals`` names the run keys it has that the exported encoder does not run, so that a
 run with phones is refused before they train otherwise than the simulated clients beside them.
 A method without it is refused by the bridge and ``export`` in one line (:func:`phone_refusal`):
@@ -25,8 +26,8 @@ from fedgc.methods.registry import registered
 
 __all__ = ["PhoneExport", "phone_codec_of", "phone_export_of", "phone_methods", "phone_refusal"]
 
-#: What phones run, for a refusal: the one encoder every phone export carries.
-PHONE_ENCODER = "DGC's top-k, exported with ExecuTorch"
+#: What phones run, for a refusal.
+PHONE_ENCODER = "DGC's top-k exported with ExecuTorch, or a method's encoder on the host"
 #: A method that declares no ``phone_needs`` (a plugin's, say) lacks at least this.
 UNDECLARED = "a phone export (fedgc.methods.PhoneExport), which it does not declare"
 
@@ -49,8 +50,9 @@ class PhoneExport:
 
     def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
         """What a phone's task carries beside its training keys and DGC config when its
-        phones run an encoder of the method's own instead of the exported one: ``{"payload":
-        kind, ...}``, the kind of :meth:`phone_codec` and what that encoder needs (a seed);
+        phones run an encoder of the method's own instead of the exported one: ``{"encoder":
+        name, "payload": kind, ...}``, that encoder (``android_bridge.host_encoders``), the
+        kind of :meth:`phone_codec` and what the encoder needs (a seed);
         {} (here): the exported encoder, whose update is a ``dgc.encode``-d ``FGCU``."""
         return {}
 
@@ -73,7 +75,7 @@ def phone_export_of(method: Method) -> PhoneExport | None:
 
 
 def phone_methods() -> list[str]:
-    """The registered methods phones run (their exported encoder: :class:`PhoneExport`)."""
+    """The registered methods phones run (:class:`PhoneExport`)."""
     return [m.name for m in registered() if phone_export_of(m) is not None]
 
 
