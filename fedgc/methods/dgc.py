@@ -182,8 +182,12 @@ class DGCSettings(SparsifierSettings):
         "shared set drawn at random (seeded by the round: both ends draw alike) among the "
         "entries its displacement part, which takes moved entries only, leaves; the first "
         "round then has sets, and where the model moves only at the sets (secure aggregation "
-        "holds the top-k back) they still move; empty = 0, or 0.5 under privacy.secagg",
+        "holds the top-k back) they still move; empty = 0, or 0.25 under privacy.secagg",
         Check(0.0, 1.0), sent=False)
+    secure_density: float = setting(0.2, "dgc.secure_density", "the shared sets' density "
+                                    "under privacy.secagg, which holds the top-k back so that "
+                                    "the sets carry all a client sends (docs/privacy.md); 0 = "
+                                    "dgc.shared_density", Check(0.0, 1.0), sent=False)
     shared_churn: float = setting(1.0, "dgc.shared_churn", "the most of each shared index set "
                                   "that may change from one round to the next, the weakest "
                                   "members swapped for the strongest newcomers (GlueFL's "
@@ -362,11 +366,12 @@ class RoundCompressor:
 
 def shared_explore(own: DGCSettings, train: TrainSettings) -> float:
     """The fraction of each displacement-ranked set drawn at random (``dgc.shared_explore``):
-    the key's, or by default 0.5 under secure aggregation, where the model moves only at the
-    sets and displacement alone would rank the same sets every round, and 0 without."""
+    the key's, or by default 0.25 under secure aggregation, where the model moves only at the
+    sets and displacement alone would rank the same sets every round, and 0 without (0.25: the
+    best of 0, 0.25, 0.5 and 1 on digits, docs/privacy.md)."""
     if own.shared_explore is not None:
         return float(own.shared_explore)
-    return 0.5 if train.privacy_secagg else 0.0
+    return 0.25 if train.privacy_secagg else 0.0
 
 
 class DisplacementSets(Channel):
@@ -602,7 +607,10 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
         policy = dgc_config(run.train, own)
         sparse = {n: tuple(shape) for n, shape in shapes.items()
                   if not policy.sends_dense(tuple(shape))}
-        planner = SharedIndexPlanner(sparse, own.shared_density, own.shared_small_density,
+        # Under secure aggregation the top-k is held back: the sets carry what a client sends.
+        density = (own.secure_density if run.train.privacy_secagg and own.secure_density > 0
+                   else own.shared_density)
+        planner = SharedIndexPlanner(sparse, density, own.shared_small_density,
                                      own.small_numel, own.shared_momentum, own.shared_churn)
         numels = {n: math.prod(shape) for n, shape in shapes.items()}
         if own.shared_rank == "displacement":
