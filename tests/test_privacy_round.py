@@ -361,3 +361,16 @@ def test_adaptive_clipping_moves_the_clip_from_the_bits_and_charges_z(tmp_path, 
     assert all(int(r["clients_aggregated"]) == 5 for r in rows)
     if secagg:
         assert strategy.privacy.fixed_point.clip == pytest.approx(expected[1], rel=1e-9)
+
+
+def test_a_clients_round_clip_comes_from_its_train_message_and_a_bad_one_is_refused():
+    from client.secure import SecureRoundError, round_clip
+
+    train = RunConfig.from_flat({**BASE, "run_name": "x", "privacy.dp": "central",
+                                 "privacy.clip": 0.5, "privacy.noise_multiplier": 0.3,
+                                 "privacy.clip_quantile": 0.5}).train
+    assert round_clip(train, {P.DP_CLIP: 0.25}).privacy_clip == 0.25
+    assert round_clip(train, {}).privacy_clip == 0.5
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "0.3"):
+        with pytest.raises(SecureRoundError, match=f"{P.DP_CLIP} = .*finite number > 0"):
+            round_clip(train, {P.DP_CLIP: bad})
