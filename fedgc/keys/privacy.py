@@ -41,8 +41,9 @@ class PrivacyKeys:
         "reported per round", Check(choices=DP_MODES))
     privacy_clip: float = setting(
         0.0, "privacy.clip", "L2 norm each client's contribution is clipped to: its "
-        "pseudo-gradient before compression and the vector it adds to the sum; 0 = none "
-        "(needs privacy.dp = off)", Check(0.0))
+        "pseudo-gradient before compression and the vector it adds to the sum (with "
+        "privacy.clip_quantile: the first round's); 0 = none (needs privacy.dp = off)",
+        Check(0.0))
     privacy_clip_quantile: float = setting(
         0.0, "privacy.clip_quantile", "adaptive clipping (Andrew et al., NeurIPS 2021): the "
         "fraction of clients whose update should fall within the clip; privacy.clip is then "
