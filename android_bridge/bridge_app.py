@@ -23,7 +23,7 @@ from flwr.clientapp import ClientApp
 import dgc
 from android_bridge.bridge import BridgeError, PhoneBridge, PhoneTask
 from android_bridge.control import RemoteBridge
-from android_bridge.export import check_phone_run
+from android_bridge.export import check_phone_privacy, check_phone_run
 from android_bridge.initial_model import model_digest
 from client import app as client_module
 from client.state import ClientState, ClientStateStore
@@ -184,6 +184,7 @@ def _phone_config(s: TrainSettings, method: methods.Method,
     # does (its phone refusals), fails the round here, named, rather than letting the phone
     # train otherwise.
     try:
+        check_phone_privacy({"privacy.secagg": s.privacy_secagg})
         part = check_phone_run(method)
     except dgc.ConfigError as ex:
         raise BridgeError(str(ex)) from ex

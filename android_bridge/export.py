@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from dgc.config import DGCConfig
 from dgc.errors import ConfigError
 from fedgc import methods
 from fedgc.keys import ServerSettings
+from fedgc.schema import SettingsError, coerce
 from fedgc.settings import RunConfig
 from fedgc.task_loader import load_task
 
@@ -540,6 +541,27 @@ def export_all(model_name: str | ModelSpec | None, out_dir: str | Path,
 def exact_config(config: DGCConfig) -> DGCConfig:
     """``config`` with ``selection="exact"``: the form the exported encoder implements."""
     return dataclasses.replace(config, selection="exact")
+
+
+#: Why phones cannot take part in a secure round (docs/android.md, docs/privacy.md).
+PHONE_SECAGG_REFUSAL = (
+    "privacy.secagg = true: phones behind the bridge do not run secure aggregation (their app "
+    "has no SecAgg+ stages: no X25519 key agreement, Shamir shares or masks, and the bridge's "
+    "protocol no message for them; and they run only per-client top-k methods, {methods}, "
+    "whose coordinates cannot be summed under masks); run it with SuperNodes only")
+
+
+def check_phone_privacy(values: Mapping[str, object]) -> None:
+    """``ConfigError`` (one line, :data:`PHONE_SECAGG_REFUSAL`) when the run's flat keys
+    ``values`` turn on secure aggregation: checked before the run's config is built, so that
+    a run with phones is refused for what phones lack, not for its method."""
+    raw = values.get("privacy.secagg", False)
+    try:
+        secure = coerce("privacy.secagg", raw, bool)
+    except SettingsError as ex:
+        raise ConfigError(str(ex)) from ex
+    if secure:
+        raise ConfigError(PHONE_SECAGG_REFUSAL.format(methods=", ".join(phone_methods())))
 
 
 def check_phone_run(method: methods.Method,

@@ -488,7 +488,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
     allowed = allowed_callables(context)
     s = settings_from(config, allowed)
     method = method_of(s, config, allowed)
-    s = for_method(s, method)
+    s = secure.round_clip(for_method(s, method), config)  # adaptive clipping's clip
     part = material_of(method)
     try:
         device = devices.resolve(s.device)
@@ -597,6 +597,7 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if r.start is not r.global_state:  # the pseudo-gradient is taken against the model sent
         pseudo_gradient = {k: v + (r.global_state[k] - r.start[k]).to(v.device)
                            for k, v in pseudo_gradient.items()}
+    bit = secure.clip_bit(pseudo_gradient, s)  # adaptive clipping: within the clip?
     pseudo_gradient = secure.clipped(pseudo_gradient, s)  # DP: before compression
     shapes = {k: tuple(v.shape) for k, v in r.global_state.items()}
     material = None if r.material is None else r.material[1]
@@ -630,6 +631,8 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
         num_examples=local.num_examples, train_loss=local.train_loss,
         compute_seconds=time.perf_counter() - r.started, restored=restored,
         state_quarantined=state.quarantined > 0)
+    if bit is not None:
+        metrics[P.DP_CLIP_BIT] = bit
     if keeps_residual:
         new_state.reply = {**{k: v for k, v in metrics.items() if k != "compute_seconds"},
                            "sequence": server_round, "model_version": r.version}
@@ -637,7 +640,7 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     if s.privacy_secagg:  # the masked vector in place of the payload
         return Message(_on_node(secure.masked_content(
             r.msg, r.context, r.key, s, method, data, shared_data, material, shapes, metrics,
-            server_round, r.seed)), reply_to=r.msg)
+            server_round, r.seed, bit)), reply_to=r.msg)
     return Message(_on_node(P.reply_content(data, metrics, shared_data)), reply_to=r.msg)
 
 

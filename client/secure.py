@@ -15,7 +15,9 @@ written in the fixed point.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -33,8 +35,8 @@ from fedgc.privacy.linear import Layout, hold_back, round_layout
 from fedgc.privacy.secagg import ClientHandler, SecAggError
 from fedgc.settings import TrainSettings
 
-__all__ = ["SecureRoundError", "answer_stage", "clipped", "held_back", "layout_of",
-           "masked_content"]
+__all__ = ["SecureRoundError", "answer_stage", "clip_bit", "clipped", "held_back", "layout_of",
+           "masked_content", "round_clip"]
 
 _STATE = "secagg_state"  # the Context's ConfigRecord holding the handler
 
@@ -114,10 +116,12 @@ def held_back(method: methods.Method, s: TrainSettings, compressor: Any,
 def masked_content(msg: Message, context: Context, key: int, s: TrainSettings,
                    method: methods.Method, data: bytes, side: bytes | None, material: Any,
                    shapes: dict[str, tuple[int, ...]], metrics: dict[str, int | float],
-                   server_round: int, seed: int) -> RecordDict:
+                   server_round: int, seed: int, bit: int | None = None) -> RecordDict:
     """The train reply's content under secure aggregation: the masked vector of the payload
     ``data`` (and its side part ``side``) at the round's layout, clipped and in fixed point,
-    with the metrics; stage 2 of the session the message's request continues."""
+    with the metrics; stage 2 of the session the message's request continues. Under adaptive
+    clipping the clip ``bit`` is one more coordinate, ``bit x`` the fixed point's range (an
+    exact level: the server reads the count of bits from the sum), not in the metrics."""
     codec = method.codec(s)
     payload = codec.decode(data, Bound(shapes, server_round, material))
     part = material_of(method)
@@ -129,11 +133,15 @@ def masked_content(msg: Message, context: Context, key: int, s: TrainSettings,
         vector = clip_vector(vector, s.privacy_clip)[0]
     handler = _load(context)
     setup = handler.setup_request
-    if setup is None or setup.length != layout.length:
+    length = layout.length + (bit is not None)
+    if setup is None or setup.length != length:
         summed = None if setup is None else setup.length
         raise SecureRoundError(f"client {key}: the session sums {summed} coordinates, this "
-                               f"round's layout has {layout.length}")
+                               f"round's layout and clip bit have {length}")
     fp = FixedPoint(s.fixed_point_range, s.privacy_value_bits, setup.modulus_bits)
+    if bit is not None:
+        vector = np.append(vector, bit * fp.clip)
+        metrics = {k: v for k, v in metrics.items() if k != P.DP_CLIP_BIT}
     if s.privacy_dp == "distributed":
         # Its share of the noise, from the OS: a server that could repeat it could remove it.
         share = DistributedDiscreteGaussian.for_keys(s, layout.length).privatize(
@@ -159,3 +167,31 @@ def clipped(pseudo_gradient: dict[str, torch.Tensor], s: TrainSettings
     if s.privacy_clip <= 0:
         return pseudo_gradient
     return clip_update(pseudo_gradient, s.privacy_clip)[0]
+
+
+def round_clip(s: TrainSettings, config: Any) -> TrainSettings:
+    """``s`` with the round's clip of adaptive clipping (``P.DP_CLIP`` in the train message's
+    config) as ``privacy.clip``; ``s`` itself when the message carries none.
+
+    Raises
+    ------
+    SecureRoundError
+        The clip is not a finite number > 0.
+    """
+    if not s.adaptive_clip or P.DP_CLIP not in config:
+        return s
+    clip = config[P.DP_CLIP]
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (
+            math.isfinite(clip) and clip > 0):
+        raise SecureRoundError(f"{P.DP_CLIP} = {clip!r}: expected a finite number > 0")
+    return dataclasses.replace(s, privacy_clip=float(clip))
+
+
+def clip_bit(pseudo_gradient: dict[str, torch.Tensor], s: TrainSettings) -> int | None:
+    """Adaptive clipping's bit of this client (Andrew et al.): 1 when its update's L2 norm is
+    within the round's clip, before it is clipped; None without adaptive clipping."""
+    if not s.adaptive_clip:
+        return None
+    norm = math.sqrt(sum(float(t.detach().to(torch.float64).pow(2).sum())
+                         for t in pseudo_gradient.values()))
+    return int(norm <= s.privacy_clip)

@@ -69,6 +69,11 @@ SECAGG = "secagg"  # byte Array of a secure-aggregation stage (fedgc.privacy.sec
 SECAGG_ACTION = "secagg"
 #: The reply metric of a masked vector's coordinates the fixed point clamped.
 SECAGG_SATURATED = "secagg_saturated"
+#: Adaptive clipping (``privacy.clip_quantile``): the round's clip in a train message's config,
+#: and a client's bit (1: its update's norm was within it) in its reply metrics, or, under
+#: secure aggregation, as the masked vector's last coordinate (times the fixed point's range).
+DP_CLIP = "dp_clip"
+DP_CLIP_BIT = "dp_clip_bit"
 
 # Per-node config keys the server adds to the TrainSettings keys.
 SERVER_ROUND = "server-round"

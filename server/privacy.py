@@ -26,6 +26,7 @@ session's counts and bytes (``secagg_*``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO, WARNING
@@ -41,6 +42,7 @@ from fedgc import protocol as P
 from fedgc.methods import Method, Payload
 from fedgc.privacy import FixedPoint, FixedPointError
 from fedgc.privacy.dp import (
+    AdaptiveClip,
     DiscreteGaussianAccountant,
     DistributedDiscreteGaussian,
     GaussianAccountant,
@@ -88,13 +90,31 @@ class PrivateRound(RoundExtension):
             GaussianAccountant(train.privacy_delta, train.privacy_accountant)
             if self.dp == "central" else None)
         self.mechanism: DistributedDiscreteGaussian | None = None
+        #: Adaptive clipping (Andrew et al.; ``privacy.clip_quantile``): the clip the server
+        #: moves each round from the noised count of the clients' clip bits. The bits and the
+        #: update share the noise multiplier z (the accountant records z each round): the
+        #: update's own noise is ``z_u = (z^-2 - (2 sigma_b)^-2)^-1/2`` (with sigma_b =
+        #: clients_per_round / 20, the paper's; keys check 2 sigma_b > z at start).
+        self.adaptive: AdaptiveClip | None = None
+        self.update_noise_multiplier = self.noise_multiplier
+        if train.adaptive_clip:
+            self.adaptive = AdaptiveClip.for_clients(
+                train.clients_per_round, clip=train.privacy_clip,
+                target_quantile=train.privacy_clip_quantile,
+                learning_rate=train.privacy_clip_learning_rate)
+            self.update_noise_multiplier = self.adaptive.update_noise_multiplier(
+                self.noise_multiplier)
+        self._round_clip = self.clip  # the clip this round's clients were sent
+        self._bits = 0.0  # the last round's sum of clip bits (before their noise)
         self._resumed: Mapping[str, Any] | None = None  # a checkpoint's discrete RDP
         self.columns = ((Column("secagg_clients"), Column("secagg_dropped"),
                          Column("secagg_overhead_bytes"), Column("secagg_round_trips"),
                          Column("secagg_saturated"))
                         if self.secagg else ()) + (
             (Column("dp_epsilon", "privacy/epsilon", "eps {0:.3g}"),)
-            if self.dp != "off" else ())
+            if self.dp != "off" else ()) + (
+            (Column("dp_clip", "privacy/clip"), Column("dp_clip_bits"))
+            if self.adaptive is not None else ())
         self.session: ServerSession | None = None
         self.layout: Layout | None = None
         self.fixed_point: FixedPoint | None = None
@@ -122,7 +142,43 @@ class PrivateRound(RoundExtension):
                          f"multiplier {self.noise_multiplier:g}, delta "
                          f"{self.train.privacy_delta:g}, sampling q = {self.sampling_rate:.4g} "
                          f"assumed Poisson, {account})")
+        if self.adaptive is not None:
+            parts.append(f"adaptive clipping (Andrew et al.: quantile "
+                         f"{self.adaptive.target_quantile:g}, learning rate "
+                         f"{self.adaptive.learning_rate:g}, bits' noise std "
+                         f"{self.adaptive.count_noise:g}, update noise multiplier "
+                         f"{self.update_noise_multiplier:.4g})")
         return "privacy: " + "; ".join(parts) + "; every client counts once (unweighted mean)"
+
+    # ------------------------------------------------------------------ adaptive clipping
+    def message_keys(self, server_round: int, client_key: int) -> dict[str, float]:
+        """The round's clip in each train message under adaptive clipping."""
+        return {} if self.adaptive is None else {P.DP_CLIP: self._round_clip}
+
+    @property
+    def _bit_coordinates(self) -> int:
+        """1 when the masked vector carries the clip bit (adaptive clipping under SecAgg)."""
+        return int(self.adaptive is not None and self.secagg)
+
+    def adapt_clip(self, bits_sum: float) -> None:
+        """Step the clip from the round's sum of bits (clamped to what the round's clients can
+        sum: a hostile client moves it by at most one bit's worth more than an honest one)
+        and the bits' noise; the next round's clients are sent the new clip."""
+        assert self.adaptive is not None
+        expected = float(self.train.clients_per_round)
+        self._bits = min(max(float(bits_sum), 0.0), expected)
+        rng = np.random.default_rng([self.train.seed, self._round, 0xB1])
+        self._round_clip = self.adaptive.update(self._bits, expected, rng)
+
+    def bits_of(self, chosen: Sequence[CheckedReply]) -> float:
+        """The sum of the clip bits in ``chosen``'s metrics (without secure aggregation); a
+        missing or malformed bit counts 0."""
+        total = 0
+        for reply in chosen:
+            metrics = reply.message.content.metric_records.get(P.METRICS)
+            value = None if metrics is None else metrics.get(P.DP_CLIP_BIT)
+            total += int(value is not None and not isinstance(value, bool) and value == 1)
+        return float(total)
 
     # ------------------------------------------------------------------ secure aggregation
     def layout_of(self, space: Mapping[str, tuple[int, ...]], material: Any,
@@ -140,7 +196,7 @@ class PrivateRound(RoundExtension):
         self._silent = set()
         self._saturated: dict[int, int] = {}
         keys = sorted(node_of)
-        t = self.train
+        t = self.train = dataclasses.replace(self.train, privacy_clip=self._round_clip)
         try:
             self.fixed_point = FixedPoint.for_clients(len(keys), t.fixed_point_range,
                                                       t.privacy_value_bits)
@@ -156,7 +212,7 @@ class PrivateRound(RoundExtension):
                         self.accountant.events = [(int(n), float(q), int(r)) for n, q, r
                                                   in self._resumed["events"]]
                         self.accountant._rdp = np.asarray(self._resumed["rdp"], dtype=float)
-            self.session = ServerSession(keys, max(layout.length, 1),
+            self.session = ServerSession(keys, max(layout.length + self._bit_coordinates, 1),
                                          self.fixed_point.modulus_bits,
                                          neighbours=t.privacy_neighbours or None,
                                          server_round=server_round)
@@ -274,8 +330,10 @@ class PrivateRound(RoundExtension):
             self.failure = f"secure aggregation failed: {ex}"
             log(WARNING, "\t> Round %d: %s", self._round, self.failure)
             return None
+        length = self.layout.length
         if self.dp == "central":
-            summed = summed + self._noise(summed.shape)
+            summed = np.concatenate([summed[:length] + self._noise((length,)),
+                                     summed[length:]])
         elif isinstance(self.accountant, DiscreteGaussianAccountant):
             # Each round's mechanism (its dimension may change with the layout) is accounted
             # with the shares actually summed: fewer than sized for spend more.
@@ -284,13 +342,15 @@ class PrivateRound(RoundExtension):
         log(INFO, "\t> Secure sum of %d clients (%d coordinates, %d-bit ring); dropped: %s",
             count, self.layout.length, self.fixed_point.modulus_bits,
             dict(sorted(self.session.dropped.items())[:8]))
-        return self.layout.combined(summed[:self.layout.length], float(count))
+        if self._bit_coordinates:  # the bits' coordinate: each bit times the range
+            self.adapt_clip(float(summed[length]) / self.fixed_point.clip)
+        return self.layout.combined(summed[:length], float(count))
 
     # ------------------------------------------------------------------ central DP
     def clip_factors(self, payloads: Sequence[Payload]) -> list[float]:
         """Each payload's factor to norm ``privacy.clip`` at most (central DP's clip of what
         enters the sum: compression and the residual may have grown the client's clip)."""
-        return [min(1.0, self.clip / n) if n > 0 else 1.0
+        return [min(1.0, self._round_clip / n) if n > 0 else 1.0
                 for n in (payload_norm(p) for p in payloads)]
 
     def noisy_mean(self, mean: Mapping[str, torch.Tensor], count: int
@@ -311,9 +371,11 @@ class PrivateRound(RoundExtension):
         Seeded by the run's seed and round, so that a simulation repeats: a deployment that
         means its guarantee must draw from the OS (a key for it is future work)."""
         assert isinstance(self.accountant, GaussianAccountant)
+        # z covers the update and, under adaptive clipping, the clip bits (their release is
+        # charged here: the update's own noise is the smaller z_u).
         self.accountant.record(self.noise_multiplier, self.sampling_rate)
         rng = np.random.default_rng([self.train.seed, self._round, 0xD9])
-        return rng.normal(0.0, self.noise_multiplier * self.clip, shape)
+        return rng.normal(0.0, self.update_noise_multiplier * self._round_clip, shape)
 
     def noise_round(self, server_round: int) -> None:
         """Tell the round the noise is drawn for (the strategy, before :meth:`noisy_mean`)."""
@@ -347,6 +409,9 @@ class PrivateRound(RoundExtension):
         if self.dp != "off":
             added.round["dp_epsilon"] = (0.0 if self.accountant is None
                                          else self.accountant.epsilon())
+        if self.adaptive is not None:
+            used = self.adaptive.history[-1] if self.adaptive.history else self._round_clip
+            added.round.update({"dp_clip": used, "dp_clip_bits": self._bits})
         return added
 
     def summary(self, rounds: Sequence[RoundRecord]) -> dict[str, Any]:
@@ -362,11 +427,20 @@ class PrivateRound(RoundExtension):
             out.update({"dp_epsilon": g.epsilon, "dp_delta": g.delta,
                         "dp_noise_multiplier": self.noise_multiplier, "dp_clip": self.clip,
                         "dp_sampling_rate": self.sampling_rate, "dp_guarantee": g.statement})
+        if self.adaptive is not None:
+            out["dp_adaptive_clip"] = {
+                "target_quantile": self.adaptive.target_quantile,
+                "learning_rate": self.adaptive.learning_rate,
+                "count_noise": self.adaptive.count_noise,
+                "update_noise_multiplier": self.update_noise_multiplier,
+                "final_clip": self._round_clip}
         return out
 
     def state_dict(self) -> dict[str, Any]:
         if isinstance(self.accountant, GaussianAccountant):
-            return {"accountant": self.accountant.state_dict()}
+            adaptive = ({} if self.adaptive is None
+                        else {"adaptive_clip": self.adaptive.state_dict()})
+            return {"accountant": self.accountant.state_dict(), **adaptive}
         if isinstance(self.accountant, DiscreteGaussianAccountant):
             # The RDP composed so far (each round's mechanism is gone once recorded).
             return {"discrete": {"events": [list(e) for e in self.accountant.events],
@@ -376,4 +450,7 @@ class PrivateRound(RoundExtension):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if isinstance(self.accountant, GaussianAccountant) and "accountant" in state:
             self.accountant.load_state_dict(state["accountant"])
+        if self.adaptive is not None and "adaptive_clip" in state:
+            self.adaptive.load_state_dict(state["adaptive_clip"])
+            self._round_clip = self.adaptive.clip
         self._resumed = state.get("discrete")

@@ -466,6 +466,8 @@ class DGCStrategy(FedAvg):
                     server_round, ex)
                 return False
             combined = self.privacy.noisy_mean(mean, len(chosen))
+            if self.privacy.adaptive is not None:
+                self.privacy.adapt_clip(self.privacy.bits_of(chosen))
         return self.step(self.aggregator.finish(combined, self.shapes))
 
     def _step(self, server_round: int, name: str, begins: bool) -> None:

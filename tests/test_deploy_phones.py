@@ -86,6 +86,12 @@ def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_expo
     (["--phones", "1", "--set", "method=dense"], "method 'dense' is not served by phones"),
     (["--phones", "1", "--set", "dgc.value_levels=4", "--set", "dgc.shared_rank=displacement"],
      "dgc.value_levels=4.0, dgc.shared_rank='displacement': phones run dgc's default client"),
+    # Named for what phones lack, not for the method, whichever method the run names.
+    (["--phones", "1", "--set", "method=dgc_sets", "--set", "privacy.secagg=true"],
+     "privacy.secagg = true: phones behind the bridge do not run secure aggregation .*no "
+     "X25519 key agreement"),
+    (["--phones", "1", "--set", "privacy.secagg=true"], "phones behind the bridge do not run "
+     "secure aggregation .* topk, dgc"),
 ])
 def test_bad_phone_options_are_refused_before_anything_starts(argv, message, tmp_path,
                                                               capsys):

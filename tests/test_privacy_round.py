@@ -312,3 +312,65 @@ def test_surplus_replies_are_left_out_of_the_sum_by_their_mask_keys(tmp_path, mo
     plain = spy.layout[1].combined(_ring_sum_matches(spy, server_round, summed), 4)
     for name, t in mean.items():
         assert float((t - plain[name]).abs().max()) == 0.0
+
+
+def test_adaptive_clipping_keys_are_checked_at_start_in_one_line():
+    central = {**BASE, "run_name": "x", "privacy.dp": "central", "privacy.clip": 0.5,
+               "privacy.noise_multiplier": 0.3}
+    RunConfig.from_flat({**central, "privacy.clip_quantile": 0.5})
+    for keys, message in [
+        ({"privacy.dp": "off"}, "privacy.clip_quantile with privacy.dp = off"),
+        ({"privacy.noise_multiplier": 0.5}, "expected noise_multiplier < clients_per_round "
+                                            "/ 10"),
+        ({"privacy.clip_quantile": 1.0}, "privacy.clip_quantile"),
+        ({"privacy.clip_learning_rate": 0.0}, "privacy.clip_learning_rate"),
+    ]:
+        with pytest.raises(SettingsError, match=message) as err:
+            RunConfig.from_flat({**central, "privacy.clip_quantile": 0.5, **keys})
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("secagg,clip,bits", [(False, 1e-6, 0.0), (True, 1e3, 5.0)])
+def test_adaptive_clipping_moves_the_clip_from_the_bits_and_charges_z(tmp_path, secagg, clip,
+                                                                       bits):
+    # A clip no update fits in (every bit 0) and one every update fits in (every bit 1): the
+    # bits' sum is known, and under secure aggregation it is read from the masked vector's
+    # last coordinate, which decodes to 5 only if every client clipped to the clip it was
+    # sent in round 2 (the fixed point's range is that clip).
+    z, eta, gamma, delta = 0.3, 0.2, 0.5, 1e-4
+    strategy, summary, rows = _run(tmp_path, rounds=2, **{
+        "privacy.secagg": secagg, "privacy.dp": "central", "privacy.clip": clip,
+        "privacy.noise_multiplier": z, "privacy.delta": delta, "privacy.clip_quantile": gamma,
+        "privacy.clip_learning_rate": eta})
+    assert [float(r["dp_clip_bits"]) for r in rows] == [bits, bits]
+    sigma_b = 5 / 20
+    expected = [clip]
+    for r in (1, 2):
+        noisy = bits + np.random.default_rng([0, r, 0xB1]).normal(0.0, sigma_b)
+        expected.append(expected[-1] * np.exp(-eta * (noisy / 5 - gamma)))
+    assert [float(r["dp_clip"]) for r in rows] == pytest.approx(expected[:2], rel=1e-9)
+    adaptive = summary["dp_adaptive_clip"]
+    assert adaptive["final_clip"] == pytest.approx(expected[2], rel=1e-9)
+    assert adaptive["update_noise_multiplier"] == pytest.approx(
+        (z ** -2 - (2 * sigma_b) ** -2) ** -0.5)
+    # The accountant charges z for the update and the bits together.
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        1.0, dp_accounting.GaussianDpEvent(z)), 2)
+    assert summary["dp_epsilon"] == pytest.approx(accountant.get_epsilon(delta), rel=1e-9)
+    assert all(int(r["clients_aggregated"]) == 5 for r in rows)
+    if secagg:
+        assert strategy.privacy.fixed_point.clip == pytest.approx(expected[1], rel=1e-9)
+
+
+def test_a_clients_round_clip_comes_from_its_train_message_and_a_bad_one_is_refused():
+    from client.secure import SecureRoundError, round_clip
+
+    train = RunConfig.from_flat({**BASE, "run_name": "x", "privacy.dp": "central",
+                                 "privacy.clip": 0.5, "privacy.noise_multiplier": 0.3,
+                                 "privacy.clip_quantile": 0.5}).train
+    assert round_clip(train, {P.DP_CLIP: 0.25}).privacy_clip == 0.25
+    assert round_clip(train, {}).privacy_clip == 0.5
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "0.3"):
+        with pytest.raises(SecureRoundError, match=f"{P.DP_CLIP} = .*finite number > 0"):
+            round_clip(train, {P.DP_CLIP: bad})

@@ -407,3 +407,17 @@ def test_the_direction_gate_leaves_out_a_minority_at_most():
     expected = (w[:, None] * flipped[kept]).sum(0) / w.sum()
     torch.testing.assert_close(torch.cat([out[n].reshape(-1).double() for n in SHAPES]),
                                expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_secure_deployment_leaves_robust_off_and_a_conflict_is_one_deploy_error():
+    from simulations.deploy.errors import DeployError
+    from simulations.deploy.fedgc_run import deploy_run_config
+
+    assert deploy_run_config({}, 3).server.aggregation == "centered_clip"
+    # Masked updates cannot be robustly combined: robust = auto is off under secure
+    # aggregation (privacy.clip bounds each update), so a deployment of it is not refused.
+    secure = deploy_run_config({"method": "dgc_sets", "privacy.secagg": True}, 3)
+    assert (secure.server.robust, secure.server.aggregation) == ("off", "mean")
+    with pytest.raises(DeployError,
+                       match="privacy.secagg = true with aggregation, max_weight_ratio set"):
+        deploy_run_config({"method": "dgc_sets", "privacy.secagg": True, "robust": "on"}, 3)

@@ -127,6 +127,9 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "async.max_staleness": 20, "async.staleness": "polynomial",
                "async.staleness_exponent": 0.5,
                "privacy.accountant": "rdp", "privacy.clip": 0.0, "privacy.delta": 1e-05,
+               "privacy.clip_quantile": 0.0, "privacy.clip_learning_rate": 0.2,
+               # dgc_sets' sets under secure aggregation (issue 38; no effect without it)
+               "dgc.secure_density": 0.2, "dgc.shared_explore": "",
                "privacy.dp": "off", "privacy.neighbours": 0, "privacy.noise_multiplier": 1.0,
                "privacy.secagg": False, "privacy.value_bits": 16, "privacy.value_range": 0.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap

@@ -41,8 +41,19 @@ class PrivacyKeys:
         "reported per round", Check(choices=DP_MODES))
     privacy_clip: float = setting(
         0.0, "privacy.clip", "L2 norm each client's contribution is clipped to: its "
-        "pseudo-gradient before compression and the vector it adds to the sum; 0 = none "
-        "(needs privacy.dp = off)", Check(0.0))
+        "pseudo-gradient before compression and the vector it adds to the sum (with "
+        "privacy.clip_quantile: the first round's); 0 = none (needs privacy.dp = off)",
+        Check(0.0))
+    privacy_clip_quantile: float = setting(
+        0.0, "privacy.clip_quantile", "adaptive clipping (Andrew et al., NeurIPS 2021): the "
+        "fraction of clients whose update should fall within the clip; privacy.clip is then "
+        "the first round's clip, which the server moves geometrically each round from the sum "
+        "of the clients' clip bits (noised under DP, masked under privacy.secagg); 0 = a "
+        "fixed clip", Check(0.0, 1.0, high_open=True))
+    privacy_clip_learning_rate: float = setting(
+        0.2, "privacy.clip_learning_rate", "adaptive clipping's step eta: the clip is "
+        "multiplied by exp(-eta (fraction of bits - privacy.clip_quantile)) each round",
+        Check(0.0, 10.0, low_open=True))
     privacy_noise_multiplier: float = setting(
         1.0, "privacy.noise_multiplier", "z: the noise's std on the sum is z x privacy.clip",
         Check(0.0))
@@ -69,6 +80,11 @@ class PrivacyKeys:
         return self.privacy_secagg or self.privacy_dp != "off"
 
     @property
+    def adaptive_clip(self) -> bool:
+        """Whether the clip adapts (``privacy.clip_quantile`` > 0)."""
+        return self.privacy_clip_quantile > 0
+
+    @property
     def fixed_point_range(self) -> float:
         """The fixed point's clamp: ``privacy.value_range``, else the clip, else 1."""
         return self.privacy_value_range or self.privacy_clip or 1.0
@@ -81,6 +97,8 @@ def check_privacy(train: Any, server: Any) -> None:
     if train.privacy_dp != "off" and train.privacy_clip <= 0:
         raise SettingsError(f"privacy.dp = {train.privacy_dp} needs privacy.clip > 0: the "
                             f"noise is sized to the clip")
+    if train.adaptive_clip:
+        _check_adaptive_clip(train)
     if train.privacy_dp == "distributed" and not train.privacy_secagg:
         raise SettingsError("privacy.dp = distributed needs privacy.secagg = true: the "
                             "server must see only the sum of the noised shares")
@@ -100,3 +118,25 @@ def check_privacy(train: Any, server: Any) -> None:
     if train.privacy_neighbours % 2:
         raise SettingsError(f"privacy.neighbours = {train.privacy_neighbours}: expected an "
                             f"even number (or 0, the default)")
+
+
+def _check_adaptive_clip(train: Any) -> None:
+    """SettingsError (one line) unless adaptive clipping goes with the run's other keys."""
+    if train.privacy_clip <= 0:
+        raise SettingsError(f"privacy.clip_quantile = {train.privacy_clip_quantile} needs "
+                            f"privacy.clip > 0: the first round's clip")
+    if train.privacy_dp != "central":
+        raise SettingsError(f"privacy.clip_quantile with privacy.dp = {train.privacy_dp}: "
+                            f"adaptive clipping sizes the clip central noise is scaled to "
+                            f"(with distributed noise the clip bits would need discrete noise "
+                            f"shares of their own, not built); use privacy.dp = central")
+    # Andrew et al.: the bits' noise (std clients_per_round / 20) and the update's share one
+    # noise multiplier z, which the bits alone must not exceed (2 sigma_b > z).
+    count_noise = train.clients_per_round / 20
+    if train.privacy_dp == "central" and 2 * count_noise <= train.privacy_noise_multiplier:
+        raise SettingsError(
+            f"privacy.clip_quantile with privacy.noise_multiplier = "
+            f"{train.privacy_noise_multiplier:g} and clients_per_round = "
+            f"{train.clients_per_round}: the clip bits' noise (std clients_per_round / 20 = "
+            f"{count_noise:g}) alone spends a noise multiplier of {2 * count_noise:g}; expected "
+            f"noise_multiplier < clients_per_round / 10 (more clients a round, or less noise)")

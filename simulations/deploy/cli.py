@@ -17,7 +17,7 @@ from types import FrameType
 # Python 3.10 has no tomllib; tomli (a Flower dependency) is the same parser.
 import tomli
 
-from android_bridge.export import check_phone_run
+from android_bridge.export import check_phone_privacy, check_phone_run
 from dgc.errors import ConfigError
 from fedgc.refs import ALLOWED_CALLABLES, is_ref
 from fedgc.settings import SettingsError, new_run_name
@@ -266,6 +266,11 @@ def _run_fedgc(args: argparse.Namespace) -> int:
         raise DeployError(str(err)) from err
     if args.phones < 0:
         raise DeployError(f"--phones {args.phones}: expected 0 or more")
+    if args.phones:
+        try:
+            check_phone_privacy(values)
+        except ConfigError as err:
+            raise DeployError(str(err)) from err
     run_config = deploy_run_config(values, args.nodes + args.phones,
                                    "--nodes + --phones" if args.phones else "--nodes")
     if args.phones:

@@ -29,7 +29,8 @@ def deploy_run_config(base: Mapping[str, object], nodes: int, nodes_option: str 
 
     One SuperNode is one client (its partition id is its index), so ``num_clients`` is ``nodes``;
     ``clients_per_round`` defaults to all of them. Paths become absolute, because the ServerApp
-    and the ClientApps run in processes of their own. ``robust = auto`` is on.
+    and the ClientApps run in processes of their own. ``robust = auto`` is on (off under
+    ``privacy.secagg``, which refuses robust aggregation).
 
     Raises
     ------
@@ -49,13 +50,19 @@ def deploy_run_config(base: Mapping[str, object], nodes: int, nodes_option: str 
         config = RunConfig.from_flat(values)
     except SettingsError as err:
         raise DeployError(str(err)) from err
-    return config.with_overrides({
-        "results_dir": str(Path(config.server.results_dir).resolve()),
-        "state_dir": str(config.state_dir.resolve()),
-        # Deployed clients are not trusted: robust = auto is on here, decided before the run
-        # config is written into the app (its keys then arrive filled).
-        **({"robust": "on"} if config.server.robust == "auto" else {}),
-    })
+    # Deployed clients are not trusted: robust = auto is on here, decided before the run
+    # config is written into the app (its keys then arrive filled). Under secure aggregation
+    # it is off: the server cannot bound or robustly combine masked updates (privacy.clip and
+    # the fixed point's range bound each one instead, docs/threat_model.md).
+    robust = "off" if config.train.privacy_secagg else "on"
+    try:
+        return config.with_overrides({
+            "results_dir": str(Path(config.server.results_dir).resolve()),
+            "state_dir": str(config.state_dir.resolve()),
+            **({"robust": robust} if config.server.robust == "auto" else {}),
+        })
+    except SettingsError as err:
+        raise DeployError(str(err)) from err
 
 
 @dataclass

@@ -98,12 +98,40 @@ def split_object(content: bytes) -> tuple[str, dict[str, int]]:
     return obj_type, out
 
 
+#: A secure-aggregation stage's bytes begin with fedgc's magic ``FGA<n>``
+#: (``fedgc/privacy/secagg/wire.py``): n -> the stage (request even, reply odd).
+SECAGG_STAGES = {b"0": "setup", b"1": "setup", b"2": "share_keys", b"3": "share_keys",
+                 b"4": "masked_vector", b"5": "masked_vector", b"6": "unmask", b"7": "unmask"}
+
+
+def secagg_stage(chunk_body: bytes) -> str | None:
+    """The secure-aggregation stage whose bytes an ArrayChunk begins, or None."""
+    if chunk_body[:3] != b"FGA":
+        return None
+    return SECAGG_STAGES.get(chunk_body[3:4])
+
+
 class FleetSession:
     """Follows one node's Fleet RPCs in time order: which message each object belongs to."""
 
     def __init__(self) -> None:
         self.object_message: dict[str, tuple[str, int | None]] = {}  # object id -> (type, round)
         self.messages: dict[str, tuple[str, int | None]] = {}  # message id -> (type, round)
+        #: object id -> its message's object id (the root of the message's object tree)
+        self.object_root: dict[str, str] = {}
+        #: a message's object id -> the secure-aggregation stage its bytes carry
+        self.stage_of: dict[str, str] = {}
+
+    def _note_tree(self, tree: message_pb2.ObjectTree, x: Exchange) -> None:
+        for object_id in self._tree_ids(tree):
+            self.object_root[object_id] = tree.object_id
+        x.detail["message"] = tree.object_id
+
+    def stage(self, x: Exchange) -> str | None:
+        """The secure-aggregation stage of an exchange's message (once the whole capture was
+        classified: a message's stage shows in its chunks, fetched after its head)."""
+        message = x.detail.get("message")
+        return None if message is None else self.stage_of.get(str(message))
 
     def _tree_ids(self, tree: message_pb2.ObjectTree) -> list[str]:
         ids, todo = [], [tree]
@@ -153,6 +181,7 @@ class FleetSession:
                 for tree in rsp.message_object_trees:
                     for object_id in self._tree_ids(tree):
                         self.object_message[object_id] = info
+                    self._note_tree(tree, x)
                 x.kind, x.round = f"{info[0]}-down", info[1]
                 x.detail["message_id"] = meta.message_id
             else:
@@ -165,6 +194,7 @@ class FleetSession:
                 for tree in req.message_object_trees:
                     for object_id in self._tree_ids(tree):
                         self.object_message[object_id] = info
+                    self._note_tree(tree, x)
                 x.kind, x.round = f"{info[0]}-up", info[1]
                 x.detail["clientapp_runtime_s"] = (list(req.clientapp_runtime_list) or [0.0])[0]
         elif rpc in ("PullObject", "PushObject"):
@@ -174,6 +204,13 @@ class FleetSession:
             content = rsp.object_content if rpc == "PullObject" else req.object_content
             obj_type, parts = split_object(bytes(content))
             x.detail["object_type"] = obj_type
+            root = self.object_root.get(req.object_id)
+            if root is not None:
+                x.detail["message"] = root
+                stage = (secagg_stage(bytes(content).split(b"\x00", 1)[-1])
+                         if obj_type == "ArrayChunk" else None)
+                if stage is not None:
+                    self.stage_of[root] = stage
             side = down if rpc == "PullObject" else up
             for key in ("payload", "fedgc"):
                 side[key] += parts[key]
@@ -181,6 +218,7 @@ class FleetSession:
         elif rpc == "ConfirmMessageReceived":
             info = self.object_message.get(req.message_object_id, ("?", None))
             x.kind, x.round = f"{info[0]}-down", info[1]
+            x.detail["message"] = req.message_object_id
         return x
 
 

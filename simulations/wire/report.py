@@ -128,9 +128,33 @@ def summarize(nodes: Mapping[int, Sequence[Attribution]], protocol: str,
                                   1 / max(1, len(nodes))),
         "other_messages": other,
         "whole_run_per_client_round": _scaled(total, 1 / n_rounds if n_rounds else 0.0),
+        "secagg_stages": secagg_stages(exchanges),
         "timeline": timeline(exchanges),
         "messages": message_rows(exchanges),
     }
+
+
+#: The secure-aggregation stages sent as messages of their own (``query.secagg``); the masked
+#: vector's stage rides in the train message and its reply.
+SECAGG_OWN_STAGES = ("setup", "share_keys", "unmask")
+
+
+def secagg_stages(exchanges: Sequence[tuple[int, Exchange]]) -> dict[str, Any]:
+    """Per secure-aggregation stage (``privacy.secagg``; empty without it): its messages (a
+    request or a reply each) and every byte of their exchanges, per direction and category;
+    ``exchange_bytes``: the wire bytes of the stages sent as messages of their own, what the
+    emulator charges as ``exchange_wire_*_bytes`` (:mod:`simulations.netem.stages`)."""
+    staged = [(n, x) for n, x in exchanges if "secagg_stage" in x.detail]
+    out: dict[str, Any] = {}
+    for stage in sorted({str(x.detail["secagg_stage"]) for _, x in staged}):
+        picked = [(n, x) for n, x in staged if x.detail["secagg_stage"] == stage]
+        out[stage] = {"messages": len({(n, x.detail.get("message")) for n, x in picked}),
+                      "bytes": _scaled(_sum([x for _, x in picked]), 1.0)}
+    if out:
+        own = _sum([x for _, x in staged if x.detail["secagg_stage"] in SECAGG_OWN_STAGES])
+        out["exchange_bytes"] = {name: sum(own[d].values())
+                                 for d, name in enumerate(DIRECTIONS)}
+    return out
 
 
 #: RPCs that move one object of a message (SuperNode path).
@@ -230,6 +254,13 @@ def format_table(summary: Mapping[str, Any]) -> str:
         csv_bytes, seen = summary["payload_clients_csv"], summary["payload_bytes"]
         lines.append(f"payload on the link {seen['up']:,} B up, {seen['down']:,} B down; "
                      f"clients.csv {csv_bytes['up']:,} / {csv_bytes['down']:,} B")
+    stages = summary.get("secagg_stages") or {}
+    if stages:
+        parts = [f"{name} {sum(stages[name]['bytes']['up'].values()):,.0f} / "
+                 f"{sum(stages[name]['bytes']['down'].values()):,.0f} B "
+                 f"({stages[name]['messages']} messages)"
+                 for name in stages if name != "exchange_bytes"]
+        lines.append("secure aggregation on the wire (up / down): " + "; ".join(parts))
     return "\n".join(lines)
 
 

@@ -57,6 +57,10 @@ def analyse_supernode(pcap: Path, keylog: Path | None = None) -> list[Attributio
         per_conn[i][j] = session.classify(requests[j], response, conn.index)
     for i, (conn, tls, requests, responses, rest) in enumerate(pending):
         exchanges = per_conn[i]
+        for x in exchanges:
+            stage = session.stage(x)
+            if stage is not None:
+                x.detail["secagg_stage"] = stage
         extra_down = sum(r.end - r.start for r in responses[len(requests):])
         out.append(attribute(conn, exchanges, tls, (rest[UP], rest[DOWN] + extra_down)))
     return out
