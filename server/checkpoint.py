@@ -167,7 +167,8 @@ def run_key_defaults(method: str = "") -> dict[str, object]:
         for f in fields_of(cls):
             key = f.metadata["key"]
             if "fallback" not in f.metadata:
-                out[key] = f.default
+                # A key still None is written as "" in a run config (fedgc.schema).
+                out[key] = "" if f.default is None else f.default
             elif own is not None:
                 out[key] = own.get(key, fallback_of(f))
             else:
