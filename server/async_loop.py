@@ -133,6 +133,9 @@ class _InFlight:
     pushed: float  # time.monotonic() when pushed
     start_s: float = 0.0  # when it left on the extensions' clock (0 without one)
     content: bytes = b""  # the message's content as sent (serialized: the checkpoint's copy)
+    # Answered before the last step (a reply waiting on the clock when the checkpoint was
+    # written, pulled again after a resume): not an answer since the step.
+    answered_before: bool = False
 
 
 @dataclass
@@ -182,6 +185,10 @@ class AsyncLoop:
         self.now_s = self.step_start_s = 0.0  # the clock's time, and at the last step
         self.ready: list[tuple[float, int, int, _InFlight, Message, Arrival | None]] = []
         self.replies: list[Reply] = []  # every reply since the last step, as they came
+        # Clients that answered since the last step wait for the next one before they train
+        # again: one answer per client between two checkpoints, which a resume replays
+        # (client/app.py answers a dispatch it answered last with the same bytes).
+        self.answered: set[int] = set()
 
     # ------------------------------------------------------------------ dispatch
     def fill(self) -> None:
@@ -191,6 +198,15 @@ class AsyncLoop:
         need = self.concurrency - len(self.inflight) - len(self.ready)
         if need <= 0:
             return
+        if busy or len(self.answered) < self.strategy.settings.train.num_clients:
+            busy |= self.answered
+        else:
+            # Every client answered since the last step and none is in flight (replies
+            # dropped or refused): the loop would stop; resume is then replayed as far as it
+            # can be (docs/async.md, Limits).
+            log(WARNING, "async: every client answered since the last step (model version %d) "
+                "and none is in flight: dispatching again before the next step",
+                self.strategy.model_version)
         st = self.strategy
         self.sequence += 1
         # Sample more than needed so that enough of them are idle, in the draw's order.
@@ -246,12 +262,15 @@ class AsyncLoop:
             for msg in replies:
                 dispatch = self.inflight.pop(msg.metadata.reply_to_message_id, None)
                 if dispatch is not None:
+                    if not dispatch.answered_before:
+                        self.answered.add(dispatch.key)
                     out.append((dispatch, msg))
                 else:
                     self.strategy.records.count_rejection("reply to no dispatch in flight")
             if self.in_process:
                 # Dropped on the way (the in-process grid's intercept): they will never come.
                 for mid in [m for m in ids if m in self.inflight]:
+                    self.answered.add(self.inflight[mid].key)  # it ran
                     self.timed_out(self.inflight.pop(mid), "reply dropped on the way")
             if out or self.expire() or not self.inflight:
                 return out
@@ -331,7 +350,9 @@ class AsyncLoop:
         then): every dispatch not yet taken, in the order it was pushed, with the content it
         was sent; the dispatch sequence and the clock. A resumed run sends them again
         (:meth:`resend`)."""
-        dispatches = [d for d in self.inflight.values()] + [r[3] for r in self.ready]
+        answered = [r[3] for r in self.ready]  # pulled before the step
+        before = {id(d) for d in answered}
+        dispatches = [*self.inflight.values(), *answered]
         dispatches.sort(key=lambda d: (d.wave.server_round,
                                        list(d.wave.node_of).index(d.key)))
         waves: dict[str, dict[str, Any]] = {}
@@ -349,7 +370,7 @@ class AsyncLoop:
         return {"sequence": self.sequence, "now_s": self.now_s,
                 "step_start_s": self.step_start_s, "waves": waves,
                 "dispatches": [{"key": d.key, "sequence": d.wave.server_round,
-                                "start_s": d.start_s,
+                                "start_s": d.start_s, "answered": id(d) in before,
                                 "content": torch.frombuffer(bytearray(d.content),
                                                             dtype=torch.uint8)}
                                for d in dispatches],
@@ -383,7 +404,8 @@ class AsyncLoop:
             messages.append(Message(record, dst_node_id=wave.node_of[key],
                                     message_type=MessageType.TRAIN,
                                     group_id=str(wave.server_round)))
-            sent.append(_InFlight(key, wave, 0.0, float(d["start_s"]), content))
+            sent.append(_InFlight(key, wave, 0.0, float(d["start_s"]), content,
+                                  bool(d["answered"])))
         now = time.monotonic()
         for dispatch, mid in zip(sent, self.grid.push_messages(messages), strict=True):
             dispatch.pushed = now
@@ -414,6 +436,7 @@ class AsyncLoop:
         st.records.client_rows.extend(self.rows)
         st.round_record = record
         self.rows, self.uplink_bytes, self.replies = [], 0, []
+        self.answered = set()
         self.step_start_s = self.now_s
         log(INFO, "async step %d: %d applied (staleness %s), model version %d", step,
             len(taken), [b.staleness for b in taken], st.model_version)
