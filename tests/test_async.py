@@ -239,6 +239,15 @@ def _real_time(column: str) -> bool:
     return "seconds" in column and not column.startswith(("virtual", "time_"))
 
 
+def _answered_since_checkpoint(run: Path) -> bool:
+    """Whether a client stored its state after the run's last checkpoint."""
+    try:
+        since = (run / "checkpoint.pt").stat().st_mtime_ns
+        return any(p.stat().st_mtime_ns > since for p in (run / "client_state").iterdir())
+    except FileNotFoundError:  # not written yet, or a file renamed as it was read
+        return False
+
+
 def _killed_after(tmp_path: Path, name: str, steps: int, keys: dict[str, object]) -> int:
     """Start a 500-step async run in a process of its own (forked: this one's imports, no
     second start-up), SIGKILL it once ``steps`` steps are in ``rounds.csv``; how many are."""
@@ -250,7 +259,10 @@ def _killed_after(tmp_path: Path, name: str, steps: int, keys: dict[str, object]
     rounds = tmp_path / name / "rounds.csv"
     try:
         deadline = time.monotonic() + 300
-        while not rounds.is_file() or len(_csv(rounds)) < steps:
+        # Past the checkpoint a client has answered (its state stored): the resume must then
+        # replay what it sent, not train it again.
+        while not rounds.is_file() or len(_csv(rounds)) < steps \
+                or not _answered_since_checkpoint(tmp_path / name):
             assert proc.is_alive(), f"the run ended with status {proc.exitcode}"
             assert time.monotonic() < deadline, "no async step finished in 300 s"
             time.sleep(0.02)
