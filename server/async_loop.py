@@ -385,7 +385,7 @@ class AsyncLoop:
             raise CheckpointError(
                 f"this asynchronous checkpoint cannot be resumed: its dispatches in flight "
                 f"carry round material of type {state['unsaved_material']}, which the "
-                f"checkpoint does not keep (docs/async.md, Limits)")
+                f"checkpoint does not keep (docs/async.md, Checkpoint and resume)")
         self.sequence = int(state["sequence"])
         self.now_s, self.step_start_s = float(state["now_s"]), float(state["step_start_s"])
         waves = {int(seq): _Wave(int(seq), {int(k): int(n) for k, n in w["node_of"].items()},
