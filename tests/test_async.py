@@ -279,8 +279,9 @@ def _killed_after(tmp_path: Path, name: str, steps: int, keys: dict[str, object]
 @pytest.mark.parametrize("keys", [
     {"method": "dgc"},
     # Under the emulator: replies taken on the virtual clock, drops, a clock to restore.
-    {"method": "dgc", "num_clients": 8, "async.concurrency": 4, "netem.enabled": "true",
-     "netem.mix": "3g:0.5,lte:0.5", "netem.intermittent": 0.5, "netem.seed": 7},
+    pytest.param({"method": "dgc", "num_clients": 8, "async.concurrency": 4,
+                  "netem.enabled": "true", "netem.mix": "3g:0.5,lte:0.5",
+                  "netem.intermittent": 0.5, "netem.seed": 7}, marks=pytest.mark.slow),
 ], ids=["in-process", "emulated"])
 def test_a_sigkilled_async_run_resumes_bit_identical(tmp_path: Path, keys: dict) -> None:
     """Issue 37: the dispatches in flight are in the checkpoint and sent again on resume;
