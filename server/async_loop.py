@@ -34,27 +34,73 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as RecordDictProto
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 from flwr.supercore import log
 
 from fedgc import protocol as P
-from fedgc.settings import SettingsError
-from server.extensions import Arrival, Reply, apply_extensions
+from fedgc.settings import RunConfig, SettingsError
+from server.checkpoint import CheckpointError
+from server.extensions import Arrival, Reply, RoundExtension, apply_extensions
 from server.local_grid import LocalGrid
-from server.records import ClientRow, client_row, round_record, train_metrics
-from server.registry import RoundOutcome
-from server.replies import CheckedReply
+from server.loop import resume_from_checkpoint
+from server.records import (
+    ClientRow,
+    RoundRecord,
+    RunRecords,
+    client_row,
+    round_record,
+    train_metrics,
+)
+from server.registry import ClientRegistry, RoundOutcome
+from server.replies import CheckedReply, ReplyChecker
 
-#: The strategy the loop drives (server.strategy.DGCStrategy, which imports this module: named
-#: here without importing it, so that the two stay free of an import cycle).
-DGCStrategy = Any
+
+class AsyncStrategy(Protocol):
+    """What the loop asks of a strategy (:class:`server.strategy.DGCStrategy` is one, and
+    imports this module: a Protocol keeps the two free of an import cycle)."""
+
+    settings: RunConfig
+    extensions: list[RoundExtension]
+    registry: ClientRegistry
+    checker: ReplyChecker
+    records: RunRecords
+    probe_timeout: float
+    resume: bool
+    checkpoint_dir: Path | None
+    completed_rounds: int
+    round_record: RoundRecord
+    rounds: list[RoundRecord]
+    async_state: dict[str, Any] | None
+
+    @property
+    def model_version(self) -> int: ...
+    @property
+    def dense_update_nbytes(self) -> int: ...
+    @property
+    def dense_model_nbytes(self) -> int: ...
+    @property
+    def dense_downlink_only(self) -> bool: ...
+    def summary(self) -> None: ...
+    def set_model(self, arrays: ArrayRecord) -> None: ...
+    def load_state_dict(self, state: Any) -> None: ...
+    def model_arrays(self) -> ArrayRecord: ...
+    def keep_round(self, record: RoundRecord) -> None: ...
+    def train_messages(self, server_round: int, node_of: dict[int, int],
+                       config: ConfigRecord) -> tuple[Any, list[Message]]: ...
+    def aggregate_buffer(self, step: int, replies: list[CheckedReply],
+                         rows: Mapping[int, ClientRow], scale: Sequence[float]) -> bool: ...
 
 #: Seconds between two pulls of a grid that had no reply ready (Flower's own grids poll too).
 PULL_INTERVAL_S = 0.05
@@ -86,6 +132,23 @@ class _InFlight:
     wave: Any  # the strategy's record of what this dispatch sent (server.strategy._Round)
     pushed: float  # time.monotonic() when pushed
     start_s: float = 0.0  # when it left on the extensions' clock (0 without one)
+    content: bytes = b""  # the message's content as sent (serialized: the checkpoint's copy)
+    # Answered before the last step (a reply waiting on the clock when the checkpoint was
+    # written, pulled again after a resume): not an answer since the step.
+    answered_before: bool = False
+
+
+@dataclass
+class _Wave:
+    """What one fill sent, as a checkpoint keeps it (the fields of server.strategy._Round
+    that the loop reads)."""
+
+    server_round: int  # the dispatch sequence
+    node_of: dict[int, int]
+    version_sent: int
+    config_digest: str
+    downlink: dict[int, tuple[str, int]]
+    material: Any
 
 
 @dataclass
@@ -100,7 +163,7 @@ class _Buffered:
 class AsyncLoop:
     """The state of one asynchronous run on ``grid`` (see the module docstring)."""
 
-    def __init__(self, strategy: DGCStrategy, grid: Grid, timeout: float,
+    def __init__(self, strategy: AsyncStrategy, grid: Grid, timeout: float,
                  train_config: ConfigRecord) -> None:
         s = strategy.settings.server
         self.strategy, self.grid, self.timeout = strategy, grid, timeout
@@ -122,6 +185,10 @@ class AsyncLoop:
         self.now_s = self.step_start_s = 0.0  # the clock's time, and at the last step
         self.ready: list[tuple[float, int, int, _InFlight, Message, Arrival | None]] = []
         self.replies: list[Reply] = []  # every reply since the last step, as they came
+        # Clients that answered since the last step wait for the next one before they train
+        # again: one answer per client between two checkpoints, which a resume replays
+        # (client/app.py answers a dispatch it answered last with the same bytes).
+        self.answered: set[int] = set()
 
     # ------------------------------------------------------------------ dispatch
     def fill(self) -> None:
@@ -131,6 +198,15 @@ class AsyncLoop:
         need = self.concurrency - len(self.inflight) - len(self.ready)
         if need <= 0:
             return
+        if busy or len(self.answered) < self.strategy.settings.train.num_clients:
+            busy |= self.answered
+        else:
+            # Every client answered since the last step and none is in flight (replies
+            # dropped or refused): the loop would stop; resume is then replayed as far as it
+            # can be (docs/async.md, Limits).
+            log(WARNING, "async: every client answered since the last step (model version %d) "
+                "and none is in flight: dispatching again before the next step",
+                self.strategy.model_version)
         st = self.strategy
         self.sequence += 1
         # Sample more than needed so that enough of them are idle, in the draw's order.
@@ -143,9 +219,12 @@ class AsyncLoop:
         for ext in self.extensions:
             ext.dispatch_at(self.now_s)
         wave, messages = st.train_messages(self.sequence, chosen, self.train_config)
+        # Serialized before the push: a grid may hand the message itself to its client.
+        contents = [_serialize(m.content) for m in messages]
         now = time.monotonic()
-        for key, mid in zip(chosen, self.grid.push_messages(messages), strict=True):
-            self.inflight[mid] = _InFlight(key, wave, now, self.now_s)
+        for key, mid, content in zip(chosen, self.grid.push_messages(messages), contents,
+                                     strict=True):
+            self.inflight[mid] = _InFlight(key, wave, now, self.now_s, content)
 
     # ------------------------------------------------------------------ collect
     def collect(self) -> list[tuple[_InFlight, Message, Arrival | None]]:
@@ -183,12 +262,15 @@ class AsyncLoop:
             for msg in replies:
                 dispatch = self.inflight.pop(msg.metadata.reply_to_message_id, None)
                 if dispatch is not None:
+                    if not dispatch.answered_before:
+                        self.answered.add(dispatch.key)
                     out.append((dispatch, msg))
                 else:
                     self.strategy.records.count_rejection("reply to no dispatch in flight")
             if self.in_process:
                 # Dropped on the way (the in-process grid's intercept): they will never come.
                 for mid in [m for m in ids if m in self.inflight]:
+                    self.answered.add(self.inflight[mid].key)  # it ran
                     self.timed_out(self.inflight.pop(mid), "reply dropped on the way")
             if out or self.expire() or not self.inflight:
                 return out
@@ -226,13 +308,13 @@ class AsyncLoop:
             st.registry.settle(wave.server_round, [RoundOutcome(key, "timeout")],
                                version_sent=wave.version_sent,
                                processed=[key] if trained else [],
-                               dense_only=st.downlink.mode != "auto",
+                               dense_only=st.dense_downlink_only,
                                config_digest=wave.config_digest)
             return
         [checked] = st.checker.check_round(wave.server_round, [msg],
                                            lambda m: (key, wave.node_of[key]), [key],
                                            wave.material)
-        row = client_row(0, checked, wave.downlink[key], st._dense_update_nbytes)
+        row = client_row(0, checked, wave.downlink[key], st.dense_update_nbytes)
         self.rows.append(row)
         self.uplink_bytes += checked.uplink_bytes
         staleness = st.model_version - wave.version_sent
@@ -259,8 +341,75 @@ class AsyncLoop:
         st, wave = self.strategy, dispatch.wave
         st.registry.settle(wave.server_round, [RoundOutcome(dispatch.key, status, reason)],
                            version_sent=wave.version_sent,
-                           dense_only=st.downlink.mode != "auto",
+                           dense_only=st.dense_downlink_only,
                            config_digest=wave.config_digest)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What is in flight after an applied step (the buffer and the step's rows are empty
+        then): every dispatch not yet taken, in the order it was pushed, with the content it
+        was sent; the dispatch sequence and the clock. A resumed run sends them again
+        (:meth:`resend`)."""
+        answered = [r[3] for r in self.ready]  # pulled before the step
+        before = {id(d) for d in answered}
+        dispatches = [*self.inflight.values(), *answered]
+        dispatches.sort(key=lambda d: (d.wave.server_round,
+                                       list(d.wave.node_of).index(d.key)))
+        waves: dict[str, dict[str, Any]] = {}
+        unsaved = ""
+        for d in dispatches:
+            w = d.wave
+            material = _material_state(w.material)
+            if w.material is not None and material is None:
+                unsaved = unsaved or type(w.material).__name__
+            waves[str(w.server_round)] = {
+                "node_of": {str(k): n for k, n in w.node_of.items()},
+                "version_sent": w.version_sent, "config_digest": w.config_digest,
+                "downlink": {str(k): [kind, n] for k, (kind, n) in w.downlink.items()},
+                "material": material}
+        return {"sequence": self.sequence, "now_s": self.now_s,
+                "step_start_s": self.step_start_s, "waves": waves,
+                "dispatches": [{"key": d.key, "sequence": d.wave.server_round,
+                                "start_s": d.start_s, "answered": id(d) in before,
+                                "content": torch.frombuffer(bytearray(d.content),
+                                                            dtype=torch.uint8)}
+                               for d in dispatches],
+                "unsaved_material": unsaved}
+
+    def resend(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: push the dispatches that were in flight again,
+        in their order, with the content they were sent. A client that answered one before
+        the run stopped answers it again with the same bytes (client/app.py: a re-sent
+        dispatch), so that the run goes on as if it had not stopped."""
+        if state["unsaved_material"]:
+            raise CheckpointError(
+                f"this asynchronous checkpoint cannot be resumed: its dispatches in flight "
+                f"carry round material of type {state['unsaved_material']}, which the "
+                f"checkpoint does not keep (docs/async.md, Checkpoint and resume)")
+        self.sequence = int(state["sequence"])
+        self.now_s, self.step_start_s = float(state["now_s"]), float(state["step_start_s"])
+        waves = {int(seq): _Wave(int(seq), {int(k): int(n) for k, n in w["node_of"].items()},
+                                 int(w["version_sent"]), str(w["config_digest"]),
+                                 {int(k): (str(kind), int(n))
+                                  for k, (kind, n) in w["downlink"].items()},
+                                 _material_of(w["material"]))
+                 for seq, w in state["waves"].items()}
+        sent, messages = [], []
+        for d in state["dispatches"]:
+            wave, content = waves[int(d["sequence"])], bytes(d["content"].numpy())
+            key, record = int(d["key"]), _deserialize(content)
+            if not self.strategy.registry.holds_config(key, wave.config_digest):
+                # Clients keep the run config in memory: a resumed server sends it again.
+                record[P.RUN_CONFIG] = ConfigRecord(dict(self.train_config))
+            messages.append(Message(record, dst_node_id=wave.node_of[key],
+                                    message_type=MessageType.TRAIN,
+                                    group_id=str(wave.server_round)))
+            sent.append(_InFlight(key, wave, 0.0, float(d["start_s"]), content,
+                                  bool(d["answered"])))
+        now = time.monotonic()
+        for dispatch, mid in zip(sent, self.grid.push_messages(messages), strict=True):
+            dispatch.pushed = now
+            self.inflight[mid] = dispatch
 
     # ------------------------------------------------------------------ apply
     def apply(self, step: int) -> bool:
@@ -272,14 +421,14 @@ class AsyncLoop:
         scale = [staleness_weight(b.staleness, *self.weight_of) for b in taken]
         # The defences' notes go to a client's row (its later one, with two in the buffer).
         by_key = {b.reply.client_key: b.row for b in taken}
-        applied = st._aggregate(step, replies, replies, by_key, scale)
+        applied = st.aggregate_buffer(step, replies, by_key, scale)
         if not applied:
             for b in taken:
                 b.row.status, b.row.reason = "rejected", "aggregate was not finite"
         for row in self.rows:
             row.round = step
-        record = round_record(step, self.rows, self.uplink_bytes, st._dense_update_nbytes,
-                              st._dense_model_nbytes, st.model_version)
+        record = round_record(step, self.rows, self.uplink_bytes, st.dense_update_nbytes,
+                              st.dense_model_nbytes, st.model_version)
         record.clients_failed += sum(row.status == "dropped" for row in self.rows)
         elapsed, rows, replies = self.now_s - self.step_start_s, self.rows, self.replies
         apply_extensions(self.extensions, record, rows,
@@ -287,10 +436,40 @@ class AsyncLoop:
         st.records.client_rows.extend(self.rows)
         st.round_record = record
         self.rows, self.uplink_bytes, self.replies = [], 0, []
+        self.answered = set()
         self.step_start_s = self.now_s
         log(INFO, "async step %d: %d applied (staleness %s), model version %d", step,
             len(taken), [b.staleness for b in taken], st.model_version)
         return applied
+
+
+def _serialize(content: RecordDict) -> bytes:
+    return recorddict_to_proto(content).SerializeToString()
+
+
+def _deserialize(data: bytes) -> RecordDict:
+    return recorddict_from_proto(RecordDictProto.FromString(data))
+
+
+def _material_state(material: object) -> dict[str, Any] | None:
+    """A dispatch's decoded round material as a checkpoint keeps it: index sets or masks by
+    tensor name (numpy arrays or tensors); None for none, or for another kind."""
+    if not isinstance(material, Mapping) or not all(isinstance(k, str) for k in material):
+        return None
+    if all(isinstance(v, np.ndarray) for v in material.values()):
+        return {"numpy": {k: torch.from_numpy(v.copy()) for k, v in material.items()}}
+    if all(isinstance(v, torch.Tensor) for v in material.values()):
+        return {"torch": dict(material)}
+    return None
+
+
+def _material_of(state: Mapping[str, Any] | None) -> object:
+    """The material :func:`_material_state` kept."""
+    if state is None:
+        return None
+    if "numpy" in state:
+        return {k: v.numpy() for k, v in state["numpy"].items()}
+    return dict(state["torch"])
 
 
 def _innermost(grid: Grid) -> bool:
@@ -303,38 +482,45 @@ def _innermost(grid: Grid) -> bool:
     return True
 
 
-def run_async(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
+def run_async(strategy: AsyncStrategy, grid: Grid, initial_arrays: ArrayRecord,
               num_rounds: int, timeout: float, train_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
               ) -> Result:
-    """Run ``num_rounds`` applied steps of FedBuff on ``grid`` (module docstring): the
-    asynchronous counterpart of :func:`server.loop.run_rounds`, with the same strategy,
-    records and results.
+    """Run applied steps ``completed_rounds + 1 .. num_rounds`` of FedBuff on ``grid`` (module
+    docstring): the asynchronous counterpart of :func:`server.loop.run_rounds`, with the same
+    strategy, records, results and checkpoints.
+
+    A checkpoint after each step holds the dispatches in flight (:meth:`AsyncLoop.state_dict`);
+    with ``resume = true`` they are sent again, as they were, before anything new.
 
     Raises
     ------
     SettingsError
-        Under the network emulator (not wired to this loop yet), or with ``resume = true``
-        (the dispatches in flight are not checkpointed yet).
+        With more than one extension keeping a clock.
+    CheckpointError
+        A resume without a checkpoint, or of one whose dispatches cannot be sent again.
     """
     if sum(ext.clocked for ext in strategy.extensions) > 1:
         raise SettingsError("mode = async takes replies on one clock: several extensions "
                             "keep one")
-    if strategy.resume:
-        raise SettingsError("mode = async cannot resume yet: the dispatches in flight are not "
-                            "in the checkpoint (docs/async.md); run it again from the start")
     log(INFO, "Starting %s strategy, asynchronous (FedBuff):", strategy.__class__.__name__)
     strategy.summary()
     strategy.set_model(initial_arrays)
+    resume_from_checkpoint(strategy)
     loop = AsyncLoop(strategy, grid, timeout,
                      ConfigRecord() if train_config is None else train_config)
+    if strategy.async_state is not None and strategy.completed_rounds > 0:
+        loop.resend(strategy.async_state)
     result = Result()
-    if evaluate_fn is not None:
+    for r in strategy.rounds:
+        result.evaluate_metrics_serverapp[r.round] = MetricRecord(
+            {"accuracy": r.accuracy, "loss": r.loss})
+    if evaluate_fn is not None and strategy.completed_rounds == 0:
         res = evaluate_fn(0, strategy.model_arrays())
         if res is not None:
             result.evaluate_metrics_serverapp[0] = res
     started = time.time()
-    for step in range(1, num_rounds + 1):
+    for step in range(strategy.completed_rounds + 1, num_rounds + 1):
         while len(loop.buffer) < loop.buffer_size:
             loop.fill()
             if not loop.inflight and not loop.ready:
@@ -352,6 +538,7 @@ def run_async(strategy: DGCStrategy, grid: Grid, initial_arrays: ArrayRecord,
                 record.loss = float(res.get("loss", float("nan")))  # type: ignore
         record.wall_seconds = time.time() - started
         started = time.time()
+        strategy.async_state = loop.state_dict()
         strategy.keep_round(record)
     result.arrays = strategy.model_arrays()
     return result

@@ -44,6 +44,27 @@ class RoundStrategy(Protocol):
                            ) -> MetricRecord | None: ...
 
 
+def resume_from_checkpoint(strategy: RoundStrategy) -> None:
+    """With ``resume = true``, continue ``strategy`` from its checkpoint (the synchronous and
+    the asynchronous loop alike); refused with CheckpointError when there is none."""
+    if not strategy.resume:
+        return
+    # A resume that found nothing would run from round 1 over the clients' old residuals.
+    if strategy.checkpoint_dir is None:
+        raise CheckpointError("resume=true needs checkpoints (checkpoint=true): there is "
+                              "nothing to resume from")
+    saved = load_checkpoint(strategy.checkpoint_dir)
+    if saved is None:
+        raise CheckpointError(f"resume=true, but {strategy.checkpoint_dir} holds no "
+                              f"{CHECKPOINT_FILE}; run without resume to start a new run")
+    if saved.get("run_config") is None:
+        log(WARNING, "The checkpoint in %s stores no run configuration (an earlier fedgc): "
+            "resuming without checking it", strategy.checkpoint_dir)
+    strategy.load_state_dict(saved)
+    log(INFO, "Resumed from %s after round %d", strategy.checkpoint_dir,
+        strategy.completed_rounds)
+
+
 def run_rounds(strategy: RoundStrategy, grid: Grid, initial_arrays: ArrayRecord,
                num_rounds: int = 3, timeout: float = 3600,
                train_config: ConfigRecord | None = None,
@@ -61,21 +82,7 @@ def run_rounds(strategy: RoundStrategy, grid: Grid, initial_arrays: ArrayRecord,
     train_config = ConfigRecord() if train_config is None else train_config
     evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
     strategy.set_model(initial_arrays)
-    if strategy.resume:
-        # A resume that found nothing would run from round 1 over the clients' old residuals.
-        if strategy.checkpoint_dir is None:
-            raise CheckpointError("resume=true needs checkpoints (checkpoint=true): there is "
-                                  "nothing to resume from")
-        saved = load_checkpoint(strategy.checkpoint_dir)
-        if saved is None:
-            raise CheckpointError(f"resume=true, but {strategy.checkpoint_dir} holds no "
-                                  f"{CHECKPOINT_FILE}; run without resume to start a new run")
-        if saved.get("run_config") is None:
-            log(WARNING, "The checkpoint in %s stores no run configuration (an earlier fedgc): "
-                "resuming without checking it", strategy.checkpoint_dir)
-        strategy.load_state_dict(saved)
-        log(INFO, "Resumed from %s after round %d", strategy.checkpoint_dir,
-            strategy.completed_rounds)
+    resume_from_checkpoint(strategy)
     result = Result()
     for r in strategy.rounds:
         result.evaluate_metrics_serverapp[r.round] = MetricRecord(

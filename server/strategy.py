@@ -175,6 +175,10 @@ class DGCStrategy(FedAvg):
         self.round_record = RoundRecord(0)  # the last aggregated round's, until start() keeps it
         self._round: _Round | None = None
         self._dense_update_nbytes = self._dense_model_nbytes = 0
+        #: The asynchronous loop's dispatches in flight at the last applied step
+        #: (:meth:`server.async_loop.AsyncLoop.state_dict`): in the checkpoint, so that a
+        #: resumed asynchronous run sends them again. None in a synchronous run.
+        self.async_state: dict[str, Any] | None = None
 
     @property
     def run_config(self) -> dict[str, Any]:
@@ -242,6 +246,22 @@ class DGCStrategy(FedAvg):
         # Flower ArrayRecord: the baselines of the compression ratios.
         self._dense_update_nbytes = encoded_size(SparseUpdate.from_dense(self.model, "float32"))
         self._dense_model_nbytes = P.record_nbytes(self.model_arrays())
+
+    @property
+    def dense_update_nbytes(self) -> int:
+        """What a dense fp32 update of the model costs on the wire: the uplink's baseline."""
+        return self._dense_update_nbytes
+
+    @property
+    def dense_model_nbytes(self) -> int:
+        """What the dense model costs as a Flower ArrayRecord: the downlink's baseline."""
+        return self._dense_model_nbytes
+
+    @property
+    def dense_downlink_only(self) -> bool:
+        """Whether clients are always sent the dense model (no patches): the registry then
+        records no held versions."""
+        return self.downlink.mode != "auto"
 
     def model_arrays(self) -> ArrayRecord:
         """The global model as an ArrayRecord (one numpy Array per tensor)."""
@@ -411,6 +431,13 @@ class DGCStrategy(FedAvg):
             record.uplink_bytes)
         return (self.model_arrays() if applied else None), MetricRecord(train_metrics(record))
 
+    def aggregate_buffer(self, step: int, replies: list[CheckedReply],
+                         rows: Mapping[int, ClientRow], scale: Sequence[float]) -> bool:
+        """The asynchronous loop's step on its buffer (:mod:`server.async_loop`): the same
+        defences, aggregator and server step as a round's, each reply's update scaled by its
+        staleness weight after the defences; whether the step was finite."""
+        return self._aggregate(step, replies, replies, rows, scale)
+
     def _aggregate(self, server_round: int, chosen: list[CheckedReply],
                    valid: list[CheckedReply], rows: Mapping[int, ClientRow],
                    scale: Sequence[float] | None = None) -> bool:
@@ -512,7 +539,8 @@ class DGCStrategy(FedAvg):
                 "method": {"aggregator": self.aggregator.state_dict(),
                            "channel": None if self.channel is None
                            else self.channel.state_dict()},
-                "extensions": [ext.state_dict() for ext in self.extensions]}
+                "extensions": [ext.state_dict() for ext in self.extensions],
+                **({} if self.async_state is None else {"async_loop": self.async_state})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`; a refused state (another configuration, model or
@@ -537,6 +565,7 @@ class DGCStrategy(FedAvg):
             self.channel.load_state_dict(state["method"]["channel"])
         for ext, ext_state in zip(self.extensions, state.get("extensions", []), strict=False):
             ext.load_state_dict(ext_state)
+        self.async_state = state.get("async_loop")
 
     def keep_round(self, record: RoundRecord) -> None:
         """Keep a finished, evaluated round: records, checkpoint, then ``on_round``."""

@@ -7,9 +7,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,3 +233,71 @@ def test_a_methods_async_run_sits_beside_its_sync_run_in_tables() -> None:
     assert run_label({"method": "dgc", "config": {"mode": "async"}}, "x") == "dgc-async"
     assert run_label({"method": "dense", "config": {"mode": "sync"}}, "x") == "dense"
     assert run_label({"config": "garbled"}, "folder") == "folder"  # an old or odd summary
+
+
+def _real_time(column: str) -> bool:
+    return "seconds" in column and not column.startswith(("virtual", "time_"))
+
+
+def _answered_since_checkpoint(run: Path) -> bool:
+    """Whether a client stored its state after the run's last checkpoint."""
+    try:
+        since = (run / "checkpoint.pt").stat().st_mtime_ns
+        return any(p.stat().st_mtime_ns > since for p in (run / "client_state").iterdir())
+    except FileNotFoundError:  # not written yet, or a file renamed as it was read
+        return False
+
+
+def _killed_after(tmp_path: Path, name: str, steps: int, keys: dict[str, object]) -> int:
+    """Start a 500-step async run in a process of its own (forked: this one's imports, no
+    second start-up), SIGKILL it once ``steps`` steps are in ``rounds.csv``; how many are."""
+    argv = ["run", "--set", f"results_dir={tmp_path}", "--set", f"run_name={name}"]
+    for k, v in {**SMALL, **keys, "rounds": 500}.items():
+        argv += ["--set", f"{k}={v}"]
+    proc = multiprocessing.get_context("fork").Process(target=main, args=(argv,))
+    proc.start()
+    rounds = tmp_path / name / "rounds.csv"
+    try:
+        deadline = time.monotonic() + 300
+        # Past the checkpoint a client has answered (its state stored): the resume must then
+        # replay what it sent, not train it again.
+        while not rounds.is_file() or len(_csv(rounds)) < steps \
+                or not _answered_since_checkpoint(tmp_path / name):
+            assert proc.is_alive(), f"the run ended with status {proc.exitcode}"
+            assert time.monotonic() < deadline, "no async step finished in 300 s"
+            time.sleep(0.02)
+        proc.kill()  # SIGKILL: no teardown, in the middle of the next step
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return len(_csv(rounds))
+
+
+@pytest.mark.parametrize("keys", [
+    {"method": "dgc"},
+    # Under the emulator: replies taken on the virtual clock, drops, a clock to restore.
+    pytest.param({"method": "dgc", "num_clients": 8, "async.concurrency": 4,
+                  "netem.enabled": "true", "netem.mix": "3g:0.5,lte:0.5",
+                  "netem.intermittent": 0.5, "netem.seed": 7}, marks=pytest.mark.slow),
+], ids=["in-process", "emulated"])
+def test_a_sigkilled_async_run_resumes_bit_identical(tmp_path: Path, keys: dict) -> None:
+    """Issue 37: the dispatches in flight are in the checkpoint and sent again on resume;
+    the resumed run is the uninterrupted run, step for step and bit for bit."""
+    total = _killed_after(tmp_path, "cut", 2, keys) + 2
+    _run(tmp_path, "cut", **keys, rounds=total, resume="true")
+    _run(tmp_path, "whole", **keys, rounds=total)
+    cut, whole = _csv(tmp_path / "cut" / "rounds.csv"), _csv(tmp_path / "whole" / "rounds.csv")
+    assert len(cut) == len(whole) == total
+    for a, b in zip(cut, whole, strict=True):
+        # Every column but the real-time ones (this machine's seconds).
+        assert {k: v for k, v in a.items() if not _real_time(k)} == \
+            {k: v for k, v in b.items() if not _real_time(k)}
+    keep = ("round", "client_key", "status", "staleness", "uplink_bytes", "downlink")
+    rows = [[tuple(r[k] for k in keep) for r in _csv(tmp_path / n / "clients.csv")]
+            for n in ("cut", "whole")]
+    assert rows[0] == rows[1]
+    models = [torch.load(tmp_path / n / "model.pt") for n in ("cut", "whole")]
+    assert all(torch.equal(models[0][k], v) for k, v in models[1].items())

@@ -52,13 +52,19 @@ def _phone_loop(phone: ReferencePhone, stop: threading.Event, reports: list, err
         errors.append(ex)
 
 
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """The phones' export of the digits task (one for the module's federations: slow)."""
+    path = tmp_path_factory.mktemp("export")
+    export_all("digits", path, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    return path
+
+
 @pytest.mark.slow
-def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory):
+def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory, export):
     from tasks import get_task
 
     ca, cert, key = _certificates(tmp_path_factory)
-    export = tmp_path_factory.mktemp("export")
-    export_all("digits", export, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
     task = get_task("digits")
     parts = task.partition(SETTINGS["num_clients"], scheme="iid", alpha=0.5, seed=0)
     config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path_factory.mktemp("r")),
@@ -200,3 +206,65 @@ def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_
     got = decode_update(signs, SignsCodec().encode(sent))
     assert {n: t.values.unique().tolist() for n, t in got.tensors.items()} == \
         {"w": [-0.5], "b": [-0.5]} and got.tensors["w"].nnz == 1200
+
+
+@pytest.mark.slow
+def test_phones_behind_the_bridge_run_async(tmp_path_factory, export):
+    """Issue 37: ``mode = async`` with two of four clients phones behind the bridge (TLS,
+    loopback gRPC): each dispatch is a task of its own sequence, and the phones' updates are
+    applied, staleness-weighted, with the others'."""
+    from tasks import get_task
+
+    ca, cert, key = _certificates(tmp_path_factory)
+    task = get_task("digits")
+    parts = task.partition(SETTINGS["num_clients"], scheme="iid", alpha=0.5, seed=0)
+    config = RunConfig.from_flat({**SETTINGS, "mode": "async", "async.concurrency": 3,
+                                  "async.buffer": 2, "rounds": 4,
+                                  "results_dir": str(tmp_path_factory.mktemp("r")),
+                                  "run_name": "phones-async"})
+    stop = threading.Event()
+    reports: dict[str, list] = {d: [] for d in PHONES.values()}
+    errors: list = []
+    with PhoneBridge(TOKENS, "127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]),
+                     max_chunk_bytes=1024) as bridge:
+        phones, threads = [], []
+        for pid, device in PHONES.items():
+            idx = parts[pid]
+            phone = ReferencePhone(export, device, TOKENS[device], f"localhost:{bridge.port}",
+                                   task.train_x[idx].numpy(), task.train_y[idx].numpy(),
+                                   root_certificates=ca)
+            t = threading.Thread(target=_phone_loop,
+                                 args=(phone, stop, reports[device], errors, None))
+            t.start()
+            phones.append(phone)
+            threads.append(t)
+        bridge_app = make_bridge_app(bridge, PHONES, timeout_s=60)
+
+        def mixed(msg, context):
+            app = bridge_app if client_key(context) in PHONES else client_app
+            return app(msg, context)
+
+        grid = local_grid.LocalGrid(mixed, SETTINGS["num_clients"], seed=1)
+        try:
+            summary = run_server(grid, config)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            for p in phones:
+                p.close()
+    assert not errors, errors
+    assert summary["rounds"] == 4
+    rows = list(csv.DictReader((config.run_dir / "clients.csv").open()))
+    assert all(r["status"] == "aggregated" for r in rows), rows
+    tasks = [r for device in PHONES.values() for r in reports[device]]
+    assert tasks, "no dispatch went to a phone"
+    # Each phone's tasks are dispatches of increasing sequence, and each of its updates is a
+    # row of the run, the bytes the phone sent.
+    for device in PHONES.values():
+        seqs = [r.server_round for r in reports[device]]
+        assert seqs == sorted(set(seqs))
+    sent = sorted(r.uplink_bytes for r in tasks)
+    phone_rows = sorted(int(r["uplink_bytes"]) for r in rows if int(r["client_key"]) in PHONES)
+    assert sent == phone_rows
+    assert any(int(r["staleness"]) > 0 for r in rows)
