@@ -79,10 +79,14 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
 
 
 def run_study(names: Sequence[str], seeds: Sequence[int], rounds: int, out: Path) -> None:
-    """Run each of ``names`` on each seed, one after the other, appending each to ``out``."""
+    """Run each of ``names`` on each seed, one after the other, appending each to ``out``; a
+    run whose folder exists (done, or being run by another job of the study) is skipped."""
     results_dir = out.parent / "runs"
     for seed in seeds:
         for name in names:
+            if (results_dir / f"{name}-s{seed}").exists():
+                print(f"{name} seed {seed}: already there, skipped", flush=True)
+                continue
             cmd = command(name, seed, rounds, results_dir)
             start = time.time()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
