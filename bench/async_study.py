@@ -79,11 +79,13 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
 
 
 def run_study(names: Sequence[str], seeds: Sequence[int], rounds: int, out: Path) -> None:
-    """Run each of ``names`` on each seed, one after the other, appending each to ``out``; a
-    run whose folder exists (done, or being run by another job of the study) is skipped."""
+    """Run each of ``names`` on each seed, one after the other (a run on every seed, then the
+    next run: the baseline and the method on every seed come first), appending each to
+    ``out``; a run whose folder exists (done, or being run by another job of the study) is
+    skipped."""
     results_dir = out.parent / "runs"
-    for seed in seeds:
-        for name in names:
+    for name in names:
+        for seed in seeds:
             if (results_dir / f"{name}-s{seed}").exists():
                 print(f"{name} seed {seed}: already there, skipped", flush=True)
                 continue
