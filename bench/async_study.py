@@ -133,7 +133,7 @@ def _seconds(value: float | None) -> str:
 def _ratio(reference: float | None, value: float | None, reference_total: float) -> str:
     """How many times sooner ``value`` is than ``reference`` ("> N x" when the reference never
     reached the target: its whole run's time is a lower bound)."""
-    if value is None:
+    if value is None or math.isnan(reference_total):
         return "-"
     if reference is None:
         return f"> {reference_total / value:.1f}x"
