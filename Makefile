@@ -43,11 +43,37 @@ demo: $(STAMP)
 arm: $(STAMP)
 	FEDGC_HOST_PYTHON=$(PY) android_bridge/arm/build_rootfs.sh
 
-# FEDGC_ARM_REQUIRED: tests/test_arm.py fails (instead of skipping) without the arm64 rootfs.
-# --durations: the CI's log names the slowest tests (the suite's budget is 30 min on 2 cores).
+# The whole suite in three pytest processes at once, its lanes (docs/guide.md, "Testing"); the
+# suite's budget is 30 min on 2 cores, and run one after the other the lanes took 58 min:
+# - arm: the Android walkthrough, tests/test_arm.py (qemu-user aarch64, one CPU-bound process,
+#   ~12 min), then the cross_cpu second pass (test-cross-cpu, ~6 min);
+# - deploy: the files that start deployments (SuperLinks, SuperNodes, phones, shaped links in
+#   network namespaces, each a process of its own), mostly waiting on Flower's heartbeats, polls
+#   and round deadlines;
+# - main: every other file (Ray's instances, `flwr run` on the simulation runtime included).
+# Within a lane the files run one at a time as before. Every test takes free ports and its own
+# tmp folders; what is machine-wide stays in one lane (namespaces: deploy; Ray: main). Each lane
+# prints its own --durations and exit status; arm's and deploy's output goes to
+# results/test-<lane>.log, printed once all are done; the target fails if any lane failed.
+# FEDGC_ARM_REQUIRED: tests/test_arm.py and test_deploy_phones.py's emulated phone fail (instead
+# of skipping) without the arm64 rootfs; the rootfs is only read, by both lanes.
+ARM_LANE := tests/test_android_walkthrough.py tests/test_arm.py
+DEPLOY_LANE := $(sort $(wildcard tests/test_deploy_*.py)) tests/test_wire_capture.py \
+  tests/test_phone_parity.py
+LANE_PYTEST := FEDGC_ARM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40
 test: $(STAMP) arm
-	FEDGC_ARM_REQUIRED=1 $(PY) -m pytest -q --durations=40
-	$(MAKE) test-cross-cpu
+	@mkdir -p results
+	@echo "make test: lanes arm, deploy and main at once (arm and deploy: results/test-{arm,deploy}.log)"
+	@( $(LANE_PYTEST) $(ARM_LANE); suite=$$?; \
+	   $(MAKE) --no-print-directory test-cross-cpu; exit $$(( suite | $$? )) ) \
+	   > results/test-arm.log 2>&1 & arm=$$!; \
+	 $(LANE_PYTEST) $(DEPLOY_LANE) > results/test-deploy.log 2>&1 & deploy=$$!; \
+	 $(LANE_PYTEST) $(addprefix --ignore=,$(ARM_LANE) $(DEPLOY_LANE)); main=$$?; \
+	 wait $$arm; arm=$$?; wait $$deploy; deploy=$$?; \
+	 for lane in arm deploy; do echo "===== lane $$lane (results/test-$$lane.log)"; \
+	   cat results/test-$$lane.log; done; \
+	 echo "make test: exit status of lane main $$main, arm $$arm, deploy $$deploy"; \
+	 [ $$main = 0 ] && [ $$arm = 0 ] && [ $$deploy = 0 ]
 
 # The tests that compare float results with results made elsewhere (marker cross_cpu), again
 # under PyTorch's scalar kernels, SSE4.1 oneDNN and MKL's compatible code path: the floats of

@@ -159,6 +159,42 @@ def test_displacement_masks_rank_by_distance_from_version_0_with_ties_to_lower_i
         displacement_masks(model, {"w": torch.zeros(3)}, {"w": 2})
 
 
+def test_explored_sets_take_moved_entries_first_and_draw_the_rest_from_the_round():
+    """``explore``: the displacement part takes only moved entries (at most count - explore),
+    the rest is drawn from a seed of the round, the same at both ends, another each round;
+    version 0 (nothing moved) gets a whole drawn set instead of the first indices."""
+    initial = {"w": torch.zeros(20, 50)}
+    model = {"w": torch.zeros(20, 50)}
+    model["w"].view(-1)[[7, 3, 900, 12]] = torch.tensor([0.5, -0.5, 2.0, 0.25])
+    masks = displacement_masks(model, initial, {"w": 10}, {"w": 5}, sequence=4)["w"]
+    assert len(masks) == 10 and len(set(masks.tolist())) == 10
+    assert {3, 7, 900, 12} <= set(masks.tolist())  # 4 moved: all taken, 6 drawn
+    again = displacement_masks(model, initial, {"w": 10}, {"w": 5}, sequence=4)["w"]
+    assert masks.tolist() == again.tolist()
+    # only 2 of the 4 moved fit the displacement part of 10 - 8
+    two = displacement_masks(model, initial, {"w": 10}, {"w": 8}, sequence=4)["w"].tolist()
+    assert {900, 3} <= set(two) and len(set(two) & {7, 12}) <= 1  # 7, 12 only if drawn
+    first = displacement_masks(initial, initial, {"w": 50}, {"w": 25}, sequence=1)["w"]
+    other = displacement_masks(initial, initial, {"w": 50}, {"w": 25}, sequence=2)["w"]
+    assert first.tolist() != list(range(50)) and first.tolist() != other.tolist()
+    assert first.max() > 500  # drawn over the whole tensor, not its first entries
+    with pytest.raises(StateError, match="expected 0 to 10"):
+        displacement_masks(model, initial, {"w": 10}, {"w": 11})
+
+
+def test_a_rank_request_carries_how_many_of_each_set_are_drawn():
+    numels = {"a": 100, "b": 50}
+    plain = encode_rank_request({"a": 10, "b": 5}, numels, 3, True)
+    assert decode_rank_request(plain, numels) == (3, {"a": 10, "b": 5}, True, {})
+    drawn = encode_rank_request({"a": 10, "b": 5}, numels, 3, False, {"a": 4, "b": 0})
+    assert len(drawn) == len(plain) + 16
+    assert decode_rank_request(drawn, numels) == (3, {"a": 10, "b": 5}, False,
+                                                  {"a": 4, "b": 0})
+    with pytest.raises(DecodeError, match="draws 11 of its 10"):
+        decode_rank_request(encode_rank_request({"a": 10}, {"a": 100}, 3, False, {"a": 11}),
+                            {"a": 100})
+
+
 # ----------------------------------------------------------------- the downlink's dead band
 def test_deadband_keeps_entries_the_model_hovers_around():
     model = OrderedDict(w=torch.zeros(4, 8), b=torch.zeros(4))

@@ -169,3 +169,36 @@ def test_a_top_k_outside_the_sets_is_held_back_into_the_residual_or_refused():
     payload = codec.decode(codec.encode(update), Bound(SHAPES, ROUND, server_material))
     with pytest.raises(NotLinearError, match="outside the round's shared coordinates"):
         layout.vector(payload)
+
+
+def test_under_secure_aggregation_dgc_sets_has_sets_from_the_first_round_and_they_move():
+    """Its top-k held back, the model moves only at the sets: ranked by displacement alone
+    they would be none in round 1 and the same ever after. ``dgc.shared_explore`` (0.25 by
+    default under ``privacy.secagg``) draws a quarter of each set from the round's seed: round 1
+    has sets, a client derives the server's from the request, and round 2 draws others."""
+    numels = {n: math.prod(s) for n, s in SHAPES.items()}
+    initial = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    plain = _config("dgc_sets")
+    channel = material_of(get("dgc_sets").with_keys(plain.own)).channel(plain, SHAPES)
+    channel.hold(initial, 0, False)
+    assert channel.plan(1) is None  # without secure aggregation: as before
+    config = _config("dgc_sets", **{"privacy.secagg": True})
+    method = get("dgc_sets").with_keys(config.own)
+    channel = material_of(method).channel(config, SHAPES)
+    channel.hold(initial, 0, False)
+    sets = []
+    for server_round in (1, 2):
+        data, server = channel.plan(server_round)
+        _, client = method.hold_material(data, method.read_material(data, numels), initial,
+                                         lambda: initial)
+        assert server.keys() == client.keys() and server
+        for name in server:
+            assert server[name].tolist() == client[name].tolist()
+        sets.append(server)
+    assert any(sets[0][n].tolist() != sets[1][n].tolist() for n in sets[0])
+    # the sets carry what the held-back top-k would have: dgc.secure_density (0.2) of a tensor
+    assert len(sets[0]["w"]) == 400 and len(sets[0]["out"]) == 60
+    explicit = _config("dgc_sets", **{"privacy.secagg": True, "dgc.shared_explore": 0.0})
+    channel = material_of(get("dgc_sets").with_keys(explicit.own)).channel(explicit, SHAPES)
+    channel.hold(initial, 0, False)
+    assert channel.plan(1) is None  # the key set: displacement alone

@@ -56,8 +56,10 @@ _SIGN_TENSOR = struct.Struct("<Qf")  # count, scale
 #: Sets ranked by displacement: the preamble, then a flag byte, then per tensor numel, count.
 RANK_PREAMBLE = Preamble(b"FGCD", VERSION, "QI")
 RANK_MAGIC = RANK_PREAMBLE.magic
-_RANK_FLAGS = struct.Struct("<B")  # bit 0: version 0 has its matrices on the int8 grid
+_RANK_FLAGS = struct.Struct("<B")  # bit 0: version 0 has its matrices on the int8 grid;
+_RANK_EXPLORE_BIT = 2  # bit 1: each tensor's count is followed by how many are drawn at random
 _RANK_TENSOR = struct.Struct("<QQ")  # numel, count
+_RANK_EXPLORE = struct.Struct("<Q")  # entries of the set drawn at random
 
 #: A round's shared index sets: sorted int64 indices per tensor name.
 Masks = dict[str, np.ndarray]
@@ -221,32 +223,38 @@ def decode_shared(data: bytes | bytearray | memoryview, masks: Mapping[str, np.n
 
 
 def encode_rank_request(counts: Mapping[str, int], numels: Mapping[str, int], sequence: int,
-                        initial_on_grid: bool) -> bytes:
+                        initial_on_grid: bool, explore: Mapping[str, int] | None = None) -> bytes:
     """The downlink bytes of sets ranked by displacement (``dgc.shared_rank``): per tensor
-    only how many entries its set holds; the client ranks the model it holds against version 0
-    (``initial_on_grid``: rounded with ``dgc.int8_grid.round_initial``) as the server did
+    only how many entries its set holds (and with ``explore``, how many of them are drawn at
+    random); the client ranks the model it holds against version 0 (``initial_on_grid``:
+    rounded with ``dgc.int8_grid.round_initial``) as the server did
     (:func:`dgc.signs.planner.displacement_masks`)."""
-    parts = [RANK_PREAMBLE.pack(sequence, len(counts)), _RANK_FLAGS.pack(int(initial_on_grid))]
+    flags = int(initial_on_grid) | (_RANK_EXPLORE_BIT if explore else 0)
+    parts = [RANK_PREAMBLE.pack(sequence, len(counts)), _RANK_FLAGS.pack(flags)]
     for name, k in counts.items():
         parts += [name_bytes(name), _RANK_TENSOR.pack(int(numels[name]), int(k))]
+        if explore:
+            parts.append(_RANK_EXPLORE.pack(int(explore.get(name, 0))))
     return seal(parts)
 
 
-def decode_rank_request(data: bytes | bytearray | memoryview,
-                        numels: Mapping[str, int]) -> tuple[int, dict[str, int], bool]:
-    """``(sequence, counts, initial_on_grid)`` from :func:`encode_rank_request` bytes; every
-    defect (a tensor not of ``numels`` or of another size, a count of 0 or above its size, a
-    tensor twice, unknown flags) is a DecodeError."""
+def decode_rank_request(data: bytes | bytearray | memoryview, numels: Mapping[str, int],
+                        ) -> tuple[int, dict[str, int], bool, dict[str, int]]:
+    """``(sequence, counts, initial_on_grid, explore)`` from :func:`encode_rank_request` bytes
+    (``explore`` empty when none is drawn at random); every defect (a tensor not of ``numels``
+    or of another size, a count of 0 or above its size, more drawn than the count, a tensor
+    twice, unknown flags) is a DecodeError."""
     view = as_view(data)
     sequence, count = RANK_PREAMBLE.open(view)
     end = crc_offset(view)
     check_crc(view, end)
     pos = RANK_PREAMBLE.size
     (flags,) = read(_RANK_FLAGS, view, pos, end, "rank request flags")
-    if flags & ~1:
-        raise DecodeError(f"rank request flags {flags:#x}: only bit 0 is defined")
+    if flags & ~(1 | _RANK_EXPLORE_BIT):
+        raise DecodeError(f"rank request flags {flags:#x}: only bits 0 and 1 are defined")
     pos += _RANK_FLAGS.size
     counts: dict[str, int] = {}
+    explore: dict[str, int] = {}
     for _ in range(count):
         name, pos = read_name(view, pos, end, "ranked set name")
         numel, k = read(_RANK_TENSOR, view, pos, end, f"ranked set header of {name!r}")
@@ -259,5 +267,12 @@ def decode_rank_request(data: bytes | bytearray | memoryview,
         if not 0 < k <= numel:
             raise DecodeError(f"ranked set of {name!r} holds {k} of {numel} entries")
         counts[name] = int(k)
+        if flags & _RANK_EXPLORE_BIT:
+            (drawn,) = read(_RANK_EXPLORE, view, pos, end, f"ranked set draw of {name!r}")
+            pos += _RANK_EXPLORE.size
+            if drawn > k:
+                raise DecodeError(f"ranked set of {name!r} draws {drawn} of its {k} entries "
+                                  f"at random; expected at most {k}")
+            explore[name] = int(drawn)
     check_end(view, pos, end)
-    return sequence, counts, bool(flags & 1)
+    return sequence, counts, bool(flags & 1), explore

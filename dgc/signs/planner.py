@@ -10,6 +10,7 @@ plans the same sets.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,7 +131,8 @@ class SharedIndexPlanner:
 
 
 def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, torch.Tensor],
-                       counts: Mapping[str, int]) -> Masks:
+                       counts: Mapping[str, int], explore: Mapping[str, int] | None = None,
+                       sequence: int = 0) -> Masks:
     """Index sets ranked by how far the model has moved from version 0: per tensor ``name``,
     the ``counts[name]`` entries where ``|model - initial|`` is largest.
 
@@ -138,6 +140,15 @@ def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, 
     from the run's seed), so both compute the same sets and none travel (``dgc.shared_rank =
     displacement``). Ties go to the lower index (a stable sort), so the sets do not depend on
     the platform's top-k.
+
+    With ``explore`` (per tensor, ``0 <= explore[name] <= counts[name]``), the displacement
+    part takes at most ``counts - explore`` entries and only entries that moved; the rest of
+    the set is drawn uniformly, without replacement, among the entries it left, by NumPy's
+    PCG64 seeded with ``(sequence, crc32(name))`` (the round: both ends draw alike). Why: when
+    the model moves only at the sets (secure aggregation holds a client's top-k back), ranking
+    by displacement alone picks the same sets every round, and version 0 (nothing moved) none
+    worth having; the draw gives the first round a set and the residual's mass elsewhere a way
+    out (docs/privacy.md, "dgc_sets under secure aggregation").
     """
     out: Masks = {}
     for name, k in counts.items():
@@ -146,8 +157,21 @@ def displacement_masks(model: Mapping[str, torch.Tensor], initial: Mapping[str, 
         if now.numel() != then.numel() or not 0 < int(k) <= now.numel():
             raise StateError(f"shared set of {name!r}: {k} entries of a tensor of "
                              f"{now.numel()} (version 0 has {then.numel()})")
-        top = top_positions(now, then, int(k))  # the stable sort's first k (dgc.ranking)
-        out[name] = np.sort(top.numpy()).astype(np.int64)
+        drawn = int(explore.get(name, 0)) if explore else 0
+        if not 0 <= drawn <= int(k):
+            raise StateError(f"shared set of {name!r}: {drawn} entries drawn at random of a set "
+                             f"of {k}; expected 0 to {k}")
+        if not explore:
+            top = top_positions(now, then, int(k)).numpy()  # the stable sort's first k
+        else:
+            moved = int((now != then).sum())
+            top = top_positions(now, then, min(int(k) - drawn, moved)).numpy()
+            rest = int(k) - len(top)
+            if rest:
+                free = np.setdiff1d(np.arange(now.numel(), dtype=np.int64), top)
+                rng = np.random.default_rng([int(sequence), zlib.crc32(name.encode())])
+                top = np.concatenate([top, rng.choice(free, rest, replace=False)])
+        out[name] = np.sort(top).astype(np.int64)
     return out
 
 

@@ -177,6 +177,17 @@ class DGCSettings(SparsifierSettings):
         "model) or displacement (how far the model clients hold has moved from version 0, "
         "which clients compute themselves: no index bytes); empty = the method's default",
         Check(choices=SHARED_RANKS), fallback="aggregates", sent=False)
+    shared_explore: float | None = setting(
+        None, "dgc.shared_explore", "with dgc.shared_rank = displacement: the fraction of each "
+        "shared set drawn at random (seeded by the round: both ends draw alike) among the "
+        "entries its displacement part, which takes moved entries only, leaves; the first "
+        "round then has sets, and where the model moves only at the sets (secure aggregation "
+        "holds the top-k back) they still move; empty = 0, or 0.25 under privacy.secagg",
+        Check(0.0, 1.0), sent=False)
+    secure_density: float = setting(0.2, "dgc.secure_density", "the shared sets' density "
+                                    "under privacy.secagg, which holds the top-k back so that "
+                                    "the sets carry all a client sends (docs/privacy.md); 0 = "
+                                    "dgc.shared_density", Check(0.0, 1.0), sent=False)
     shared_churn: float = setting(1.0, "dgc.shared_churn", "the most of each shared index set "
                                   "that may change from one round to the next, the weakest "
                                   "members swapped for the strongest newcomers (GlueFL's "
@@ -233,6 +244,8 @@ class RankRequest(NamedTuple):
 
     counts: dict[str, int]
     initial_on_grid: bool
+    explore: dict[str, int] | None = None  # per tensor, entries drawn at random
+    sequence: int = 0  # the round, which seeds the draw
 
 
 class RoundCompressor:
@@ -351,14 +364,27 @@ class RoundCompressor:
         self.inner.load_state_dict(state["compressor"])
 
 
+def shared_explore(own: DGCSettings, train: TrainSettings) -> float:
+    """The fraction of each displacement-ranked set drawn at random (``dgc.shared_explore``):
+    the key's, or by default 0.25 under secure aggregation, where the model moves only at the
+    sets and displacement alone would rank the same sets every round, and 0 without (0.25: the
+    best of 0, 0.25, 0.5 and 1 on digits, docs/privacy.md)."""
+    if own.shared_explore is not None:
+        return float(own.shared_explore)
+    return 0.25 if train.privacy_secagg else 0.0
+
+
 class DisplacementSets(Channel):
     """Shared sets ranked by how far the model clients hold has moved from version 0
     (``dgc.shared_rank = displacement``): clients hold both models bit for bit and rank them
     the same way (:func:`dgc.signs.planner.displacement_masks`), so only each set's size
     travels (:func:`dgc.signs.codec.encode_rank_request`, ~20 bytes a tensor)."""
 
-    def __init__(self, counts: Mapping[str, int], numels: Mapping[str, int]) -> None:
+    def __init__(self, counts: Mapping[str, int], numels: Mapping[str, int],
+                 explore: Mapping[str, int] | None = None) -> None:
         self.counts, self.numels = dict(counts), dict(numels)
+        # Entries of each set drawn at random (dgc.shared_explore); none: displacement alone.
+        self.explore = {n: k for n, k in (explore or {}).items() if k > 0}
         self.initial: dict[str, torch.Tensor] = {}
         self.held: Mapping[str, torch.Tensor] = {}
         self.version, self.initial_on_grid = 0, False
@@ -370,11 +396,12 @@ class DisplacementSets(Channel):
         self.held, self.version, self.initial_on_grid = sent_model, version, initial_on_grid
 
     def plan(self, server_round: int) -> tuple[bytes, object] | None:
-        if self.version == 0:  # version 0 has not moved: no set in the first round
+        if self.version == 0 and not self.explore:  # version 0 has not moved: no set
             return None
-        masks = displacement_masks(self.held, self.initial, self.counts)
+        masks = displacement_masks(self.held, self.initial, self.counts, self.explore,
+                                   server_round)
         return (encode_rank_request(self.counts, self.numels, server_round,
-                                    self.initial_on_grid), masks)
+                                    self.initial_on_grid, self.explore), masks)
 
 
 class SharedSigns(Channel):
@@ -485,8 +512,8 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
                                     self.read_material(inner, numels) if inner else None,
                                     inner_bytes=inner)
         if bytes(data[:4]) == RANK_MAGIC:
-            _, counts, on_grid_ = decode_rank_request(data, numels)
-            return RankRequest(counts, on_grid_)
+            sequence, counts, on_grid_, explore = decode_rank_request(data, numels)
+            return RankRequest(counts, on_grid_, explore, sequence)
         return decode_mask(data, numels)[1]
 
     def hold_material(self, data: bytes, material: object, model: Mapping[str, torch.Tensor],
@@ -500,7 +527,8 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
         version0 = initial()
         if material.initial_on_grid:
             version0 = round_initial(version0)
-        masks = displacement_masks(model, version0, material.counts)
+        masks = displacement_masks(model, version0, material.counts, material.explore,
+                                   material.sequence)
         return encode_mask(masks, {n: model[n].numel() for n in masks}, 0), masks
 
     def _hold_feedback(self, material: FeedbackMaterial, model: dict[str, torch.Tensor],
@@ -579,11 +607,17 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
         policy = dgc_config(run.train, own)
         sparse = {n: tuple(shape) for n, shape in shapes.items()
                   if not policy.sends_dense(tuple(shape))}
-        planner = SharedIndexPlanner(sparse, own.shared_density, own.shared_small_density,
+        # Under secure aggregation the top-k is held back: the sets carry what a client sends.
+        density = (own.secure_density if run.train.privacy_secagg and own.secure_density > 0
+                   else own.shared_density)
+        planner = SharedIndexPlanner(sparse, density, own.shared_small_density,
                                      own.small_numel, own.shared_momentum, own.shared_churn)
         numels = {n: math.prod(shape) for n, shape in shapes.items()}
         if own.shared_rank == "displacement":
-            return DisplacementSets({n: planner.count(n) for n in sparse}, numels)
+            counts = {n: planner.count(n) for n in sparse}
+            explore = shared_explore(own, run.train)
+            return DisplacementSets(counts, numels,
+                                    {n: round(explore * k) for n, k in counts.items()})
         return SharedSigns(planner, numels)
 
     def aggregator(self, run: RunSettings) -> Aggregator:

@@ -21,7 +21,9 @@ its payload sits in :attr:`fedgc.methods.Method.secure_sum`:
     ``tcs.topk_share`` > 0, or in a round without a mask, its first). Under secure
     aggregation :func:`hold_back` puts those entries back into the client's residual (error
     feedback) before it encodes, so that only the sets travel: ``dgc_sets`` becomes "its
-    shared sets only", a configuration whose accuracy is to be measured. Set
+    shared sets only", which under secure aggregation are larger (``dgc.secure_density``) and
+    partly drawn from the round's seed (``dgc.shared_explore``): ranked by displacement alone
+    they would stick where the model first moved (docs/privacy.md). Set
     ``tcs.topk_share = 0`` rather than compute a top-k that is held back.
 ``""`` (the default)
     per-client coordinates or scales (``dgc``, ``topk``, ``stc``: top-k indices; ``qsgd``,
