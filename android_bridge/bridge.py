@@ -28,6 +28,7 @@ from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
 from dgc.signs.codec import decode_mask, decode_signs
 from dgc.wire import max_numel_of_message
+from fedgc.methods import Bound, phone_codec_of
 
 DEFAULT_MAX_CHUNK_BYTES = 64 * 1024
 DEFAULT_MAX_UPDATE_BYTES = 64 * 1024 * 1024
@@ -118,6 +119,19 @@ def _whole(metrics: Mapping[str, Any], key: str, low: int, required: bool) -> No
             and low <= value <= MAX_NUM_EXAMPLES):
         raise ValueError(f"metrics_json {key} = {value!r}; expected a whole number in "
                          f"[{low}, {MAX_NUM_EXAMPLES}]")
+
+
+def decode_update(task: PhoneTask, data: bytes) -> dgc.SparseUpdate:
+    """A phone's update for ``task``: the exported encoder's ``FGCU`` bytes (``dgc.decode``),
+    or the payload of the kind the task's ``codec`` names (random-k's ``seeded``, the
+    ``signs`` of EF-signSGD and the vote), read by the method's codec; no tensor claims more
+    entries than the task's model's largest. ``dgc.DecodeError`` or ValueError naming what is
+    wrong."""
+    limit = max_numel_of_message(task.dense_model)
+    kind = (task.config.get("codec") or {}).get("payload")
+    if kind is None:
+        return dgc.decode(data, max_numel=limit)
+    return phone_codec_of(str(kind)).decode(data, Bound({}, limit=limit)).update
 
 
 class BridgeError(RuntimeError):
@@ -739,7 +753,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         try:
             if hashlib.sha256(data).hexdigest() != upload.sha256:
                 raise ValueError("sha256 of the received bytes does not match the declared one")
-            update = dgc.decode(data[:cut], max_numel=max_numel_of_message(task.dense_model))
+            update = decode_update(task, data[:cut])
             if update.sequence != task.sequence:
                 raise ValueError(f"update carries sequence {update.sequence}, the task asked "
                                  f"for {task.sequence}")

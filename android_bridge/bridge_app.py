@@ -201,6 +201,9 @@ def _phone_config(s: TrainSettings, method: methods.Method,
         "dgc": phone_dgc.to_dict()}
     if small is not None:
         out["small"] = {"density": small[0], "numel": small[1]}
+    codec = part.phone_task(s, client_key)
+    if codec:  # an encoder of the method's own on the phone's host (randk, efsign, signvote)
+        out["codec"] = codec
     return out
 
 

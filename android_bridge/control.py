@@ -26,11 +26,16 @@ from typing import Any
 
 import grpc
 
-import dgc
-from android_bridge.bridge import BridgeError, BridgeTimeout, PhoneBridge, PhoneResult, PhoneTask
+from android_bridge.bridge import (
+    BridgeError,
+    BridgeTimeout,
+    PhoneBridge,
+    PhoneResult,
+    PhoneTask,
+    decode_update,
+)
 from android_bridge.proto import fedgc_bridge_control_pb2 as cpb
 from android_bridge.proto import fedgc_bridge_control_pb2_grpc as cpb_grpc
-from dgc.wire import max_numel_of_message
 
 __all__ = ["RemoteBridge", "serve_control", "task_from_message", "task_to_message"]
 
@@ -189,8 +194,7 @@ class RemoteBridge:
                                       f"running?): {detail}") from None
                 raise BridgeError(f"the phone bridge refused task {task_id!r} of device "
                                   f"{task.device_id!r}: {code.name}: {detail}") from None
-        update = dgc.decode(reply.update_bytes,
-                            max_numel=max_numel_of_message(task.dense_model))
+        update = decode_update(task, reply.update_bytes)
         metrics: Mapping[str, Any] = json.loads(reply.metrics_json or "{}")
         return PhoneResult(reply.task_id, reply.upload_id, reply.update_bytes, update,
                            dict(metrics), reply.side_bytes, int(reply.side_entries))

@@ -383,17 +383,15 @@ def phone_config(run: RunConfig) -> DGCConfig:
     """The DGC configuration a phone's encoder runs for ``run``'s method
     (:meth:`fedgc.methods.PhoneExport.phone_config`); ConfigError naming the methods phones
     run when phones do not run it."""
-    part = methods.phone_export_of(run.method)
+    return _served(run.method).phone_config(run.train)
+
+
+def _served(method: methods.Method) -> methods.PhoneExport:
+    # One refusal for export, the bridge and deploy: what the method needs that phones lack.
+    part = methods.phone_export_of(method)
     if part is None:
-        raise ConfigError(f"method {run.train.method!r} is not served by phones: their encoder "
-                          f"is DGC (methods {phone_methods()})")
-    return part.phone_config(run.train)
-
-
-def phone_methods() -> list[str]:
-    """The registered methods a phone's exported encoder runs (DGC's top-k, with or without
-    its residual: :class:`fedgc.methods.PhoneExport`)."""
-    return [m.name for m in methods.registered() if methods.phone_export_of(m) is not None]
+        raise ConfigError(str(methods.phone_refusal(method)))
+    return part
 
 
 def _run_config_keys(config: DGCConfig, batch_size: int, learning_rate: float,
@@ -551,10 +549,7 @@ def check_phone_run(method: methods.Method,
     its own keys set to what phones do not run (:meth:`fedgc.methods.PhoneExport.phone_refusals`,
     from the configured ``method``), or, with the ``server``'s keys, patches the phones' codec
     does not apply."""
-    part = methods.phone_export_of(method)
-    if part is None:
-        raise ConfigError(f"method {method.name!r} is not served by phones: their encoder is "
-                          f"DGC (methods {phone_methods()})")
+    part = _served(method)
     set_ = part.phone_refusals()
     if server is not None and server.downlink_context:
         set_.append("downlink_context=True")  # patches the phones' codec does not apply

@@ -12,7 +12,10 @@ the same order (:mod:`android_bridge.shuffle`: torch's generator and ``randperm`
 run's ``client_momentum`` and ``weight_decay`` from fresh buffers, the pseudo-gradient, the
 fold-back of an update the server did not aggregate (the update, then its signs), DGC with a
 second density for small tensors (``dgc.small_density``), then the sign channel
-(``dgc.signs.take_signs`` on the residual). Given the same data and seed, and a training step
+(``dgc.signs.take_signs`` on the residual). A task whose ``codec`` names a payload (random-k's
+``seeded``, EF-signSGD's ``signs``) is compressed on the host instead
+(:mod:`android_bridge.host_encoders`) and sent in that payload's bytes.
+Given the same data and seed, and a training step
 that computes what eager torch computes, it sends the same bytes (tests/test_phone_parity.py).
 Torch appears as the buffer type of the ExecuTorch Python bindings and in the sign channel's
 scale, a float32 mean (``dgc.signs``); other host arithmetic is numpy, as it would be plain Java
@@ -37,6 +40,7 @@ import numpy as np
 import dgc
 from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
 from android_bridge.encoder import check_compatible
+from android_bridge.host_encoders import HostEncoder, host_encoder
 from android_bridge.initial_model import FORMS, initial_form
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
@@ -127,6 +131,10 @@ class ReferencePhone:
         self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
         self.initial = self.trainer.parameters() if self.initial_sha256 else None
         self.pending: dgc.SparseUpdate | None = None
+        # The host encoder a task's codec entry names (android_bridge.host_encoders), with
+        # its residual, and that entry.
+        self.host: HostEncoder | None = None
+        self.host_codec: dict[str, Any] = {}
         self.pending_signs: dgc.SparseUpdate | None = None
         self.poll_interval_s = 0.05
         self.max_wait_s = 0.0
@@ -216,8 +224,10 @@ class ReferencePhone:
         train = config["train"]
         dgc_config = DGCConfig.from_dict(config["dgc"])
         small = config.get("small") or {}
-        self.encoder.reconfigure(dgc_config, float(small.get("density", 0.0)),
-                                 int(small.get("numel", 10_000)))
+        host = self._host_encoder(config.get("codec") or {})
+        if host is None:  # a host encoder reads the config's layer policy only
+            self.encoder.reconfigure(dgc_config, float(small.get("density", 0.0)),
+                                     int(small.get("numel", 10_000)))
         largest = self.trainer.batch_shape[0]
         if not 1 <= int(train["batch_size"]) <= largest:
             raise PhoneError(f"task asks for batch_size {train['batch_size']}, the exported "
@@ -232,15 +242,22 @@ class ReferencePhone:
         restored = self.pending is not None and self.pending.sequence != task.ack_sequence
         if restored:
             # As client.state.fold_back_pending: the update, then the signs sent beside it.
-            self.encoder.restore(self.pending)
+            (self.encoder if host is None else host).restore(self.pending)
             if self.pending_signs is not None:
                 self.encoder.restore(self.pending_signs)
-        update = self.encoder.compress(pseudo_gradient, epoch=float(task.server_round - 1),
-                                       sequence=int(task.sequence))
-        data = dgc.encode(update)
+        epoch = float(task.server_round - 1)
+        if host is not None:
+            update = host.compress(pseudo_gradient, dgc_config, epoch, int(task.sequence))
+            data = host.encode(update)
+        else:
+            update = self.encoder.compress(pseudo_gradient, epoch=epoch,
+                                           sequence=int(task.sequence))
+            data = dgc.encode(update)
         signs = self._signs(task)
         side = encode_signs(signs) if signs is not None else b""
-        self.pending, self.pending_signs = update, signs
+        # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
+        kept = host is None or host.keeps_residual
+        self.pending, self.pending_signs = (update if kept else None), signs
         self.model, self.model_version = global_model, int(task.model_version)
         # What the bridge app reads (it times the round itself); "restored" only when 1.
         metrics: dict[str, Any] = {"num-examples": len(self.x),
@@ -263,6 +280,19 @@ class ReferencePhone:
                            downlink="patch" if task.encoding == pb.SPARSE_PATCH else "dense",
                            downlink_bytes=len(task.model_bytes), side_bytes=len(side),
                            data=data + side)
+
+    def _host_encoder(self, codec: dict[str, Any]) -> HostEncoder | None:
+        """The host encoder the task's ``codec`` entry names (kept, with its residual, while
+        the entry stays the same), None for the exported encoder."""
+        if not codec:
+            return None
+        if self.host is None or self.host_codec != codec:
+            try:
+                self.host = host_encoder(codec)
+            except ValueError as ex:
+                raise PhoneError(f"task's codec {codec!r}: {ex}") from ex
+            self.host_codec = dict(codec)
+        return self.host
 
     def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
         """The residual at the task's shared index sets as scaled signs, taken out of the

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +151,52 @@ def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
     run = RunConfig.from_flat({"dgc.value_levels": 4})
     with pytest.raises(BridgeError, match=r"dgc.value_levels=4.0: phones run dgc's default "):
         _phone_config(run.train, run.method)
+
+
+def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_codec():
+    """randk's and efsign's phones compress on the host (android_bridge.host_encoders): the
+    task names the payload (and randk's client seed), and the bridge reads an upload with the
+    method's codec, bounded by the task's model; an upload of another kind, or a kind phones
+    do not send, is named."""
+    from android_bridge.bridge import PhoneTask, decode_update
+    from android_bridge.bridge_app import _phone_config
+    from android_bridge.host_encoders import SeededEncoder, host_encoder
+    from dgc import DecodeError, SparseUpdate, encode
+    from fedgc.methods.efsign import SignsCodec
+    from fedgc.methods.randk import RandomKCodec, client_seed
+
+    run = RunConfig.from_flat({"method": "randk", "seed": 5})
+    config = _phone_config(run.train, run.method, client_key=3)
+    assert config["codec"] == {"encoder": "randk", "payload": "seeded",
+                               "seed": client_seed(run.train, 3)} \
+        and client_seed(run.train, 3) == (5 << 32) + 3
+    model = {"w": torch.zeros(30, 40), "b": torch.zeros(40)}
+    task = PhoneTask("phone-a", 1, 1, 1, -1, encode(SparseUpdate.from_dense(model, "float32", 1)),
+                     config)
+    phone = SeededEncoder(config["codec"]["seed"])
+    sent = phone.compress({n: np.ones(tuple(t.shape), np.float32) for n, t in model.items()},
+                          run.method.phone_config(run.train), 0.0, 1)
+    got = decode_update(task, RandomKCodec().encode(sent))
+    assert got.seed == sent.seed and got.sequence == 1
+    assert {n: t.indices.tolist() for n, t in got.tensors.items()} == \
+        {n: t.indices.tolist() for n, t in sent.tensors.items()}
+    with pytest.raises(DecodeError):  # the exported encoder's bytes where FGCR is due
+        decode_update(task, encode(sent))
+    big = SeededEncoder(1).compress({"w": np.ones((50, 50), np.float32)},
+                                    run.method.phone_config(run.train), 0.0, 1)
+    with pytest.raises(DecodeError, match="2500"):  # larger than the model's largest tensor
+        decode_update(task, RandomKCodec().encode(big))
+    odd = dataclasses.replace(task, config={**config, "codec": {"payload": "levels"}})
+    with pytest.raises(ValueError, match=r"phone payload 'levels' is not one phones send; "
+                                         r"they send \['seeded', 'signs'\]"):
+        decode_update(odd, b"")
+    # efsign's phones send the signs payload, read with its codec
+    ef = RunConfig.from_flat({"method": "efsign"})
+    signs = dataclasses.replace(task, config=_phone_config(ef.train, ef.method, client_key=3))
+    assert signs.config["codec"] == {"encoder": "efsign", "payload": "signs"}
+    sent = host_encoder(signs.config["codec"]).compress(
+        {n: np.full(tuple(t.shape), -0.5, np.float32) for n, t in model.items()},
+        ef.method.phone_config(ef.train), 0.0, 1)
+    got = decode_update(signs, SignsCodec().encode(sent))
+    assert {n: t.values.unique().tolist() for n, t in got.tensors.items()} == \
+        {"w": [-0.5], "b": [-0.5]} and got.tensors["w"].nnz == 1200

@@ -32,7 +32,8 @@ def test_each_method_gives_the_whole_contract():
         assert 0 < m.downlink(config).density <= 1
         phone = methods.phone_export_of(config.method)
         assert (phone is not None) == m.phone
-        assert phone is None or phone.phone_config(config.train).density == config.train.density
+        assert phone is None or phone.phone_config(config.train).density == \
+            m.uplink_density(config.train)
         own = [] if m.settings is None else per_method_keys(m.settings)
         assert set(m.defaults) <= set(per_method_keys(TrainSettings)
                                       + per_method_keys(ServerSettings) + own)

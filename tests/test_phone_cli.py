@@ -106,6 +106,45 @@ def test_export_refusals_name_the_task(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_every_method_of_the_registry_exports_or_is_refused_with_its_reason(tmp_path, capsys):
+    """Issue 39: each registered method either runs on phones (its phone export gives the
+    encoder's config) or ``export`` refuses it in one line naming what it needs that phones
+    lack and the methods they run; the bridge refuses it with the same line."""
+    from android_bridge.bridge import BridgeError
+    from android_bridge.bridge_app import _phone_config
+    from android_bridge.export import check_phone_run, phone_config
+    from fedgc import methods
+    from fedgc.settings import RunConfig
+
+    served = methods.phone_methods()
+    assert {"dgc", "topk", "randk", "efsign", "signvote"} <= set(served)
+    refused = []
+    for m in methods.registered():
+        run = RunConfig.from_flat({"method": m.name})
+        if m.name in served:
+            assert check_phone_run(run.method, run.server) is not None
+            assert phone_config(run).density == m.uplink_density(run.train)
+            task = _phone_config(run.train, run.method, client_key=2)
+            assert task["train"]["method"] == m.name
+            # the exported encoder, or one of the method's own whose payload the bridge reads
+            kind = task.get("codec", {}).get("payload")
+            assert kind is None or methods.phone_codec_of(kind).kind == kind
+            continue
+        refused.append(m.name)
+        out = tmp_path / m.name
+        assert main(["export", "--out", str(out), "--set", f"method={m.name}"]) == 2
+        line = _err(capsys)
+        assert not out.exists()  # _err: one line
+        assert line.strip() == f"export failed: {methods.phone_refusal(run.method)}"
+        # its own reason (not the undeclared default) and the methods phones run
+        assert m.phone_needs and f"it needs {m.phone_needs}; phones run {served}" in line
+        with pytest.raises(BridgeError, match=r"is not served by phones: it needs "):
+            _phone_config(run.train, run.method)
+    assert {"dense", "qsgd", "tcs", "dgc_sets"} <= set(refused)
+    assert len(set(m.phone_needs for m in methods.registered() if m.name in refused)) == \
+        len(refused) - 1  # fedavgm is dense with server momentum: dense's reason
+
+
 @pytest.mark.slow
 def test_a_task_of_your_own_trains_on_the_phone_as_in_simulation(monkeypatch):
     """``task = "own_task.task:build"`` (examples/own_task: a 1-D CNN): its exported training

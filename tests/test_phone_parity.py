@@ -52,6 +52,99 @@ def test_local_batches_are_train_locallys(n, batch, epochs, steps):
     assert ours == seen
 
 
+@pytest.mark.parametrize("value_dtype", ["float16", "bfloat16", "float32"])
+def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
+    """``android_bridge.host_encoders`` (numpy on the phone) against randk's simulated client
+    (``RandomKCompressor``): the same ``FGCR`` bytes and residual, round after round, with a
+    tensor sent whole, a warm-up density, a value beyond float16 and an update folded back."""
+    from android_bridge.host_encoders import SeededEncoder
+    from fedgc.methods.randk import RandomKCodec, client_seed
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "randk", "density": 0.05, "seed": 7,
+                               "dgc.value_dtype": value_dtype, "dgc.warmup_rounds": 2})
+    method, t = run.method, run.train
+    policy = method.phone_config(t)
+    task = method.phone_task(t, 3)
+    assert task == {"encoder": "randk", "payload": "seeded", "seed": client_seed(t, 3)}
+    simulated = method.compressor(t, 3)
+    phone = SeededEncoder(task["seed"])
+    codec = RandomKCodec()
+    shapes = {"fc1.weight": (40, 30), "fc1.bias": (40,), "fc2.weight": (20, 40)}
+    rng = np.random.default_rng(0)
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        grads["fc2.weight"][0, :3] = [1e5, -7e4, 3.0]  # beyond float16's range
+        epoch = float(sequence - 1)
+        ours = phone.compress(grads, policy, epoch, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
+                                  sequence)
+        assert codec.encode(ours) == codec.encode(want), sequence
+        if sequence == 2:  # not aggregated: both fold it back whole
+            phone.restore(ours)
+            simulated.restore(want)
+        for name, v in simulated.residual().items():
+            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+    # below dgc.min_sparse_numel: whole; the others at the density after warm-up (5%)
+    assert [t.nnz for t in ours.tensors.values()] == [60, 40, 40]
+
+
+def test_the_phones_ef_sign_sends_a_simulated_clients_bytes():
+    """``android_bridge.host_encoders.SignsEncoder`` against efsign's simulated client
+    (``EFSignCompressor``): the same ``FGCB`` bytes (signs and float32 scales) and residual,
+    round after round, with an update folded back and a tensor of zeros (scale 0)."""
+    from android_bridge.host_encoders import SignsEncoder, host_encoder
+    from fedgc.methods.efsign import SignsCodec
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "efsign"})
+    method, t = run.method, run.train
+    phone = host_encoder(method.phone_task(t, 3))
+    assert isinstance(phone, SignsEncoder)
+    simulated = method.compressor(t, 3)
+    codec = SignsCodec()
+    shapes = {"fc1.weight": (40, 30), "fc1.bias": (40,), "zeros": (7,)}
+    rng = np.random.default_rng(1)
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) * 1e-3 for n, s in shapes.items()}
+        grads["zeros"][:] = 0.0
+        ours = phone.compress(grads, method.phone_config(t), 0.0, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
+                                  sequence)
+        assert codec.encode(ours) == codec.encode(want), sequence
+        if sequence == 2:  # not aggregated: both fold it back whole
+            phone.restore(ours)
+            simulated.restore(want)
+        for name, v in simulated.residual().items():
+            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+    assert ours.scales["zeros"] == 0.0 and ours.scales["fc1.weight"] > 0
+
+
+def test_the_phones_vote_sends_a_simulated_clients_bytes():
+    """``VoteEncoder`` against signvote's simulated client (``VoteCompressor``): the same
+    ``FGCB`` bytes, exact zeros by the same coins, round after round; nothing kept."""
+    from android_bridge.host_encoders import VoteEncoder, host_encoder
+    from fedgc.methods.signvote import VoteCodec
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "signvote", "seed": 4})
+    method, t = run.method, run.train
+    phone = host_encoder(method.phone_task(t, 2))
+    assert isinstance(phone, VoteEncoder) and phone.seed == (4 << 32) + 2
+    simulated = method.compressor(t, 2)
+    rng = np.random.default_rng(2)
+    for sequence in range(1, 4):
+        grads = {"w": rng.standard_normal((30, 20)).astype(np.float32),
+                 "zeros": np.zeros(64, np.float32)}
+        ours = phone.compress(grads, method.phone_config(t), 0.0, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
+                                  sequence)
+        assert VoteCodec().encode(ours) == VoteCodec().encode(want), sequence
+        coins = ours.tensors["zeros"].values
+        assert 0 < int((coins < 0).sum()) < 64  # a coin each, not one sign for all
+    assert phone.residual == {} and not phone.keeps_residual
+
+
 class EagerTrainer:
     """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
     ``fedgc.training.train_locally`` does with each batch."""
@@ -105,22 +198,73 @@ def parity_export(digits_phone_export):
 
 @pytest.mark.slow
 def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
+    config = _run(SETTINGS, tmp_path)
+    t = config.train
+    own = config.method.own
+    assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
+    signs = _assert_same_bytes(_phone_and_simulated(parity_export, config))
+    assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"},
+                                  {"method": "signvote"}], ids=["randk", "efsign", "signvote"])
+def test_a_host_encoder_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
+                                                                       keys):
+    """randk, efsign and signvote (issue 39): the phone compresses on the host
+    (android_bridge.host_encoders) with the training step of a dgc run's export (the same
+    model, seed and batch) and sends the method's payload (FGCR, FGCB), as a simulated client;
+    no sign channel; the vote folds nothing back."""
+    config = _run({**SETTINGS, **keys}, tmp_path)
+    compared = _phone_and_simulated(parity_export, config)
+    assert _assert_same_bytes(compared, config.method.keeps_residual) == 0
+
+
+def _run(settings: dict, tmp_path):
+    from fedgc.settings import RunConfig
+
+    return RunConfig.from_flat({**settings, "results_dir": str(tmp_path), "run_name": "parity"})
+
+
+def _assert_same_bytes(compared: list[dict], folds_back: bool = True) -> int:
+    """Each round's update, signs and metrics alike on the phone and the simulated client (the
+    round after the dropped one folded it back, when the method keeps a residual); how many
+    rounds carried signs."""
+    from fedgc import protocol as P
+
+    assert len(compared) == SETTINGS["rounds"]
+    signs = 0
+    for server_round, pair in enumerate(compared, start=1):
+        (update, shared, metrics), (p_update, p_shared, p_metrics) = (pair["simulated"],
+                                                                      pair["phone"])
+        assert p_update == update, f"round {server_round}: the updates differ"
+        assert p_shared == shared, f"round {server_round}: the signs differ"
+        signs += shared is not None
+        # The reply's metrics (fedgc.protocol.REPLY_METRICS; restored only when not 0) but the
+        # time the round took.
+        for key in ("num-examples", "train_loss", P.RESTORED):
+            assert p_metrics.get(key) == metrics.get(key), (server_round, key)
+        # The round after the dropped one folded that update back, on both.
+        folded = folds_back and server_round == DROPPED_ROUND + 1
+        assert metrics.get(P.RESTORED, 0) == int(folded), server_round
+    return signs
+
+
+def _phone_and_simulated(parity_export, config) -> list[dict]:
+    """Run ``config`` on a LocalGrid whose client PHONE_KEY is both a reference phone behind
+    the bridge and a simulated client given a copy of each train message; the pairs of
+    replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost)."""
     from android_bridge.bridge import PhoneBridge
     from android_bridge.bridge_app import make_bridge_app
     from android_bridge.phone import ReferencePhone
     from client.app import app as client_app
     from client.app import client_data, client_key
     from fedgc import protocol as P
-    from fedgc.settings import RunConfig
     from server.app import run_server
     from server.local_grid import LocalGrid
     from tasks import get_task
 
-    config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path),
-                                  "run_name": "parity"})
     t = config.train
-    own = config.method.own
-    assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
     task = get_task("digits")
     x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []
@@ -179,21 +323,7 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
             worker.join(30)
             phone.close()
     assert not errors, errors
-    assert len(compared) == SETTINGS["rounds"]
-    signs = 0
-    for server_round, pair in enumerate(compared, start=1):
-        (update, shared, metrics), (p_update, p_shared, p_metrics) = (pair["simulated"],
-                                                                      pair["phone"])
-        assert p_update == update, f"round {server_round}: the updates differ"
-        assert p_shared == shared, f"round {server_round}: the signs differ"
-        signs += shared is not None
-        # The reply's metrics (fedgc.protocol.REPLY_METRICS; restored only when not 0) but the
-        # time the round took.
-        for key in ("num-examples", "train_loss", P.RESTORED):
-            assert p_metrics.get(key) == metrics.get(key), (server_round, key)
-        # The round after the dropped one folded that update back, on both.
-        assert metrics.get(P.RESTORED, 0) == int(server_round == DROPPED_ROUND + 1), server_round
-    assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+    return compared
 
 
 @pytest.mark.slow

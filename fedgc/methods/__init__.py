@@ -20,7 +20,13 @@ from fedgc.methods.compressors import ResidualCompressor, StatelessCompressor
 from fedgc.methods.material import Channel, RoundMaterial, material_of, pending_parts
 from fedgc.methods.optimizer import ServerOptimizer
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, SparseCodec, SparsePayload
-from fedgc.methods.phone import PhoneExport, phone_export_of
+from fedgc.methods.phone import (
+    PhoneExport,
+    phone_codec_of,
+    phone_export_of,
+    phone_methods,
+    phone_refusal,
+)
 from fedgc.methods.registry import (
     baseline,
     compared,
@@ -43,4 +49,5 @@ __all__ = ["Aggregator", "Bound", "Channel", "Codec", "DownlinkPolicy", "Method"
            "PayloadError", "PhoneExport", "ResidualCompressor", "RoundMaterial",
            "ServerOptimizer", "SparseCodec", "SparsePayload", "StatelessCompressor", "baseline",
            "compared", "get", "is_known", "load_method", "loaded", "material_of", "names",
-           "pending_parts", "phone_export_of", "register", "registered"]
+           "pending_parts", "phone_codec_of", "phone_export_of", "phone_methods", "phone_refusal",
+           "register", "registered"]

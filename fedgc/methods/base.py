@@ -134,6 +134,10 @@ class Method(Generic[S]):
         The compressor keeps a residual the server's acknowledgements keep whole.
     phone : bool
         Phones run it (set by :class:`fedgc.methods.phone.PhoneExport`).
+    phone_needs : str
+        Without :class:`fedgc.methods.phone.PhoneExport`: what phones would need to run it that
+        the phone path lacks, one phrase ("" names no part: a method declares none); ``export``
+        and the bridge refuse it with this (:func:`fedgc.methods.phone.phone_refusal`).
     baseline : bool
         Its clients send every entry in float32: the baseline of every compression ratio.
     order : int
@@ -159,6 +163,7 @@ class Method(Generic[S]):
     description: ClassVar[str] = ""
     keeps_residual: ClassVar[bool] = False
     phone: ClassVar[bool] = False
+    phone_needs: ClassVar[str] = ""
     baseline: ClassVar[bool] = False
     order: ClassVar[int] = 100
     compared: ClassVar[bool] = True

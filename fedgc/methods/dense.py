@@ -17,6 +17,9 @@ class Dense(Method):
     """Dense float32 updates and the exact model both ways (module docstring)."""
 
     name = "dense"
+    phone_needs = ("every entry in float32 and the exact model each round, which no phone export "
+                   "declares (the encoder's encode_dense is top-k's small-tensor path, in its "
+                   "value dtype)")
     order = 0
     family = "dense"
     description = "every entry, fp32"

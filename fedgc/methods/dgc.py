@@ -659,6 +659,8 @@ class DGCSets(DGC):
     """
 
     name = "dgc_sets"
+    phone_needs = ("the held model and version 0 bit for bit, grid-coded values and shared sets "
+                   'it ranks itself (docs/android.md, "What dgc_sets needs on a phone")')
     order = 41
     compared = False
     phone = False  # phones' encoder is plain dgc's (fedgc.methods.phone.phone_export_of)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgc import Compressor, DecodeError, SparseTensor, SparseUpdate
+from dgc import Compressor, DecodeError, DGCConfig, SparseTensor, SparseUpdate
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
     NDIM,
@@ -50,11 +50,12 @@ from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
 from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, Payload, check_tensors
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
-__all__ = ["EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload", "SignsUpdate", "dense_signs",
-           "signed_values"]
+__all__ = ["SIGNS_PHONE_CONFIG", "EFSign", "EFSignCompressor", "SignsCodec", "SignsPayload",
+           "SignsUpdate", "dense_signs", "signed_values"]
 
 PREAMBLE = Preamble(b"FGCB", 1, "QI")  # sequence, tensor count
 _SCALE = struct.Struct("<I")  # the float32 scale's raw bits
@@ -192,7 +193,14 @@ class SignsCodec(Codec):
         ]
 
 
-class EFSign(Method):
+#: The phone config of a method that sends signs (efsign, signvote): every entry of every
+#: tensor, plain error feedback; the encoder program it is exported with is not run.
+SIGNS_PHONE_CONFIG = DGCConfig(density=1.0, selection="exact", momentum=0.0,
+                               momentum_correction=False, momentum_masking=False,
+                               error_feedback=True, value_dtype="float32")
+
+
+class EFSign(PhoneExport, Method):
     """EF-signSGD of the pseudo-gradient, every tensor (module docstring)."""
 
     name = "efsign"
@@ -214,6 +222,16 @@ class EFSign(Method):
 
     def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # one bit for every entry
+
+    # -- phones: the signs on the host (android_bridge.host_encoders), no program
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        return SIGNS_PHONE_CONFIG
+
+    def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
+        return {"encoder": self.name, "payload": SignsCodec.kind}
+
+    def phone_codec(self) -> Codec:
+        return SignsCodec()
 
 
 register(EFSign())

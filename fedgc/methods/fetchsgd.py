@@ -350,6 +350,8 @@ class FetchSGD(Method[FetchSGDSettings]):
     """FetchSGD (module docstring)."""
 
     name = "fetchsgd"
+    phone_needs = ("a count sketch of the update with hashes both sides know (the sketch "
+                   "payload): no exported sketching program or phone-side sketch codec exists")
     label = "FetchSGD"
     order = 70
     compared = False  # a catalogue method: compare --methods ...,fetchsgd

@@ -531,6 +531,9 @@ class PowerSGD(RoundMaterial, Method[PowerSGDSettings]):
     """PowerSGD in federated rounds (module docstring)."""
 
     name = "powersgd"
+    phone_needs = ("the server's Q each round (round material) and a power step per matrix (the "
+                   "low-rank payload): the bridge forwards no round material, and no exported "
+                   "program multiplies")
     label = "PowerSGD"
     order = 60
     compared = False  # a catalogue method: compare --methods ...,powersgd

@@ -319,6 +319,9 @@ class QSGD(Method[QSGDSettings]):
     """QSGD of the pseudo-gradient, every tensor, no residual by default (module docstring)."""
 
     name = "qsgd"
+    phone_needs = ("every entry stochastically rounded to its bucket's norm (numpy default_rng "
+                   "draws) and Elias-coded (the levels payload): no exported quantizer or "
+                   "phone-side levels codec exists")
     label = "QSGD"
     order = 50
     compared = False  # a catalogue method: compare --methods ...,qsgd

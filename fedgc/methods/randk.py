@@ -52,11 +52,13 @@ from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
 from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.payloads import Bound, Codec, PayloadError, SparsePayload, check_tensors
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.sparsifier import SparsifierSettings, layer_config
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 
-__all__ = ["RandomK", "RandomKCodec", "RandomKCompressor", "SeededUpdate", "seeded_indices"]
+__all__ = ["RandomK", "RandomKCodec", "RandomKCompressor", "SeededUpdate", "client_seed",
+           "seed_of_round", "seeded_indices"]
 
 PREAMBLE = Preamble(b"FGCR", 1, "QQI")  # sequence, seed, tensor count
 _TAIL = struct.Struct("<QB")  # k, value dtype id
@@ -72,6 +74,13 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return z ^ (z >> np.uint64(31))
+
+
+def seed_of_round(client_seed: int, sequence: int) -> int:
+    """The seed of the update a client of ``client_seed`` sends with ``sequence`` (its round):
+    ``splitmix64(client_seed + sequence)``."""
+    return int(_splitmix64(np.array([(int(client_seed) + int(sequence)) & _MASK],
+                                    dtype=np.uint64))[0])
 
 
 def seeded_indices(seed: int, position: int, numel: int, k: int) -> np.ndarray:
@@ -134,7 +143,7 @@ class RandomKCompressor(ResidualCompressor):
         """Add ``grads`` to the residual and send it at the round's seeded positions."""
         self.check_gradients(grads)
         sequence = 0 if sequence is None else int(sequence)
-        seed = int(_splitmix64(np.array([(self.seed + sequence) & _MASK], dtype=np.uint64))[0])
+        seed = seed_of_round(self.seed, sequence)
         density = self.policy.density_at(epoch)
         out = {}
         for position, (name, g) in enumerate(grads.items()):
@@ -231,7 +240,7 @@ class RandomKCodec(Codec):
         ]
 
 
-class RandomK(Method[SparsifierSettings]):
+class RandomK(PhoneExport, Method[SparsifierSettings]):
     """Random-k with a shared seed and error feedback (module docstring)."""
 
     name = "randk"
@@ -252,11 +261,30 @@ class RandomK(Method[SparsifierSettings]):
 
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> Compressor:
-        # One seed per client and run; splitmix64 spreads neighbouring keys apart.
-        return RandomKCompressor(self.policy(train), (int(train.seed) << 32) + int(client_key))
+        return RandomKCompressor(self.policy(train), client_seed(train, client_key))
 
     def codec(self, train: TrainSettings) -> Codec:
         return RandomKCodec(self.policy(train))
+
+    # -- phones: the seeded positions on the host (android_bridge.phone_codecs), no program
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        """The layer policy, density, warm-up and value precision (:meth:`policy`)."""
+        return self.policy(train)
+
+    def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
+        """randk's host encoder, the ``seeded`` payload and the client's seed, as
+        :meth:`compressor` takes it."""
+        return {"encoder": self.name, "payload": RandomKCodec.kind,
+                "seed": client_seed(train, client_key)}
+
+    def phone_codec(self) -> Codec:
+        return RandomKCodec()
+
+
+def client_seed(train: TrainSettings, client_key: int) -> int:
+    """A client's random-k seed: one per client and run (splitmix64, drawing the round's seed
+    from it, spreads neighbouring keys apart)."""
+    return (int(train.seed) << 32) + int(client_key)
 
 
 register(RandomK())

@@ -20,19 +20,27 @@ with scale 1; the server refuses any other scale, so that no client weighs its v
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from dgc import Compressor, StateError
+from dgc import Compressor, DGCConfig, StateError
 from fedgc.keys import RunSettings, TrainSettings
 from fedgc.methods.base import Aggregator, Method
 from fedgc.methods.compressors import StatelessCompressor
-from fedgc.methods.efsign import SignsCodec, SignsPayload, SignsUpdate, dense_signs
+from fedgc.methods.efsign import (
+    SIGNS_PHONE_CONFIG,
+    SignsCodec,
+    SignsPayload,
+    SignsUpdate,
+    dense_signs,
+)
 from fedgc.methods.payloads import Bound, Codec, PayloadError
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 
-__all__ = ["MajorityVote", "SignVote", "VoteCodec", "VoteCompressor"]
+__all__ = ["MajorityVote", "SignVote", "VoteCodec", "VoteCompressor", "vote_seed"]
 
 #: The server's step per round and entry on fedgc's tasks (docs/methods.md, "signSGD with
 #: majority vote": tuned on mnist5k, seed 0, 50 rounds).
@@ -92,7 +100,7 @@ class MajorityVote(Aggregator):
         return {name: torch.sign(t) for name, t in combined.items()}
 
 
-class SignVote(Method):
+class SignVote(PhoneExport, Method):
     """signSGD with majority vote, stateless clients (module docstring)."""
 
     name = "signvote"
@@ -106,7 +114,7 @@ class SignVote(Method):
 
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> Compressor:
-        return VoteCompressor((int(train.seed) << 32) + int(client_key))
+        return VoteCompressor(vote_seed(train, client_key))
 
     def codec(self, train: TrainSettings) -> Codec:
         return VoteCodec()
@@ -116,6 +124,23 @@ class SignVote(Method):
 
     def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # one bit for every entry
+
+    # -- phones: the vote on the host (android_bridge.host_encoders), no program
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        return SIGNS_PHONE_CONFIG
+
+    def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
+        """The vote's host encoder, the ``signs`` payload and the client's seed (its coins)."""
+        return {"encoder": self.name, "payload": SignsCodec.kind,
+                "seed": vote_seed(train, client_key)}
+
+    def phone_codec(self) -> Codec:
+        return VoteCodec()
+
+
+def vote_seed(train: TrainSettings, client_key: int) -> int:
+    """A client's seed for its coins: one per client and run."""
+    return (int(train.seed) << 32) + int(client_key)
 
 
 register(SignVote())

@@ -25,6 +25,8 @@ class STC(Method[SparsifierSettings]):
     """Sparse ternary compression of both directions (module docstring)."""
 
     name = "stc"
+    phone_needs = ("ternary values (sign times mean magnitude) of every tensor, biases too: the "
+                   "exported encoder sends its value dtype (dgc.ternary is refused on phones)")
     order = 30
     family = "top-k"
     description = ("top-k at `density` of every tensor (biases too) as sign * mean "

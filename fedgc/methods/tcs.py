@@ -359,6 +359,9 @@ class TCS(RoundMaterial, Method[TCSSettings]):
     """Time-correlated sparsification (module docstring)."""
 
     name = "tcs"
+    phone_needs = ("the server's mask each round (round material) and its values there without "
+                   "indices (the masked payload): the bridge forwards no round material, and the "
+                   "exported encoder selects by magnitude alone")
     label = "TCS"
     order = 45
     family = "shared positions"
