@@ -547,8 +547,7 @@ def exact_config(config: DGCConfig) -> DGCConfig:
 PHONE_SECAGG_REFUSAL = (
     "privacy.secagg = true: phones behind the bridge do not run secure aggregation (their app "
     "has no SecAgg+ stages: no X25519 key agreement, Shamir shares or masks, and the bridge's "
-    "protocol no message for them; and they run only per-client top-k methods, {methods}, "
-    "whose coordinates cannot be summed under masks); run it with SuperNodes only")
+    "protocol no message for them; phones run {methods}); run it with SuperNodes only")
 
 
 def check_phone_privacy(values: Mapping[str, object]) -> None:
@@ -561,7 +560,7 @@ def check_phone_privacy(values: Mapping[str, object]) -> None:
     except SettingsError as ex:
         raise ConfigError(str(ex)) from ex
     if secure:
-        raise ConfigError(PHONE_SECAGG_REFUSAL.format(methods=", ".join(phone_methods())))
+        raise ConfigError(PHONE_SECAGG_REFUSAL.format(methods=", ".join(methods.phone_methods())))
 
 
 def check_phone_run(method: methods.Method,
