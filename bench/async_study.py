@@ -48,6 +48,9 @@ RUNS: dict[str, tuple[str, tuple[str, ...], float]] = {
     "async-dgc": ("dgc", ASYNC, 2.5),
     # Only where async dense's 60 steps fell short of the target (not in the default --runs).
     "async-dense-long": ("dense", ASYNC, 2.5),
+    # A probe of the dips (not in the default --runs): updates the server never aggregated
+    # dropped instead of decayed back into the residual (fedgc.methods.unaggregated).
+    "async-dgc-discard": ("dgc", (*ASYNC, "--set", "unaggregated=discard"), 2.5),
 }
 #: Per-round columns kept in the jsonl (what the report and the plot read).
 COLUMNS = ("accuracy", "virtual_seconds", "wire_uplink_bytes", "wire_downlink_bytes",

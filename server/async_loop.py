@@ -32,6 +32,7 @@ Either way an in-process run is reproducible.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -184,6 +185,10 @@ class AsyncLoop:
         self.clocked = any(ext.clocked for ext in self.extensions)
         self.now_s = self.step_start_s = 0.0  # the clock's time, and at the last step
         self.ready: list[tuple[float, int, int, _InFlight, Message, Arrival | None]] = []
+        # Without a clock, replies pulled together (Ray's actors, a deployment) beyond what
+        # the buffer takes wait here, in the order they came, for the next step: a step
+        # applies exactly K replies.
+        self.held: collections.deque[tuple[_InFlight, Message]] = collections.deque()
         self.replies: list[Reply] = []  # every reply since the last step, as they came
         # Clients that answered since the last step wait for the next one before they train
         # again: one answer per client between two checkpoints, which a resume replays
@@ -194,8 +199,9 @@ class AsyncLoop:
     def fill(self) -> None:
         """Dispatch idle clients until ``concurrency`` train at once."""
         # A reply waiting in the clock's heap has not reached the server yet: still busy.
-        busy = {d.key for d in self.inflight.values()} | {r[2] for r in self.ready}
-        need = self.concurrency - len(self.inflight) - len(self.ready)
+        busy = ({d.key for d in self.inflight.values()} | {r[2] for r in self.ready}
+                | {d.key for d, _ in self.held})
+        need = self.concurrency - len(self.inflight) - len(self.ready) - len(self.held)
         if need <= 0:
             return
         if busy or len(self.answered) < self.strategy.settings.train.num_clients:
@@ -228,10 +234,13 @@ class AsyncLoop:
 
     # ------------------------------------------------------------------ collect
     def collect(self) -> list[tuple[_InFlight, Message, Arrival | None]]:
-        """The next replies: as they come in real time, or with a clock the one that
-        reaches the server first on it (the clock moves to its arrival)."""
+        """The next reply: the next as they come in real time (replies pulled together wait
+        in :attr:`held`), or with a clock the one that reaches the server first on it (the
+        clock moves to its arrival)."""
         if not self.clocked:
-            return [(d, m, None) for d, m in self.pulled()]
+            if not self.held:
+                self.held.extend(self.pulled())
+            return [(*self.held.popleft(), None)] if self.held else []
         while self.inflight:
             for dispatch, msg in self.pulled(every=True):
                 arrival = None
@@ -350,7 +359,7 @@ class AsyncLoop:
         then): every dispatch not yet taken, in the order it was pushed, with the content it
         was sent; the dispatch sequence and the clock. A resumed run sends them again
         (:meth:`resend`)."""
-        answered = [r[3] for r in self.ready]  # pulled before the step
+        answered = [r[3] for r in self.ready] + [d for d, _ in self.held]  # pulled before it
         before = {id(d) for d in answered}
         dispatches = [*self.inflight.values(), *answered]
         dispatches.sort(key=lambda d: (d.wave.server_round,
@@ -523,7 +532,7 @@ def run_async(strategy: AsyncStrategy, grid: Grid, initial_arrays: ArrayRecord,
     for step in range(strategy.completed_rounds + 1, num_rounds + 1):
         while len(loop.buffer) < loop.buffer_size:
             loop.fill()
-            if not loop.inflight and not loop.ready:
+            if not loop.inflight and not loop.ready and not loop.held:
                 raise RuntimeError("no client could be dispatched: the registry sampled none")
             for dispatch, msg, arrival in loop.collect():
                 loop.take(dispatch, msg, arrival)

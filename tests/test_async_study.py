@@ -19,7 +19,9 @@ def test_every_run_is_a_valid_simulations_run(name: str, tmp_path: Path) -> None
     args = _parser().parse_args(command(name, 2, 60, tmp_path)[3:])
     config, netem = build_config(args), build_netem(args)
     assert (config.train.seed, config.run_dir) == (2, tmp_path / f"{name}-s2")
-    assert config.server.rounds == (150 if name in ("async-dgc", "async-dense-long") else 60)
+    assert config.server.rounds == (60 if name in ("sync-dense", "sync-fedavgm", "async-dense")
+                                    else 150)
+    assert ("unaggregated=discard" in command(name, 2, 60, tmp_path)) == name.endswith("discard")
     assert config.server.mode == ("async" if name.startswith("async") else "sync")
     assert netem.enabled and netem.seed == 2 and netem.protocol == "bridge-tls"
 

@@ -195,8 +195,11 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     status = {(int(r["round"]), int(r["client_key"])): r["status"] for r in clients}
     reason = {(int(r["round"]), int(r["client_key"])): r["reason"] for r in clients}
     if answered == 1:
-        # The crashed node's round-2 update never arrived; the SuperLink ended its wait.
-        assert status[(2, 1)] == "error" and "Node Unavailable" in reason[(2, 1)]
+        # The crashed node's round-2 update never arrived: the SuperLink ended the wait (the
+        # node declared offline), or, on a loaded machine (make test's lanes at once), the
+        # round's deadline came first.
+        assert (status[(2, 1)], "Node Unavailable" in reason[(2, 1)]) in (
+            ("error", True), ("timeout", False)), (status[(2, 1)], reason[(2, 1)])
     else:
         assert status[(2, 1)] in ("aggregated", "error"), reason[(2, 1)]
     # The restarted node is served again.

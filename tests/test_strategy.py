@@ -318,7 +318,7 @@ def test_a_restarted_node_is_messaged_under_its_newest_id():
 @pytest.mark.parametrize("kwargs, word", [
     ({"clients_per_round": 0}, "clients_per_round"),
     ({"server_momentum": 1.0}, "server_momentum"),
-    ({"server_learning_rate": -1.0}, "server_lr"),
+    ({"server_lr": -1.0}, "server_lr"),
     ({"downlink": "smart"}, "downlink"),
     ({"over_selection": 0.5}, "over_selection"),
 ])
