@@ -22,7 +22,16 @@ NOISE = (
     "fraction_evaluate is set to 0.0",
     # Flower's Ray backend stops every ClientApp actor this way at the end of each run.
     "Manually terminating ClientAppActor",
+    # Flower's Ray backend before it raises a ClientApp's exception again, which Flower's
+    # runtime then logs itself (the exception's text and its traceback): nothing of its own.
+    "An exception was raised when processing a message by",
 )
+
+#: In Flower's log of an exception (its text, or its traceback's), a Ray actor that died with
+#: the process that owned it: the run's own process is stopping (a Ctrl-C reaches Ray's
+#: workers with the run's process group, possibly before the run sees it), which the run
+#: says in its one line.
+OWNER_DIED = "because its owner has died"
 
 #: Environment of the Ray worker processes of a quiet run (they inherit the driver's).
 QUIET_WORKER_ENV = {"FLWR_LOG_LEVEL": "ERROR", "RAY_COLOR_PREFIX": "0"}
@@ -33,13 +42,15 @@ REPORTED = "fedgc_reported"
 
 
 class FlowerNoiseFilter(logging.Filter):
-    """Drops the records of :data:`NOISE`, and Flower's traceback of an exception fedgc has
-    already reported in one line (:func:`report_once`); passes every other record."""
+    """Drops the records of :data:`NOISE`, Flower's log of a Ray actor whose owner died
+    (:data:`OWNER_DIED`), and Flower's traceback of an exception fedgc has already reported in
+    one line (:func:`report_once`); passes every other record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and getattr(record.exc_info[1], REPORTED, False):
             return False
-        return not record.getMessage().startswith(NOISE)
+        text = record.getMessage()
+        return not text.startswith(NOISE) and OWNER_DIED not in text
 
 
 class ThreadsFilter(logging.Filter):

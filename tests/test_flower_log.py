@@ -141,3 +141,22 @@ def test_muted_threads_lose_their_flower_records_and_others_keep_theirs():
         flwr_logger.removeHandler(seen)
         flwr_logger.removeFilter(muted)
     assert seen.messages == ["the main thread's record", "a later run's record"]
+
+
+def test_an_actor_whose_owner_died_is_not_logged_but_another_actors_death_is():
+    """A Ctrl-C reaches Ray's workers with the run's process group, possibly before the run
+    sees it: Flower's runtime then logs each busy actor's death (its text, its traceback),
+    which the run's one line already says. An actor that died otherwise is still shown."""
+    from fedgc.flower_log import FlowerNoiseFilter
+
+    def record(text: str) -> logging.LogRecord:
+        return logging.LogRecord("flwr", logging.ERROR, __file__, 1, text, None, None)
+
+    keep = FlowerNoiseFilter().filter
+    owner = ("The actor died unexpectedly before finishing this task.\n\tclass_name: "
+             "ClientAppActor\nThe actor is dead because its owner has died. Owner Id: 01")
+    assert not keep(record(owner))
+    assert not keep(record(f"Traceback (most recent call last):\n  ...\n{owner}\n"))
+    assert not keep(record("An exception was raised when processing a message by RayBackend"))
+    assert keep(record("The actor died unexpectedly before finishing this task.\nThe actor "
+                       "is dead because its worker process has died."))
