@@ -60,15 +60,19 @@ def export(tmp_path_factory):
     return path
 
 
-@pytest.mark.slow
-def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory, export):
+def _federation(tmp_path_factory, export, keys: dict, cut_after: int | None = None,
+                intercept=None) -> tuple[RunConfig, dict, dict[str, list], list]:
+    """Run ``SETTINGS`` with ``keys`` on a local grid whose phones (:data:`PHONES`, each a
+    ReferencePhone behind one TLS bridge) train beside simulated clients: the run's config,
+    its summary, each phone's reports and the phones' errors. ``cut_after``: phone-a's first
+    upload is cut after that many chunks; ``intercept(grid, reply)``: the grid's reply hook."""
     from tasks import get_task
 
     ca, cert, key = _certificates(tmp_path_factory)
     task = get_task("digits")
     parts = task.partition(SETTINGS["num_clients"], scheme="iid", alpha=0.5, seed=0)
-    config = RunConfig.from_flat({**SETTINGS, "results_dir": str(tmp_path_factory.mktemp("r")),
-                                  "run_name": "phones"})
+    config = RunConfig.from_flat({**SETTINGS, **keys,
+                                  "results_dir": str(tmp_path_factory.mktemp("r"))})
     stop = threading.Event()
     reports: dict[str, list] = {d: [] for d in PHONES.values()}
     errors: list = []
@@ -81,7 +85,8 @@ def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory, e
                                    task.train_x[idx].numpy(), task.train_y[idx].numpy(),
                                    root_certificates=ca)
             t = threading.Thread(target=_phone_loop, args=(
-                phone, stop, reports[device], errors, 1 if device == "phone-a" else None))
+                phone, stop, reports[device], errors,
+                cut_after if device == "phone-a" else None))
             t.start()
             phones.append(phone)
             threads.append(t)
@@ -92,16 +97,8 @@ def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory, e
             return app(msg, context)
 
         grid = local_grid.LocalGrid(mixed, SETTINGS["num_clients"], seed=1)
-
-        def drop_phone_b_in_round_1(reply):
-            if not reply.has_content() or reply.metadata.message_type != "train":
-                return reply  # an error reply: the strategy counts it
-            if grid.partition_of[reply.metadata.src_node_id] == 1 \
-                    and reply.metadata.group_id == "1":
-                return None  # lost on the way back: never aggregated
-            return reply
-
-        grid.intercept = drop_phone_b_in_round_1
+        if intercept is not None:
+            grid.intercept = lambda reply: intercept(grid, reply)
         try:
             summary = run_server(grid, config)
         finally:
@@ -110,6 +107,22 @@ def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory, e
                 t.join(30)
             for p in phones:
                 p.close()
+    return config, summary, reports, errors
+
+
+@pytest.mark.slow
+def test_federation_with_phones_cut_upload_and_dropped_reply(tmp_path_factory, export):
+    def drop_phone_b_in_round_1(grid, reply):
+        if not reply.has_content() or reply.metadata.message_type != "train":
+            return reply  # an error reply: the strategy counts it
+        if grid.partition_of[reply.metadata.src_node_id] == 1 \
+                and reply.metadata.group_id == "1":
+            return None  # lost on the way back: never aggregated
+        return reply
+
+    config, summary, reports, errors = _federation(
+        tmp_path_factory, export, {"run_name": "phones"}, cut_after=1,
+        intercept=drop_phone_b_in_round_1)
     assert not errors, errors
     assert summary["rounds"] == 3
     a, b = reports["phone-a"], reports["phone-b"]
@@ -213,46 +226,9 @@ def test_phones_behind_the_bridge_run_async(tmp_path_factory, export):
     """Issue 37: ``mode = async`` with two of four clients phones behind the bridge (TLS,
     loopback gRPC): each dispatch is a task of its own sequence, and the phones' updates are
     applied, staleness-weighted, with the others'."""
-    from tasks import get_task
-
-    ca, cert, key = _certificates(tmp_path_factory)
-    task = get_task("digits")
-    parts = task.partition(SETTINGS["num_clients"], scheme="iid", alpha=0.5, seed=0)
-    config = RunConfig.from_flat({**SETTINGS, "mode": "async", "async.concurrency": 3,
-                                  "async.buffer": 2, "rounds": 4,
-                                  "results_dir": str(tmp_path_factory.mktemp("r")),
-                                  "run_name": "phones-async"})
-    stop = threading.Event()
-    reports: dict[str, list] = {d: [] for d in PHONES.values()}
-    errors: list = []
-    with PhoneBridge(TOKENS, "127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]),
-                     max_chunk_bytes=1024) as bridge:
-        phones, threads = [], []
-        for pid, device in PHONES.items():
-            idx = parts[pid]
-            phone = ReferencePhone(export, device, TOKENS[device], f"localhost:{bridge.port}",
-                                   task.train_x[idx].numpy(), task.train_y[idx].numpy(),
-                                   root_certificates=ca)
-            t = threading.Thread(target=_phone_loop,
-                                 args=(phone, stop, reports[device], errors, None))
-            t.start()
-            phones.append(phone)
-            threads.append(t)
-        bridge_app = make_bridge_app(bridge, PHONES, timeout_s=60)
-
-        def mixed(msg, context):
-            app = bridge_app if client_key(context) in PHONES else client_app
-            return app(msg, context)
-
-        grid = local_grid.LocalGrid(mixed, SETTINGS["num_clients"], seed=1)
-        try:
-            summary = run_server(grid, config)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(30)
-            for p in phones:
-                p.close()
+    config, summary, reports, errors = _federation(
+        tmp_path_factory, export, {"mode": "async", "async.concurrency": 3,
+                                   "async.buffer": 2, "rounds": 4, "run_name": "phones-async"})
     assert not errors, errors
     assert summary["rounds"] == 4
     rows = list(csv.DictReader((config.run_dir / "clients.csv").open()))

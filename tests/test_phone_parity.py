@@ -52,6 +52,23 @@ def test_local_batches_are_train_locallys(n, batch, epochs, steps):
     assert ours == seen
 
 
+def _same_steps(phone, simulated, codec, policy, steps: list) -> object:
+    """Compress each step's ``(gradients, epoch)`` (sequences 1, 2, ...) on the phone's host
+    encoder and the simulated client's compressor: the same bytes and residual after each,
+    the second step folded back by both (not aggregated). The phone's last update."""
+    for sequence, (grads, epoch) in enumerate(steps, start=1):
+        ours = phone.compress(grads, policy, epoch, sequence)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
+                                  sequence)
+        assert codec.encode(ours) == codec.encode(want), sequence
+        if sequence == 2:  # not aggregated: both fold it back whole
+            phone.restore(ours)
+            simulated.restore(want)
+        for name, v in simulated.residual().items():
+            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+    return ours
+
+
 @pytest.mark.parametrize("value_dtype", ["float16", "bfloat16", "float32"])
 def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
     """``android_bridge.host_encoders`` (numpy on the phone) against randk's simulated client
@@ -72,19 +89,12 @@ def test_the_phones_random_k_sends_a_simulated_clients_bytes(value_dtype):
     codec = RandomKCodec()
     shapes = {"fc1.weight": (40, 30), "fc1.bias": (40,), "fc2.weight": (20, 40)}
     rng = np.random.default_rng(0)
+    steps = []
     for sequence in range(1, 5):
         grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
         grads["fc2.weight"][0, :3] = [1e5, -7e4, 3.0]  # beyond float16's range
-        epoch = float(sequence - 1)
-        ours = phone.compress(grads, policy, epoch, sequence)
-        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
-                                  sequence)
-        assert codec.encode(ours) == codec.encode(want), sequence
-        if sequence == 2:  # not aggregated: both fold it back whole
-            phone.restore(ours)
-            simulated.restore(want)
-        for name, v in simulated.residual().items():
-            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+        steps.append((grads, float(sequence - 1)))
+    ours = _same_steps(phone, simulated, codec, policy, steps)
     # below dgc.min_sparse_numel: whole; the others at the density after warm-up (5%)
     assert [t.nnz for t in ours.tensors.values()] == [60, 40, 40]
 
@@ -105,18 +115,12 @@ def test_the_phones_ef_sign_sends_a_simulated_clients_bytes():
     codec = SignsCodec()
     shapes = {"fc1.weight": (40, 30), "fc1.bias": (40,), "zeros": (7,)}
     rng = np.random.default_rng(1)
-    for sequence in range(1, 5):
+    steps = []
+    for _ in range(4):
         grads = {n: rng.standard_normal(s).astype(np.float32) * 1e-3 for n, s in shapes.items()}
         grads["zeros"][:] = 0.0
-        ours = phone.compress(grads, method.phone_config(t), 0.0, sequence)
-        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
-                                  sequence)
-        assert codec.encode(ours) == codec.encode(want), sequence
-        if sequence == 2:  # not aggregated: both fold it back whole
-            phone.restore(ours)
-            simulated.restore(want)
-        for name, v in simulated.residual().items():
-            assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+        steps.append((grads, 0.0))
+    ours = _same_steps(phone, simulated, codec, method.phone_config(t), steps)
     assert ours.scales["zeros"] == 0.0 and ours.scales["fc1.weight"] > 0
 
 
