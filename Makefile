@@ -53,8 +53,9 @@ arm: $(STAMP)
 # - main: every other file (Ray's instances, `flwr run` on the simulation runtime included).
 # Within a lane the files run one at a time as before. Every test takes free ports and its own
 # tmp folders; what is machine-wide stays in one lane (namespaces: deploy; Ray: main). Each lane
-# prints its own --durations and exit status; arm's and deploy's output goes to
-# results/test-<lane>.log, printed once all are done; the target fails if any lane failed.
+# prints its own --durations and exit status; each lane's output goes to results/test-<lane>.log
+# (main's also to the terminal, arm's and deploy's printed once all are done); the failed tests of
+# every lane are listed last, so that a log's tail names them; the target fails if any lane failed.
 # FEDGC_ARM_REQUIRED: tests/test_arm.py and test_deploy_phones.py's emulated phone fail (instead
 # of skipping) without the arm64 rootfs; the rootfs is only read, by both lanes.
 ARM_LANE := tests/test_android_walkthrough.py tests/test_arm.py
@@ -68,10 +69,15 @@ test: $(STAMP) arm
 	   $(MAKE) --no-print-directory test-cross-cpu; exit $$(( suite | $$? )) ) \
 	   > results/test-arm.log 2>&1 & arm=$$!; \
 	 $(LANE_PYTEST) $(DEPLOY_LANE) > results/test-deploy.log 2>&1 & deploy=$$!; \
-	 $(LANE_PYTEST) $(addprefix --ignore=,$(ARM_LANE) $(DEPLOY_LANE)); main=$$?; \
+	 ( $(LANE_PYTEST) $(addprefix --ignore=,$(ARM_LANE) $(DEPLOY_LANE)); \
+	   echo $$? > results/.test-main.rc ) 2>&1 | tee results/test-main.log; \
+	 main=$$(cat results/.test-main.rc); rm -f results/.test-main.rc; \
 	 wait $$arm; arm=$$?; wait $$deploy; deploy=$$?; \
 	 for lane in arm deploy; do echo "===== lane $$lane (results/test-$$lane.log)"; \
 	   cat results/test-$$lane.log; done; \
+	 echo "===== make test: what failed, every lane (results/test-{main,arm,deploy}.log)"; \
+	 grep -hE '^(FAILED|ERROR) ' results/test-main.log results/test-arm.log \
+	   results/test-deploy.log || echo "(nothing)"; \
 	 echo "make test: exit status of lane main $$main, arm $$arm, deploy $$deploy"; \
 	 [ $$main = 0 ] && [ $$arm = 0 ] && [ $$deploy = 0 ]
 
