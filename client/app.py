@@ -606,7 +606,8 @@ def reply_round(r: RoundInput, local: LocalResult) -> Message:
     else:
         update = compressor.compress(pseudo_gradient, epoch=float(server_round - 1),
                                      sequence=server_round)
-    if s.privacy_secagg:  # a per-client top-k goes back to the residual: it cannot be summed
+    if method.sets_only(s):  # a per-client top-k goes back to the residual: secure
+        # aggregation cannot sum it, central DP would need noise at every coordinate for it
         update = secure.held_back(method, s, compressor, update, shapes, material, server_round)
     if compressor is not None:
         part = material_of(method)

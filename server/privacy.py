@@ -18,10 +18,13 @@ Under ``privacy.secagg`` (:mod:`fedgc.privacy.secagg`, docs/privacy.md) a round 
 Without secure aggregation, ``privacy.dp = central`` clips each decoded payload to
 ``privacy.clip`` (clients also clip their pseudo-gradient before compressing:
 ``client.secure.clipped``), averages them unweighted and adds the noise
-(:meth:`PrivateRound.noisy_mean`). Either way the accountant (``dp-accounting``) records a
-round of the Poisson-sampled Gaussian mechanism at ``q = clients_per_round / num_clients``, and
-this extension adds ``dp_epsilon`` to ``rounds.csv``, the guarantee to ``summary.json``, and the
-session's counts and bytes (``secagg_*``).
+(:meth:`PrivateRound.noisy_mean`); for a method whose clients then send its sets only
+(``dgc_sets``, ``tcs``: :meth:`fedgc.methods.Method.sets_only`) it does so at the round's
+layout, the noise there only (:meth:`PrivateRound.layout_mean`). Either way the accountant
+(``dp-accounting``) records a round of the Poisson-sampled Gaussian mechanism at
+``q = clients_per_round / num_clients``, and this extension adds ``dp_epsilon`` to
+``rounds.csv``, the guarantee to ``summary.json``, and the session's counts and bytes
+(``secagg_*``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from fedgc.privacy.dp import (
     DiscreteGaussianAccountant,
     DistributedDiscreteGaussian,
     GaussianAccountant,
+    clip_vector,
 )
 from fedgc.privacy.linear import Layout, round_layout
 from fedgc.privacy.secagg import ROUND_TRIPS, STAGES, SecAggError, ServerSession
@@ -352,6 +356,19 @@ class PrivateRound(RoundExtension):
         enters the sum: compression and the residual may have grown the client's clip)."""
         return [min(1.0, self._round_clip / n) if n > 0 else 1.0
                 for n in (payload_norm(p) for p in payloads)]
+
+    def layout_mean(self, payloads: Sequence[Payload], layout: Layout
+                    ) -> dict[str, torch.Tensor]:
+        """Central DP at the round's shared coordinates, for a method whose clients send its
+        sets only (:meth:`fedgc.methods.Method.sets_only`): each payload's vector at
+        ``layout`` (entries elsewhere, which an honest client held back, left out), clipped to
+        the round's clip, summed, ``N(0, (z S)^2)`` added at the layout's coordinates only
+        (the others are zero whatever any client's data, as under secure aggregation) and
+        divided by the count, in the method's space."""
+        total = np.zeros(layout.length, dtype=np.float64)
+        for payload in payloads:
+            total += clip_vector(layout.vector(payload, strict=False), self._round_clip)[0]
+        return layout.combined(total + self._noise((layout.length,)), float(len(payloads)))
 
     def noisy_mean(self, mean: Mapping[str, torch.Tensor], count: int
                    ) -> dict[str, torch.Tensor]:

@@ -483,6 +483,10 @@ class DGCStrategy(FedAvg):
             combined = self.privacy.secure_mean(chosen, space)
             if combined is None:
                 return False
+        elif self.method.sets_only(self.settings.train):  # central DP at the sets only
+            assert self._round is not None
+            layout = self.privacy.layout_of(space, self._round.material, server_round)
+            combined = self.privacy.layout_mean([c.payload for c in chosen], layout)
         else:
             payloads = [c.payload for c in chosen]
             try:
@@ -493,8 +497,8 @@ class DGCStrategy(FedAvg):
                     server_round, ex)
                 return False
             combined = self.privacy.noisy_mean(mean, len(chosen))
-            if self.privacy.adaptive is not None:
-                self.privacy.adapt_clip(self.privacy.bits_of(chosen))
+        if not self.privacy.secagg and self.privacy.adaptive is not None:
+            self.privacy.adapt_clip(self.privacy.bits_of(chosen))
         return self.step(self.aggregator.finish(combined, self.shapes))
 
     def _step(self, server_round: int, name: str, begins: bool) -> None:

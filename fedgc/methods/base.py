@@ -245,6 +245,20 @@ class Method(Generic[S]):
         ``density``)."""
         return float(train.density)  # type: ignore[arg-type]
 
+    def sets_only(self, train: TrainSettings) -> bool:
+        """Whether a client of this method sends the round material's sets only, its per-client
+        entries (a top-k) held back into its residual (both ends): under secure aggregation,
+        which cannot sum per-client indices, and under central DP, where per-client indices
+        would need the noise at every coordinate of the model while the sets need it at theirs
+        only (docs/privacy.md, "dgc_sets under central DP"). A ``material`` method with its
+        own aggregate feedback (``dgc.feedback``) keeps its top-k under central DP."""
+        if self.secure_sum != "material":
+            return False
+        if train.privacy_secagg:
+            return True
+        return (train.privacy_dp == "central"
+                and getattr(self.own, "feedback", "residual") == "residual")
+
     # ------------------------------------------------------------------ server half
     def aggregator(self, run: RunSettings) -> Aggregator:
         """The server's aggregate step (the identity on the weighted mean by default)."""

@@ -364,14 +364,15 @@ class RoundCompressor:
         self.inner.load_state_dict(state["compressor"])
 
 
-def shared_explore(own: DGCSettings, train: TrainSettings) -> float:
+def shared_explore(own: DGCSettings, sets_only: bool) -> float:
     """The fraction of each displacement-ranked set drawn at random (``dgc.shared_explore``):
-    the key's, or by default 0.25 under secure aggregation, where the model moves only at the
-    sets and displacement alone would rank the same sets every round, and 0 without (0.25: the
-    best of 0, 0.25, 0.5 and 1 on digits, docs/privacy.md)."""
+    the key's, or by default 0.25 when clients send the sets only (``sets_only``: secure
+    aggregation, central DP), where the model moves only at the sets and displacement alone
+    would rank the same sets every round, and 0 otherwise (0.25: the best of 0, 0.25, 0.5 and
+    1 on digits, docs/privacy.md)."""
     if own.shared_explore is not None:
         return float(own.shared_explore)
-    return 0.25 if train.privacy_secagg else 0.0
+    return 0.25 if sets_only else 0.0
 
 
 class DisplacementSets(Channel):
@@ -607,15 +608,17 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
         policy = dgc_config(run.train, own)
         sparse = {n: tuple(shape) for n, shape in shapes.items()
                   if not policy.sends_dense(tuple(shape))}
-        # Under secure aggregation the top-k is held back: the sets carry what a client sends.
-        density = (own.secure_density if run.train.privacy_secagg and own.secure_density > 0
+        # Under secure aggregation and central DP the top-k is held back: the sets carry what a
+        # client sends.
+        sets_only = self.sets_only(run.train)
+        density = (own.secure_density if sets_only and own.secure_density > 0
                    else own.shared_density)
         planner = SharedIndexPlanner(sparse, density, own.shared_small_density,
                                      own.small_numel, own.shared_momentum, own.shared_churn)
         numels = {n: math.prod(shape) for n, shape in shapes.items()}
         if own.shared_rank == "displacement":
             counts = {n: planner.count(n) for n in sparse}
-            explore = shared_explore(own, run.train)
+            explore = shared_explore(own, sets_only)
             return DisplacementSets(counts, numels,
                                     {n: round(explore * k) for n, k in counts.items()})
         return SharedSigns(planner, numels)

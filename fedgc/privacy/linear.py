@@ -138,9 +138,11 @@ class Layout:
             at += s.size
         return out
 
-    def vector(self, payload: Payload) -> np.ndarray:
+    def vector(self, payload: Payload, strict: bool = True) -> np.ndarray:
         """The float64 vector of ``payload``'s parts (its side part attached) at this layout's
-        coordinates; NotLinearError naming a tensor with entries anywhere else."""
+        coordinates; NotLinearError naming a tensor with entries anywhere else, or with
+        ``strict`` False those entries left out (the server's projection of a reply it cannot
+        refuse for them: central DP's sum at the layout, :mod:`server.privacy`)."""
         out = np.zeros(self.length, dtype=np.float64)
         offsets = self._offsets()
         for part in payload.parts():
@@ -148,17 +150,22 @@ class Layout:
                 if t.nnz == 0:
                     continue
                 if name not in offsets:
+                    if not strict:
+                        continue
                     raise NotLinearError(f"the payload carries {t.nnz} entries of {name!r}, a "
                                          f"tensor with no shared coordinates this round")
                 start, segment = offsets[name]
                 idx = t.indices.cpu().numpy().astype(np.int64, copy=False)
                 at, inside = segment.positions(idx)
+                values = t.values.cpu().to(torch.float64).numpy()
+                if not strict:
+                    at, values, inside = at[inside], values[inside], inside[inside]
                 if not inside.all():
                     raise NotLinearError(
                         f"the payload carries {int((~inside).sum())} entries of {name!r} outside "
                         f"the round's shared coordinates (per-client indices): hold them back "
                         f"(fedgc.privacy.linear.hold_back) or use a method that sends none")
-                np.add.at(out, start + at, t.values.cpu().to(torch.float64).numpy())
+                np.add.at(out, start + at, values)
         return out
 
     def combined(self, total: np.ndarray, weight: float) -> dict[str, torch.Tensor]:
