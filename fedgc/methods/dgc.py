@@ -182,12 +182,14 @@ class DGCSettings(SparsifierSettings):
         "shared set drawn at random (seeded by the round: both ends draw alike) among the "
         "entries its displacement part, which takes moved entries only, leaves; the first "
         "round then has sets, and where the model moves only at the sets (secure aggregation "
-        "holds the top-k back) they still move; empty = 0, or 0.25 under privacy.secagg",
+        "holds the top-k back) they still move; empty = 0, or 0.25 under privacy.secagg or "
+        "privacy.dp = central",
         Check(0.0, 1.0), sent=False)
     secure_density: float = setting(0.2, "dgc.secure_density", "the shared sets' density "
-                                    "under privacy.secagg, which holds the top-k back so that "
-                                    "the sets carry all a client sends (docs/privacy.md); 0 = "
-                                    "dgc.shared_density", Check(0.0, 1.0), sent=False)
+                                    "under privacy.secagg or privacy.dp = central, which hold "
+                                    "the top-k back so that the sets carry all a client sends "
+                                    "(docs/privacy.md); 0 = dgc.shared_density",
+                                    Check(0.0, 1.0), sent=False)
     shared_churn: float = setting(1.0, "dgc.shared_churn", "the most of each shared index set "
                                   "that may change from one round to the next, the weakest "
                                   "members swapped for the strongest newcomers (GlueFL's "
