@@ -181,6 +181,10 @@ def test_secure_aggregation_refuses_robust_aggregation_and_dp_needs_a_clip():
                              "run_name": "x"})
     with pytest.raises(SettingsError, match="privacy.clip > 0"):
         RunConfig.from_flat({**BASE, "privacy.dp": "central", "run_name": "x"})
+    # z = 0 passed the key's range and crashed the run at its first round's accountant.
+    with pytest.raises(SettingsError, match=r"privacy.noise_multiplier > 0, got 0"):
+        RunConfig.from_flat({**BASE, "privacy.dp": "central", "privacy.clip": 1.0,
+                             "privacy.noise_multiplier": 0.0, "run_name": "x"})
 
 
 @pytest.mark.parametrize("secagg", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -97,6 +97,10 @@ def check_privacy(train: Any, server: Any) -> None:
     if train.privacy_dp != "off" and train.privacy_clip <= 0:
         raise SettingsError(f"privacy.dp = {train.privacy_dp} needs privacy.clip > 0: the "
                             f"noise is sized to the clip")
+    if train.privacy_dp != "off" and train.privacy_noise_multiplier <= 0:
+        raise SettingsError(f"privacy.dp = {train.privacy_dp} needs privacy.noise_multiplier "
+                            f"> 0, got {train.privacy_noise_multiplier:g}: without noise "
+                            f"there is no epsilon to account")
     if train.adaptive_clip:
         _check_adaptive_clip(train)
     if train.privacy_dp == "distributed" and not train.privacy_secagg:
