@@ -205,9 +205,9 @@ def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_
                                     run.method.phone_config(run.train), 0.0, 1)
     with pytest.raises(DecodeError, match="2500"):  # larger than the model's largest tensor
         decode_update(task, RandomKCodec().encode(big))
-    odd = dataclasses.replace(task, config={**config, "codec": {"payload": "levels"}})
-    with pytest.raises(ValueError, match=r"phone payload 'levels' is not one phones send; "
-                                         r"they send \['seeded', 'signs'\]"):
+    odd = dataclasses.replace(task, config={**config, "codec": {"payload": "sketch"}})
+    with pytest.raises(ValueError, match=r"phone payload 'sketch' is not one phones send; they "
+                                         r"send \['levels', 'masked', 'seeded', 'signs'\]"):
         decode_update(odd, b"")
     # efsign's phones send the signs payload, read with its codec
     ef = RunConfig.from_flat({"method": "efsign"})
