@@ -128,9 +128,7 @@ def test_every_method_of_the_registry_exports_or_is_refused_with_its_reason(tmp_
             # the exported encoder, or one of the method's own whose payload the bridge reads
             kind = task.get("codec", {}).get("payload")
             assert kind is None or methods.phone_codec_of(kind).kind == kind
-            # TCS's config density is its mask's; its top-k's share travels in the codec entry
-            assert phone_config(run).density == m.uplink_density(run.train) / (
-                1 + task["codec"]["budget"]["share"] if kind == "masked" else 1)
+            assert phone_config(run).density == m.uplink_density(run.train)
             continue
         refused.append(m.name)
         out = tmp_path / m.name

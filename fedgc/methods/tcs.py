@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -415,7 +415,9 @@ class TCS(PhoneExport, RoundMaterial, Method[TCSSettings]):
     # -- phones: the mask's values and the top-k on the host (android_bridge.host_encoders);
     # the bridge forwards the round's mask as the task's shared_mask
     def phone_config(self, train: TrainSettings) -> DGCConfig:
-        return self.policy(train)
+        """The layer policy and value dtype; its density is the uplink's, the mask's and the
+        top-k's (the host encoder takes the two apart from the task's ``budget``)."""
+        return replace(self.policy(train), density=self.uplink_density(train))
 
     def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
         """TCS's host encoder, the ``masked`` payload and its budget (:class:`Budget`'s
