@@ -26,7 +26,7 @@ import grpc
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
-from dgc.signs.codec import decode_mask, decode_signs
+from dgc.signs.codec import Masks, decode_mask, decode_signs
 from dgc.wire import max_numel_of_message
 from fedgc.methods import Bound, phone_codec_of
 
@@ -217,7 +217,7 @@ class _Masks:
         model = dgc.decode(task.dense_model, max_numel=max_numel_of_message(task.dense_model))
         self.shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
         self.numels = {name: t.numel for name, t in model.tensors.items()}
-        self.masks: dict[str, Any] = {}
+        self.masks: Masks = {}
         try:
             if task.shared_mask:
                 _, self.masks = decode_mask(task.shared_mask, self.numels)
