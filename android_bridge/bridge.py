@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
@@ -139,8 +140,13 @@ def decode_update(task: PhoneTask, data: bytes, masks: _Masks | None = None) -> 
     bound = Bound(masks.shapes, material=masks.masks if task.shared_mask else None,
                   limit=limit)
     # Decoded only: methods of one kind share a codec here (efsign's and the vote's signs);
-    # the server checks the payload with its method's own.
-    return codec.decode(data, bound).update
+    # the server checks the payload with its method's own. Values that are not finite (a
+    # QSGD norm near float32's limit times its level) are refused here already.
+    update = codec.decode(data, bound).update
+    for name, t in update.tensors.items():
+        if not bool(torch.isfinite(t.values).all()):
+            raise ValueError(f"tensor {name!r} decodes to values that are not finite")
+    return update
 
 
 class BridgeError(RuntimeError):

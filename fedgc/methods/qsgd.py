@@ -279,11 +279,8 @@ class LevelsCodec(Codec):
             idx, lv = torch.from_numpy(positions), torch.from_numpy(signed)
             if nonzero and bool((norms[idx // bucket] == 0).any()):
                 raise DecodeError(f"tensor {name!r}: a nonzero level in a bucket of norm 0")
-            values = dequantize(norms, idx, lv, bucket, levels)
-            if not bool(torch.isfinite(values).all()):  # a norm near float32's limit
-                raise DecodeError(f"tensor {name!r}: a norm times its level overflows float32 "
-                                  f"(norms up to {float(norms.max()):.3g})")
-            tensors[name] = SparseTensor(idx, values, tuple(shape))
+            tensors[name] = SparseTensor(idx, dequantize(norms, idx, lv, bucket, levels),
+                                         tuple(shape))
         check_end(view, pos, end)
         return LevelsPayload(SparseUpdate(tensors, sequence), bucket, levels)
 
