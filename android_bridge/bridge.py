@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
-from dgc.signs.codec import decode_mask, decode_signs
+from dgc.signs.codec import Masks, decode_mask, decode_signs
 from dgc.wire import max_numel_of_message
 from fedgc.methods import Bound, phone_codec_of
 
@@ -121,17 +122,31 @@ def _whole(metrics: Mapping[str, Any], key: str, low: int, required: bool) -> No
                          f"[{low}, {MAX_NUM_EXAMPLES}]")
 
 
-def decode_update(task: PhoneTask, data: bytes) -> dgc.SparseUpdate:
+def decode_update(task: PhoneTask, data: bytes, masks: _Masks | None = None) -> dgc.SparseUpdate:
     """A phone's update for ``task``: the exported encoder's ``FGCU`` bytes (``dgc.decode``),
     or the payload of the kind the task's ``codec`` names (random-k's ``seeded``, the
-    ``signs`` of EF-signSGD and the vote), read by the method's codec; no tensor claims more
-    entries than the task's model's largest. ``dgc.DecodeError`` or ValueError naming what is
-    wrong."""
+    ``signs`` of EF-signSGD and the vote, QSGD's ``levels``, TCS's ``masked``), read against
+    the task's model by the method's codec, with the task's round material
+    (``masks``, decoded from its ``shared_mask`` when not given: TCS's values at its mask); no
+    tensor claims more entries than the task's model's largest. ``dgc.DecodeError`` or
+    ValueError naming what is wrong."""
     limit = max_numel_of_message(task.dense_model)
     kind = (task.config.get("codec") or {}).get("payload")
     if kind is None:
         return dgc.decode(data, max_numel=limit)
-    return phone_codec_of(str(kind)).decode(data, Bound({}, limit=limit)).update
+    codec = phone_codec_of(str(kind))
+    if masks is None:
+        masks = _Masks(task)
+    bound = Bound(masks.shapes, material=masks.masks if task.shared_mask else None,
+                  limit=limit)
+    # Decoded only: methods of one kind share a codec here (efsign's and the vote's signs);
+    # the server checks the payload with its method's own. Values that are not finite (a
+    # QSGD norm near float32's limit times its level) are refused here already.
+    update = codec.decode(data, bound).update
+    for name, t in update.tensors.items():
+        if not bool(torch.isfinite(t.values).all()):
+            raise ValueError(f"tensor {name!r} decodes to values that are not finite")
+    return update
 
 
 class BridgeError(RuntimeError):
@@ -200,21 +215,27 @@ class PhoneResult:
 
 
 class _Masks:
-    """A task's shared index sets, decoded once against its model (what a sign payload is
-    checked against)."""
+    """A task's model shapes and round material (its ``shared_mask``), decoded once: the
+    shared index sets a sign payload answers (``dgc``), or the mask a host encoder's payload
+    answers itself (TCS, a task with a ``codec``: no sign payload then)."""
 
     def __init__(self, task: PhoneTask) -> None:
         model = dgc.decode(task.dense_model, max_numel=max_numel_of_message(task.dense_model))
+        self.shapes = {name: tuple(t.shape) for name, t in model.tensors.items()}
         self.numels = {name: t.numel for name, t in model.tensors.items()}
+        self.masks: Masks = {}
         try:
-            _, self.masks = decode_mask(task.shared_mask or b"", self.numels)
+            if task.shared_mask:
+                _, self.masks = decode_mask(task.shared_mask, self.numels)
         except dgc.DecodeError as ex:
             raise BridgeError(f"the shared_mask of task {task.task_id!r} is not a shared "
                               f"index set of its model (phones answer only dgc.signs masks): "
                               f"{ex}") from ex
-        # The largest sign payload: a header per tensor, a scale and a bit per index.
+        # The largest sign payload: a header per tensor, a scale and a bit per index; none
+        # where the payload itself answers the mask.
+        signs = not task.config.get("codec")
         self.max_bytes = 64 + sum(80 + len(n.encode()) + (len(m) + 7) // 8
-                                  for n, m in self.masks.items())
+                                  for n, m in self.masks.items()) if signs else 0
 
     def check(self, side: bytes) -> int:
         """The number of signs ``side`` carries; ValueError or DecodeError when it does not
@@ -753,7 +774,7 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
         try:
             if hashlib.sha256(data).hexdigest() != upload.sha256:
                 raise ValueError("sha256 of the received bytes does not match the declared one")
-            update = decode_update(task, data[:cut])
+            update = decode_update(task, data[:cut], self._masks.get(task.task_id))
             if update.sequence != task.sequence:
                 raise ValueError(f"update carries sequence {update.sequence}, the task asked "
                                  f"for {task.sequence}")

@@ -48,6 +48,7 @@ from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from android_bridge.shuffle import local_batches
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
+from dgc.signs.codec import Masks
 from dgc.wire import max_numel_of
 from fedgc.training import round_seed
 
@@ -246,14 +247,18 @@ class ReferencePhone:
             if self.pending_signs is not None:
                 self.encoder.restore(self.pending_signs)
         epoch = float(task.server_round - 1)
+        signs = None
         if host is not None:
-            update = host.compress(pseudo_gradient, dgc_config, epoch, int(task.sequence))
+            # A host encoder's payload answers the round's mask itself (TCS); no signs beside.
+            masks = self._masks(task) if host.reads_masks else None
+            update = host.compress(pseudo_gradient, dgc_config, epoch, int(task.sequence),
+                                   masks)
             data = host.encode(update)
         else:
             update = self.encoder.compress(pseudo_gradient, epoch=epoch,
                                            sequence=int(task.sequence))
             data = dgc.encode(update)
-        signs = self._signs(task)
+            signs = self._signs(task)
         side = encode_signs(signs) if signs is not None else b""
         # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
         kept = host is None or host.keeps_residual
@@ -294,18 +299,24 @@ class ReferencePhone:
             self.host_codec = dict(codec)
         return self.host
 
-    def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
-        """The residual at the task's shared index sets as scaled signs, taken out of the
-        residual (``dgc.signs.take_signs``, as the ``dgc`` method's client does); None when the
-        task has none."""
+    def _masks(self, task: pb.FetchTaskReply) -> Masks | None:
+        """The task's round material, its shared index sets (``dgc``) or mask (``tcs``),
+        decoded against the exported model; None when the task has none."""
         if not task.shared_mask:
             return None
         numels = {name: math.prod(shape) for name, shape in self.shapes.items()}
         try:
-            _, masks = decode_mask(task.shared_mask, numels)
+            return decode_mask(task.shared_mask, numels)[1]
         except dgc.DecodeError as ex:
             raise PhoneError(f"task {task.task_id!r} has a bad shared_mask: {ex}") from ex
-        return take_signs(self.encoder.residual(), masks, int(task.sequence))
+
+    def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
+        """The residual at the task's shared index sets as scaled signs, taken out of the
+        residual (``dgc.signs.take_signs``, as the ``dgc`` method's client does); None when the
+        task has none."""
+        masks = self._masks(task)
+        return None if masks is None else take_signs(self.encoder.residual(), masks,
+                                                     int(task.sequence))
 
     def _config_of(self, task: pb.FetchTaskReply) -> str:
         """The task's config JSON: as sent, or the one held when the bridge left it out."""

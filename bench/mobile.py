@@ -8,6 +8,13 @@ load from other processes falls on both; the ratio is the median of the per-pair
 ratios measured in one run compare: the absolute times depend on the machine and its load.
 Usage: ``python bench/mobile.py [--repeats N]`` from the repository root, with this checkout
 first on ``PYTHONPATH`` when another one is installed in the environment.
+
+``--host qsgd,tcs`` (any of randk, efsign, signvote, qsgd, tcs) then times the phones' host
+encoders (``android_bridge.host_encoders``, numpy) against the method's simulated client
+(its ``compressor``), alternately as above, at the same sizes, with each step's payload bytes
+(the method's wire format, no transport framing) and the host step's time over the plain
+``.pte`` dgc step's measured in the same run (the issue's bound on a phone's step: 1.5x
+today's dgc step). TCS runs with a round's mask of ``density`` entries (its steady state).
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from android_bridge.export import export_encoder
@@ -26,6 +35,8 @@ from android_bridge.runtime import PteEncoder
 from dgc import DGCCompressor, DGCConfig
 
 TARGET_RATIO = 1.5
+#: Tensor sizes timed (floats).
+SIZES = (100_000, 1_000_000)
 
 
 def _paired_ms(eager: Callable[[], object], pte: Callable[[], object],
@@ -49,6 +60,8 @@ def _paired_ms(eager: Callable[[], object], pte: Callable[[], object],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--host", default="", help="comma-separated methods whose phone host "
+                        "encoders to time too (randk, efsign, signvote, qsgd, tcs)")
     args = parser.parse_args()
     # One thread on both sides: ExecuTorch's pool (XNNPACK) otherwise takes every core, and
     # waking its threads between calls costs milliseconds on a loaded machine.
@@ -62,15 +75,26 @@ def main() -> None:
     clipped = DGCConfig(selection="exact", warmup="none", density=0.001, clip_norm=1.0)
     print(f"{'config':>8} {'floats':>9} {'eager_ms':>9} {'pte_ms':>9} {'pte/eager':>10}  "
           f"target <= {TARGET_RATIO}")
+    dgc_step: dict[int, float] = {}
     for label, config in (("plain", plain), ("clipped", clipped)):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "encoder.pte"
             path.write_bytes(export_encoder(config, max_numel=2**21))
-            _bench(label, config, path, args.repeats)
+            measured = _bench(label, config, path, args.repeats)
+        if label == "plain":
+            dgc_step = measured
+    hosts = [m for m in args.host.split(",") if m]
+    if hosts:
+        print(f"\n{'method':>8} {'floats':>9} {'sim_ms':>9} {'phone_ms':>9} {'phone/sim':>10} "
+              f"{'/dgc.pte':>9} {'payload_B':>10} {'/dense':>8}")
+        for method in hosts:
+            _bench_host(method, dgc_step, args.repeats)
 
 
-def _bench(label: str, config: DGCConfig, path: Path, repeats: int) -> None:
-    for numel in (100_000, 1_000_000):
+def _bench(label: str, config: DGCConfig, path: Path, repeats: int) -> dict[int, float]:
+    """Print the eager and .pte steps of ``config`` at each size; the .pte's ms by size."""
+    out = {}
+    for numel in SIZES:
         shape = (numel // 1000, 1000)
         grad = {"w": torch.randn(shape, generator=torch.Generator().manual_seed(0))}
         eager = DGCCompressor(config)
@@ -79,6 +103,41 @@ def _bench(label: str, config: DGCConfig, path: Path, repeats: int) -> None:
                                              lambda c=pte, g=grad: c.compress(g), repeats)
         verdict = "met" if ratio <= TARGET_RATIO else "MISSED"
         print(f"{label:>8} {numel:>9} {eager_ms:>9.2f} {pte_ms:>9.2f} {ratio:>9.2f}x  {verdict}")
+        out[numel] = pte_ms
+    return out
+
+
+def _bench_host(method: str, dgc_step: Mapping[int, float], repeats: int) -> None:
+    """Print the simulated client's and the phone's host step of ``method`` at each size."""
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": method, "seed": 0})
+    for numel in SIZES:
+        sim_ms, phone_ms, ratio, payload = _host_step(run, numel, repeats)
+        print(f"{method:>8} {numel:>9} {sim_ms:>9.2f} {phone_ms:>9.2f} {ratio:>9.2f}x "
+              f"{phone_ms / dgc_step[numel]:>8.2f}x {payload:>10,} {payload / (4 * numel):>8.4f}")
+
+
+def _host_step(run: Any, numel: int, repeats: int) -> tuple[float, float, float, int]:
+    """(simulated ms, phone ms, their median ratio, payload bytes) of one step of ``run``'s
+    method on a tensor of ``numel`` floats (TCS with a mask of ``density`` of it)."""
+    from android_bridge.host_encoders import host_encoder
+
+    t, m = run.train, run.method
+    policy, codec = m.phone_config(t), m.codec(t)
+    grad = torch.randn((numel // 1000, 1000), generator=torch.Generator().manual_seed(0))
+    flat = grad.numpy()
+    masks = None
+    if m.name == "tcs":
+        picked = np.random.default_rng(0).choice(numel, round(t.density * numel), replace=False)
+        masks = {"w": np.sort(picked).astype(np.int64)}
+    simulated = m.compressor(t, 0, masks)
+    phone = host_encoder(m.phone_task(t, 0))
+    sim_ms, phone_ms, ratio = _paired_ms(
+        lambda: simulated.compress({"w": grad}, 0.0, 1),
+        lambda: phone.compress({"w": flat}, policy, 0.0, 1, masks), repeats)
+    payload = len(codec.encode(phone.compress({"w": flat}, policy, 0.0, 1, masks)))
+    return sim_ms, phone_ms, ratio, payload
 
 
 if __name__ == "__main__":

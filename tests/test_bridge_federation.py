@@ -205,9 +205,9 @@ def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_
                                     run.method.phone_config(run.train), 0.0, 1)
     with pytest.raises(DecodeError, match="2500"):  # larger than the model's largest tensor
         decode_update(task, RandomKCodec().encode(big))
-    odd = dataclasses.replace(task, config={**config, "codec": {"payload": "levels"}})
-    with pytest.raises(ValueError, match=r"phone payload 'levels' is not one phones send; "
-                                         r"they send \['seeded', 'signs'\]"):
+    odd = dataclasses.replace(task, config={**config, "codec": {"payload": "sketch"}})
+    with pytest.raises(ValueError, match=r"phone payload 'sketch' is not one phones send; they "
+                                         r"send \['levels', 'masked', 'seeded', 'signs'\]"):
         decode_update(odd, b"")
     # efsign's phones send the signs payload, read with its codec
     ef = RunConfig.from_flat({"method": "efsign"})
@@ -219,6 +219,87 @@ def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_
     got = decode_update(signs, SignsCodec().encode(sent))
     assert {n: t.values.unique().tolist() for n, t in got.tensors.items()} == \
         {"w": [-0.5], "b": [-0.5]} and got.tensors["w"].nnz == 1200
+
+
+def _qsgd_and_tcs_uploads() -> dict[str, tuple[object, bytes, object]]:
+    """(task, the phone's upload, what it sent) for a qsgd and a tcs phone of one small model;
+    tcs's task carries the round's mask (its ``shared_mask``)."""
+    from android_bridge.bridge import PhoneTask
+    from android_bridge.bridge_app import _phone_config
+    from android_bridge.host_encoders import host_encoder
+    from dgc import SparseUpdate, encode
+    from dgc.signs.codec import encode_mask
+
+    model = {"w": torch.zeros(30, 40), "b": torch.zeros(40)}
+    dense = encode(SparseUpdate.from_dense(model, "float32", 1))
+    grads = {n: np.random.default_rng(9).standard_normal(tuple(t.shape)).astype(np.float32)
+             for n, t in model.items()}
+    mask = {"w": np.arange(3, 1200, 100, dtype=np.int64)}
+    out = {}
+    for keys, shared in (({"method": "qsgd", "qsgd.bucket_size": 64}, None),
+                         ({"method": "tcs", "density": 0.01, "dgc.min_sparse_numel": 100},
+                          mask)):
+        run = RunConfig.from_flat(keys)
+        config = _phone_config(run.train, run.method, client_key=1)
+        task = PhoneTask("phone-a", 2, 2, 2, -1, dense, config,
+                         shared_mask=None if shared is None else
+                         encode_mask(shared, {"w": 1200, "b": 40}, 2))
+        phone = host_encoder(config["codec"])
+        sent = phone.compress(grads, run.method.phone_config(run.train), 1.0, 2, shared)
+        out[keys["method"]] = (task, phone.encode(sent), sent)
+    return out
+
+
+def test_the_bridge_reads_qsgd_and_tcs_uploads_against_the_tasks_mask():
+    """qsgd's ``levels`` and tcs's ``masked`` uploads are read with their codecs; tcs's against
+    the task's mask (values at it, no indices), with no room for a sign payload beside it."""
+    from android_bridge.bridge import _Masks, decode_update
+    from dgc import DecodeError
+    from fedgc.methods.tcs import MaskedCodec, MaskedUpdate
+
+    uploads = _qsgd_and_tcs_uploads()
+    task, data, sent = uploads["qsgd"]
+    got = decode_update(task, data)
+    assert got.sequence == 2 and got.tensors["w"].values.tolist() == \
+        sent.tensors["w"].values.tolist() and got.tensors["w"].nnz > 100
+    task, data, sent = uploads["tcs"]
+    assert _Masks(task).masks["w"].tolist() == list(range(3, 1200, 100))
+    assert _Masks(task).max_bytes == 0  # the mask is answered in the payload, not by signs
+    got = decode_update(task, data)
+    assert got.sequence == 2 and got.tensors["b"].nnz == 40  # 1-D, small: whole
+    assert (got.tensors["w"].nnz, sent.masked["w"].nnz) == (2, 12)  # 10% of the mask's 12
+    # the mask's values left out: refused, naming the tensor
+    bare = MaskedCodec().encode(MaskedUpdate(sent.tensors, 2))
+    with pytest.raises(DecodeError, match=r"no values for \['w'\], masked this round"):
+        decode_update(task, bare)
+    with pytest.raises(DecodeError, match=r"values for 'w', which has no mask this round"):
+        decode_update(dataclasses.replace(task, shared_mask=None), data)
+
+
+def test_mutants_of_qsgd_and_tcs_uploads_are_refused_or_stay_in_bounds():
+    """300 mutants of each upload (bench/reply_fuzz.py's: bit flips, truncations, huge floats,
+    random bytes; the CRC made right again in most): the bridge refuses each with a
+    DecodeError or ValueError (what it answers ``REJECTED`` with), or reads an update inside
+    the task's model (indices in range, finite values, the task's sequence or another)."""
+    from android_bridge.bridge import decode_update
+    from bench.reply_fuzz import mutate
+    from dgc import DecodeError
+
+    rng = np.random.default_rng(39)
+    for method, (task, data, _) in _qsgd_and_tcs_uploads().items():
+        refused = 0
+        for _ in range(300):
+            kind, mutant = mutate(data, rng)
+            try:
+                update = decode_update(task, mutant)
+            except (DecodeError, ValueError):
+                refused += 1
+                continue
+            for name, t in update.tensors.items():
+                assert t.numel <= 1200 and (t.nnz == 0 or 0 <= int(t.indices.min())
+                                            and int(t.indices.max()) < t.numel), (method, kind)
+                assert bool(torch.isfinite(t.values.float()).all()), (method, kind, name)
+        assert refused > 150, (method, refused)
 
 
 @pytest.mark.slow

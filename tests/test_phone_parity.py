@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from android_bridge.shuffle import MT19937, local_batches, randperm
+from dgc import SparseUpdate
 from fedgc.training import round_seed, train_locally
 
 torch.set_num_threads(1)
@@ -53,19 +54,28 @@ def test_local_batches_are_train_locallys(n, batch, epochs, steps):
 
 
 def _same_steps(phone, simulated, codec, policy, steps: list) -> object:
-    """Compress each step's ``(gradients, epoch)`` (sequences 1, 2, ...) on the phone's host
-    encoder and the simulated client's compressor: the same bytes and residual after each,
-    the second step folded back by both (not aggregated). The phone's last update."""
-    for sequence, (grads, epoch) in enumerate(steps, start=1):
-        ours = phone.compress(grads, policy, epoch, sequence)
+    """Compress each step's ``(gradients, epoch)`` or ``(gradients, epoch, masks)`` (the
+    round's material, TCS's masks; sequences 1, 2, ...) on the phone's host encoder and the
+    simulated client's compressor: the same bytes and residual after each, the second step
+    folded back by both (not aggregated) when they keep a residual. The phone's last
+    update."""
+    for sequence, (grads, epoch, *material) in enumerate(steps, start=1):
+        masks = material[0] if material else None
+        if material:
+            simulated.masks = dict(masks or {})  # the round's, as a TCS client's compressor
+        ours = phone.compress(grads, policy, epoch, sequence, masks)
         want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
                                   sequence)
         assert codec.encode(ours) == codec.encode(want), sequence
-        if sequence == 2:  # not aggregated: both fold it back whole
+        if sequence == 2 and phone.keeps_residual:  # not aggregated: both fold it back whole
             phone.restore(ours)
-            simulated.restore(want)
+            # The client folds back each part of its payload (client.state: pending_parts).
+            masked = getattr(want, "masked", None)
+            for part in [want, *([SparseUpdate(masked, sequence)] if masked else [])]:
+                simulated.restore(part)
         for name, v in simulated.residual().items():
             assert np.array_equal(phone.residual[name], v.numpy()), (sequence, name)
+        assert set(phone.residual) == set(simulated.residual()), sequence
     return ours
 
 
@@ -149,6 +159,81 @@ def test_the_phones_vote_sends_a_simulated_clients_bytes():
     assert phone.residual == {} and not phone.keeps_residual
 
 
+@pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "error-feedback"])
+def test_the_phones_qsgd_sends_a_simulated_clients_bytes(error_feedback):
+    """``QuantizedEncoder`` (numpy on the phone) against qsgd's simulated client
+    (``QSGDCompressor``): the same ``FGCQ`` bytes (norms, gaps, signs, levels) from the same
+    draws of ``default_rng([client seed, round])``, round after round, with a last bucket cut
+    short, a tensor of zeros (norm 0) and one smaller than a bucket; a residual, folded back,
+    with error feedback only."""
+    from android_bridge.host_encoders import QuantizedEncoder, host_encoder
+    from fedgc.methods.qsgd import LevelsCodec, qsgd_seed
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "qsgd", "seed": 6, "qsgd.levels": 4,
+                               "qsgd.bucket_size": 64, "qsgd.error_feedback": error_feedback})
+    method, t = run.method, run.train
+    task = method.phone_task(t, 5)
+    assert task == {"encoder": "qsgd", "payload": "levels", "seed": qsgd_seed(t, 5),
+                    "bucket": 64, "levels": 4, "error_feedback": error_feedback}
+    phone = host_encoder(task)
+    assert isinstance(phone, QuantizedEncoder) and phone.seed == (6 << 32) + 5
+    assert phone.keeps_residual == method.keeps_residual == error_feedback
+    shapes = {"fc1.weight": (30, 21), "fc1.bias": (30,), "zeros": (100,)}
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(4):
+        grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        grads["zeros"][:] = 0.0
+        steps.append((grads, 0.0))
+    ours = _same_steps(phone, method.compressor(t, 5), LevelsCodec(64, 4),
+                       method.phone_config(t), steps)
+    assert ours.tensors["zeros"].nnz == 0 and ours.tensors["fc1.weight"].nnz > 0
+    assert ours.norms["fc1.weight"].numel() == 10  # 630 entries in buckets of 64
+
+
+def test_the_phones_tcs_sends_a_simulated_clients_bytes():
+    """``MaskedEncoder`` against tcs's simulated client (``TCSCompressor``): the same ``FGCV``
+    bytes and residual, round after round: no mask in the first round (the top-k alone), then
+    the round's masks (values without indices) and the top-k outside them, a tensor sent
+    whole, float16 values beyond its range, magnitudes tied at the k-th (ties to the lower
+    position on both) and an update folded back."""
+    from android_bridge.host_encoders import MaskedEncoder, host_encoder, largest_positions
+    from fedgc.methods.tcs import Budget, MaskedCodec, largest
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"method": "tcs", "density": 0.05, "tcs.topk_share": 0.5,
+                               "dgc.min_sparse_numel": 100})
+    method, t = run.method, run.train
+    task = method.phone_task(t, 1)
+    assert task == {"encoder": "tcs", "payload": "masked",
+                    "budget": {"density": 0.05, "small_density": 0.05, "small_numel": 10_000,
+                               "share": 0.5}}
+    phone = host_encoder(task)
+    assert isinstance(phone, MaskedEncoder) and phone.budget == Budget(0.05, 0.05, 10_000, 0.5)
+    shapes = {"w": (40, 30), "b": (40,), "v": (20, 10)}
+    rng = np.random.default_rng(4)
+    steps = []
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        grads["w"][0, :3] = [1e5, -7e4, 3.0]  # beyond float16's range
+        grads["v"][:] = np.where(np.arange(200).reshape(20, 10) % 7 == 0, 0.5, 0.001)
+        masks = None if sequence == 1 else {
+            "w": np.sort(rng.choice(1200, 60, replace=False)).astype(np.int64),
+            "v": np.arange(0, 200, 20, dtype=np.int64)}
+        steps.append((grads, 0.0, masks))
+    ours = _same_steps(phone, method.compressor(t, 1), MaskedCodec(), method.phone_config(t),
+                       steps)
+    assert ours.masked["w"].nnz == 60 and ours.tensors["w"].nnz == 30
+    assert ours.tensors["b"].nnz == 40  # 1-D, below dgc.min_sparse_numel: whole
+    # The rule both sides follow among ties (round 1's 0.5 entries of v straddle the k-th)
+    score = np.tile(np.float32([3.0, 1.0, 1.0, 0.5]), 4)
+    for k in range(17):
+        want = largest(torch.from_numpy(score), k)
+        assert largest_positions(score, k).tolist() == want.tolist(), k
+    assert largest_positions(score, 6).tolist() == [0, 1, 2, 4, 8, 12]
+
+
 class EagerTrainer:
     """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
     ``fedgc.training.train_locally`` does with each batch."""
@@ -212,16 +297,23 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"},
-                                  {"method": "signvote"}], ids=["randk", "efsign", "signvote"])
+                                  {"method": "signvote"}, {"method": "qsgd"},
+                                  {"method": "tcs", "density": 0.05}],
+                         ids=["randk", "efsign", "signvote", "qsgd", "tcs"])
 def test_a_host_encoder_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
                                                                        keys):
-    """randk, efsign and signvote (issue 39): the phone compresses on the host
+    """randk, efsign, signvote, qsgd and tcs (issue 39): the phone compresses on the host
     (android_bridge.host_encoders) with the training step of a dgc run's export (the same
-    model, seed and batch) and sends the method's payload (FGCR, FGCB), as a simulated client;
-    no sign channel; the vote folds nothing back."""
+    model, seed and batch) and sends the method's payload (FGCR, FGCB, FGCQ, FGCV), as a
+    simulated client; no sign channel (tcs's mask reaches the phone as its task's
+    shared_mask, from round 2 on, and is answered in the payload); the vote and qsgd (no
+    error feedback by default) fold nothing back."""
     config = _run({**SETTINGS, **keys}, tmp_path)
     compared = _phone_and_simulated(parity_export, config)
     assert _assert_same_bytes(compared, config.method.keeps_residual) == 0
+    if keys["method"] == "tcs":  # FGCV's masked tensor count: none before the first mask
+        masked = [int.from_bytes(pair["phone"][0][5:9], "little") for pair in compared]
+        assert masked[0] == 0 and min(masked[1:]) > 0, masked
 
 
 def _run(settings: dict, tmp_path):

@@ -532,8 +532,8 @@ class PowerSGD(RoundMaterial, Method[PowerSGDSettings]):
 
     name = "powersgd"
     phone_needs = ("the server's Q each round (round material) and a power step per matrix (the "
-                   "low-rank payload): the bridge forwards no round material, and no exported "
-                   "program multiplies")
+                   "low-rank payload): the bridge forwards index masks only (dgc's sets, tcs's "
+                   "mask), not a matrix, and no exported program multiplies")
     label = "PowerSGD"
     order = 60
     compared = False  # a catalogue method: compare --methods ...,powersgd

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgc import Compressor, DecodeError, SparseTensor, SparseUpdate
+from dgc import Compressor, DecodeError, DGCConfig, SparseTensor, SparseUpdate
 from dgc.elias import GammaError, gamma_bits, read_gamma
 from dgc.golomb import MAX_NUMEL
 from dgc.wire.framing import (
@@ -57,13 +57,15 @@ from dgc.wire.framing import (
 from fedgc.keys import TrainSettings
 from fedgc.methods.base import Method
 from fedgc.methods.compressors import ResidualCompressor
+from fedgc.methods.efsign import SIGNS_PHONE_CONFIG
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, setting
 
 __all__ = ["LevelsCodec", "LevelsPayload", "LevelsUpdate", "QSGD", "QSGDCompressor",
-           "QSGDSettings", "dequantize", "quantize"]
+           "QSGDSettings", "dequantize", "qsgd_seed", "quantize"]
 
 PREAMBLE = Preamble(b"FGCQ", 1, "QIII")  # sequence, bucket, levels, tensor count
 _COUNT = struct.Struct("<Q")
@@ -315,13 +317,10 @@ class LevelsCodec(Codec):
         ]
 
 
-class QSGD(Method[QSGDSettings]):
+class QSGD(PhoneExport, Method[QSGDSettings]):
     """QSGD of the pseudo-gradient, every tensor, no residual by default (module docstring)."""
 
     name = "qsgd"
-    phone_needs = ("every entry stochastically rounded to its bucket's norm (numpy default_rng "
-                   "draws) and Elias-coded (the levels payload): no exported quantizer or "
-                   "phone-side levels codec exists")
     label = "QSGD"
     order = 50
     compared = False  # a catalogue method: compare --methods ...,qsgd
@@ -341,14 +340,35 @@ class QSGD(Method[QSGDSettings]):
     def compressor(self, train: TrainSettings, client_key: int,
                    material: object = None) -> Compressor:
         own = self.own
-        return QSGDCompressor(own.bucket_size, own.levels, (int(train.seed) << 32)
-                              + int(client_key), own.error_feedback)
+        return QSGDCompressor(own.bucket_size, own.levels, qsgd_seed(train, client_key),
+                              own.error_feedback)
 
     def codec(self, train: TrainSettings) -> Codec:
         return LevelsCodec(self.own.bucket_size, self.own.levels)
 
     def uplink_density(self, train: TrainSettings) -> float:
         return 1.0  # every entry is quantized; the zero levels cost their gaps' bits
+
+    # -- phones: the quantizer on the host (android_bridge.host_encoders), no program
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        return SIGNS_PHONE_CONFIG  # every entry of every tensor; the program is not run
+
+    def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
+        """QSGD's host encoder, the ``levels`` payload, the client's seed (its draws) and
+        ``qsgd.*``."""
+        own = self.own
+        return {"encoder": self.name, "payload": LevelsCodec.kind,
+                "seed": qsgd_seed(train, client_key), "bucket": int(own.bucket_size),
+                "levels": int(own.levels), "error_feedback": bool(own.error_feedback)}
+
+    def phone_codec(self) -> Codec:
+        return LevelsCodec()
+
+
+def qsgd_seed(train: TrainSettings, client_key: int) -> int:
+    """A client's seed for its rounding draws: one per client and run (round ``r`` draws from
+    ``numpy.random.default_rng([seed, r])``)."""
+    return (int(train.seed) << 32) + int(client_key)
 
 
 register(QSGD())

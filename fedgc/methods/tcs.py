@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -66,13 +66,14 @@ from fedgc.methods.compressors import ResidualCompressor
 from fedgc.methods.dgc import SharedSigns
 from fedgc.methods.material import Channel, RoundMaterial
 from fedgc.methods.payloads import Bound, Codec, Payload, PayloadError, check_tensors
+from fedgc.methods.phone import PhoneExport
 from fedgc.methods.registry import register
 from fedgc.methods.sparsifier import SparsifierSettings, layer_config
 from fedgc.methods.unaggregated import FOLD_BACK_DEFAULTS
 from fedgc.schema import Check, setting
 
 __all__ = ["TCS", "Budget", "MaskedCodec", "MaskedPayload", "MaskedUpdate", "TCSCompressor",
-           "TCSSettings"]
+           "TCSSettings", "cast_values", "largest"]
 
 #: The paper's sparsification: the mask is a hundredth of the entries ("100 times").
 TCS_DENSITY = 0.01
@@ -161,11 +162,24 @@ class MaskedPayload(Payload):
         return self.nnz / numel if numel else 0.0
 
 
-def _cast(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_values(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 ``values`` as they travel (float16 clamped to its finite range)."""
     if dtype == torch.float16:
         return values.clamp(-65504.0, 65504.0).to(dtype)
     return values.to(dtype)
+
+
+def largest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The increasing int64 positions of the ``k`` largest entries of ``score``, ties at the
+    k-th largest to the lower positions: a rule a phone reproduces in any language (a top-k
+    kernel leaves the choice among ties unspecified); the set ``torch.topk`` picks whenever no
+    tie straddles the k-th entry."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    kth = torch.topk(score, k, sorted=False).values.min()
+    above = torch.nonzero(score > kth).reshape(-1)
+    tied = torch.nonzero(score == kth).reshape(-1)[:k - above.numel()]
+    return torch.sort(torch.cat([above, tied])).values
 
 
 class TCSCompressor(ResidualCompressor):
@@ -216,7 +230,7 @@ class TCSCompressor(ResidualCompressor):
             v = self.memory.accumulate(name, g.detach().reshape(-1).to("cpu", torch.float32))
             if self.policy.sends_dense(shape):
                 idx = torch.arange(v.numel(), dtype=torch.int64)
-                values = _cast(v.clone(), self._dtype)  # a copy: v is cleared next
+                values = cast_values(v.clone(), self._dtype)  # a copy: v is cleared next
                 self.memory.mark_sent(name, idx, values, False)
                 rest[name] = SparseTensor(idx, values, shape)
                 continue
@@ -224,13 +238,13 @@ class TCSCompressor(ResidualCompressor):
             mask = self.masks.get(name)
             if mask is not None:
                 m = torch.from_numpy(np.asarray(mask, dtype=np.int64))
-                values = _cast(v[m], self._dtype)
+                values = cast_values(v[m], self._dtype)
                 self.memory.mark_sent(name, m, values, False)
                 masked[name] = SparseTensor(m, values, shape)
                 score[m] = -1.0  # below every magnitude: the top-k looks outside the mask
             k = self.budget.topk(v.numel(), None if mask is None else len(mask))
-            idx = torch.sort(torch.topk(score, k, sorted=False).indices).values
-            values = _cast(v[idx], self._dtype)
+            idx = largest(score, k)
+            values = cast_values(v[idx], self._dtype)
             self.memory.mark_sent(name, idx, values, False)
             rest[name] = SparseTensor(idx, values, shape)
         return MaskedUpdate(rest, sequence, masked=masked)
@@ -355,13 +369,10 @@ _GOLDEN_MASKS = {"fc.weight": np.array([0, 17, 100, 254], dtype=np.int64),
                  "层.权重": np.array([4, 19], dtype=np.int64)}
 
 
-class TCS(RoundMaterial, Method[TCSSettings]):
+class TCS(PhoneExport, RoundMaterial, Method[TCSSettings]):
     """Time-correlated sparsification (module docstring)."""
 
     name = "tcs"
-    phone_needs = ("the server's mask each round (round material) and its values there without "
-                   "indices (the masked payload): the bridge forwards no round material, and the "
-                   "exported encoder selects by magnitude alone")
     label = "TCS"
     order = 45
     family = "shared positions"
@@ -400,6 +411,22 @@ class TCS(RoundMaterial, Method[TCSSettings]):
 
     def uplink_density(self, train: TrainSettings) -> float:
         return float(train.density) * (1.0 + float(self.own.topk_share))
+
+    # -- phones: the mask's values and the top-k on the host (android_bridge.host_encoders);
+    # the bridge forwards the round's mask as the task's shared_mask
+    def phone_config(self, train: TrainSettings) -> DGCConfig:
+        """The layer policy and value dtype; its density is the uplink's, the mask's and the
+        top-k's (the host encoder takes the two apart from the task's ``budget``)."""
+        return replace(self.policy(train), density=self.uplink_density(train))
+
+    def phone_task(self, train: TrainSettings, client_key: int) -> dict[str, Any]:
+        """TCS's host encoder, the ``masked`` payload and its budget (:class:`Budget`'s
+        fields): the layer policy and value dtype travel in the task's DGC config."""
+        return {"encoder": self.name, "payload": MaskedCodec.kind,
+                "budget": asdict(self.budget(train))}
+
+    def phone_codec(self) -> Codec:
+        return MaskedCodec()
 
     def channel(self, run: RunSettings, shapes: Mapping[str, tuple[int, ...]]) -> Channel | None:
         train = run.train
