@@ -18,8 +18,8 @@ other, and appends each finished run to a jsonl:
 ``report`` reads the jsonl alone: per run, the seconds to ``--target`` (the first applied step
 at or above it), seconds per step after the first (the first holds the deployment's start:
 identification queries, a ClientApp's first start), wire bytes in all, and the ratios
-emulated / deployed. The deploy CLI shapes every node with one preset (no per-node mix), so
-the study's 3G/LTE mix becomes one preset for all nodes here.
+emulated / deployed over the deployment's steps. The deploy CLI shapes every node with one
+preset (no per-node mix), so the study's 3G/LTE mix becomes one preset for all nodes here.
 
 Each deployment takes minutes of the shared 2 cores (a ClientApp process per message): run it
 through ``/work/locks/cpujob``::
@@ -183,16 +183,19 @@ def report(path: Path, target: float) -> str:
             f"{statistics.fmean(run['staleness']) if run['staleness'] else math.nan:.2f} |")
     lines += ["", "| emulated / deployed | seed | time to target | s/step after step 1 | "
               "wire bytes (both ways) | payload (both ways) |", "|---|---|---|---|---|---|"]
-    for (name, seed), run in sorted(runs.items()):
+    for (name, seed), whole in sorted(runs.items()):
         deployed = runs.get(("deploy", seed))
         if name == "deploy" or deployed is None:
             continue
+        # Over the deployment's steps: an emulated run's first n steps are its n-step run
+        # (in process, reproducible from its seeds).
+        run = {**whole, "rows": whole["rows"][:len(deployed["rows"])]}
         a, b = to_target(run, target), to_target(deployed, target)
         t = "-" if a is None or b is None else f"{a[0] / b[0]:.2f}"
         per_step = (statistics.fmean(seconds_of(run)[1:])
                     / statistics.fmean(seconds_of(deployed)[1:]))
         wire = sum(wire_bytes(run)) / sum(wire_bytes(deployed))
-        payload = ((run["payload_up"] + run["payload_down"])
+        payload = (sum(r["uplink_bytes"] + r["downlink_bytes"] for r in run["rows"])
                    / (deployed["payload_up"] + deployed["payload_down"]))
         lines.append(f"| {name} | {seed} | {t} | {per_step:.2f} | {wire:.2f} | {payload:.2f} |")
     return "\n".join(lines)
