@@ -103,8 +103,25 @@ class AsyncStrategy(Protocol):
     def aggregate_buffer(self, step: int, replies: list[CheckedReply],
                          rows: Mapping[int, ClientRow], scale: Sequence[float]) -> bool: ...
 
-#: Seconds between two pulls of a grid that had no reply ready (Flower's own grids poll too).
+#: Seconds before pulling again a grid that had no reply ready, doubled after each empty pull
+#: up to :data:`PULL_INTERVAL_MAX_S` (Flower's own ``send_and_receive`` polls every 3 s).
 PULL_INTERVAL_S = 0.05
+#: The longest wait between two pulls: a deployment's grid is a SuperLink over HTTP, and a pull
+#: every 50 ms for the minutes a SuperNode's ClientApp takes cost the shared cores the
+#: ClientApps train on; a reply waits at most this long to be seen.
+PULL_INTERVAL_MAX_S = 1.0
+
+
+def pull_interval(empty_pulls: int) -> float:
+    """Seconds to wait after ``empty_pulls`` pulls in a row brought no reply (>= 1): 50 ms,
+    doubled each time, at most :data:`PULL_INTERVAL_MAX_S`.
+
+    >>> [pull_interval(n) for n in (1, 2, 5, 9)]
+    [0.05, 0.1, 0.8, 1.0]
+    """
+    if empty_pulls < 1:
+        raise ValueError(f"empty_pulls must be >= 1, got {empty_pulls}")
+    return min(PULL_INTERVAL_S * 2.0 ** min(empty_pulls - 1, 32), PULL_INTERVAL_MAX_S)
 
 
 def staleness_weight(staleness: int, how: str = "polynomial", exponent: float = 0.5) -> float:
@@ -215,9 +232,14 @@ class AsyncLoop:
                 self.strategy.model_version)
         st = self.strategy
         self.sequence += 1
+        # The first fill waits for C connected nodes, as a round waits for its clients; later
+        # ones do not: in a deployment a SuperNode may be gone (crashed, restarting under a
+        # new node id), and waiting for it would leave the replies in flight untaken.
+        in_flight = bool(self.inflight or self.ready or self.held)
         # Sample more than needed so that enough of them are idle, in the draw's order.
         node_of, _ = st.registry.sample_round(
-            self.grid, self.sequence, need + len(busy), self.concurrency, st.probe_timeout)
+            self.grid, self.sequence, need + len(busy), 1 if in_flight else self.concurrency,
+            st.probe_timeout)
         chosen = {k: n for k, n in node_of.items() if k not in busy}
         chosen = dict(list(chosen.items())[:need])
         if not chosen:
@@ -260,6 +282,7 @@ class AsyncLoop:
     def pulled(self, every: bool = False) -> list[tuple[_InFlight, Message]]:
         """Replies pulled from the grid (at least one, unless dispatches timed out as rows);
         the in-process grid runs the oldest dispatch only, unless ``every``."""
+        empty = 0
         while True:
             if self.in_process and not every:
                 # The in-process grid runs a client as its reply is pulled: the oldest first.
@@ -283,7 +306,8 @@ class AsyncLoop:
                     self.timed_out(self.inflight.pop(mid), "reply dropped on the way")
             if out or self.expire() or not self.inflight:
                 return out
-            time.sleep(PULL_INTERVAL_S)
+            empty += 1
+            time.sleep(pull_interval(empty))
 
     def expire(self) -> bool:
         """Drop the dispatches older than the timeout; whether any was."""

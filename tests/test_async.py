@@ -22,7 +22,7 @@ from client.app import app as client_app
 from fedgc import methods
 from fedgc.settings import RunConfig, SettingsError
 from server.app import run_server
-from server.async_loop import staleness_weight
+from server.async_loop import PULL_INTERVAL_MAX_S, pull_interval, staleness_weight
 from server.extensions import Added, Arrival, ConfigValue, Reply, RoundExtension
 from server.local_grid import LocalGrid
 from server.records import RoundRecord
@@ -57,6 +57,23 @@ def test_staleness_weight_is_fedbuffs_by_default() -> None:
         staleness_weight(-1)
     with pytest.raises(ValueError, match="'hinge'"):
         staleness_weight(1, "hinge")
+
+
+def test_a_grid_without_replies_is_pulled_less_and_less() -> None:
+    # A deployment's grid is a SuperLink over HTTP and a SuperNode's reply takes many seconds:
+    # 50 ms, doubled after every empty pull, at most PULL_INTERVAL_MAX_S (1 s).
+    waits = [pull_interval(n) for n in range(1, 80)]
+    assert waits[:3] == [0.05, 0.1, 0.2]
+    assert all(a <= b for a, b in zip(waits, waits[1:], strict=False))
+    assert waits[-1] == PULL_INTERVAL_MAX_S == 1.0
+    # A minute without a reply: about 65 pulls, where a pull every 50 ms made 1,200.
+    pulls, waited = 0, 0.0
+    while waited < 60.0:
+        pulls += 1
+        waited += pull_interval(pulls)
+    assert pulls <= 66
+    with pytest.raises(ValueError, match="empty_pulls must be >= 1, got 0"):
+        pull_interval(0)
 
 
 @pytest.mark.parametrize(("keys", "says"), [
