@@ -61,3 +61,18 @@ def digits_phone_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export_run(RunConfig.from_flat({**PHONE_RUN, "results_dir": str(out / "unused"),
                                     "run_name": "export"}), out / "export")
     return out / "export"
+
+
+@pytest.fixture(scope="session")
+def bridge_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The phone files of the digits task that the bridge tests' phones run
+    (``tests.test_bridge.EXPORT_CONFIG``, batch ``BATCH``): exported once per session (half a
+    minute to a minute on a busy machine) and shared by ``test_bridge.py``,
+    ``test_bridge_control.py``, ``test_bridge_federation.py`` and ``test_arm.py``. Read only:
+    a test that changes an export copies it first."""
+    from android_bridge.export import export_all
+    from tests.test_bridge import BATCH, EXPORT_CONFIG
+
+    out = tmp_path_factory.mktemp("bridge-export")
+    export_all("digits", out, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    return out
