@@ -64,10 +64,10 @@ def gradients(step: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def exported(request, tmp_path_factory):
+def exported(request, tmp_path_factory, encoder_pte):
     config = CONFIGS[request.param]
     path = tmp_path_factory.mktemp(request.param) / "encoder.pte"
-    path.write_bytes(export_encoder(config, max_numel=MAX_NUMEL))
+    path.write_bytes(encoder_pte(request.param))
     return config, path
 
 

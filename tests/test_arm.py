@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,6 @@ from android_bridge.arm.emulator import ArmEnv, ArmEnvError
 from android_bridge.export import (
     TrainingStep,
     export_all,
-    export_encoder,
     export_training_step,
 )
 from android_bridge.models import get_model
@@ -58,7 +58,8 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def arm_job(arm: ArmEnv, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def arm_job(arm: ArmEnv, encoder_pte: Callable[[str], bytes],
+            tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One emulated process for the encoder, training-step and export tests (its imports alone
     take about a minute of emulated CPU, several on a busy machine): the host writes the
     encoder.pte of each of CONFIGS with its gradients, mlp-digits' export with its initial
@@ -66,8 +67,7 @@ def arm_job(arm: ArmEnv, tmp_path_factory: pytest.TempPathFactory) -> dict:
     ``encode,train,export``. The job folder, its cases, the host's encoders, the initial model
     and the batches."""
     job = tmp_path_factory.mktemp("arm-job")
-    encoders = {name: export_encoder(config, max_numel=MAX_NUMEL)
-                for name, config in CONFIGS.items()}
+    encoders = {name: encoder_pte(name) for name in CONFIGS}  # conftest's, shared
     cases = []
     for name, config in CONFIGS.items():
         (job / f"{name}.pte").write_bytes(encoders[name])
