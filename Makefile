@@ -45,8 +45,10 @@ arm: $(STAMP)
 
 # The whole suite in three pytest processes at once, its lanes (docs/guide.md, "Testing"); the
 # suite's budget is 30 min on 2 cores, and run one after the other the lanes took 58 min:
-# - arm: the Android walkthrough, tests/test_arm.py (qemu-user aarch64, one CPU-bound process,
-#   ~12 min), then the cross_cpu second pass (test-cross-cpu, ~6 min);
+# - arm: the Android walkthrough, tests/test_arm.py (qemu-user aarch64, one CPU-bound process
+#   at a time), the files that share its exports (test_android_export.py's encoders, the bridge
+#   files' digits export: conftest's encoder_pte and bridge_export), then the cross_cpu second
+#   pass (test-cross-cpu, ~2 min);
 # - deploy: the files that start deployments (SuperLinks, SuperNodes, phones, shaped links in
 #   network namespaces, each a process of its own), mostly waiting on Flower's heartbeats, polls
 #   and round deadlines;
@@ -58,7 +60,8 @@ arm: $(STAMP)
 # every lane are listed last, so that a log's tail names them; the target fails if any lane failed.
 # FEDGC_ARM_REQUIRED: tests/test_arm.py and test_deploy_phones.py's emulated phone fail (instead
 # of skipping) without the arm64 rootfs; the rootfs is only read, by both lanes.
-ARM_LANE := tests/test_android_walkthrough.py tests/test_arm.py
+ARM_LANE := tests/test_android_walkthrough.py tests/test_android_export.py tests/test_arm.py \
+  tests/test_bridge.py tests/test_bridge_control.py tests/test_bridge_federation.py
 DEPLOY_LANE := $(sort $(wildcard tests/test_deploy_*.py)) tests/test_wire_capture.py \
   tests/test_phone_parity.py
 LANE_PYTEST := FEDGC_ARM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --durations=40

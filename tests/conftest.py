@@ -61,3 +61,37 @@ def digits_phone_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export_run(RunConfig.from_flat({**PHONE_RUN, "results_dir": str(out / "unused"),
                                     "run_name": "export"}), out / "export")
     return out / "export"
+
+
+@pytest.fixture(scope="session")
+def bridge_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The phone files of the digits task that the bridge tests' phones run
+    (``tests.test_bridge.EXPORT_CONFIG``, batch ``BATCH``): exported once per session (half a
+    minute to a minute on a busy machine) and shared by ``test_bridge.py``,
+    ``test_bridge_control.py``, ``test_bridge_federation.py`` and ``test_arm.py``. Read only:
+    a test that changes an export copies it first."""
+    from android_bridge.export import export_all
+    from tests.test_bridge import BATCH, EXPORT_CONFIG
+
+    out = tmp_path_factory.mktemp("bridge-export")
+    export_all("digits", out, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    return out
+
+
+@pytest.fixture(scope="session")
+def encoder_pte() -> Callable[[str], bytes]:
+    """``encoder_pte(name)``: the encoder.pte of ``tests.test_android_export.CONFIGS[name]``
+    for ``MAX_NUMEL`` entries, exported on the host the first time a test asks for it (half a
+    minute each on a busy machine) and shared by ``test_android_export.py`` and
+    ``test_arm.py`` (one lane of ``make test``)."""
+    from android_bridge.export import export_encoder
+    from tests.test_android_export import CONFIGS, MAX_NUMEL
+
+    exported: dict[str, bytes] = {}
+
+    def pte(name: str) -> bytes:
+        if name not in exported:
+            exported[name] = export_encoder(CONFIGS[name], max_numel=MAX_NUMEL)
+        return exported[name]
+
+    return pte

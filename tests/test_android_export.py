@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,10 +64,10 @@ def gradients(step: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def exported(request, tmp_path_factory):
+def exported(request, tmp_path_factory, encoder_pte):
     config = CONFIGS[request.param]
     path = tmp_path_factory.mktemp(request.param) / "encoder.pte"
-    path.write_bytes(export_encoder(config, max_numel=MAX_NUMEL))
+    path.write_bytes(encoder_pte(request.param))
     return config, path
 
 
@@ -212,13 +215,24 @@ def test_export_refuses_sampled_selection_and_bad_arguments(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_export_all_manifest_and_training_parity(tmp_path):
-    """The CLI's export writes all files; train_step.pte trains like eager torch SGD."""
-    from android_bridge.__main__ import main
+@pytest.fixture(scope="module")
+def cli_export(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``python -m android_bridge export`` of mlp-digits, run once as a user runs it: the
+    finished command and its folder (an export takes a minute on a busy machine; the manifest's
+    and the command's output's tests share it)."""
+    out = tmp_path_factory.mktemp("cli-export") / "exp"
+    done = subprocess.run([sys.executable, "-m", "android_bridge", "export", "--model",
+                           "mlp-digits", "--out", str(out), "--batch-size", "16",
+                           "--learning-rate", "0.1", "--max-numel", str(MAX_NUMEL)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)
+    return done, out
 
-    out = tmp_path / "exp"
-    assert main(["export", "--model", "mlp-digits", "--out", str(out), "--batch-size", "16",
-                 "--learning-rate", "0.1", "--max-numel", str(MAX_NUMEL)]) == 0
+
+def test_export_all_manifest_and_training_parity(cli_export):
+    """The CLI's export writes all files; train_step.pte trains like eager torch SGD."""
+    done, out = cli_export
+    assert done.returncode == 0, done.stderr
     manifest = load_manifest(out)
     names = [p["name"] for p in manifest["parameters"]]
     assert names == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
@@ -339,18 +353,10 @@ def test_default_export_takes_a_default_runs_tasks():
     assert (keys["dgc.momentum_correction"], keys["batch_size"], keys["lr"]) == (False, 10, 0.1)
 
 
-@pytest.mark.slow
-def test_the_export_command_prints_only_its_own_lines(tmp_path):
+def test_the_export_command_prints_only_its_own_lines(cli_export):
     """The toolchain's notices (20 FutureWarnings of torch.export's pytree, torchao's CUDA
     kernels, torch's enum deprecation) are not shown unless ``--verbose``."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "android_bridge", "export", "--model",
-                           "mlp-digits", "--out", str(tmp_path / "o")],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    done, _ = cli_export
     assert done.returncode == 0, done.stderr
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("wrote encoder.pte"), lines

@@ -1,7 +1,8 @@
 """The exported encoder and training step, and the reference phone, on aarch64 (qemu-user).
 
-Each test runs one emulated Python process (``android_bridge.arm.inside``) in the arm64 rootfs
-that ``make arm`` builds, and compares what it wrote with what the host computes. Without the
+The tests run emulated Python processes (``android_bridge.arm.inside``) in the arm64 rootfs
+that ``make arm`` builds, and compare what they wrote with what the host computes: one process
+for the encoder, training-step and export tests (``arm_job``), one for the federation. Without the
 rootfs these tests skip, unless ``FEDGC_ARM_REQUIRED=1`` (``make test`` sets it), where they fail.
 Costs are in docs/android.md ("aarch64").
 """
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +25,6 @@ from android_bridge.arm.emulator import ArmEnv, ArmEnvError
 from android_bridge.export import (
     TrainingStep,
     export_all,
-    export_encoder,
     export_training_step,
 )
 from android_bridge.models import get_model
@@ -44,21 +47,30 @@ def arm() -> ArmEnv:
         pytest.skip(str(ex))
 
 
+#: The config whose encoder the export test exports inside the emulated process.
+EXPORTED_ON_ARM = "nesterov-dampened-clipped"
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
     if t.dtype in (torch.float16, torch.bfloat16):
         return t.view(torch.int16).numpy()
     return t.view(torch.int32).numpy()
 
 
-def test_encoder_and_training_step_on_aarch64_match_the_host(arm, tmp_path):
-    """x86-exported encoder.pte over four configs x six steps (warm-up, a zero-heavy tensor, a
-    tied k-th magnitude, clipping on and off, a restore) and train_step.pte over 40 SGD steps,
-    run on aarch64: the encoder bit-exact with dgc.DGCCompressor on the host, the trained
-    parameters within the documented 1e-5."""
-    job = tmp_path
+@pytest.fixture(scope="module")
+def arm_job(arm: ArmEnv, encoder_pte: Callable[[str], bytes],
+            tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One emulated process for the encoder, training-step and export tests (its imports alone
+    take about a minute of emulated CPU, several on a busy machine): the host writes the
+    encoder.pte of each of CONFIGS with its gradients, mlp-digits' export with its initial
+    parameters and batches, and the export test's config; the emulated process runs
+    ``encode,train,export``. The job folder, its cases, the host's encoders, the initial model
+    and the batches."""
+    job = tmp_path_factory.mktemp("arm-job")
+    encoders = {name: encoder_pte(name) for name in CONFIGS}  # conftest's, shared
     cases = []
     for name, config in CONFIGS.items():
-        (job / f"{name}.pte").write_bytes(export_encoder(config, max_numel=MAX_NUMEL))
+        (job / f"{name}.pte").write_bytes(encoders[name])
         epochs = [step * 0.75 for step in range(STEPS)]
         for step in range(STEPS):
             np.savez(job / f"{name}-grads-{step}.npz",
@@ -80,10 +92,23 @@ def test_encoder_and_training_step_on_aarch64_match_the_host(arm, tmp_path):
     batches_x = np.stack([x[i:i + 16] for i in range(0, 40 * 16, 16)])
     batches_y = np.stack([y[i:i + 16] for i in range(0, 40 * 16, 16)])
     np.savez(job / "batches.npz", x=batches_x, y=batches_y)
-    (job / "job.json").write_text(json.dumps({"cases": cases, "export": "export"}))
+    (job / "job.json").write_text(json.dumps({
+        "cases": cases, "export": "export",  # encode and train
+        "config": CONFIGS[EXPORTED_ON_ARM].to_dict(), "max_numel": MAX_NUMEL,  # export
+        "model": "mlp-digits", "seed": 0, "batch_size": 16}))
+    out = arm.run("-m", "android_bridge.arm.inside", "encode,train,export", str(job)).stdout
+    return {"job": job, "out": out, "cases": cases, "encoders": encoders, "model": model,
+            "batches": (batches_x, batches_y)}
 
-    out = arm.run("-m", "android_bridge.arm.inside", "encode,train", str(job)).stdout
-    assert "on aarch64" in out
+
+def test_encoder_and_training_step_on_aarch64_match_the_host(arm_job):
+    """x86-exported encoder.pte over four configs x six steps (warm-up, a zero-heavy tensor, a
+    tied k-th magnitude, clipping on and off, a restore) and train_step.pte over 40 SGD steps,
+    run on aarch64: the encoder bit-exact with dgc.DGCCompressor on the host, the trained
+    parameters within the documented 1e-5."""
+    job, cases, model = arm_job["job"], arm_job["cases"], arm_job["model"]
+    batches_x, batches_y = arm_job["batches"]
+    assert "on aarch64" in arm_job["out"]
 
     for case in cases:
         config = DGCConfig.from_dict(case["config"])
@@ -143,10 +168,12 @@ FEDERATION = {"task": "digits", "num_clients": 4, "clients_per_round": 4, "parti
               "server_momentum": 0.0}
 
 
-def _federation(tmp_path_factory, name: str, phones_on_arm: ArmEnv | None) -> tuple[dict, dict]:
+def _federation(tmp_path_factory, export: Path, name: str, phones_on_arm: ArmEnv | None
+                ) -> tuple[dict, dict]:
     """run_server over a LocalGrid of four clients, two of them phones behind the TLS bridge on
     loopback (phone-a's round-1 upload cut at 2 KiB and resumed): the final model and the
-    phones' reports. The phones run in this process (x86) or in one emulated process."""
+    phones' reports. The phones run in this process (x86) or in one emulated process, on a
+    copy of ``export`` (conftest's ``bridge_export``) in the job's folder."""
     import grpc
 
     from android_bridge.bridge import PhoneBridge
@@ -161,7 +188,7 @@ def _federation(tmp_path_factory, name: str, phones_on_arm: ArmEnv | None) -> tu
 
     ca, cert, key = _certificates(tmp_path_factory)
     job = tmp_path_factory.mktemp(name)
-    export_all("digits", job / "export", EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    shutil.copytree(export, job / "export")
     settings = {**FEDERATION, "batch_size": BATCH, "lr": 0.1,
                 "dgc.momentum_correction": EXPORT_CONFIG.momentum_correction}
     task = get_task("digits")
@@ -220,12 +247,13 @@ def _federation(tmp_path_factory, name: str, phones_on_arm: ArmEnv | None) -> tu
     return model, reports
 
 
-def test_phones_on_aarch64_join_a_federation_like_x86_phones(arm, tmp_path_factory):
+def test_phones_on_aarch64_join_a_federation_like_x86_phones(arm, bridge_export,
+                                                            tmp_path_factory):
     """The reference phone inside the arm64 environment joins a federation whose bridge,
     ClientApp and strategy run on the host (TLS gRPC on loopback), one upload cut and resumed;
     the final model equals the same federation's with x86 phones."""
-    x86_model, x86 = _federation(tmp_path_factory, "x86", None)
-    arm_model, on_arm = _federation(tmp_path_factory, "arm", arm)
+    x86_model, x86 = _federation(tmp_path_factory, bridge_export, "x86", None)
+    arm_model, on_arm = _federation(tmp_path_factory, bridge_export, "arm", arm)
     assert on_arm["machine"] == "aarch64" and x86["machine"] == "x86_64"
     assert not on_arm["errors"] and not x86["errors"], (on_arm["errors"], x86["errors"])
     for reports in (x86["reports"], on_arm["reports"]):
@@ -244,7 +272,7 @@ def test_phones_on_aarch64_join_a_federation_like_x86_phones(arm, tmp_path_facto
     assert worst <= 1e-5, worst
 
 
-def test_export_on_aarch64_writes_the_same_programs(arm, tmp_path):
+def test_export_on_aarch64_writes_the_same_programs(arm_job):
     """export_encoder and export_training_step run on aarch64 (torch.export, XNNPACK lowering,
     the wheel's aarch64 flatc). train_step.pte comes out byte-identical to the host's.
     encoder.pte does not: in sum_squares two independent nodes (abs, eq) are emitted in the
@@ -255,17 +283,13 @@ def test_export_on_aarch64_writes_the_same_programs(arm, tmp_path):
 
     from android_bridge.runtime import PteEncoder
 
-    config = CONFIGS["nesterov-dampened-clipped"]
-    (tmp_path / "job.json").write_text(json.dumps({
-        "config": config.to_dict(), "max_numel": MAX_NUMEL, "model": "mlp-digits", "seed": 0,
-        "batch_size": 16}))
-    arm.run("-m", "android_bridge.arm.inside", "export", str(tmp_path))
+    job, config = arm_job["job"], CONFIGS[EXPORTED_ON_ARM]
     spec = get_model("mlp-digits")
     torch.manual_seed(0)
     host_train = export_training_step(spec, spec.build(), 16)
-    host_encoder = export_encoder(config, MAX_NUMEL)
-    arm_encoder = (tmp_path / "encoder-arm.pte").read_bytes()
-    pte = PteEncoder(tmp_path / "encoder-arm.pte", config, SHAPES)
+    host_encoder = arm_job["encoders"][EXPORTED_ON_ARM]
+    arm_encoder = (job / "encoder-arm.pte").read_bytes()
+    pte = PteEncoder(job / "encoder-arm.pte", config, SHAPES)
     eager = DGCCompressor(config)
     for step in range(3):
         got, want = pte.compress(gradients(step), epoch=step), eager.compress(gradients(step),
@@ -273,7 +297,7 @@ def test_export_on_aarch64_writes_the_same_programs(arm, tmp_path):
         for name, t in want.tensors.items():
             assert torch.equal(got.tensors[name].indices, t.indices), (step, name)
             np.testing.assert_array_equal(_bits(got.tensors[name].values), _bits(t.values))
-    assert (tmp_path / "train_step-arm.pte").read_bytes() == host_train
+    assert (job / "train_step-arm.pte").read_bytes() == host_train
     assert len(arm_encoder) == len(host_encoder)
 
     def plans(data: bytes) -> dict:

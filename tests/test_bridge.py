@@ -21,7 +21,6 @@ from android_bridge.bridge import (
     PhoneBridge,
     PhoneTask,
 )
-from android_bridge.export import export_all
 from android_bridge.phone import ReferencePhone
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
@@ -75,10 +74,8 @@ def certs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("export")
-    export_all("digits", out, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
-    return out
+def export_dir(bridge_export):
+    return bridge_export
 
 
 @pytest.fixture()

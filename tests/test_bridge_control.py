@@ -40,13 +40,8 @@ def certs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def export_dir(tmp_path_factory):
-    from android_bridge.export import export_all
-    from tests.test_bridge import BATCH, EXPORT_CONFIG
-
-    out = tmp_path_factory.mktemp("export")
-    export_all("digits", out, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
-    return out
+def export_dir(bridge_export):
+    return bridge_export
 
 
 @pytest.fixture()

@@ -13,7 +13,6 @@ import torch
 
 from android_bridge.bridge import PhoneBridge
 from android_bridge.bridge_app import make_bridge_app
-from android_bridge.export import export_all
 from android_bridge.phone import ReferencePhone
 from client.app import app as client_app
 from client.app import client_key
@@ -22,7 +21,7 @@ local_grid = pytest.importorskip("server.local_grid", reason="server.local_grid 
 
 from fedgc.settings import RunConfig  # noqa: E402
 from server.app import run_server  # noqa: E402 - after the skip
-from tests.test_bridge import BATCH, EXPORT_CONFIG, TOKENS, _certificates  # noqa: E402
+from tests.test_bridge import BATCH, TOKENS, _certificates  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -53,11 +52,9 @@ def _phone_loop(phone: ReferencePhone, stop: threading.Event, reports: list, err
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    """The phones' export of the digits task (one for the module's federations: slow)."""
-    path = tmp_path_factory.mktemp("export")
-    export_all("digits", path, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
-    return path
+def export(bridge_export):
+    """The phones' export of the digits task (conftest's, shared by the session)."""
+    return bridge_export
 
 
 def _federation(tmp_path_factory, export, keys: dict, cut_after: int | None = None,
