@@ -169,6 +169,12 @@ def test_a_top_k_outside_the_sets_is_held_back_into_the_residual_or_refused():
     payload = codec.decode(codec.encode(update), Bound(SHAPES, ROUND, server_material))
     with pytest.raises(NotLinearError, match="outside the round's shared coordinates"):
         layout.vector(payload)
+    # Central DP's projection (server.privacy.PrivateRound.layout_mean) does not refuse such a
+    # reply for it: the entries off the layout are left out (the top-k is taken from a residual
+    # whose sets were just sent: none of it is on the layout), those on it kept.
+    held_back = codec.decode(codec.encode(kept), Bound(SHAPES, ROUND, server_material))
+    projected = layout.vector(payload, strict=False)
+    assert np.array_equal(projected, layout.vector(held_back)) and projected.any()
 
 
 def test_under_secure_aggregation_dgc_sets_has_sets_from_the_first_round_and_they_move():

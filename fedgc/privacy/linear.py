@@ -159,8 +159,8 @@ class Layout:
                 at, inside = segment.positions(idx)
                 values = t.values.cpu().to(torch.float64).numpy()
                 if not strict:
-                    at, values, inside = at[inside], values[inside], inside[inside]
-                if not inside.all():
+                    at, values = at[inside], values[inside]
+                elif not inside.all():
                     raise NotLinearError(
                         f"the payload carries {int((~inside).sum())} entries of {name!r} outside "
                         f"the round's shared coordinates (per-client indices): hold them back "
