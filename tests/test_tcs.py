@@ -87,9 +87,9 @@ def _tied_scores(rng: np.random.Generator, kind: int) -> tuple[np.ndarray, list[
 @pytest.mark.parametrize("seed", range(4))
 def test_largest_picks_the_set_of_its_rule_before_the_top_k_path_and_the_phones(seed):
     """Issue 39: tcs.largest takes torch.topk's set and resolves only a tie straddling the
-    k-th; on 100 vectors (a seed) with ties forced at the cut, inside and outside the top, all equal,
-    k = 0 and k = n, it picks the set of the rule it replaced, of a stable descending sort and
-    of the phone's numpy rule (android_bridge.host_encoders.largest_positions)."""
+    k-th; on 100 vectors a seed, with ties forced at the cut, inside and outside the top, all
+    equal, k = 0 and k = n, it picks the set of the rule it replaced, of a stable descending
+    sort and of the phone's numpy rule (android_bridge.host_encoders.largest_positions)."""
     from android_bridge.host_encoders import largest_positions
 
     # The tie's first entries far past the first chunk select_stable reads them in.
