@@ -38,6 +38,8 @@ from fedgc.methods.tcs import Budget, MaskedCodec, MaskedUpdate
 
 #: The largest finite float16: values beyond it are clamped, as the simulated client does.
 FLOAT16_MAX = 65504.0
+#: Entries QSGD's phone step rounds at a time (1 MiB of float64 temporaries: in the cache).
+QSGD_CHUNK = 1 << 17
 
 
 class HostEncoder:
@@ -240,27 +242,47 @@ class QuantizedEncoder(HostEncoder):
         rng = np.random.default_rng([self.seed, int(sequence)])
         out = LevelsUpdate({}, int(sequence), bucket=self.bucket, levels=self.levels)
         for name, v in flats.items():
-            n, d = v.size, self.bucket
-            padded = np.zeros(-(-n // d) * d, dtype=np.float64)
-            padded[:n] = v
-            # The squares are exact in float64; their sum is torch's, in its order.
-            sums = torch.from_numpy(np.square(padded).reshape(-1, d)).sum(1).numpy()
-            norms = np.sqrt(sums).astype(np.float32)
-            scale = np.repeat(norms.astype(np.float64), d)[:n]
-            ratio = np.abs(padded[:n]) / np.where(scale > 0, scale, 1.0) * self.levels
-            ratio[scale == 0] = 0.0
-            floor = np.floor(ratio)
-            up = rng.random(n) < ratio - floor
-            level = np.minimum(floor + up, self.levels).astype(np.int64)
-            idx = np.flatnonzero(level)
-            signed = np.where(v[idx] < 0, -level[idx], level[idx])
-            values = norms[idx // d] * signed.astype(np.float32) / np.float32(self.levels)
+            norms, idx, signed = self._quantize(v, rng)
+            values = norms[idx // self.bucket] * signed.astype(np.float32) / np.float32(self.levels)
             if self.keeps_residual:
                 v[idx] -= values
             out.tensors[name] = SparseTensor(torch.from_numpy(idx), torch.from_numpy(values),
                                              tuple(grads[name].shape))
             out.norms[name], out.signed[name] = torch.from_numpy(norms), torch.from_numpy(signed)
         return out
+
+    def _quantize(self, v: np.ndarray, rng: np.random.Generator,
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(float32 norms per bucket, int64 positions of the nonzero levels, their signed
+        levels) of the flat float32 ``v``, ``fedgc.methods.qsgd.quantize``'s to the bit: the
+        same float64 operations on each entry in the same order, and the same draws (a
+        generator's doubles do not depend on how many each call takes).
+
+        One float64 buffer of whole buckets holds the squares, then the ratios; the rounding
+        runs over ``QSGD_CHUNK`` entries at a time, whose temporaries stay in the cache and are
+        reused (fresh ones of the tensor's size cost more than the arithmetic)."""
+        n, d = v.size, self.bucket
+        work = np.zeros((-(-n // d), d))  # float64; the last bucket's padding stays 0
+        flat = work.reshape(-1)
+        # The squares are exact in float64; their sum is torch's, in its order.
+        np.square(v, out=flat[:n], dtype=np.float64)
+        norms = np.sqrt(torch.from_numpy(work).sum(1).numpy()).astype(np.float32)
+        # A bucket of norm 0 holds only zeros: its ratios are 0 / 1.
+        np.abs(v, out=flat[:n], dtype=np.float64)
+        work /= np.where(norms > 0, norms, 1.0).astype(np.float64)[:, None]
+        work *= self.levels
+        positions, signed = [], []
+        for start in range(0, max(n, 1), QSGD_CHUNK):  # one pass, empty, for no entries
+            ratio = flat[start:min(n, start + QSGD_CHUNK)]
+            # Ratios are finite and >= 0: modf's parts are floor(r) and r - floor(r), exactly.
+            fraction, level = np.modf(ratio, out=(ratio, np.empty_like(ratio)))
+            level += rng.random(ratio.size) < fraction  # never up where v is 0 (fraction 0)
+            at = np.flatnonzero(level > 0)
+            # Levels are whole numbers, exact in float64: clamped, signed, then made int64.
+            picked = np.minimum(level[at], self.levels)
+            signed.append(np.copysign(picked, v[start + at], out=picked).astype(np.int64))
+            positions.append(at + start)
+        return norms, np.concatenate(positions), np.concatenate(signed)
 
     def encode(self, update: SparseUpdate) -> bytes:
         return LevelsCodec().encode(update)

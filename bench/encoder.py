@@ -12,7 +12,14 @@ one 25600x1000 tensor) and for 1M floats, at density 0.001, it prints the median
 and the ratios sampled/topk and encode-total/floor, plus the peak resident memory each
 operation adds above its inputs (peak RSS of a fresh child process per figure).
 
-Run: ``python bench/encoder.py [--threads N] [--repeats R] [--no-memory]``.
+``--tie-rule`` prints instead the cost of TCS's deterministic top-k (``fedgc.methods.tcs.largest``:
+ties at the k-th largest to the lower positions, so that a phone picks the coordinates a simulated
+client picks) against ``torch.topk`` of the same scores measured in the same run, at 1e5 and 1e6
+coordinates, TCS's two sizes of k (no mask yet: the mask's share and the top-k's, 1.1%; beside a
+mask: 0.1%), on scores with no tie, with one straddling the k-th (magnitudes on a grid) and all
+equal.
+
+Run: ``python bench/encoder.py [--threads N] [--repeats R] [--no-memory] [--tie-rule]``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from bench.common import interleaved_wall_cpu_ms, machine_line, max_rss_mb  # no
 from dgc.compressor import DGCCompressor  # noqa: E402
 from dgc.config import DGCConfig  # noqa: E402
 from dgc.selection import num_selected  # noqa: E402
+from fedgc.methods.tcs import TCS_DENSITY, Budget, largest  # noqa: E402
 
 DENSITY = 0.001
 RESNET50_NUMEL = 25_557_032  # torchvision's resnet50: parameters with gradients
@@ -110,6 +118,34 @@ def _operations(grads: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
     return ops
 
 
+#: Sizes of the tie rule's case, and its scores: |N(0, 1)| (no tie), the same on a grid of 1/8
+#: (about 400 entries of 1e5 share each grid point near the k-th: a tie straddles it) and ones.
+TIE_RULE_SIZES = (100_000, 1_000_000)
+TIE_RULE_SCORES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "no tie": lambda g: g.abs(),
+    "tie at the k-th": lambda g: (g.abs() * 8).round() / 8,
+    "all equal": torch.ones_like,
+}
+
+
+def _tie_rule(repeats: int) -> None:
+    """Print TCS's selection against torch.topk on the same scores, in turns (module docstring)."""
+    budget = Budget(TCS_DENSITY, 0.0, 0, 0.1)  # tcs's defaults: topk_share 0.1
+    print(f"{'floats':>9} {'k':>6} {'scores':16} {'topk_ms':>9} {'largest_ms':>11} "
+          f"{'wall ratio':>10} {'cpu ratio':>9}")
+    for numel in TIE_RULE_SIZES:
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        for k in (budget.topk(numel, None), budget.topk(numel, budget.mask(numel))):
+            for label, make in TIE_RULE_SCORES.items():
+                score = make(g)
+                timed = interleaved_wall_cpu_ms(
+                    {"topk": lambda s=score, k=k: torch.topk(s, k, sorted=False),
+                     "largest": lambda s=score, k=k: largest(s, k)}, repeats=repeats)
+                (topk_wall, topk_cpu), (rule_wall, rule_cpu) = timed["topk"], timed["largest"]
+                print(f"{numel:>9} {k:>6} {label:16} {topk_cpu:>9.3f} {rule_cpu:>11.3f} "
+                      f"{rule_wall / topk_wall:>9.2f}x {rule_cpu / topk_cpu:>8.2f}x", flush=True)
+
+
 def _memory_child(workload: str, op: str, threads: int) -> None:
     torch.set_num_threads(threads)
     ops = _operations(_gradient(WORKLOADS[workload]()))
@@ -130,6 +166,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory figures")
+    parser.add_argument("--tie-rule", action="store_true",
+                        help="time TCS's tie rule against torch.topk instead (module docstring)")
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "OP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -137,6 +175,12 @@ def main() -> None:
         _memory_child(*args.memory_child, args.threads)
         return
     torch.set_num_threads(args.threads)
+    if args.tie_rule:
+        print(f"# TCS's tie rule against torch.topk; {machine_line(args.threads)}")
+        print(f"# median of {args.repeats} runs, the two in turns, after one warm-up; ms are "
+              f"process CPU time, ratios wall and CPU")
+        _tie_rule(args.repeats)
+        return
     assert sum(math.prod(s) for s in resnet50_shapes().values()) == RESNET50_NUMEL
     print(f"# encoder benchmark, density {DENSITY}; {machine_line(args.threads)}")
     print(f"# median of {args.repeats} runs, operations in turns, after one warm-up (wall and "

@@ -12,9 +12,11 @@ first on ``PYTHONPATH`` when another one is installed in the environment.
 ``--host qsgd,tcs`` (any of randk, efsign, signvote, qsgd, tcs) then times the phones' host
 encoders (``android_bridge.host_encoders``, numpy) against the method's simulated client
 (its ``compressor``), alternately as above, at the same sizes, with each step's payload bytes
-(the method's wire format, no transport framing) and the host step's time over the plain
+(the method's wire format, no transport framing), the host step's time over the plain
 ``.pte`` dgc step's measured in the same run (the issue's bound on a phone's step: 1.5x
-today's dgc step). TCS runs with a round's mask of ``density`` entries (its steady state).
+today's dgc step), and over eager dgc's step timed alternately with it (``/dgc paired``: the
+median of the per-pair ratios, the steadier figure on a loaded machine). TCS runs with a
+round's mask of ``density`` entries (its steady state).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from dgc import DGCCompressor, DGCConfig
 TARGET_RATIO = 1.5
 #: Tensor sizes timed (floats).
 SIZES = (100_000, 1_000_000)
+#: Today's dgc step, the reference: exact top-k at density 0.001, no warm-up.
+PLAIN = DGCConfig(selection="exact", warmup="none", density=0.001)
 
 
 def _paired_ms(eager: Callable[[], object], pte: Callable[[], object],
@@ -69,14 +73,13 @@ def main() -> None:
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
     _unsafe_reset_threadpool(1)
-    plain = DGCConfig(selection="exact", warmup="none", density=0.001)
     # With clipping the .pte also runs sum_squares (float64 accumulation, see
     # android_bridge.encoder.SumSquares), which XNNPACK cannot take whole.
     clipped = DGCConfig(selection="exact", warmup="none", density=0.001, clip_norm=1.0)
     print(f"{'config':>8} {'floats':>9} {'eager_ms':>9} {'pte_ms':>9} {'pte/eager':>10}  "
           f"target <= {TARGET_RATIO}")
     dgc_step: dict[int, float] = {}
-    for label, config in (("plain", plain), ("clipped", clipped)):
+    for label, config in (("plain", PLAIN), ("clipped", clipped)):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "encoder.pte"
             path.write_bytes(export_encoder(config, max_numel=2**21))
@@ -86,7 +89,7 @@ def main() -> None:
     hosts = [m for m in args.host.split(",") if m]
     if hosts:
         print(f"\n{'method':>8} {'floats':>9} {'sim_ms':>9} {'phone_ms':>9} {'phone/sim':>10} "
-              f"{'/dgc.pte':>9} {'payload_B':>10} {'/dense':>8}")
+              f"{'/dgc.pte':>9} {'/dgc paired':>12} {'payload_B':>10} {'/dense':>8}")
         for method in hosts:
             _bench_host(method, dgc_step, args.repeats)
 
@@ -113,14 +116,16 @@ def _bench_host(method: str, dgc_step: Mapping[int, float], repeats: int) -> Non
 
     run = RunConfig.from_flat({"method": method, "seed": 0})
     for numel in SIZES:
-        sim_ms, phone_ms, ratio, payload = _host_step(run, numel, repeats)
+        sim_ms, phone_ms, ratio, dgc_ratio, payload = _host_step(run, numel, repeats)
         print(f"{method:>8} {numel:>9} {sim_ms:>9.2f} {phone_ms:>9.2f} {ratio:>9.2f}x "
-              f"{phone_ms / dgc_step[numel]:>8.2f}x {payload:>10,} {payload / (4 * numel):>8.4f}")
+              f"{phone_ms / dgc_step[numel]:>8.2f}x {dgc_ratio:>11.2f}x {payload:>10,} "
+              f"{payload / (4 * numel):>8.4f}")
 
 
-def _host_step(run: Any, numel: int, repeats: int) -> tuple[float, float, float, int]:
-    """(simulated ms, phone ms, their median ratio, payload bytes) of one step of ``run``'s
-    method on a tensor of ``numel`` floats (TCS with a mask of ``density`` of it)."""
+def _host_step(run: Any, numel: int, repeats: int) -> tuple[float, float, float, float, int]:
+    """(simulated ms, phone ms, their median ratio, the phone's median ratio to eager dgc's
+    step timed alternately, payload bytes) of one step of ``run``'s method on a tensor of
+    ``numel`` floats (TCS with a mask of ``density`` of it)."""
     from android_bridge.host_encoders import host_encoder
 
     t, m = run.train, run.method
@@ -136,8 +141,12 @@ def _host_step(run: Any, numel: int, repeats: int) -> tuple[float, float, float,
     sim_ms, phone_ms, ratio = _paired_ms(
         lambda: simulated.compress({"w": grad}, 0.0, 1),
         lambda: phone.compress({"w": flat}, policy, 0.0, 1, masks), repeats)
+    dgc = DGCCompressor(PLAIN)
+    _, _, dgc_ratio = _paired_ms(lambda: dgc.compress({"w": grad}),
+                                 lambda: phone.compress({"w": flat}, policy, 0.0, 1, masks),
+                                 repeats)
     payload = len(codec.encode(phone.compress({"w": flat}, policy, 0.0, 1, masks)))
-    return sim_ms, phone_ms, ratio, payload
+    return sim_ms, phone_ms, ratio, dgc_ratio, payload
 
 
 if __name__ == "__main__":

@@ -51,24 +51,53 @@ def select_exact(magnitude: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select_stable(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted flat int64 positions of the ``k`` largest entries of a flat finite tensor, ties
-    going to the lower position: the set ``torch.sort(values, descending=True,
-    stable=True).indices[:k]`` holds, found without sorting every entry.
+    """Sorted flat int64 positions of the ``k`` largest entries of a flat tensor, ties going to
+    the lower position: the set ``torch.sort(values, descending=True, stable=True).indices[:k]``
+    holds, found without sorting every entry. ValueError if ``values`` holds a NaN (no order).
 
-    A top-k gives the ``k``-th largest value; every entry above it is in, and the first entries
-    equal to it in position order fill the rest. The set does not depend on the platform's
-    top-k (which breaks ties as it likes), and on a 6.5M-entry model it costs a tenth of the
-    stable sort (docs/tasks.md, "A phone-sized model").
+    A top-k of ``k + 1`` entries holds every entry above its smallest. When that smallest is
+    below every other (no tie straddles the ``k``-th entry), the other ``k`` are the set, at
+    the cost of the top-k and a sort of ``k`` positions; otherwise the entries above the
+    ``k``-th value are in, and the first entries equal to it in position order fill the rest.
+    The set does not depend on the platform's top-k (which breaks ties as it likes), and on a
+    6.5M-entry model it costs a tenth of the stable sort (docs/tasks.md, "A phone-sized
+    model").
     """
     n = values.numel()
     if k >= n:
+        if n and bool(torch.isnan(values).any()):
+            raise ValueError(f"the values hold NaN at {_first_nan(values)}: no order to pick "
+                             f"the {k} largest by")
         return torch.arange(n, dtype=torch.int64, device=values.device)
     if k <= 0:
         return torch.empty(0, dtype=torch.int64, device=values.device)
-    kth = torch.topk(values, k, sorted=False).values.min()
-    above = nonzero_flat(values > kth)
-    ties = nonzero_flat(values == kth)[:k - above.numel()]
-    return torch.sort(torch.cat([above, ties])).values
+    top, idx = torch.topk(values, k + 1, sorted=False)
+    least, at = top.min(0)
+    if bool(torch.isnan(least)):  # torch.topk ranks NaN above every number: it is in the top
+        raise ValueError(f"the values hold NaN at {_first_nan(values)}: no order to pick the "
+                         f"{k} largest by")
+    at_least = top == least
+    if int(torch.count_nonzero(at_least)) == 1:  # no tie at the k-th: the (k+1)-th is below
+        idx[at] = idx[k]  # the last entry takes the (k+1)-th's place; the first k are the set
+        return torch.sort(idx[:k]).values
+    # The k-th value is the (k+1)-th's (``least``): a tie straddles the cut.
+    above = idx[~at_least]
+    return torch.sort(torch.cat([above, _first_equal(values, least, k - above.numel())])).values
+
+
+def _first_equal(values: torch.Tensor, target: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` positions of the flat ``values`` equal to ``target`` (there are as
+    many), read in chunks that double: ties near the start cost a pass over the start only."""
+    found, have, start, size = [], 0, 0, max(4096, 4 * count)
+    while have < count:
+        hits = torch.nonzero(values[start:start + size] == target).view(-1) + start
+        found.append(hits)
+        have, start, size = have + hits.numel(), start + size, 2 * size
+    return torch.cat(found)[:count]
+
+
+def _first_nan(values: torch.Tensor) -> int:
+    return int(torch.nonzero(torch.isnan(values))[0, 0])
 
 
 def sample_size(numel: int, density: float, sample_ratio: float) -> int:

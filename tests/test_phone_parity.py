@@ -164,9 +164,9 @@ def test_the_phones_qsgd_sends_a_simulated_clients_bytes(error_feedback):
     """``QuantizedEncoder`` (numpy on the phone) against qsgd's simulated client
     (``QSGDCompressor``): the same ``FGCQ`` bytes (norms, gaps, signs, levels) from the same
     draws of ``default_rng([client seed, round])``, round after round, with a last bucket cut
-    short, a tensor of zeros (norm 0) and one smaller than a bucket; a residual, folded back,
-    with error feedback only."""
-    from android_bridge.host_encoders import QuantizedEncoder, host_encoder
+    short, a tensor of zeros (norm 0), one smaller than a bucket and one the phone rounds in
+    two chunks (QSGD_CHUNK); a residual, folded back, with error feedback only."""
+    from android_bridge.host_encoders import QSGD_CHUNK, QuantizedEncoder, host_encoder
     from fedgc.methods.qsgd import LevelsCodec, qsgd_seed
     from fedgc.settings import RunConfig
 
@@ -179,7 +179,8 @@ def test_the_phones_qsgd_sends_a_simulated_clients_bytes(error_feedback):
     phone = host_encoder(task)
     assert isinstance(phone, QuantizedEncoder) and phone.seed == (6 << 32) + 5
     assert phone.keeps_residual == method.keeps_residual == error_feedback
-    shapes = {"fc1.weight": (30, 21), "fc1.bias": (30,), "zeros": (100,)}
+    shapes = {"fc1.weight": (30, 21), "fc1.bias": (30,), "zeros": (100,),
+              "chunks": (QSGD_CHUNK + 70,)}
     rng = np.random.default_rng(3)
     steps = []
     for _ in range(4):

@@ -19,7 +19,7 @@ from dgc import DecodeError, SparseTensor, SparseUpdate, StateError
 from dgc.signs.codec import encode_mask
 from dgc.signs.planner import SharedIndexPlanner
 from fedgc.methods import Bound, PayloadError, get, pending_parts
-from fedgc.methods.tcs import Budget, MaskedCodec, MaskedUpdate
+from fedgc.methods.tcs import Budget, MaskedCodec, MaskedUpdate, largest
 from fedgc.settings import RunConfig, SettingsError
 from simulations.cli import main
 
@@ -44,6 +44,85 @@ def _masks(seed: int = 1, k: int = 20) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"w": np.sort(rng.choice(2000, k, replace=False)).astype(np.int64),
             "out": np.sort(rng.choice(300, 9, replace=False)).astype(np.int64)}
+
+
+def _rule_before_issue_39(score: torch.Tensor, k: int) -> torch.Tensor:
+    """tcs.largest as written before its top-k path (the reference): the k-th value, every
+    entry above it, then the entries equal to it in position order."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    kth = torch.topk(score, k, sorted=False).values.min()
+    above = torch.nonzero(score > kth).reshape(-1)
+    tied = torch.nonzero(score == kth).reshape(-1)[:k - above.numel()]
+    return torch.sort(torch.cat([above, tied])).values
+
+
+def _tied_scores(rng: np.random.Generator, kind: int) -> tuple[np.ndarray, list[int]]:
+    """A score vector of one of five kinds and the k to try on it: continuous; few levels
+    (ties everywhere); a tie straddling a chosen k-th; ties inside the top and just below it
+    but not at the k-th; all equal. Sizes past 5000 may place the first tied entries beyond
+    select_stable's first chunk. Zeros and the mask's -1 (TCSCompressor's) among them."""
+    n = int(rng.integers(1, 2000)) if rng.random() < 0.8 else int(rng.integers(5000, 10_000))
+    score = rng.random(n).astype(np.float32)
+    ks = [0, 1, n - 1, n, int(rng.integers(0, n + 1))]
+    if kind == 1:
+        score = rng.choice(np.float32([-1.0, 0.0, 0.5, 1.0, 2.0]), n)
+    elif kind in (2, 3) and n >= 8:
+        where = rng.permutation(n)
+        above = int(rng.integers(0, n // 2))
+        tied = int(rng.integers(2, n - above + 1))
+        score[where[:above]] = 2.0 + rng.random(above).astype(np.float32)
+        if kind == 2:  # entries equal to the k-th on both sides of the cut
+            score[where[above:above + tied]] = 1.5
+            ks.append(above + int(rng.integers(1, tied)))
+        else:  # a tie inside the top, one just below the cut, none at the k-th
+            score[where[:above // 2]] = 2.5
+            score[where[above:above + tied]] = 1.5
+            ks += [above, above + tied]
+    elif kind == 4:
+        score = np.full(n, rng.choice(np.float32([0.0, -1.0, 0.25])), dtype=np.float32)
+    return score, ks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_largest_picks_the_set_of_its_rule_before_the_top_k_path_and_the_phones(seed):
+    """Issue 39: tcs.largest takes torch.topk's set and resolves only a tie straddling the
+    k-th; on 100 vectors a seed, with ties forced at the cut, inside and outside the top, all
+    equal, k = 0 and k = n, it picks the set of the rule it replaced, of a stable descending
+    sort and of the phone's numpy rule (android_bridge.host_encoders.largest_positions)."""
+    from android_bridge.host_encoders import largest_positions
+
+    # The tie's first entries far past the first chunk select_stable reads them in.
+    late = torch.zeros(20_000)
+    late[:5], late[-3 - seed:] = 2.0, 1.0
+    assert largest(late, 6).tolist() == [0, 1, 2, 3, 4, 19_997 - seed]
+    rng = np.random.default_rng(seed)
+    for trial in range(100):
+        score, ks = _tied_scores(rng, trial % 5)
+        t = torch.from_numpy(score)
+        order = torch.sort(t, descending=True, stable=True).indices
+        for k in ks:
+            got = largest(t, k)
+            want = _rule_before_issue_39(t, k)
+            assert got.dtype == torch.int64 and torch.equal(got, want), (trial, score.size, k)
+            assert torch.equal(got, torch.sort(order[:k]).values), (trial, k)
+            assert largest_positions(score, k).tolist() == got.tolist(), (trial, k)
+
+
+def test_largest_refuses_nan_and_more_entries_than_there_are():
+    """A NaN has no place in the order (torch.topk ranks it first): refused wherever it is and
+    whatever k from 1 to n; k = 0 asks for nothing; k above the size is refused."""
+    score = torch.tensor([0.5, float("inf"), 0.0, 2.0, -1.0, 0.5])
+    for at in range(score.numel()):
+        bad = score.clone()
+        bad[at] = float("nan")
+        for k in range(1, score.numel() + 1):
+            with pytest.raises(ValueError, match=f"NaN at {at}"):
+                largest(bad, k)
+        assert largest(bad, 0).numel() == 0
+    assert largest(score, 2).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="7 largest of 6 entries"):
+        largest(score, 7)
 
 
 def test_the_budget_counts_the_mask_as_the_servers_planner_does():

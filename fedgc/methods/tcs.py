@@ -48,6 +48,7 @@ from dgc import (
     SparseUpdate,
     StateError,
 )
+from dgc.selection import select_stable
 from dgc.signs.codec import decode_mask
 from dgc.signs.planner import SharedIndexPlanner
 from dgc.sparse import VALUE_DTYPES
@@ -170,16 +171,16 @@ def cast_values(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def largest(score: torch.Tensor, k: int) -> torch.Tensor:
-    """The increasing int64 positions of the ``k`` largest entries of ``score``, ties at the
-    k-th largest to the lower positions: a rule a phone reproduces in any language (a top-k
-    kernel leaves the choice among ties unspecified); the set ``torch.topk`` picks whenever no
-    tie straddles the k-th entry."""
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.int64)
-    kth = torch.topk(score, k, sorted=False).values.min()
-    above = torch.nonzero(score > kth).reshape(-1)
-    tied = torch.nonzero(score == kth).reshape(-1)[:k - above.numel()]
-    return torch.sort(torch.cat([above, tied])).values
+    """The increasing int64 positions of the ``k`` largest entries of the flat ``score``, ties
+    at the k-th largest to the lower positions: a rule a phone reproduces in any language (a
+    top-k kernel leaves the choice among ties unspecified); the set ``torch.topk`` picks
+    whenever no tie straddles the k-th entry, and at its cost then
+    (:func:`dgc.selection.select_stable`, which resolves only such a tie). No position for
+    ``k <= 0``; ValueError for ``k`` above ``score``'s size or a NaN in it."""
+    if k > score.numel():
+        raise ValueError(f"the {k} largest of {score.numel()} entries asked for: k must be at "
+                         f"most the entries' count")
+    return select_stable(score, k)
 
 
 class TCSCompressor(ResidualCompressor):
