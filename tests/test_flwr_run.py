@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -45,29 +44,11 @@ def test_app_config_holds_every_key_with_the_clis_default():
 
 @pytest.fixture(scope="module")
 def app_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The files of the project that ``flwr run .`` bundles (Flower's own rules, .gitignore's
-    included), copied to a folder of their own.
+    """The project's app as ``python -m simulations flwr`` stages it (the files Flower keeps,
+    copied: ``tests/test_flwr_app.py``), once for the module's runs."""
+    from simulations.flwr_app import stage_app
 
-    ``flwr run`` on the project folder walks every file under it before filtering, the
-    virtualenv's 60,000 included, and resolves each path: 12-16 s of CPU a run. The runs of
-    this module bundle the copy instead, the same files; the wrapper's test below still runs
-    on the project folder itself."""
-    from flwr.cli.utils import filter_paths_for_publish
-
-    skipped = {Path(sys.prefix).resolve(), (ROOT / ".git").resolve()}
-    files: dict[str, Path] = {}
-    for folder, subfolders, names in os.walk(ROOT):
-        # Only the virtualenv and git's folder are left unwalked: the filter decides the rest.
-        subfolders[:] = [d for d in subfolders if (Path(folder) / d).resolve() not in skipped]
-        for name in names:
-            path = Path(folder) / name
-            if not path.is_symlink():  # Flower's collect_files skips links too
-                files[path.relative_to(ROOT).as_posix()] = path
-    app = tmp_path_factory.mktemp("flwr_app")
-    for relative in filter_paths_for_publish(files):
-        (app / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / relative, app / relative)
-    return app
+    return stage_app(ROOT, tmp_path_factory.mktemp("flwr_app"))
 
 
 def _free_port() -> int:
@@ -279,8 +260,8 @@ def test_the_flwr_command_sizes_the_federation_and_passes_only_the_given_keys(tm
                      "results_dir": str(Path("rel").resolve()),
                      "run_name": config.server.run_name,
                      "state_dir": str(config.state_dir.resolve())}
-    command = flwr_command(given, config.train.num_clients)
-    assert command[1:5] == ["run", str(ROOT), "--stream", "--federation-config"]
+    command = flwr_command(tmp_path, given, config.train.num_clients)
+    assert command[1:5] == ["run", str(tmp_path), "--stream", "--federation-config"]
     assert command[5] == "num-supernodes=7"
     pairs = tomllib.loads(command[-1].replace(" ", "\n"))
     assert flatten(pairs) == given
