@@ -3,7 +3,10 @@ and a bad ``-c`` key or value.
 
 The runs go through Flower's real path: ``flwr run`` builds the app bundle, submits it to a local
 SuperLink (started here, on free ports, with its own ``FLWR_HOME``, and stopped afterwards), whose
-``flwr-simulation`` process runs ``server.app:app`` and ``client.app:app`` on Ray.
+``flwr-simulation`` process runs ``server.app:app`` and ``client.app:app`` on Ray. Each bundles
+the project's app as ``python -m simulations flwr`` stages it (``tests/test_flwr_app.py``: the
+same FAB). The one run that trains is the wrapper's (``wrapped``), which two tests read: the
+command's own behaviour, and the keys that reached the ServerApp through ``-c``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ import tomllib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -45,29 +48,11 @@ def test_app_config_holds_every_key_with_the_clis_default():
 
 @pytest.fixture(scope="module")
 def app_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The files of the project that ``flwr run .`` bundles (Flower's own rules, .gitignore's
-    included), copied to a folder of their own.
+    """The project's app as ``python -m simulations flwr`` stages it (the files Flower keeps,
+    copied: ``tests/test_flwr_app.py``), once for the module's runs."""
+    from simulations.flwr_app import stage_app
 
-    ``flwr run`` on the project folder walks every file under it before filtering, the
-    virtualenv's 60,000 included, and resolves each path: 12-16 s of CPU a run. The runs of
-    this module bundle the copy instead, the same files; the wrapper's test below still runs
-    on the project folder itself."""
-    from flwr.cli.utils import filter_paths_for_publish
-
-    skipped = {Path(sys.prefix).resolve(), (ROOT / ".git").resolve()}
-    files: dict[str, Path] = {}
-    for folder, subfolders, names in os.walk(ROOT):
-        # Only the virtualenv and git's folder are left unwalked: the filter decides the rest.
-        subfolders[:] = [d for d in subfolders if (Path(folder) / d).resolve() not in skipped]
-        for name in names:
-            path = Path(folder) / name
-            if not path.is_symlink():  # Flower's collect_files skips links too
-                files[path.relative_to(ROOT).as_posix()] = path
-    app = tmp_path_factory.mktemp("flwr_app")
-    for relative in filter_paths_for_publish(files):
-        (app / relative).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / relative, app / relative)
-    return app
+    return stage_app(ROOT, tmp_path_factory.mktemp("flwr_app"))
 
 
 def _free_port() -> int:
@@ -150,24 +135,6 @@ def _flwr_run(env: dict[str, str], app: Path, config: str, supernodes: int = 3
 
 
 SMALL = "task='digits' num_clients=3 clients_per_round=2 rounds=2 seed=1"
-
-
-@pytest.mark.slow
-def test_flwr_run_trains_and_takes_dotted_keys(flwr_env, app_folder, tmp_path):
-    proc = _flwr_run(flwr_env, app_folder, f"{SMALL} dgc.shared_density=0 dgc.warmup_rounds=1 "
-                               f"results_dir='{tmp_path}' run_name='flwr'")
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-3000:]
-    run = tmp_path / "flwr"
-    with (run / "rounds.csv").open() as fh:
-        rows = list(csv.DictReader(fh))
-    assert [int(r["round"]) for r in rows] == [1, 2]
-    assert all(int(r["clients_aggregated"]) == 2 for r in rows)
-    config = json.loads((run / "summary.json").read_text())["config"]
-    # -c reached the ServerApp, dotted keys too; the other keys kept pyproject's defaults.
-    assert (config["dgc.shared_density"], config["dgc.warmup_rounds"]) == (0.0, 1)
-    assert (config["num_clients"], config["lr"], config["local_epochs"]) == (3, 0.1, 2)
-    assert "fraction_evaluate is set to 0.0" not in output  # fedgc.flower_log.drop_noise
 
 
 @pytest.mark.slow
@@ -279,36 +246,68 @@ def test_the_flwr_command_sizes_the_federation_and_passes_only_the_given_keys(tm
                      "results_dir": str(Path("rel").resolve()),
                      "run_name": config.server.run_name,
                      "state_dir": str(config.state_dir.resolve())}
-    command = flwr_command(given, config.train.num_clients)
-    assert command[1:5] == ["run", str(ROOT), "--stream", "--federation-config"]
+    command = flwr_command(tmp_path, given, config.train.num_clients)
+    assert command[1:5] == ["run", str(tmp_path), "--stream", "--federation-config"]
     assert command[5] == "num-supernodes=7"
     pairs = tomllib.loads(command[-1].replace(" ", "\n"))
     assert flatten(pairs) == given
 
 
-@pytest.mark.slow
-def test_python_m_simulations_flwr_from_a_fresh_flwr_home(tmp_path):
-    """The wrapper starts the local SuperLink `flwr run` would start, runs, reports the run's
-    status as its own, and stops the SuperLink and everything it started."""
+class WrappedRun(NamedTuple):
+    """One ``python -m simulations flwr`` run from a fresh ``FLWR_HOME``, for the tests below."""
+
+    proc: subprocess.CompletedProcess[str]
+    output: str
+    run: Path
+    left: list[int]  # processes with the run's FLWR_HOME that outlived the command (killed)
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory: pytest.TempPathFactory) -> WrappedRun:
+    """The wrapper's run, once for the module (each run costs a SuperLink's start, a
+    ``flwr-simulation`` and a Ray instance): its own tests read the command's behaviour, the
+    training test what reached the ServerApp through ``-c``."""
+    tmp_path = tmp_path_factory.mktemp("wrapped")
     home = tmp_path / "flwr_home"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLWR_HOME": str(home),
            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
            "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()), "FLWR_DISABLE_UPDATE_CHECK": "1"}
     argv = [sys.executable, "-m", "simulations", "flwr"]
     for kv in ("task=digits", "num_clients=3", "clients_per_round=2", "rounds=2",
+               "dgc.shared_density=0", "dgc.warmup_rounds=1",
                f"results_dir={tmp_path / 'results'}", "run_name=wrapped"):
         argv += ["--set", kv]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=400)
-    output = proc.stdout + proc.stderr
-    try:
-        assert proc.returncode == 0, output[-3000:]
-        assert "started a local SuperLink" in output and "num-supernodes=3" in output
-        rows = list(csv.DictReader((tmp_path / "results" / "wrapped" / "rounds.csv").open()))
-        assert [int(r["round"]) for r in rows] == [1, 2]
-        assert "final acc" in output  # the summary table, as `run` prints it
-    finally:
-        left = _processes_with(f"FLWR_HOME={home}")
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-    assert left == [], "the SuperLink, or a process it started, outlived the command"
+    left = _processes_with(f"FLWR_HOME={home}")
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return WrappedRun(proc, proc.stdout + proc.stderr, tmp_path / "results" / "wrapped", left)
+
+
+@pytest.mark.slow
+def test_python_m_simulations_flwr_from_a_fresh_flwr_home(wrapped):
+    """The wrapper starts the local SuperLink `flwr run` would start, runs, reports the run's
+    status as its own, and stops the SuperLink and everything it started."""
+    output = wrapped.output
+    assert wrapped.proc.returncode == 0, output[-3000:]
+    assert "started a local SuperLink" in output and "num-supernodes=3" in output
+    rows = list(csv.DictReader((wrapped.run / "rounds.csv").open()))
+    assert [int(r["round"]) for r in rows] == [1, 2]
+    assert "final acc" in output  # the summary table, as `run` prints it
+    assert wrapped.left == [], "the SuperLink, or a process it started, outlived the command"
+
+
+@pytest.mark.slow
+def test_flwr_run_trains_and_takes_dotted_keys(wrapped):
+    """Through `flwr run`'s -c (as the wrapper passes the keys given): the run trains, dotted
+    keys reach the ServerApp, the keys not given keep pyproject's app config."""
+    assert wrapped.proc.returncode == 0, wrapped.output[-3000:]
+    with (wrapped.run / "rounds.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["round"]) for r in rows] == [1, 2]
+    assert all(int(r["clients_aggregated"]) == 2 for r in rows)
+    config = json.loads((wrapped.run / "summary.json").read_text())["config"]
+    assert (config["dgc.shared_density"], config["dgc.warmup_rounds"]) == (0.0, 1)
+    assert (config["num_clients"], config["lr"], config["local_epochs"]) == (3, 0.1, 2)
+    assert "fraction_evaluate is set to 0.0" not in wrapped.output  # flower_log.drop_noise

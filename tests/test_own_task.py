@@ -194,9 +194,12 @@ def test_the_example_readme_names_the_callable(examples_path: None) -> None:
 @pytest.mark.slow
 def test_own_task_on_the_ray_engine(tmp_path: Path, examples_path: None,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray's workers import the task's module from PYTHONPATH, as the README documents."""
+    """Ray's workers import the task's module from PYTHONPATH, as the README documents.
+
+    One Ray CPU, so one ClientApp actor (each imports torch and fedgc: seconds of CPU): the one
+    worker trains both clients, and a worker without the module on its path fails the round."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(EXAMPLES)]))
-    argv = ["run", "--set", "sim.engine=ray", "--set", "sim.num_cpus=2", "--set",
+    argv = ["run", "--set", "sim.engine=ray", "--set", "sim.num_cpus=1", "--set",
             "num_clients=2", "--set", "clients_per_round=2", "--set", "rounds=1",
             "--set", "progress=false", "--set", f"results_dir={tmp_path}",
             "--set", f"task={OWN}", "--set", 'task_options={"num_train": 200, "num_test": 100}',

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from server.results import ROUND_COLUMNS, SUMMARY_KEYS
 from simulations.cli import main, parse_sets
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -124,17 +118,11 @@ def test_demo_is_the_default_scenario_with_default_client_settings():
 
 
 @pytest.mark.slow
-def test_flower_simulation_end_to_end(tmp_path):
-    """The real engine: Ray actors run the ClientApp; accuracy rises; files have the schema."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "simulations", "run", "--set", f"results_dir={tmp_path}",
-           "--set", "run_name=e2e", "--set", "task=digits", "--set", "num_clients=8",
-           "--set", "clients_per_round=4", "--set", "rounds=5", "--set", "lr=0.1",
-           "--set", "density=0.01", "--set", "dgc.warmup_rounds=2",
-           "--set", "sim.cpus_per_client=1"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def test_flower_simulation_end_to_end(digits_on_ray):
+    """The real engine: Ray actors run the ClientApp; accuracy rises; files have the schema
+    (the session's run of conftest.DIGITS_ON_RAY, in its own process)."""
+    proc, run_dir = digits_on_ray.proc, digits_on_ray.folder
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = tmp_path / "e2e"
     rows = list(csv.DictReader((run_dir / "rounds.csv").open()))
     assert set(ROUND_COLUMNS) <= set(rows[0]) and len(rows) == 5
     acc = [float(r["accuracy"]) for r in rows]
