@@ -13,7 +13,8 @@ One train message, in order:
 4. load the run's method's compressor with this client's residual; if the previous update was
    not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
    residual with the compressor's ``restore``, as much of it as the method's ``unaggregated``
-   keeps (whole, decayed by its age, capped, or none); the method may age that residual and
+   keeps (whole, decayed by its age, capped, or none; the age in rounds, in model versions
+   when an asynchronous dispatch says ``age_in_versions``); the method may age that residual and
    move the model training starts from (:meth:`fedgc.methods.RoundMaterial.prepare`);
 5. train locally and form the pseudo-gradient ``global - local`` (against the model sent; a
    hostile client of a robustness study, ``attack.clients``, replaces it with its attack:
