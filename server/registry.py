@@ -168,10 +168,18 @@ class ClientRegistry:
         return node_ids
 
     def identify(self, grid: Grid, node_ids: list[int], timeout: float) -> None:
-        """Ask every node not yet known for its client key (one query message each)."""
+        """Ask every node not yet known for its client key (one query message each).
+
+        A key another node served before is now served by a new SuperNode process (a crashed
+        node back under a new node id): the run config the old one held lived in Flower's
+        context, which a new process starts without, so the server forgets that the key holds
+        it and sends it whole at once (else the client's first round back fails with
+        :data:`fedgc.protocol.CONFIG_MISSING`, seen in a deployment's crash test).
+        """
         unknown = [n for n in node_ids if n not in self.node_keys and n not in self.refused]
         if not unknown:
             return
+        served = set(self.node_keys.values())
         messages = [Message(RecordDict({P.CONFIG: ConfigRecord({"ask": P.CLIENT_KEY})}),
                             dst_node_id=n, message_type=MessageType.QUERY) for n in unknown]
         for msg in grid.send_and_receive(messages, timeout=timeout):
@@ -187,6 +195,8 @@ class ClientRegistry:
                 log(WARNING, "node %d sent no client key (got %.80r)", node, key)
                 continue
             if not self._refuse(node, key):
+                if key in served:
+                    self.config_held.pop(key, None)
                 self.node_keys[node] = key
         missing = len([n for n in unknown if n not in self.node_keys])
         if missing:

@@ -15,7 +15,7 @@ from fedgc import protocol as P
 from fedgc.settings import RunConfig, SettingsError, parse_client_nodes
 from server.app import run_server
 from server.local_grid import LocalGrid
-from server.registry import ClientRegistry
+from server.registry import ClientRegistry, RoundOutcome
 
 
 def _claiming(claims: dict[int, object], asked: list[int] | None = None) -> ClientApp:
@@ -80,6 +80,25 @@ def test_without_binding_a_node_may_take_another_clients_key() -> None:
     assert registry.nodes_by_key([101, 102, 666]) == {0: 101, 1: 102}
     registry.register({666: 1})
     assert registry.nodes_by_key([101, 102, 666]) == {0: 101, 1: 102}
+
+
+def test_a_key_back_under_a_new_node_id_is_sent_the_config_whole() -> None:
+    """A crashed SuperNode comes back under a new node id with a new Flower context, which
+    holds no run config: the server must not name the config by digest alone to it (its first
+    round back failed with CONFIG_MISSING in the deployment's crash test), while a client whose
+    node did not change keeps being sent the digest only."""
+    grid = LocalGrid(_claiming({2: 1}), 3, seed=1)  # partition 2's node is client 1, restarted
+    grid.keys_are_partitions = False  # nodes that say their keys, as a deployment's do
+    registry = ClientRegistry(seed=0)
+    registry.bind(num_clients=2)
+    registry.identify(grid, [_node(grid, 0), _node(grid, 1)], timeout=30)
+    registry.settle(1, [RoundOutcome(0, "aggregated"), RoundOutcome(1, "aggregated")], 1,
+                    config_digest="d1")
+    assert registry.holds_config(0, "d1") and registry.holds_config(1, "d1")
+    registry.identify(grid, [_node(grid, 0), _node(grid, 2)], timeout=30)  # node 1 is gone
+    assert registry.nodes_by_key([_node(grid, 0), _node(grid, 2)]) == {0: _node(grid, 0),
+                                                                       1: _node(grid, 2)}
+    assert registry.holds_config(0, "d1") and not registry.holds_config(1, "d1")
 
 
 def test_with_client_nodes_a_node_is_the_key_it_is_bound_to() -> None:

@@ -139,6 +139,13 @@ def test_serverapp_killed_mid_run_resumes_from_its_checkpoint(
         assert torch.equal(final[k], expected[k]), f"{k} differs from the uninterrupted run"
 
 
+def _train_rounds(log: str) -> set[int]:
+    """The rounds of the train messages a SuperNode's log shows it received (the round is the
+    message's group id, logged on receipt)."""
+    return {int(r) for r in re.findall(r"\[RUN \d+, ROUND (\d+)\]\s*\n.*Receiving: train message",
+                                       log)}
+
+
 def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     deployment: Callable[..., Deployment], tmp_path: Path
 ) -> None:
@@ -167,43 +174,75 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     node = dep.supernodes[1]
     # Train messages carry their round as group id, which the SuperNode logs on receipt. (An
     # offset into the log taken once round 1 was stored raced: a starved test process could
-    # take it after round 2 had arrived, and then killed the node in round 3.)
-    round_2 = re.compile(r"\[RUN \d+, ROUND 2\]\s*\n.*Receiving: train message")
-    # Round 1 may last its whole deadline (a reply lost on the link).
-    _wait_for(lambda: round_2.search(node.log_text(since_start=False)) is not None,
-              400 + deadline_s, "node 1 to receive its round-2 train message", poll_s=0.05)
+    # take it after round 2 had arrived, and then killed the node in round 3.) The node is
+    # killed as the first train message of round 2 or later reaches it: the link can lose a
+    # pull (the SuperLink hands a message out once; seen under heavy load, round 2's never
+    # arrived), and round 1 may last its whole deadline and more (a reply lost on the link).
+    def received() -> set[int]:
+        return {r for r in _train_rounds(node.log_text(since_start=False)) if r >= 2}
+
+    _wait_for(lambda: bool(received()), 400 + 2 * (deadline_s + 120),
+              "node 1 to receive a train message of round 2 or later", poll_s=0.05)
     crashed_id = dep.node_id(1)
     dep.kill_supernode(1)  # mid-round: its ClientApp is starting or training
     assert not node.group_alive()
-    # The crash comes as the round-2 message arrives, almost always before the reply is stored
-    # (then it was never sent). A test process starved for the seconds a ClientApp takes to
-    # start and train (seen in CI) kills it later: the reply may then be stored, and sent or
-    # not. Either way no update may be lost or applied twice, which is what follows checks.
+    crash_round = max(received())  # the round it was in when killed
+    assert crash_round < rounds, f"the link lost node 1's train messages of rounds 2-{rounds - 1}"
+    # The crash comes as the message arrives, almost always before the reply is stored (then it
+    # was never sent). A test process starved for the seconds a ClientApp takes to start and
+    # train (seen in CI) kills it later: the reply may then be stored, and sent or not. Under
+    # heavy load the client may also not have answered any earlier round (the link lost its
+    # reply to round 1's identification query, so round 1 ran without it). Whatever the case,
+    # no update may be lost or applied twice, which is what follows checks.
     answered = _stored_round(store, 1)
-    assert answered in (1, 2), answered
-    # Bring it back once the SuperLink has noticed (missed heartbeats), which also ends round 2.
+    assert 0 <= answered <= crash_round, (answered, crash_round)
+    # Bring it back once the SuperLink has noticed (missed heartbeats), which also ends the
+    # crash round.
     _wait_for(lambda: dep.node_statuses().get(crashed_id) != "online", 200,
               "the SuperLink to mark the crashed node offline", poll_s=3.0)
+    restarted_at = len(node.log_text(since_start=False))
     dep.start_supernode(1)
     dep.wait_supernode(1, timeout_s=120)
 
-    # Rounds 2-5, each up to its deadline plus Flower's pull retries past it (up to ~110 s seen),
-    # and an identification query of the restarted node (probe_timeout 120 s).
+    # The rounds left, each up to its deadline plus Flower's pull retries past it (up to ~110 s
+    # seen), and an identification query of the restarted node (probe_timeout 120 s).
     run = finish_fedgc(dep, config, run_id, (rounds - 1) * (deadline_s + 120) + 180)
     assert run.result.ok, run.result.log[-3000:]
     clients = _rows(config.run_dir / "clients.csv")
     status = {(int(r["round"]), int(r["client_key"])): r["status"] for r in clients}
     reason = {(int(r["round"]), int(r["client_key"])): r["reason"] for r in clients}
-    if answered == 1:
-        # The crashed node's round-2 update never arrived: the SuperLink ended the wait (the
-        # node declared offline), or, on a loaded machine (make test's lanes at once), the
+    if answered < crash_round:
+        # The crashed node's update of that round never arrived: the SuperLink ended the wait
+        # (the node declared offline), or, on a loaded machine (make test's lanes at once), the
         # round's deadline came first.
-        assert (status[(2, 1)], "Node Unavailable" in reason[(2, 1)]) in (
-            ("error", True), ("timeout", False)), (status[(2, 1)], reason[(2, 1)])
-    else:
-        assert status[(2, 1)] in ("aggregated", "error"), reason[(2, 1)]
-    # The restarted node is served again.
-    assert "aggregated" in [status.get((r, 1)) for r in range(3, rounds + 1)], (answered, status)
+        assert (status[(crash_round, 1)], "Node Unavailable" in reason[(crash_round, 1)]) in (
+            ("error", True), ("timeout", False)), (status[(crash_round, 1)],
+                                                   reason[(crash_round, 1)])
+    else:  # stored, then sent or not: aggregated, or lost as above
+        assert status[(crash_round, 1)] in ("aggregated", "error", "timeout"), \
+            reason[(crash_round, 1)]
+    # The restarted node is served again: the server messages its new node id (its log since
+    # the restart shows a train message of a later round), and whatever came of those rounds
+    # is what the link or the deadline made of them, never the ClientApp failing nor the
+    # server refusing its reply. Its update is usually aggregated in a later round, but not
+    # always: in CI (three lanes at once on 2 cores, 2026-12-07) client 1 went unsampled in
+    # round 3 (1 client in a 224 s round: its identification query unanswered) and failed in
+    # rounds 4 and 5 (216 s and 23 s; the reasons were not printed then, they are now). The
+    # outage chain resets a connection every ~9 s, and Flower's SuperNode does not resend a
+    # reply whose push a reset broke (docs/deploy.md, findings). Requiring an aggregated
+    # update there made the test flaky; what fedgc owns is asserted: no reply lost to fedgc,
+    # none applied twice, fold-backs right.
+    later = _train_rounds(node.log_text(since_start=False)[restarted_at:])
+    later_rows = {r: (status[(r, 1)], reason[(r, 1)]) for r in range(crash_round + 1, rounds + 1)
+                  if (r, 1) in status}
+    why = (f"crash in round {crash_round}, answered {answered}, client 1 after the restart: "
+           f"{later_rows}, its log's rounds {sorted(later)}, restarts {dep.restarts}\n"
+           f"{dep.log_tails([1])[-3000:]}")
+    assert any(r > crash_round for r in later), why
+    for state, text in later_rows.values():
+        assert state in ("aggregated", "timeout", "error"), why
+        # A ClientApp's own exception reads "<class '...'>:<'...'>" (flwr's run_clientapp).
+        assert not text.startswith("<class ") and "load `ClientApp`" not in text, why
     aggregated = Counter((int(r["round"]), int(r["client_key"])) for r in clients
                          if r["status"] == "aggregated")
     assert max(aggregated.values()) == 1  # no update applied twice
