@@ -61,10 +61,14 @@ BASELINE, MOMENTUM_BASELINE = "sync-dense", "sync-fedavgm"
 DIP_WINDOW = 10
 
 
-def command(name: str, seed: int, rounds: int, results_dir: Path) -> list[str]:
-    """The ``python -m simulations run`` command line of run ``name`` on ``seed``."""
+def command(name: str, seed: int, rounds: int, results_dir: Path,
+            overrides: Sequence[str] = ()) -> list[str]:
+    """The ``python -m simulations run`` command line of run ``name`` on ``seed``;
+    ``overrides`` (``KEY=VALUE``) replace the scenario's keys in every run (a smaller study:
+    ``task=digits``)."""
     method, mode, scale = RUNS[name]
     return [sys.executable, "-m", "simulations", "run", *COMMON, *mode,
+            *(arg for kv in overrides for arg in ("--set", kv)),
             "--set", f"method={method}", "--set", f"seed={seed}", "--set", f"netem.seed={seed}",
             "--set", f"rounds={round(rounds * scale)}", "--set", f"results_dir={results_dir}",
             "--set", f"run_name={name}-s{seed}"]
@@ -83,18 +87,19 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
         return [{c: _float(r.get(c, "")) for c in COLUMNS} for r in csv.DictReader(f)]
 
 
-def run_study(names: Sequence[str], seeds: Sequence[int], rounds: int, out: Path) -> None:
+def run_study(names: Sequence[str], seeds: Sequence[int], rounds: int, out: Path,
+              overrides: Sequence[str] = ()) -> None:
     """Run each of ``names`` on each seed, one after the other (a run on every seed, then the
     next run: the baseline and the method on every seed come first), appending each to
     ``out``; a run whose folder exists (done, or being run by another job of the study) is
-    skipped."""
+    skipped. ``overrides``: keys set in every run (:func:`command`)."""
     results_dir = out.parent / "runs"
     for name in names:
         for seed in seeds:
             if (results_dir / f"{name}-s{seed}").exists():
                 print(f"{name} seed {seed}: already there, skipped", flush=True)
                 continue
-            cmd = command(name, seed, rounds, results_dir)
+            cmd = command(name, seed, rounds, results_dir, overrides)
             start = time.time()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             record = {"run": name, "seed": seed, "cut": rounds, "command": cmd[1:],
@@ -243,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--rounds", type=int, default=60,
                      help="the cut: rounds of every run (async dgc: 2.5x); default 60")
     run.add_argument("--out", type=Path, default=Path("results/study37/runs.jsonl"))
+    run.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="KEY=VALUE", help="a key of every run over the scenario's "
+                     "(repeatable; e.g. task=digits for a smaller study)")
     rep = sub.add_parser("report", help="the tables (markdown) and the plot, from the jsonl")
     rep.add_argument("jsonl", type=Path)
     rep.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG)")
@@ -255,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unknown:
         parser.error(f"--runs: unknown run(s) {unknown}; expected some of {list(RUNS)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    run_study(names, [int(s) for s in args.seeds.split(",")], args.rounds, args.out)
+    run_study(names, [int(s) for s in args.seeds.split(",")], args.rounds, args.out,
+              args.overrides)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ One train message, in order:
 4. load the run's method's compressor with this client's residual; if the previous update was
    not aggregated (the server's ``ack_sequence`` is not its sequence), fold it back into the
    residual with the compressor's ``restore``, as much of it as the method's ``unaggregated``
-   keeps (whole, decayed by its age, capped, or none); the method may age that residual and
+   keeps (whole, decayed by its age, capped, or none; the age in rounds, in model versions
+   when an asynchronous dispatch says ``age_in_versions``); the method may age that residual and
    move the model training starts from (:meth:`fedgc.methods.RoundMaterial.prepare`);
 5. train locally and form the pseudo-gradient ``global - local`` (against the model sent; a
    hostile client of a robustness study, ``attack.clients``, replaces it with its attack:
@@ -263,7 +264,29 @@ def _store(settings: TrainSettings, context: Context) -> ClientStateStore:
 def _int(config: ConfigRecord, key: str) -> int:
     if key not in config:
         raise ClientProtocolError(f"train message config lacks {key!r}")
-    return int(config[key])  # type: ignore[arg-type]
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ClientProtocolError(f"train message config has {key} = {value!r}: expected an "
+                                  f"integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise ClientProtocolError(f"train message config has {key} = {value!r}: expected an "
+                                  f"integer") from None
+
+
+def _age_in_versions(config: ConfigRecord, version: int) -> bool:
+    """Whether the server says (an asynchronous dispatch, :data:`fedgc.protocol.AGE_IN_VERSIONS`)
+    that an unaggregated update's age is counted in model versions; a value other than a
+    boolean, or a negative ``version`` with it, is a :class:`ClientProtocolError` naming it."""
+    flag = config.get(P.AGE_IN_VERSIONS, False)
+    if not isinstance(flag, bool):
+        raise ClientProtocolError(f"train message config has {P.AGE_IN_VERSIONS} = {flag!r}: "
+                                  f"expected true or false")
+    if flag and version < 0:
+        raise ClientProtocolError(f"train message config has {P.MODEL_VERSION} = {version}: "
+                                  f"expected a version >= 0 to age an unaggregated update by")
+    return flag
 
 
 def initial_model(task: Any, seed: int) -> dict[str, torch.Tensor]:
@@ -496,6 +519,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         raise ClientProtocolError(str(ex)) from ex
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
+    by_version = _age_in_versions(config, version)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     task = _task_or_refusal(s, allowed)  # before anything is written: a refusal writes nothing
@@ -549,10 +573,11 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
             compressor.load_state_dict(state.compressor)
             # An update the server never aggregated (deadline, lost link, rejected) goes back
             # into the residual as far as the method keeps it (Method.unaggregated: whole,
-            # decayed by its age, capped, or none).
+            # decayed by its age, capped, or none); an asynchronous dispatch ages it in model
+            # versions (applied steps), its sequences counting dispatches.
             restored = int(fold_back_pending(
                 compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
-                method, s, server_round))
+                method, s, server_round, version if by_version else None))
         away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
         if part is not None:
             start = part.prepare(s, compressor, global_state, away)

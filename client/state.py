@@ -431,7 +431,8 @@ class ClientState:
 
 def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, Any],
                       ack_sequence: int, shapes: Mapping[str, tuple[int, ...]],
-                      method: Method, train: TrainSettings, server_round: int) -> bool:
+                      method: Method, train: TrainSettings, server_round: int,
+                      model_version: int | None = None) -> bool:
     """Restore into ``compressor`` what the method keeps of a state's last update, unless the
     server aggregated it.
 
@@ -439,9 +440,12 @@ def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, 
     shared sign channel), the side part sent beside it (``pending_shared``) with the round
     material it answers (``pending_mask``). When the payload's sequence is not ``ack_sequence``
     they go back into the residual, scaled by the share the method's
-    :meth:`~fedgc.methods.Method.unaggregated` gives for its age (``server_round`` less the
-    round it was computed in) and its size: all of it, decayed, capped or none
-    (:mod:`fedgc.methods.unaggregated`). ``shapes`` gives each tensor's shape; the run's
+    :meth:`~fedgc.methods.Method.unaggregated` gives for its age and its size: all of it,
+    decayed, capped or none (:mod:`fedgc.methods.unaggregated`). The age is ``server_round``
+    less the round it was computed in; with ``model_version`` (an asynchronous dispatch, whose
+    sequences count dispatches, not steps) that version less the one the update trained on,
+    as the state recorded it (a record without it: the sequences'); at least 1 either way.
+    ``shapes`` gives each tensor's shape; the run's
     ``method`` reads the bytes (:func:`fedgc.methods.pending_parts`) with the run's ``train``
     settings. Returns whether anything was folded back (an unaggregated update discarded:
     False). ``state`` may be a store record (the emulator's stale policy works on those).
@@ -455,6 +459,9 @@ def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, 
     if sequence == ack_sequence:
         return False
     age = max(1, int(server_round) - int(sequence))
+    trained_on = None if state.reply is None else state.reply.get("model_version")
+    if model_version is not None and isinstance(trained_on, int):
+        age = max(1, int(model_version) - trained_on)
     share = fold_back(compressor, parts,
                       lambda folded, residual: method.unaggregated(train, age, folded, residual))
     return share > 0.0

@@ -79,6 +79,11 @@ DP_CLIP_BIT = "dp_clip_bit"
 SERVER_ROUND = "server-round"
 ACK_SEQUENCE = "ack_sequence"  # sequence of this client's last update that was aggregated; -1 none
 MODEL_VERSION = "model_version"  # version of the model in this message
+#: Set (True) in an asynchronous dispatch: the age of an update the server never aggregated is
+#: counted in model versions (applied steps: this message's version less the one the update
+#: trained on), not in sequences, of which the asynchronous loop uses one per dispatch (about
+#: ``async.buffer`` per applied step). Absent: in sequences, a synchronous run's rounds.
+AGE_IN_VERSIONS = "age_in_versions"
 DOWNLINK = "downlink"  # "dense" or "patch"
 BASE_VERSION = "base_version"  # the version a patch applies to (the newest of BASE_VERSIONS)
 BASE_VERSIONS = "base_versions"  # every version the patch applies to (the client may hold any)

@@ -20,7 +20,9 @@ Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation" (AIST
 A client's acknowledgement is the dispatch sequence of its last accepted reply, given as soon
 as the reply enters the buffer (it will be applied); a refused reply is not acknowledged, so
 an error-feedback client folds it back into its residual on its next dispatch, as after a
-synchronous round that did not take it (docs/async.md: DGC under staleness).
+synchronous round that did not take it (docs/async.md: DGC under staleness). Every dispatch
+says (``age_in_versions``) that the age of such an update is counted in model versions, that
+is in applied steps, not in dispatch sequences.
 
 Which reply comes next: under an extension's clock (the network emulator, each client on its
 own virtual timeline: download, compute, upload, drop-outs), the one that reaches the server
@@ -247,6 +249,11 @@ class AsyncLoop:
         for ext in self.extensions:
             ext.dispatch_at(self.now_s)
         wave, messages = st.train_messages(self.sequence, chosen, self.train_config)
+        for message in messages:
+            # The loop spends a dispatch sequence per fill (about K per applied step): a
+            # client ages an update the server never aggregated in model versions instead
+            # (docs/async.md, "The age of an unaggregated update").
+            message.content[P.CONFIG][P.AGE_IN_VERSIONS] = True
         # Serialized before the push: a grid may hand the message itself to its client.
         contents = [_serialize(m.content) for m in messages]
         now = time.monotonic()

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import MessageType
 
 from client.app import app as client_app
 from fedgc import methods
+from fedgc import protocol as P
 from fedgc.settings import RunConfig, SettingsError
 from server.app import run_server
 from server.async_loop import PULL_INTERVAL_MAX_S, pull_interval, staleness_weight
@@ -144,6 +146,34 @@ def test_stale_replies_are_refused_counted_and_folded_back(tmp_path: Path) -> No
     later = {r["client_key"] for r in refused}
     assert any(int(r["restored"]) > 0 for r in rows
                if r["client_key"] in later and r["status"] == "aggregated")
+
+
+class _SentConfigs(LocalGrid):
+    """The in-process grid, keeping the config of every train message pushed."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.configs: list[dict] = []
+
+    def push_messages(self, messages):  # noqa: ANN001, ANN201 - Grid's signature
+        messages = list(messages)
+        self.configs += [dict(m.content.config_records[P.CONFIG]) for m in messages
+                         if m.metadata.message_type == MessageType.TRAIN]
+        return super().push_messages(messages)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_async_dispatches_say_an_update_ages_in_model_versions(tmp_path: Path, mode: str) -> None:
+    """Issue 37: every async dispatch tells its client to age an unaggregated update in model
+    versions (its sequences count dispatches); a sync round's message says nothing, so its
+    clients compute what they did (tests/test_client_app.py checks both ages)."""
+    config = RunConfig.from_flat({**SMALL, "method": "dgc", "rounds": 2, "mode": mode,
+                                  "results_dir": str(tmp_path), "run_name": mode})
+    grid = _SentConfigs(client_app, 5)
+    run_server(grid, config)
+    assert len(grid.configs) >= 3
+    flags = [c.get(P.AGE_IN_VERSIONS) for c in grid.configs]
+    assert flags == ([True] * len(flags) if mode == "async" else [None] * len(flags))
 
 
 class KeyClock(RoundExtension):

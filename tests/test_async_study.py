@@ -24,6 +24,14 @@ def test_every_run_is_a_valid_simulations_run(name: str, tmp_path: Path) -> None
     assert ("unaggregated=discard" in command(name, 2, 60, tmp_path)) == name.endswith("discard")
     assert config.server.mode == ("async" if name.startswith("async") else "sync")
     assert netem.enabled and netem.seed == 2 and netem.protocol == "bridge-tls"
+    assert config.train.task == "mnist5k"
+
+
+def test_overrides_replace_the_scenarios_keys(tmp_path: Path) -> None:
+    args = _parser().parse_args(command("async-dgc", 1, 60, tmp_path, ["task=digits"])[3:])
+    config = build_config(args)
+    assert config.train.task == "digits" and config.server.mode == "async"
+    assert config.train.seed == 1
 
 
 def test_worst_dip_is_the_largest_fall_below_the_previous_ten_after_the_given_row() -> None:

@@ -36,9 +36,9 @@ def _settings(tmp_path, base: RunConfig | None = None, **kw) -> RunConfig:
 def _send(grid: LocalGrid, key: int, settings: RunConfig, server_round: int, ack: int,
           arrays: ArrayRecord, shared: bytes | None = None, **extra) -> Message:
     node = next(n for n, k in grid.partition_of.items() if k == key)
-    cfg = ConfigRecord({**settings.client_config(), P.SERVER_ROUND: server_round,
-                        P.MODEL_VERSION: 0,
-                        P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", **extra})
+    keys = {**settings.client_config(), P.SERVER_ROUND: server_round, P.MODEL_VERSION: 0,
+            P.ACK_SEQUENCE: ack, P.DOWNLINK: "dense", **extra}
+    cfg = ConfigRecord({k: v for k, v in keys.items() if v is not None})  # None: left out
     content = RecordDict({P.ARRAYS: arrays, P.CONFIG: cfg})
     if shared is not None:
         content[P.SHARED] = P.bytes_to_record(shared, P.SHARED_MASK)
@@ -305,6 +305,61 @@ def test_unacknowledged_signs_are_folded_back_with_the_update(tmp_path):
             expected = expected + pending_signs[k].reshape(-1)
         # dgc's default share of an unaggregated update one round old: half, signs included.
         torch.testing.assert_close(lost[k] - acked[k], 0.5 * expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_versions, share", [(True, 0.5), (False, 0.5 ** 10)],
+                         ids=["async", "sync"])
+def test_an_async_dispatch_ages_an_unaggregated_update_in_model_versions(tmp_path, in_versions,
+                                                                         share):
+    """Issue 37: under async the loop spends a dispatch sequence per fill, about K per applied
+    step. A client whose update (sequence 1, model version 0) was dropped, dispatched again
+    in the next step (sequence 11 with K = 10, model version 1), folds back dgc's default
+    ``0.5 ** 1`` of it when the dispatch says ``age_in_versions``; a message without it (a
+    sync round's) ages it in sequences as before: ``0.5 ** 10``."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    first = _send(grid, 0, s, 1, -1, _global())
+    pending = dgc.decode(P.record_to_bytes(first.content.array_records[P.UPDATE]),
+                         max_numel=dgc.wire.MAX_NUMEL).to_dense()
+    shutil.copytree(tmp_path / "state", tmp_path / "state_b")
+    s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
+    flag = {P.AGE_IN_VERSIONS: True} if in_versions else {}
+
+    def sent_plus_residual(settings, ack):
+        reply = _send(grid, 0, settings, 11, ack, _global(), **{P.MODEL_VERSION: 1, **flag})
+        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
+        resid = _residual(settings, "0")
+        return {k: sent[k].reshape(-1) + resid[k] for k in sent}
+
+    acked, lost = sent_plus_residual(s, 1), sent_plus_residual(s_b, -1)
+    for k in acked:
+        torch.testing.assert_close(lost[k] - acked[k], share * pending[k].reshape(-1), rtol=0,
+                                   atol=1e-6)
+    assert max(float(p.abs().max()) for p in pending.values()) > 1e-3  # the shares differ
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({P.AGE_IN_VERSIONS: "yes"}, "age_in_versions = 'yes'"),
+    ({P.AGE_IN_VERSIONS: True, P.MODEL_VERSION: -1}, "model_version = -1"),
+    ({P.AGE_IN_VERSIONS: True, P.MODEL_VERSION: 2.5}, "model_version = 2.5"),
+    ({P.AGE_IN_VERSIONS: True, P.MODEL_VERSION: "two"}, "model_version = 'two'"),
+    ({P.AGE_IN_VERSIONS: True, P.MODEL_VERSION: None}, "lacks 'model_version'"),
+], ids=["flag-not-bool", "negative", "float", "text", "missing"])
+def test_a_bad_version_or_age_flag_is_an_error_reply_that_changes_nothing(tmp_path, extra, says):
+    """The server is untrusted too: a version an async dispatch cannot age an update by (or a
+    flag that is not a boolean) is an error reply naming it, the client's state kept."""
+    grid = LocalGrid(client_app, 3)
+    s = _settings(tmp_path, method="dgc")
+    _send(grid, 2, s, 1, -1, _global())
+    before = ClientStateStore(s.train.state_dir).get("2")
+    residual = _residual(s, "2")
+    reply = _send(grid, 2, s, 2, -1, _global(), **extra)
+    assert reply.has_error() and says in reply.error.reason, reply.error.reason
+    after = ClientStateStore(s.train.state_dir).get("2")
+    assert torch.equal(after["pending"], before["pending"])
+    assert all(torch.equal(v, residual[k]) for k, v in _residual(s, "2").items())
 
 
 def test_a_re_sent_round_re_sends_the_same_signs(tmp_path):

@@ -50,13 +50,14 @@ class ClientKeys:
     unaggregated: str | None = setting(
         None, "unaggregated", "what an error-feedback client folds back into its residual of "
         "an update the server never aggregated (dropped, late, surplus, refused): keep (all of "
-        "it), decay (unaggregated_decay ** its age in rounds), cap (at most unaggregated_cap "
-        "times the residual's L2 norm) or discard; empty = the method's default",
+        "it), decay (unaggregated_decay ** its age in rounds, applied steps under mode = async), "
+        "cap (at most unaggregated_cap times the residual's L2 norm) or discard; empty = the "
+        "method's default",
         Check(choices=UNAGGREGATED), fallback="keep")
     unaggregated_decay: float | None = setting(
         None, "unaggregated_decay", "with unaggregated = decay: the share of an unaggregated "
-        "update kept per round since it was computed; empty = the method's default",
-        Check(0.0, 1.0), fallback=0.5)
+        "update kept per round (applied step under mode = async) since it was computed; empty = "
+        "the method's default", Check(0.0, 1.0), fallback=0.5)
     unaggregated_cap: float | None = setting(
         None, "unaggregated_cap", "with unaggregated = cap: the most an unaggregated update "
         "folded back may weigh, in L2 norms of the residual it joins; empty = the method's "

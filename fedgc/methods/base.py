@@ -227,8 +227,9 @@ class Method(Generic[S]):
                      residual_norm: float) -> float:
         """The share, in [0, 1], of an update the server never aggregated that a client folds
         back into its residual (``keeps_residual`` methods; the server's ``ack_sequence`` tells
-        the client). ``age``: rounds since the update was computed (>= 1); ``folded_norm``:
-        its L2 norm in the residual's space; ``residual_norm``: the residual's it joins. The
+        the client). ``age``: rounds (under async, applied steps) since the update was computed
+        (>= 1); ``folded_norm``: its L2 norm in the residual's space; ``residual_norm``: the
+        residual's it joins. The
         run's ``unaggregated`` keys decide here (:mod:`fedgc.methods.unaggregated`: keep,
         decay by age, cap, discard), with this method's ``defaults`` for them."""
         # The keys are filled (fill_fallbacks with this method's defaults) before a hook runs.

@@ -15,7 +15,8 @@ are those where dgc's accuracy fell 8-50 points (docs/dgc_vs_dense.md). The othe
 (the client key ``unaggregated``, each error-feedback method with its own default):
 
 * ``decay``: fold back ``unaggregated_decay ** age`` of it, ``age`` the rounds since it was
-  computed (1 when the client is sampled the next round): a stale update counts less;
+  computed (1 when the client is sampled the next round; under ``mode = async`` the applied
+  steps, model versions, since the model it trained on): a stale update counts less;
 * ``cap``: fold back at most ``unaggregated_cap`` times the L2 norm of the residual it joins
   (what the client's error feedback carries anyway), whatever its age;
 * ``discard``: fold back nothing (the client's residual goes on without it).
