@@ -265,14 +265,13 @@ def _int(config: ConfigRecord, key: str) -> int:
     if key not in config:
         raise ClientProtocolError(f"train message config lacks {key!r}")
     value = config[key]
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ClientProtocolError(f"train message config has {key} = {value!r}: expected an "
-                                  f"integer")
-    try:
-        return int(value)
-    except ValueError:
-        raise ClientProtocolError(f"train message config has {key} = {value!r}: expected an "
-                                  f"integer") from None
+    # A bool or a float is no integer here (int() would take True as 1 and cut 2.5 to 2).
+    if not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise ClientProtocolError(f"train message config has {key} = {value!r}: expected an integer")
 
 
 def _age_in_versions(config: ConfigRecord, version: int) -> bool:

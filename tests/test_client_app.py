@@ -81,6 +81,18 @@ def _residual(settings: RunConfig, key: str) -> dict[str, torch.Tensor]:
     return compressor.residual()
 
 
+def _sent_plus_residual(grid: LocalGrid, settings: RunConfig, server_round: int, ack: int,
+                        **extra) -> tuple[Message, dict[str, torch.Tensor]]:
+    """Client 0's reply to a train message, and what it sent plus its residual after it (flat,
+    per tensor): with the ack or without it, the difference is the share folded back."""
+    reply = _send(grid, 0, settings, server_round, ack, _global(), **extra)
+    assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+    sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
+                      max_numel=dgc.wire.MAX_NUMEL).to_dense()
+    resid = _residual(settings, "0")
+    return reply, {k: sent[k].reshape(-1) + resid[k] for k in sent}
+
+
 @pytest.mark.parametrize("small_density, ternary", [(0.0, False), (0.1, False), (0.1, True)])
 def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, ternary):
     """(sent + residual) without the ack exceeds the acked case by exactly the share of the
@@ -98,16 +110,10 @@ def test_unacknowledged_update_is_folded_back_exactly(tmp_path, small_density, t
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
     s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
 
-    def sent_plus_residual(settings, ack):
-        reply = _send(grid, 0, settings, 2, ack, _global())
-        assert reply.content.metric_records[P.METRICS].get(P.RESTORED, 0) == (0 if ack == 1 else 1)
-        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
-                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
-        resid = _residual(settings, "0")
-        return {k: sent[k].reshape(-1) + resid[k] for k in sent}
-
-    acked = sent_plus_residual(s, 1)
-    lost = sent_plus_residual(s_b, -1)
+    (acked_reply, acked), (lost_reply, lost) = (_sent_plus_residual(grid, s, 2, 1),
+                                                _sent_plus_residual(grid, s_b, 2, -1))
+    for reply, restored in ((acked_reply, 0), (lost_reply, 1)):
+        assert reply.content.metric_records[P.METRICS].get(P.RESTORED, 0) == restored
     p = pending.to_dense()
     for k in acked:
         torch.testing.assert_close(lost[k] - acked[k], 0.5 * p[k].reshape(-1), rtol=0,
@@ -291,14 +297,8 @@ def test_unacknowledged_signs_are_folded_back_with_the_update(tmp_path):
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
     s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
 
-    def sent_plus_residual(settings, ack):
-        reply = _send(grid, 0, settings, 2, ack, _global())
-        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
-                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
-        resid = _residual(settings, "0")
-        return {k: sent[k].reshape(-1) + resid[k] for k in sent}
-
-    acked, lost = sent_plus_residual(s, 1), sent_plus_residual(s_b, -1)
+    (_, acked), (_, lost) = (_sent_plus_residual(grid, s, 2, 1),
+                             _sent_plus_residual(grid, s_b, 2, -1))
     for k in acked:
         expected = pending[k].reshape(-1)
         if k in pending_signs:
@@ -323,17 +323,9 @@ def test_an_async_dispatch_ages_an_unaggregated_update_in_model_versions(tmp_pat
                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
     shutil.copytree(tmp_path / "state", tmp_path / "state_b")
     s_b = _settings(tmp_path, s, state_dir=str(tmp_path / "state_b"))
-    flag = {P.AGE_IN_VERSIONS: True} if in_versions else {}
-
-    def sent_plus_residual(settings, ack):
-        reply = _send(grid, 0, settings, 11, ack, _global(), **{P.MODEL_VERSION: 1, **flag})
-        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-        sent = dgc.decode(P.record_to_bytes(reply.content.array_records[P.UPDATE]),
-                          max_numel=dgc.wire.MAX_NUMEL).to_dense()
-        resid = _residual(settings, "0")
-        return {k: sent[k].reshape(-1) + resid[k] for k in sent}
-
-    acked, lost = sent_plus_residual(s, 1), sent_plus_residual(s_b, -1)
+    extra = {P.MODEL_VERSION: 1, **({P.AGE_IN_VERSIONS: True} if in_versions else {})}
+    (_, acked), (_, lost) = (_sent_plus_residual(grid, s, 11, 1, **extra),
+                             _sent_plus_residual(grid, s_b, 11, -1, **extra))
     for k in acked:
         torch.testing.assert_close(lost[k] - acked[k], share * pending[k].reshape(-1), rtol=0,
                                    atol=1e-6)
