@@ -57,6 +57,13 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "centered_clip_r05": {"aggregation": "centered_clip", "clip_radius": 0.5,
                           "max_weight_ratio": 1, "max_norm_ratio": 0},
     "fltrust": {"aggregation": "fltrust", "max_weight_ratio": 0, "max_norm_ratio": 0},
+    # Issue 35's probes of the deployed default's costs (docs/threat_model.md): the same with
+    # the claimed weights uncapped (what the median cap costs), with radius 2 (what clipping
+    # half the clients costs).
+    "on_uncapped": {"robust": "on", "max_weight_ratio": 0},
+    "on_r2": {"robust": "on", "clip_radius": 2},
+    # Bucketing (Karimireddy, He and Jaggi, ICLR 2022; s = 2) before the default's clipping.
+    "on_bucket2": {"robust": "on", "bucket_size": 2},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates

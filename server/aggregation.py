@@ -118,7 +118,8 @@ class Combine:
     """The combine stage: ``how`` = "mean" (weighted by the capped weights, each payload scaled
     by its clip factor) or one of :data:`ROBUST`: the coordinate-wise statistics (unweighted,
     ``trim_fraction`` for the trimmed mean), ``centered_clip`` (weighted, ``clip_radius``,
-    ``clip_iterations``; its center is kept across rounds, :meth:`state_dict`) or ``fltrust``
+    ``clip_iterations``, ``bucket_size`` (bucket means clipped instead of clients, their order
+    drawn from ``seed``); its center is kept across rounds, :meth:`state_dict`) or ``fltrust``
     (``root(shapes)``: the server's own update on its root set, flat float64 over the space;
     claimed weights are ignored).
 
@@ -137,7 +138,7 @@ class Combine:
     def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
                  clip_iterations: int = 3,
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
-                 min_cosine: float = -1.0) -> None:
+                 min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
@@ -147,7 +148,7 @@ class Combine:
         self.how, self.trim_fraction = how, float(trim_fraction)
         self.root = root
         self.min_cosine = float(min_cosine)
-        self.centered = CenteredClip(clip_radius, clip_iterations)
+        self.centered = CenteredClip(clip_radius, clip_iterations, bucket_size, seed)
         self._average = SparseAverage()
         #: The last call's updates the direction gate left out: index -> cosine.
         self.left_out: dict[int, float] = {}

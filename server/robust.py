@@ -24,7 +24,7 @@ from fedgc.schema import SettingsError
 from fedgc.task_loader import load_task
 from fedgc.training import round_seed, train_locally
 
-__all__ = ["CenteredClip", "ClientEntries", "RootUpdate", "client_entries", "cosines",
+__all__ = ["CenteredClip", "ClientEntries", "RootUpdate", "buckets", "client_entries", "cosines",
            "fltrust", "space_offsets"]
 
 #: One client's entries in the flat space: (sorted unique positions, float64 values).
@@ -79,6 +79,31 @@ def _distances(clients: Sequence[ClientEntries], center: torch.Tensor) -> list[f
     return out
 
 
+def buckets(clients: Sequence[ClientEntries], weights: Sequence[float], size: int,
+            generator: torch.Generator) -> tuple[list[ClientEntries], list[float]]:
+    """Bucketing (Karimireddy, He and Jaggi, "Byzantine-Robust Learning on Heterogeneous
+    Datasets via Bucketing", ICLR 2022): the clients in a random order (``generator``), cut
+    into buckets of ``size`` (the last one may be smaller), each bucket the weighted mean of its
+    clients with their weights' sum as its weight. A robust combine then sees bucket means,
+    closer to one another than the clients of skewed partitions are, so it clips fewer honest
+    ones; a hostile client's pull is diluted by its bucket's others. Sparse: a bucket's entries
+    are the union of its clients' positions."""
+    order = torch.randperm(len(clients), generator=generator).tolist()
+    out, out_weights = [], []
+    for start in range(0, len(order), size):
+        members = order[start:start + size]
+        total = float(sum(weights[i] for i in members))
+        if total <= 0:
+            continue
+        idx = torch.cat([clients[i][0] for i in members])
+        val = torch.cat([clients[i][1] * (float(weights[i]) / total) for i in members])
+        idx, inverse = torch.unique(idx, return_inverse=True)
+        out.append((idx, torch.zeros(idx.numel(), dtype=torch.float64)
+                    .index_add_(0, inverse, val)))
+        out_weights.append(total)
+    return out, out_weights
+
+
 class CenteredClip:
     """Centered clipping (Karimireddy, He and Jaggi, "Learning from History for Byzantine
     Robust Optimization", ICML 2021), weighted, with a radius relative to the round.
@@ -93,15 +118,24 @@ class CenteredClip:
     sends; with no client beyond ``tau`` a step is exactly the weighted mean (FedAvg). The
     radius follows the round's median distance, so it needs no tuning per task, and a minority
     cannot widen it. Each iteration costs O(space) for ``v`` and O(nonzeros) per client.
+
+    ``bucket_size`` above 1 clips bucket means instead of clients (:func:`buckets`), in an
+    order drawn from ``seed`` and the number of rounds combined so far (kept in the
+    checkpoint, so a resumed run draws what the uninterrupted one would).
     """
 
-    def __init__(self, radius_ratio: float = 1.0, iterations: int = 3) -> None:
+    def __init__(self, radius_ratio: float = 1.0, iterations: int = 3, bucket_size: int = 1,
+                 seed: int = 0) -> None:
         if not (math.isfinite(radius_ratio) and radius_ratio > 0):
             raise ValueError(f"radius_ratio must be a finite number > 0, got {radius_ratio!r}")
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations!r}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"bucket_size must be an integer >= 1, got {bucket_size!r}")
         self.radius_ratio, self.iterations = float(radius_ratio), int(iterations)
+        self.bucket_size, self.seed = bucket_size, int(seed)
         self.center: torch.Tensor | None = None  # flat float64, the space's size
+        self.draws = 0  # rounds bucketed so far: the next order's seed
 
     def __call__(self, clients: Sequence[ClientEntries], weights: Sequence[float],
                  size: int) -> torch.Tensor:
@@ -110,6 +144,11 @@ class CenteredClip:
         total = float(sum(weights))
         if not clients or total <= 0:
             raise dgc.AggregationError("total weight is zero; nothing to aggregate")
+        if self.bucket_size > 1:
+            # Seeded per round, not by a generator carried along: the state is one counter.
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.draws)
+            self.draws += 1
+            clients, weights = buckets(clients, weights, self.bucket_size, generator)
         shares = [float(w) / total for w in weights]
         v = self.center_of(size).clone()
         for _ in range(self.iterations):
@@ -139,13 +178,15 @@ class CenteredClip:
             self.center = aggregate.clone()
 
     def state_dict(self) -> dict[str, Any]:
-        """The center, for the checkpoint."""
-        return {"center": None if self.center is None else self.center.clone()}
+        """The center and the bucketing draws, for the checkpoint."""
+        return {"center": None if self.center is None else self.center.clone(),
+                "draws": self.draws}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`."""
+        """Continue from :meth:`state_dict` (one of before bucketing: no draws yet)."""
         center = state.get("center")
         self.center = None if center is None else torch.as_tensor(center, dtype=torch.float64)
+        self.draws = int(state.get("draws", 0))
 
 
 def cosines(clients: Sequence[ClientEntries], reference: torch.Tensor) -> list[float]:

@@ -168,7 +168,8 @@ class DGCStrategy(FedAvg):
         self.bounds = Bounds(s.max_weight_ratio, s.max_norm_ratio)
         self.root_update = RootUpdate(settings) if s.aggregation == "fltrust" else None
         self.combine = Combine(s.aggregation, s.trim_fraction, s.clip_radius, s.clip_iterations,
-                               root=self._root, min_cosine=s.min_cosine)
+                               root=self._root, min_cosine=s.min_cosine,
+                               bucket_size=s.bucket_size, seed=t.seed)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0

@@ -16,7 +16,7 @@ from fedgc.methods import SparsePayload
 from fedgc.settings import ROBUST_PROFILES, RunConfig, SettingsError
 from server.aggregation import Combine, trimmed_count
 from server.checkpoint import check_run_config
-from server.robust import CenteredClip, client_entries, fltrust, space_offsets
+from server.robust import CenteredClip, buckets, client_entries, fltrust, space_offsets
 
 SHAPES = {"w": (6, 5), "b": (7,)}
 SIZE = 37
@@ -179,6 +179,58 @@ def test_the_center_survives_a_checkpoint():
             assert not torch.equal(a["w"], c["w"])
 
 
+@pytest.mark.parametrize("k, size", [(6, 2), (7, 2), (7, 3)])
+def test_bucketed_centered_clip_clips_the_weighted_means_of_the_drawn_buckets(k, size):
+    """Bucketing (ICLR 2022): the clients in the drawn order, cut into buckets of ``size`` (the
+    last one smaller), each the weighted mean of its clients with their weights' sum; centered
+    clipping then runs on the buckets, as its dense definition does on their rows."""
+    g = torch.Generator().manual_seed(k + size)
+    clients = [_client(g, 0.4) for _ in range(k)]
+    weights = [float(w) for w in torch.randint(1, 50, (k,), generator=g)]
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(5 * 1_000_003)).tolist()
+    groups = [order[i:i + size] for i in range(0, k, size)]
+    rows = torch.stack([sum(weights[i] * _dense(clients[i]) for i in grp)
+                        / sum(weights[i] for i in grp) for grp in groups])
+    bucket_weights = [sum(weights[i] for i in grp) for grp in groups]
+    got_entries, got_weights = buckets(_entries(clients), weights, size,
+                                       torch.Generator().manual_seed(5 * 1_000_003))
+    assert got_weights == bucket_weights
+    dense = torch.stack([torch.zeros(SIZE, dtype=torch.float64).index_add_(0, i, v)
+                         for i, v in got_entries])
+    torch.testing.assert_close(dense, rows, rtol=0, atol=1e-12)
+    cc = CenteredClip(1.0, 3, bucket_size=size, seed=5)
+    got = cc(_entries(clients), weights, SIZE)
+    want = _centered_clip_dense(rows, bucket_weights, torch.zeros(SIZE, dtype=torch.float64),
+                                1.0, 3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    # A client alone in its bucket is clipped as without bucketing.
+    alone = CenteredClip(1.0, 3)(_entries(clients), weights, SIZE)
+    assert not torch.allclose(got, alone)
+
+
+def test_the_bucket_draws_survive_a_checkpoint_and_old_checkpoints_resume():
+    """A resumed bucketed combine draws the orders the uninterrupted one draws (the count of
+    rounds drawn is in its state); a state of before bucketing (no count) starts it at 0."""
+    g = torch.Generator().manual_seed(9)
+    rounds = [[SparsePayload(*(lambda c: (c[0], c[1:]))(_client(g, 0.5))) for _ in range(6)]
+              for _ in range(3)]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    going = Combine("centered_clip", bucket_size=2, seed=2)
+    going(rounds[0], weights, [1.0] * 6, SHAPES)
+    state = going.state_dict()
+    assert state["draws"] == 1
+    resumed = Combine("centered_clip", bucket_size=2, seed=2)
+    resumed.load_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
+    redrawn = Combine("centered_clip", bucket_size=2, seed=2)  # the center, not the count
+    redrawn.load_state_dict({"center": state["center"].clone()})
+    assert redrawn.centered.draws == 0
+    a = going(rounds[1], weights, [1.0] * 6, SHAPES)
+    b = resumed(rounds[1], weights, [1.0] * 6, SHAPES)
+    c = redrawn(rounds[1], weights, [1.0] * 6, SHAPES)
+    assert all(torch.equal(a[n], b[n]) for n in SHAPES)
+    assert not torch.equal(a["w"], c["w"])  # another draw: other pairs (seed 2: 03 14 25, 05 12 34)
+
+
 def test_robust_fills_the_aggregation_keys_left_empty():
     plain = RunConfig.from_flat({})
     assert plain.server.robust == "auto"
@@ -217,6 +269,7 @@ def test_an_attack_defaults_to_just_under_the_bounds_in_force():
     ({"aggregation": "krum"}, r"aggregation = 'krum' is outside"),
     ({"robust": "yes"}, r"robust = 'yes' is outside"),
     ({"clip_radius": 0}, r"clip_radius = 0.0 is outside"),
+    ({"bucket_size": 0}, r"bucket_size = 0 is outside"),
 ])
 def test_bad_robustness_keys_are_named(keys, message):
     with pytest.raises(SettingsError, match=message):

@@ -115,6 +115,10 @@ class ServerKeys:
                                  "center", Check(0.0, low_open=True))
     clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
                                    "clipping iterations per round", Check(1, 100))
+    bucket_size: int = setting(1, "bucket_size", "with aggregation = centered_clip: the "
+                               "clients, in a seeded random order each round, averaged in "
+                               "buckets of this many before clipping (Karimireddy et al. "
+                               "2022's bucketing); 1 = none", Check(1, 100))
     min_cosine: float | None = setting(
         None, "min_cosine", "a client's update is left out of the round (rejected, its "
         "method folds it back) when its cosine with the last round's aggregate (the direction "
