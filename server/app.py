@@ -249,7 +249,8 @@ def _serve(grid: Grid, config: RunConfig, started: float,
              s.min_cosine)
     if s.progress:
         trust = " (robust=on: deployed clients are not trusted)" if s.robust == "on" else ""
-        print(f"fedgc: {defences.describe(*guard)}{trust}", flush=True)
+        print(f"fedgc: {defences.describe(*guard, bucket_size=s.bucket_size)}{trust}",
+              flush=True)
         if strategy.privacy is not None:
             print(f"fedgc: {strategy.privacy.describe()}", flush=True)
     train_config = ConfigRecord(config.client_config())

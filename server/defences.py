@@ -99,7 +99,7 @@ class Bounds:
 
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
-             trim_fraction: float, min_cosine: float = -1.0) -> str:
+             trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1) -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -132,8 +132,13 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
                      f"aggregate (min_cosine={min_cosine:g})")
         plain.append("min_cosine=-1")
     if aggregation != "mean":
-        parts.append(f"updates combined by {how.get(aggregation, aggregation)} "
-                     f"(aggregation={aggregation})")
+        if aggregation == "centered_clip" and bucket_size > 1:
+            parts.append(f"updates combined by centered clipping around last round's aggregate "
+                         f"of bucket means, {bucket_size} random clients each "
+                         f"(aggregation={aggregation}, bucket_size={bucket_size})")
+        else:
+            parts.append(f"updates combined by {how.get(aggregation, aggregation)} "
+                         f"(aggregation={aggregation})")
         plain.append("aggregation=mean")
     if not parts:
         return "defences: none, plain FedAvg (the weighted mean of the updates)"

@@ -177,3 +177,7 @@ def test_plain_fedavg_says_so():
         "left out below cosine 0 with last round's aggregate (min_cosine=0); updates combined "
         "by centered clipping around last round's aggregate (aggregation=centered_clip); plain "
         "FedAvg would take max_weight_ratio=0 min_cosine=-1 aggregation=mean")
+    assert describe(0, 0, "centered_clip", 0.1, bucket_size=2) == (  # bucketing: issue 35
+        "defences: updates combined by centered clipping around last round's aggregate of "
+        "bucket means, 2 random clients each (aggregation=centered_clip, bucket_size=2); plain "
+        "FedAvg would take aggregation=mean")
