@@ -64,6 +64,8 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "on_r2": {"robust": "on", "clip_radius": 2},
     # Bucketing (Karimireddy, He and Jaggi, ICLR 2022; s = 2) before the default's clipping.
     "on_bucket2": {"robust": "on", "bucket_size": 2},
+    # The direction gate judging by this round's own centered clipping, not history alone.
+    "on_gate_round": {"robust": "on", "gate_reference": "round"},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates

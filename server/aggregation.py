@@ -21,7 +21,7 @@ import torch
 
 import dgc
 from dgc import SparseUpdate
-from fedgc.keys.server import AGGREGATIONS
+from fedgc.keys.server import AGGREGATIONS, GATE_REFERENCES
 from fedgc.methods import Payload
 from server.robust import CenteredClip, client_entries, cosines, fltrust, space_offsets
 
@@ -132,19 +132,26 @@ class Combine:
     used as a filter before the combine, as FLAME filters by direction (Nguyen et al., USENIX
     Security 2022), with history as the trusted direction instead of the server's own data;
     this round's clients cannot turn it. Without history (round 1) nothing is left out. The
-    combined result is the next round's center whatever ``how`` is.
+    combined result is the next round's center whatever ``how`` is. ``gate_reference =
+    "round"`` judges by this round's centered clipping of every update from history instead
+    (the majority's direction now: a minority that got in once cannot turn it).
     """
 
     def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
                  clip_iterations: int = 3,
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
-                 min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0) -> None:
+                 min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0,
+                 gate_reference: str = "history") -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
             raise ValueError("aggregation = fltrust needs the server's root update (root)")
         if not -1.0 <= min_cosine <= 1.0:
             raise ValueError(f"min_cosine must be in [-1, 1], got {min_cosine!r}")
+        if gate_reference not in GATE_REFERENCES:
+            raise ValueError(f"gate_reference must be one of {list(GATE_REFERENCES)}, got "
+                             f"{gate_reference!r}")
+        self.gate_reference = gate_reference
         self.how, self.trim_fraction = how, float(trim_fraction)
         self.root = root
         self.min_cosine = float(min_cosine)
@@ -170,7 +177,12 @@ class Combine:
         clients = [client_entries(p.parts(), f, offsets)
                    for p, f in zip(payloads, factors, strict=True)]
         reference = self.centered.center_of(size)
-        # No history yet (round 1): nothing to judge by, nothing left out.
+        if self.gate_reference == "round" and sum(weights) > 0:
+            # This round's clipped combine of every update, from history: its majority's
+            # direction. Judged against history alone, a minority let in once turns history
+            # its way, and the gate then leaves out the honest clients (issue 35's sign flip).
+            reference = self.centered.clip(clients, weights, reference)
+        # No reference yet (round 1 judged by history): nothing to judge by, nothing left out.
         judged = cosines(clients, reference) if bool(reference.any()) else [1.0] * len(clients)
         below = sorted((i for i, cos in enumerate(judged) if cos < self.min_cosine),
                        key=lambda i: judged[i])

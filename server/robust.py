@@ -149,8 +149,17 @@ class CenteredClip:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.draws)
             self.draws += 1
             clients, weights = buckets(clients, weights, self.bucket_size, generator)
+        v = self.clip(clients, weights, self.center_of(size))
+        self.remember(v)
+        return v
+
+    def clip(self, clients: Sequence[ClientEntries], weights: Sequence[float],
+             center: torch.Tensor) -> torch.Tensor:
+        """Step 2 of the algorithm from ``center`` (unchanged; nothing kept, nothing drawn):
+        the clipped weighted combine of ``clients`` (weights totalling above 0)."""
+        total = float(sum(weights))
         shares = [float(w) / total for w in weights]
-        v = self.center_of(size).clone()
+        v = center.clone()
         for _ in range(self.iterations):
             dist = _distances(clients, v)
             tau = self.radius_ratio * statistics.median(dist)
@@ -162,7 +171,6 @@ class CenteredClip:
                 if a:
                     new.index_add_(0, idx, val * a)
             v = new
-        self.remember(v)
         return v
 
     def center_of(self, size: int) -> torch.Tensor:

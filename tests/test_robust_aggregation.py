@@ -270,6 +270,7 @@ def test_an_attack_defaults_to_just_under_the_bounds_in_force():
     ({"robust": "yes"}, r"robust = 'yes' is outside"),
     ({"clip_radius": 0}, r"clip_radius = 0.0 is outside"),
     ({"bucket_size": 0}, r"bucket_size = 0 is outside"),
+    ({"gate_reference": "median"}, r"gate_reference = 'median' is outside"),
 ])
 def test_bad_robustness_keys_are_named(keys, message):
     with pytest.raises(SettingsError, match=message):
@@ -396,6 +397,28 @@ def test_the_deployed_default_leaves_out_a_crafted_ipm_update():
     assert set(left_out) == {8, 9} and not none_out
     torch.testing.assert_close(got, alone, rtol=0, atol=1e-6)
     assert float(got @ mean_h) > 0.8 * float(mean_h @ mean_h) > float(fedavg @ mean_h)
+
+
+@pytest.mark.parametrize("reference", ["history", "round"])
+def test_a_gate_judging_by_the_round_is_not_turned_by_a_hijacked_history(reference):
+    """Two sign flippers that got in once turned history their way (issue 35's mnist5k seed 2:
+    the gate then left out four honest clients a round and the model fell to 10%). Judged by
+    history alone, the gate leaves out honest updates and keeps the flippers; judged by the
+    round's own clipped combine (gate_reference = round), it leaves out the two flippers and
+    keeps every honest update."""
+    honest, weights = _round_of_ten()
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    rows = torch.cat([honest, (-mean_h).expand(2, SIZE)])
+    claim = statistics.median(weights)
+    combine = Combine("centered_clip", min_cosine=0.0, gate_reference=reference)
+    combine.centered.center = -0.5 * mean_h  # history, turned by the flippers
+    out = combine([_payload(r) for r in rows], [*weights, claim, claim], [1.0] * 10, SHAPES)
+    got = torch.cat([out[n].reshape(-1).double() for n in SHAPES])
+    if reference == "round":
+        assert set(combine.left_out) == {8, 9}
+        assert float(got @ mean_h) > 0
+    else:
+        assert combine.left_out and set(combine.left_out) <= set(range(8))
 
 
 def test_the_deployed_default_bounds_a_crafted_alie_update_whatever_its_size():

@@ -28,6 +28,8 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip", "fltrust")
 #: deployment's, the phone bridge's) or are (off: a simulation's, plain FedAvg); auto decides by
 #: where the run runs (``server.app.run_server``).
 ROBUST_MODES = ("auto", "on", "off")
+#: ``gate_reference``: what the direction gate compares each update with (server.aggregation).
+GATE_REFERENCES = ("history", "round")
 #: ``mode``: a synchronous round, or the asynchronous buffered loop (server.async_loop).
 MODES = ("sync", "async")
 #: ``async.staleness``: the weight of a reply trained on a model ``s`` versions old.
@@ -124,6 +126,12 @@ class ServerKeys:
         "method folds it back) when its cosine with the last round's aggregate (the direction "
         "of history; none in round 1) is below this (server/aggregation.py); -1 = none left "
         "out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
+    gate_reference: str = setting(
+        "history", "gate_reference", "with min_cosine above -1: what an update's cosine is "
+        "taken with: history = the last round's aggregate; round = this round's own centered "
+        "clipping of every update from there (the majority's direction now, which a hostile "
+        "minority let in once cannot turn against the honest clients)",
+        Check(choices=GATE_REFERENCES))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
                                 "training split), on which it takes its own round each round",
