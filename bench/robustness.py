@@ -66,6 +66,8 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "on_bucket2": {"robust": "on", "bucket_size": 2},
     # The direction gate judging by this round's own centered clipping, not history alone.
     "on_gate_round": {"robust": "on", "gate_reference": "round"},
+    # The direction gate judging by the moving average of the aggregates (momentum 0.9).
+    "on_gate_trend": {"robust": "on", "gate_reference": "trend"},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates

@@ -59,6 +59,9 @@ class SparseAverage:
 
 
 
+#: ``gate_reference = trend``: the share of the last trend kept each round (momentum's usual
+#: 0.9: a reference that a minority let in for a round or two moves by a tenth each time).
+TREND_MOMENTUM = 0.9
 #: The coordinate-wise statistics (:func:`robust_average`).
 COORDINATE_WISE = ("trimmed_mean", "median")
 #: Every combine that is not the plain weighted mean.
@@ -152,6 +155,7 @@ class Combine:
             raise ValueError(f"gate_reference must be one of {list(GATE_REFERENCES)}, got "
                              f"{gate_reference!r}")
         self.gate_reference = gate_reference
+        self.trend: torch.Tensor | None = None  # gate_reference = trend's, flat float64
         self.how, self.trim_fraction = how, float(trim_fraction)
         self.root = root
         self.min_cosine = float(min_cosine)
@@ -177,7 +181,10 @@ class Combine:
         clients = [client_entries(p.parts(), f, offsets)
                    for p, f in zip(payloads, factors, strict=True)]
         reference = self.centered.center_of(size)
-        if self.gate_reference == "round" and sum(weights) > 0:
+        if self.gate_reference == "trend" and self.trend is not None \
+                and self.trend.numel() == size:
+            reference = self.trend
+        elif self.gate_reference == "round" and sum(weights) > 0:
             # This round's clipped combine of every update, from history: its majority's
             # direction. Judged against history alone, a minority let in once turns history
             # its way, and the gate then leaves out the honest clients (issue 35's sign flip).
@@ -194,9 +201,12 @@ class Combine:
         keep = [i for i in range(len(clients)) if i not in self.left_out]
         out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
                             [factors[i] for i in keep], shapes)
+        flat = torch.cat([out[n].reshape(-1).to(torch.float64) for n in shapes])
         if self.how != "centered_clip":  # which keeps its own result
-            self.centered.remember(torch.cat([out[n].reshape(-1).to(torch.float64)
-                                              for n in shapes]))
+            self.centered.remember(flat)
+        if self.gate_reference == "trend" and bool(torch.isfinite(flat).all()):
+            self.trend = (flat.clone() if self.trend is None or self.trend.numel() != size
+                          else TREND_MOMENTUM * self.trend + (1 - TREND_MOMENTUM) * flat)
         return out
 
     def _combine(self, payloads: Sequence[Payload], weights: Sequence[float],
@@ -227,13 +237,18 @@ class Combine:
 
     def state_dict(self) -> dict[str, Any]:
         """What the combine keeps across rounds (centered clipping's center, which the gate
-        uses too)."""
-        return self.centered.state_dict() if self._keeps_center else {}
+        uses too, and the gate's trend)."""
+        if not self._keeps_center:
+            return {}
+        trend = {"trend": self.trend.clone()} if self.trend is not None else {}
+        return {**self.centered.state_dict(), **trend}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`."""
+        """Continue from :meth:`state_dict` (one without a trend: the trend starts again)."""
         if self._keeps_center:
             self.centered.load_state_dict(state)
+            trend = state.get("trend")
+            self.trend = None if trend is None else torch.as_tensor(trend, dtype=torch.float64)
 
     @property
     def _keeps_center(self) -> bool:

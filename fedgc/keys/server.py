@@ -29,7 +29,7 @@ AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip", "fltrust")
 #: where the run runs (``server.app.run_server``).
 ROBUST_MODES = ("auto", "on", "off")
 #: ``gate_reference``: what the direction gate compares each update with (server.aggregation).
-GATE_REFERENCES = ("history", "round")
+GATE_REFERENCES = ("history", "trend", "round")
 #: ``mode``: a synchronous round, or the asynchronous buffered loop (server.async_loop).
 MODES = ("sync", "async")
 #: ``async.staleness``: the weight of a reply trained on a model ``s`` versions old.
@@ -128,7 +128,9 @@ class ServerKeys:
         "out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
     gate_reference: str = setting(
         "history", "gate_reference", "with min_cosine above -1: what an update's cosine is "
-        "taken with: history = the last round's aggregate; round = this round's own centered "
+        "taken with: history = the last round's aggregate; trend = the moving average of "
+        "the aggregates (0.9 of the last trend, 0.1 of the new aggregate, from round 1's); "
+        "round = this round's own centered "
         "clipping of every update from there (the majority's direction now, which a hostile "
         "minority let in once cannot turn against the honest clients)",
         Check(choices=GATE_REFERENCES))
