@@ -68,6 +68,7 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "on_gate_round": {"robust": "on", "gate_reference": "round"},
     # The direction gate judging by the moving average of the aggregates (momentum 0.9).
     "on_gate_trend": {"robust": "on", "gate_reference": "trend"},
+    "on_gate_trend_r2": {"robust": "on", "gate_reference": "trend", "clip_radius": 2},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates
