@@ -67,14 +67,14 @@ fi
 # exists there, and the rootfs has a /tmp of its own.
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/fedgc-arm64-cross-cpu.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
-echo "arm64 (qemu-user $(qemu-aarch64-static --version | head -1 | awk '{print $3}'), -cpu $qemu_cpu):" \
-     "pytest -m cross_cpu $*"
 cd "$repo"
 # Only the files that hold cross_cpu tests are collected: the suite's other files import what
-# the emulated environment does not have (Ray, ExecuTorch's exporters, TensorBoard, Hypothesis).
+# the emulated environment does not have (Hypothesis, TensorBoard, Ray: not needed here).
 if ! printf '%s\n' "$@" | grep -q '^tests/'; then
   set -- $(grep -l 'mark.cross_cpu' tests/test_*.py) "$@"
 fi
+echo "arm64 (qemu-user $(qemu-aarch64-static --version | head -1 | awk '{print $3}'), -cpu $qemu_cpu):" \
+     "pytest -m cross_cpu $*"
 # One torch thread, as the host's tests run; the test site after the phone's packages.
 env -i PATH=/usr/bin:/bin HOME="${HOME:-/root}" LANG=C.UTF-8 PYTHONHASHSEED=0 OMP_NUM_THREADS=1 \
   TMPDIR="$tmp" PYTHONPATH="/opt/fedgc/site:$site:$repo" \
