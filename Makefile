@@ -93,9 +93,11 @@ test-cross-cpu: $(STAMP)
 
 # The same tests on arm64 floats (NEON kernels, other reduction orders): the emulated phone's
 # aarch64 Python and torch under qemu-user, against the snapshots written on x86; its own
-# packages beside the rootfs (tests/arm64_cross_cpu.sh). Tens of minutes: not part of `make test`.
+# packages beside the rootfs (tests/arm64_cross_cpu.sh). Then the wire and payload golden
+# vectors, byte-exact on every CPU (all their tests). 10-20 min: not part of `make test`.
 test-cross-cpu-arm64: $(STAMP) arm
 	FEDGC_HOST_PYTHON=$(PY) tests/arm64_cross_cpu.sh
+	FEDGC_HOST_PYTHON=$(PY) tests/arm64_cross_cpu.sh tests/test_wire.py tests/test_payloads.py -m ""
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
