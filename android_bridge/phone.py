@@ -17,9 +17,15 @@ second density for small tensors (``dgc.small_density``), then the sign channel
 (:mod:`android_bridge.host_encoders`) and sent in that payload's bytes.
 Given the same data and seed, and a training step
 that computes what eager torch computes, it sends the same bytes (tests/test_phone_parity.py).
-Torch appears as the buffer type of the ExecuTorch Python bindings and in the sign channel's
-scale, a float32 mean (``dgc.signs``); other host arithmetic is numpy, as it would be plain Java
-on the phone.
+Sets ranked by displacement (``dgc.shared_rank = displacement``: the task's ``shared_mask`` a
+rank request) are derived on the phone from the model it trains on and the version 0 its export
+builds (the form the task's ``initial_sha256`` names), with
+``dgc.signs.planner.displacement_masks``, as the simulated client derives them; a patch ranked by
+displacement (``downlink_context``: the task's ``patch_context``) is joined on the same ranking
+of the model it holds (:func:`apply_context_patch`).
+Torch appears as the buffer type of the ExecuTorch Python bindings, in the sign channel's
+scale, a float32 mean (``dgc.signs``), and in those rankings (a stable sort); other host
+arithmetic is numpy, as it would be plain Java on the phone.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
+import torch
 
 import dgc
 from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
@@ -48,13 +55,48 @@ from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from android_bridge.shuffle import local_batches
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
-from dgc.signs.codec import Masks
+from dgc.signs.codec import RANK_MAGIC, Masks, decode_rank_request
+from dgc.signs.planner import displacement_masks
 from dgc.wire import max_numel_of
+from fedgc import protocol as P
 from fedgc.training import round_seed
 
 
 class PhoneError(RuntimeError):
     """The phone cannot run the task it was given (incompatible config or batch layout)."""
+
+
+def _torch(model: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in
+            model.items()}
+
+
+def derive_sets(rank_request: bytes, model: Mapping[str, np.ndarray],
+                version_0: Mapping[str, np.ndarray]) -> Masks:
+    """The shared sets a rank request (``dgc.signs.codec.encode_rank_request``) stands for:
+    per tensor the entries where ``|model - version_0|`` is largest, ties to the lower index,
+    with the draw the request asks for (:func:`dgc.signs.planner.displacement_masks`, as the
+    simulated client's ``DGC.hold_material``). ``model`` is the round's model, ``version_0``
+    in the form the task names. ``dgc.DecodeError`` or ``dgc.StateError`` naming a defect."""
+    numels = {name: int(np.asarray(v).size) for name, v in model.items()}
+    sequence, counts, _, explore = decode_rank_request(rank_request, numels)
+    if missing := sorted(set(counts) - set(version_0)):
+        raise dgc.StateError(f"rank request names tensors version 0 lacks: {missing}")
+    return displacement_masks(_torch(model), _torch({n: version_0[n] for n in counts}),
+                              counts, explore, sequence)
+
+
+def apply_context_patch(held: Mapping[str, np.ndarray], patch: bytes, context: list[str],
+                        version_0: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The model a patch whose ``context`` tensors travel as segments of their entries ranked
+    by displacement of ``held`` from ``version_0`` (``downlink_context``) makes of ``held``:
+    the segments joined on that ranking (:func:`fedgc.protocol.apply_patch`, as a simulated
+    client applies it), every value replacing an entry. ``fedgc.protocol.ProtocolError`` (or
+    ``dgc.DecodeError``) naming a patch that does not fit."""
+    if missing := sorted(set(context) - set(version_0)):
+        raise P.ProtocolError(f"patch_context names tensors version 0 lacks: {missing}")
+    model = P.apply_patch(_torch(held), patch, (), _torch({n: version_0[n] for n in context}))
+    return {k: v.numpy() for k, v in model.items()}
 
 
 class LinkCut(ConnectionError):
@@ -131,6 +173,8 @@ class ReferencePhone:
         initial = self.manifest.get("initial_model") or {}
         self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
         self.initial = self.trainer.parameters() if self.initial_sha256 else None
+        # The version 0 a task's displacement ranking last named: (digest, that form).
+        self._ranked_from: tuple[str, dict[str, np.ndarray]] | None = None
         self.pending: dgc.SparseUpdate | None = None
         # The host encoder a task's codec entry names (android_bridge.host_encoders), with
         # its residual, and that entry.
@@ -192,6 +236,12 @@ class ReferencePhone:
             elif held is None or self.model_version != task.base_version:
                 raise PhoneError(f"patch on version {task.base_version}, phone holds "
                                  f"{self.model_version}")
+            if task.patch_context:
+                try:
+                    return apply_context_patch(held, task.model_bytes, list(task.patch_context),
+                                               self._version_0(task))
+                except (P.ProtocolError, dgc.DecodeError) as ex:
+                    raise PhoneError(f"task {task.task_id!r}: {ex}") from ex
             model = {k: v.copy() for k, v in held.items()}
             for name, t in update.tensors.items():
                 flat = model[name].reshape(-1)
@@ -258,7 +308,7 @@ class ReferencePhone:
             update = self.encoder.compress(pseudo_gradient, epoch=epoch,
                                            sequence=int(task.sequence))
             data = dgc.encode(update)
-            signs = self._signs(task)
+            signs = self._signs(task, global_model)
         side = encode_signs(signs) if signs is not None else b""
         # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
         kept = host is None or host.keeps_residual
@@ -299,22 +349,44 @@ class ReferencePhone:
             self.host_codec = dict(codec)
         return self.host
 
-    def _masks(self, task: pb.FetchTaskReply) -> Masks | None:
+    def _version_0(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
+        """Version 0 in the form the task's ``initial_sha256`` names (as the export built it,
+        or on the int8 grid), kept by digest; PhoneError when the export builds neither."""
+        digest = task.initial_sha256
+        if self._ranked_from is None or self._ranked_from[0] != digest:
+            form = (initial_form(self.initial, digest)
+                    if self.initial is not None and digest else None)
+            if form is None:
+                raise PhoneError(f"task {task.task_id!r} ranks by displacement from version 0 "
+                                 f"{digest[:12] or '(unnamed)'}, which this phone's export does "
+                                 f"not build (export it with the run's task and seed)")
+            self._ranked_from = (digest, form)
+        return self._ranked_from[1]
+
+    def _masks(self, task: pb.FetchTaskReply,
+               model: Mapping[str, np.ndarray] | None = None) -> Masks | None:
         """The task's round material, its shared index sets (``dgc``) or mask (``tcs``),
-        decoded against the exported model; None when the task has none."""
+        decoded against the exported model, or derived from the round's ``model`` when it is a
+        rank request (:func:`derive_sets`); None when the task has none."""
         if not task.shared_mask:
             return None
         numels = {name: math.prod(shape) for name, shape in self.shapes.items()}
         try:
+            if bytes(task.shared_mask[:4]) == RANK_MAGIC:
+                if model is None:
+                    raise PhoneError(f"task {task.task_id!r} sends a rank request where its "
+                                     f"encoder reads a mask")
+                return derive_sets(task.shared_mask, model, self._version_0(task))
             return decode_mask(task.shared_mask, numels)[1]
-        except dgc.DecodeError as ex:
+        except (dgc.DecodeError, dgc.StateError) as ex:
             raise PhoneError(f"task {task.task_id!r} has a bad shared_mask: {ex}") from ex
 
-    def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
+    def _signs(self, task: pb.FetchTaskReply,
+               model: Mapping[str, np.ndarray]) -> dgc.SparseUpdate | None:
         """The residual at the task's shared index sets as scaled signs, taken out of the
         residual (``dgc.signs.take_signs``, as the ``dgc`` method's client does); None when the
         task has none."""
-        masks = self._masks(task)
+        masks = self._masks(task, model)
         return None if masks is None else take_signs(self.encoder.residual(), masks,
                                                      int(task.sequence))
 

@@ -235,6 +235,61 @@ def test_the_phones_tcs_sends_a_simulated_clients_bytes():
     assert largest_positions(score, 6).tolist() == [0, 1, 2, 4, 8, 12]
 
 
+@pytest.mark.parametrize("explore,on_grid", [(0.0, False), (0.25, True)],
+                         ids=["displacement", "explored-on-grid"])
+def test_the_phones_ranked_sets_are_a_simulated_clients(explore, on_grid):
+    """dgc.shared_rank = displacement (issue 39): the server's rank request carries only each
+    set's size; the phone (``android_bridge.phone.derive_sets``, numpy arrays of the model it
+    trains on and the version 0 its export builds) derives the sets the simulated client
+    derives (``DGC.hold_material``) and the server planned, over rounds whose model moves, with
+    ties (entries that never moved) and, with dgc.shared_explore, the seeded draw; a rank
+    request on another model, or without version 0's tensors, is refused, named."""
+    import dgc
+    from android_bridge.phone import derive_sets
+    from dgc.int8_grid import round_initial
+    from fedgc.methods.dgc import DisplacementSets, RankRequest
+    from fedgc.settings import RunConfig
+
+    method = RunConfig.from_flat({"dgc.shared_rank": "displacement"}).method
+    g = torch.Generator().manual_seed(5)
+    initial = {"w": torch.randn(40, 30, generator=g) * 0.05, "v": torch.randn(300, generator=g),
+               "b": torch.zeros(40)}
+    version0 = round_initial(initial) if on_grid else initial
+    counts = {"w": 36, "v": 9}
+    numels = {n: t.numel() for n, t in initial.items()}
+    server = DisplacementSets(counts, numels,
+                              {n: round(explore * k) for n, k in counts.items()})
+    model = {n: t.clone() for n, t in version0.items()}
+    rounds = 0
+    for server_round in range(1, 5):
+        server.hold(model, server_round - 1, on_grid)
+        planned = server.plan(server_round)
+        if planned is not None:
+            data, masks = planned
+            material = method.read_material(data, numels)
+            assert isinstance(material, RankRequest) and material.initial_on_grid == on_grid
+            _, simulated = method.hold_material(data, material, model, lambda: dict(initial))
+            phone = derive_sets(data, {n: t.numpy() for n, t in model.items()},
+                                {n: t.numpy() for n, t in version0.items()})
+            assert set(phone) == set(simulated) == set(masks) == set(counts), server_round
+            for name in counts:
+                assert np.array_equal(phone[name], simulated[name]), (server_round, name)
+                assert np.array_equal(phone[name], np.asarray(masks[name])), server_round
+                assert len(phone[name]) == counts[name]
+            rounds += 1
+        # A few entries move a lot, a few a little (ties among the rest: never moved).
+        for name, t in model.items():
+            idx = torch.randperm(t.numel(), generator=g)[:25]
+            t.view(-1)[idx] += torch.randn(25, generator=g) * 0.1
+    assert rounds == (4 if explore else 3)  # version 0 has not moved: no set without a draw
+    data, _ = server.plan(5)
+    arrays = {n: t.numpy() for n, t in model.items()}
+    with pytest.raises(dgc.DecodeError):
+        derive_sets(data, {**arrays, "w": np.zeros(7, np.float32)}, arrays)
+    with pytest.raises(dgc.StateError, match="version 0 lacks.*'v'"):
+        derive_sets(data, arrays, {"w": arrays["w"]})
+
+
 class EagerTrainer:
     """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
     ``fedgc.training.train_locally`` does with each batch."""

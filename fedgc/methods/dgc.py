@@ -222,12 +222,13 @@ class DGCSettings(SparsifierSettings):
 
 
 #: DGC's switches (issue 30) that phones do not run, with the value phones run: their exported
-#: encoder is the default client's (``dgc.shared_rank = displacement``: sets clients derive
-#: themselves; a server's key, known where the server's keys are).
+#: encoder is the default client's. ``dgc.shared_rank = displacement`` is not among them: a
+#: phone derives those sets itself from the model it holds and its version 0
+#: (``android_bridge.phone.derive_sets``, issue 39).
 PHONE_SWITCHES: dict[str, object] = {
     "value_levels": 0.0, "shared_first": False, "shared_values": "sign", "residual_decay": 1.0,
-    "step_ahead": 0.0, "feedback": "residual", "shared_rank": "aggregates",
-    "budget": "tensor", "compact_wire": False, "server_error": 0.0}
+    "step_ahead": 0.0, "feedback": "residual", "budget": "tensor", "compact_wire": False,
+    "server_error": 0.0}
 
 
 def dgc_config(train: TrainSettings, own: DGCSettings) -> DGCConfig:
@@ -664,8 +665,10 @@ class DGCSets(DGC):
     """
 
     name = "dgc_sets"
-    phone_needs = ("the held model and version 0 bit for bit, grid-coded values and shared sets "
-                   'it ranks itself (docs/android.md, "What dgc_sets needs on a phone")')
+    phone_needs = ("grid-coded values at the shared sets and after the top-k, the sets taken "
+                   "before the top-k and float16 patch vectors (phones hold version 0 and rank "
+                   'the sets themselves already; docs/android.md, "What dgc_sets needs on a '
+                   'phone")')
     order = 41
     compared = False
     phone = False  # phones' encoder is plain dgc's (fedgc.methods.phone.phone_export_of)
