@@ -27,7 +27,13 @@ import torch
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
-from dgc.signs.codec import RANK_MAGIC, Masks, decode_mask, decode_rank_request, decode_signs
+from dgc.signs.codec import (
+    RANK_MAGIC,
+    Masks,
+    decode_mask,
+    decode_rank_request,
+    decode_shared,
+)
 from dgc.wire import max_numel_of_message
 from fedgc.methods import Bound, phone_codec_of
 
@@ -250,10 +256,13 @@ class _Masks:
             raise BridgeError(f"the shared_mask of task {task.task_id!r} is not a shared "
                               f"index set of its model (phones answer only dgc.signs masks and "
                               f"rank requests): {ex}") from ex
-        # The largest sign payload: a header per tensor, a scale and a bit per index; none
-        # where the payload itself answers the mask.
+        # The largest sign payload: a header per tensor, a scale and a bit per index; with
+        # grid values (dgc.shared_values = grid) at most a float32 a value; none where the
+        # payload itself answers the mask.
         signs = not task.config.get("codec")
-        self.max_bytes = 64 + sum(80 + len(n.encode()) + (len(m) + 7) // 8
+        per_entry = 32 if float((task.config.get("values") or {}).get("shared_levels", 0.0)) \
+            > 0 else 1
+        self.max_bytes = 64 + sum(80 + len(n.encode()) + (len(m) * per_entry + 7) // 8
                                   for n, m in self.masks.items()) if signs else 0
 
     def _ranked(self, task: PhoneTask) -> Masks:
@@ -272,10 +281,10 @@ class _Masks:
         return masks
 
     def check(self, side: bytes) -> int:
-        """The number of signs ``side`` carries; ValueError or DecodeError when it does not
-        answer these sets."""
-        signs = decode_signs(side, self.masks, {n: (self.numels[n],) for n in self.masks})
-        return signs.nnz
+        """The number of signs (or grid values) ``side`` carries; ValueError or DecodeError
+        when it does not answer these sets."""
+        shared = decode_shared(side, self.masks, {n: (self.numels[n],) for n in self.masks})
+        return shared.nnz
 
 
 @dataclass

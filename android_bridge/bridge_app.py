@@ -267,6 +267,9 @@ def _phone_config(s: TrainSettings, method: methods.Method,
         "dgc": phone_dgc.to_dict()}
     if small is not None:
         out["small"] = {"density": small[0], "numel": small[1]}
+    values = part.phone_values()
+    if values:  # grids the phone rounds to on the host (dgc.shared_values, dgc.value_levels)
+        out["values"] = values
     codec = part.phone_task(s, client_key)
     if codec:  # an encoder of the method's own on the phone's host (randk, efsign, signvote)
         out["codec"] = codec

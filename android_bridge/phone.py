@@ -55,15 +55,44 @@ from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from android_bridge.shuffle import local_batches
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
-from dgc.signs.codec import RANK_MAGIC, Masks, decode_rank_request
+from dgc.signs.client import take_values
+from dgc.signs.codec import RANK_MAGIC, Masks, decode_rank_request, encode_values
 from dgc.signs.planner import displacement_masks
 from dgc.wire import max_numel_of
 from fedgc import protocol as P
+from fedgc.methods.dgc import values_on_grid
 from fedgc.training import round_seed
 
 
 class PhoneError(RuntimeError):
     """The phone cannot run the task it was given (incompatible config or batch layout)."""
+
+
+def encoder_round(encoder: Any, pseudo_gradient: Mapping[str, np.ndarray], epoch: float,
+                  sequence: int, values: Mapping[str, float], masks: Masks | None,
+                  ) -> tuple[dgc.SparseUpdate, bytes, dgc.SparseUpdate | None, bytes]:
+    """A round of the exported encoder with the host code around it, in the simulated
+    ``dgc`` client's order: the top-k of ``encoder`` (:class:`android_bridge.runtime.PteEncoder`
+    or anything with its ``compress``, ``residual`` and ``restore``); with ``values["levels"]``
+    (``dgc.value_levels``) its values on a power-of-two grid and the rounding back into the
+    residual (:func:`fedgc.methods.dgc.values_on_grid`); then the residual at the round's
+    ``masks`` taken out as scaled signs, or with ``values["shared_levels"]``
+    (``dgc.shared_values = grid``) as grid values (``dgc.signs.take_signs``, ``take_values``).
+    The update, its bytes, what the sets sent (None without sets) and its bytes."""
+    update = encoder.compress(pseudo_gradient, epoch=epoch, sequence=sequence)
+    levels = float(values.get("levels", 0.0))
+    if levels > 0:
+        update, error = values_on_grid(update, levels)
+        encoder.restore(error)
+    data = dgc.encode(update, grid_coding=levels > 0)
+    if masks is None:
+        return update, data, None, b""
+    shared_levels = float(values.get("shared_levels", 0.0))
+    if shared_levels > 0:
+        sent = take_values(encoder.residual(), masks, sequence, shared_levels)
+        return update, data, sent, encode_values(sent)
+    sent = take_signs(encoder.residual(), masks, sequence)
+    return update, data, sent, encode_signs(sent)
 
 
 def _torch(model: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -297,7 +326,7 @@ class ReferencePhone:
             if self.pending_signs is not None:
                 self.encoder.restore(self.pending_signs)
         epoch = float(task.server_round - 1)
-        signs = None
+        signs, side = None, b""
         if host is not None:
             # A host encoder's payload answers the round's mask itself (TCS); no signs beside.
             masks = self._masks(task) if host.reads_masks else None
@@ -305,11 +334,9 @@ class ReferencePhone:
                                    masks)
             data = host.encode(update)
         else:
-            update = self.encoder.compress(pseudo_gradient, epoch=epoch,
-                                           sequence=int(task.sequence))
-            data = dgc.encode(update)
-            signs = self._signs(task, global_model)
-        side = encode_signs(signs) if signs is not None else b""
+            update, data, signs, side = encoder_round(
+                self.encoder, pseudo_gradient, epoch, int(task.sequence),
+                config.get("values") or {}, self._masks(task, global_model))
         # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
         kept = host is None or host.keeps_residual
         self.pending, self.pending_signs = (update if kept else None), signs
@@ -380,15 +407,6 @@ class ReferencePhone:
             return decode_mask(task.shared_mask, numels)[1]
         except (dgc.DecodeError, dgc.StateError) as ex:
             raise PhoneError(f"task {task.task_id!r} has a bad shared_mask: {ex}") from ex
-
-    def _signs(self, task: pb.FetchTaskReply,
-               model: Mapping[str, np.ndarray]) -> dgc.SparseUpdate | None:
-        """The residual at the task's shared index sets as scaled signs, taken out of the
-        residual (``dgc.signs.take_signs``, as the ``dgc`` method's client does); None when the
-        task has none."""
-        masks = self._masks(task, model)
-        return None if masks is None else take_signs(self.encoder.residual(), masks,
-                                                     int(task.sequence))
 
     def _config_of(self, task: pb.FetchTaskReply) -> str:
         """The task's config JSON: as sent, or the one held when the bridge left it out."""

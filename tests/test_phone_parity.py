@@ -278,7 +278,7 @@ def test_the_phones_ranked_sets_are_a_simulated_clients(explore, on_grid):
                 assert len(phone[name]) == counts[name]
             rounds += 1
         # A few entries move a lot, a few a little (ties among the rest: never moved).
-        for name, t in model.items():
+        for t in model.values():
             idx = torch.randperm(t.numel(), generator=g)[:25]
             t.view(-1)[idx] += torch.randn(25, generator=g) * 0.1
     assert rounds == (4 if explore else 3)  # version 0 has not moved: no set without a draw
@@ -288,6 +288,78 @@ def test_the_phones_ranked_sets_are_a_simulated_clients(explore, on_grid):
         derive_sets(data, {**arrays, "w": np.zeros(7, np.float32)}, arrays)
     with pytest.raises(dgc.StateError, match="version 0 lacks.*'v'"):
         derive_sets(data, arrays, {"w": arrays["w"]})
+
+
+class _NumpyGrads:
+    """A compressor with the exported encoder's interface (numpy gradients in): the stand-in
+    for ``PteEncoder``, whose equality with DGC's compressor the slow tests check."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def compress(self, grads, epoch=0.0, sequence=None):
+        return self.inner.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
+                                   sequence)
+
+    def residual(self):
+        return self.inner.residual()
+
+    def restore(self, update):
+        self.inner.restore(update)
+
+
+@pytest.mark.parametrize("keys", [{"dgc.shared_values": "grid", "dgc.shared_levels": 0.5},
+                                  {"dgc.value_levels": 4.0},
+                                  {"dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
+                                   "dgc.value_levels": 4.0}],
+                         ids=["shared-grid", "value-levels", "both"])
+def test_the_phones_grid_values_are_a_simulated_clients(keys):
+    """dgc.shared_values = grid and dgc.value_levels on a phone (issue 39, dgc_sets' items 2
+    and 4): the host code around the exported encoder (``android_bridge.phone.encoder_round``:
+    the top-k's values on a grid, the rounding back into the residual, the sets' residual as
+    grid values) sends the simulated client's update and side bytes and keeps its residual,
+    four rounds running, the second folded back by both."""
+    from android_bridge.phone import encoder_round
+    from fedgc.methods.dgc import dgc_config
+    from fedgc.methods.sparsifier import split_compressor
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"density": 0.02, **keys})
+    method, t = run.method, run.train
+    own = method.own
+    values = method.phone_values()
+    assert values == {**({"shared_levels": 0.5} if "dgc.shared_values" in keys else {}),
+                      **({"levels": 4.0} if "dgc.value_levels" in keys else {})}
+    phone = _NumpyGrads(split_compressor(own, dgc_config(t, own), "tensor"))
+    codec = method.codec(t)
+    shapes = {"w": (60, 50), "b": (60,), "v": (30, 40)}
+    rng = np.random.default_rng(8)
+    state = None
+    grids = 0
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        masks = None if sequence == 1 else {
+            "w": np.sort(rng.choice(3000, 90, replace=False)).astype(np.int64),
+            "v": np.arange(0, 1200, 37, dtype=np.int64)}
+        simulated = method.compressor(t, 1, masks)
+        if state is not None:
+            simulated.load_state_dict(state)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
+                                  sequence)
+        part = method.side_part(simulated, masks, sequence)
+        update, data, sent, side = encoder_round(phone, grads, 0.0, sequence, values, masks)
+        assert data == codec.encode(want), sequence
+        assert side == (b"" if part is None else part[0]), sequence
+        grids += side[:4] not in (b"", b"FGCS")
+        if sequence == 2:  # not aggregated: both fold back the update and the sets' part
+            phone.restore(update)
+            phone.restore(sent)
+            simulated.restore(want)
+            simulated.restore(method.read_side(side, masks, shapes))
+        for name, v in simulated.residual().items():
+            assert torch.equal(phone.residual()[name], v), (sequence, name)
+        state = simulated.state_dict()
+    assert grids == (3 if "dgc.shared_values" in keys else 0)
 
 
 class EagerTrainer:
@@ -342,13 +414,31 @@ def parity_export(digits_phone_export):
 
 
 @pytest.mark.slow
-def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
-    config = _run(SETTINGS, tmp_path)
+@pytest.mark.parametrize("keys", [{}, {"dgc.shared_rank": "displacement",
+                                       "downlink_context": True, "dgc.shared_values": "grid",
+                                       "dgc.shared_levels": 0.5, "dgc.value_levels": 4.0}],
+                         ids=["default", "dgc_sets-parts"])
+def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path, keys):
+    """The default run, and (issue 39) the parts of dgc_sets phones run: its sets ranked by
+    displacement from version 0, which the phone derives itself from the rank request, its
+    patches ranked alike, which the phone joins on the model it holds, the sets answered with
+    grid values and the top-k's values on a grid (host code around the exported encoder)."""
+    config = _run({**SETTINGS, **keys}, tmp_path)
     t = config.train
     own = config.method.own
     assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
-    signs = _assert_same_bytes(_phone_and_simulated(parity_export, config))
+    compared = _phone_and_simulated(parity_export, config, with_tasks=True)
+    signs = _assert_same_bytes(compared)
     assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+    if keys:  # what the phone was sent: rank requests, and patches ranked by displacement
+        from dgc.signs.codec import RANK_MAGIC, SIGN_MAGIC
+
+        tasks = [pair["task"] for pair in compared]
+        assert sum(bytes(t.shared_mask[:4]) == RANK_MAGIC for t in tasks) == signs
+        assert all(t.initial_sha256 for t in tasks if t.shared_mask or t.patch_context)
+        assert any(t.patch_context for t in tasks), "no patch ranked by displacement"
+        # the sets answered with grid values, not signs
+        assert all(pair["phone"][1][:4] != SIGN_MAGIC for pair in compared if pair["phone"][1])
 
 
 @pytest.mark.slow
@@ -402,10 +492,11 @@ def _assert_same_bytes(compared: list[dict], folds_back: bool = True) -> int:
     return signs
 
 
-def _phone_and_simulated(parity_export, config) -> list[dict]:
+def _phone_and_simulated(parity_export, config, with_tasks: bool = False) -> list[dict]:
     """Run ``config`` on a LocalGrid whose client PHONE_KEY is both a reference phone behind
     the bridge and a simulated client given a copy of each train message; the pairs of
-    replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost)."""
+    replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost), with
+    ``with_tasks`` each round's task as the phone fetched it (``"task"``)."""
     from android_bridge.bridge import PhoneBridge
     from android_bridge.bridge_app import make_bridge_app
     from android_bridge.phone import ReferencePhone
@@ -420,6 +511,7 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
     task = get_task("digits")
     x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []
+    fetched: list = []
     errors: list[BaseException] = []
     stop = threading.Event()
     with PhoneBridge(TOKENS, "127.0.0.1:0") as bridge:
@@ -432,7 +524,9 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
                 phone.register()
                 while not stop.is_set():
                     try:
-                        phone.run_round(phone.wait_for_task(0.5))
+                        task = phone.wait_for_task(0.5)
+                        fetched.append(task)
+                        phone.run_round(task)
                     except TimeoutError:
                         continue
             except BaseException as ex:  # reported to the test thread
@@ -475,6 +569,10 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
             worker.join(30)
             phone.close()
     assert not errors, errors
+    if with_tasks:
+        assert len(fetched) == len(compared)
+        for pair, task in zip(compared, fetched, strict=True):
+            pair["task"] = task
     return compared
 
 

@@ -222,13 +222,13 @@ class DGCSettings(SparsifierSettings):
 
 
 #: DGC's switches (issue 30) that phones do not run, with the value phones run: their exported
-#: encoder is the default client's. ``dgc.shared_rank = displacement`` is not among them: a
-#: phone derives those sets itself from the model it holds and its version 0
-#: (``android_bridge.phone.derive_sets``, issue 39).
+#: encoder is the default client's. Not among them (issue 39): ``dgc.shared_rank =
+#: displacement`` (a phone derives those sets from the model it holds and its version 0,
+#: ``android_bridge.phone.derive_sets``), ``dgc.shared_values = grid`` and ``dgc.value_levels``
+#: (host code on the encoder's residual and outputs, :meth:`DGC.phone_values`).
 PHONE_SWITCHES: dict[str, object] = {
-    "value_levels": 0.0, "shared_first": False, "shared_values": "sign", "residual_decay": 1.0,
-    "step_ahead": 0.0, "feedback": "residual", "budget": "tensor", "compact_wire": False,
-    "server_error": 0.0}
+    "shared_first": False, "residual_decay": 1.0, "step_ahead": 0.0, "feedback": "residual",
+    "budget": "tensor", "compact_wire": False, "server_error": 0.0}
 
 
 def dgc_config(train: TrainSettings, own: DGCSettings) -> DGCConfig:
@@ -293,14 +293,8 @@ class RoundCompressor:
         if left is not None and left.tensors:
             self.inner.restore(left)  # a first round's remainder at the sets
         if self.own.value_levels > 0:
-            tensors, error = {}, {}
-            for name, t in update.tensors.items():
-                values = t.values.to(torch.float32)
-                rounded = on_grid(values, self.own.value_levels)
-                tensors[name] = SparseTensor(t.indices, rounded, t.shape)
-                error[name] = SparseTensor(t.indices, values - rounded, t.shape)
-            self.inner.restore(SparseUpdate(error, update.sequence))
-            update = SparseUpdate(tensors, update.sequence)
+            update, error = values_on_grid(update, self.own.value_levels)
+            self.inner.restore(error)
         if self.shift is not None:
             for sent in (update, self.taken):
                 if sent is not None:
@@ -365,6 +359,19 @@ class RoundCompressor:
             return
         self.shift = {k: v.detach().to(torch.float32).clone() for k, v in state["shift"].items()}
         self.inner.load_state_dict(state["compressor"])
+
+
+def values_on_grid(update: SparseUpdate, levels: float) -> tuple[SparseUpdate, SparseUpdate]:
+    """``dgc.value_levels``: the top-k's values of ``update`` on a power-of-two grid per tensor
+    (:func:`dgc.signs.client.on_grid`), and the rounding, which goes back into the residual
+    (the simulated client's :class:`RoundCompressor`, and a phone on its encoder's output)."""
+    tensors, error = {}, {}
+    for name, t in update.tensors.items():
+        values = t.values.to(torch.float32)
+        rounded = on_grid(values, levels)
+        tensors[name] = SparseTensor(t.indices, rounded, t.shape)
+        error[name] = SparseTensor(t.indices, values - rounded, t.shape)
+    return SparseUpdate(tensors, update.sequence), SparseUpdate(error, update.sequence)
 
 
 def shared_explore(own: DGCSettings, sets_only: bool) -> float:
@@ -470,6 +477,18 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
 
     def phone_small(self, train: TrainSettings) -> tuple[float, int] | None:
         return small_split(self.own)
+
+    def phone_values(self) -> dict[str, float]:
+        """What a phone rounds to a grid on the host, in its task's ``values`` entry:
+        ``shared_levels`` (``dgc.shared_values = grid``: the residual at the sets as grid
+        values, :func:`dgc.signs.client.take_values`) and ``levels`` (``dgc.value_levels``:
+        the encoder's top-k on a grid, :func:`values_on_grid`); {} for signs and float values."""
+        own, out = self.own, {}
+        if own.shared_values == "grid":
+            out["shared_levels"] = float(own.shared_levels)
+        if own.value_levels > 0:
+            out["levels"] = float(own.value_levels)
+        return out
 
     def phone_refusals(self) -> list[str]:
         """Issue 30's switches set (:data:`PHONE_SWITCHES`): a phone runs the default client,
@@ -665,10 +684,10 @@ class DGCSets(DGC):
     """
 
     name = "dgc_sets"
-    phone_needs = ("grid-coded values at the shared sets and after the top-k, the sets taken "
-                   "before the top-k and float16 patch vectors (phones hold version 0 and rank "
-                   'the sets themselves already; docs/android.md, "What dgc_sets needs on a '
-                   'phone")')
+    phone_needs = ("the sets taken before the top-k (dgc.shared_first: the gradient split "
+                   "before the exported encoder) and float16 patch vectors (phones rank the "
+                   "sets themselves and send grid-coded values already; docs/android.md, "
+                   '"What dgc_sets needs on a phone")')
     order = 41
     compared = False
     phone = False  # phones' encoder is plain dgc's (fedgc.methods.phone.phone_export_of)
