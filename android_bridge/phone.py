@@ -11,8 +11,10 @@ A round is a simulated client's round (``client.app``), step for step: the same 
 the same order (:mod:`android_bridge.shuffle`: torch's generator and ``randperm``), SGD with the
 run's ``client_momentum`` and ``weight_decay`` from fresh buffers, the pseudo-gradient, the
 fold-back of an update the server did not aggregate (the update, then its signs), DGC with a
-second density for small tensors (``dgc.small_density``), then the sign channel
-(``dgc.signs.take_signs`` on the residual). A task whose ``codec`` names a payload (random-k's
+second density for small tensors (``dgc.small_density``), with ``dgc.value_levels`` its values
+on a grid (the rounding back into the residual), then the sign channel
+(``dgc.signs.take_signs`` on the residual, or ``take_values`` under ``dgc.shared_values =
+grid``): :func:`encoder_round`. A task whose ``codec`` names a payload (random-k's
 ``seeded``, EF-signSGD's ``signs``) is compressed on the host instead
 (:mod:`android_bridge.host_encoders`) and sent in that payload's bytes.
 Given the same data and seed, and a training step

@@ -680,17 +680,18 @@ class DGCSets(DGC):
     (``downlink_context``). Its broadcast keeps the server's dead band of half a grid step: a
     whole step (``downlink_deadband = 1``, its default until 2026-12-06) cost 1.8 points on
     shakespeare for 4-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones do not
-    run it (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
+    run it yet (all but ``dgc.shared_first``: ``phone_needs``), and ``compare`` runs it only
+    when named.
     """
 
     name = "dgc_sets"
-    phone_needs = ("the sets taken before the top-k (dgc.shared_first: the gradient split "
-                   "before the exported encoder) and float16 patch vectors (phones rank the "
-                   "sets themselves and send grid-coded values already; docs/android.md, "
+    phone_needs = ("the sets taken before the top-k (dgc.shared_first: the pseudo-gradient "
+                   "split on the host before the exported encoder; phones rank the sets, send "
+                   "grid-coded values and read float16 patch vectors already: docs/android.md, "
                    '"What dgc_sets needs on a phone")')
     order = 41
     compared = False
-    phone = False  # phones' encoder is plain dgc's (fedgc.methods.phone.phone_export_of)
+    phone = False  # until phones take the sets first (phone_needs; fedgc.methods.phone)
     description = ("DGC's top-k of the residual on a 4-level grid after the residual at shared "
                    "sets clients rank themselves (the model's displacement), sent as grid "
                    "values (`dgc.*` as dgc)")
