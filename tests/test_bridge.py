@@ -432,7 +432,7 @@ def test_a_phone_derives_ranked_sets_and_the_bridge_checks_its_signs(bridge, cer
         with pytest.raises(BridgeError, match="rank request|asks for") as ex:
             bridge.submit(bad)
         refused.append(str(ex.value))
-    assert "has sizes {'net.1.weight': 127}" in refused[2]
+    assert "have sizes {'net.1.weight': 127}, its rank request asks for" in refused[2]
     task.shared_sets, task.initial_sha256 = encode_mask(masks, numels, 0), model_digest(v0)
     phone = _phone(export_dir, bridge, certs)
     phone.register()

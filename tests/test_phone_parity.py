@@ -452,6 +452,27 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
                    for pair in compared if pair["phone"][1])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"},
+                                  {"method": "signvote"}, {"method": "qsgd"},
+                                  {"method": "tcs", "density": 0.05}],
+                         ids=["randk", "efsign", "signvote", "qsgd", "tcs"])
+def test_a_host_encoder_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
+                                                                       keys):
+    """randk, efsign, signvote, qsgd and tcs (issue 39): the phone compresses on the host
+    (android_bridge.host_encoders) with the training step of a dgc run's export (the same
+    model, seed and batch) and sends the method's payload (FGCR, FGCB, FGCQ, FGCV), as a
+    simulated client; no sign channel (tcs's mask reaches the phone as its task's
+    shared_mask, from round 2 on, and is answered in the payload); the vote and qsgd (no
+    error feedback by default) fold nothing back."""
+    config = _run({**SETTINGS, **keys}, tmp_path)
+    compared = _phone_and_simulated(parity_export, config)
+    assert _assert_same_bytes(compared, config.method.keeps_residual) == 0
+    if keys["method"] == "tcs":  # FGCV's masked tensor count: none before the first mask
+        masked = [int.from_bytes(pair["phone"][0][5:9], "little") for pair in compared]
+        assert masked[0] == 0 and min(masked[1:]) > 0, masked
+
+
 def _run(settings: dict, tmp_path):
     from fedgc.settings import RunConfig
 
