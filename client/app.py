@@ -48,7 +48,13 @@ import dgc
 from client import node, secure
 from client.attacks import Attack, Benign, attack_of
 from client.collusion import CollusionStore, known_keys, model_digest
-from client.state import ClientState, ClientStateStore, StateCorruptError, fold_back_pending
+from client.state import (
+    ClientState,
+    ClientStateStore,
+    StateCorruptError,
+    fold_back_pending,
+    update_age,
+)
 from client.stores import StateMissingError, read_state
 from dgc import Compressor, SparseUpdate
 from dgc.int8_grid import round_initial
@@ -288,6 +294,14 @@ def _age_in_versions(config: ConfigRecord, version: int) -> bool:
     return flag
 
 
+def age_version(config: ConfigRecord) -> int | None:
+    """The model version an asynchronous dispatch ages a client's last update by (it says
+    :data:`fedgc.protocol.AGE_IN_VERSIONS`); None for a sync round, which ages in rounds.
+    A bad version or flag is a :class:`ClientProtocolError` naming it."""
+    version = _int(config, P.MODEL_VERSION)
+    return version if _age_in_versions(config, version) else None
+
+
 def initial_model(task: Any, seed: int) -> dict[str, torch.Tensor]:
     """Version 0 of the global model, built as the server builds it (``server.app.run_server``:
     ``torch.manual_seed(seed)`` then ``task.build_model()``), without moving this process's
@@ -518,7 +532,7 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
         raise ClientProtocolError(str(ex)) from ex
     server_round = _int(config, P.SERVER_ROUND)
     version = _int(config, P.MODEL_VERSION)
-    by_version = _age_in_versions(config, version)
+    aged_by = age_version(config)
     ack = int(config.get(P.ACK_SEQUENCE, -1))  # type: ignore[arg-type]
     key = client_key(context)
     task = _task_or_refusal(s, allowed)  # before anything is written: a refusal writes nothing
@@ -576,8 +590,14 @@ def read_round(msg: Message, context: Context) -> RoundInput | Message:
             # versions (applied steps), its sequences counting dispatches.
             restored = int(fold_back_pending(
                 compressor, state, ack, {k: tuple(v.shape) for k, v in global_state.items()},
-                method, s, server_round, version if by_version else None))
-        away = -1 if state.reply is None else server_round - int(state.reply["sequence"]) - 1
+                method, s, server_round, aged_by))
+        # Rounds away less one; an asynchronous dispatch counts applied steps, as the fold-back
+        # above ages (a dispatch on the version the last update trained on: 0).
+        away = -1 if state.reply is None else update_age(
+            state.reply, int(state.reply["sequence"]), server_round,
+            aged_by) - 1
+        if aged_by is not None:
+            away = max(0, away)
         if part is not None:
             start = part.prepare(s, compressor, global_state, away)
     return RoundInput(msg, config, s, method, server_round, version, ack, key, store, state,

@@ -429,6 +429,18 @@ class ClientState:
         return cls(**values)
 
 
+def update_age(reply: Mapping[str, Any] | None, sequence: int, server_round: int,
+               model_version: int | None = None) -> int:
+    """How old a client's last update is at ``server_round``: that round less ``sequence``, the
+    round it was computed in; with ``model_version`` (an asynchronous dispatch, whose sequences
+    count dispatches, not steps) that version less the one the update trained on, as ``reply``
+    (the state's record of it) kept it; a reply without it: the sequences'."""
+    trained_on = None if reply is None else reply.get("model_version")
+    if model_version is not None and isinstance(trained_on, int):
+        return int(model_version) - trained_on
+    return int(server_round) - int(sequence)
+
+
 def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, Any],
                       ack_sequence: int, shapes: Mapping[str, tuple[int, ...]],
                       method: Method, train: TrainSettings, server_round: int,
@@ -458,10 +470,7 @@ def fold_back_pending(compressor: Compressor, state: ClientState | Mapping[str, 
                                     state.pending_mask, shapes)
     if sequence == ack_sequence:
         return False
-    age = max(1, int(server_round) - int(sequence))
-    trained_on = None if state.reply is None else state.reply.get("model_version")
-    if model_version is not None and isinstance(trained_on, int):
-        age = max(1, int(model_version) - trained_on)
+    age = max(1, update_age(state.reply, sequence, server_round, model_version))
     share = fold_back(compressor, parts,
                       lambda folded, residual: method.unaggregated(train, age, folded, residual))
     return share > 0.0

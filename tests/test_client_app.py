@@ -332,6 +332,26 @@ def test_an_async_dispatch_ages_an_unaggregated_update_in_model_versions(tmp_pat
     assert max(float(p.abs().max()) for p in pending.values()) > 1e-3  # the shares differ
 
 
+@pytest.mark.parametrize("in_versions", [True, False], ids=["async", "sync"])
+def test_an_async_dispatch_ages_a_residual_in_model_versions(tmp_path, in_versions):
+    """``dgc.residual_decay`` scales a residual by its rounds away: under async those are
+    applied steps, as for an unaggregated update. A client that answered sequence 1 (model
+    version 0, acknowledged) and is dispatched at sequence 11 on version 1 is 0 steps away
+    under async (its residual kept whole: the same as with no decay) and 9 rounds away in a
+    sync message (decayed: it differs)."""
+    grid = LocalGrid(client_app, 3)
+    runs = {}
+    for decay in (1.0, 0.5):
+        s = _settings(tmp_path, method="dgc", state_dir=str(tmp_path / f"state-{decay}"),
+                      **{"dgc.residual_decay": decay})
+        _send(grid, 0, s, 1, -1, _global())
+        assert max(float(r.abs().max()) for r in _residual(s, "0").values()) > 1e-4
+        extra = {P.MODEL_VERSION: 1, **({P.AGE_IN_VERSIONS: True} if in_versions else {})}
+        runs[decay] = _sent_plus_residual(grid, s, 11, 1, **extra)[1]
+    same = all(torch.equal(runs[0.5][k], runs[1.0][k]) for k in runs[1.0])
+    assert same == in_versions
+
+
 @pytest.mark.parametrize("extra, says", [
     ({P.AGE_IN_VERSIONS: "yes"}, "age_in_versions = 'yes'"),
     ({P.AGE_IN_VERSIONS: True, P.MODEL_VERSION: -1}, "model_version = -1"),

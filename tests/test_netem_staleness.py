@@ -66,7 +66,7 @@ def test_bad_policies_name_the_field(kwargs: dict, field: str) -> None:
 
 
 def _age(record: dict, round_index: int, ack: int, policy: StalePolicy,
-         make: object = None) -> object:
+         make: object = None, model_version: int | None = None) -> object:
     """The emulator's stale policy on a dgc client's record (its compressor rebuilt by ``make``,
     by default a plain DGCCompressor of the test's config)."""
     from fedgc.methods import get
@@ -78,7 +78,8 @@ def _age(record: dict, round_index: int, ack: int, policy: StalePolicy,
                                         # The update folded back whole (the method's own
                                         # decay, tests/test_unaggregated.py, set aside).
                                         RunConfig.from_flat({"run_name": "t",
-                                                             "unaggregated": "keep"}).train)
+                                                             "unaggregated": "keep"}).train,
+                                        model_version)
 
 
 def _record(c: DGCCompressor, last: object) -> dict:
@@ -118,6 +119,27 @@ def test_stale_policy_on_a_stored_record_folds_back_unacked_pending_first() -> N
     rep = _age(dropped, 6, -1, StalePolicy("drop", after_rounds=1))
     assert rep.factor == 0.0 and not dropped["compressor"]["memory"]["v"]["w"].any()
     assert rep.discarded_l1 == pytest.approx(float((v + pending_dense).abs().sum()), rel=1e-5)
+
+
+def test_under_async_the_stale_policy_counts_model_versions() -> None:
+    """Issue 37: an asynchronous dispatch's sequence counts dispatches (about K per applied
+    step). The client's last update (sequence 3) trained on model version 5; dispatched at
+    sequence 40 on version 6 it is 0 steps away (nothing to age), on version 9 three; a sync
+    round 40 (no version given) is 36 rounds away."""
+    c = DGCCompressor(DGCConfig(density=0.1, warmup="none"))
+    last = c.compress({"w": torch.randn(40, 50, generator=torch.Generator().manual_seed(2))},
+                      sequence=3)
+    v = c.memory.v["w"].clone()
+
+    def record() -> dict:
+        return {**_record(c, last), "reply": {"sequence": 3, "model_version": 5}}
+
+    policy = StalePolicy("decay", 0.5, 0)
+    assert _age(record(), 40, 3, policy, model_version=6) is None
+    three = record()
+    assert _age(three, 40, 3, policy, model_version=9).factor == 0.5 ** 3
+    assert torch.allclose(three["compressor"]["memory"]["v"]["w"], v * 0.125, atol=1e-6)
+    assert _age(record(), 40, 3, policy).factor == 0.5 ** 36
 
 
 def test_stale_policy_ages_both_parts_of_a_two_density_record() -> None:

@@ -32,6 +32,7 @@ from flwr.common.serde import recorddict_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
 
 from client.app import (
+    age_version,
     allowed_callables,
     client_key,
     for_method,
@@ -216,7 +217,8 @@ def _age_residual(msg: Message, context: Context, key: int, round_index: int,
     train = for_method(train, method)
     report = apply_stale_policy_to_record(record, round_index,
                                           int(config.get(ACK_SEQUENCE, -1)), settings.stale,
-                                          lambda: method.compressor(train, key), method, train)
+                                          lambda: method.compressor(train, key), method, train,
+                                          age_version(config))
     if report is not None:
         store.save(str(key), ClientState.from_record(record, f"client state {key}"))
     return report

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from client.state import fold_back_pending
+from client.state import fold_back_pending, update_age
 from dgc import Compressor
 from dgc.wire import MAX_NUMEL
 from fedgc.keys import TrainSettings
@@ -108,7 +108,8 @@ def _stored_compressor(record: dict[str, Any],
 
 def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_sequence: int,
                                  policy: StalePolicy, make_compressor: Callable[[], Compressor],
-                                 method: Method, train: TrainSettings) -> StaleReport | None:
+                                 method: Method, train: TrainSettings,
+                                 model_version: int | None = None) -> StaleReport | None:
     """Apply ``policy`` to a client's stored record (``client.app``'s format), in place.
 
     ``make_compressor`` builds an empty compressor of the client's kind (its method's
@@ -117,7 +118,9 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
     The record holds ``compressor`` (the compressor's ``state_dict()``) and ``pending`` (the
     encoded last update, a uint8 tensor; with the shared sign channel also ``pending_shared``
     and ``pending_mask``). The client was last trained in round
-    ``pending.sequence``, so it is ``round_index - pending.sequence - 1`` rounds away. When the
+    ``pending.sequence``, so it is ``round_index - pending.sequence - 1`` rounds away; with
+    ``model_version`` (an asynchronous dispatch, whose sequences count dispatches) the versions
+    since the one it trained on, less one (:func:`client.state.update_age`). When the
     policy changes anything, an unacknowledged pending update is first folded back (as the client
     would do), then residual and momentum are scaled, and ``pending`` is removed so that the
     client does not fold it back a second time. Returns None when the record has nothing to age.
@@ -137,14 +140,14 @@ def apply_stale_policy_to_record(record: dict[str, Any], round_index: int, ack_s
         # The client's own bytes, from its own store: bounded by the format alone.
         sequence = method.codec(train).decode(bytes(record["pending"].numpy().tobytes()),
                                               Bound({}, limit=MAX_NUMEL)).sequence
-    rounds_away = max(0, round_index - sequence - 1)
+    rounds_away = max(0, update_age(record.get("reply"), sequence, round_index, model_version) - 1)
     if policy.factor(rounds_away) == 1.0:
         return None
     if compressor is None:
         compressor = _stored_compressor(record, make_compressor)
     fold_back_pending(compressor, record, ack_sequence,
                       {n: (v.numel(),) for n, v in compressor.residual().items()}, method, train,
-                      round_index)
+                      round_index, model_version)
     report = apply_stale_policy(compressor, rounds_away, policy)
     record["compressor"] = compressor.state_dict()
     for key in ("pending", "pending_shared", "pending_mask"):
