@@ -72,6 +72,7 @@ class PhoneError(RuntimeError):
 
 def encoder_round(encoder: Any, pseudo_gradient: Mapping[str, np.ndarray], epoch: float,
                   sequence: int, values: Mapping[str, float], masks: Masks | None,
+                  started: bool = True,
                   ) -> tuple[dgc.SparseUpdate, bytes, dgc.SparseUpdate | None, bytes]:
     """A round of the exported encoder with the host code around it, in the simulated
     ``dgc`` client's order: the top-k of ``encoder`` (:class:`android_bridge.runtime.PteEncoder`
@@ -80,8 +81,50 @@ def encoder_round(encoder: Any, pseudo_gradient: Mapping[str, np.ndarray], epoch
     residual (:func:`fedgc.methods.dgc.values_on_grid`); then the residual at the round's
     ``masks`` taken out as scaled signs, or with ``values["shared_levels"]``
     (``dgc.shared_values = grid``) as grid values (``dgc.signs.take_signs``, ``take_values``).
-    The update, its bytes, what the sets sent (None without sets) and its bytes."""
+    With ``values["first"]`` (``dgc.shared_first``) the sets come first, as the simulated
+    client's ``RoundCompressor._take_first``: the pseudo-gradient at the sets joins the
+    residual there and leaves with it, and the top-k gets the pseudo-gradient zeroed there;
+    an encoder that has not compressed yet (``started`` False: a simulated client's compressor
+    holds no residual then) takes the sets from the pseudo-gradient alone and puts what they
+    leave back after the top-k. The update, its bytes, what the sets sent (None without sets)
+    and its bytes."""
+    shared_levels = float(values.get("shared_levels", 0.0))
+
+    def take(source: Mapping[str, torch.Tensor]) -> tuple[dgc.SparseUpdate, bytes]:
+        if shared_levels > 0:
+            sent = take_values(source, masks, sequence, shared_levels)
+            return sent, encode_values(sent)
+        sent = take_signs(source, masks, sequence)
+        return sent, encode_signs(sent)
+
+    taken, left = None, None
+    if masks is not None and values.get("first"):
+        grads = {n: np.asarray(g, dtype=np.float32) for n, g in pseudo_gradient.items()}
+        residual = encoder.residual()
+        source: dict[str, torch.Tensor] = {}
+        for name, mask in masks.items():
+            if name not in grads:
+                continue
+            idx = np.asarray(mask, dtype=np.int64)
+            flat = grads[name].reshape(-1)
+            at = torch.from_numpy(flat[idx].copy())
+            if started:
+                residual[name].index_add_(0, torch.from_numpy(idx), at)
+                source[name] = residual[name]
+            else:
+                source[name] = torch.zeros(flat.size, dtype=torch.float32)
+                source[name][torch.from_numpy(idx)] = at
+            off = flat.copy()
+            off[idx] = 0.0
+            grads[name] = off.reshape(grads[name].shape)
+        taken = take(source)
+        if not started:  # the sets' remainder, back after the top-k
+            left = dgc.SparseUpdate({n: dgc.SparseTensor(t.indices, source[n][t.indices], t.shape)
+                                     for n, t in taken[0].tensors.items()}, sequence)
+        pseudo_gradient = grads
     update = encoder.compress(pseudo_gradient, epoch=epoch, sequence=sequence)
+    if left is not None and left.tensors:
+        encoder.restore(left)
     levels = float(values.get("levels", 0.0))
     if levels > 0:
         update, error = values_on_grid(update, levels)
@@ -89,12 +132,8 @@ def encoder_round(encoder: Any, pseudo_gradient: Mapping[str, np.ndarray], epoch
     data = dgc.encode(update, grid_coding=levels > 0)
     if masks is None:
         return update, data, None, b""
-    shared_levels = float(values.get("shared_levels", 0.0))
-    if shared_levels > 0:
-        sent = take_values(encoder.residual(), masks, sequence, shared_levels)
-        return update, data, sent, encode_values(sent)
-    sent = take_signs(encoder.residual(), masks, sequence)
-    return update, data, sent, encode_signs(sent)
+    sent, side = taken if taken is not None else take(encoder.residual())
+    return update, data, sent, side
 
 
 def _torch(model: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
@@ -338,7 +377,8 @@ class ReferencePhone:
         else:
             update, data, signs, side = encoder_round(
                 self.encoder, pseudo_gradient, epoch, int(task.sequence),
-                config.get("values") or {}, self._masks(task, global_model))
+                config.get("values") or {}, self._masks(task, global_model),
+                started=self.encoder.step > 0)
         # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
         kept = host is None or host.keeps_residual
         self.pending, self.pending_signs = (update if kept else None), signs

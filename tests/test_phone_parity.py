@@ -311,14 +311,18 @@ class _NumpyGrads:
 @pytest.mark.parametrize("keys", [{"dgc.shared_values": "grid", "dgc.shared_levels": 0.5},
                                   {"dgc.value_levels": 4.0},
                                   {"dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
-                                   "dgc.value_levels": 4.0}],
-                         ids=["shared-grid", "value-levels", "both"])
+                                   "dgc.value_levels": 4.0},
+                                  {"dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
+                                   "dgc.value_levels": 4.0, "dgc.shared_first": True}],
+                         ids=["shared-grid", "value-levels", "both", "sets-first"])
 def test_the_phones_grid_values_are_a_simulated_clients(keys):
-    """dgc.shared_values = grid and dgc.value_levels on a phone (issue 39, dgc_sets' items 2
-    and 4): the host code around the exported encoder (``android_bridge.phone.encoder_round``:
-    the top-k's values on a grid, the rounding back into the residual, the sets' residual as
-    grid values) sends the simulated client's update and side bytes and keeps its residual,
-    four rounds running, the second folded back by both."""
+    """dgc.shared_values = grid, dgc.value_levels and dgc.shared_first on a phone (issue 39,
+    dgc_sets' items 2, 4 and 3): the host code around the exported encoder
+    (``android_bridge.phone.encoder_round``: the sets taken first, the top-k's values on a
+    grid, the rounding back into the residual, the sets' residual as grid values) sends the
+    simulated client's update and side bytes and keeps its residual, four rounds running, the
+    second folded back by both; with the sets first, round 1 has sets (the first round's
+    remainder, put back after the top-k) and the sets differ from round to round."""
     from android_bridge.phone import encoder_round
     from fedgc.methods.dgc import dgc_config
     from fedgc.methods.sparsifier import split_compressor
@@ -328,8 +332,10 @@ def test_the_phones_grid_values_are_a_simulated_clients(keys):
     method, t = run.method, run.train
     own = method.own
     values = method.phone_values()
+    first = "dgc.shared_first" in keys
     assert values == {**({"shared_levels": 0.5} if "dgc.shared_values" in keys else {}),
-                      **({"levels": 4.0} if "dgc.value_levels" in keys else {})}
+                      **({"levels": 4.0} if "dgc.value_levels" in keys else {}),
+                      **({"first": 1.0} if first else {})}
     phone = _NumpyGrads(split_compressor(own, dgc_config(t, own), "tensor"))
     codec = method.codec(t)
     shapes = {"w": (60, 50), "b": (60,), "v": (30, 40)}
@@ -338,7 +344,7 @@ def test_the_phones_grid_values_are_a_simulated_clients(keys):
     grids = 0
     for sequence in range(1, 5):
         grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
-        masks = None if sequence == 1 else {
+        masks = None if sequence == 1 and not first else {
             "w": np.sort(rng.choice(3000, 90, replace=False)).astype(np.int64),
             "v": np.arange(0, 1200, 37, dtype=np.int64)}
         simulated = method.compressor(t, 1, masks)
@@ -347,7 +353,8 @@ def test_the_phones_grid_values_are_a_simulated_clients(keys):
         want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
                                   sequence)
         part = method.side_part(simulated, masks, sequence)
-        update, data, sent, side = encoder_round(phone, grads, 0.0, sequence, values, masks)
+        update, data, sent, side = encoder_round(phone, grads, 0.0, sequence, values, masks,
+                                                 started=sequence > 1)
         assert data == codec.encode(want), sequence
         assert side == (b"" if part is None else part[0]), sequence
         grids += side[:4] not in (b"", b"FGCS")
@@ -359,7 +366,7 @@ def test_the_phones_grid_values_are_a_simulated_clients(keys):
         for name, v in simulated.residual().items():
             assert torch.equal(phone.residual()[name], v), (sequence, name)
         state = simulated.state_dict()
-    assert grids == (3 if "dgc.shared_values" in keys else 0)
+    assert grids == ((4 if first else 3) if "dgc.shared_values" in keys else 0)
 
 
 class EagerTrainer:
@@ -414,12 +421,12 @@ def parity_export(digits_phone_export):
 
 
 RANKED = {"dgc.shared_rank": "displacement", "downlink_context": True}
-#: The parts of dgc_sets phones run (issue 39: items 1, 2, 4 and 5). Phones run the exact top-k
+#: dgc_sets' switches (issue 39: its items 1 to 5), which phones run. Phones run the exact top-k
 #: (android_bridge.bridge_app._phone_config); the simulated client's default, sampled, may keep
 #: fewer entries (from half of k), which the grid's residual met in round 4 of this run.
 DGC_SETS_PARTS = {**RANKED, "dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
-                  "dgc.value_levels": 4.0, "downlink_vectors": "float16",
-                  "dgc.selection": "exact"}
+                  "dgc.shared_first": True, "dgc.value_levels": 4.0,
+                  "downlink_vectors": "float16", "dgc.selection": "exact"}
 
 
 @pytest.mark.slow

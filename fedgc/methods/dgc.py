@@ -225,10 +225,11 @@ class DGCSettings(SparsifierSettings):
 #: encoder is the default client's. Not among them (issue 39): ``dgc.shared_rank =
 #: displacement`` (a phone derives those sets from the model it holds and its version 0,
 #: ``android_bridge.phone.derive_sets``), ``dgc.shared_values = grid`` and ``dgc.value_levels``
-#: (host code on the encoder's residual and outputs, :meth:`DGC.phone_values`).
+#: (host code on the encoder's residual and outputs, :meth:`DGC.phone_values`), and
+#: ``dgc.shared_first`` (the sets taken on the host before the encoder's top-k).
 PHONE_SWITCHES: dict[str, object] = {
-    "shared_first": False, "residual_decay": 1.0, "step_ahead": 0.0, "feedback": "residual",
-    "budget": "tensor", "compact_wire": False, "server_error": 0.0}
+    "residual_decay": 1.0, "step_ahead": 0.0, "feedback": "residual", "budget": "tensor",
+    "compact_wire": False, "server_error": 0.0}
 
 
 def dgc_config(train: TrainSettings, own: DGCSettings) -> DGCConfig:
@@ -479,11 +480,14 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
         return small_split(self.own)
 
     def phone_values(self) -> dict[str, float]:
-        """What a phone rounds to a grid on the host, in its task's ``values`` entry:
+        """What a phone does on the host around its encoder, in its task's ``values`` entry:
         ``shared_levels`` (``dgc.shared_values = grid``: the residual at the sets as grid
-        values, :func:`dgc.signs.client.take_values`) and ``levels`` (``dgc.value_levels``:
-        the encoder's top-k on a grid, :func:`values_on_grid`); {} for signs and float values."""
+        values, :func:`dgc.signs.client.take_values`), ``levels`` (``dgc.value_levels``: the
+        encoder's top-k on a grid, :func:`values_on_grid`) and ``first`` (1 for
+        ``dgc.shared_first``: the sets taken before the top-k); {} for the default client."""
         own, out = self.own, {}
+        if own.shared_first:  # the sets before the top-k (android_bridge.phone.encoder_round)
+            out["first"] = 1.0
         if own.shared_values == "grid":
             out["shared_levels"] = float(own.shared_levels)
         if own.value_levels > 0:
