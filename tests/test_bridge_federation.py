@@ -166,12 +166,14 @@ def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
     travel in the task's ``values`` entry."""
     from android_bridge.bridge import BridgeError
     from android_bridge.bridge_app import _phone_config
-    run = RunConfig.from_flat({"dgc.shared_first": True})
-    with pytest.raises(BridgeError, match=r"dgc.shared_first=True: phones run dgc's default "):
+    run = RunConfig.from_flat({"dgc.step_ahead": 0.5})
+    with pytest.raises(BridgeError, match=r"dgc.step_ahead=0.5: phones run dgc's default "):
         _phone_config(run.train, run.method)
-    run = RunConfig.from_flat({"dgc.value_levels": 4, "dgc.shared_values": "grid"})
+    run = RunConfig.from_flat({"dgc.value_levels": 4, "dgc.shared_values": "grid",
+                               "dgc.shared_first": True})
     assert _phone_config(run.train, run.method)["values"] == {"levels": 4.0,
-                                                              "shared_levels": 1.0}
+                                                              "shared_levels": 1.0,
+                                                              "first": 1.0}
     assert "values" not in _phone_config(RunConfig().train, RunConfig().method)
 
 

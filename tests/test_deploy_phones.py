@@ -84,10 +84,10 @@ def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_expo
     (["--phones", "1", "--set", "num_clients=5"],
      "num_clients=5 but --nodes \\+ --phones = 3"),
     (["--phones", "1", "--set", "method=dense"], "method 'dense' is not served by phones"),
-    # (sets ranked by displacement and grid values phones run themselves: not named, issue 39)
-    (["--phones", "1", "--set", "dgc.shared_first=true", "--set", "dgc.value_levels=4",
-      "--set", "dgc.shared_rank=displacement"],
-     "error: dgc.shared_first=True: phones run dgc's default client"),
+    # (dgc_sets' switches, which phones run since issue 39: not named)
+    (["--phones", "1", "--set", "dgc.step_ahead=0.5", "--set", "dgc.value_levels=4",
+      "--set", "dgc.shared_rank=displacement", "--set", "dgc.shared_first=true"],
+     "error: dgc.step_ahead=0.5: phones run dgc's default client"),
     # Named for what phones lack, not for the method, whichever method the run names.
     (["--phones", "1", "--set", "method=dgc_sets", "--set", "privacy.secagg=true"],
      "privacy.secagg = true: phones behind the bridge do not run secure aggregation .*no "
