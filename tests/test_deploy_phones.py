@@ -93,7 +93,8 @@ def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_expo
      "privacy.secagg = true: phones behind the bridge do not run secure aggregation .*no "
      "X25519 key agreement"),
     (["--phones", "1", "--set", "privacy.secagg=true"], "phones behind the bridge do not run "
-     "secure aggregation .*; phones run topk, randk, dgc, tcs, qsgd, efsign, signvote\\)"),
+     "secure aggregation .*; phones run topk, randk, dgc, dgc_sets, tcs, qsgd, efsign, "
+     "signvote\\)"),
 ])
 def test_bad_phone_options_are_refused_before_anything_starts(argv, message, tmp_path,
                                                               capsys):

@@ -421,23 +421,21 @@ def parity_export(digits_phone_export):
 
 
 RANKED = {"dgc.shared_rank": "displacement", "downlink_context": True}
-#: dgc_sets' switches (issue 39: its items 1 to 5), which phones run. Phones run the exact top-k
-#: (android_bridge.bridge_app._phone_config); the simulated client's default, sampled, may keep
-#: fewer entries (from half of k), which the grid's residual met in round 4 of this run.
-DGC_SETS_PARTS = {**RANKED, "dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
-                  "dgc.shared_first": True, "dgc.value_levels": 4.0,
-                  "downlink_vectors": "float16", "dgc.selection": "exact"}
+#: dgc_sets (issue 39: its switches, items 1 to 5 of docs/android.md's plan), which phones run.
+#: Phones run the exact top-k (android_bridge.bridge_app._phone_config); the simulated client's
+#: default, sampled, may keep fewer entries (from half of k), which the grid's residual met in
+#: round 4 of this run.
+DGC_SETS = {"method": "dgc_sets", "dgc.selection": "exact"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("keys", [{}, RANKED, DGC_SETS_PARTS],
-                         ids=["default", "ranked", "dgc_sets-parts"])
+@pytest.mark.parametrize("keys", [{}, RANKED, DGC_SETS], ids=["default", "ranked", "dgc_sets"])
 def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path, keys):
-    """The default run, and (issue 39) the parts of dgc_sets phones run: its sets ranked by
-    displacement from version 0, which the phone derives itself from the rank request, and its
-    patches ranked alike, which the phone joins on the model it holds (``ranked``: round 4's
-    patch is ranked); with the sets answered with grid values, the top-k's values on a grid
-    (host code around the exported encoder) and float16 bias vectors in the patches
+    """The default run, and (issue 39) dgc on sets ranked by displacement from version 0,
+    which the phone derives itself from the rank request, with patches ranked alike, which the
+    phone joins on the model it holds (``ranked``: round 4's patch is ranked), and dgc_sets:
+    besides, the sets taken before the top-k and answered with grid values, the top-k's values
+    on a grid (host code around the exported encoder) and float16 bias vectors in the patches
     (differences the bridge turns into values)."""
     config = _run({**SETTINGS, **keys}, tmp_path)
     t = config.train
@@ -452,9 +450,9 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
         tasks = [pair["task"] for pair in compared]
         assert sum(bytes(t.shared_mask[:4]) == RANK_MAGIC for t in tasks) == signs
         assert all(t.initial_sha256 for t in tasks if t.shared_mask or t.patch_context)
-        grid = keys is DGC_SETS_PARTS
+        grid = keys is DGC_SETS
         assert grid or any(t.patch_context for t in tasks), "no patch ranked by displacement"
-        # the sets answered with grid values (dgc_sets-parts) or signs
+        # the sets answered with grid values (dgc_sets) or signs
         assert all((pair["phone"][1][:4] != SIGN_MAGIC) == grid
                    for pair in compared if pair["phone"][1])
 

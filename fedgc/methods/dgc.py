@@ -683,19 +683,15 @@ class DGCSets(DGC):
     sends its biases in float16 and ranks its patches' indices by the same displacement
     (``downlink_context``). Its broadcast keeps the server's dead band of half a grid step: a
     whole step (``downlink_deadband = 1``, its default until 2026-12-06) cost 1.8 points on
-    shakespeare for 4-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones do not
-    run it yet (all but ``dgc.shared_first``: ``phone_needs``), and ``compare`` runs it only
-    when named.
+    shakespeare for 4-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones run it
+    (issue 39: the reference phone derives the sets, joins the ranked patches and does the
+    grids and the sets-first split on the host around dgc's exported encoder; the Android app
+    does not yet, docs/android.md), and ``compare`` runs it only when named.
     """
 
     name = "dgc_sets"
-    phone_needs = ("the sets taken before the top-k (dgc.shared_first: the pseudo-gradient "
-                   "split on the host before the exported encoder; phones rank the sets, send "
-                   "grid-coded values and read float16 patch vectors already: docs/android.md, "
-                   '"What dgc_sets needs on a phone")')
     order = 41
     compared = False
-    phone = False  # until phones take the sets first (phone_needs; fedgc.methods.phone)
     description = ("DGC's top-k of the residual on a 4-level grid after the residual at shared "
                    "sets clients rank themselves (the model's displacement), sent as grid "
                    "values (`dgc.*` as dgc)")
