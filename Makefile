@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-cross-cpu bench lint clean arm
+.PHONY: install demo test test-fast test-cross-cpu test-cross-cpu-arm64 bench lint clean arm
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,14 @@ test: $(STAMP) arm
 LOWERED_DISPATCH := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_CBWR=COMPATIBLE
 test-cross-cpu: $(STAMP)
 	$(LOWERED_DISPATCH) FEDGC_LOWERED_DISPATCH=1 $(PY) -m pytest -q -m cross_cpu
+
+# The same tests on arm64 floats (NEON kernels, other reduction orders): the emulated phone's
+# aarch64 Python and torch under qemu-user, against the snapshots written on x86; its own
+# packages beside the rootfs (tests/arm64_cross_cpu.sh). Then the wire and payload golden
+# vectors, byte-exact on every CPU (all their tests). 10-20 min: not part of `make test`.
+test-cross-cpu-arm64: $(STAMP) arm
+	FEDGC_HOST_PYTHON=$(PY) tests/arm64_cross_cpu.sh
+	FEDGC_HOST_PYTHON=$(PY) tests/arm64_cross_cpu.sh tests/test_wire.py tests/test_payloads.py -m ""
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

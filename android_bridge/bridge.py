@@ -27,7 +27,13 @@ import torch
 import dgc
 from android_bridge.proto import fedgc_bridge_pb2 as pb
 from android_bridge.proto import fedgc_bridge_pb2_grpc as pb_grpc
-from dgc.signs.codec import Masks, decode_mask, decode_signs
+from dgc.signs.codec import (
+    RANK_MAGIC,
+    Masks,
+    decode_mask,
+    decode_rank_request,
+    decode_shared,
+)
 from dgc.wire import max_numel_of_message
 from fedgc.methods import Bound, phone_codec_of
 
@@ -178,8 +184,22 @@ class PhoneTask:
     base_version : int
         The version ``patch`` applies to (-1 when there is no patch).
     shared_mask : bytes or None
-        The round's shared index sets (``dgc.signs.codec.encode_mask``); the phone answers
-        them with its residual's signs, appended to its update. None: no sign channel.
+        The round's shared index sets (``dgc.signs.codec.encode_mask``), or a rank request
+        (``encode_rank_request``: per tensor only its set's size, ``dgc.shared_rank =
+        displacement``) from which the phone derives them; the phone answers them with its
+        residual's signs, appended to its update. None: no sign channel.
+    shared_sets : bytes or None
+        With a rank request in ``shared_mask``: the sets it stands for as an ``FGCM`` mask,
+        derived by the federation side from the model it holds for the device (the phone
+        derives the same and is not sent them); the bridge checks the phone's signs against
+        them.
+    initial_sha256 : str
+        The digest of the version 0 a rank request or ``patch_context`` ranks against
+        (:mod:`android_bridge.initial_model`): the form the phone must build from its export.
+    patch_context : list of str
+        Tensors of ``patch`` sent as segments of their entries ranked by displacement
+        (``downlink_context``, :mod:`fedgc.context_patch`); the phone joins them on the ranking
+        of the model it holds against version 0 (``initial_sha256``).
     base_sha256 : str
         For a patch on version 0 to a phone that was never sent a model: the digest of that
         version 0 (:mod:`android_bridge.initial_model`). The patch goes only to a phone that
@@ -197,6 +217,9 @@ class PhoneTask:
     base_version: int = -1
     shared_mask: bytes | None = None
     base_sha256: str = ""
+    shared_sets: bytes | None = None
+    initial_sha256: str = ""
+    patch_context: list[str] = field(default_factory=list)
     task_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
@@ -225,23 +248,43 @@ class _Masks:
         self.numels = {name: t.numel for name, t in model.tensors.items()}
         self.masks: Masks = {}
         try:
-            if task.shared_mask:
+            if task.shared_mask and bytes(task.shared_mask[:4]) == RANK_MAGIC:
+                self.masks = self._ranked(task)
+            elif task.shared_mask:
                 _, self.masks = decode_mask(task.shared_mask, self.numels)
         except dgc.DecodeError as ex:
             raise BridgeError(f"the shared_mask of task {task.task_id!r} is not a shared "
-                              f"index set of its model (phones answer only dgc.signs masks): "
-                              f"{ex}") from ex
-        # The largest sign payload: a header per tensor, a scale and a bit per index; none
-        # where the payload itself answers the mask.
+                              f"index set of its model (phones answer only dgc.signs masks and "
+                              f"rank requests): {ex}") from ex
+        # The largest sign payload: a header per tensor, a scale and a bit per index; with
+        # grid values (dgc.shared_values = grid) at most a float32 a value; none where the
+        # payload itself answers the mask.
         signs = not task.config.get("codec")
-        self.max_bytes = 64 + sum(80 + len(n.encode()) + (len(m) + 7) // 8
+        per_entry = 32 if float((task.config.get("values") or {}).get("shared_levels", 0.0)) \
+            > 0 else 1
+        self.max_bytes = 64 + sum(80 + len(n.encode()) + (len(m) * per_entry + 7) // 8
                                   for n, m in self.masks.items()) if signs else 0
 
+    def _ranked(self, task: PhoneTask) -> Masks:
+        """The sets a rank request stands for: the task's ``shared_sets``, which must hold a
+        set of the requested size per tensor requested, and the digest of the version 0 the
+        phone ranks against."""
+        _, counts, _, _ = decode_rank_request(task.shared_mask, self.numels)
+        if not task.shared_sets or not task.initial_sha256:
+            raise BridgeError(f"task {task.task_id!r} sends a rank request without the sets it "
+                              f"stands for (shared_sets) and its version 0 (initial_sha256)")
+        _, masks = decode_mask(task.shared_sets, self.numels)
+        sizes = {n: len(m) for n, m in masks.items()}
+        if sizes != counts:
+            raise BridgeError(f"the shared_sets of task {task.task_id!r} have sizes {sizes}, "
+                              f"its rank request asks for {counts}")
+        return masks
+
     def check(self, side: bytes) -> int:
-        """The number of signs ``side`` carries; ValueError or DecodeError when it does not
-        answer these sets."""
-        signs = decode_signs(side, self.masks, {n: (self.numels[n],) for n in self.masks})
-        return signs.nnz
+        """The number of signs (or grid values) ``side`` carries; ValueError or DecodeError
+        when it does not answer these sets."""
+        shared = decode_shared(side, self.masks, {n: (self.numels[n],) for n in self.masks})
+        return shared.nnz
 
 
 @dataclass
@@ -612,7 +655,9 @@ class PhoneBridge(pb_grpc.FedgcBridgeServicer):
                 config_sha256=digest,
                 ack_sequence=task.ack_sequence, sequence=task.sequence,
                 max_chunk_bytes=self.max_chunk_bytes,
-                max_update_bytes=self._update_cap(task), shared_mask=task.shared_mask or b"")
+                max_update_bytes=self._update_cap(task), shared_mask=task.shared_mask or b"",
+                initial_sha256=task.initial_sha256,
+                patch_context=task.patch_context if use_patch else [])
 
     def _ready_task(self, device: str) -> PhoneTask | None:
         task = self._open.get(device)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
@@ -29,10 +30,13 @@ from client import app as client_module
 from client.state import ClientState, ClientStateStore
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
+from dgc.signs.codec import RANK_MAGIC
 from dgc.wire import max_numel_of
-from fedgc import methods
+from fedgc import context_patch, methods
 from fedgc import protocol as P
 from fedgc.keys import TrainSettings
+from fedgc.methods.dgc import RankRequest
+from fedgc.methods.material import material_of
 
 DEVICE_KEY = "device-id"
 
@@ -48,14 +52,26 @@ def device_for(context: Context, devices: Mapping[int, str] | None) -> str:
     return devices[key]
 
 
-def check_plain_patch(config: Mapping[str, object]) -> None:
-    """BridgeError when a train message's patch is ranked by displacement (``patch_context``):
-    the phones' codec applies plain patches only (``check_phone_run`` refuses
-    ``downlink_context`` where it sees the server's config; a bridge meets it here)."""
-    if config.get(P.PATCH_CONTEXT):
-        raise BridgeError(f"{P.PATCH_CONTEXT}: the server sends patches ranked by displacement "
-                          f"(downlink_context=true), which phones do not apply; leave "
-                          f"downlink_context at its default in a run with phones")
+def ranked_material(msg: Message, model: Mapping[str, Any], method: methods.Method,
+                    version_0: Callable[[], dict[str, Any]]) -> tuple[bytes, bool] | None:
+    """For a train message whose round material is a rank request (``dgc.shared_rank =
+    displacement``): the sets it stands for, derived from ``model`` (the round's model, which
+    the phone trains on) and version 0 as a simulated client derives them
+    (:meth:`fedgc.methods.dgc.DGC.hold_material`), as an ``FGCM`` mask, and whether version 0
+    is on the int8 grid; None for any other material (or none). BridgeError for a rank request
+    the method does not read."""
+    data = _shared_mask(msg)
+    if data is None or bytes(data[:4]) != RANK_MAGIC:
+        return None
+    part = material_of(method)
+    try:
+        material = client_module.round_material(msg.content, dict(model), method)
+        if part is None or not isinstance(material[1], RankRequest):
+            raise ValueError(f"method {method.name!r} does not rank shared sets")
+        sets, _ = part.hold_material(*material, model, version_0)
+    except (ValueError, client_module.ClientProtocolError, dgc.StateError) as ex:
+        raise BridgeError(f"the round's rank request cannot be served: {ex}") from ex
+    return sets, material[1].initial_on_grid
 
 
 def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, str] | None = None,
@@ -100,13 +116,29 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
         initial: dict[str, Any] = {}
 
         def version_0() -> dict[str, Any]:
-            initial.update(client_module.initial_model(
-                client_module.task_of(s.task_spec(), allowed), s.seed))
+            if not initial:  # built once a message: the patch, the sets and the digest share it
+                initial.update(client_module.initial_model(
+                    client_module.task_of(s.task_spec(), allowed), s.seed))
             return dict(initial)
 
-        check_plain_patch(config)
+        def digest_of_version_0(on_grid: bool) -> str:
+            return model_digest(_version_0_form(version_0(), on_grid))
+
         global_state = client_module.global_model(msg.content, config, record,
                                                   initial=version_0)
+        method = client_module.method_of(s, config, allowed)
+        # Displacement from version 0 ranks the round's sets (a rank request) and a context
+        # patch's entries: the phone ranks the model it holds against the version 0 its export
+        # builds, named by digest; the bridge keeps the sets to check the phone's answer.
+        ranked = ranked_material(msg, global_state, method, version_0)
+        segmented = [str(n) for n in config.get(P.PATCH_CONTEXT, [])]  # type: ignore[union-attr]
+        grid = bool(config.get(P.INITIAL_GRID, False))
+        if ranked is not None and segmented and ranked[1] != grid:
+            raise BridgeError(f"the round ranks its sets against version 0 "
+                              f"{'on' if ranked[1] else 'off'} the int8 grid and its patch "
+                              f"{'on' if grid else 'off'} it: a phone holds one version 0")
+        initial_sha256 = (digest_of_version_0(ranked[1] if ranked is not None else grid)
+                          if ranked is not None or segmented else "")
         patch = base = None
         base_sha256 = ""
         if str(config.get(P.DOWNLINK, "dense")) == "patch":
@@ -116,14 +148,16 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
                 patch = P.record_to_bytes(msg.content.array_records[P.ARRAYS], P.PATCH)
                 base = int(config[P.BASE_VERSION]) if record is not None else 0
                 if config.get(P.PATCH_ADD):
+                    # Differences on ranked segments: placed by the ranking of the base (the
+                    # model held, or version 0 on a first contact) against version 0.
+                    origin = _version_0_form(version_0(), grid) if segmented else {}
+                    orders = _orders(record.model if record is not None else origin,
+                                     segmented, origin) if segmented else None
                     patch = _as_values(patch, list(config[P.PATCH_ADD]),  # type: ignore[arg-type]
-                                       global_state)
+                                       global_state, orders)
             if record is None and patch is not None:
-                start = (round_initial(initial) if bool(config.get(P.INITIAL_GRID, False))
-                         else initial)
-                base_sha256 = model_digest(start) if start else ""
+                base_sha256 = digest_of_version_0(grid) if initial else ""
         held[device] = ClientState(model=global_state, model_version=version)
-        method = client_module.method_of(s, config, allowed)
         s = client_module.for_method(s, method)
         task = PhoneTask(
             device_id=device, server_round=server_round, model_version=version,
@@ -131,7 +165,9 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
             dense_model=dgc.encode(SparseUpdate.from_dense(global_state, "float32", version)),
             config=_phone_config(s, method, key), patch=patch,
             base_version=-1 if base is None else base, base_sha256=base_sha256,
-            shared_mask=_shared_mask(msg))
+            shared_mask=_shared_mask(msg), shared_sets=None if ranked is None else ranked[0],
+            initial_sha256=initial_sha256,
+            patch_context=segmented if patch is not None else [])
         bridge.submit(task)
         result = bridge.wait(task.task_id, timeout_s)
         # The phone answers the round's shared index sets as a simulated client does: its
@@ -157,16 +193,45 @@ def make_bridge_app(bridge: PhoneBridge | RemoteBridge, devices: Mapping[int, st
     return app
 
 
-def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any]) -> bytes:
+def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any],
+               orders: Mapping[str, Any] | None = None) -> bytes:
     """``patch`` with the values of the ``added`` tensors (differences, ``patch_add``) taken
     from ``model``, the model it produces: a patch whose values replace, the only kind phones
-    apply."""
+    apply. ``orders``: per tensor sent as segments of its ranking by displacement
+    (``patch_context``), that ranking (:func:`fedgc.context_patch.rank_order` of the base
+    against version 0), which places a segment's entries; the segments keep their positions."""
     update = dgc.decode(patch, max_numel=max_numel_of(t.shape for t in model.values()))
     tensors = dict(update.tensors)
     for name in added:
+        flat = model[name].reshape(-1)
+        if orders and name in orders:
+            bounds = context_patch.cuts(int(orders[name].numel()))
+            for j, lo in enumerate(bounds[:-1]):
+                seg = tensors.get(context_patch.segment_name(name, j))
+                if seg is not None:
+                    at = orders[name][seg.indices.to(torch.int64) + lo]
+                    tensors[context_patch.segment_name(name, j)] = dgc.SparseTensor(
+                        seg.indices, flat[at], seg.shape)
+            continue
         t = tensors[name]
-        tensors[name] = dgc.SparseTensor(t.indices, model[name].reshape(-1)[t.indices], t.shape)
+        tensors[name] = dgc.SparseTensor(t.indices, flat[t.indices], t.shape)
     return dgc.encode(SparseUpdate(tensors, update.sequence), grid_coding=True)
+
+
+def _version_0_form(initial: Mapping[str, Any], on_grid: bool) -> Mapping[str, Any]:
+    """Version 0 as the server holds it: rounded to the int8 grid when the run broadcasts on it
+    (``initial_grid``)."""
+    return round_initial(initial) if on_grid else initial
+
+
+def _orders(base: Mapping[str, Any], context: list[str],
+            version_0: Mapping[str, Any]) -> dict[str, Any]:
+    """Per ``context`` tensor the ranking of ``base`` (the model the patch applies to) by
+    displacement from ``version_0``, as the phone and a simulated client rank it."""
+    try:
+        return {n: context_patch.rank_order(base[n], version_0[n]) for n in context}
+    except (KeyError, context_patch.ContextError) as ex:
+        raise BridgeError(f"{P.PATCH_CONTEXT} {context}: {ex!r}") from ex
 
 
 def _shared_mask(msg: Message) -> bytes | None:
@@ -202,6 +267,9 @@ def _phone_config(s: TrainSettings, method: methods.Method,
         "dgc": phone_dgc.to_dict()}
     if small is not None:
         out["small"] = {"density": small[0], "numel": small[1]}
+    values = part.phone_values()
+    if values:  # grids the phone rounds to on the host (dgc.shared_values, dgc.value_levels)
+        out["values"] = values
     codec = part.phone_task(s, client_key)
     if codec:  # an encoder of the method's own on the phone's host (randk, efsign, signvote)
         out["codec"] = codec

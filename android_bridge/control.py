@@ -71,13 +71,16 @@ def task_from_message(message: cpb.ControlTask) -> PhoneTask:
     if unknown:
         raise ValueError(f"unknown PhoneTask fields {unknown}; known: {sorted(known)}")
     values = {**fields, **{k: bytes(v) for k, v in message.blobs.items()}}
-    for name in ("device_id", "task_id"):
+    for name in ("device_id", "task_id", "base_sha256", "initial_sha256"):
         if name in values and not isinstance(values[name], str):
             raise ValueError(f"{name} must be a string, got {values[name]!r}")
     for name in ("server_round", "model_version", "sequence", "ack_sequence", "base_version"):
         if name in values and (isinstance(values[name], bool)
                                or not isinstance(values[name], int)):
             raise ValueError(f"{name} must be an integer, got {values[name]!r}")
+    context = values.get("patch_context", [])
+    if not isinstance(context, list) or not all(isinstance(n, str) for n in context):
+        raise ValueError(f"patch_context must be a list of tensor names, got {context!r}")
     if not isinstance(values.get("config"), dict):
         raise ValueError("config must be a JSON object")
     missing = sorted(n for n, f in known.items() if n not in values

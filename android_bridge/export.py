@@ -569,11 +569,10 @@ def check_phone_run(method: methods.Method,
     run as a simulated client does: a method phones do not serve (naming those they do), one of
     its own keys set to what phones do not run (:meth:`fedgc.methods.PhoneExport.phone_refusals`,
     from the configured ``method``), or, with the ``server``'s keys, patches the phones' codec
-    does not apply."""
+    does not read (``downlink_compact``; patches ranked by displacement, ``downlink_context``,
+    the reference phone joins on the model it holds)."""
     part = _served(method)
     set_ = part.phone_refusals()
-    if server is not None and server.downlink_context:
-        set_.append("downlink_context=True")  # patches the phones' codec does not apply
     if server is not None and server.downlink_compact:
         set_.append("downlink_compact=True")  # messages the phones' codec does not read
     if set_:

@@ -11,15 +11,23 @@ A round is a simulated client's round (``client.app``), step for step: the same 
 the same order (:mod:`android_bridge.shuffle`: torch's generator and ``randperm``), SGD with the
 run's ``client_momentum`` and ``weight_decay`` from fresh buffers, the pseudo-gradient, the
 fold-back of an update the server did not aggregate (the update, then its signs), DGC with a
-second density for small tensors (``dgc.small_density``), then the sign channel
-(``dgc.signs.take_signs`` on the residual). A task whose ``codec`` names a payload (random-k's
+second density for small tensors (``dgc.small_density``), with ``dgc.value_levels`` its values
+on a grid (the rounding back into the residual), then the sign channel
+(``dgc.signs.take_signs`` on the residual, or ``take_values`` under ``dgc.shared_values =
+grid``): :func:`encoder_round`. A task whose ``codec`` names a payload (random-k's
 ``seeded``, EF-signSGD's ``signs``) is compressed on the host instead
 (:mod:`android_bridge.host_encoders`) and sent in that payload's bytes.
 Given the same data and seed, and a training step
 that computes what eager torch computes, it sends the same bytes (tests/test_phone_parity.py).
-Torch appears as the buffer type of the ExecuTorch Python bindings and in the sign channel's
-scale, a float32 mean (``dgc.signs``); other host arithmetic is numpy, as it would be plain Java
-on the phone.
+Sets ranked by displacement (``dgc.shared_rank = displacement``: the task's ``shared_mask`` a
+rank request) are derived on the phone from the model it trains on and the version 0 its export
+builds (the form the task's ``initial_sha256`` names), with
+``dgc.signs.planner.displacement_masks``, as the simulated client derives them; a patch ranked by
+displacement (``downlink_context``: the task's ``patch_context``) is joined on the same ranking
+of the model it holds (:func:`apply_context_patch`).
+Torch appears as the buffer type of the ExecuTorch Python bindings, in the sign channel's
+scale, a float32 mean (``dgc.signs``), and in those rankings (a stable sort); other host
+arithmetic is numpy, as it would be plain Java on the phone.
 """
 
 from __future__ import annotations
@@ -29,13 +37,14 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
+import torch
 
 import dgc
 from android_bridge.bridge import PHONE_CHANNEL_OPTIONS, SESSION_METADATA_KEY
@@ -48,13 +57,116 @@ from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from android_bridge.shuffle import local_batches
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
-from dgc.signs.codec import Masks
+from dgc.signs.client import take_values
+from dgc.signs.codec import RANK_MAGIC, Masks, decode_rank_request, encode_values
+from dgc.signs.planner import displacement_masks
 from dgc.wire import max_numel_of
+from fedgc import protocol as P
+from fedgc.methods.dgc import values_on_grid
 from fedgc.training import round_seed
 
 
 class PhoneError(RuntimeError):
     """The phone cannot run the task it was given (incompatible config or batch layout)."""
+
+
+def encoder_round(encoder: Any, pseudo_gradient: Mapping[str, np.ndarray], epoch: float,
+                  sequence: int, values: Mapping[str, float], masks: Masks | None,
+                  started: bool = True,
+                  ) -> tuple[dgc.SparseUpdate, bytes, dgc.SparseUpdate | None, bytes]:
+    """A round of the exported encoder with the host code around it, in the simulated
+    ``dgc`` client's order: the top-k of ``encoder`` (:class:`android_bridge.runtime.PteEncoder`
+    or anything with its ``compress``, ``residual`` and ``restore``); with ``values["levels"]``
+    (``dgc.value_levels``) its values on a power-of-two grid and the rounding back into the
+    residual (:func:`fedgc.methods.dgc.values_on_grid`); then the residual at the round's
+    ``masks`` taken out as scaled signs, or with ``values["shared_levels"]``
+    (``dgc.shared_values = grid``) as grid values (``dgc.signs.take_signs``, ``take_values``).
+    With ``values["first"]`` (``dgc.shared_first``) the sets come first, as the simulated
+    client's ``RoundCompressor._take_first``: the pseudo-gradient at the sets joins the
+    residual there and leaves with it, and the top-k gets the pseudo-gradient zeroed there;
+    an encoder that has not compressed yet (``started`` False: a simulated client's compressor
+    holds no residual then) takes the sets from the pseudo-gradient alone and puts what they
+    leave back after the top-k. The update, its bytes, what the sets sent (None without sets)
+    and its bytes."""
+    shared_levels = float(values.get("shared_levels", 0.0))
+
+    def take(source: Mapping[str, torch.Tensor]) -> tuple[dgc.SparseUpdate, bytes]:
+        if shared_levels > 0:
+            sent = take_values(source, masks, sequence, shared_levels)
+            return sent, encode_values(sent)
+        sent = take_signs(source, masks, sequence)
+        return sent, encode_signs(sent)
+
+    taken, left = None, None
+    if masks is not None and values.get("first"):
+        grads = {n: np.asarray(g, dtype=np.float32) for n, g in pseudo_gradient.items()}
+        residual = encoder.residual()
+        source: dict[str, torch.Tensor] = {}
+        for name, mask in masks.items():
+            if name not in grads:
+                continue
+            idx = np.asarray(mask, dtype=np.int64)
+            flat = grads[name].reshape(-1)
+            at = torch.from_numpy(flat[idx].copy())
+            if started:
+                residual[name].index_add_(0, torch.from_numpy(idx), at)
+                source[name] = residual[name]
+            else:
+                source[name] = torch.zeros(flat.size, dtype=torch.float32)
+                source[name][torch.from_numpy(idx)] = at
+            off = flat.copy()
+            off[idx] = 0.0
+            grads[name] = off.reshape(grads[name].shape)
+        taken = take(source)
+        if not started:  # the sets' remainder, back after the top-k
+            left = dgc.SparseUpdate({n: dgc.SparseTensor(t.indices, source[n][t.indices], t.shape)
+                                     for n, t in taken[0].tensors.items()}, sequence)
+        pseudo_gradient = grads
+    update = encoder.compress(pseudo_gradient, epoch=epoch, sequence=sequence)
+    if left is not None and left.tensors:
+        encoder.restore(left)
+    levels = float(values.get("levels", 0.0))
+    if levels > 0:
+        update, error = values_on_grid(update, levels)
+        encoder.restore(error)
+    data = dgc.encode(update, grid_coding=levels > 0)
+    if masks is None:
+        return update, data, None, b""
+    sent, side = taken if taken is not None else take(encoder.residual())
+    return update, data, sent, side
+
+
+def _torch(model: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in
+            model.items()}
+
+
+def derive_sets(rank_request: bytes, model: Mapping[str, np.ndarray],
+                version_0: Mapping[str, np.ndarray]) -> Masks:
+    """The shared sets a rank request (``dgc.signs.codec.encode_rank_request``) stands for:
+    per tensor the entries where ``|model - version_0|`` is largest, ties to the lower index,
+    with the draw the request asks for (:func:`dgc.signs.planner.displacement_masks`, as the
+    simulated client's ``DGC.hold_material``). ``model`` is the round's model, ``version_0``
+    in the form the task names. ``dgc.DecodeError`` or ``dgc.StateError`` naming a defect."""
+    numels = {name: int(np.asarray(v).size) for name, v in model.items()}
+    sequence, counts, _, explore = decode_rank_request(rank_request, numels)
+    if missing := sorted(set(counts) - set(version_0)):
+        raise dgc.StateError(f"rank request names tensors version 0 lacks: {missing}")
+    return displacement_masks(_torch(model), _torch({n: version_0[n] for n in counts}),
+                              counts, explore, sequence)
+
+
+def apply_context_patch(held: Mapping[str, np.ndarray], patch: bytes, context: list[str],
+                        version_0: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The model a patch whose ``context`` tensors travel as segments of their entries ranked
+    by displacement of ``held`` from ``version_0`` (``downlink_context``) makes of ``held``:
+    the segments joined on that ranking (:func:`fedgc.protocol.apply_patch`, as a simulated
+    client applies it), every value replacing an entry. ``fedgc.protocol.ProtocolError`` (or
+    ``dgc.DecodeError``) naming a patch that does not fit."""
+    if missing := sorted(set(context) - set(version_0)):
+        raise P.ProtocolError(f"patch_context names tensors version 0 lacks: {missing}")
+    model = P.apply_patch(_torch(held), patch, (), _torch({n: version_0[n] for n in context}))
+    return {k: v.numpy() for k, v in model.items()}
 
 
 class LinkCut(ConnectionError):
@@ -131,6 +243,8 @@ class ReferencePhone:
         initial = self.manifest.get("initial_model") or {}
         self.initial_sha256 = [initial[k] for k in FORMS if isinstance(initial.get(k), str)]
         self.initial = self.trainer.parameters() if self.initial_sha256 else None
+        # The version 0 a task's displacement ranking last named: (digest, that form).
+        self._ranked_from: tuple[str, dict[str, np.ndarray]] | None = None
         self.pending: dgc.SparseUpdate | None = None
         # The host encoder a task's codec entry names (android_bridge.host_encoders), with
         # its residual, and that entry.
@@ -192,6 +306,12 @@ class ReferencePhone:
             elif held is None or self.model_version != task.base_version:
                 raise PhoneError(f"patch on version {task.base_version}, phone holds "
                                  f"{self.model_version}")
+            if task.patch_context:
+                try:
+                    return apply_context_patch(held, task.model_bytes, list(task.patch_context),
+                                               self._version_0(task))
+                except (P.ProtocolError, dgc.DecodeError) as ex:
+                    raise PhoneError(f"task {task.task_id!r}: {ex}") from ex
             model = {k: v.copy() for k, v in held.items()}
             for name, t in update.tensors.items():
                 flat = model[name].reshape(-1)
@@ -247,7 +367,7 @@ class ReferencePhone:
             if self.pending_signs is not None:
                 self.encoder.restore(self.pending_signs)
         epoch = float(task.server_round - 1)
-        signs = None
+        signs, side = None, b""
         if host is not None:
             # A host encoder's payload answers the round's mask itself (TCS); no signs beside.
             masks = self._masks(task) if host.reads_masks else None
@@ -255,11 +375,10 @@ class ReferencePhone:
                                    masks)
             data = host.encode(update)
         else:
-            update = self.encoder.compress(pseudo_gradient, epoch=epoch,
-                                           sequence=int(task.sequence))
-            data = dgc.encode(update)
-            signs = self._signs(task)
-        side = encode_signs(signs) if signs is not None else b""
+            update, data, signs, side = encoder_round(
+                self.encoder, pseudo_gradient, epoch, int(task.sequence),
+                config.get("values") or {}, self._masks(task, global_model),
+                started=self.encoder.step > 0)
         # A stateless host encoder (the vote) keeps nothing to fold back, as its client.
         kept = host is None or host.keeps_residual
         self.pending, self.pending_signs = (update if kept else None), signs
@@ -299,24 +418,37 @@ class ReferencePhone:
             self.host_codec = dict(codec)
         return self.host
 
-    def _masks(self, task: pb.FetchTaskReply) -> Masks | None:
+    def _version_0(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
+        """Version 0 in the form the task's ``initial_sha256`` names (as the export built it,
+        or on the int8 grid), kept by digest; PhoneError when the export builds neither."""
+        digest = task.initial_sha256
+        if self._ranked_from is None or self._ranked_from[0] != digest:
+            form = (initial_form(self.initial, digest)
+                    if self.initial is not None and digest else None)
+            if form is None:
+                raise PhoneError(f"task {task.task_id!r} ranks by displacement from version 0 "
+                                 f"{digest[:12] or '(unnamed)'}, which this phone's export does "
+                                 f"not build (export it with the run's task and seed)")
+            self._ranked_from = (digest, form)
+        return self._ranked_from[1]
+
+    def _masks(self, task: pb.FetchTaskReply,
+               model: Mapping[str, np.ndarray] | None = None) -> Masks | None:
         """The task's round material, its shared index sets (``dgc``) or mask (``tcs``),
-        decoded against the exported model; None when the task has none."""
+        decoded against the exported model, or derived from the round's ``model`` when it is a
+        rank request (:func:`derive_sets`); None when the task has none."""
         if not task.shared_mask:
             return None
         numels = {name: math.prod(shape) for name, shape in self.shapes.items()}
         try:
+            if bytes(task.shared_mask[:4]) == RANK_MAGIC:
+                if model is None:
+                    raise PhoneError(f"task {task.task_id!r} sends a rank request where its "
+                                     f"encoder reads a mask")
+                return derive_sets(task.shared_mask, model, self._version_0(task))
             return decode_mask(task.shared_mask, numels)[1]
-        except dgc.DecodeError as ex:
+        except (dgc.DecodeError, dgc.StateError) as ex:
             raise PhoneError(f"task {task.task_id!r} has a bad shared_mask: {ex}") from ex
-
-    def _signs(self, task: pb.FetchTaskReply) -> dgc.SparseUpdate | None:
-        """The residual at the task's shared index sets as scaled signs, taken out of the
-        residual (``dgc.signs.take_signs``, as the ``dgc`` method's client does); None when the
-        task has none."""
-        masks = self._masks(task)
-        return None if masks is None else take_signs(self.encoder.residual(), masks,
-                                                     int(task.sequence))
 
     def _config_of(self, task: pb.FetchTaskReply) -> str:
         """The task's config JSON: as sent, or the one held when the bridge left it out."""

@@ -396,3 +396,62 @@ def test_a_first_task_is_a_patch_on_the_version_0_the_phones_export_builds(bridg
                                                    held_model_version=held,
                                                    initial_model_sha256=offered))
         assert reply.encoding == pb.DENSE and reply.model_bytes == dense and not reply.base_sha256
+
+
+def test_a_phone_derives_ranked_sets_and_the_bridge_checks_its_signs(bridge, certs, export_dir):
+    """dgc.shared_rank = displacement (issue 39): the task's shared_mask is a rank request and
+    its shared_sets the sets it stands for; the phone derives them from the task's model and
+    the version 0 its export builds (the form initial_sha256 names) and answers them with its
+    residual's signs, which the bridge reads against those sets. A rank request without its
+    sets or digest, or with sets of other sizes, is refused at submit; a phone whose export
+    does not build the version 0 named refuses the task, naming it."""
+    from android_bridge.initial_model import model_digest
+    from android_bridge.phone import PhoneError
+    from client.app import initial_model
+    from dgc.signs import decode_signs, encode_mask
+    from dgc.signs.codec import encode_rank_request
+    from dgc.signs.planner import displacement_masks
+    from tasks import get_task
+
+    v0 = initial_model(get_task("digits"), 0)
+    model = {k: v.clone() for k, v in v0.items()}
+    g = torch.Generator().manual_seed(9)
+    name = "net.1.weight"
+    model[name].view(-1)[torch.randperm(model[name].numel(), generator=g)[:90]] += 0.05
+    numels = {k: v.numel() for k, v in model.items()}
+    counts = {name: 128}  # more than moved: ties (never moved) to the lower index
+    masks = displacement_masks(model, v0, counts)
+    task, _ = _task("phone-a", server_round=3)
+    task.dense_model = dgc.encode(SparseUpdate.from_dense(model, "float32", 2))
+    task.shared_mask = encode_rank_request(counts, numels, 3, False)
+    refused = []
+    for sets, digest in ((None, model_digest(v0)), (encode_mask(masks, numels, 0), ""),
+                         (encode_mask({name: masks[name][:-1]}, numels, 0), model_digest(v0))):
+        bad = PhoneTask(**{**task.__dict__, "task_id": f"bad-{len(refused)}",
+                           "shared_sets": sets, "initial_sha256": digest})
+        with pytest.raises(BridgeError, match="rank request|asks for") as ex:
+            bridge.submit(bad)
+        refused.append(str(ex.value))
+    assert "have sizes {'net.1.weight': 127}, its rank request asks for" in refused[2]
+    task.shared_sets, task.initial_sha256 = encode_mask(masks, numels, 0), model_digest(v0)
+    phone = _phone(export_dir, bridge, certs)
+    phone.register()
+    bridge.submit(task)
+    fetched = phone.wait_for_task(10)
+    assert fetched.shared_mask == task.shared_mask and fetched.initial_sha256
+    derived = phone._masks(fetched, {k: v.numpy() for k, v in model.items()})
+    assert np.array_equal(derived[name], masks[name])
+    thread = threading.Thread(target=lambda: phone.run_round(fetched))
+    thread.start()
+    result = bridge.wait(task.task_id, timeout_s=60)
+    thread.join(60)
+    signs = decode_signs(result.side_bytes, masks, {name: (numels[name],)})
+    assert result.side_entries == signs.nnz == 128
+    assert torch.equal(signs.tensors[name].values, phone.pending_signs.tensors[name].values)
+    other = pb.FetchTaskReply()
+    other.CopyFrom(fetched)
+    other.initial_sha256 = "0" * 64
+    phone._ranked_from = None
+    with pytest.raises(PhoneError, match="version 0 000000000000, which this phone's export"):
+        phone._masks(other, {k: v.numpy() for k, v in model.items()})
+    phone.close()

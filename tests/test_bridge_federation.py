@@ -161,12 +161,20 @@ def test_methods_phones_do_not_run_are_refused_by_name(method):
 
 
 def test_dgc_switches_phones_do_not_run_fail_the_round_by_name():
-    """Issue 30's dgc switches are not on the phone: the bridge app names the one set."""
+    """Issue 30's dgc switches the phone does not run fail the round, named by the bridge
+    app; those it runs on the host (issue 39: grid values at the sets and after the top-k)
+    travel in the task's ``values`` entry."""
     from android_bridge.bridge import BridgeError
     from android_bridge.bridge_app import _phone_config
-    run = RunConfig.from_flat({"dgc.value_levels": 4})
-    with pytest.raises(BridgeError, match=r"dgc.value_levels=4.0: phones run dgc's default "):
+    run = RunConfig.from_flat({"dgc.step_ahead": 0.5})
+    with pytest.raises(BridgeError, match=r"dgc.step_ahead=0.5: phones run dgc's default "):
         _phone_config(run.train, run.method)
+    run = RunConfig.from_flat({"dgc.value_levels": 4, "dgc.shared_values": "grid",
+                               "dgc.shared_first": True})
+    assert _phone_config(run.train, run.method)["values"] == {"levels": 4.0,
+                                                              "shared_levels": 1.0,
+                                                              "first": 1.0}
+    assert "values" not in _phone_config(RunConfig().train, RunConfig().method)
 
 
 def test_a_host_encoder_task_names_its_payload_and_the_bridge_reads_it_with_its_codec():

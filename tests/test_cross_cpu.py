@@ -59,3 +59,24 @@ def test_the_second_pass_runs_on_other_float_kernels() -> None:
     assert all(os.environ.get(k) == v for k, v in LOWERED.items())
     assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
     assert float_probe() != _native()[1]
+
+
+ARM64_TEST_PACKAGES = (Path(__file__).resolve().parents[1] / "android_bridge" / "arm"
+                       / "requirements-arm64-tests.txt")
+
+
+def test_the_arm64_runs_packages_are_this_environments() -> None:
+    """``make test-cross-cpu-arm64`` (``tests/arm64_cross_cpu.sh``) runs the cross_cpu tests on
+    aarch64 wheels pinned in ``requirements-arm64-tests.txt``: each pin must be the version
+    installed here, so that a dependency moved in pyproject.toml moves the arm64 run too."""
+    import importlib.metadata
+
+    stale = {}
+    for line in ARM64_TEST_PACKAGES.read_text(encoding="utf-8").splitlines():
+        pin = line.split("#", 1)[0].strip()
+        if pin:
+            name, version = pin.split("==")
+            here = importlib.metadata.version(name)
+            if here.split("+", 1)[0] != version:
+                stale[name] = (version, here)
+    assert stale == {}, f"{ARM64_TEST_PACKAGES.name}: (pinned, installed here) {stale}"

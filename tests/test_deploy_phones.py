@@ -84,14 +84,17 @@ def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_expo
     (["--phones", "1", "--set", "num_clients=5"],
      "num_clients=5 but --nodes \\+ --phones = 3"),
     (["--phones", "1", "--set", "method=dense"], "method 'dense' is not served by phones"),
-    (["--phones", "1", "--set", "dgc.value_levels=4", "--set", "dgc.shared_rank=displacement"],
-     "dgc.value_levels=4.0, dgc.shared_rank='displacement': phones run dgc's default client"),
+    # (dgc_sets' switches, which phones run since issue 39: not named)
+    (["--phones", "1", "--set", "dgc.step_ahead=0.5", "--set", "dgc.value_levels=4",
+      "--set", "dgc.shared_rank=displacement", "--set", "dgc.shared_first=true"],
+     "error: dgc.step_ahead=0.5: phones run dgc's default client"),
     # Named for what phones lack, not for the method, whichever method the run names.
     (["--phones", "1", "--set", "method=dgc_sets", "--set", "privacy.secagg=true"],
      "privacy.secagg = true: phones behind the bridge do not run secure aggregation .*no "
      "X25519 key agreement"),
     (["--phones", "1", "--set", "privacy.secagg=true"], "phones behind the bridge do not run "
-     "secure aggregation .*; phones run topk, randk, dgc, tcs, qsgd, efsign, signvote\\)"),
+     "secure aggregation .*; phones run topk, randk, dgc, dgc_sets, tcs, qsgd, efsign, "
+     "signvote\\)"),
 ])
 def test_bad_phone_options_are_refused_before_anything_starts(argv, message, tmp_path,
                                                               capsys):

@@ -466,13 +466,21 @@ def test_dgc_sets_is_dgc_with_its_switches_and_a_key_set_by_hand_wins(tmp_path):
         == [r["uplink_bytes"] for r in spelt_signs.rounds]
 
 
-def test_phones_refuse_dgc_sets_naming_the_methods_they_serve():
+def test_phones_run_dgc_sets_with_its_switches_on_the_host():
+    """Issue 39: dgc_sets is served by phones (its switches on the host around dgc's exported
+    encoder, tests/test_phone_parity.py); a switch phones do not run is still refused."""
+    from android_bridge.bridge_app import _phone_config
     from android_bridge.export import ConfigError, check_phone_run
     from fedgc.settings import RunConfig
 
     config = RunConfig.from_flat({"task": "digits", "method": "dgc_sets"})
-    with pytest.raises(ConfigError, match="'dgc_sets' is not served by phones.*'dgc'"):
-        check_phone_run(config.method, config.server)
+    assert check_phone_run(config.method, config.server) is config.method
+    task = _phone_config(config.train, config.method)
+    assert task["values"] == {"first": 1.0, "shared_levels": 0.5, "levels": 4.0}
+    assert task["dgc"]["selection"] == "exact"
+    stepped = RunConfig.from_flat({"method": "dgc_sets", "dgc.step_ahead": 0.5})
+    with pytest.raises(ConfigError, match="dgc.step_ahead=0.5"):
+        check_phone_run(stepped.method, stepped.server)
     assert (config.method.own.value_levels, config.server.downlink_vectors) == (4.0, "float16")
     # half a grid step, the server's own dead band: a whole step lost 1.8 points on shakespeare
     assert config.server.downlink_deadband == 0.5

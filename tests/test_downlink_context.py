@@ -184,24 +184,39 @@ def test_the_client_applies_a_ranked_patch_and_refuses_bad_keys():
         global_model(content, config, held, None)
 
 
-def test_the_key_is_validated_and_refused_on_phones():
+def test_the_key_is_validated_and_phones_join_a_ranked_patch():
+    """downlink_context on the phone path (issue 39): check_phone_run lets it through, and the
+    reference phone joins a ranked patch, as the bridge hands it on (differences turned into
+    the values they produce), on the model it holds and its version 0: the sent model bit for
+    bit on every base; a context naming a tensor version 0 lacks is refused, named."""
+    from android_bridge.bridge_app import _as_values, _orders
+    from android_bridge.phone import apply_context_patch
+
     with pytest.raises(SettingsError, match="downlink_context"):
         RunConfig.from_flat({"downlink_context": "maybe"})
     on = RunConfig.from_flat({"downlink_context": True})
     assert on.server.downlink_context and not RunConfig().server.downlink_context
-    with pytest.raises(ConfigError, match="downlink_context"):
-        check_phone_run(on.method, on.server)
-    check_phone_run(RunConfig().method, RunConfig().server)
-    # a bridge that meets a ranked patch anyway fails the round, naming it
-    from android_bridge.bridge import BridgeError
-    from android_bridge.bridge_app import check_plain_patch
-
-    d, _ = _run(True, versions=4)
-    cfg = d.config(d.offers([(1,)])[(1,)], [])
-    with pytest.raises(BridgeError, match="patch_context.*downlink_context"):
-        check_plain_patch(ConfigRecord(cfg))
-    plain, _ = _run(False, versions=4)
-    check_plain_patch(ConfigRecord(plain.config(plain.offers([(1,)])[(1,)], [])))
+    check_phone_run(on.method, on.server)
+    with pytest.raises(ConfigError, match="downlink_compact"):
+        check_phone_run(on.method, RunConfig.from_flat({"downlink_compact": True}).server)
+    d, sent = _run(True, versions=6)
+    origin = {k: v.numpy() for k, v in d.origin.items()}
+    ranked = 0
+    for base in range(d.version):
+        patch = d.coded_patch((base,))
+        orders = _orders(sent[base], list(patch.context), d.origin)
+        data = _as_values(patch.data, list(patch.added), sent[-1], orders)
+        held = {k: v.numpy().copy() for k, v in sent[base].items()}
+        got = apply_context_patch(held, data, list(patch.context), origin)
+        assert _same_bits({k: torch.from_numpy(v) for k, v in got.items()}, sent[-1]), base
+        assert _same_bits({k: torch.from_numpy(v) for k, v in held.items()}, sent[base])
+        ranked += bool(patch.context)
+    assert ranked >= d.version // 2
+    patch = d.coded_patch((2,))
+    assert patch.context
+    with pytest.raises(P.ProtocolError, match="version 0 lacks"):
+        apply_context_patch({k: v.numpy() for k, v in sent[2].items()}, patch.data,
+                            list(patch.context), {})
 
 
 def test_segments_split_and_join_back_on_any_ranking():

@@ -235,6 +235,140 @@ def test_the_phones_tcs_sends_a_simulated_clients_bytes():
     assert largest_positions(score, 6).tolist() == [0, 1, 2, 4, 8, 12]
 
 
+@pytest.mark.parametrize("explore,on_grid", [(0.0, False), (0.25, True)],
+                         ids=["displacement", "explored-on-grid"])
+def test_the_phones_ranked_sets_are_a_simulated_clients(explore, on_grid):
+    """dgc.shared_rank = displacement (issue 39): the server's rank request carries only each
+    set's size; the phone (``android_bridge.phone.derive_sets``, numpy arrays of the model it
+    trains on and the version 0 its export builds) derives the sets the simulated client
+    derives (``DGC.hold_material``) and the server planned, over rounds whose model moves, with
+    ties (entries that never moved) and, with dgc.shared_explore, the seeded draw; a rank
+    request on another model, or without version 0's tensors, is refused, named."""
+    import dgc
+    from android_bridge.phone import derive_sets
+    from dgc.int8_grid import round_initial
+    from fedgc.methods.dgc import DisplacementSets, RankRequest
+    from fedgc.settings import RunConfig
+
+    method = RunConfig.from_flat({"dgc.shared_rank": "displacement"}).method
+    g = torch.Generator().manual_seed(5)
+    initial = {"w": torch.randn(40, 30, generator=g) * 0.05, "v": torch.randn(300, generator=g),
+               "b": torch.zeros(40)}
+    version0 = round_initial(initial) if on_grid else initial
+    counts = {"w": 36, "v": 9}
+    numels = {n: t.numel() for n, t in initial.items()}
+    server = DisplacementSets(counts, numels,
+                              {n: round(explore * k) for n, k in counts.items()})
+    model = {n: t.clone() for n, t in version0.items()}
+    rounds = 0
+    for server_round in range(1, 5):
+        server.hold(model, server_round - 1, on_grid)
+        planned = server.plan(server_round)
+        if planned is not None:
+            data, masks = planned
+            material = method.read_material(data, numels)
+            assert isinstance(material, RankRequest) and material.initial_on_grid == on_grid
+            _, simulated = method.hold_material(data, material, model, lambda: dict(initial))
+            phone = derive_sets(data, {n: t.numpy() for n, t in model.items()},
+                                {n: t.numpy() for n, t in version0.items()})
+            assert set(phone) == set(simulated) == set(masks) == set(counts), server_round
+            for name in counts:
+                assert np.array_equal(phone[name], simulated[name]), (server_round, name)
+                assert np.array_equal(phone[name], np.asarray(masks[name])), server_round
+                assert len(phone[name]) == counts[name]
+            rounds += 1
+        # A few entries move a lot, a few a little (ties among the rest: never moved).
+        for t in model.values():
+            idx = torch.randperm(t.numel(), generator=g)[:25]
+            t.view(-1)[idx] += torch.randn(25, generator=g) * 0.1
+    assert rounds == (4 if explore else 3)  # version 0 has not moved: no set without a draw
+    data, _ = server.plan(5)
+    arrays = {n: t.numpy() for n, t in model.items()}
+    with pytest.raises(dgc.DecodeError):
+        derive_sets(data, {**arrays, "w": np.zeros(7, np.float32)}, arrays)
+    with pytest.raises(dgc.StateError, match="version 0 lacks.*'v'"):
+        derive_sets(data, arrays, {"w": arrays["w"]})
+
+
+class _NumpyGrads:
+    """A compressor with the exported encoder's interface (numpy gradients in): the stand-in
+    for ``PteEncoder``, whose equality with DGC's compressor the slow tests check."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def compress(self, grads, epoch=0.0, sequence=None):
+        return self.inner.compress({n: torch.from_numpy(g) for n, g in grads.items()}, epoch,
+                                   sequence)
+
+    def residual(self):
+        return self.inner.residual()
+
+    def restore(self, update):
+        self.inner.restore(update)
+
+
+@pytest.mark.parametrize("keys", [{"dgc.shared_values": "grid", "dgc.shared_levels": 0.5},
+                                  {"dgc.value_levels": 4.0},
+                                  {"dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
+                                   "dgc.value_levels": 4.0},
+                                  {"dgc.shared_values": "grid", "dgc.shared_levels": 0.5,
+                                   "dgc.value_levels": 4.0, "dgc.shared_first": True}],
+                         ids=["shared-grid", "value-levels", "both", "sets-first"])
+def test_the_phones_grid_values_are_a_simulated_clients(keys):
+    """dgc.shared_values = grid, dgc.value_levels and dgc.shared_first on a phone (issue 39,
+    dgc_sets' items 2, 4 and 3): the host code around the exported encoder
+    (``android_bridge.phone.encoder_round``: the sets taken first, the top-k's values on a
+    grid, the rounding back into the residual, the sets' residual as grid values) sends the
+    simulated client's update and side bytes and keeps its residual, four rounds running, the
+    second folded back by both; with the sets first, round 1 has sets (the first round's
+    remainder, put back after the top-k) and the sets differ from round to round."""
+    from android_bridge.phone import encoder_round
+    from fedgc.methods.dgc import dgc_config
+    from fedgc.methods.sparsifier import split_compressor
+    from fedgc.settings import RunConfig
+
+    run = RunConfig.from_flat({"density": 0.02, **keys})
+    method, t = run.method, run.train
+    own = method.own
+    values = method.phone_values()
+    first = "dgc.shared_first" in keys
+    assert values == {**({"shared_levels": 0.5} if "dgc.shared_values" in keys else {}),
+                      **({"levels": 4.0} if "dgc.value_levels" in keys else {}),
+                      **({"first": 1.0} if first else {})}
+    phone = _NumpyGrads(split_compressor(own, dgc_config(t, own), "tensor"))
+    codec = method.codec(t)
+    shapes = {"w": (60, 50), "b": (60,), "v": (30, 40)}
+    rng = np.random.default_rng(8)
+    state = None
+    grids = 0
+    for sequence in range(1, 5):
+        grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+        masks = None if sequence == 1 and not first else {
+            "w": np.sort(rng.choice(3000, 90, replace=False)).astype(np.int64),
+            "v": np.arange(0, 1200, 37, dtype=np.int64)}
+        simulated = method.compressor(t, 1, masks)
+        if state is not None:
+            simulated.load_state_dict(state)
+        want = simulated.compress({n: torch.from_numpy(g) for n, g in grads.items()}, 0.0,
+                                  sequence)
+        part = method.side_part(simulated, masks, sequence)
+        update, data, sent, side = encoder_round(phone, grads, 0.0, sequence, values, masks,
+                                                 started=sequence > 1)
+        assert data == codec.encode(want), sequence
+        assert side == (b"" if part is None else part[0]), sequence
+        grids += side[:4] not in (b"", b"FGCS")
+        if sequence == 2:  # not aggregated: both fold back the update and the sets' part
+            phone.restore(update)
+            phone.restore(sent)
+            simulated.restore(want)
+            simulated.restore(method.read_side(side, masks, shapes))
+        for name, v in simulated.residual().items():
+            assert torch.equal(phone.residual()[name], v), (sequence, name)
+        state = simulated.state_dict()
+    assert grids == ((4 if first else 3) if "dgc.shared_values" in keys else 0)
+
+
 class EagerTrainer:
     """``android_bridge.runtime.PteTrainer``'s interface on eager torch, doing exactly what
     ``fedgc.training.train_locally`` does with each batch."""
@@ -286,14 +420,41 @@ def parity_export(digits_phone_export):
     return digits_phone_export
 
 
+RANKED = {"dgc.shared_rank": "displacement", "downlink_context": True}
+#: dgc_sets (issue 39: its switches, items 1 to 5 of docs/android.md's plan), which phones run.
+#: Phones run the exact top-k (android_bridge.bridge_app._phone_config); the simulated client's
+#: default, sampled, may keep fewer entries (from half of k), which the grid's residual met in
+#: round 4 of this run.
+DGC_SETS = {"method": "dgc_sets", "dgc.selection": "exact"}
+
+
 @pytest.mark.slow
-def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path):
-    config = _run(SETTINGS, tmp_path)
+@pytest.mark.parametrize("keys", [{}, RANKED, DGC_SETS], ids=["default", "ranked", "dgc_sets"])
+def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path, keys):
+    """The default run, and (issue 39) dgc on sets ranked by displacement from version 0,
+    which the phone derives itself from the rank request, with patches ranked alike, which the
+    phone joins on the model it holds (``ranked``: round 4's patch is ranked), and dgc_sets:
+    besides, the sets taken before the top-k and answered with grid values, the top-k's values
+    on a grid (host code around the exported encoder) and float16 bias vectors in the patches
+    (differences the bridge turns into values)."""
+    config = _run({**SETTINGS, **keys}, tmp_path)
     t = config.train
     own = config.method.own
     assert (t.client_momentum, own.small_density, own.shared_density) == (0.5, 0.03, 0.03)
-    signs = _assert_same_bytes(_phone_and_simulated(parity_export, config))
+    compared = _phone_and_simulated(parity_export, config, with_tasks=True)
+    signs = _assert_same_bytes(compared)
     assert signs >= 2  # the sign channel had index sets to answer after the first rounds
+    if keys:  # what the phone was sent: rank requests (and in `ranked`, a ranked patch)
+        from dgc.signs.codec import RANK_MAGIC, SIGN_MAGIC
+
+        tasks = [pair["task"] for pair in compared]
+        assert sum(bytes(t.shared_mask[:4]) == RANK_MAGIC for t in tasks) == signs
+        assert all(t.initial_sha256 for t in tasks if t.shared_mask or t.patch_context)
+        grid = keys is DGC_SETS
+        assert grid or any(t.patch_context for t in tasks), "no patch ranked by displacement"
+        # the sets answered with grid values (dgc_sets) or signs
+        assert all((pair["phone"][1][:4] != SIGN_MAGIC) == grid
+                   for pair in compared if pair["phone"][1])
 
 
 @pytest.mark.slow
@@ -347,10 +508,11 @@ def _assert_same_bytes(compared: list[dict], folds_back: bool = True) -> int:
     return signs
 
 
-def _phone_and_simulated(parity_export, config) -> list[dict]:
+def _phone_and_simulated(parity_export, config, with_tasks: bool = False) -> list[dict]:
     """Run ``config`` on a LocalGrid whose client PHONE_KEY is both a reference phone behind
     the bridge and a simulated client given a copy of each train message; the pairs of
-    replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost)."""
+    replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost), with
+    ``with_tasks`` each round's task as the phone fetched it (``"task"``)."""
     from android_bridge.bridge import PhoneBridge
     from android_bridge.bridge_app import make_bridge_app
     from android_bridge.phone import ReferencePhone
@@ -365,6 +527,7 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
     task = get_task("digits")
     x, y = client_data(t, PHONE_KEY, None)  # what client.app trains on for that key
     compared: list[dict] = []
+    fetched: list = []
     errors: list[BaseException] = []
     stop = threading.Event()
     with PhoneBridge(TOKENS, "127.0.0.1:0") as bridge:
@@ -377,7 +540,9 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
                 phone.register()
                 while not stop.is_set():
                     try:
-                        phone.run_round(phone.wait_for_task(0.5))
+                        task = phone.wait_for_task(0.5)
+                        fetched.append(task)
+                        phone.run_round(task)
                     except TimeoutError:
                         continue
             except BaseException as ex:  # reported to the test thread
@@ -385,13 +550,18 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
 
         worker = threading.Thread(target=serve)
         worker.start()
-        bridge_app = make_bridge_app(bridge, {PHONE_KEY: DEVICE}, timeout_s=120)
+        held: dict = {}  # the model the bridge app sent the phone, per device
+        bridge_app = make_bridge_app(bridge, {PHONE_KEY: DEVICE}, timeout_s=120, held=held)
 
         def tee(msg, context):
             if client_key(context) != PHONE_KEY or msg.metadata.message_type != "train":
                 return client_app(msg, context)
             simulated = client_app(copy.deepcopy(msg), context)
             reply = bridge_app(msg, context)
+            # The phone rebuilt the model sent (a patch, ranked or not, on the one it holds).
+            sent = held[DEVICE].model
+            assert all(np.array_equal(phone.model[k], sent[k].numpy()) for k in sent), \
+                f"round {len(compared) + 1}: the phone's model is not the one sent"
             pair = {}
             for name, r in (("simulated", simulated), ("phone", reply)):
                 shared = r.content.array_records.get(P.SHARED)
@@ -420,6 +590,10 @@ def _phone_and_simulated(parity_export, config) -> list[dict]:
             worker.join(30)
             phone.close()
     assert not errors, errors
+    if with_tasks:
+        assert len(fetched) == len(compared)
+        for pair, task in zip(compared, fetched, strict=True):
+            pair["task"] = task
     return compared
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'android_bridge/proto/fedgc_bridge.proto\x12\x0f\x66\x65\x64gc.bridge.v1\"L\n\x0fRegisterRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x03 \x01(\t\"P\n\rRegisterReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fpoll_interval_s\x18\x02 \x01(\x01\x12\x12\n\nmax_wait_s\x18\x03 \x01(\x01\"\x8c\x01\n\x10\x46\x65tchTaskRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12held_model_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x1a\n\x12held_config_sha256\x18\x04 \x01(\t\x12\x1c\n\x14initial_model_sha256\x18\x05 \x03(\t\"\xee\x02\n\x0e\x46\x65tchTaskReply\x12\x10\n\x08has_task\x18\x01 \x01(\x08\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x14\n\x0cserver_round\x18\x03 \x01(\x03\x12\x15\n\rmodel_version\x18\x04 \x01(\x03\x12\x30\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x1e.fedgc.bridge.v1.ModelEncoding\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x13\n\x0bmodel_bytes\x18\x07 \x01(\x0c\x12\x13\n\x0b\x63onfig_json\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x63k_sequence\x18\t \x01(\x03\x12\x10\n\x08sequence\x18\n \x01(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x0b \x01(\x03\x12\x18\n\x10max_update_bytes\x18\x0c \x01(\x03\x12\x15\n\rconfig_sha256\x18\r \x01(\t\x12\x13\n\x0b\x62\x61se_sha256\x18\x0e \x01(\t\x12\x13\n\x0bshared_mask\x18\x0f \x01(\x0c\"\xb2\x01\n\x0bUploadChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x11\n\tupload_id\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x14\n\x0cmetrics_json\x18\x08 \x01(\t\x12\x12\n\nside_bytes\x18\t \x01(\x03\";\n\x12QueryUploadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tupload_id\x18\x02 \x01(\t\"\x9d\x01\n\x0cUploadStatus\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12+\n\x05state\x18\x05 \x01(\x0e\x32\x1c.fedgc.bridge.v1.UpdateState\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"3\n\nAckRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tupload_id\x18\x02 \x01(\t\"i\n\x08\x41\x63kReply\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.fedgc.bridge.v1.UpdateState\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12 \n\x18last_aggregated_sequence\x18\x03 \x01(\x03*L\n\rModelEncoding\x12\x1e\n\x1aMODEL_ENCODING_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45NSE\x10\x01\x12\x10\n\x0cSPARSE_PATCH\x10\x02*j\n\x0bUpdateState\x12\x1c\n\x18UPDATE_STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nINCOMPLETE\x10\x01\x12\r\n\tDELIVERED\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\x12\x10\n\x0cMISSED_ROUND\x10\x04\x32\x8d\x03\n\x0b\x46\x65\x64gcBridge\x12L\n\x08Register\x12 .fedgc.bridge.v1.RegisterRequest\x1a\x1e.fedgc.bridge.v1.RegisterReply\x12O\n\tFetchTask\x12!.fedgc.bridge.v1.FetchTaskRequest\x1a\x1f.fedgc.bridge.v1.FetchTaskReply\x12M\n\x0cUploadUpdate\x12\x1c.fedgc.bridge.v1.UploadChunk\x1a\x1d.fedgc.bridge.v1.UploadStatus(\x01\x12Q\n\x0bQueryUpload\x12#.fedgc.bridge.v1.QueryUploadRequest\x1a\x1d.fedgc.bridge.v1.UploadStatus\x12=\n\x03\x41\x63k\x12\x1b.fedgc.bridge.v1.AckRequest\x1a\x19.fedgc.bridge.v1.AckReplyB\x17\n\x13org.fedgc.bridge.v1P\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'android_bridge/proto/fedgc_bridge.proto\x12\x0f\x66\x65\x64gc.bridge.v1\"L\n\x0fRegisterRequest\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x17\n\x0fmanifest_sha256\x18\x03 \x01(\t\"P\n\rRegisterReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fpoll_interval_s\x18\x02 \x01(\x01\x12\x12\n\nmax_wait_s\x18\x03 \x01(\x01\"\x8c\x01\n\x10\x46\x65tchTaskRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1a\n\x12held_model_version\x18\x02 \x01(\x03\x12\x0e\n\x06wait_s\x18\x03 \x01(\x01\x12\x1a\n\x12held_config_sha256\x18\x04 \x01(\t\x12\x1c\n\x14initial_model_sha256\x18\x05 \x03(\t\"\x9d\x03\n\x0e\x46\x65tchTaskReply\x12\x10\n\x08has_task\x18\x01 \x01(\x08\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x14\n\x0cserver_round\x18\x03 \x01(\x03\x12\x15\n\rmodel_version\x18\x04 \x01(\x03\x12\x30\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x1e.fedgc.bridge.v1.ModelEncoding\x12\x14\n\x0c\x62\x61se_version\x18\x06 \x01(\x03\x12\x13\n\x0bmodel_bytes\x18\x07 \x01(\x0c\x12\x13\n\x0b\x63onfig_json\x18\x08 \x01(\t\x12\x14\n\x0c\x61\x63k_sequence\x18\t \x01(\x03\x12\x10\n\x08sequence\x18\n \x01(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x0b \x01(\x03\x12\x18\n\x10max_update_bytes\x18\x0c \x01(\x03\x12\x15\n\rconfig_sha256\x18\r \x01(\t\x12\x13\n\x0b\x62\x61se_sha256\x18\x0e \x01(\t\x12\x13\n\x0bshared_mask\x18\x0f \x01(\x0c\x12\x16\n\x0einitial_sha256\x18\x10 \x01(\t\x12\x15\n\rpatch_context\x18\x11 \x03(\t\"\xb2\x01\n\x0bUploadChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12\x11\n\tupload_id\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x03\x12\x0e\n\x06sha256\x18\x07 \x01(\t\x12\x14\n\x0cmetrics_json\x18\x08 \x01(\t\x12\x12\n\nside_bytes\x18\t \x01(\x03\";\n\x12QueryUploadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tupload_id\x18\x02 \x01(\t\"\x9d\x01\n\x0cUploadStatus\x12\x11\n\tupload_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12+\n\x05state\x18\x05 \x01(\x0e\x32\x1c.fedgc.bridge.v1.UpdateState\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\"3\n\nAckRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tupload_id\x18\x02 \x01(\t\"i\n\x08\x41\x63kReply\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.fedgc.bridge.v1.UpdateState\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12 \n\x18last_aggregated_sequence\x18\x03 \x01(\x03*L\n\rModelEncoding\x12\x1e\n\x1aMODEL_ENCODING_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45NSE\x10\x01\x12\x10\n\x0cSPARSE_PATCH\x10\x02*j\n\x0bUpdateState\x12\x1c\n\x18UPDATE_STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nINCOMPLETE\x10\x01\x12\r\n\tDELIVERED\x10\x02\x12\x0c\n\x08REJECTED\x10\x03\x12\x10\n\x0cMISSED_ROUND\x10\x04\x32\x8d\x03\n\x0b\x46\x65\x64gcBridge\x12L\n\x08Register\x12 .fedgc.bridge.v1.RegisterRequest\x1a\x1e.fedgc.bridge.v1.RegisterReply\x12O\n\tFetchTask\x12!.fedgc.bridge.v1.FetchTaskRequest\x1a\x1f.fedgc.bridge.v1.FetchTaskReply\x12M\n\x0cUploadUpdate\x12\x1c.fedgc.bridge.v1.UploadChunk\x1a\x1d.fedgc.bridge.v1.UploadStatus(\x01\x12Q\n\x0bQueryUpload\x12#.fedgc.bridge.v1.QueryUploadRequest\x1a\x1d.fedgc.bridge.v1.UploadStatus\x12=\n\x03\x41\x63k\x12\x1b.fedgc.bridge.v1.AckRequest\x1a\x19.fedgc.bridge.v1.AckReplyB\x17\n\x13org.fedgc.bridge.v1P\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'android_bridge.proto.fedgc_
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\023org.fedgc.bridge.v1P\001'
-  _globals['_MODELENCODING']._serialized_start=1294
-  _globals['_MODELENCODING']._serialized_end=1370
-  _globals['_UPDATESTATE']._serialized_start=1372
-  _globals['_UPDATESTATE']._serialized_end=1478
+  _globals['_MODELENCODING']._serialized_start=1341
+  _globals['_MODELENCODING']._serialized_end=1417
+  _globals['_UPDATESTATE']._serialized_start=1419
+  _globals['_UPDATESTATE']._serialized_end=1525
   _globals['_REGISTERREQUEST']._serialized_start=60
   _globals['_REGISTERREQUEST']._serialized_end=136
   _globals['_REGISTERREPLY']._serialized_start=138
@@ -44,17 +44,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHTASKREQUEST']._serialized_start=221
   _globals['_FETCHTASKREQUEST']._serialized_end=361
   _globals['_FETCHTASKREPLY']._serialized_start=364
-  _globals['_FETCHTASKREPLY']._serialized_end=730
-  _globals['_UPLOADCHUNK']._serialized_start=733
-  _globals['_UPLOADCHUNK']._serialized_end=911
-  _globals['_QUERYUPLOADREQUEST']._serialized_start=913
-  _globals['_QUERYUPLOADREQUEST']._serialized_end=972
-  _globals['_UPLOADSTATUS']._serialized_start=975
-  _globals['_UPLOADSTATUS']._serialized_end=1132
-  _globals['_ACKREQUEST']._serialized_start=1134
-  _globals['_ACKREQUEST']._serialized_end=1185
-  _globals['_ACKREPLY']._serialized_start=1187
-  _globals['_ACKREPLY']._serialized_end=1292
-  _globals['_FEDGCBRIDGE']._serialized_start=1481
-  _globals['_FEDGCBRIDGE']._serialized_end=1878
+  _globals['_FETCHTASKREPLY']._serialized_end=777
+  _globals['_UPLOADCHUNK']._serialized_start=780
+  _globals['_UPLOADCHUNK']._serialized_end=958
+  _globals['_QUERYUPLOADREQUEST']._serialized_start=960
+  _globals['_QUERYUPLOADREQUEST']._serialized_end=1019
+  _globals['_UPLOADSTATUS']._serialized_start=1022
+  _globals['_UPLOADSTATUS']._serialized_end=1179
+  _globals['_ACKREQUEST']._serialized_start=1181
+  _globals['_ACKREQUEST']._serialized_end=1232
+  _globals['_ACKREPLY']._serialized_start=1234
+  _globals['_ACKREPLY']._serialized_end=1339
+  _globals['_FEDGCBRIDGE']._serialized_start=1528
+  _globals['_FEDGCBRIDGE']._serialized_end=1925
 # @@protoc_insertion_point(module_scope)

@@ -65,7 +65,7 @@ class FetchTaskRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., held_model_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., held_config_sha256: _Optional[str] = ..., initial_model_sha256: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchTaskReply(_message.Message):
-    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes", "config_sha256", "base_sha256", "shared_mask")
+    __slots__ = ("has_task", "task_id", "server_round", "model_version", "encoding", "base_version", "model_bytes", "config_json", "ack_sequence", "sequence", "max_chunk_bytes", "max_update_bytes", "config_sha256", "base_sha256", "shared_mask", "initial_sha256", "patch_context")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,8 @@ class FetchTaskReply(_message.Message):
     CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
     BASE_SHA256_FIELD_NUMBER: _ClassVar[int]
     SHARED_MASK_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PATCH_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     task_id: str
     server_round: int
@@ -96,7 +98,9 @@ class FetchTaskReply(_message.Message):
     config_sha256: str
     base_sha256: str
     shared_mask: bytes
-    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ..., config_sha256: _Optional[str] = ..., base_sha256: _Optional[str] = ..., shared_mask: _Optional[bytes] = ...) -> None: ...
+    initial_sha256: str
+    patch_context: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, has_task: _Optional[bool] = ..., task_id: _Optional[str] = ..., server_round: _Optional[int] = ..., model_version: _Optional[int] = ..., encoding: _Optional[_Union[ModelEncoding, str]] = ..., base_version: _Optional[int] = ..., model_bytes: _Optional[bytes] = ..., config_json: _Optional[str] = ..., ack_sequence: _Optional[int] = ..., sequence: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_update_bytes: _Optional[int] = ..., config_sha256: _Optional[str] = ..., base_sha256: _Optional[str] = ..., shared_mask: _Optional[bytes] = ..., initial_sha256: _Optional[str] = ..., patch_context: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("session_id", "task_id", "upload_id", "offset", "data", "total_bytes", "sha256", "metrics_json", "side_bytes")

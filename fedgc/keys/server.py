@@ -179,8 +179,8 @@ class ServerKeys:
         "the one version a client holds sends a matrix's changed entries per segment of its "
         "entries ranked by how far that version has moved from version 0 (which clients "
         "build), where that encodes smaller, and differences without a code for zero (wire "
-        "value dtype 66); the same model in about a fifth fewer patch bytes; not on phones; "
-        "empty = the method's default", fallback=False)
+        "value dtype 66); the same model in about a fifth fewer patch bytes (phones join "
+        "them too: docs/android.md); empty = the method's default", fallback=False)
     downlink_compact: bool | None = setting(
         None, "downlink_compact", "patches as compact messages (tensors by their place in the "
         "model and its ranked segments, sizes as varints: dgc.wire.compact, docs/wire.md); the "

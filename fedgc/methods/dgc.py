@@ -222,12 +222,14 @@ class DGCSettings(SparsifierSettings):
 
 
 #: DGC's switches (issue 30) that phones do not run, with the value phones run: their exported
-#: encoder is the default client's (``dgc.shared_rank = displacement``: sets clients derive
-#: themselves; a server's key, known where the server's keys are).
+#: encoder is the default client's. Not among them (issue 39): ``dgc.shared_rank =
+#: displacement`` (a phone derives those sets from the model it holds and its version 0,
+#: ``android_bridge.phone.derive_sets``), ``dgc.shared_values = grid`` and ``dgc.value_levels``
+#: (host code on the encoder's residual and outputs, :meth:`DGC.phone_values`), and
+#: ``dgc.shared_first`` (the sets taken on the host before the encoder's top-k).
 PHONE_SWITCHES: dict[str, object] = {
-    "value_levels": 0.0, "shared_first": False, "shared_values": "sign", "residual_decay": 1.0,
-    "step_ahead": 0.0, "feedback": "residual", "shared_rank": "aggregates",
-    "budget": "tensor", "compact_wire": False, "server_error": 0.0}
+    "residual_decay": 1.0, "step_ahead": 0.0, "feedback": "residual", "budget": "tensor",
+    "compact_wire": False, "server_error": 0.0}
 
 
 def dgc_config(train: TrainSettings, own: DGCSettings) -> DGCConfig:
@@ -292,14 +294,8 @@ class RoundCompressor:
         if left is not None and left.tensors:
             self.inner.restore(left)  # a first round's remainder at the sets
         if self.own.value_levels > 0:
-            tensors, error = {}, {}
-            for name, t in update.tensors.items():
-                values = t.values.to(torch.float32)
-                rounded = on_grid(values, self.own.value_levels)
-                tensors[name] = SparseTensor(t.indices, rounded, t.shape)
-                error[name] = SparseTensor(t.indices, values - rounded, t.shape)
-            self.inner.restore(SparseUpdate(error, update.sequence))
-            update = SparseUpdate(tensors, update.sequence)
+            update, error = values_on_grid(update, self.own.value_levels)
+            self.inner.restore(error)
         if self.shift is not None:
             for sent in (update, self.taken):
                 if sent is not None:
@@ -364,6 +360,19 @@ class RoundCompressor:
             return
         self.shift = {k: v.detach().to(torch.float32).clone() for k, v in state["shift"].items()}
         self.inner.load_state_dict(state["compressor"])
+
+
+def values_on_grid(update: SparseUpdate, levels: float) -> tuple[SparseUpdate, SparseUpdate]:
+    """``dgc.value_levels``: the top-k's values of ``update`` on a power-of-two grid per tensor
+    (:func:`dgc.signs.client.on_grid`), and the rounding, which goes back into the residual
+    (the simulated client's :class:`RoundCompressor`, and a phone on its encoder's output)."""
+    tensors, error = {}, {}
+    for name, t in update.tensors.items():
+        values = t.values.to(torch.float32)
+        rounded = on_grid(values, levels)
+        tensors[name] = SparseTensor(t.indices, rounded, t.shape)
+        error[name] = SparseTensor(t.indices, values - rounded, t.shape)
+    return SparseUpdate(tensors, update.sequence), SparseUpdate(error, update.sequence)
 
 
 def shared_explore(own: DGCSettings, sets_only: bool) -> float:
@@ -469,6 +478,21 @@ class DGC(RoundMaterial, PhoneExport, Method[DGCSettings]):
 
     def phone_small(self, train: TrainSettings) -> tuple[float, int] | None:
         return small_split(self.own)
+
+    def phone_values(self) -> dict[str, float]:
+        """What a phone does on the host around its encoder, in its task's ``values`` entry:
+        ``shared_levels`` (``dgc.shared_values = grid``: the residual at the sets as grid
+        values, :func:`dgc.signs.client.take_values`), ``levels`` (``dgc.value_levels``: the
+        encoder's top-k on a grid, :func:`values_on_grid`) and ``first`` (1 for
+        ``dgc.shared_first``: the sets taken before the top-k); {} for the default client."""
+        own, out = self.own, {}
+        if own.shared_first:  # the sets before the top-k (android_bridge.phone.encoder_round)
+            out["first"] = 1.0
+        if own.shared_values == "grid":
+            out["shared_levels"] = float(own.shared_levels)
+        if own.value_levels > 0:
+            out["levels"] = float(own.value_levels)
+        return out
 
     def phone_refusals(self) -> list[str]:
         """Issue 30's switches set (:data:`PHONE_SWITCHES`): a phone runs the default client,
@@ -659,16 +683,15 @@ class DGCSets(DGC):
     sends its biases in float16 and ranks its patches' indices by the same displacement
     (``downlink_context``). Its broadcast keeps the server's dead band of half a grid step: a
     whole step (``downlink_deadband = 1``, its default until 2026-12-06) cost 1.8 points on
-    shakespeare for 4-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones do not
-    run it (their encoder is plain ``dgc``), and ``compare`` runs it only when named.
+    shakespeare for 4-7% fewer bytes (docs/dgc_vs_dense.md, "The dead band"). Phones run it
+    (issue 39: the reference phone derives the sets, joins the ranked patches and does the
+    grids and the sets-first split on the host around dgc's exported encoder; the Android app
+    does not yet, docs/android.md), and ``compare`` runs it only when named.
     """
 
     name = "dgc_sets"
-    phone_needs = ("the held model and version 0 bit for bit, grid-coded values and shared sets "
-                   'it ranks itself (docs/android.md, "What dgc_sets needs on a phone")')
     order = 41
     compared = False
-    phone = False  # phones' encoder is plain dgc's (fedgc.methods.phone.phone_export_of)
     description = ("DGC's top-k of the residual on a 4-level grid after the residual at shared "
                    "sets clients rank themselves (the model's displacement), sent as grid "
                    "values (`dgc.*` as dgc)")

@@ -61,6 +61,13 @@ class PhoneExport:
         phone's upload; None (here): the exported encoder's ``FGCU`` update."""
         return None
 
+    def phone_values(self) -> dict[str, float]:
+        """Values a phone of the exported encoder rounds to a power-of-two grid on the host,
+        sent in its task's ``values`` entry (``android_bridge.phone``): ``shared_levels`` for
+        the residual at the round's sets, ``levels`` for the encoder's top-k; {} (here):
+        neither, the sets answered with signs and the values in the config's dtype."""
+        return {}
+
     def phone_refusals(self) -> list[str]:
         """Its own keys (``key=value``, from ``self.own``) set to what phones do not run as
         this method's simulated clients do: a run that sets one is refused before phones

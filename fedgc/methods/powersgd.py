@@ -174,8 +174,10 @@ def orthonormalize(x: torch.Tensor) -> torch.Tensor:
 def product(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``P Q^T`` in float32, summed in float64: the same bits on the client (its residual) and
     the server (its aggregate) for the same factors, whatever order a BLAS sums ``r`` terms in
-    (exactly, for the golden vectors' values)."""
-    return (p.to(torch.float64) @ q.to(torch.float64).T).to(torch.float32)
+    (exactly, for the golden vectors' values). Its zeros are +0.0: the sign of an exact zero is
+    the kernel's (torch 2.13's float64 matmul gives ``0 * -1.5`` as -0.0 on x86 and +0.0 on
+    aarch64, issue 35), and ``+ 0.0`` changes nothing else."""
+    return (p.to(torch.float64) @ q.to(torch.float64).T).to(torch.float32) + 0.0
 
 
 # ---------------------------------------------------------------------- the payload
