@@ -249,8 +249,9 @@ def _serve(grid: Grid, config: RunConfig, started: float,
              s.min_cosine)
     if s.progress:
         trust = " (robust=on: deployed clients are not trusted)" if s.robust == "on" else ""
-        print(f"fedgc: {defences.describe(*guard, bucket_size=s.bucket_size)}{trust}",
-              flush=True)
+        line = defences.describe(*guard, bucket_size=s.bucket_size,
+                                 gate_reference=s.gate_reference)
+        print(f"fedgc: {line}{trust}", flush=True)
         if strategy.privacy is not None:
             print(f"fedgc: {strategy.privacy.describe()}", flush=True)
     train_config = ConfigRecord(config.client_config())

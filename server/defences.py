@@ -29,9 +29,15 @@ CAPPED, CLIPPED = "capped at", "clipped to"
 LEFT_OUT = "left out"
 
 
-def left_out_note(cosine: float, min_cosine: float) -> str:
+#: What the direction gate takes an update's cosine with, by ``gate_reference``.
+GATE_WORDS = {"history": "the last round's aggregate",
+              "trend": "the aggregates' moving average",
+              "round": "this round's centered clipping"}
+
+
+def left_out_note(cosine: float, min_cosine: float, gate_reference: str = "history") -> str:
     """The row's reason of an update the direction gate left out."""
-    return (f"{LEFT_OUT}: cosine {cosine:.3g} with the last round's aggregate, below "
+    return (f"{LEFT_OUT}: cosine {cosine:.3g} with {GATE_WORDS[gate_reference]}, below "
             f"min_cosine {min_cosine:g}")
 
 
@@ -99,7 +105,8 @@ class Bounds:
 
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
-             trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1) -> str:
+             trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1,
+             gate_reference: str = "history") -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -128,8 +135,10 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
                      f"(max_norm_ratio={max_norm_ratio:g})")
         plain.append("max_norm_ratio=0")
     if min_cosine > -1:
-        parts.append(f"updates left out below cosine {min_cosine:g} with last round's "
-                     f"aggregate (min_cosine={min_cosine:g})")
+        reference = GATE_WORDS[gate_reference]
+        key = "" if gate_reference == "history" else f", gate_reference={gate_reference}"
+        parts.append(f"updates left out below cosine {min_cosine:g} with {reference} "
+                     f"(min_cosine={min_cosine:g}{key})")
         plain.append("min_cosine=-1")
     if aggregation != "mean":
         if aggregation == "centered_clip" and bucket_size > 1:

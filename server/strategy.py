@@ -471,7 +471,8 @@ class DGCStrategy(FedAvg):
         for i, cos in self.combine.left_out.items():
             # Rejected, not aggregated: the client's method folds its update back next round.
             row = rows[chosen[i].client_key]
-            row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine)
+            row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine,
+                                                         self.combine.gate_reference)
             log(WARNING, "\t> Client %d: %s", chosen[i].client_key, row.reason)
         return self.step(self.aggregator.finish(combined, self.shapes))
 

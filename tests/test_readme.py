@@ -91,7 +91,7 @@ def test_the_stated_defences_are_the_defaults() -> None:
                                       "max_norm_ratio": 0.0, "min_cosine": -1.0}
     assert cap == "median" and ROBUST_PROFILES["on"]["max_weight_ratio"] == 1.0
     assert ROBUST_PROFILES["on"]["aggregation"] == deployed
-    gate = "leaving out updates that point against the last round's aggregate"
+    gate = "leaving out updates that point against the aggregates' moving average"
     assert (gate in re.sub(r"\s+", " ", (ROOT / "README.md").read_text())) == (
         ROBUST_PROFILES["on"]["min_cosine"] == 0.0)
 

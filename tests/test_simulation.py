@@ -172,11 +172,14 @@ def test_plain_fedavg_says_so():
     assert describe(2, 0, "mean", 0.1) == (
         "defences: a client's weight capped at 2x the round's median (max_weight_ratio=2); "
         "plain FedAvg would take max_weight_ratio=0")
-    assert describe(1, 0, "centered_clip", 0.1, 0.0) == (  # robust = on's, with its gate
+    assert describe(1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend") == (  # robust = on's
         "defences: a client's weight capped at the round's median (max_weight_ratio=1); updates "
-        "left out below cosine 0 with last round's aggregate (min_cosine=0); updates combined "
-        "by centered clipping around last round's aggregate (aggregation=centered_clip); plain "
-        "FedAvg would take max_weight_ratio=0 min_cosine=-1 aggregation=mean")
+        "left out below cosine 0 with the aggregates' moving average (min_cosine=0, "
+        "gate_reference=trend); updates combined by centered clipping around last round's "
+        "aggregate (aggregation=centered_clip); plain FedAvg would take max_weight_ratio=0 "
+        "min_cosine=-1 aggregation=mean")
+    assert "cosine 0 with the last round's aggregate (min_cosine=0);" in describe(
+        1, 0, "centered_clip", 0.1, 0.0, gate_reference="history")
     assert describe(0, 0, "centered_clip", 0.1, bucket_size=2) == (  # bucketing: issue 35
         "defences: updates combined by centered clipping around last round's aggregate of "
         "bucket means, 2 random clients each (aggregation=centered_clip, bucket_size=2); plain "

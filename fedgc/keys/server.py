@@ -88,7 +88,7 @@ class ServerKeys:
                           "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine): off = "
                           "plain FedAvg (mean, no cap, no clip, no gate); on = for clients that "
                           "are not trusted (centered_clip, weights capped at the round's "
-                          "median, updates pointing against the last round's aggregate left "
+                          "median, updates pointing against the aggregates' moving average left "
                           "out: min_cosine 0); auto = on in deployments and behind the phone "
                           "bridge, off in simulation (docs/threat_model.md)",
                           Check(choices=ROBUST_MODES))
@@ -123,12 +123,13 @@ class ServerKeys:
                                "2022's bucketing); 1 = none", Check(1, 100))
     min_cosine: float | None = setting(
         None, "min_cosine", "a client's update is left out of the round (rejected, its "
-        "method folds it back) when its cosine with the last round's aggregate (the direction "
-        "of history; none in round 1) is below this (server/aggregation.py); -1 = none left "
+        "method folds it back) when its cosine with the direction of history (gate_reference; "
+        "none in round 1) is below this (server/aggregation.py); -1 = none left "
         "out; empty = by robust (off: -1, on: 0)", Check(-1.0, 1.0))
     gate_reference: str = setting(
-        "history", "gate_reference", "with min_cosine above -1: what an update's cosine is "
-        "taken with: history = the last round's aggregate; trend = the moving average of "
+        "trend", "gate_reference", "with min_cosine above -1: what an update's cosine is "
+        "taken with: history = the last round's aggregate (which one hostile update let in "
+        "can turn against the honest clients); trend = the moving average of "
         "the aggregates (0.9 of the last trend, 0.1 of the new aggregate, from round 1's); "
         "round = this round's own centered "
         "clipping of every update from there (the majority's direction now, which a hostile "
