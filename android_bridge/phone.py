@@ -57,12 +57,11 @@ from android_bridge.runtime import PteEncoder, PteTrainer, load_manifest
 from android_bridge.shuffle import local_batches
 from dgc.config import DGCConfig
 from dgc.signs import decode_mask, encode_signs, take_signs
-from dgc.signs.client import take_values
+from dgc.signs.client import take_values, values_on_grid
 from dgc.signs.codec import RANK_MAGIC, Masks, decode_rank_request, encode_values
 from dgc.signs.planner import displacement_masks
 from dgc.wire import max_numel_of
-from fedgc import protocol as P
-from fedgc.methods.dgc import values_on_grid
+from fedgc.patching import ProtocolError, apply_patch
 from fedgc.training import round_seed
 
 
@@ -164,8 +163,8 @@ def apply_context_patch(held: Mapping[str, np.ndarray], patch: bytes, context: l
     client applies it), every value replacing an entry. ``fedgc.protocol.ProtocolError`` (or
     ``dgc.DecodeError``) naming a patch that does not fit."""
     if missing := sorted(set(context) - set(version_0)):
-        raise P.ProtocolError(f"patch_context names tensors version 0 lacks: {missing}")
-    model = P.apply_patch(_torch(held), patch, (), _torch({n: version_0[n] for n in context}))
+        raise ProtocolError(f"patch_context names tensors version 0 lacks: {missing}")
+    model = apply_patch(_torch(held), patch, (), _torch({n: version_0[n] for n in context}))
     return {k: v.numpy() for k, v in model.items()}
 
 
@@ -310,7 +309,7 @@ class ReferencePhone:
                 try:
                     return apply_context_patch(held, task.model_bytes, list(task.patch_context),
                                                self._version_0(task))
-                except (P.ProtocolError, dgc.DecodeError) as ex:
+                except (ProtocolError, dgc.DecodeError) as ex:
                     raise PhoneError(f"task {task.task_id!r}: {ex}") from ex
             model = {k: v.copy() for k, v in held.items()}
             for name, t in update.tensors.items():

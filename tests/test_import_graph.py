@@ -188,3 +188,22 @@ def test_imports_inside_functions_say_they_buy_start_up_time() -> None:
         if not said:
             silent.append(f"{e.source}:{e.line} imports {e.target}")
     assert sorted(set(silent)) == []
+
+
+def test_the_reference_phone_imports_without_flower() -> None:
+    """The emulated arm64 phone's environment has no Flower (a phone has none): the reference
+    phone's module, and what it imports of fedgc, load with ``flwr`` unimportable (a patch's
+    application lives in ``fedgc.patching`` for it, not in ``fedgc.protocol``)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.abc, sys\n"
+            "class NoFlower(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.split('.')[0] == 'flwr':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+            "sys.meta_path.insert(0, NoFlower())\n"
+            "import android_bridge.phone\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -79,3 +79,16 @@ def on_grid(values: torch.Tensor, levels: float) -> torch.Tensor:
     exponent = min(max(round(math.log2(mean / levels)), -126), 120)
     step = math.ldexp(1.0, exponent)
     return (v / step).round().clamp(-127, 127) * step + 0.0  # +0.0 turns -0.0 into 0.0
+
+
+def values_on_grid(update: SparseUpdate, levels: float) -> tuple[SparseUpdate, SparseUpdate]:
+    """``dgc.value_levels``: the top-k's values of ``update`` on a power-of-two grid per tensor
+    (:func:`on_grid`), and the rounding, which goes back into the residual
+    (the simulated client's :class:`RoundCompressor`, and a phone on its encoder's output)."""
+    tensors, error = {}, {}
+    for name, t in update.tensors.items():
+        values = t.values.to(torch.float32)
+        rounded = on_grid(values, levels)
+        tensors[name] = SparseTensor(t.indices, rounded, t.shape)
+        error[name] = SparseTensor(t.indices, values - rounded, t.shape)
+    return SparseUpdate(tensors, update.sequence), SparseUpdate(error, update.sequence)

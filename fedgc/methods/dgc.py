@@ -24,7 +24,7 @@ import torch
 
 from dgc import Compressor, DGCConfig, SparseTensor, SparseUpdate
 from dgc.int8_grid import round_initial
-from dgc.signs.client import on_grid, take_signs, take_values
+from dgc.signs.client import take_signs, take_values, values_on_grid
 from dgc.signs.codec import (
     RANK_MAGIC,
     decode_mask,
@@ -360,19 +360,6 @@ class RoundCompressor:
             return
         self.shift = {k: v.detach().to(torch.float32).clone() for k, v in state["shift"].items()}
         self.inner.load_state_dict(state["compressor"])
-
-
-def values_on_grid(update: SparseUpdate, levels: float) -> tuple[SparseUpdate, SparseUpdate]:
-    """``dgc.value_levels``: the top-k's values of ``update`` on a power-of-two grid per tensor
-    (:func:`dgc.signs.client.on_grid`), and the rounding, which goes back into the residual
-    (the simulated client's :class:`RoundCompressor`, and a phone on its encoder's output)."""
-    tensors, error = {}, {}
-    for name, t in update.tensors.items():
-        values = t.values.to(torch.float32)
-        rounded = on_grid(values, levels)
-        tensors[name] = SparseTensor(t.indices, rounded, t.shape)
-        error[name] = SparseTensor(t.indices, values - rounded, t.shape)
-    return SparseUpdate(tensors, update.sequence), SparseUpdate(error, update.sequence)
 
 
 def shared_explore(own: DGCSettings, sets_only: bool) -> float:
