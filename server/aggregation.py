@@ -201,10 +201,14 @@ class Combine:
         keep = [i for i in range(len(clients)) if i not in self.left_out]
         out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
                             [factors[i] for i in keep], shapes)
+        # The gate's trend is kept only while a gate judges by it (plain FedAvg: no work).
+        keeps_trend = self.gate_reference == "trend" and self.min_cosine > -1.0
+        if self.how == "centered_clip" and not keeps_trend:  # it keeps its own result
+            return out
         flat = torch.cat([out[n].reshape(-1).to(torch.float64) for n in shapes])
-        if self.how != "centered_clip":  # which keeps its own result
+        if self.how != "centered_clip":
             self.centered.remember(flat)
-        if self.gate_reference == "trend" and bool(torch.isfinite(flat).all()):
+        if keeps_trend and bool(torch.isfinite(flat).all()):
             self.trend = (flat.clone() if self.trend is None or self.trend.numel() != size
                           else TREND_MOMENTUM * self.trend + (1 - TREND_MOMENTUM) * flat)
         return out
