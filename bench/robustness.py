@@ -69,6 +69,9 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # The direction gate judging by the moving average of the aggregates (momentum 0.9).
     "on_gate_trend": {"robust": "on", "gate_reference": "trend"},
     "on_gate_trend_r2": {"robust": "on", "gate_reference": "trend", "clip_radius": 2},
+    # The gate remembers a repeat offender (a record of left-outs decayed by this per round).
+    "on_memory95": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95},
+    "on_memory98": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.98},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates

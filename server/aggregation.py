@@ -62,6 +62,13 @@ class SparseAverage:
 #: ``gate_reference = trend``: the share of the last trend kept each round (momentum's usual
 #: 0.9: a reference that a minority let in for a round or two moves by a tenth each time).
 TREND_MOMENTUM = 0.9
+#: ``gate_memory``: a client whose record (its left-outs, each decayed by ``gate_memory`` per
+#: round it takes part in) reaches this is left out while it stays there: twice left out in a
+#: row (1 + memory), or twice within a few rounds, but never once alone (a single left-out of
+#: an honest outlier costs it nothing more).
+REPEAT_OFFENCES = 1.5
+#: A record that decayed below this is forgotten (the checkpoint keeps only live records).
+FORGOTTEN = 0.01
 #: The coordinate-wise statistics (:func:`robust_average`).
 COORDINATE_WISE = ("trimmed_mean", "median")
 #: Every combine that is not the plain weighted mean.
@@ -138,13 +145,22 @@ class Combine:
     combined result is the next round's center whatever ``how`` is. ``gate_reference =
     "round"`` judges by this round's centered clipping of every update from history instead
     (the majority's direction now: a minority that got in once cannot turn it).
+
+    ``gate_memory`` above 0 makes the gate remember a repeat offender (the calls that name
+    their ``client_keys``): each client's record is its left-outs, each decayed by ``gate_memory``
+    per round it takes part in; a client whose record reached :data:`REPEAT_OFFENCES` is left
+    out (:attr:`held_out`) whatever its cosine, still within the minority bound, until its
+    record decays below it. A sign flipper left out in most early rounds has then gathered a
+    record that keeps it out when, later, its update comes to point with history (issue 35's
+    mnist5k at 40 rounds); an honest client left out once is not held. The record is judged
+    by the cosine alone, so an update held out that now passes decays its record.
     """
 
     def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
                  clip_iterations: int = 3,
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
                  min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0,
-                 gate_reference: str = "history") -> None:
+                 gate_reference: str = "history", gate_memory: float = 0.0) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
@@ -154,7 +170,12 @@ class Combine:
         if gate_reference not in GATE_REFERENCES:
             raise ValueError(f"gate_reference must be one of {list(GATE_REFERENCES)}, got "
                              f"{gate_reference!r}")
+        if not 0.0 <= gate_memory < 1.0:
+            raise ValueError(f"gate_memory must be in [0, 1), got {gate_memory!r}")
         self.gate_reference = gate_reference
+        self.gate_memory = float(gate_memory)
+        #: ``gate_memory``'s record: client key -> its decayed count of left-outs.
+        self.record: dict[int, float] = {}
         self.trend: torch.Tensor | None = None  # gate_reference = trend's, flat float64
         self.how, self.trim_fraction = how, float(trim_fraction)
         self.root = root
@@ -163,6 +184,8 @@ class Combine:
         self._average = SparseAverage()
         #: The last call's updates the direction gate left out: index -> cosine.
         self.left_out: dict[int, float] = {}
+        #: Those of :attr:`left_out` left out for their record alone (their cosine passed).
+        self.held_out: set[int] = set()
 
     @property
     def gated(self) -> bool:
@@ -171,10 +194,13 @@ class Combine:
 
     def __call__(self, payloads: Sequence[Payload], weights: Sequence[float],
                  factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
-                 ) -> dict[str, torch.Tensor]:
+                 client_keys: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
         """The round's sum in the space of ``shapes``; ``dgc.AggregationError`` when the
-        weights total zero (for fltrust: when no update agrees with the root's)."""
-        self.left_out = {}
+        weights total zero (for fltrust: when no update agrees with the root's).
+
+        ``client_keys``: each payload's client key, for ``gate_memory``'s record (None: no record
+        is read or kept, e.g. one combine of a round under central DP)."""
+        self.left_out, self.held_out = {}, set()
         if not self.gated:
             return self._combine(payloads, weights, factors, shapes)
         offsets, size = space_offsets(shapes)
@@ -193,11 +219,20 @@ class Combine:
         judged = cosines(clients, reference) if bool(reference.any()) else [1.0] * len(clients)
         below = sorted((i for i, cos in enumerate(judged) if cos < self.min_cosine),
                        key=lambda i: judged[i])
+        keys = client_keys if self.gate_memory > 0 else None
+        held = [] if keys is None else sorted(
+            (i for i in range(len(judged)) if judged[i] >= self.min_cosine
+             and self.record.get(keys[i], 0.0) >= REPEAT_OFFENCES), key=lambda i: judged[i])
         # A minority at most: attackers are fewer than half, so when half or more point against
         # history it is history that turned (EF-sign's round 2 undoes round 1's overshoot), and
-        # only the farthest minority is left out; the round always keeps a majority.
-        for i in below[:(len(clients) - 1) // 2]:
+        # only the farthest minority is left out; the round always keeps a majority. Those
+        # below the bar now go before those held for their record.
+        for i in (below + held)[:(len(clients) - 1) // 2]:
             self.left_out[i] = judged[i]
+            if i in held:
+                self.held_out.add(i)
+        if keys is not None:
+            self._remember(keys, {keys[i] for i in below})
         keep = [i for i in range(len(clients)) if i not in self.left_out]
         out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
                             [factors[i] for i in keep], shapes)
@@ -212,6 +247,17 @@ class Combine:
             self.trend = (flat.clone() if self.trend is None or self.trend.numel() != size
                           else TREND_MOMENTUM * self.trend + (1 - TREND_MOMENTUM) * flat)
         return out
+
+    def _remember(self, clients: Sequence[int], offenders: set[int]) -> None:
+        """Decay the record of each client of the round by ``gate_memory`` and count one
+        left-out for each of ``offenders`` (below the bar this round, whether or not the
+        minority bound let it in); a record decayed below :data:`FORGOTTEN` is dropped."""
+        for key in dict.fromkeys(clients):  # once a round, in the round's order
+            value = self.gate_memory * self.record.get(key, 0.0) + (key in offenders)
+            if value < FORGOTTEN:
+                self.record.pop(key, None)
+            else:
+                self.record[key] = value
 
     def _combine(self, payloads: Sequence[Payload], weights: Sequence[float],
                  factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
@@ -245,14 +291,19 @@ class Combine:
         if not self._keeps_center:
             return {}
         trend = {"trend": self.trend.clone()} if self.trend is not None else {}
-        return {**self.centered.state_dict(), **trend}
+        record = {"gate_record": dict(self.record)} if self.gate_memory > 0 else {}
+        return {**self.centered.state_dict(), **trend, **record}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (one without a trend: the trend starts again)."""
+        """Continue from :meth:`state_dict` (one without a trend or a record, of before their
+        keys: they start again)."""
         if self._keeps_center:
             self.centered.load_state_dict(state)
             trend = state.get("trend")
             self.trend = None if trend is None else torch.as_tensor(trend, dtype=torch.float64)
+            record = state.get("gate_record")
+            self.record = ({} if record is None or self.gate_memory <= 0 else
+                           {int(k): float(v) for k, v in record.items()})
 
     @property
     def _keeps_center(self) -> bool:

@@ -35,8 +35,14 @@ GATE_WORDS = {"history": "the last round's aggregate",
               "round": "this round's centered clipping"}
 
 
-def left_out_note(cosine: float, min_cosine: float, gate_reference: str = "history") -> str:
-    """The row's reason of an update the direction gate left out."""
+def left_out_note(cosine: float, min_cosine: float, gate_reference: str = "history",
+                  record: float | None = None) -> str:
+    """The row's reason of an update the direction gate left out: its cosine below the bar,
+    or (``record``) a repeat offender's record (``gate_memory``) though its cosine passed."""
+    if record is not None:
+        return (f"{LEFT_OUT}: a repeat offender (record {record:.3g} of recent left-outs, "
+                f"gate_memory), though its cosine {cosine:.3g} with "
+                f"{GATE_WORDS[gate_reference]} passed min_cosine {min_cosine:g}")
     return (f"{LEFT_OUT}: cosine {cosine:.3g} with {GATE_WORDS[gate_reference]}, below "
             f"min_cosine {min_cosine:g}")
 
@@ -106,7 +112,7 @@ class Bounds:
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
              trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1,
-             gate_reference: str = "history") -> str:
+             gate_reference: str = "history", gate_memory: float = 0.0) -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -137,7 +143,9 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
     if min_cosine > -1:
         reference = GATE_WORDS[gate_reference]
         key = "" if gate_reference == "history" else f", gate_reference={gate_reference}"
-        parts.append(f"updates left out below cosine {min_cosine:g} with {reference} "
+        held = ", and a repeat offender's while its record is bad" if gate_memory > 0 else ""
+        key += f", gate_memory={gate_memory:g}" if gate_memory > 0 else ""
+        parts.append(f"updates left out below cosine {min_cosine:g} with {reference}{held} "
                      f"(min_cosine={min_cosine:g}{key})")
         plain.append("min_cosine=-1")
     if aggregation != "mean":

@@ -170,7 +170,7 @@ class DGCStrategy(FedAvg):
         self.combine = Combine(s.aggregation, s.trim_fraction, s.clip_radius, s.clip_iterations,
                                root=self._root, min_cosine=s.min_cosine,
                                bucket_size=s.bucket_size, seed=t.seed,
-                               gate_reference=s.gate_reference)
+                               gate_reference=s.gate_reference, gate_memory=s.gate_memory)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0
@@ -464,15 +464,18 @@ class DGCStrategy(FedAvg):
             weights = [1.0] * len(chosen)
         space = self.aggregator.space(self.shapes)
         try:
-            combined = self.combine([c.payload for c in chosen], weights, factors, space)
+            combined = self.combine([c.payload for c in chosen], weights, factors, space,
+                                    client_keys=[c.client_key for c in chosen])
         except dgc.AggregationError as ex:
             log(WARNING, "\t> Round %d aggregation failed, model unchanged: %s", server_round, ex)
             return False
         for i, cos in self.combine.left_out.items():
             # Rejected, not aggregated: the client's method folds its update back next round.
             row = rows[chosen[i].client_key]
-            row.status, row.reason = "rejected", left_out_note(cos, self.combine.min_cosine,
-                                                         self.combine.gate_reference)
+            row.status, row.reason = "rejected", left_out_note(
+                cos, self.combine.min_cosine, self.combine.gate_reference,
+                self.combine.record.get(chosen[i].client_key) if i in self.combine.held_out
+                else None)
             log(WARNING, "\t> Client %d: %s", chosen[i].client_key, row.reason)
         return self.step(self.aggregator.finish(combined, self.shapes))
 

@@ -299,6 +299,8 @@ def test_an_attack_defaults_to_just_under_the_bounds_in_force():
     ({"clip_radius": 0}, r"clip_radius = 0.0 is outside"),
     ({"bucket_size": 0}, r"bucket_size = 0 is outside"),
     ({"gate_reference": "median"}, r"gate_reference = 'median' is outside"),
+    ({"gate_memory": 1}, r"gate_memory = 1.0 is outside"),
+    ({"gate_memory": -0.1}, r"gate_memory = -0.1 is outside"),
 ])
 def test_bad_robustness_keys_are_named(keys, message):
     with pytest.raises(SettingsError, match=message):
@@ -450,6 +452,85 @@ def test_a_gate_judging_by_the_trend_or_the_round_is_not_turned_by_a_hijacked_hi
         assert float(got @ mean_h) > 0
     else:
         assert combine.left_out and set(combine.left_out) <= set(range(8))
+
+
+def _offenders_rounds() -> tuple[list[list[SparsePayload]], list[float]]:
+    """Three rounds of ten updates (client keys 0-9): in the first, clients 7, 8 and 9 point
+    against the honest direction; in the second, 8 and 9 again (7 is honest again); in the
+    third, 8 and 9 send an update along the honest direction (a sign flipper whose negated
+    update, late in a run, comes to point with history)."""
+    honest, weights = _round_of_ten()
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    against = (-mean_h).expand(2, SIZE)
+    first = torch.cat([honest[:7], (-mean_h).expand(3, SIZE)])
+    second = torch.cat([honest, against])
+    third = torch.cat([honest, (0.5 * mean_h).expand(2, SIZE)])
+    claim = statistics.median(weights)
+    return ([[_payload(r) for r in rows] for rows in (first, second, third)],
+            [*weights, claim, claim])
+
+
+def _gate_with_memory(memory: float) -> Combine:
+    honest, weights = _round_of_ten()
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    combine = Combine("centered_clip", min_cosine=0.0, gate_reference="trend",
+                      gate_memory=memory)
+    combine.centered.center, combine.trend = mean_h.clone(), mean_h.clone()
+    return combine
+
+
+@pytest.mark.parametrize("memory", [0.0, 0.95])
+def test_a_client_left_out_twice_is_left_out_the_third_time_though_its_cosine_passes(memory):
+    """gate_memory: clients 8 and 9, left out in two rounds in a row, are left out in the
+    third though their update then points the honest way (held for their record); client 7,
+    left out once, is not; without a memory (0) nobody is held."""
+    rounds, weights = _offenders_rounds()
+    keys = list(range(10))
+    combine = _gate_with_memory(memory)
+    combine(rounds[0], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert set(combine.left_out) == {7, 8, 9} and not combine.held_out
+    combine(rounds[1], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert set(combine.left_out) == {8, 9} and not combine.held_out
+    combine(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    if memory:
+        assert set(combine.left_out) == combine.held_out == {8, 9}
+        assert all(cos >= 0 for cos in combine.left_out.values())
+        assert combine.record[8] == pytest.approx(memory * (memory + 1))  # decayed, none new
+        assert 7 not in combine.record or combine.record[7] < 1.5
+    else:
+        assert not combine.left_out and not combine.record
+    # Without client keys (a combine under central DP) no record is read or kept.
+    before = dict(combine.record)
+    combine(rounds[1], weights, [1.0] * 10, SHAPES)
+    assert combine.record == before and not combine.held_out
+
+
+def test_the_gates_record_is_kept_in_the_checkpoint_and_an_old_one_starts_it_afresh():
+    """The record resumes from the combine's state (through the checkpoint's weights-only
+    load): the resumed third round holds the same clients out and gives the same aggregate,
+    bit for bit; a state of before gate_memory (no record) starts the record afresh, so
+    nobody is held."""
+    import io
+
+    rounds, weights = _offenders_rounds()
+    keys = list(range(10))
+    going = _gate_with_memory(0.95)
+    for payloads in rounds[:2]:
+        going(payloads, weights, [1.0] * 10, SHAPES, client_keys=keys)
+    buffer = io.BytesIO()
+    torch.save(going.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    resumed, old = _gate_with_memory(0.95), _gate_with_memory(0.95)
+    resumed.load_state_dict(state)
+    old.load_state_dict({k: v for k, v in state.items() if k != "gate_record"})
+    want = going(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    got = resumed(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert resumed.held_out == going.held_out == {8, 9}
+    assert all(torch.equal(want[n], got[n]) for n in SHAPES)
+    assert resumed.record == going.record
+    old(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert not old.held_out and not old.left_out
 
 
 def test_the_deployed_default_bounds_a_crafted_alie_update_whatever_its_size():

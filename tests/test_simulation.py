@@ -178,6 +178,9 @@ def test_plain_fedavg_says_so():
         "gate_reference=trend); updates combined by centered clipping around last round's "
         "aggregate (aggregation=centered_clip); plain FedAvg would take max_weight_ratio=0 "
         "min_cosine=-1 aggregation=mean")
+    assert ("moving average, and a repeat offender's while its record is bad (min_cosine=0, "
+            "gate_reference=trend, gate_memory=0.95);") in describe(
+        1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95)
     assert "cosine 0 with the last round's aggregate (min_cosine=0);" in describe(
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="history")
     assert describe(0, 0, "centered_clip", 0.1, bucket_size=2) == (  # bucketing: issue 35

@@ -135,6 +135,14 @@ class ServerKeys:
         "clipping of every update from there (the majority's direction now, which a hostile "
         "minority let in once cannot turn against the honest clients)",
         Check(choices=GATE_REFERENCES))
+    gate_memory: float = setting(
+        0.0, "gate_memory", "with min_cosine above -1: the gate remembers a repeat offender: "
+        "each client's record counts the rounds the gate left it out, each count decayed by "
+        "this per round the client takes part in, and a client whose record reached 1.5 "
+        "(left out twice, recently) is left out while it stays there, whatever its cosine; "
+        "kept by client key (in a deployment a node's: a client that comes back under a new "
+        "identity starts with a clean record); 0 = no record",
+        Check(0.0, 1.0, high_open=True))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
                                 "training split), on which it takes its own round each round",
