@@ -159,6 +159,9 @@ def test_the_defence_keys_reach_the_strategy():
     c = DGCStrategy(RunConfig.from_flat({"aggregation": "centered_clip", "clip_radius": 1.5,
                                          "clip_iterations": 2}))
     assert (c.combine.centered.radius_ratio, c.combine.centered.iterations) == (1.5, 2)
+    m = DGCStrategy(RunConfig.from_flat({"robust": "on", "gate_memory": 0.9}))
+    assert (m.combine.gate_memory, m.combine.gated) == (0.9, True)
+    assert default.combine.gate_memory == 0.0  # the key's default: no record
 
 
 def test_a_run_without_run_name_gets_a_new_folder(tmp_path, monkeypatch):
