@@ -72,6 +72,9 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # The gate remembers a repeat offender (a record of left-outs decayed by this per round).
     "on_memory95": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95},
     "on_memory98": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.98},
+    # ... and a wider clip radius in a round whose gate left nobody out (a clean round's cost).
+    "on_memory95_clean2": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
+                           "clip_radius_clean": 2},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates

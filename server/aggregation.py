@@ -160,7 +160,8 @@ class Combine:
                  clip_iterations: int = 3,
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
                  min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0,
-                 gate_reference: str = "history", gate_memory: float = 0.0) -> None:
+                 gate_reference: str = "history", gate_memory: float = 0.0,
+                 clean_radius: float = 0.0) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
@@ -172,6 +173,11 @@ class Combine:
                              f"{gate_reference!r}")
         if not 0.0 <= gate_memory < 1.0:
             raise ValueError(f"gate_memory must be in [0, 1), got {gate_memory!r}")
+        if not (math.isfinite(clean_radius) and clean_radius >= 0):
+            raise ValueError(f"clean_radius must be a finite number >= 0, got {clean_radius!r}")
+        #: ``clip_radius_clean``: centered clipping's radius in a round whose gate left nobody
+        #: out (0: ``clip_radius`` in every round).
+        self.clean_radius = float(clean_radius)
         self.gate_reference = gate_reference
         self.gate_memory = float(gate_memory)
         #: ``gate_memory``'s record: client key -> its decayed count of left-outs.
@@ -234,8 +240,11 @@ class Combine:
         if keys is not None:
             self._remember(keys, {keys[i] for i in below})
         keep = [i for i in range(len(clients)) if i not in self.left_out]
+        # A round the gate found clean: clip less (half the clients are beyond radius 1, and
+        # clipping honest outliers is the robust combine's whole clean-run cost).
+        radius = self.clean_radius if self.clean_radius > 0 and not self.left_out else None
         out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
-                            [factors[i] for i in keep], shapes)
+                            [factors[i] for i in keep], shapes, radius)
         # The gate's trend is kept only while a gate judges by it (plain FedAvg: no work).
         keeps_trend = self.gate_reference == "trend" and self.min_cosine > -1.0
         if self.how == "centered_clip" and not keeps_trend:  # it keeps its own result
@@ -261,7 +270,7 @@ class Combine:
 
     def _combine(self, payloads: Sequence[Payload], weights: Sequence[float],
                  factors: Sequence[float], shapes: Mapping[str, tuple[int, ...]],
-                 ) -> dict[str, torch.Tensor]:
+                 radius: float | None = None) -> dict[str, torch.Tensor]:
         if self.how in COORDINATE_WISE:
             return robust_average([p.parts() for p in payloads], list(factors), self.how,
                                   self.trim_fraction, shapes)
@@ -270,7 +279,8 @@ class Combine:
             clients = [client_entries(p.parts(), f, offsets)
                        for p, f in zip(payloads, factors, strict=True)]
             if self.how == "centered_clip":
-                return _split(self.centered(clients, list(weights), size), shapes, offsets)
+                return _split(self.centered(clients, list(weights), size, radius), shapes,
+                              offsets)
             assert self.root is not None
             return _split(fltrust(clients, self.root(shapes)), shapes, offsets)
         scaled = [w * f for w, f in zip(weights, factors, strict=True)]

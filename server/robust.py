@@ -138,9 +138,11 @@ class CenteredClip:
         self.draws = 0  # rounds bucketed so far: the next order's seed
 
     def __call__(self, clients: Sequence[ClientEntries], weights: Sequence[float],
-                 size: int) -> torch.Tensor:
+                 size: int, radius_ratio: float | None = None) -> torch.Tensor:
         """The round's aggregate (flat float64 of ``size``), kept as the next round's center;
-        ``dgc.AggregationError`` when the weights total zero."""
+        ``dgc.AggregationError`` when the weights total zero. ``radius_ratio``: this round's
+        radius instead of the one kept (a round the gate found clean:
+        :class:`server.aggregation.Combine`)."""
         total = float(sum(weights))
         if not clients or total <= 0:
             raise dgc.AggregationError("total weight is zero; nothing to aggregate")
@@ -149,20 +151,22 @@ class CenteredClip:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.draws)
             self.draws += 1
             clients, weights = buckets(clients, weights, self.bucket_size, generator)
-        v = self.clip(clients, weights, self.center_of(size))
+        v = self.clip(clients, weights, self.center_of(size), radius_ratio)
         self.remember(v)
         return v
 
     def clip(self, clients: Sequence[ClientEntries], weights: Sequence[float],
-             center: torch.Tensor) -> torch.Tensor:
+             center: torch.Tensor, radius_ratio: float | None = None) -> torch.Tensor:
         """Step 2 of the algorithm from ``center`` (unchanged; nothing kept, nothing drawn):
-        the clipped weighted combine of ``clients`` (weights totalling above 0)."""
+        the clipped weighted combine of ``clients`` (weights totalling above 0), at
+        ``radius_ratio`` (None: the one kept)."""
+        ratio = self.radius_ratio if radius_ratio is None else float(radius_ratio)
         total = float(sum(weights))
         shares = [float(w) / total for w in weights]
         v = center.clone()
         for _ in range(self.iterations):
             dist = _distances(clients, v)
-            tau = self.radius_ratio * statistics.median(dist)
+            tau = ratio * statistics.median(dist)
             scale = [s * (1.0 if d <= tau or d == 0 else tau / d)
                      for s, d in zip(shares, dist, strict=True)]
             # v + sum_i a_i (x_i - v) = (1 - sum_i a_i) v + sum_i a_i x_i: one O(space) step.

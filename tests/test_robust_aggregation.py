@@ -301,6 +301,7 @@ def test_an_attack_defaults_to_just_under_the_bounds_in_force():
     ({"gate_reference": "median"}, r"gate_reference = 'median' is outside"),
     ({"gate_memory": 1}, r"gate_memory = 1.0 is outside"),
     ({"gate_memory": -0.1}, r"gate_memory = -0.1 is outside"),
+    ({"clip_radius_clean": -1}, r"clip_radius_clean = -1.0 is outside"),
 ])
 def test_bad_robustness_keys_are_named(keys, message):
     with pytest.raises(SettingsError, match=message):
@@ -531,6 +532,32 @@ def test_the_gates_record_is_kept_in_the_checkpoint_and_an_old_one_starts_it_afr
     assert resumed.record == going.record
     old(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
     assert not old.held_out and not old.left_out
+
+
+def test_a_round_the_gate_found_clean_is_clipped_at_the_clean_radius():
+    """clip_radius_clean: a round whose gate left nobody out is clipped at that radius (the
+    same aggregate as a combine at that clip_radius); a round with an update left out at
+    clip_radius."""
+    honest, weights = _round_of_ten()
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    claim = statistics.median(weights)
+    clean = [_payload(r) for r in torch.cat([honest, honest[:2]])]
+    flipped = [_payload(r) for r in torch.cat([honest, (-mean_h).expand(2, SIZE)])]
+    all_w = [*weights, claim, claim]
+
+    def combined(payloads: list[SparsePayload], **keys: float) -> tuple[torch.Tensor, Combine]:
+        combine = Combine("centered_clip", min_cosine=0.0, gate_reference="trend", **keys)
+        combine.centered.center, combine.trend = 0.5 * mean_h, mean_h.clone()
+        out = combine(payloads, all_w, [1.0] * 10, SHAPES)
+        return torch.cat([out[n].reshape(-1).double() for n in SHAPES]), combine
+
+    wide, gate = combined(clean, clip_radius=1.0, clean_radius=2.0)
+    assert not gate.left_out
+    assert torch.equal(wide, combined(clean, clip_radius=2.0)[0])
+    assert not torch.equal(wide, combined(clean, clip_radius=1.0)[0])
+    narrow, gate = combined(flipped, clip_radius=1.0, clean_radius=2.0)
+    assert set(gate.left_out) == {8, 9}
+    assert torch.equal(narrow, combined(flipped, clip_radius=1.0)[0])
 
 
 def test_the_deployed_default_bounds_a_crafted_alie_update_whatever_its_size():

@@ -117,6 +117,10 @@ class ServerKeys:
                                  "center", Check(0.0, low_open=True))
     clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
                                    "clipping iterations per round", Check(1, 100))
+    clip_radius_clean: float = setting(
+        0.0, "clip_radius_clean", "with aggregation = centered_clip and min_cosine above -1: "
+        "the clipping radius (in medians of the distances) of a round whose direction gate left "
+        "nobody out; 0 = clip_radius in every round", Check(0.0))
     bucket_size: int = setting(1, "bucket_size", "with aggregation = centered_clip: the "
                                "clients, in a seeded random order each round, averaged in "
                                "buckets of this many before clipping (Karimireddy et al. "
