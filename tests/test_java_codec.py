@@ -412,3 +412,31 @@ def test_java_and_python_agree_on_mutated_signs_messages(java_classpath: Path) -
         accepted += 1
     assert accepted > 0
     assert {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "TOO_LARGE"} <= seen, seen
+
+
+# -- dgc_sets' host steps on the Java side (docs/android.md, "What dgc_sets needs on a phone") --
+
+DGC_SETS_GOLDEN = ROOT / "tests" / "golden" / "dgc_sets.json"
+
+
+def test_java_dgc_sets_driver_passes_golden_vectors_and_rejections(java_classpath: Path) -> None:
+    """The rank request's decoder, the ranking and its sets, the grid, the grid-coded writer,
+    take_values with encode_values and the join of a ranked patch, against the vectors the
+    Python side wrote (tests/golden/dgc_sets_golden.py), and malformed rank requests."""
+    done = subprocess.run(["java", "-cp", str(java_classpath), "org.fedgc.wire.DgcSetsTest",
+                           str(DGC_SETS_GOLDEN)], capture_output=True, text=True,
+                          timeout=JVM_TIMEOUT_S)
+    assert done.returncode == 0, f"Java dgc_sets driver failed:\n{done.stdout}\n{done.stderr}"
+    summary = re.search(r"^OK (\d+)/(\d+) checks passed$", done.stdout, re.MULTILINE)
+    assert summary is not None and summary.group(1) == summary.group(2), done.stdout
+    assert int(summary.group(2)) > 500  # the rank request's prefixes and bit flips included
+
+
+def test_the_dgc_sets_golden_file_is_what_the_python_side_writes_now() -> None:
+    """The golden vectors still hold for the Python side (a change there must regenerate them,
+    deliberately)."""
+    import json
+
+    from tests.golden.dgc_sets_golden import golden
+
+    assert json.loads(DGC_SETS_GOLDEN.read_text("utf-8")) == json.loads(json.dumps(golden()))
