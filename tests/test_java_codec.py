@@ -440,3 +440,24 @@ def test_the_dgc_sets_golden_file_is_what_the_python_side_writes_now() -> None:
     from tests.golden.dgc_sets_golden import golden
 
     assert json.loads(DGC_SETS_GOLDEN.read_text("utf-8")) == json.loads(json.dumps(golden()))
+
+
+def test_java_rounds_compressor_updates_to_the_grid_as_python_does(java_classpath: Path) -> None:
+    """``dgc.value_levels`` on real DGC updates (float16 and float32 values, three level
+    counts): Java's values on the grid, grid-coded, and the rounding left for the residual are
+    Python's bytes (``values_on_grid``, ``dgc.encode(..., grid_coding=True)``)."""
+    from dgc.signs.client import values_on_grid
+
+    lines, expected = [], []
+    for k, update in enumerate(compressor_updates()[:6]):
+        levels = (0.5, 4.0, 1.5)[k % 3]
+        rounded, error = values_on_grid(update, levels)
+        lines.append(f"grid {levels!r} {encode(update).hex()}")
+        expected.append(f"OK {encode(rounded, grid_coding=True).hex()} {encode(error).hex()}")
+    import tests.test_wire as wire_tests
+
+    # the rounded updates really are grid-coded, a byte per value and Rice-coded
+    dtypes = {d for e in expected
+              for d in wire_tests.tensor_value_dtypes(bytes.fromhex(e.split()[1])).values()}
+    assert {0x40, 0x41} <= dtypes, dtypes
+    assert run_tool(java_classpath, lines) == expected

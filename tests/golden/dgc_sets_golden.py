@@ -14,6 +14,9 @@ dgc_sets needs on a phone"), as the Python side computes it, for the Java codec'
 - ``grid_updates``: updates and their grid-coded bytes (``dgc.encode(..., grid_coding=True)``);
 - ``take_values``: a residual, a set and levels, what is sent, the residual left and the bytes
   (``take_values``, ``encode_values``);
+- ``sets_first``: a pseudo-gradient, a residual and sets, what the reference phone's
+  ``encoder_round`` hands its encoder, sends at the sets and restores after the top-k
+  (``dgc.shared_first``), with an encoder that has compressed and one that has not;
 - ``context_patches``: a held model, its version 0, a patch ranked by displacement
   (``downlink_context``) and the model it makes (``fedgc.patching.apply_patch``), or the
   refusal of a patch that does not fit.
@@ -219,6 +222,56 @@ def take_values_cases() -> list[dict]:
     return out
 
 
+class _RecordingEncoder:
+    """What ``encoder_round`` asks of an encoder, recording what it is handed: no top-k."""
+
+    def __init__(self, residual: dict[str, np.ndarray]) -> None:
+        self.state = {n: torch.from_numpy(v.copy()) for n, v in residual.items()}
+        self.compressed: dict[str, np.ndarray] = {}
+        self.restored: dict[str, tuple[list[int], list[int]]] = {}
+
+    def residual(self) -> dict[str, torch.Tensor]:
+        return self.state
+
+    def compress(self, grads, epoch: float, sequence: int):
+        from dgc import SparseUpdate
+
+        self.compressed = {n: np.asarray(g, dtype=np.float32).copy() for n, g in grads.items()}
+        return SparseUpdate({}, sequence)
+
+    def restore(self, update) -> None:
+        for name, t in update.tensors.items():
+            self.restored[name] = (t.indices.tolist(), bits(t.values))
+            self.state[name].index_add_(0, t.indices, t.values.to(torch.float32))
+
+
+def sets_first_cases() -> list[dict]:
+    from android_bridge.phone import encoder_round
+
+    grads = {"a": floats(120, 17, 61, 0.1), "b": floats(40, 7, 13, 2.0),
+             "c": floats(10, 3, 7, 1.0)}  # c: no set
+    residual = {"a": floats(120, 11, 53, 0.02), "b": floats(40, 5, 17, 0.5),
+                "c": floats(10, 1, 3, 1.0)}
+    sets = {"a": list(range(0, 120, 5)), "b": [0, 3, 39]}
+    out = []
+    for started in (True, False):
+        encoder = _RecordingEncoder(residual)
+        masks = {n: np.asarray(s, dtype=np.int64) for n, s in sets.items()}
+        _, _, sent, side = encoder_round(encoder, grads, 0.0, 6, {"first": True,
+                                         "shared_levels": 0.5}, masks, started=started)
+        out.append({"case": "started" if started else "first_round", "started": started,
+                    "levels": 0.5, "sequence": 6,
+                    "gradient_bits": {n: bits(v) for n, v in grads.items()},
+                    "residual_bits": {n: bits(v) for n, v in residual.items()}, "sets": sets,
+                    "compressed_bits": {n: bits(v) for n, v in encoder.compressed.items()},
+                    "sent_bits": {n: bits(t.values) for n, t in sent.tensors.items()},
+                    "restored": {n: {"indices": i, "value_bits": b}
+                                 for n, (i, b) in encoder.restored.items()},
+                    "residual_after_bits": {n: bits(v) for n, v in encoder.state.items()},
+                    "hex": side.hex()})
+    return out
+
+
 def context_patches() -> list[dict]:
     import dgc
     from dgc import SparseTensor, SparseUpdate
@@ -272,7 +325,8 @@ def golden() -> dict:
     return {"spec": "docs/android.md, What dgc_sets needs on a phone",
             "rank_requests": rank_requests(), "rankings": rankings(), "exponents": exponents(),
             "on_grid": on_grid_cases(), "grid_updates": grid_updates(),
-            "take_values": take_values_cases(), "context_patches": context_patches()}
+            "take_values": take_values_cases(), "sets_first": sets_first_cases(),
+            "context_patches": context_patches()}
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ public final class DgcSetsTest {
         for (Object c : (List<Object>) doc.get("take_values")) {
             takeValues((Map<String, Object>) c);
         }
+        for (Object c : (List<Object>) doc.get("sets_first")) {
+            setsFirst((Map<String, Object>) c);
+        }
         for (Object c : (List<Object>) doc.get("context_patches")) {
             contextPatch((Map<String, Object>) c);
         }
@@ -169,6 +172,57 @@ public final class DgcSetsTest {
         byte[] got = GridValues.encodeValues(sent, ((BigInteger) c.get("sequence")).longValue());
         check(WireCodecTest.hex(got).equals(c.get("hex")), name + ": encode_values bytes "
                 + WireCodecTest.hex(got));
+    }
+
+    @SuppressWarnings("unchecked")
+    private static void setsFirst(Map<String, Object> c) {
+        String name = "sets first " + c.get("case");
+        Map<String, float[]> grads = floatMap((Map<String, Object>) c.get("gradient_bits"));
+        Map<String, float[]> residual = floatMap((Map<String, Object>) c.get("residual_bits"));
+        Map<String, long[]> sets = new LinkedHashMap<>();
+        for (Map.Entry<String, Object> e : ((Map<String, Object>) c.get("sets")).entrySet()) {
+            sets.put(e.getKey(), longs((List<Object>) e.getValue()));
+        }
+        long sequence = ((BigInteger) c.get("sequence")).longValue();
+        SetsFirst split = SetsFirst.split(grads, residual, sets, (Boolean) c.get("started"),
+                (Double) c.get("levels"), sequence);
+        Map<String, float[]> compressed = floatMap((Map<String, Object>) c.get("compressed_bits"));
+        check(split.gradients.keySet().equals(compressed.keySet()), name + ": tensors handed on");
+        for (Map.Entry<String, float[]> e : compressed.entrySet()) {
+            check(Arrays.equals(bits(split.gradients.get(e.getKey())), bits(e.getValue())),
+                    name + ": the gradient the encoder gets, " + e.getKey());
+        }
+        Map<String, float[]> sent = floatMap((Map<String, Object>) c.get("sent_bits"));
+        check(split.sent.keySet().equals(sent.keySet()), name + ": tensors sent");
+        for (Map.Entry<String, float[]> e : sent.entrySet()) {
+            check(Arrays.equals(bits(split.sent.get(e.getKey())), bits(e.getValue())),
+                    name + ": sent at the set of " + e.getKey());
+        }
+        Map<String, Object> restored = (Map<String, Object>) c.get("restored");
+        check((split.remainder == null) == restored.isEmpty(), name + ": a remainder or none");
+        if (split.remainder != null) {
+            check(split.remainder.tensors().keySet().equals(restored.keySet()),
+                    name + ": remainder tensors");
+            for (Map.Entry<String, SparseTensor> e : split.remainder.tensors().entrySet()) {
+                Map<String, Object> want = (Map<String, Object>) restored.get(e.getKey());
+                SparseTensor t = e.getValue();
+                check(Arrays.equals(t.indices(), longs((List<Object>) want.get("indices")))
+                        && Arrays.equals(bits(t.valuesAsFloat()),
+                        longs((List<Object>) want.get("value_bits"))), name + ": remainder of "
+                        + e.getKey());
+                float[] v = residual.get(e.getKey());  // the encoder's restore
+                for (int i = 0; i < t.nnz(); i++) {
+                    v[(int) t.index(i)] += t.value(i);
+                }
+            }
+        }
+        Map<String, float[]> after = floatMap((Map<String, Object>) c.get("residual_after_bits"));
+        for (Map.Entry<String, float[]> e : after.entrySet()) {
+            check(Arrays.equals(bits(residual.get(e.getKey())), bits(e.getValue())),
+                    name + ": the residual after the round, " + e.getKey());
+        }
+        check(WireCodecTest.hex(GridValues.encodeValues(split.sent, sequence)).equals(c.get("hex")),
+                name + ": the bytes the sets send");
     }
 
     @SuppressWarnings("unchecked")
@@ -316,6 +370,13 @@ public final class DgcSetsTest {
                 "index 3 at position 1");
         check(Arrays.equals(residual, new float[]{1f, 2f, 3f}), "a refused take_values changes "
                 + "nothing");
+        refused(() -> SetsFirst.split(Map.of("w", w), Map.of("w", zero), Map.of("x",
+                new long[]{0}), true, 0.5, 1), IllegalArgumentException.class,
+                "a set of a tensor the gradient lacks", "which the pseudo-gradient lacks");
+        refused(() -> SetsFirst.split(Map.of("w", w), Map.of("w", zero), Map.of("w",
+                new long[]{0, 4}), true, 0.5, 1), IllegalArgumentException.class,
+                "a set index beyond the tensor", "index 4, outside [0, 4)");
+        check(Arrays.equals(zero, new float[4]), "a refused split changes nothing");
     }
 
     private interface Action {

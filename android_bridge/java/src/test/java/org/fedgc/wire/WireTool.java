@@ -14,6 +14,8 @@ import java.nio.charset.StandardCharsets;
  * signs MAXNUMEL HEX ->  OK HEX2           (HEX2 = SignsCodec.encode(SignsCodec.decode(HEX)))
  *                    ->  REJECT REASON
  * half BITS32HEX     ->  F16HEX BF16HEX    (HalfFloats.floatToFloat16 / floatToBfloat16)
+ * grid LEVELS HEX    ->  OK HEX2 HEX3      (GridValues.valuesOnGrid of decode(HEX): the rounded
+ *                                          update grid-coded, the rounding plain)
  * </pre>
  */
 public final class WireTool {
@@ -41,6 +43,16 @@ public final class WireTool {
                 try {
                     SignsUpdate u = SignsCodec.decode(data, Long.parseLong(parts[1]));
                     out.println("OK " + WireCodecTest.hex(SignsCodec.encode(u)));
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("grid")) {
+                try {
+                    SparseUpdate[] split = GridValues.valuesOnGrid(WireCodec.decode(
+                            WireCodecTest.unhex(parts[2])), Double.parseDouble(parts[1]));
+                    out.println("OK " + WireCodecTest.hex(WireCodec.encode(split[0],
+                            IndexCoding.AUTO, true)) + " "
+                            + WireCodecTest.hex(WireCodec.encode(split[1])));
                 } catch (DecodeException e) {
                     out.println("REJECT " + e.reason());
                 }
