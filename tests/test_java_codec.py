@@ -461,3 +461,26 @@ def test_java_rounds_compressor_updates_to_the_grid_as_python_does(java_classpat
               for d in wire_tests.tensor_value_dtypes(bytes.fromhex(e.split()[1])).values()}
     assert {0x40, 0x41} <= dtypes, dtypes
     assert run_tool(java_classpath, lines) == expected
+
+
+def test_java_grid_exponent_is_pythons_round_of_log2(java_classpath: Path) -> None:
+    """``on_grid``'s step exponent, ``round(log2(mean / levels))`` (half to even) clipped to
+    [-126, 120], which Java decides without a log2: 3,000 seeded float32 means over the whole
+    range and levels, and 300 means whose ratio lies next to a half-integer power of two."""
+    import math
+
+    import numpy as np
+
+    rng = np.random.default_rng(39)
+    means = (rng.random(3000) * 2.0 ** rng.integers(-149, 128, 3000)).astype(np.float32)
+    levels = rng.choice([0.5, 1.0, 4.0, 0.3, 7.25], 3000) * rng.random(3000).round(3).clip(1e-3)
+    pairs = [(float(m), float(lv)) for m, lv in zip(means, levels, strict=True) if m > 0]
+    for n in rng.integers(-60, 60, 300):
+        lv = float(rng.choice([0.5, 1.0, 3.0]))
+        mean = np.float32(math.sqrt(2.0) * 2.0 ** int(n) * lv)
+        pairs += [(float(np.nextafter(mean, np.float32(d))), lv) for d in (-np.inf, np.inf)]
+        pairs.append((float(mean), lv))
+    lines = [f"exponent {np.float32(m).view(np.uint32):08x} "
+             f"{np.float64(lv).view(np.uint64):016x}" for m, lv in pairs]
+    want = [str(min(max(round(math.log2(m / lv)), -126), 120)) for m, lv in pairs]
+    assert run_tool(java_classpath, lines) == want

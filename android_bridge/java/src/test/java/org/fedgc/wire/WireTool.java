@@ -16,6 +16,7 @@ import java.nio.charset.StandardCharsets;
  * half BITS32HEX     ->  F16HEX BF16HEX    (HalfFloats.floatToFloat16 / floatToBfloat16)
  * grid LEVELS HEX    ->  OK HEX2 HEX3      (GridValues.valuesOnGrid of decode(HEX): the rounded
  *                                          update grid-coded, the rounding plain)
+ * exponent MEAN_BITS32HEX LEVELS_BITS64HEX -> E   (GridValues.exponent)
  * </pre>
  */
 public final class WireTool {
@@ -56,6 +57,10 @@ public final class WireTool {
                 } catch (DecodeException e) {
                     out.println("REJECT " + e.reason());
                 }
+            } else if (parts[0].equals("exponent")) {
+                float mean = Float.intBitsToFloat((int) Long.parseLong(parts[1], 16));
+                double levels = Double.longBitsToDouble(Long.parseUnsignedLong(parts[2], 16));
+                out.println(GridValues.exponent(mean, levels));
             } else if (parts[0].equals("half")) {
                 float f = Float.intBitsToFloat((int) Long.parseLong(parts[1], 16));
                 out.println(String.format("%04x %04x", HalfFloats.floatToFloat16(f) & 0xFFFF,
