@@ -484,3 +484,48 @@ def test_java_grid_exponent_is_pythons_round_of_log2(java_classpath: Path) -> No
              f"{np.float64(lv).view(np.uint64):016x}" for m, lv in pairs]
     want = [str(min(max(round(math.log2(m / lv)), -126), 120)) for m, lv in pairs]
     assert run_tool(java_classpath, lines) == want
+
+
+# dgc.signs.codec.decode_rank_request's messages, classified into the Java reasons.
+RANK_REASONS = [
+    (r"^truncated input", "TRUNCATED"),
+    (r"^bad magic", "BAD_MAGIC"),
+    (r"^unsupported version", "UNSUPPORTED_VERSION"),
+    (r"^bad checksum", "BAD_CHECKSUM"),
+    (r"^trailing or oversized", "TRAILING"),
+    (r"^rank request flags", "UNSUPPORTED_FLAGS"),
+    (r"is not valid utf-8", "BAD_UTF8"),
+    (r"appears twice", "DUPLICATE_NAME"),
+    (r"^ranked set of .* (is for|holds|draws)", "BAD_RANKED_SET"),
+]
+
+
+def test_java_and_python_agree_on_mutated_rank_requests(java_classpath: Path) -> None:
+    """A rank request (``dgc.shared_rank = displacement``), damaged 1,200 ways: the Java decoder
+    (``RankRequest``) accepts what ``decode_rank_request`` accepts, with the same content, and
+    refuses the rest for the reason Python's message gives."""
+    from dgc.signs.codec import decode_rank_request, encode_rank_request
+
+    numels = {"conv.weight": 432, "fc.weight": 2560, "b": 10}
+    spec = ",".join(f"{n}={v}" for n, v in numels.items())
+    bases = [encode_rank_request({"conv.weight": 40, "fc.weight": 25}, numels, 3, False),
+             encode_rank_request({"fc.weight": 2560, "b": 1}, numels, 2**64 - 1, True),
+             encode_rank_request({"conv.weight": 40, "b": 5}, numels, 9, False,
+                                 {"conv.weight": 4})]
+    rng = random.Random(39)
+    messages = [m for base in bases for m in [base, *_mutations(base, rng, 400)]]
+    answers = run_tool(java_classpath, [f"rank {spec} {m.hex()}" for m in messages])
+    seen, accepted = set(), 0
+    for message, answer in zip(messages, answers, strict=True):
+        try:
+            sequence, counts, grid, explore = decode_rank_request(message, numels)
+        except DecodeError as e:
+            reason = next((r for p, r in RANK_REASONS if re.search(p, str(e))), str(e))
+            assert answer == f"REJECT {reason}", f"Python: {e}; Java: {answer}"
+            seen.add(reason)
+            continue
+        sets = ",".join(f"{n}:{k}:{explore.get(n, 0)}" for n, k in counts.items())
+        assert answer == f"OK {sequence} {int(grid)} {sets}", message.hex()
+        accepted += 1
+    assert accepted >= len(bases)
+    assert {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "BAD_RANKED_SET"} <= seen, seen

@@ -17,6 +17,8 @@ import java.nio.charset.StandardCharsets;
  * grid LEVELS HEX    ->  OK HEX2 HEX3      (GridValues.valuesOnGrid of decode(HEX): the rounded
  *                                          update grid-coded, the rounding plain)
  * exponent MEAN_BITS32HEX LEVELS_BITS64HEX -> E   (GridValues.exponent)
+ * rank NAME=NUMEL,... HEX -> OK SEQUENCE GRID NAME:K:DRAWN,...   (RankRequest.decode)
+ *                        ->  REJECT REASON
  * </pre>
  */
 public final class WireTool {
@@ -61,6 +63,26 @@ public final class WireTool {
                 float mean = Float.intBitsToFloat((int) Long.parseLong(parts[1], 16));
                 double levels = Double.longBitsToDouble(Long.parseUnsignedLong(parts[2], 16));
                 out.println(GridValues.exponent(mean, levels));
+            } else if (parts[0].equals("rank")) {
+                java.util.Map<String, Long> numels = new java.util.LinkedHashMap<>();
+                for (String item : parts[1].split(",")) {
+                    String[] kv = item.split("=");
+                    numels.put(kv[0], Long.parseLong(kv[1]));
+                }
+                try {
+                    RankRequest r = RankRequest.decode(WireCodecTest.unhex(
+                            parts.length > 2 ? parts[2] : ""), numels);
+                    StringBuilder sets = new StringBuilder();
+                    for (java.util.Map.Entry<String, Long> e : r.counts().entrySet()) {
+                        sets.append(sets.length() > 0 ? "," : "").append(e.getKey()).append(':')
+                                .append(e.getValue()).append(':')
+                                .append(r.explore().getOrDefault(e.getKey(), 0L));
+                    }
+                    out.println("OK " + Long.toUnsignedString(r.sequence()) + " "
+                            + (r.initialOnGrid() ? 1 : 0) + " " + sets);
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
             } else if (parts[0].equals("half")) {
                 float f = Float.intBitsToFloat((int) Long.parseLong(parts[1], 16));
                 out.println(String.format("%04x %04x", HalfFloats.floatToFloat16(f) & 0xFFFF,
