@@ -151,7 +151,7 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
      */
     private fun sharedSets(model: ExportedModel, state: PhoneState, task: FetchTaskReply,
                            global: Map<String, FloatArray>): Map<String, LongArray>? {
-        if (task.sharedMask.isEmpty) return null
+        if (task.sharedMask.isEmpty()) return null
         val bytes = task.sharedMask.toByteArray()
         check(RankRequest.isRankRequest(bytes)) {
             "task ${task.taskId} sends index sets (FGCM), which this app does not decode"
