@@ -279,11 +279,11 @@ def context_patches() -> list[dict]:
     from fedgc.patching import ProtocolError, apply_patch
 
     # "x": a version 0 tensor the model does not hold
-    origin = {"w": floats(1000, 37, 211, 0.2), "b": floats(6, 1, 5, 1.0), "x": floats(3, 1, 2, 1)}
+    origin = {"w": floats(120, 37, 211, 0.2), "b": floats(6, 1, 5, 1.0), "x": floats(3, 1, 2, 1)}
     held = {"w": origin["w"].copy(), "b": origin["b"].copy()}
-    held["w"][::4] += floats(250, 13, 29, 0.05)
-    changed = torch.tensor([0, 1, 4, 8, 12, 100, 101, 500, 999], dtype=torch.int64)
-    new_w = SparseTensor(changed, torch.from_numpy(floats(9, 5, 11, 0.3)), (1000,))
+    held["w"][::4] += floats(30, 13, 29, 0.05)
+    changed = torch.tensor([0, 1, 4, 8, 12, 60, 61, 100, 119], dtype=torch.int64)
+    new_w = SparseTensor(changed, torch.from_numpy(floats(9, 5, 11, 0.3)), (120,))
     order = context_patch.rank_order(torch.from_numpy(held["w"]), torch.from_numpy(origin["w"]))
     segments = context_patch.split("w", new_w, order)
     b_patch = SparseTensor(torch.tensor([2, 5]), torch.tensor([9.0, -9.0]), (6,))
@@ -329,7 +329,18 @@ def golden() -> dict:
             "context_patches": context_patches()}
 
 
+def text(doc: dict) -> str:
+    """The file's text: one case a line."""
+    def dump(value: object) -> str:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+    parts = [f" {dump(key)}: " + ("[\n" + ",\n".join(f"  {dump(c)}" for c in value) + "\n ]"
+                                  if isinstance(value, list) else dump(value))
+             for key, value in doc.items()]
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN_PATH
-    path.write_text(json.dumps(golden(), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    path.write_text(text(golden()), encoding="utf-8")
     print(f"wrote {path}", file=sys.stderr)
