@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 import struct
 import subprocess
 import zlib
@@ -23,7 +22,6 @@ from dgc import DecodeError, DGCCompressor, DGCConfig, SparseTensor, SparseUpdat
 from dgc.wire import MAX_NUMEL, EncodeError, tensor_codings
 
 ROOT = Path(__file__).resolve().parents[1]
-JAVA_DIR = ROOT / "android_bridge" / "java"
 GOLDEN = ROOT / "tests" / "golden" / "wire_v1.json"
 RAW_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 CODINGS = ["auto", "golomb", "bitmap", "raw"]
@@ -57,22 +55,6 @@ def python_reason(message: str) -> str:
         if re.search(pattern, message):
             return reason
     raise AssertionError(f"unclassified dgc.decode message: {message}")
-
-
-@pytest.fixture(scope="module")
-def java_classpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The codec, its test driver and line tool, compiled by javac 17 into a temporary folder."""
-    javac, java = shutil.which("javac"), shutil.which("java")
-    if javac is None or java is None:
-        pytest.skip("javac/java not on PATH: the Java codec cannot be compiled here")
-    out = tmp_path_factory.mktemp("java-classes")
-    sources = sorted(str(p) for p in JAVA_DIR.glob("src/**/*.java"))
-    assert sources, f"no Java sources under {JAVA_DIR}"
-    done = subprocess.run([javac, "--release", "17", "-encoding", "UTF-8", "-Xlint:all",
-                           "-Werror", "-d", str(out), *sources],
-                          capture_output=True, text=True, timeout=JVM_TIMEOUT_S)
-    assert done.returncode == 0, f"javac failed:\n{done.stdout}\n{done.stderr}"
-    return out
 
 
 def run_tool(classpath: Path, lines: list[str]) -> list[str]:
