@@ -64,7 +64,8 @@ def test_a_secure_deployment_with_distributed_noise_survives_a_node_killed_betwe
     received = re.compile(r"\[RUN \d+, ROUND 1\]\s*\n.*Receiving: train message")
     deadline = time.monotonic() + 400
     # The train message is stage 2's request; the ClientApp then starts, trains and masks
-    # (seconds): killed on its receipt, the node sends no masked vector.
+    # (seconds): killed as its SuperNode logs the message's receipt, the node sends no masked
+    # vector (nor, on 2026-12-07, had it pulled the message's content yet).
     while not received.search(node.log_text(since_start=False)):
         assert time.monotonic() < deadline, "node 3 never received round 1's train message"
         time.sleep(0.05)
@@ -81,21 +82,20 @@ def test_a_secure_deployment_with_distributed_noise_survives_a_node_killed_betwe
     assert [int(r["round"]) for r in rounds] == [1, 2]
     assert all(float(r["dp_epsilon"]) > 0 for r in rounds)
     # Round 1: four in the session; the killed node's masked vector never came, so it dropped
-    # at stage 2 and the 3 survivors' vectors were summed, its masks rebuilt from their shares.
-    # (A test process starved past the node's training would kill it after its vector: then it
-    # is in the sum and drops before the unmasking, its self mask rebuilt instead.)
-    assert [int(r["secagg_clients"]) for r in rounds] == [4, 3]
-    assert int(rounds[0]["secagg_dropped"]) == 1, rounds[0]
+    # at stage 2 and the 3 survivors' vectors were summed, its pairwise masks taken out with its
+    # mask key rebuilt from their shares. A test process starved past the node's training would
+    # kill it after its vector (seconds later: not seen here); then only the round's completion
+    # and round 2 are checked, not the stage it left at.
+    assert [int(r["clients_sampled"]) for r in rounds] == [4, 3]
+    assert [int(r["secagg_clients"]) for r in rounds] == [3, 3]  # the vectors summed
     assert int(rounds[0]["clients_aggregated"]) == 3
     summed = re.findall(r"Secure sum of (\d+) clients .*; dropped: (\{.*\})", run.result.log)
     assert [int(n) for n, _ in summed] == [3, 3], summed
-    if status[(1, KILLED)] == "aggregated":  # killed after its vector (see above)
-        dropped_at = "unmask"
-        assert summed[0][1] == "{}", summed
-    else:
-        dropped_at = "masked vector"
-        assert f"{KILLED}: 'masked vector: no reply'" in summed[0][1], summed
-        assert status[(1, KILLED)] in ("error", "timeout"), clients
+    # Its train reply: the SuperLink's "Node Unavailable" error, or none by the deadline.
+    killed_before_its_vector = status[(1, KILLED)] in ("error", "timeout")
+    if killed_before_its_vector:
+        assert summed[0][1] == f"{{{KILLED}: 'masked vector: no reply'}}", summed
+        assert int(rounds[0]["secagg_dropped"]) == 1, rounds[0]
     # Round 2 without it: the three left, every one summed, none dropped.
     assert (2, KILLED) not in status
     assert [status[(2, k)] for k in range(3)] == ["aggregated"] * 3
@@ -108,11 +108,9 @@ def test_a_secure_deployment_with_distributed_noise_survives_a_node_killed_betwe
     stages = ledger["secagg_stages"]
     # Each stage a request and a reply per node in it: round 1 four nodes (the killed one sends
     # no masked vector, and is asked nothing at the unmasking), round 2 three.
-    expected = ({"setup": 14, "share_keys": 14, "masked_vector": 13, "unmask": 12}
-                if dropped_at == "masked vector" else
-                {"setup": 14, "share_keys": 14, "masked_vector": 14, "unmask": 13})
-    assert {s: stages[s]["messages"] for s in expected} == expected, stages
-    for stage in expected:
+    counts = {s: stages[s]["messages"] for s in ("setup", "share_keys", "masked_vector",
+                                                 "unmask")}
+    for stage in counts:
         for d in ("up", "down"):
             assert stages[stage]["bytes"][d]["payload"] > 0
     own = {d: sum(sum(stages[s]["bytes"][d].values()) for s in ("setup", "share_keys",
@@ -120,10 +118,22 @@ def test_a_secure_deployment_with_distributed_noise_survives_a_node_killed_betwe
            for d in ("up", "down")}
     assert stages["exchange_bytes"] == own
     # The stages' payload on the wire is what the server counted: the setup, share-keys and
-    # unmask messages both ways and the forwarded shares in the train messages (the killed
-    # node's too: it had pulled its train message).
+    # unmask messages both ways and the forwarded shares in the train messages, less the
+    # killed node's train message when it died before pulling its content (Flower's SuperNode
+    # logs a message on receiving its metadata and pulls its objects afterwards: seen on
+    # 2026-12-07, one RPC of 2 kB on its link and no content).
     payload = sum(stages[s]["bytes"][d]["payload"] for s in ("setup", "share_keys", "unmask")
                   for d in ("up", "down"))
     forwarded = (stages["masked_vector"]["bytes"]["down"]["payload"]
                  - ledger["payload_clients_csv"]["down"])
-    assert payload + forwarded == sum(int(r["secagg_overhead_bytes"]) for r in rounds)
+    counted = sum(int(r["secagg_overhead_bytes"]) for r in rounds)
+    if killed_before_its_vector:
+        # Each stage a request and a reply per node in it: round 1 four nodes (the killed one
+        # sends no masked vector and is asked nothing at the unmasking), round 2 three.
+        assert counts["setup"] == counts["share_keys"] == 14 and counts["unmask"] == 12, counts
+        pulled = counts["masked_vector"] - 12  # whether its train message crossed the link
+        assert pulled in (0, 1), counts
+        request = next(int(r["secagg_collect_masked_vectors_bytes"]) for r in clients
+                       if (int(r["round"]), int(r["client_key"])) == (1, KILLED))
+        assert request > 0
+        assert payload + forwarded == counted - (0 if pulled else request)
