@@ -121,19 +121,21 @@ def test_a_secure_deployment_with_distributed_noise_survives_a_node_killed_betwe
     # unmask messages both ways and the forwarded shares in the train messages, less the
     # killed node's train message when it died before pulling its content (Flower's SuperNode
     # logs a message on receiving its metadata and pulls its objects afterwards: seen on
-    # 2026-12-07, one RPC of 2 kB on its link and no content).
+    # 2026-12-07, one RPC of 2 kB on its link and no content). clients.csv counts that
+    # message's model patch as sent: the ledger's payload_clients_csv holds it.
     payload = sum(stages[s]["bytes"][d]["payload"] for s in ("setup", "share_keys", "unmask")
                   for d in ("up", "down"))
-    forwarded = (stages["masked_vector"]["bytes"]["down"]["payload"]
-                 - ledger["payload_clients_csv"]["down"])
     counted = sum(int(r["secagg_overhead_bytes"]) for r in rounds)
+    killed = next(r for r in clients if (int(r["round"]), int(r["client_key"])) == (1, KILLED))
     if killed_before_its_vector:
         # Each stage a request and a reply per node in it: round 1 four nodes (the killed one
         # sends no masked vector and is asked nothing at the unmasking), round 2 three.
         assert counts["setup"] == counts["share_keys"] == 14 and counts["unmask"] == 12, counts
         pulled = counts["masked_vector"] - 12  # whether its train message crossed the link
         assert pulled in (0, 1), counts
-        request = next(int(r["secagg_collect_masked_vectors_bytes"]) for r in clients
-                       if (int(r["round"]), int(r["client_key"])) == (1, KILLED))
-        assert request > 0
+        request = int(killed["secagg_collect_masked_vectors_bytes"])
+        patch = int(killed["downlink_bytes"])
+        assert request > 0 and patch > 0
+        forwarded = (stages["masked_vector"]["bytes"]["down"]["payload"]
+                     - (ledger["payload_clients_csv"]["down"] - (0 if pulled else patch)))
         assert payload + forwarded == counted - (0 if pulled else request)
