@@ -60,7 +60,8 @@ arm: $(STAMP)
 # every lane are listed last, so that a log's tail names them; the target fails if any lane failed.
 # FEDGC_ARM_REQUIRED: tests/test_arm.py and test_deploy_phones.py's emulated phone fail (instead
 # of skipping) without the arm64 rootfs; the rootfs is only read, by both lanes.
-ARM_LANE := tests/test_android_walkthrough.py tests/test_android_export.py tests/test_arm.py \
+ARM_LANE := tests/test_android_walkthrough.py tests/test_android_export.py tests/test_android_java.py \
+  tests/test_arm.py \
   tests/test_bridge.py tests/test_bridge_control.py tests/test_bridge_federation.py
 DEPLOY_LANE := $(sort $(wildcard tests/test_deploy_*.py)) tests/test_wire_capture.py \
   tests/test_phone_parity.py

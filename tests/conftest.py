@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -78,6 +79,25 @@ def bridge_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("bridge-export")
     export_all("digits", out, EXPORT_CONFIG, batch_size=BATCH, max_numel=2**15)
+    return out
+
+
+@pytest.fixture(scope="session")
+def java_classpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Java codec of ``android_bridge/java`` with its test drivers and line tool, compiled
+    by javac 17 once per session (tens of CPU seconds) for ``test_java_codec.py`` and
+    ``test_android_java.py``; skips where no JDK is installed."""
+    javac, java = shutil.which("javac"), shutil.which("java")
+    if javac is None or java is None:
+        pytest.skip("javac/java not on PATH: the Java codec cannot be compiled here")
+    out = tmp_path_factory.mktemp("java-classes")
+    root = Path(__file__).resolve().parents[1] / "android_bridge" / "java"
+    sources = sorted(str(p) for p in root.glob("src/**/*.java"))
+    assert sources, f"no Java sources under {root}"
+    done = subprocess.run([javac, "--release", "17", "-encoding", "UTF-8", "-Xlint:all",
+                           "-Werror", "-d", str(out), *sources],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"javac failed:\n{done.stdout}\n{done.stderr}"
     return out
 
 

@@ -46,7 +46,11 @@ public final class DecodeException extends Exception {
         NON_FINITE_VALUE,
         /** A sign-coded value section whose scale is zero or negative, or whose padding after
          *  the last sign bit is not zero. */
-        BAD_VALUE_SECTION
+        BAD_VALUE_SECTION,
+        /** A rank request ({@link RankRequest}) whose set does not fit the model: a tensor the
+         *  model lacks or of another size, a count of 0 or above its size, more entries drawn
+         *  at random than the set holds. */
+        BAD_RANKED_SET
     }
 
     private final Reason reason;

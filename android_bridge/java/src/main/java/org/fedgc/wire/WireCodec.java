@@ -65,12 +65,26 @@ public final class WireCodec {
      *     sparse tensor, {@code RAW} beyond 2^32 entries, or a message too large for a byte array
      */
     public static byte[] encode(SparseUpdate update, IndexCoding coding) {
+        return encode(update, coding, false);
+    }
+
+    /**
+     * The wire bytes of {@code update}; with {@code gridCoding}, a float32 tensor whose values
+     * all sit on a power-of-two int8 grid (at least two of them) goes grid-coded (value dtype
+     * 64, or 65 when its Rice-coded section is smaller; WIRE_FORMAT.md section 5), byte for byte
+     * {@code dgc.encode(update, index_coding, grid_coding=True)}: what a phone sends under
+     * {@code dgc.value_levels} and {@code dgc.shared_values = grid}.
+     *
+     * @throws EncodeException as {@link #encode(SparseUpdate, IndexCoding)}
+     */
+    public static byte[] encode(SparseUpdate update, IndexCoding coding, boolean gridCoding) {
         if (update == null || coding == null) {
             throw new EncodeException("encode takes a SparseUpdate and an IndexCoding, got null");
         }
         List<byte[]> names = new ArrayList<>();
         List<byte[]> sections = new ArrayList<>();
         List<IndexCoding> codings = new ArrayList<>();
+        List<GridValues.Section> grids = new ArrayList<>();
         long total = EMPTY_MESSAGE_BYTES;
         CharsetEncoder utf8 = StandardCharsets.UTF_8.newEncoder()
                 .onMalformedInput(CodingErrorAction.REPORT)
@@ -94,8 +108,11 @@ public final class WireCodec {
             names.add(nameUtf8);
             sections.add(section);
             codings.add(chosen);
+            GridValues.Section grid = gridCoding && t.dtype() == ValueDtype.FLOAT32
+                    ? GridValues.section(t.float32Bits()) : null;
+            grids.add(grid);
             total += 2 + nameUtf8.length + 1 + 8L * t.shape().length + 18 + section.length
-                    + (long) t.nnz() * t.dtype().sizeBytes;
+                    + (grid != null ? grid.bytes.length : (long) t.nnz() * t.dtype().sizeBytes);
             if (total > MAX_MESSAGE_BYTES) {
                 throw new EncodeException("update needs more than " + MAX_MESSAGE_BYTES
                         + " bytes (at tensor '" + name + "'), beyond a Java byte array");
@@ -113,8 +130,15 @@ public final class WireCodec {
             for (long d : shape) {
                 out.putLong(d);
             }
-            out.putLong(t.nnz()).put((byte) codings.get(k).wireId).put((byte) t.dtype().wireId)
+            GridValues.Section grid = grids.get(k);
+            out.putLong(t.nnz()).put((byte) codings.get(k).wireId)
+                    .put((byte) (grid != null ? grid.dtypeId : t.dtype().wireId))
                     .putLong(section.length).put(section);
+            if (grid != null) {
+                out.put(grid.bytes);
+                k++;
+                continue;
+            }
             for (int i = 0; i < t.nnz(); i++) {
                 if (t.dtype() == ValueDtype.FLOAT32) {
                     out.putInt(t.rawBits(i));

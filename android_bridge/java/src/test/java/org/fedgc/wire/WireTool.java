@@ -14,6 +14,11 @@ import java.nio.charset.StandardCharsets;
  * signs MAXNUMEL HEX ->  OK HEX2           (HEX2 = SignsCodec.encode(SignsCodec.decode(HEX)))
  *                    ->  REJECT REASON
  * half BITS32HEX     ->  F16HEX BF16HEX    (HalfFloats.floatToFloat16 / floatToBfloat16)
+ * grid LEVELS HEX    ->  OK HEX2 HEX3      (GridValues.valuesOnGrid of decode(HEX): the rounded
+ *                                          update grid-coded, the rounding plain)
+ * exponent MEAN_BITS32HEX LEVELS_BITS64HEX -> E   (GridValues.exponent)
+ * rank NAME=NUMEL,... HEX -> OK SEQUENCE GRID NAME:K:DRAWN,...   (RankRequest.decode)
+ *                        ->  REJECT REASON
  * </pre>
  */
 public final class WireTool {
@@ -41,6 +46,40 @@ public final class WireTool {
                 try {
                     SignsUpdate u = SignsCodec.decode(data, Long.parseLong(parts[1]));
                     out.println("OK " + WireCodecTest.hex(SignsCodec.encode(u)));
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("grid")) {
+                try {
+                    SparseUpdate[] split = GridValues.valuesOnGrid(WireCodec.decode(
+                            WireCodecTest.unhex(parts[2])), Double.parseDouble(parts[1]));
+                    out.println("OK " + WireCodecTest.hex(WireCodec.encode(split[0],
+                            IndexCoding.AUTO, true)) + " "
+                            + WireCodecTest.hex(WireCodec.encode(split[1])));
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("exponent")) {
+                float mean = Float.intBitsToFloat((int) Long.parseLong(parts[1], 16));
+                double levels = Double.longBitsToDouble(Long.parseUnsignedLong(parts[2], 16));
+                out.println(GridValues.exponent(mean, levels));
+            } else if (parts[0].equals("rank")) {
+                java.util.Map<String, Long> numels = new java.util.LinkedHashMap<>();
+                for (String item : parts[1].split(",")) {
+                    String[] kv = item.split("=");
+                    numels.put(kv[0], Long.parseLong(kv[1]));
+                }
+                try {
+                    RankRequest r = RankRequest.decode(WireCodecTest.unhex(
+                            parts.length > 2 ? parts[2] : ""), numels);
+                    StringBuilder sets = new StringBuilder();
+                    for (java.util.Map.Entry<String, Long> e : r.counts().entrySet()) {
+                        sets.append(sets.length() > 0 ? "," : "").append(e.getKey()).append(':')
+                                .append(e.getValue()).append(':')
+                                .append(r.explore().getOrDefault(e.getKey(), 0L));
+                    }
+                    out.println("OK " + Long.toUnsignedString(r.sequence()) + " "
+                            + (r.initialOnGrid() ? 1 : 0) + " " + sets);
                 } catch (DecodeException e) {
                     out.println("REJECT " + e.reason());
                 }

@@ -72,13 +72,14 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
                 .addAllInitialModelSha256(initialModelSha256).build())
 
     /**
-     * Send [data] for [task] from offset 0; after a cut stream, ask QueryUpload where the bridge
+     * Send [data] for [task] from offset 0 (its last [sideBytes] what the round's shared sets
+     * send, UploadChunk.side_bytes); after a cut stream, ask QueryUpload where the bridge
      * stands and continue from that offset (the same upload id and digest in every chunk).
      * Returns the offset each stream started at and the last status the bridge gave (its state
      * is final when the stream's answer said so: no Ack needed then).
      */
     fun upload(task: FetchTaskReply, uploadId: String, data: ByteArray, metricsJson: String,
-               maxStreams: Int = 8): Pair<List<Long>, UploadStatus?> {
+               maxStreams: Int = 8, sideBytes: Int = 0): Pair<List<Long>, UploadStatus?> {
         val digest = MessageDigest.getInstance("SHA-256").digest(data).joinToString("") { "%02x".format(it) }
         val chunkBytes = if (task.maxChunkBytes > 0) task.maxChunkBytes.toInt() else 64 * 1024
         val starts = ArrayList<Long>()
@@ -91,7 +92,8 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
                 offset = status.receivedBytes
             }
             starts.add(offset)
-            val status = stream(task, uploadId, data, digest, metricsJson, offset.toInt(), chunkBytes)
+            val status = stream(task, uploadId, data, digest, metricsJson, offset.toInt(), chunkBytes,
+                sideBytes)
             if (status?.complete == true) return Pair(starts, status)
         }
         throw UploadIncomplete(uploadId, maxStreams)
@@ -99,7 +101,7 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
 
     /** One client stream from [start]; the bridge's answer (null when the link dropped). */
     private fun stream(task: FetchTaskReply, uploadId: String, data: ByteArray, digest: String,
-                       metricsJson: String, start: Int, chunkBytes: Int): UploadStatus? {
+                       metricsJson: String, start: Int, chunkBytes: Int, sideBytes: Int): UploadStatus? {
         val done = CountDownLatch(1)
         var result: UploadStatus? = null
         val responses = object : StreamObserver<UploadStatus> {
@@ -118,7 +120,8 @@ class BridgeClient(host: String, port: Int, useTls: Boolean) : AutoCloseable {
                 requests.onNext(UploadChunk.newBuilder().setTaskId(task.taskId)
                     .setUploadId(uploadId).setOffset(offset.toLong())
                     .setData(ByteString.copyFrom(data, offset, end - offset))
-                    .setTotalBytes(data.size.toLong()).setSha256(digest).setMetricsJson(metricsJson).build())
+                    .setTotalBytes(data.size.toLong()).setSha256(digest).setMetricsJson(metricsJson)
+                    .setSideBytes(sideBytes.toLong()).build())
                 offset = end
             }
             requests.onCompleted()

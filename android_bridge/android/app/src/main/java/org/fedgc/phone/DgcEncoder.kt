@@ -33,6 +33,9 @@ class DgcEncoder(private val model: ExportedModel) {
     private val started = HashSet<String>()
     var settings: DgcSettings = model.dgc
         private set
+    /** Compress calls so far: 0 before the first (a simulated client holds no residual then). */
+    var steps: Int = 0
+        private set
 
     init {
         for (p in model.parameters) {
@@ -115,6 +118,7 @@ class DgcEncoder(private val model: ExportedModel) {
         u.putAll(newU)
         v.putAll(newV)
         if (model.dgcJson.optBoolean("momentum_correction")) started.addAll(newU.keys)
+        steps++
         return SparseUpdate(out, sequence)
     }
 
@@ -163,6 +167,13 @@ class DgcEncoder(private val model: ExportedModel) {
             for (i in 0 until t.nnz()) residual[t.index(i).toInt()] += t.value(i)
         }
     }
+
+    /**
+     * The residual v per parameter (zero padded to a multiple of [BLOCK]), live: the host steps
+     * of dgc_sets take the round's shared sets out of it (org.fedgc.wire.GridValues.takeValues,
+     * SetsFirst), as android_bridge.runtime.PteEncoder.residual() serves the reference phone.
+     */
+    fun residual(): Map<String, FloatArray> = v
 
     private fun flat(a: FloatArray) = EValue.from(Tensor.fromBlob(a, longArrayOf(a.size.toLong())))
 

@@ -5,7 +5,15 @@ import android.content.Context
 import androidx.work.Worker
 import androidx.work.WorkerParameters
 import androidx.work.workDataOf
+import org.fedgc.bridge.v1.FetchTaskReply
 import org.fedgc.bridge.v1.ModelEncoding
+import org.fedgc.wire.ContextPatch
+import org.fedgc.wire.DisplacementRanking
+import org.fedgc.wire.GridValues
+import org.fedgc.wire.IndexCoding
+import org.fedgc.wire.RankRequest
+import org.fedgc.wire.SetsFirst
+import org.fedgc.wire.SparseTensor
 import org.fedgc.wire.SparseUpdate
 import org.fedgc.wire.WireCodec
 import org.json.JSONObject
@@ -17,6 +25,13 @@ import java.security.MessageDigest
  * rebuild the global model from the task's wire-format bytes, train with train_step.pte, form
  * the pseudo-gradient global - local, fold a never-aggregated previous update back into the
  * residual, compress with encoder.pte, WireCodec.encode, and upload with resumption.
+ *
+ * dgc_sets' host steps (docs/android.md, "What dgc_sets needs on a phone"), through the Java
+ * codec's org.fedgc.wire classes, in encoder_round's order: the round's sets derived from a rank
+ * request (DisplacementRanking), the sets first (SetsFirst), the top-k's values on the grid
+ * (GridValues.valuesOnGrid) written grid-coded, the residual at the sets sent as grid values
+ * (GridValues.takeValues, encodeValues), a ranked patch joined (ContextPatch). Never compiled:
+ * see ../README.md. A task that answers its sets with signs, or sends an FGCM mask, is refused.
  */
 class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, params) {
 
@@ -51,8 +66,14 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             check(batch == model.batchSize) {
                 "task asks for batch_size $batch, the exported training step has ${model.batchSize}"
             }
-            val global = globalModel(model, state, task.encoding, task.baseVersion, task.baseSha256,
-                task.modelBytes.toByteArray())
+            val values = config.optJSONObject("values") ?: JSONObject()
+            val levels = values.optDouble("levels", 0.0)
+            val sharedLevels = values.optDouble("shared_levels", 0.0)
+            val global = globalModel(model, state, task)
+            val sets = sharedSets(model, state, task, global)
+            check(sets == null || sharedLevels > 0) {
+                "task ${task.taskId} answers its shared sets with signs, which this app does not send"
+            }
 
             state.trainer.setParameters(global)
             // local_steps 0 (a default run) means local_epochs passes over the phone's data.
@@ -68,9 +89,37 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             }
             val pending = state.pending
             val restored = pending != null && pending.sequence() != task.ackSequence
-            if (restored) state.encoder.restore(pending!!)
-            val update = state.encoder.compress(pseudoGradient, (task.serverRound - 1).toDouble(), task.sequence)
-            val data = WireCodec.encode(update)
+            if (restored) {
+                // As client.state.fold_back_pending: the update, then what the sets sent.
+                state.encoder.restore(pending!!)
+                state.pendingShared?.let { state.encoder.restore(it) }
+            }
+            // The sets first (dgc.shared_first): the pseudo-gradient at the sets leaves with the
+            // residual there; the encoder gets it zeroed there.
+            val first = if (sets != null && values.optBoolean("first")) SetsFirst.split(pseudoGradient,
+                state.encoder.residual(), sets, state.encoder.steps > 0, sharedLevels, task.sequence) else null
+            var update = state.encoder.compress(first?.gradients ?: pseudoGradient,
+                (task.serverRound - 1).toDouble(), task.sequence)
+            first?.remainder?.let { state.encoder.restore(it) }
+            if (levels > 0) {  // dgc.value_levels: the top-k's values on the grid, the rounding kept
+                val (rounded, error) = GridValues.valuesOnGrid(update, levels)
+                update = rounded
+                state.encoder.restore(error)
+            }
+            var data = WireCodec.encode(update, IndexCoding.AUTO, levels > 0)
+            var sideBytes = 0
+            state.pendingShared = null
+            if (sets != null) {
+                val sent = first?.sent ?: sets.mapValues { (name, set) ->
+                    GridValues.takeValues(state.encoder.residual().getValue(name), set, sharedLevels)
+                }
+                val side = GridValues.encodeValues(sent, task.sequence)
+                state.pendingShared = SparseUpdate(sent.mapValues { (name, v) ->
+                    SparseTensor.ofFloat32(longArrayOf(global.getValue(name).size.toLong()), sets.getValue(name), v)
+                }, task.sequence)
+                data += side
+                sideBytes = side.size
+            }
             state.pending = update
             state.model = global
             state.modelVersion = task.modelVersion
@@ -78,7 +127,7 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
             val metrics = JSONObject().put("num-examples", LocalData.size(applicationContext))
                 .put("train_loss", losses.average()).put("restored", if (restored) 1 else 0).toString()
             val uploadId = "$deviceId-${task.taskId}"
-            val (starts, status) = bridge.upload(task, uploadId, data, metrics)
+            val (starts, status) = bridge.upload(task, uploadId, data, metrics, sideBytes = sideBytes)
             // The stream's answer carries the final state; ask Ack only when it did not.
             val ackState = status?.takeIf { it.complete }?.stateValue ?: bridge.ack(uploadId).stateValue
             return Result.success(workDataOf("uplink_bytes" to data.size, "streams" to starts.size,
@@ -86,24 +135,50 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
         }
     }
 
+    /** Version 0 in the form [digest] names (as the export built it, or on the int8 grid). */
+    private fun version0(model: ExportedModel, state: PhoneState, digest: String): Map<String, FloatArray> {
+        val initial = checkNotNull(state.initial) { "version 0 $digest asked of an export that holds none" }
+        return when (digest) {
+            model.initialSha256["sha256"] -> initial
+            model.initialSha256["int8_grid_sha256"] -> Int8Grid.roundInitial(initial, model.parameters)
+            else -> error("version 0 $digest, which this phone's export does not build (export it with the run's task and seed)")
+        }
+    }
+
+    /**
+     * The round's shared sets: derived from the model the round trains on and version 0 when the
+     * task's shared_mask is a rank request (dgc.shared_rank = displacement); null without one.
+     */
+    private fun sharedSets(model: ExportedModel, state: PhoneState, task: FetchTaskReply,
+                           global: Map<String, FloatArray>): Map<String, LongArray>? {
+        if (task.sharedMask.isEmpty()) return null
+        val bytes = task.sharedMask.toByteArray()
+        check(RankRequest.isRankRequest(bytes)) {
+            "task ${task.taskId} sends index sets (FGCM), which this app does not decode"
+        }
+        val request = RankRequest.decode(bytes, model.parameters.associate { it.name to it.numel })
+        return DisplacementRanking.sets(request, global, version0(model, state, task.initialSha256))
+    }
+
     /** The dense global model from a DENSE task, or the held model patched by a SPARSE_PATCH. */
-    private fun globalModel(model: ExportedModel, state: PhoneState, encoding: ModelEncoding,
-                            baseVersion: Long, baseSha256: String, bytes: ByteArray): Map<String, FloatArray> {
-        val update: SparseUpdate = WireCodec.decode(bytes, model.parameters.maxOf { it.numel })
-        if (encoding == ModelEncoding.SPARSE_PATCH) {
-            val initial = state.initial
-            val held = if (state.model == null && baseVersion == 0L && baseSha256.isNotEmpty() && initial != null) {
+    private fun globalModel(model: ExportedModel, state: PhoneState, task: FetchTaskReply): Map<String, FloatArray> {
+        val update: SparseUpdate = WireCodec.decode(task.modelBytes.toByteArray(), model.parameters.maxOf { it.numel })
+        if (task.encoding == ModelEncoding.SPARSE_PATCH) {
+            val held = if (state.model == null && task.baseVersion == 0L && task.baseSha256.isNotEmpty() && state.initial != null) {
                 // The first task, a patch on version 0: the export's own, in the form the bridge named.
-                when (baseSha256) {
-                    model.initialSha256["sha256"] -> initial
-                    model.initialSha256["int8_grid_sha256"] -> Int8Grid.roundInitial(initial, model.parameters)
-                    else -> error("patch on version 0 $baseSha256, which this phone's export does not build")
-                }
+                version0(model, state, task.baseSha256)
             } else {
-                check(state.model != null && state.modelVersion == baseVersion) {
-                    "patch on version $baseVersion, phone holds ${state.modelVersion}"
+                check(state.model != null && state.modelVersion == task.baseVersion) {
+                    "patch on version ${task.baseVersion}, phone holds ${state.modelVersion}"
                 }
                 state.model!!
+            }
+            if (task.patchContextCount > 0) {
+                // downlink_context: segments of the held model's ranking against version 0.
+                val origin = version0(model, state, task.initialSha256)
+                return ContextPatch.apply(held, update, task.patchContextList.associateWith { name ->
+                    origin[name] ?: error("patch_context names '$name', which version 0 lacks")
+                })
             }
             val patched = held.mapValues { it.value.copyOf() }
             for ((name, t) in update.tensors()) {
@@ -132,6 +207,8 @@ class PhoneState private constructor(model: ExportedModel) {
     /** Version 0 as train_step.pte bakes it, read before any task overwrites it (null: an old export). */
     val initial: Map<String, FloatArray>? = if (model.initialSha256.isEmpty()) null else trainer.parameters()
     var pending: SparseUpdate? = null
+    /** What the round's shared sets sent beside [pending], folded back with it. */
+    var pendingShared: SparseUpdate? = null
     var model: Map<String, FloatArray>? = null
     var modelVersion: Long = -1
     var configJson: String = ""
