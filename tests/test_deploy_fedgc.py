@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from client.state import ClientStateStore
+from server.checkpoint import load_checkpoint
 from simulations.deploy.cli import main
 from simulations.deploy.cluster import Deployment
 from simulations.deploy.fedgc_run import deploy_run_config, finish_fedgc, submit_fedgc
@@ -259,24 +260,57 @@ def test_supernode_crash_and_an_intermittent_link_lose_no_update(
     assert sum(s.aborted_by_outage for s in stats) >= 1  # connections really were dropped
 
 
-def test_async_runs_through_flowers_grpc_grid_on_shaped_links(
+def test_async_runs_through_flowers_grpc_grid_and_resumes_after_a_killed_serverapp(
     deployment: Callable[..., Deployment], tmp_path: Path
 ) -> None:
     """Issue 37: ``mode = async`` in a deployment: the loop pushes and pulls through the
-    SuperLink's gRPC grid (TLS), two SuperNodes behind LTE links train at once, a step per reply."""
+    SuperLink's gRPC grid (TLS), two SuperNodes behind LTE links train at once, a step per reply.
+    The ServerApp is SIGKILLed after a step and resumed (``resume = true``) in the same
+    deployment: the dispatch in flight at its checkpoint is sent again, and the run ends with
+    every step applied once (docs/async.md, "Checkpoint and resume")."""
     dep = deployment(nodes=2, link=preset("lte"), tls=True)
+    steps = 3
     config = deploy_run_config(
-        {**BASE, "mode": "async", "async.concurrency": 2, "async.buffer": 1,
+        {**BASE, "rounds": steps, "mode": "async", "async.concurrency": 2, "async.buffer": 1,
          "results_dir": str(tmp_path / "r"), "run_name": "async"}, 2
     )
-    run = finish_fedgc(dep, config, submit_fedgc(dep, config), 600)
+    run_id = submit_fedgc(dep, config)
+    # Three steps: the first two may come at once (both nodes trained on version 0), the third
+    # needs a dispatch made after a step, a whole ClientApp's start-up and training later.
+    _wait_for(lambda: _rounds_done(config.run_dir) >= 1, 400, "step 1 of the async run",
+              poll_s=0.05)
+    assert dep.kill_serverapp() == 1, "the run ended before the test could kill its ServerApp"
+    dep.stop_run(run_id)
+    # The checkpoint is written before rounds.csv: it may be one step ahead of the rows read.
+    saved = load_checkpoint(config.run_dir)
+    assert saved is not None
+    at = int(saved["completed_rounds"])
+    assert 1 <= at < steps, at
+    # C = 2, K = 1: after a step one client is free, the other's dispatch is in flight.
+    in_flight = [(int(d["key"]), int(d["sequence"])) for d in saved["async_loop"]["dispatches"]]
+    assert len(in_flight) == 1, in_flight
+
+    logged = {i: len(node.log_text(since_start=False)) for i, node in dep.supernodes.items()}
+    resumed = config.with_overrides({"resume": True})
+    run = finish_fedgc(dep, resumed, submit_fedgc(dep, resumed, "1.0.1"), 600)
     assert run.result.ok, run.result.log[-3000:]
     assert "asynchronous (FedBuff)" in run.result.log
+    assert re.search(rf"Resumed from .* after round {at}\b", run.result.log)
+    [(key, sequence)] = in_flight
+    assert (f"sent again 1 dispatch(es) in flight at the checkpoint: client {key} "
+            f"(dispatch {sequence})") in run.result.log, run.result.log[-3000:]
+    # The node ids came back with the checkpoint: no identification query after the resume.
+    for i, node in dep.supernodes.items():
+        assert "Receiving: query message" not in node.log_text(since_start=False)[logged[i]:]
+    # Every step applied once, from one reply each; no reply lost to an error or applied twice
+    # (a re-sent dispatch its client had answered is answered with the same bytes, not trained
+    # again: client/app.py).
     rounds = _rows(config.run_dir / "rounds.csv")
-    assert [int(r["model_version"]) for r in rounds] == [1, 2]
+    assert [int(r["model_version"]) for r in rounds] == list(range(1, steps + 1))
     assert all(int(r["clients_aggregated"]) == 1 for r in rounds)
     clients = _rows(config.run_dir / "clients.csv")
-    assert [r["status"] for r in clients] == ["aggregated", "aggregated"], clients
-    # Both nodes trained at once: the second reply was trained on version 0, one step old.
-    assert sorted(int(r["staleness"]) for r in clients) == [0, 1]
-    assert {int(r["client_key"]) for r in clients} == {0, 1}
+    assert [(int(r["round"]), r["status"]) for r in clients] == [
+        (step, "aggregated") for step in range(1, steps + 1)], clients
+    assert {int(r["client_key"]) for r in clients} <= {0, 1}
+    assert int(clients[0]["staleness"]) == 0
+    assert run.summary["clients_aggregated"] == steps

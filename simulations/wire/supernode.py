@@ -10,7 +10,15 @@ from .http1 import parse_messages
 from .ledger import Attribution, attribute
 from .pcap import read_pcap
 from .tcp import DOWN, UP, connections
-from .tls import client_random, decrypt_connection, looks_like_tls, read_keylog
+from .tls import (
+    CHANGE_CIPHER_SPEC,
+    HANDSHAKE,
+    client_random,
+    decrypt_connection,
+    looks_like_tls,
+    read_keylog,
+    split_records,
+)
 
 
 def analyse_supernode(pcap: Path, keylog: Path | None = None) -> list[Attribution]:
@@ -20,7 +28,7 @@ def analyse_supernode(pcap: Path, keylog: Path | None = None) -> list[Attributio
     ------
     WireError
         The capture cannot be read, or it holds TLS and ``keylog`` is missing or lacks the
-        connection's secrets.
+        secrets of a connection whose handshake completed.
     """
     capture = read_pcap(pcap)
     secrets = read_keylog(keylog) if keylog is not None and Path(keylog).exists() else None
@@ -39,6 +47,12 @@ def analyse_supernode(pcap: Path, keylog: Path | None = None) -> list[Attributio
                 raise WireError(f"{where}: TLS traffic, but no key log "
                                 f"({keylog or 'none given'}); capture with the SuperNode's "
                                 f"TLS secrets (deploy --capture logs them)")
+            if random not in secrets and _handshake_only(up):
+                # The client never finished its handshake (a SuperNode killed during it: TLS
+                # libraries log a connection's secrets once it completes). No message crossed
+                # it; its bytes stay unattributed.
+                pending.append((conn, None, [], [], (0, 0)))
+                continue
             if random not in secrets:
                 raise WireError(f"{where}: the key log {keylog} has no secrets for client "
                                 f"random {random.hex() if random else '?'}")
@@ -64,6 +78,13 @@ def analyse_supernode(pcap: Path, keylog: Path | None = None) -> list[Attributio
         extra_down = sum(r.end - r.start for r in responses[len(requests):])
         out.append(attribute(conn, exchanges, tls, (rest[UP], rest[DOWN] + extra_down)))
     return out
+
+
+def _handshake_only(client_stream: bytes) -> bool:
+    """Whether a TLS client stream holds only cleartext handshake records: the client never
+    sent its (encrypted) Finished, so the connection carried no application data."""
+    records, _ = split_records(client_stream)
+    return all(r.outer_type in (HANDSHAKE, CHANGE_CIPHER_SPEC) for r in records)
 
 
 def _request_times(pending: list) -> list[list[float]]:
