@@ -75,6 +75,8 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # ... and a wider clip radius in a round whose gate left nobody out (a clean round's cost).
     "on_memory95_clean2": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
                            "clip_radius_clean": 2},
+    # The deployed default with a wider radius in rounds the gate left nobody out.
+    "on_clean2": {"robust": "on", "gate_reference": "trend", "clip_radius_clean": 2},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates
