@@ -2,14 +2,9 @@ package org.fedgc.wire;
 
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
-import java.nio.charset.CharacterCodingException;
-import java.nio.charset.CharsetDecoder;
-import java.nio.charset.CodingErrorAction;
-import java.nio.charset.StandardCharsets;
 import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.Map;
-import java.util.zip.CRC32;
 
 /**
  * A round's shared sets ranked by displacement ({@code dgc.shared_rank = displacement}): what the
@@ -86,8 +81,8 @@ public final class RankRequest {
     public static RankRequest decode(byte[] data, Map<String, Long> numels)
             throws DecodeException {
         if (data == null || data.length < PREAMBLE_BYTES + CRC_BYTES) {
-            throw truncated((data == null ? 0 : data.length) + " bytes, a rank request has at "
-                    + "least " + (PREAMBLE_BYTES + CRC_BYTES));
+            throw Frames.truncated((data == null ? 0 : data.length)
+                    + " bytes, a rank request has at least " + (PREAMBLE_BYTES + CRC_BYTES));
         }
         if (!isRankRequest(data)) {
             throw new DecodeException(DecodeException.Reason.BAD_MAGIC, "bad magic, expected "
@@ -101,40 +96,25 @@ public final class RankRequest {
         long sequence = in.getLong(5);
         long count = in.getInt(13) & 0xFFFFFFFFL;
         int end = data.length - CRC_BYTES;
-        CRC32 crc = new CRC32();
-        crc.update(data, 0, end);
-        long stored = in.getInt(end) & 0xFFFFFFFFL;
-        if (stored != crc.getValue()) {
-            throw new DecodeException(DecodeException.Reason.BAD_CHECKSUM, String.format(
-                    "bad checksum: stored 0x%08x, computed 0x%08x", stored, crc.getValue()));
-        }
+        Frames.checkCrc(in, data, end);
         int pos = PREAMBLE_BYTES;
-        need(pos, 1, end, "rank request flags");
+        Frames.need(pos, 1, end, "rank request flags");
         int flags = data[pos] & 0xFF;
         pos += 1;
         if ((flags & ~(1 | EXPLORE_BIT)) != 0) {
             throw new DecodeException(DecodeException.Reason.UNSUPPORTED_FLAGS, String.format(
                     "rank request flags 0x%x: only bits 0 and 1 are defined", flags));
         }
-        CharsetDecoder utf8 = StandardCharsets.UTF_8.newDecoder()
-                .onMalformedInput(CodingErrorAction.REPORT)
-                .onUnmappableCharacter(CodingErrorAction.REPORT);
         Map<String, Long> counts = new LinkedHashMap<>();
         Map<String, Long> explore = new LinkedHashMap<>();
         for (long t = 0; t < count; t++) {
-            need(pos, 2, end, "ranked set name length");
+            Frames.need(pos, 2, end, "ranked set name length");
             int nameLen = in.getShort(pos) & 0xFFFF;
             pos += 2;
-            need(pos, nameLen, end, "ranked set name");
-            String name;
-            try {
-                name = utf8.reset().decode(ByteBuffer.wrap(data, pos, nameLen)).toString();
-            } catch (CharacterCodingException ex) {
-                throw new DecodeException(DecodeException.Reason.BAD_UTF8,
-                        "ranked set name is not valid utf-8");
-            }
+            Frames.need(pos, nameLen, end, "ranked set name");
+            String name = Frames.name(data, pos, nameLen, "ranked set name");
             pos += nameLen;
-            need(pos, 16, end, "ranked set header of '" + name + "'");
+            Frames.need(pos, 16, end, "ranked set header of '" + name + "'");
             long numel = in.getLong(pos);
             long k = in.getLong(pos + 8);
             pos += 16;
@@ -155,7 +135,7 @@ public final class RankRequest {
             }
             counts.put(name, k);
             if ((flags & EXPLORE_BIT) != 0) {
-                need(pos, 8, end, "ranked set draw of '" + name + "'");
+                Frames.need(pos, 8, end, "ranked set draw of '" + name + "'");
                 long drawn = in.getLong(pos);
                 pos += 8;
                 if (Long.compareUnsigned(drawn, k) > 0) {
@@ -171,17 +151,6 @@ public final class RankRequest {
                     + "input: " + (end - pos) + " bytes after the last ranked set");
         }
         return new RankRequest(sequence, counts, (flags & 1) != 0, explore);
-    }
-
-    private static void need(int pos, long size, int end, String what) throws DecodeException {
-        if (pos + size > end) {
-            throw truncated(what + " needs " + size + " bytes at offset " + pos + ", only "
-                    + Math.max(end - pos, 0) + " left before the checksum");
-        }
-    }
-
-    private static DecodeException truncated(String detail) {
-        return new DecodeException(DecodeException.Reason.TRUNCATED, "truncated input: " + detail);
     }
 
     @Override

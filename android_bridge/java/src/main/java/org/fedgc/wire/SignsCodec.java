@@ -4,7 +4,6 @@ import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.CharBuffer;
 import java.nio.charset.CharacterCodingException;
-import java.nio.charset.CharsetDecoder;
 import java.nio.charset.CharsetEncoder;
 import java.nio.charset.CodingErrorAction;
 import java.nio.charset.StandardCharsets;
@@ -92,8 +91,8 @@ public final class SignsCodec {
      */
     public static SignsUpdate decode(byte[] data, long maxNumel) throws DecodeException {
         if (data == null || data.length < PREAMBLE_BYTES + CRC_BYTES) {
-            throw truncated((data == null ? 0 : data.length) + " bytes, a message has at least "
-                    + (PREAMBLE_BYTES + CRC_BYTES));
+            throw Frames.truncated((data == null ? 0 : data.length)
+                    + " bytes, a message has at least " + (PREAMBLE_BYTES + CRC_BYTES));
         }
         ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
         for (int i = 0; i < 4; i++) {
@@ -110,45 +109,31 @@ public final class SignsCodec {
         long count = in.getInt(13) & 0xFFFFFFFFL;
         int end = data.length - CRC_BYTES;
         if (count * MIN_RECORD_BYTES > end - PREAMBLE_BYTES) {
-            throw truncated(count + " tensors cannot fit in " + (end - PREAMBLE_BYTES) + " bytes");
+            throw Frames.truncated(count + " tensors cannot fit in " + (end - PREAMBLE_BYTES)
+                    + " bytes");
         }
-        CRC32 crc = new CRC32();
-        crc.update(data, 0, end);
-        long stored = in.getInt(end) & 0xFFFFFFFFL;
-        if (stored != crc.getValue()) {
-            throw new DecodeException(DecodeException.Reason.BAD_CHECKSUM, String.format(
-                    "bad checksum: stored 0x%08x, computed 0x%08x", stored, crc.getValue()));
-        }
+        Frames.checkCrc(in, data, end);
         long limit = Math.min(SparseTensor.MAX_NUMEL, maxNumel);
-        CharsetDecoder utf8 = StandardCharsets.UTF_8.newDecoder()
-                .onMalformedInput(CodingErrorAction.REPORT)
-                .onUnmappableCharacter(CodingErrorAction.REPORT);
         Map<String, SignsTensor> tensors = new LinkedHashMap<>();
         int pos = PREAMBLE_BYTES;
         for (long k = 0; k < count; k++) {
-            need(pos, 2, end, "tensor name length");
+            Frames.need(pos, 2, end, "tensor name length");
             int nameLen = in.getShort(pos) & 0xFFFF;
             pos += 2;
-            need(pos, nameLen, end, "tensor name");
-            String name;
-            try {
-                name = utf8.reset().decode(ByteBuffer.wrap(data, pos, nameLen)).toString();
-            } catch (CharacterCodingException ex) {
-                throw new DecodeException(DecodeException.Reason.BAD_UTF8,
-                        "tensor name is not valid utf-8");
-            }
+            Frames.need(pos, nameLen, end, "tensor name");
+            String name = Frames.name(data, pos, nameLen, "tensor name");
             pos += nameLen;
             if (tensors.containsKey(name)) {
                 throw new DecodeException(DecodeException.Reason.DUPLICATE_NAME,
                         "tensor '" + name + "' appears twice");
             }
-            need(pos, 1, end, "ndim of '" + name + "'");
+            Frames.need(pos, 1, end, "ndim of '" + name + "'");
             int ndim = data[pos] & 0xFF;
             pos += 1;
             long[] shape = new long[ndim];
             long numel = 1;
             for (int d = 0; d < ndim; d++) {
-                need(pos, 8, end, "dims of '" + name + "'");
+                Frames.need(pos, 8, end, "dims of '" + name + "'");
                 long dim = in.getLong(pos);
                 pos += 8;
                 // numel * dim > limit, exactly (limit <= 2^62, so the product never overflows
@@ -161,7 +146,7 @@ public final class SignsCodec {
                 shape[d] = dim;
                 numel *= dim;
             }
-            need(pos, 4, end, "scale of '" + name + "'");
+            Frames.need(pos, 4, end, "scale of '" + name + "'");
             int scaleBits = in.getInt(pos);
             pos += 4;
             if ((scaleBits & 0x7F800000) == 0x7F800000) {
@@ -174,8 +159,8 @@ public final class SignsCodec {
             }
             long nbytes = (numel + 7) / 8;
             if (pos + nbytes > end) {
-                throw truncated("the signs of '" + name + "' need " + nbytes + " bytes at offset "
-                        + pos);
+                throw Frames.truncated("the signs of '" + name + "' need " + nbytes
+                        + " bytes at offset " + pos);
             }
             byte[] signs = new byte[(int) nbytes];
             System.arraycopy(data, pos, signs, 0, (int) nbytes);
@@ -191,16 +176,5 @@ public final class SignsCodec {
                     + "input: " + (end - pos) + " bytes after the last tensor");
         }
         return new SignsUpdate(tensors, sequence);
-    }
-
-    private static void need(int pos, long size, int end, String what) throws DecodeException {
-        if (pos + size > end) {
-            throw truncated(what + " needs " + size + " bytes at offset " + pos + ", only "
-                    + Math.max(end - pos, 0) + " left before the checksum");
-        }
-    }
-
-    private static DecodeException truncated(String detail) {
-        return new DecodeException(DecodeException.Reason.TRUNCATED, "truncated input: " + detail);
     }
 }
