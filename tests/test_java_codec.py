@@ -57,6 +57,16 @@ def python_reason(message: str) -> str:
     raise AssertionError(f"unclassified dgc.decode message: {message}")
 
 
+def run_driver(classpath: Path, main_class: str, golden: Path) -> int:
+    """Run a Java test driver on its golden file; how many checks it passed (all, asserted)."""
+    done = subprocess.run(["java", "-cp", str(classpath), f"org.fedgc.wire.{main_class}",
+                           str(golden)], capture_output=True, text=True, timeout=JVM_TIMEOUT_S)
+    assert done.returncode == 0, f"{main_class} failed:\n{done.stdout}\n{done.stderr}"
+    summary = re.search(r"^OK (\d+)/(\d+) checks passed$", done.stdout, re.MULTILINE)
+    assert summary is not None and summary.group(1) == summary.group(2), done.stdout
+    return int(summary.group(2))
+
+
 def run_tool(classpath: Path, lines: list[str]) -> list[str]:
     """Feed the line protocol of org.fedgc.wire.WireTool to one JVM; its answers, in order."""
     done = subprocess.run(["java", "-cp", str(classpath), "org.fedgc.wire.WireTool"],
@@ -120,13 +130,8 @@ def edge_updates() -> list[SparseUpdate]:
 
 
 def test_java_driver_passes_golden_vectors_and_rejections(java_classpath: Path) -> None:
-    done = subprocess.run(["java", "-cp", str(java_classpath), "org.fedgc.wire.WireCodecTest",
-                           str(GOLDEN)], capture_output=True, text=True, timeout=JVM_TIMEOUT_S)
-    assert done.returncode == 0, f"Java driver failed:\n{done.stdout}\n{done.stderr}"
-    summary = re.search(r"^OK (\d+)/(\d+) checks passed$", done.stdout, re.MULTILINE)
-    assert summary is not None, done.stdout
-    assert summary.group(1) == summary.group(2)
-    assert int(summary.group(2)) > 1000  # the per-bit flips alone are over a thousand
+    # the per-bit flips alone are over a thousand
+    assert run_driver(java_classpath, "WireCodecTest", GOLDEN) > 1000
 
 
 def test_java_reencodes_compressor_updates_byte_for_byte(java_classpath: Path) -> None:
@@ -354,12 +359,7 @@ def _signs_messages() -> list[bytes]:
 
 
 def test_java_signs_driver_passes_golden_vectors_and_rejections(java_classpath: Path) -> None:
-    done = subprocess.run(["java", "-cp", str(java_classpath), "org.fedgc.wire.SignsCodecTest",
-                           str(SIGNS_GOLDEN)], capture_output=True, text=True,
-                          timeout=JVM_TIMEOUT_S)
-    assert done.returncode == 0, f"Java signs driver failed:\n{done.stdout}\n{done.stderr}"
-    summary = re.search(r"^OK (\d+)/(\d+) checks passed$", done.stdout, re.MULTILINE)
-    assert summary is not None and summary.group(1) == summary.group(2), done.stdout
+    run_driver(java_classpath, "SignsCodecTest", SIGNS_GOLDEN)
 
 
 def test_java_reencodes_ef_signsgd_and_vote_payloads_byte_for_byte(java_classpath: Path) -> None:
@@ -405,13 +405,8 @@ def test_java_dgc_sets_driver_passes_golden_vectors_and_rejections(java_classpat
     """The rank request's decoder, the ranking and its sets, the grid, the grid-coded writer,
     take_values with encode_values and the join of a ranked patch, against the vectors the
     Python side wrote (tests/golden/dgc_sets_golden.py), and malformed rank requests."""
-    done = subprocess.run(["java", "-cp", str(java_classpath), "org.fedgc.wire.DgcSetsTest",
-                           str(DGC_SETS_GOLDEN)], capture_output=True, text=True,
-                          timeout=JVM_TIMEOUT_S)
-    assert done.returncode == 0, f"Java dgc_sets driver failed:\n{done.stdout}\n{done.stderr}"
-    summary = re.search(r"^OK (\d+)/(\d+) checks passed$", done.stdout, re.MULTILINE)
-    assert summary is not None and summary.group(1) == summary.group(2), done.stdout
-    assert int(summary.group(2)) > 500  # the rank request's prefixes and bit flips included
+    # the rank request's prefixes and bit flips included
+    assert run_driver(java_classpath, "DgcSetsTest", DGC_SETS_GOLDEN) > 500
 
 
 def test_the_dgc_sets_golden_file_is_what_the_python_side_writes_now() -> None:
