@@ -450,6 +450,8 @@ class AsyncLoop:
         for dispatch, mid in zip(sent, self.grid.push_messages(messages), strict=True):
             dispatch.pushed = now
             self.inflight[mid] = dispatch
+        if not sent:
+            return
         # Named in the log: a deployment's test matches it against the checkpoint it resumed.
         log(INFO, "async: sent again %d dispatch(es) in flight at the checkpoint: %s",
             len(sent), ", ".join(f"client {d.key} (dispatch {d.wave.server_round})"
