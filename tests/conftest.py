@@ -148,6 +148,11 @@ def digits_on_ray(tmp_path_factory: pytest.TempPathFactory) -> RayRun:
            "--set", "run_name=ray"]
     for key, value in DIGITS_ON_RAY.items():
         cmd += ["--set", f"{key}={value}"]
-    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                          capture_output=True, text=True, timeout=300)
+    # Alone it takes 20 s. Under make test's three lanes on 2 cores a Ray worker's start (its
+    # imports, torch's) has taken minutes: CI's stop-45 run reached round 2 after 4 min 40 s and
+    # hit the old 300 s limit. Ray kills a worker that has not registered within 60 s and starts
+    # another, which under such load starts no faster; 300 s lets a slow one finish. The timeout
+    # is a guard against a hang, not a timing assertion.
+    env = {**os.environ, "PYTHONPATH": str(root), "RAY_worker_register_timeout_seconds": "300"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     return RayRun(proc, out / "ray", dict(DIGITS_ON_RAY))
