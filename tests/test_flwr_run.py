@@ -131,7 +131,7 @@ def _flwr_run(env: dict[str, str], app: Path, config: str, supernodes: int = 3
     """``flwr run .`` in ``app`` (:func:`app_folder`) with ``-c config``."""
     return subprocess.run([str(BIN / "flwr"), "run", ".", "--federation-config",
                            f"num-supernodes={supernodes}", "-c", config, "--stream"],
-                          cwd=app, env=env, capture_output=True, text=True, timeout=400)
+                          cwd=app, env=env, capture_output=True, text=True, timeout=900)
 
 
 SMALL = "task='digits' num_clients=3 clients_per_round=2 rounds=2 seed=1"
@@ -278,7 +278,7 @@ def wrapped(tmp_path_factory: pytest.TempPathFactory) -> WrappedRun:
                f"results_dir={tmp_path / 'results'}", "run_name=wrapped"):
         argv += ["--set", kv]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=400)
+                          timeout=900)
     left = _processes_with(f"FLWR_HOME={home}")
     for pid in left:
         os.kill(pid, signal.SIGKILL)
