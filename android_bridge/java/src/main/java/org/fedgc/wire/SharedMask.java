@@ -2,6 +2,9 @@ package org.fedgc.wire;
 
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
+import java.nio.CharBuffer;
+import java.nio.charset.CharacterCodingException;
+import java.nio.charset.CodingErrorAction;
 import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.Collections;
@@ -146,7 +149,7 @@ public final class SharedMask {
      * set Golomb-Rice coded with the least-cost parameter, the sets in the map's order.
      *
      * @throws IllegalArgumentException for a set whose tensor {@code numels} lacks, indices not
-     *     sorted and unique in [0, numel), or a name over 65535 utf-8 bytes
+     *     sorted and unique in [0, numel), or a name not valid Unicode or over 65535 utf-8 bytes
      */
     public static byte[] encode(Map<String, long[]> sets, Map<String, Long> numels,
                                 long sequence) {
@@ -167,7 +170,18 @@ public final class SharedMask {
                             + numel + ")");
                 }
             }
-            byte[] raw = name.getBytes(StandardCharsets.UTF_8);
+            byte[] raw;
+            try {  // strict, as Python's str.encode: no unpaired surrogate
+                ByteBuffer b = StandardCharsets.UTF_8.newEncoder()
+                        .onMalformedInput(CodingErrorAction.REPORT)
+                        .onUnmappableCharacter(CodingErrorAction.REPORT)
+                        .encode(CharBuffer.wrap(name));
+                raw = new byte[b.remaining()];
+                b.get(raw);
+            } catch (CharacterCodingException ex) {
+                throw new IllegalArgumentException("index set name '" + name + "' is not valid "
+                        + "Unicode (unpaired surrogate)");
+            }
             if (raw.length > 0xFFFF) {
                 throw new IllegalArgumentException("index set name of " + raw.length
                         + " utf-8 bytes; the format allows 65535");

@@ -192,6 +192,13 @@ public final class DownlinkTest {
         } catch (IllegalArgumentException e) {
             check(e.getMessage().contains("position 1"), "a mask of a repeated index: " + e);
         }
+        try {
+            SharedMask.encode(Map.of("w\uD800", new long[]{3}), Map.of("w\uD800", 10L), 1);
+            check(false, "a mask of a name with an unpaired surrogate: encoded");
+        } catch (IllegalArgumentException e) {
+            check(e.getMessage().contains("unpaired surrogate"), "a mask of a name with an "
+                    + "unpaired surrogate: " + e);
+        }
         expect("null mask", null, bytes -> SharedMask.decode(bytes, Map.of()), "TRUNCATED", "");
         expect("null compact", null, bytes -> CompactCodec.decode(bytes, layout, 10),
                 "TRUNCATED", "");
