@@ -289,6 +289,38 @@ def test_java_decodes_grid_coded_values_as_python_does(java_classpath: Path) -> 
     _java_agrees(java_classpath, messages, "grid_")
 
 
+def test_java_decodes_the_grid_without_a_code_for_zero_as_python_does(java_classpath: Path,
+                                                                      ) -> None:
+    """Value dtype 66 (``nonzero_grid``: a ``downlink_context`` patch's differences) in an
+    update message: the Java codec decodes it to Python's bits (it refused it as an unknown
+    dtype before 2026-12-07) and refuses a folded value above 253 as Python does."""
+    import tests.test_wire as wire_tests
+
+    g = torch.Generator().manual_seed(66)
+    messages = []
+    for exponent in (-126, -4, 120):
+        q = torch.randint(1, 128, (300,), generator=g).float()
+        q *= torch.where(torch.rand(300, generator=g) < 0.5, -1.0, 1.0)
+        q[:3] = torch.tensor([1.0, -1.0, 2.0])  # the smallest folded codes: 0, 1, 2
+        small = torch.where(torch.rand(300, generator=g) < 0.5, -1.0, 1.0)
+        for values in (q, small):
+            indices = torch.randperm(3000, generator=g)[:300].sort().values
+            messages.append(encode(SparseUpdate({"w": SparseTensor(
+                indices, values * 2.0 ** exponent, (30, 100))}, 3), grid_coding=True,
+                nonzero_grid=True))
+    assert 0x42 in {wire_tests.tensor_value_dtypes(m)["w"] for m in messages}
+    nbytes, section = wire_tests.rice_of([254])  # a folded 254: q = 128, beyond the grid
+    bad = wire_tests.message([wire_tests.tensor_record(
+        b"w", [4, 4], 1, 1, 0x42, wire_tests.raw_u32(1),
+        wire_tests.rice_grid(0.25, 255, nbytes, section))], 2)
+    with pytest.raises(DecodeError, match="above 253"):
+        decode(bad, max_numel=MAX_NUMEL)
+    answers = run_tool(java_classpath, [f"codec auto {m.hex()}" for m in [*messages, bad]])
+    assert answers[:-1] == [f"OK {encode(decode(m, max_numel=MAX_NUMEL)).hex()}"
+                            for m in messages]
+    assert answers[-1] == "REJECT BAD_VALUE_SECTION"
+
+
 def test_java_half_float_rounding_matches_torch(java_classpath: Path) -> None:
     g = torch.Generator().manual_seed(3)
     uniform_bits = torch.randint(0, 1 << 32, (4000,), generator=g, dtype=torch.int64)
@@ -507,3 +539,123 @@ def test_java_and_python_agree_on_mutated_rank_requests(java_classpath: Path) ->
         accepted += 1
     assert accepted >= len(bases)
     assert {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "BAD_RANKED_SET"} <= seen, seen
+
+
+DOWNLINK_GOLDEN = ROOT / "tests" / "golden" / "downlink.json"
+
+
+def test_java_downlink_driver_passes_golden_vectors_and_rejections(java_classpath: Path) -> None:
+    """A round's shared index sets (``FGCM``, ``SharedMask``) and compact updates (``FGCK``,
+    ``CompactCodec``) against the vectors the Python side wrote (tests/golden/downlink_golden.py):
+    9 masks decoded and re-encoded byte for byte, 11 compact updates decoded to Python's indices
+    and value bits (every index and value coding, a patch's layout), 27 malformed masks and 41
+    malformed compact messages refused for Python's reason, every prefix and bit flip refused."""
+    # each golden message's prefixes and bit flips are a check apiece: tens of thousands
+    assert run_driver(java_classpath, "DownlinkTest", DOWNLINK_GOLDEN) > 40_000
+
+
+def test_the_downlink_golden_file_is_what_the_python_side_writes_now() -> None:
+    """The downlink golden vectors still hold for the Python side (a change there must
+    regenerate them, deliberately); no float arithmetic is involved."""
+    import json
+
+    from tests.golden.downlink_golden import golden
+
+    assert json.loads(DOWNLINK_GOLDEN.read_text("utf-8")) == json.loads(json.dumps(golden()))
+
+
+def test_java_and_python_agree_on_mutated_masks(java_classpath: Path) -> None:
+    """A round's shared index sets (``FGCM``), damaged 1,200 ways: the Java decoder
+    (``SharedMask``) accepts what ``decode_mask`` accepts, with the same sets, and refuses the
+    rest for the reason Python's message gives."""
+    import numpy as np
+
+    from dgc.signs.codec import decode_mask, encode_mask
+    from tests.golden.downlink_golden import MASK_REASONS, reason
+
+    numels = {"conv.weight": 432, "fc.weight": 2560, "b": 10}
+    spec = ",".join(f"{n}={v}" for n, v in numels.items())
+    bases = [encode_mask({"conv.weight": np.arange(3, 432, 11), "fc.weight": np.array([0, 2559])},
+                         numels, 3),
+             encode_mask({"fc.weight": np.arange(0, 2560, 2), "b": np.arange(10)}, numels,
+                         2**64 - 1),
+             encode_mask({"b": np.array([4]), "conv.weight": np.array([], dtype=np.int64)},
+                         numels, 9)]
+    rng = random.Random(39)
+    messages = [m for base in bases for m in [base, *_mutations(base, rng, 400)]]
+    answers = run_tool(java_classpath, [f"mask {spec} {m.hex()}" for m in messages])
+    seen, accepted = set(), 0
+    for message, answer in zip(messages, answers, strict=True):
+        try:
+            sequence, sets = decode_mask(message, numels)
+        except DecodeError as e:
+            why = reason(MASK_REASONS, str(e))
+            assert answer == f"REJECT {why}", f"Python: {e}; Java: {answer}"
+            seen.add(why)
+            continue
+        text = ",".join(f"{n}:{'.'.join(map(str, s.tolist()))}" for n, s in sets.items())
+        assert answer == f"OK {sequence} {text}".rstrip(" "), message.hex()
+        accepted += 1
+    assert accepted >= len(bases)
+    want = {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "BAD_INDEX_SET", "BAD_INDEX_SECTION"}
+    assert want <= seen, seen
+
+
+def test_java_and_python_agree_on_mutated_compact_updates(java_classpath: Path) -> None:
+    """Compact updates (``FGCK``) on a model's layout and a patch's, damaged 1,500 ways: the
+    Java decoder (``CompactCodec``) accepts what ``decode_compact`` accepts, with the same
+    tensors (both re-encoded as an update message), and refuses the rest for the reason
+    Python's message gives."""
+    import numpy as np
+
+    from dgc.wire.compact import decode_compact, encode_compact, layout_of
+    from fedgc import context_patch
+    from tests.golden.downlink_golden import COMPACT_REASONS, reason
+
+    shapes = {"fc.weight": (10, 30), "fc.bias": (10,), "conv": (2, 3, 3), "s": ()}
+    spec = ",".join(f"{n}={'x'.join(map(str, s))}" for n, s in shapes.items())
+    model = layout_of(shapes)
+    patch = context_patch.patch_layout(shapes, ["fc.weight"])
+
+    def t(indices: list[int], values, shape: tuple[int, ...]) -> SparseTensor:
+        return SparseTensor(torch.tensor(indices, dtype=torch.int64),
+                            torch.as_tensor(np.asarray(values, np.float32)), shape)
+
+    idx = list(range(1, 300, 7))
+    grid = [((i % 5) - 2) * 0.125 for i in range(len(idx))]
+    signs = [0.5 if i % 3 else -0.5 for i in range(len(idx))]
+    bases = [
+        (encode_compact(SparseUpdate({"fc.weight": t(idx, [0.01 * i for i in range(len(idx))],
+                                                     (10, 30)),
+                                      "s": t([0], [2.5], ())}, 4), model), model, "-"),
+        (encode_compact(SparseUpdate({"fc.weight": t(idx, grid, (10, 30)),
+                                      "fc.bias": t(list(range(10)), [0.5] * 10, (10,))}, 5),
+                        model, grid_coding=True), model, "-"),
+        (encode_compact(SparseUpdate({"fc.weight": t(idx, signs, (10, 30))}, 6), model,
+                        sign_coding=True), model, "-"),
+        (encode_compact(SparseUpdate({"conv": t(list(range(18)), [(-1) ** i * 0.25 * (1 + i % 3)
+                                                                  for i in range(18)], (2, 3, 3))},
+                                     7), model, grid_coding=True, nonzero_grid=True), model, "-"),
+        (encode_compact(SparseUpdate({"fc.weight#0": t([0, 5], [1.0, -1.0], (6,)),
+                                      "fc.weight#4": t([3], [0.5], (180,))}, 8), patch),
+         patch, "fc.weight"),
+    ]
+    rng = random.Random(39)
+    cases = [(m, layout, context) for base, layout, context in bases
+             for m in [base, *_mutations(base, rng, 300)]]
+    answers = run_tool(java_classpath, [f"compact 300 {spec} {context} {m.hex()}"
+                                        for m, _, context in cases])
+    seen, accepted = set(), 0
+    for (message, layout, _), answer in zip(cases, answers, strict=True):
+        try:
+            update = decode_compact(message, layout, max_numel=300)
+        except DecodeError as e:
+            why = reason(COMPACT_REASONS, str(e))
+            assert answer == f"REJECT {why}", f"Python: {e}; Java: {answer}; {message.hex()}"
+            seen.add(why)
+            continue
+        assert answer == f"OK {encode(update).hex()}", message.hex()
+        accepted += 1
+    assert accepted >= len(bases)
+    assert {"TRUNCATED", "TRAILING", "BAD_CHECKSUM", "BAD_VARINT", "BAD_PLACE",
+            "COUNT_ABOVE_NUMEL", "BAD_VALUE_SECTION"} <= seen, seen

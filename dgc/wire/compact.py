@@ -23,7 +23,8 @@ another model (or another set of tensors) a decode error rather than tensors mis
 Decoding is checked as the update message's is (:func:`decode_compact`): places inside the
 layout and increasing, every count against its tensor's entries and against the bytes that must
 carry it, before anything of that size is allocated; every defect a
-:class:`~dgc.errors.DecodeError`. Not read by the Java codec: phones send the update message.
+:class:`~dgc.errors.DecodeError`. The Java codec decodes it (``CompactCodec``, tests/golden/
+downlink.json); phones send the update message.
 """
 
 from __future__ import annotations

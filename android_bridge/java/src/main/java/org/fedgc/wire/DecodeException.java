@@ -50,7 +50,19 @@ public final class DecodeException extends Exception {
         /** A rank request ({@link RankRequest}) whose set does not fit the model: a tensor the
          *  model lacks or of another size, a count of 0 or above its size, more entries drawn
          *  at random than the set holds. */
-        BAD_RANKED_SET
+        BAD_RANKED_SET,
+        /** An index set mask ({@link SharedMask}, {@code FGCM}) whose set does not fit: a tensor
+         *  the model lacks or of another size, more entries than its tensor, or a section past
+         *  the end of the message. */
+        BAD_INDEX_SET,
+        /** A compact message ({@link CompactCodec}, {@code FGCK}) about another layout: its
+         *  digest is not that of the model's tensors (another model, or other sets). */
+        WRONG_LAYOUT,
+        /** A compact message's varint that is not canonical (a final zero byte after the
+         *  first), longer than 10 bytes, or above 2^64 - 1. */
+        BAD_VARINT,
+        /** A compact message with more tensors than its layout, or a tensor place beyond it. */
+        BAD_PLACE
     }
 
     private final Reason reason;

@@ -7,8 +7,9 @@ import java.nio.charset.StandardCharsets;
 import java.util.zip.CRC32;
 
 /**
- * Checks shared by this package's framed decoders ({@link SignsCodec}, {@link RankRequest}): a
- * magic-versioned preamble, length-prefixed utf-8 names, a trailing crc32 of everything before it.
+ * Checks shared by this package's framed decoders ({@link SignsCodec}, {@link RankRequest},
+ * {@link SharedMask}, {@link CompactCodec}): a magic-versioned preamble, length-prefixed utf-8
+ * names, a trailing crc32 of everything before it.
  * Their messages are the Python decoders' (the same-verdict tests compare the reasons).
  */
 final class Frames {

@@ -282,8 +282,9 @@ public final class WireCodec {
     // Decoding
     // ------------------------------------------------------------------------------------------
 
-    /** One tensor's header, and where its sections lie, from the structural pass. */
-    private static final class Record {
+    /** One tensor's header, and where its sections lie, from the structural pass (also built
+     *  by {@link CompactCodec} for a compact message's tensors). */
+    static final class Record {
         String name;
         long[] shape;
         long numel;
@@ -299,6 +300,8 @@ public final class WireCodec {
          * or the int8s Rice-coded (id 65). */
         boolean grid;
         boolean gridRice;
+        /** A Rice-coded grid of values none of which is zero (id 66): q folded without a 0. */
+        boolean gridNonzero;
         int valuesLength;
     }
 
@@ -311,8 +314,12 @@ public final class WireCodec {
     /** The value dtype id of a grid-coded tensor whose int8s are Rice-coded (section 5). */
     public static final int GRID_RICE_CODED = 0x41;
 
+    /** The value dtype id of a Rice-coded grid whose values are none of them zero, folded
+     *  without a code for 0 (docs/wire.md, section 5; {@code nonzero_grid}). */
+    public static final int GRID_NONZERO_CODED = 0x42;
+
     /** Scale (f32), span (u64) and Golomb-Rice bytes (u64) before a Rice-coded grid section. */
-    private static final int GRID_RICE_HEAD = 20;
+    static final int GRID_RICE_HEAD = 20;
 
     /** {@code decode(data, Long.MAX_VALUE)}: any numel the format allows (up to 2^62). */
     public static SparseUpdate decode(byte[] data) throws DecodeException {
@@ -332,44 +339,65 @@ public final class WireCodec {
         Map<String, SparseTensor> tensors = new LinkedHashMap<>();
         for (Record r : s.records) {
             long[] indices = decodeIndices(data, r);
-            if (r.signed) {
-                tensors.put(r.name, decodeSigns(data, r, indices));
-                continue;
-            }
-            if (r.grid) {
-                tensors.put(r.name, decodeGrid(data, r, indices));
-                continue;
-            }
-            int[] bits32 = null;
-            short[] bits16 = null;
-            ByteBuffer values = ByteBuffer.wrap(data, r.valuesStart, r.count * r.dtype.sizeBytes)
-                    .order(ByteOrder.LITTLE_ENDIAN);
-            if (r.dtype == ValueDtype.FLOAT32) {
-                bits32 = new int[r.count];
-                values.asIntBuffer().get(bits32);
-            } else {
-                bits16 = new short[r.count];
-                values.asShortBuffer().get(bits16);
-            }
-            for (int i = 0; i < r.count; i++) {
-                int raw = bits32 != null ? bits32[i] : bits16[i] & 0xFFFF;
-                if (!r.dtype.isFinite(raw)) {
-                    throw new DecodeException(DecodeException.Reason.NON_FINITE_VALUE, "tensor '"
-                            + r.name + "': value " + i + " is NaN or Inf (raw bits 0x"
-                            + Integer.toHexString(raw) + "); only finite values are valid");
-                }
-            }
-            tensors.put(r.name, SparseTensor.wrap(r.shape, indices, r.dtype, bits32, bits16));
+            tensors.put(r.name, values(data, r).wrap(r, indices));
         }
         return new SparseUpdate(tensors, s.sequence);
+    }
+
+    /** A tensor's values as raw bits: float32's, or float16's and bfloat16's. */
+    static final class Values {
+        final int[] bits32;
+        final short[] bits16;
+
+        Values(int[] bits32, short[] bits16) {
+            this.bits32 = bits32;
+            this.bits16 = bits16;
+        }
+
+        SparseTensor wrap(Record r, long[] indices) {
+            return SparseTensor.wrap(r.shape, indices, r.grid ? ValueDtype.FLOAT32 : r.dtype,
+                    bits32, bits16);
+        }
+    }
+
+    /**
+     * The values of the tensor of {@code r}, checked as {@code decode_values} checks them: plain
+     * (finite), sign-coded or grid-coded (canonical).
+     */
+    static Values values(byte[] data, Record r) throws DecodeException {
+        if (r.signed) {
+            return decodeSigns(data, r);
+        }
+        if (r.grid) {
+            return new Values(decodeGrid(data, r), null);
+        }
+        int[] bits32 = null;
+        short[] bits16 = null;
+        ByteBuffer values = ByteBuffer.wrap(data, r.valuesStart, r.count * r.dtype.sizeBytes)
+                .order(ByteOrder.LITTLE_ENDIAN);
+        if (r.dtype == ValueDtype.FLOAT32) {
+            bits32 = new int[r.count];
+            values.asIntBuffer().get(bits32);
+        } else {
+            bits16 = new short[r.count];
+            values.asShortBuffer().get(bits16);
+        }
+        for (int i = 0; i < r.count; i++) {
+            int raw = bits32 != null ? bits32[i] : bits16[i] & 0xFFFF;
+            if (!r.dtype.isFinite(raw)) {
+                throw new DecodeException(DecodeException.Reason.NON_FINITE_VALUE, "tensor '"
+                        + r.name + "': value " + i + " is NaN or Inf (raw bits 0x"
+                        + Integer.toHexString(raw) + "); only finite values are valid");
+            }
+        }
+        return new Values(bits32, bits16);
     }
 
     /**
      * A grid-coded tensor: value {@code j} is {@code q_j * scale} (exact in float32), with
      * {@code q_j} the j-th signed byte. Rejects a scale that is not 2^e, e in [-126, 120].
      */
-    private static SparseTensor decodeGrid(byte[] data, Record r, long[] indices)
-            throws DecodeException {
+    private static int[] decodeGrid(byte[] data, Record r) throws DecodeException {
         int scaleBits = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN).getInt(r.valuesStart);
         int exponent = (scaleBits >>> 23) & 0xFF;  // biased: 2^e has exponent e + 127
         if ((scaleBits & 0x807FFFFF) != 0 || exponent < 1 || exponent > 127 + 120) {
@@ -391,7 +419,7 @@ public final class WireCodec {
             // exact: |q| <= 128 and a power-of-two scale; q = 0 gives +0.0f (scale > 0)
             bits32[i] = Float.floatToRawIntBits(q[i] * scale);
         }
-        return SparseTensor.wrap(r.shape, indices, ValueDtype.FLOAT32, bits32, null);
+        return bits32;
     }
 
     /**
@@ -416,17 +444,26 @@ public final class WireCodec {
                     + r.name + "': grid-coded values (Rice): " + e.getMessage());
         }
         long previous = -1;
+        long maxZ = 0;
         boolean canonical = (r.count == 0 ? 0 : positions[r.count - 1] + 1) == span;
         for (int i = 0; i < r.count && canonical; i++) {
             long z = positions[i] - previous - 1;
             previous = positions[i];
             canonical = z <= 255;
-            q[i] = (int) ((z >>> 1) ^ -(z & 1));  // un-zigzag
+            // un-zigzag (0, -1, 1 <- 0, 1, 2), or un-fold without a 0 (1, -1, 2 <- 0, 1, 2)
+            q[i] = r.gridNonzero ? ((z & 1) != 0 ? (int) -(z >>> 1) - 1 : (int) (z >>> 1) + 1)
+                    : (int) ((z >>> 1) ^ -(z & 1));
+            maxZ = Math.max(maxZ, z);
         }
         if (!canonical) {
             throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
                     + r.name + "': grid-coded values (Rice) are not canonical: a span other "
                     + "than the gaps' or a value beyond int8");
+        }
+        if (r.gridNonzero && maxZ > 253) {
+            throw new DecodeException(DecodeException.Reason.BAD_VALUE_SECTION, "tensor '"
+                    + r.name + "': grid-coded non-zero values (Rice) hold a folded value "
+                    + maxZ + " above 253 (|q| <= 127)");
         }
     }
 
@@ -434,8 +471,7 @@ public final class WireCodec {
      * A sign-coded tensor: every value is the scale with its sign bit set or not. Rejects a
      * scale that is NaN, infinite, zero or negative, and nonzero padding after the last sign.
      */
-    private static SparseTensor decodeSigns(byte[] data, Record r, long[] indices)
-            throws DecodeException {
+    private static Values decodeSigns(byte[] data, Record r) throws DecodeException {
         ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
         boolean wide = r.dtype == ValueDtype.FLOAT32;
         int scale = wide ? in.getInt(r.valuesStart) : in.getShort(r.valuesStart) & 0xFFFF;
@@ -467,7 +503,7 @@ public final class WireCodec {
                 bits16[i] = (short) raw;
             }
         }
-        return SparseTensor.wrap(r.shape, indices, r.dtype, bits32, bits16);
+        return new Values(bits32, bits16);
     }
 
     /**
@@ -622,14 +658,14 @@ public final class WireCodec {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_CODING, "tensor '" + name
                     + "' has unknown index coding id " + codingId + "; known: [0, 1, 2, 3]");
         }
-        boolean gridRice = dtypeId == GRID_RICE_CODED;
+        boolean gridRice = dtypeId == GRID_RICE_CODED || dtypeId == GRID_NONZERO_CODED;
         boolean grid = dtypeId == GRID_CODED || gridRice;
         boolean signed = (dtypeId & SIGN_CODED) != 0;
         ValueDtype dtype = grid ? ValueDtype.FLOAT32 : ValueDtype.fromWireId(dtypeId & ~SIGN_CODED);
         if (dtype == null) {
             throw new DecodeException(DecodeException.Reason.UNKNOWN_DTYPE, "tensor '" + name
                     + "' has unknown value dtype id " + dtypeId + "; known: [0, 1, 2], "
-                    + "sign-coded [128, 129, 130] and grid-coded [64, 65]");
+                    + "sign-coded [128, 129, 130] and grid-coded [64, 65, 66]");
         }
         if (coding == IndexCoding.ALL && (count != numel || indexBytes != 0)) {
             throw new DecodeException(DecodeException.Reason.BAD_INDEX_SECTION, "tensor '" + name
@@ -672,13 +708,14 @@ public final class WireCodec {
         r.signed = signed;
         r.grid = grid;
         r.gridRice = gridRice;
+        r.gridNonzero = dtypeId == GRID_NONZERO_CODED;
         r.valuesLength = signed ? dtype.sizeBytes + (r.count + 7) / 8
                 : gridRice ? GRID_RICE_HEAD + (int) riceBytes
                 : grid ? 4 + r.count : r.count * dtype.sizeBytes;
         return r.valuesStart + r.valuesLength;
     }
 
-    private static long[] decodeIndices(byte[] data, Record r) throws DecodeException {
+    static long[] decodeIndices(byte[] data, Record r) throws DecodeException {
         try {
             switch (r.coding) {
                 case ALL: {

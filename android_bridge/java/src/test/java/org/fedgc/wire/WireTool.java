@@ -19,6 +19,12 @@ import java.nio.charset.StandardCharsets;
  * exponent MEAN_BITS32HEX LEVELS_BITS64HEX -> E   (GridValues.exponent)
  * rank NAME=NUMEL,... HEX -> OK SEQUENCE GRID NAME:K:DRAWN,...   (RankRequest.decode)
  *                        ->  REJECT REASON
+ * mask NAME=NUMEL,... HEX -> OK SEQUENCE NAME:I.I.I,...          (SharedMask.decode)
+ *                        ->  REJECT REASON
+ * compact MAXNUMEL NAME=D0xD1,... CONTEXT|- HEX -> OK HEX2       (CompactCodec.decode on the
+ *                        ->  REJECT REASON           layout of those shapes, or the patch
+ *                                                    layout with CONTEXT=A,B; HEX2 = the update
+ *                                                    re-encoded as an update message, AUTO)
  * </pre>
  */
 public final class WireTool {
@@ -80,6 +86,44 @@ public final class WireTool {
                     }
                     out.println("OK " + Long.toUnsignedString(r.sequence()) + " "
                             + (r.initialOnGrid() ? 1 : 0) + " " + sets);
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("mask")) {
+                java.util.Map<String, Long> numels = new java.util.LinkedHashMap<>();
+                for (String item : parts[1].split(",")) {
+                    String[] kv = item.split("=");
+                    numels.put(kv[0], Long.parseLong(kv[1]));
+                }
+                try {
+                    SharedMask m = SharedMask.decode(WireCodecTest.unhex(
+                            parts.length > 2 ? parts[2] : ""), numels);
+                    StringBuilder sets = new StringBuilder();
+                    for (java.util.Map.Entry<String, long[]> e : m.sets().entrySet()) {
+                        sets.append(sets.length() > 0 ? "," : "").append(e.getKey()).append(':');
+                        long[] set = e.getValue();
+                        for (int i = 0; i < set.length; i++) {
+                            sets.append(i > 0 ? "." : "").append(set[i]);
+                        }
+                    }
+                    out.println("OK " + Long.toUnsignedString(m.sequence()) + " " + sets);
+                } catch (DecodeException e) {
+                    out.println("REJECT " + e.reason());
+                }
+            } else if (parts[0].equals("compact")) {
+                java.util.Map<String, long[]> shapes = new java.util.LinkedHashMap<>();
+                for (String item : parts[2].split(",")) {
+                    String[] kv = item.split("=", -1);
+                    shapes.put(kv[0], kv[1].isEmpty() ? new long[0]
+                            : java.util.Arrays.stream(kv[1].split("x"))
+                                    .mapToLong(Long::parseLong).toArray());
+                }
+                CompactCodec.Layout layout = parts[3].equals("-") ? CompactCodec.Layout.of(shapes)
+                        : CompactCodec.Layout.patch(shapes, java.util.List.of(parts[3].split(",")));
+                try {
+                    SparseUpdate u = CompactCodec.decode(WireCodecTest.unhex(
+                            parts.length > 4 ? parts[4] : ""), layout, Long.parseLong(parts[1]));
+                    out.println("OK " + WireCodecTest.hex(WireCodec.encode(u)));
                 } catch (DecodeException e) {
                     out.println("REJECT " + e.reason());
                 }

@@ -7,12 +7,14 @@ import androidx.work.WorkerParameters
 import androidx.work.workDataOf
 import org.fedgc.bridge.v1.FetchTaskReply
 import org.fedgc.bridge.v1.ModelEncoding
+import org.fedgc.wire.CompactCodec
 import org.fedgc.wire.ContextPatch
 import org.fedgc.wire.DisplacementRanking
 import org.fedgc.wire.GridValues
 import org.fedgc.wire.IndexCoding
 import org.fedgc.wire.RankRequest
 import org.fedgc.wire.SetsFirst
+import org.fedgc.wire.SharedMask
 import org.fedgc.wire.SparseTensor
 import org.fedgc.wire.SparseUpdate
 import org.fedgc.wire.WireCodec
@@ -30,8 +32,11 @@ import java.security.MessageDigest
  * codec's org.fedgc.wire classes, in encoder_round's order: the round's sets derived from a rank
  * request (DisplacementRanking), the sets first (SetsFirst), the top-k's values on the grid
  * (GridValues.valuesOnGrid) written grid-coded, the residual at the sets sent as grid values
- * (GridValues.takeValues, encodeValues), a ranked patch joined (ContextPatch). Never compiled:
- * see ../README.md. A task that answers its sets with signs, or sends an FGCM mask, is refused.
+ * (GridValues.takeValues, encodeValues), a ranked patch joined (ContextPatch). The sets may
+ * also come as the server sends them (an FGCM mask, SharedMask), and a patch as a compact
+ * message (FGCK, downlink_compact: CompactCodec on the model's layout and its ranked segments'),
+ * which no phone is sent yet: `export` refuses downlink_compact (docs/android.md). Never
+ * compiled: see ../README.md. A task that answers its sets with signs is refused.
  */
 class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, params) {
 
@@ -147,22 +152,30 @@ class RoundWorker(context: Context, params: WorkerParameters) : Worker(context, 
 
     /**
      * The round's shared sets: derived from the model the round trains on and version 0 when the
-     * task's shared_mask is a rank request (dgc.shared_rank = displacement); null without one.
+     * task's shared_mask is a rank request (dgc.shared_rank = displacement), else the sets the
+     * mask carries (FGCM, as android_bridge.phone decodes them); null without one.
      */
     private fun sharedSets(model: ExportedModel, state: PhoneState, task: FetchTaskReply,
                            global: Map<String, FloatArray>): Map<String, LongArray>? {
         if (task.sharedMask.isEmpty()) return null
         val bytes = task.sharedMask.toByteArray()
-        check(RankRequest.isRankRequest(bytes)) {
-            "task ${task.taskId} sends index sets (FGCM), which this app does not decode"
-        }
-        val request = RankRequest.decode(bytes, model.parameters.associate { it.name to it.numel })
+        val numels = model.parameters.associate { it.name to it.numel }
+        if (!RankRequest.isRankRequest(bytes)) return SharedMask.decode(bytes, numels).sets()
+        val request = RankRequest.decode(bytes, numels)
         return DisplacementRanking.sets(request, global, version0(model, state, task.initialSha256))
     }
 
     /** The dense global model from a DENSE task, or the held model patched by a SPARSE_PATCH. */
     private fun globalModel(model: ExportedModel, state: PhoneState, task: FetchTaskReply): Map<String, FloatArray> {
-        val update: SparseUpdate = WireCodec.decode(task.modelBytes.toByteArray(), model.parameters.maxOf { it.numel })
+        val bytes = task.modelBytes.toByteArray()
+        val maxNumel = model.parameters.maxOf { it.numel }
+        val update: SparseUpdate = if (task.encoding == ModelEncoding.SPARSE_PATCH && CompactCodec.isCompact(bytes)) {
+            // downlink_compact: tensors by place in the model's layout and its ranked segments'
+            // (fedgc.patching.apply_patch; the reference phone does not read it).
+            val layout = CompactCodec.Layout.patch(model.parameters.associate { it.name to it.shape },
+                task.patchContextList)
+            CompactCodec.decode(bytes, layout, maxNumel)
+        } else WireCodec.decode(bytes, maxNumel)
         if (task.encoding == ModelEncoding.SPARSE_PATCH) {
             val held = if (state.model == null && task.baseVersion == 0L && task.baseSha256.isNotEmpty() && state.initial != null) {
                 // The first task, a patch on version 0: the export's own, in the form the bridge named.
