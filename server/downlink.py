@@ -159,7 +159,8 @@ class Downlink:
     @property
     def nonzero(self) -> bool:
         """Whether patches may grid-code values none of which is zero without a code for zero
-        (value dtype 66, ``nonzero_grid``): with ``downlink_context``, which phones never get."""
+        (value dtype 66, ``nonzero_grid``): with ``downlink_context``. A phone of ``dgc_sets`` gets
+        them too (docs/android.md): the reference phone and the Java codec read dtype 66."""
         return bool(self.origin)
 
     @property
