@@ -51,6 +51,18 @@ RUNS: dict[str, tuple[str, tuple[str, ...], float]] = {
     # A probe of the dips (not in the default --runs): updates the server never aggregated
     # dropped instead of decayed back into the residual (fedgc.methods.unaggregated).
     "async-dgc-discard": ("dgc", (*ASYNC, "--set", "unaggregated=discard"), 2.5),
+    # Probes of seed 1's dip after step 60 (docs/async.md, "Ending the dip"; not in the
+    # default --runs): a tighter staleness bound, a steeper staleness weight.
+    "async-dgc-stale10": ("dgc", (*ASYNC, "--set", "async.max_staleness=10"), 2.5),
+    "async-dgc-stale15": ("dgc", (*ASYNC, "--set", "async.max_staleness=15"), 2.5),
+    "async-dgc-exp1": ("dgc", (*ASYNC, "--set", "async.staleness_exponent=1.0"), 2.5),
+    "async-dgc-exp06": ("dgc", (*ASYNC, "--set", "async.staleness_exponent=0.6"), 2.5),
+    "async-dgc-exp075": ("dgc", (*ASYNC, "--set", "async.staleness_exponent=0.75"), 2.5),
+    # The exponent that ended the dip, on async dense (the key is every method's): 150 steps.
+    "async-dense-exp075": ("dense", (*ASYNC, "--set", "async.staleness_exponent=0.75"), 2.5),
+    # Asynchrony begets momentum (Mitliagkas et al. 2016): dgc's server momentum (0.5) lowered.
+    "async-dgc-m0": ("dgc", (*ASYNC, "--set", "server_momentum=0"), 2.5),
+    "async-dgc-m025": ("dgc", (*ASYNC, "--set", "server_momentum=0.25"), 2.5),
 }
 #: Per-round columns kept in the jsonl (what the report and the plot read).
 COLUMNS = ("accuracy", "virtual_seconds", "wire_uplink_bytes", "wire_downlink_bytes",
