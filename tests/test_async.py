@@ -52,7 +52,8 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 def test_staleness_weight_is_fedbuffs_by_default() -> None:
     assert staleness_weight(0) == 1.0
-    assert staleness_weight(3) == 0.5  # 1 / sqrt(1 + 3)
+    assert staleness_weight(3, exponent=0.5) == 0.5  # 1 / sqrt(1 + 3)
+    assert staleness_weight(15) == 0.125  # the default exponent, 0.75
     assert math.isclose(staleness_weight(8, "polynomial", 1.0), 1 / 9)
     assert staleness_weight(100, "constant") == 1.0
     with pytest.raises(ValueError, match="staleness must be >= 0, got -1"):
@@ -270,7 +271,7 @@ def test_the_run_announces_its_asynchronous_loop() -> None:
 
     line = announcement(RunConfig.from_flat({**SMALL, "run_name": "a"}))
     assert ("asynchronous (FedBuff: 3 training at once, a step every 2 replies, staleness "
-            "weight (1+s)^-0.5, at most 20 steps stale), 3 applied steps") in line
+            "weight (1+s)^-0.75, at most 20 steps stale), 3 applied steps") in line
     assert "per round" not in line
 
 

@@ -126,7 +126,7 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                # issue 37's asynchronous mode (off: sync), issue 38's privacy (off)
                "mode": "sync", "async.buffer": 5, "async.concurrency": 10,
                "async.max_staleness": 20, "async.staleness": "polynomial",
-               "async.staleness_exponent": 0.5,
+               "async.staleness_exponent": 0.75,
                "privacy.accountant": "rdp", "privacy.clip": 0.0, "privacy.delta": 1e-05,
                "privacy.clip_quantile": 0.0, "privacy.clip_learning_rate": 0.2,
                # dgc_sets' sets under secure aggregation (issue 38; no effect without it)

@@ -68,8 +68,9 @@ class ServerKeys:
                                    "weight of a reply s steps stale: polynomial = (1 + s) ** "
                                    "-async.staleness_exponent (FedBuff's 1/sqrt(1+s) at 0.5); "
                                    "constant = 1", Check(choices=STALENESS_WEIGHTS))
-    async_staleness_exponent: float = setting(0.5, "async.staleness_exponent", "with "
-                                              "async.staleness = polynomial: the exponent a",
+    async_staleness_exponent: float = setting(0.75, "async.staleness_exponent", "with "
+                                              "async.staleness = polynomial: the exponent a "
+                                              "(0.75: ended async dgc's dips, docs/async.md)",
                                               Check(0.0, 10.0))
     over_selection: float = setting(1.0, "over_selection", "sample ceil(clients_per_round * "
                                     "over_selection) clients, aggregate the first "
