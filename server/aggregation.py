@@ -154,10 +154,13 @@ class Combine:
     record that keeps it out when, later, its update comes to point with history (issue 35's
     mnist5k at 40 rounds); an honest client left out once is not held. The record is judged
     by the cosine alone, so an update held out that now passes decays its record.
-    ``memory_below``: a left-out counts toward the record only when its cosine is below this
-    too (a clear offence: a sign flipper points against the reference, an honest outlier left
-    out near the bar does not gather a record); at or above ``min_cosine`` (0, the deployed
-    bar, and the key's default) every left-out counts.
+    ``memory_below``: only a clear offence opens a record: a left-out starts a client's record
+    only when its cosine is below this too; once a record is open (until it is forgotten),
+    every left-out counts. A sign flipper's first updates point clearly against the reference
+    and open its record, and its later left-outs near the bar then count as before; an honest
+    outlier left out near the bar (the colluders' min-max turns the reference against a few
+    honest clients) never opens one. At or above ``min_cosine`` (0, the deployed bar, and the
+    key's default) every left-out counts.
     """
 
     def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
@@ -186,7 +189,7 @@ class Combine:
         self.clean_radius = float(clean_radius)
         self.gate_reference = gate_reference
         self.gate_memory = float(gate_memory)
-        #: ``gate_memory_below``: a left-out counts toward the record only below this cosine.
+        #: ``gate_memory_below``: a left-out opens a record only below this cosine.
         self.memory_below = float(memory_below)
         #: ``gate_memory``'s record: client key -> its decayed count of left-outs.
         self.record: dict[int, float] = {}
@@ -246,7 +249,8 @@ class Combine:
             if i in held:
                 self.held_out.add(i)
         if keys is not None:
-            self._remember(keys, {keys[i] for i in below if judged[i] < self.memory_below})
+            self._remember(keys, {keys[i] for i in below if judged[i] < self.memory_below
+                                  or keys[i] in self.record})
         keep = [i for i in range(len(clients)) if i not in self.left_out]
         # A round the gate found clean: clip less (half the clients are beyond radius 1, and
         # clipping honest outliers is the robust combine's whole clean-run cost).
@@ -267,9 +271,9 @@ class Combine:
 
     def _remember(self, clients: Sequence[int], offenders: set[int]) -> None:
         """Decay the record of each client of the round by ``gate_memory`` and count one
-        left-out for each of ``offenders`` (below the bar and ``memory_below`` this round,
-        whether or not the minority bound let it in); a record decayed below
-        :data:`FORGOTTEN` is dropped."""
+        left-out for each of ``offenders`` (below the bar this round, whether or not the
+        minority bound let it in; a new record only below ``memory_below``); a record decayed
+        below :data:`FORGOTTEN` is dropped (forgotten: the next left-out must open it again)."""
         for key in dict.fromkeys(clients):  # once a round, in the round's order
             value = self.gate_memory * self.record.get(key, 0.0) + (key in offenders)
             if value < FORGOTTEN:

@@ -147,8 +147,8 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
         held = ", and a repeat offender's while its record is bad" if gate_memory > 0 else ""
         key += f", gate_memory={gate_memory:g}" if gate_memory > 0 else ""
         if gate_memory > 0 and gate_memory_below < min_cosine:  # not every left-out counts
-            held = (f", and a repeat offender's (left out below cosine {gate_memory_below:g}) "
-                    "while its record is bad")
+            held = (f", and a repeat offender's (a record opened below cosine "
+                    f"{gate_memory_below:g}) while its record is bad")
             key += f", gate_memory_below={gate_memory_below:g}"
         parts.append(f"updates left out below cosine {min_cosine:g} with {reference}{held} "
                      f"(min_cosine={min_cosine:g}{key})")

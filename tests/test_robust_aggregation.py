@@ -524,11 +524,12 @@ def _near_the_bar_rounds() -> tuple[list[list[SparsePayload]], list[float]]:
 
 
 @pytest.mark.parametrize("below", [0.0, -0.5])
-def test_only_a_left_out_below_gate_memory_below_counts_toward_the_record(below):
+def test_only_a_left_out_below_gate_memory_below_opens_a_record(below):
     """gate_memory_below: clients 8 and 9, left out twice just below the bar (cosine about
     -0.1), gather a record and are held in the third round at 0 (every left-out counts), but
-    gather none at -0.5 (not a clear offence) and pass; a flipper's left-outs (cosine -1)
-    count at -0.5 as at 0."""
+    open none at -0.5 (not a clear offence) and pass; a flipper's left-outs (cosine -1)
+    count at -0.5 as at 0; and once a clear offence (-1) opened a record, a left-out just
+    below the bar counts toward it (held the round after)."""
     keys = list(range(10))
     rounds, weights = _near_the_bar_rounds()
     combine = _gate_with_memory(0.95, below)
@@ -546,6 +547,11 @@ def test_only_a_left_out_below_gate_memory_below_counts_toward_the_record(below)
     for payloads in flipped:
         flips(payloads, weights, [1.0] * 10, SHAPES, client_keys=keys)
     assert flips.held_out == {8, 9}
+    opened = _gate_with_memory(0.95, below)
+    for payloads in (flipped[1], rounds[0], rounds[2]):  # -1, then -0.1, then passing
+        opened(payloads, weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert opened.held_out == {8, 9}
+    assert opened.record[8] == pytest.approx(0.95 * (0.95 + 1))
 
 
 def test_the_gates_record_is_kept_in_the_checkpoint_and_an_old_one_starts_it_afresh():

@@ -181,7 +181,7 @@ def test_plain_fedavg_says_so():
     assert ("moving average, and a repeat offender's while its record is bad (min_cosine=0, "
             "gate_reference=trend, gate_memory=0.95);") in describe(
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95)
-    assert ("and a repeat offender's (left out below cosine -0.2) while its record is bad "
+    assert ("and a repeat offender's (a record opened below cosine -0.2) while its record is bad "
             "(min_cosine=0, gate_reference=trend, gate_memory=0.95, gate_memory_below=-0.2);"
             ) in describe(1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend",
                           gate_memory=0.95, gate_memory_below=-0.2)
