@@ -75,6 +75,10 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # ... and a wider clip radius in a round whose gate left nobody out (a clean round's cost).
     "on_memory95_clean2": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
                            "clip_radius_clean": 2},
+    # ... a record opened only by a left-out whose cosine is below -0.2 (a clear offence:
+    # issue 35's honest outliers under min-max were left out at -0.14 to -0.00).
+    "on_memory95_open02": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
+                           "gate_memory_below": -0.2},
     # The deployed default with a wider radius in rounds the gate left nobody out.
     "on_clean2": {"robust": "on", "gate_reference": "trend", "clip_radius_clean": 2},
 }

@@ -154,6 +154,13 @@ class Combine:
     record that keeps it out when, later, its update comes to point with history (issue 35's
     mnist5k at 40 rounds); an honest client left out once is not held. The record is judged
     by the cosine alone, so an update held out that now passes decays its record.
+    ``memory_below``: only a clear offence opens a record: a left-out starts a client's record
+    only when its cosine is below this too; once a record is open (until it is forgotten),
+    every left-out counts. A sign flipper's first updates point clearly against the reference
+    and open its record, and its later left-outs near the bar then count as before; an honest
+    outlier left out near the bar (the colluders' min-max turns the reference against a few
+    honest clients) never opens one. At or above ``min_cosine`` (0, the deployed bar, and the
+    key's default) every left-out counts.
     """
 
     def __init__(self, how: str = "mean", trim_fraction: float = 0.1, clip_radius: float = 1.0,
@@ -161,7 +168,7 @@ class Combine:
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
                  min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0,
                  gate_reference: str = "history", gate_memory: float = 0.0,
-                 clean_radius: float = 0.0) -> None:
+                 clean_radius: float = 0.0, memory_below: float = 0.0) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
@@ -173,6 +180,8 @@ class Combine:
                              f"{gate_reference!r}")
         if not 0.0 <= gate_memory < 1.0:
             raise ValueError(f"gate_memory must be in [0, 1), got {gate_memory!r}")
+        if not -1.0 <= memory_below <= 1.0:
+            raise ValueError(f"gate_memory_below must be in [-1, 1], got {memory_below!r}")
         if not (math.isfinite(clean_radius) and clean_radius >= 0):
             raise ValueError(f"clean_radius must be a finite number >= 0, got {clean_radius!r}")
         #: ``clip_radius_clean``: centered clipping's radius in a round whose gate left nobody
@@ -180,6 +189,8 @@ class Combine:
         self.clean_radius = float(clean_radius)
         self.gate_reference = gate_reference
         self.gate_memory = float(gate_memory)
+        #: ``gate_memory_below``: a left-out opens a record only below this cosine.
+        self.memory_below = float(memory_below)
         #: ``gate_memory``'s record: client key -> its decayed count of left-outs.
         self.record: dict[int, float] = {}
         self.trend: torch.Tensor | None = None  # gate_reference = trend's, flat float64
@@ -238,7 +249,8 @@ class Combine:
             if i in held:
                 self.held_out.add(i)
         if keys is not None:
-            self._remember(keys, {keys[i] for i in below})
+            self._remember(keys, {keys[i] for i in below if judged[i] < self.memory_below
+                                  or keys[i] in self.record})
         keep = [i for i in range(len(clients)) if i not in self.left_out]
         # A round the gate found clean: clip less (half the clients are beyond radius 1, and
         # clipping honest outliers is the robust combine's whole clean-run cost).
@@ -260,7 +272,8 @@ class Combine:
     def _remember(self, clients: Sequence[int], offenders: set[int]) -> None:
         """Decay the record of each client of the round by ``gate_memory`` and count one
         left-out for each of ``offenders`` (below the bar this round, whether or not the
-        minority bound let it in); a record decayed below :data:`FORGOTTEN` is dropped."""
+        minority bound let it in; a new record only below ``memory_below``); a record decayed
+        below :data:`FORGOTTEN` is dropped (forgotten: the next left-out must open it again)."""
         for key in dict.fromkeys(clients):  # once a round, in the round's order
             value = self.gate_memory * self.record.get(key, 0.0) + (key in offenders)
             if value < FORGOTTEN:

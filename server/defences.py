@@ -112,7 +112,8 @@ class Bounds:
 
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
              trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1,
-             gate_reference: str = "history", gate_memory: float = 0.0) -> str:
+             gate_reference: str = "history", gate_memory: float = 0.0,
+             gate_memory_below: float = 0.0) -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -145,6 +146,10 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
         key = "" if gate_reference == "history" else f", gate_reference={gate_reference}"
         held = ", and a repeat offender's while its record is bad" if gate_memory > 0 else ""
         key += f", gate_memory={gate_memory:g}" if gate_memory > 0 else ""
+        if gate_memory > 0 and gate_memory_below < min_cosine:  # not every left-out counts
+            held = (f", and a repeat offender's (a record opened below cosine "
+                    f"{gate_memory_below:g}) while its record is bad")
+            key += f", gate_memory_below={gate_memory_below:g}"
         parts.append(f"updates left out below cosine {min_cosine:g} with {reference}{held} "
                      f"(min_cosine={min_cosine:g}{key})")
         plain.append("min_cosine=-1")

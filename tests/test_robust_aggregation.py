@@ -301,6 +301,8 @@ def test_an_attack_defaults_to_just_under_the_bounds_in_force():
     ({"gate_reference": "median"}, r"gate_reference = 'median' is outside"),
     ({"gate_memory": 1}, r"gate_memory = 1.0 is outside"),
     ({"gate_memory": -0.1}, r"gate_memory = -0.1 is outside"),
+    ({"gate_memory_below": 1.5}, r"gate_memory_below = 1.5 is outside"),
+    ({"gate_memory_below": -2}, r"gate_memory_below = -2.0 is outside"),
     ({"clip_radius_clean": -1}, r"clip_radius_clean = -1.0 is outside"),
 ])
 def test_bad_robustness_keys_are_named(keys, message):
@@ -471,11 +473,11 @@ def _offenders_rounds() -> tuple[list[list[SparsePayload]], list[float]]:
             [*weights, claim, claim])
 
 
-def _gate_with_memory(memory: float) -> Combine:
+def _gate_with_memory(memory: float, below: float = 0.0) -> Combine:
     honest, weights = _round_of_ten()
     mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
     combine = Combine("centered_clip", min_cosine=0.0, gate_reference="trend",
-                      gate_memory=memory)
+                      gate_memory=memory, memory_below=below)
     combine.centered.center, combine.trend = mean_h.clone(), mean_h.clone()
     return combine
 
@@ -504,6 +506,52 @@ def test_a_client_left_out_twice_is_left_out_the_third_time_though_its_cosine_pa
     before = dict(combine.record)
     combine(rounds[1], weights, [1.0] * 10, SHAPES)
     assert combine.record == before and not combine.held_out
+
+
+def _near_the_bar_rounds() -> tuple[list[list[SparsePayload]], list[float]]:
+    """Three rounds of ten updates: in the first two, clients 8 and 9 send an update just
+    below the bar (cosine about -0.1 with the honest direction: an honest outlier's); in the
+    third, along the honest direction."""
+    honest, weights = _round_of_ten()
+    mean_h = (torch.tensor(weights, dtype=torch.float64)[:, None] * honest).sum(0) / sum(weights)
+    side = torch.randn(SIZE, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    side -= (side @ mean_h) / (mean_h @ mean_h) * mean_h  # orthogonal to the honest direction
+    near = (-0.1 * mean_h / mean_h.norm() + side / side.norm()) * mean_h.norm()
+    third = torch.cat([honest, (0.5 * mean_h).expand(2, SIZE)])
+    rows = torch.cat([honest, near.expand(2, SIZE)])
+    claim = statistics.median(weights)
+    return ([[_payload(r) for r in x] for x in (rows, rows, third)], [*weights, claim, claim])
+
+
+@pytest.mark.parametrize("below", [0.0, -0.5])
+def test_only_a_left_out_below_gate_memory_below_opens_a_record(below):
+    """gate_memory_below: clients 8 and 9, left out twice just below the bar (cosine about
+    -0.1), gather a record and are held in the third round at 0 (every left-out counts), but
+    open none at -0.5 (not a clear offence) and pass; a flipper's left-outs (cosine -1)
+    count at -0.5 as at 0; and once a clear offence (-1) opened a record, a left-out just
+    below the bar counts toward it (held the round after)."""
+    keys = list(range(10))
+    rounds, weights = _near_the_bar_rounds()
+    combine = _gate_with_memory(0.95, below)
+    for payloads in rounds[:2]:
+        combine(payloads, weights, [1.0] * 10, SHAPES, client_keys=keys)
+        assert set(combine.left_out) == {8, 9} and not combine.held_out
+        assert all(-0.2 < cos < 0 for cos in combine.left_out.values())
+    combine(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    if below < -0.1:
+        assert not combine.left_out and not combine.record
+    else:
+        assert set(combine.left_out) == combine.held_out == {8, 9}
+    flipped, weights = _offenders_rounds()
+    flips = _gate_with_memory(0.95, below)
+    for payloads in flipped:
+        flips(payloads, weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert flips.held_out == {8, 9}
+    opened = _gate_with_memory(0.95, below)
+    for payloads in (flipped[1], rounds[0], rounds[2]):  # -1, then -0.1, then passing
+        opened(payloads, weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert opened.held_out == {8, 9}
+    assert opened.record[8] == pytest.approx(0.95 * (0.95 + 1))
 
 
 def test_the_gates_record_is_kept_in_the_checkpoint_and_an_old_one_starts_it_afresh():

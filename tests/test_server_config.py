@@ -162,6 +162,9 @@ def test_the_defence_keys_reach_the_strategy():
     m = DGCStrategy(RunConfig.from_flat({"robust": "on", "gate_memory": 0.9}))
     assert (m.combine.gate_memory, m.combine.gated) == (0.9, True)
     assert default.combine.gate_memory == 0.0  # the key's default: no record
+    b = DGCStrategy(RunConfig.from_flat({"robust": "on", "gate_memory": 0.9,
+                                         "gate_memory_below": -0.2}))
+    assert (b.combine.memory_below, default.combine.memory_below) == (-0.2, 0.0)
 
 
 def test_a_run_without_run_name_gets_a_new_folder(tmp_path, monkeypatch):

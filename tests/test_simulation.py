@@ -181,6 +181,12 @@ def test_plain_fedavg_says_so():
     assert ("moving average, and a repeat offender's while its record is bad (min_cosine=0, "
             "gate_reference=trend, gate_memory=0.95);") in describe(
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95)
+    assert ("and a repeat offender's (a record opened below cosine -0.2) while its record is bad "
+            "(min_cosine=0, gate_reference=trend, gate_memory=0.95, gate_memory_below=-0.2);"
+            ) in describe(1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend",
+                          gate_memory=0.95, gate_memory_below=-0.2)
+    assert "gate_memory_below" not in describe(  # at the bar (its default): every left-out
+        1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95)
     assert "cosine 0 with the last round's aggregate (min_cosine=0);" in describe(
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="history")
     assert describe(0, 0, "centered_clip", 0.1, bucket_size=2) == (  # bucketing: issue 35

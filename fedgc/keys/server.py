@@ -148,6 +148,13 @@ class ServerKeys:
         "kept by client key (in a deployment a node's: a client that comes back under a new "
         "identity starts with a clean record); 0 = no record",
         Check(0.0, 1.0, high_open=True))
+    gate_memory_below: float = setting(
+        0.0, "gate_memory_below", "with gate_memory above 0: only a clear offence opens a "
+        "client's record: a left-out starts one only when its cosine is below this too, and "
+        "once open every left-out counts (a sign flipper's first updates point clearly against "
+        "the reference; an honest outlier left out near the bar never opens one); at or above "
+        "min_cosine every left-out counts (the default, 0, is robust = on's min_cosine)",
+        Check(-1.0, 1.0))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
                                 "training split), on which it takes its own round each round",
