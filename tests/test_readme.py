@@ -88,12 +88,16 @@ def test_the_stated_defences_are_the_defaults() -> None:
     assert ServerSettings().robust == "auto"
     assert fedavg == "FedAvg"
     assert ROBUST_PROFILES["off"] == {"aggregation": "mean", "max_weight_ratio": 0.0,
-                                      "max_norm_ratio": 0.0, "min_cosine": -1.0}
+                                      "max_norm_ratio": 0.0, "min_cosine": -1.0,
+                                      "gate_memory": 0.0, "gate_memory_below": 0.0}
     assert cap == "median" and ROBUST_PROFILES["on"]["max_weight_ratio"] == 1.0
     assert ROBUST_PROFILES["on"]["aggregation"] == deployed
     gate = "leaving out updates that point against the aggregates' moving average"
     assert (gate in re.sub(r"\s+", " ", (ROOT / "README.md").read_text())) == (
         ROBUST_PROFILES["on"]["min_cosine"] == 0.0)
+    memory = "a client whose left-out update pointed clearly against it"
+    assert (memory in re.sub(r"\s+", " ", (ROOT / "README.md").read_text())) == (
+        ROBUST_PROFILES["on"]["gate_memory"] > 0)
 
 
 @pytest.mark.slow

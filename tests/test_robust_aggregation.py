@@ -338,6 +338,24 @@ def test_a_checkpoint_of_before_the_direction_gate_resumes_without_it(robust):
         check_run_config(written, {**current, "min_cosine": 0.0})
 
 
+def test_a_checkpoint_of_before_the_gates_memory_resumes_without_it():
+    """A run config written before gate_memory (and gate_memory_below) ran without a record: it
+    resumes where the memory is off (robust = off), and robust = on, whose profile turns it on,
+    is refused, naming the keys (gate_memory = 0 resumes it)."""
+    from server.checkpoint import CheckpointError
+
+    written = {k: v for k, v in RunConfig.from_flat({"robust": "on"}).to_flat().items()
+               if k not in ("gate_memory", "gate_memory_below")}
+    check_run_config(written, RunConfig.from_flat({"robust": "on", "gate_memory": 0,
+                                                   "gate_memory_below": 0}).to_flat())
+    on = RunConfig.from_flat({"robust": "on"}).to_flat()
+    with pytest.raises(CheckpointError, match=r"gate_memory = 0.0 \(now 0.95\), "
+                                              r"gate_memory_below = 0.0 \(now -0.2\)"):
+        check_run_config(written, on)
+    off = RunConfig.from_flat({"robust": "off"}).to_flat()
+    check_run_config({k: v for k, v in off.items() if not k.startswith("gate_memory")}, off)
+
+
 def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_path):
     """The ServerApp decides by its grid: Flower's deployment grid (the SuperLink's, no
     connection made here) turns it on, fedgc's in-process engine off; ``deploy`` decides before

@@ -37,9 +37,9 @@ STALENESS_WEIGHTS = ("polynomial", "constant")
 #: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
 ROBUST_PROFILES: dict[str, dict[str, Any]] = {
     "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
-            "min_cosine": -1.0},
+            "min_cosine": -1.0, "gate_memory": 0.0, "gate_memory_below": 0.0},
     "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
-           "min_cosine": 0.0},
+           "min_cosine": 0.0, "gate_memory": 0.95, "gate_memory_below": -0.2},
 }
 
 
@@ -86,12 +86,15 @@ class ServerKeys:
                                             "default", Check(0.0, 1.0, high_open=True),
                                             fallback=0.0)
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
-                          "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine): off = "
-                          "plain FedAvg (mean, no cap, no clip, no gate); on = for clients that "
-                          "are not trusted (centered_clip, weights capped at the round's "
-                          "median, updates pointing against the aggregates' moving average left "
-                          "out: min_cosine 0); auto = on in deployments and behind the phone "
-                          "bridge, off in simulation (docs/threat_model.md)",
+                          "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine, "
+                          "gate_memory, gate_memory_below): off = plain FedAvg (mean, no cap, "
+                          "no clip, no gate); on = for clients that are not trusted "
+                          "(centered_clip, weights capped at the round's median, updates "
+                          "pointing against the aggregates' moving average left out: min_cosine "
+                          "0, and a client whose left-out update pointed clearly against it "
+                          "held while its record is bad: gate_memory 0.95 below -0.2); auto = "
+                          "on in deployments and behind the phone bridge, off in simulation "
+                          "(docs/threat_model.md)",
                           Check(choices=ROBUST_MODES))
     max_weight_ratio: float | None = setting(
         None, "max_weight_ratio", "a client's weight (num-examples) is capped at this times the "
@@ -140,20 +143,21 @@ class ServerKeys:
         "clipping of every update from there (the majority's direction now, which a hostile "
         "minority let in once cannot turn against the honest clients)",
         Check(choices=GATE_REFERENCES))
-    gate_memory: float = setting(
-        0.0, "gate_memory", "with min_cosine above -1: the gate remembers a repeat offender: "
+    gate_memory: float | None = setting(
+        None, "gate_memory", "with min_cosine above -1: the gate remembers a repeat offender: "
         "each client's record counts the rounds the gate left it out, each count decayed by "
         "this per round the client takes part in, and a client whose record reached 1.5 "
         "(left out twice, recently) is left out while it stays there, whatever its cosine; "
         "kept by client key (in a deployment a node's: a client that comes back under a new "
-        "identity starts with a clean record); 0 = no record",
+        "identity starts with a clean record); 0 = no record; empty = by robust (off: 0, on: "
+        "0.95)",
         Check(0.0, 1.0, high_open=True))
-    gate_memory_below: float = setting(
-        0.0, "gate_memory_below", "with gate_memory above 0: only a clear offence opens a "
+    gate_memory_below: float | None = setting(
+        None, "gate_memory_below", "with gate_memory above 0: only a clear offence opens a "
         "client's record: a left-out starts one only when its cosine is below this too, and "
         "once open every left-out counts (a sign flipper's first updates point clearly against "
         "the reference; an honest outlier left out near the bar never opens one); at or above "
-        "min_cosine every left-out counts (the default, 0, is robust = on's min_cosine)",
+        "min_cosine every left-out counts; empty = by robust (off: 0, on: -0.2)",
         Check(-1.0, 1.0))
     root_samples: int = setting(100, "root_samples", "with aggregation = fltrust: training "
                                 "examples the server holds (a seeded sample of the task's "
