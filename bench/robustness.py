@@ -66,17 +66,22 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     "on_bucket2": {"robust": "on", "bucket_size": 2},
     # The direction gate judging by this round's own centered clipping, not history alone.
     "on_gate_round": {"robust": "on", "gate_reference": "round"},
-    # The direction gate judging by the moving average of the aggregates (momentum 0.9).
-    "on_gate_trend": {"robust": "on", "gate_reference": "trend"},
+    # The direction gate judging by the moving average of the aggregates (momentum 0.9), without
+    # the memory robust = on has given since stop 46 (the deployed default before it).
+    "on_gate_trend": {"robust": "on", "gate_reference": "trend", "gate_memory": 0},
     "on_gate_trend_r2": {"robust": "on", "gate_reference": "trend", "clip_radius": 2},
     # The gate remembers a repeat offender (a record of left-outs decayed by this per round).
-    "on_memory95": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95},
-    "on_memory98": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.98},
+    # Every left-out counts (gate_memory_below 0, robust = on's min_cosine).
+    "on_memory95": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
+                    "gate_memory_below": 0},
+    "on_memory98": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.98,
+                    "gate_memory_below": 0},
     # ... and a wider clip radius in a round whose gate left nobody out (a clean round's cost).
     "on_memory95_clean2": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
-                           "clip_radius_clean": 2},
+                           "gate_memory_below": 0, "clip_radius_clean": 2},
     # ... a record opened only by a left-out whose cosine is below -0.2 (a clear offence:
-    # issue 35's honest outliers under min-max were left out at -0.14 to -0.00).
+    # issue 35's honest outliers under min-max were left out at -0.14 to -0.00): robust = on's
+    # own since stop 46.
     "on_memory95_open02": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
                            "gate_memory_below": -0.2},
     # The deployed default with a wider radius in rounds the gate left nobody out.
