@@ -73,17 +73,24 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # The gate remembers a repeat offender (a record of left-outs decayed by this per round).
     # Every left-out counts (gate_memory_below 0, robust = on's min_cosine).
     "on_memory95": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
-                    "gate_memory_below": 0},
+                    "gate_memory_below": 0, "gate_first_bar": 0},
     "on_memory98": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.98,
-                    "gate_memory_below": 0},
+                    "gate_memory_below": 0, "gate_first_bar": 0},
     # ... and a wider clip radius in a round whose gate left nobody out (a clean round's cost).
     "on_memory95_clean2": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
-                           "gate_memory_below": 0, "clip_radius_clean": 2},
+                           "gate_memory_below": 0, "gate_first_bar": 0,
+                           "clip_radius_clean": 2},
     # ... a record opened only by a left-out whose cosine is below -0.2 (a clear offence:
-    # issue 35's honest outliers under min-max were left out at -0.14 to -0.00): robust = on's
-    # own since stop 46.
+    # issue 35's honest outliers under min-max were left out at -0.14 to -0.00), every client
+    # judged at min_cosine 0 (robust = on's at stop 46 before gate_first_bar).
     "on_memory95_open02": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
-                           "gate_memory_below": -0.2},
+                           "gate_memory_below": -0.2, "gate_first_bar": 0},
+    # robust = on with the gate's bar at the memory's: only a clear offence is left out (honest
+    # outliers near 0 stay in), a client whose record it opened held as before.
+    "on_bar02": {"robust": "on", "min_cosine": -0.2},
+    # ... the bar -0.2 only for a client without an open record (an honest outlier stays in),
+    # min_cosine 0 for one whose record a clear offence opened: robust = on's since stop 46.
+    "on_first02": {"robust": "on", "gate_first_bar": -0.2},
     # The deployed default with a wider radius in rounds the gate left nobody out.
     "on_clean2": {"robust": "on", "gate_reference": "trend", "clip_radius_clean": 2},
 }

@@ -168,7 +168,8 @@ class Combine:
                  root: Callable[[Mapping[str, tuple[int, ...]]], torch.Tensor] | None = None,
                  min_cosine: float = -1.0, bucket_size: int = 1, seed: int = 0,
                  gate_reference: str = "history", gate_memory: float = 0.0,
-                 clean_radius: float = 0.0, memory_below: float = 0.0) -> None:
+                 clean_radius: float = 0.0, memory_below: float = 0.0,
+                 first_bar: float | None = None) -> None:
         if how not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {list(AGGREGATIONS)}, got {how!r}")
         if how == "fltrust" and root is None:
@@ -182,6 +183,8 @@ class Combine:
             raise ValueError(f"gate_memory must be in [0, 1), got {gate_memory!r}")
         if not -1.0 <= memory_below <= 1.0:
             raise ValueError(f"gate_memory_below must be in [-1, 1], got {memory_below!r}")
+        if first_bar is not None and not -1.0 <= first_bar <= 1.0:
+            raise ValueError(f"gate_first_bar must be in [-1, 1], got {first_bar!r}")
         if not (math.isfinite(clean_radius) and clean_radius >= 0):
             raise ValueError(f"clean_radius must be a finite number >= 0, got {clean_radius!r}")
         #: ``clip_radius_clean``: centered clipping's radius in a round whose gate left nobody
@@ -191,6 +194,9 @@ class Combine:
         self.gate_memory = float(gate_memory)
         #: ``gate_memory_below``: a left-out opens a record only below this cosine.
         self.memory_below = float(memory_below)
+        #: ``gate_first_bar``: the bar of a client without an open record (None: min_cosine's;
+        #: read only with gate_memory, which keeps the records).
+        self.first_bar = None if first_bar is None else float(first_bar)
         #: ``gate_memory``'s record: client key -> its decayed count of left-outs.
         self.record: dict[int, float] = {}
         self.trend: torch.Tensor | None = None  # gate_reference = trend's, flat float64
@@ -234,9 +240,17 @@ class Combine:
             reference = self.centered.clip(clients, weights, reference)
         # No reference yet (round 1 judged by history): nothing to judge by, nothing left out.
         judged = cosines(clients, reference) if bool(reference.any()) else [1.0] * len(clients)
-        below = sorted((i for i, cos in enumerate(judged) if cos < self.min_cosine),
-                       key=lambda i: judged[i])
         keys = client_keys if self.gate_memory > 0 else None
+
+        def bar(i: int) -> float:
+            # A client with no open record must point clearly against the reference to be left
+            # out (gate_first_bar); one whose record a clear offence opened, below min_cosine.
+            if keys is None or self.first_bar is None or keys[i] in self.record:
+                return self.min_cosine
+            return self.first_bar
+
+        below = sorted((i for i, cos in enumerate(judged) if cos < bar(i)),
+                       key=lambda i: judged[i])
         held = [] if keys is None else sorted(
             (i for i in range(len(judged)) if judged[i] >= self.min_cosine
              and self.record.get(keys[i], 0.0) >= REPEAT_OFFENCES), key=lambda i: judged[i])

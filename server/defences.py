@@ -113,7 +113,7 @@ class Bounds:
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
              trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1,
              gate_reference: str = "history", gate_memory: float = 0.0,
-             gate_memory_below: float = 0.0) -> str:
+             gate_memory_below: float = 0.0, gate_first_bar: float | None = None) -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -150,8 +150,12 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
             held = (f", and a repeat offender's (a record opened below cosine "
                     f"{gate_memory_below:g}) while its record is bad")
             key += f", gate_memory_below={gate_memory_below:g}"
-        parts.append(f"updates left out below cosine {min_cosine:g} with {reference}{held} "
-                     f"(min_cosine={min_cosine:g}{key})")
+        first = ""
+        if gate_memory > 0 and gate_first_bar is not None and gate_first_bar < min_cosine:
+            first = f" (a client without a record below {gate_first_bar:g})"
+            key += f", gate_first_bar={gate_first_bar:g}"
+        parts.append(f"updates left out below cosine {min_cosine:g}{first} with {reference}"
+                     f"{held} (min_cosine={min_cosine:g}{key})")
         plain.append("min_cosine=-1")
     if aggregation != "mean":
         if aggregation == "centered_clip" and bucket_size > 1:

@@ -172,7 +172,8 @@ class DGCStrategy(FedAvg):
                                bucket_size=s.bucket_size, seed=t.seed,
                                gate_reference=s.gate_reference, gate_memory=s.gate_memory,
                                clean_radius=s.clip_radius_clean,
-                               memory_below=s.gate_memory_below)
+                               memory_below=s.gate_memory_below,
+                               first_bar=s.gate_first_bar)
         self.channel: Channel | None = None  # the method's round material, from set_model
         self.records = RunRecords()
         self.completed_rounds = 0

@@ -572,6 +572,34 @@ def test_only_a_left_out_below_gate_memory_below_opens_a_record(below):
     assert opened.record[8] == pytest.approx(0.95 * (0.95 + 1))
 
 
+@pytest.mark.parametrize("first_bar", [None, -0.5])
+def test_gate_first_bar_keeps_a_client_without_a_record_in_near_the_bar(first_bar):
+    """gate_first_bar: clients 8 and 9 just below min_cosine (cosine about -0.1, an honest
+    outlier's), without a record, are left out at min_cosine (None) but kept in at -0.5; a
+    flipper (cosine -1) is left out either way and opens its record, and once it is open the
+    client is judged at min_cosine again: left out at -0.1 the round after."""
+    keys = list(range(10))
+    near, weights = _near_the_bar_rounds()
+    combine = _gate_with_memory(0.95, -0.5)
+    combine.first_bar = first_bar
+    combine(near[0], weights, [1.0] * 10, SHAPES, client_keys=keys)
+    assert set(combine.left_out) == (set() if first_bar is not None else {8, 9})
+    flipped, _ = _offenders_rounds()
+    opened = _gate_with_memory(0.95, -0.5)
+    opened.first_bar = first_bar
+    opened(flipped[1], weights, [1.0] * 10, SHAPES, client_keys=keys)  # cosine -1: opens
+    assert set(opened.left_out) == {8, 9} and set(opened.record) == {8, 9}
+    opened(near[0], weights, [1.0] * 10, SHAPES, client_keys=keys)  # -0.1, records open
+    assert set(opened.left_out) == {8, 9}
+    # Without client keys (no record read) the bar is min_cosine's for every client.
+    plain = _gate_with_memory(0.95, -0.5)
+    plain.first_bar = first_bar
+    plain(near[0], weights, [1.0] * 10, SHAPES)
+    assert set(plain.left_out) == {8, 9}
+    with pytest.raises(ValueError, match="gate_first_bar must be in"):
+        Combine("centered_clip", min_cosine=0.0, first_bar=-1.5)
+
+
 def test_the_gates_record_is_kept_in_the_checkpoint_and_an_old_one_starts_it_afresh():
     """The record resumes from the combine's state (through the checkpoint's weights-only
     load): the resumed third round holds the same clients out and gives the same aggregate,

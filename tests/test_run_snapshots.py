@@ -121,6 +121,7 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                "attack.deviation": "std", "attack.epsilon": 0.0, "attack.knowledge": "partial",
                "min_cosine": -1.0, "bucket_size": 1, "gate_reference": "trend",
                "gate_memory": 0.0, "clip_radius_clean": 0.0, "gate_memory_below": 0.0,
+               "gate_first_bar": -1.0,
                # issue 37's fold-back of unaggregated updates, whole
                "unaggregated": "keep", "unaggregated_decay": 0.5, "unaggregated_cap": 1.0,
                # issue 37's asynchronous mode (off: sync), issue 38's privacy (off)

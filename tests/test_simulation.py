@@ -187,6 +187,12 @@ def test_plain_fedavg_says_so():
                           gate_memory=0.95, gate_memory_below=-0.2)
     assert "gate_memory_below" not in describe(  # at the bar (its default): every left-out
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95)
+    assert ("left out below cosine 0 (a client without a record below -0.2) with the "
+            "aggregates' moving average") in describe(  # robust = on's since stop 46
+        1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95,
+        gate_memory_below=-0.2, gate_first_bar=-0.2)
+    assert "gate_first_bar" not in describe(  # unread without gate_memory
+        1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_first_bar=-0.2)
     assert "cosine 0 with the last round's aggregate (min_cosine=0);" in describe(
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="history")
     assert describe(0, 0, "centered_clip", 0.1, bucket_size=2) == (  # bucketing: issue 35

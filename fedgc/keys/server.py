@@ -37,9 +37,11 @@ STALENESS_WEIGHTS = ("polynomial", "constant")
 #: What ``robust`` gives the aggregation keys left empty (docs/threat_model.md: why these).
 ROBUST_PROFILES: dict[str, dict[str, Any]] = {
     "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
-            "min_cosine": -1.0, "gate_memory": 0.0, "gate_memory_below": 0.0},
+            "min_cosine": -1.0, "gate_memory": 0.0, "gate_memory_below": 0.0,
+            "gate_first_bar": -1.0},
     "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
-           "min_cosine": 0.0, "gate_memory": 0.95, "gate_memory_below": -0.2},
+           "min_cosine": 0.0, "gate_memory": 0.95, "gate_memory_below": -0.2,
+           "gate_first_bar": -0.2},
 }
 
 
@@ -87,12 +89,14 @@ class ServerKeys:
                                             fallback=0.0)
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
                           "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine, "
-                          "gate_memory, gate_memory_below): off = plain FedAvg (mean, no cap, "
-                          "no clip, no gate); on = for clients that are not trusted "
-                          "(centered_clip, weights capped at the round's median, updates "
-                          "pointing against the aggregates' moving average left out: min_cosine "
-                          "0, and a client whose left-out update pointed clearly against it "
-                          "held while its record is bad: gate_memory 0.95 below -0.2); auto = "
+                          "gate_memory, gate_memory_below, gate_first_bar): off = plain "
+                          "FedAvg (mean, no cap, no clip, no gate); on = for clients that "
+                          "are not trusted (centered_clip, weights capped at the round's "
+                          "median, updates pointing clearly against the aggregates' moving "
+                          "average left out: gate_first_bar -0.2, which opens a client's "
+                          "record: gate_memory 0.95, gate_memory_below -0.2; a client with an "
+                          "open record left out below min_cosine 0 and held while its record "
+                          "is bad); auto = "
                           "on in deployments and behind the phone bridge, off in simulation "
                           "(docs/threat_model.md)",
                           Check(choices=ROBUST_MODES))
@@ -152,6 +156,13 @@ class ServerKeys:
         "identity starts with a clean record); 0 = no record; empty = by robust (off: 0, on: "
         "0.95)",
         Check(0.0, 1.0, high_open=True))
+    gate_first_bar: float | None = setting(
+        None, "gate_first_bar", "with gate_memory above 0: the direction gate's bar for a "
+        "client without an open record (it is left out only below this; one whose record is "
+        "open, below min_cosine): an honest outlier near min_cosine stays in, a sign flipper "
+        "whose first updates opened its record is judged at min_cosine; empty = by robust "
+        "(off: -1, unread without gate_memory; on: -0.2)",
+        Check(-1.0, 1.0))
     gate_memory_below: float | None = setting(
         None, "gate_memory_below", "with gate_memory above 0: only a clear offence opens a "
         "client's record: a left-out starts one only when its cosine is below this too, and "
