@@ -148,8 +148,7 @@ public final class CompactCodec {
 
     /** Whether {@code data} starts with this kind's magic (a patch may be either message). */
     public static boolean isCompact(byte[] data) {
-        return data != null && data.length >= 4 && data[0] == MAGIC[0] && data[1] == MAGIC[1]
-                && data[2] == MAGIC[2] && data[3] == MAGIC[3];
+        return Frames.hasMagic(data, MAGIC);
     }
 
     /** A varint's value (unsigned 64 bits) and the offset after it. */
@@ -201,19 +200,8 @@ public final class CompactCodec {
      */
     public static SparseUpdate decode(byte[] data, Layout layout, long maxNumel)
             throws DecodeException {
-        if (data == null || data.length < PREAMBLE_BYTES + CRC_BYTES) {
-            throw Frames.truncated((data == null ? 0 : data.length)
-                    + " bytes, a message has at least " + (PREAMBLE_BYTES + CRC_BYTES));
-        }
-        if (!isCompact(data)) {
-            throw new DecodeException(DecodeException.Reason.BAD_MAGIC, "bad magic, expected "
-                    + "FGCK (a compact update)");
-        }
-        if ((data[4] & 0xFF) != VERSION) {
-            throw new DecodeException(DecodeException.Reason.UNSUPPORTED_VERSION,
-                    "unsupported version " + (data[4] & 0xFF) + ", this decoder reads 1");
-        }
-        ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
+        ByteBuffer in = Frames.preamble(data, MAGIC, VERSION, PREAMBLE_BYTES + CRC_BYTES,
+                "a message", "FGCK (a compact update)");
         long digest = in.getInt(5) & 0xFFFFFFFFL;
         int end = data.length - CRC_BYTES;
         Frames.checkCrc(in, data, end);

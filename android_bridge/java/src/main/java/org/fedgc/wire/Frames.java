@@ -1,6 +1,7 @@
 package org.fedgc.wire;
 
 import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
 import java.nio.charset.CharacterCodingException;
 import java.nio.charset.CodingErrorAction;
 import java.nio.charset.StandardCharsets;
@@ -22,6 +23,35 @@ final class Frames {
             throw truncated(what + " needs " + size + " bytes at offset " + pos + ", only "
                     + Math.max(end - pos, 0) + " left before the checksum");
         }
+    }
+
+    /** Whether {@code data} starts with the 4-byte {@code magic}. */
+    static boolean hasMagic(byte[] data, byte[] magic) {
+        return data != null && data.length >= 4 && data[0] == magic[0] && data[1] == magic[1]
+                && data[2] == magic[2] && data[3] == magic[3];
+    }
+
+    /**
+     * The preamble's checks, in the Python decoders' order: at least {@code minBytes}
+     * ({@code TRUNCATED}, "{@code minBytes} bytes, {@code message} has at least ..."), the
+     * magic ({@code BAD_MAGIC}, "expected {@code expected}"), the version byte after it
+     * ({@code UNSUPPORTED_VERSION}); {@code data} little-endian for the fields after them.
+     */
+    static ByteBuffer preamble(byte[] data, byte[] magic, int version, int minBytes,
+                               String message, String expected) throws DecodeException {
+        if (data == null || data.length < minBytes) {
+            throw truncated((data == null ? 0 : data.length) + " bytes, " + message
+                    + " has at least " + minBytes);
+        }
+        if (!hasMagic(data, magic)) {
+            throw new DecodeException(DecodeException.Reason.BAD_MAGIC,
+                    "bad magic, expected " + expected);
+        }
+        if ((data[4] & 0xFF) != version) {
+            throw new DecodeException(DecodeException.Reason.UNSUPPORTED_VERSION,
+                    "unsupported version " + (data[4] & 0xFF) + ", this decoder reads " + version);
+        }
+        return ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
     }
 
     static DecodeException truncated(String detail) {

@@ -1,7 +1,6 @@
 package org.fedgc.wire;
 
 import java.nio.ByteBuffer;
-import java.nio.ByteOrder;
 import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.Map;
@@ -65,8 +64,7 @@ public final class RankRequest {
 
     /** Whether {@code data} starts with this kind's magic (a task's shared_mask may be either). */
     public static boolean isRankRequest(byte[] data) {
-        return data != null && data.length >= 4 && data[0] == MAGIC[0] && data[1] == MAGIC[1]
-                && data[2] == MAGIC[2] && data[3] == MAGIC[3];
+        return Frames.hasMagic(data, MAGIC);
     }
 
     /**
@@ -80,19 +78,8 @@ public final class RankRequest {
      */
     public static RankRequest decode(byte[] data, Map<String, Long> numels)
             throws DecodeException {
-        if (data == null || data.length < PREAMBLE_BYTES + CRC_BYTES) {
-            throw Frames.truncated((data == null ? 0 : data.length)
-                    + " bytes, a rank request has at least " + (PREAMBLE_BYTES + CRC_BYTES));
-        }
-        if (!isRankRequest(data)) {
-            throw new DecodeException(DecodeException.Reason.BAD_MAGIC, "bad magic, expected "
-                    + "FGCD (a rank request)");
-        }
-        if ((data[4] & 0xFF) != VERSION) {
-            throw new DecodeException(DecodeException.Reason.UNSUPPORTED_VERSION,
-                    "unsupported version " + (data[4] & 0xFF) + ", this decoder reads 1");
-        }
-        ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
+        ByteBuffer in = Frames.preamble(data, MAGIC, VERSION, PREAMBLE_BYTES + CRC_BYTES,
+                "a rank request", "FGCD (a rank request)");
         long sequence = in.getLong(5);
         long count = in.getInt(13) & 0xFFFFFFFFL;
         int end = data.length - CRC_BYTES;

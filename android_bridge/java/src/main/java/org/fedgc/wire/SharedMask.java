@@ -59,8 +59,7 @@ public final class SharedMask {
 
     /** Whether {@code data} starts with this kind's magic. */
     public static boolean isSharedMask(byte[] data) {
-        return data != null && data.length >= 4 && data[0] == MAGIC[0] && data[1] == MAGIC[1]
-                && data[2] == MAGIC[2] && data[3] == MAGIC[3];
+        return Frames.hasMagic(data, MAGIC);
     }
 
     /**
@@ -77,19 +76,8 @@ public final class SharedMask {
      */
     public static SharedMask decode(byte[] data, Map<String, Long> numels)
             throws DecodeException {
-        if (data == null || data.length < PREAMBLE_BYTES + CRC_BYTES) {
-            throw Frames.truncated((data == null ? 0 : data.length)
-                    + " bytes, a message has at least " + (PREAMBLE_BYTES + CRC_BYTES));
-        }
-        if (!isSharedMask(data)) {
-            throw new DecodeException(DecodeException.Reason.BAD_MAGIC, "bad magic, expected "
-                    + "FGCM (shared index sets)");
-        }
-        if ((data[4] & 0xFF) != VERSION) {
-            throw new DecodeException(DecodeException.Reason.UNSUPPORTED_VERSION,
-                    "unsupported version " + (data[4] & 0xFF) + ", this decoder reads 1");
-        }
-        ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
+        ByteBuffer in = Frames.preamble(data, MAGIC, VERSION, PREAMBLE_BYTES + CRC_BYTES,
+                "a message", "FGCM (shared index sets)");
         long sequence = in.getLong(5);
         long count = in.getInt(13) & 0xFFFFFFFFL;
         int end = data.length - CRC_BYTES;

@@ -90,21 +90,8 @@ public final class SignsCodec {
      * @throws DecodeException for anything that is not a valid message, with the reason
      */
     public static SignsUpdate decode(byte[] data, long maxNumel) throws DecodeException {
-        if (data == null || data.length < PREAMBLE_BYTES + CRC_BYTES) {
-            throw Frames.truncated((data == null ? 0 : data.length)
-                    + " bytes, a message has at least " + (PREAMBLE_BYTES + CRC_BYTES));
-        }
-        ByteBuffer in = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
-        for (int i = 0; i < 4; i++) {
-            if (data[i] != MAGIC[i]) {
-                throw new DecodeException(DecodeException.Reason.BAD_MAGIC, "bad magic, expected "
-                        + "FGCB");
-            }
-        }
-        if ((data[4] & 0xFF) != VERSION) {
-            throw new DecodeException(DecodeException.Reason.UNSUPPORTED_VERSION,
-                    "unsupported version " + (data[4] & 0xFF) + ", this decoder reads 1");
-        }
+        ByteBuffer in = Frames.preamble(data, MAGIC, VERSION, PREAMBLE_BYTES + CRC_BYTES,
+                "a message", "FGCB");
         long sequence = in.getLong(5);
         long count = in.getInt(13) & 0xFFFFFFFFL;
         int end = data.length - CRC_BYTES;
