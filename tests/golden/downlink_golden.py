@@ -22,7 +22,6 @@ only when adding cases::
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 import sys
@@ -432,18 +431,9 @@ def golden() -> dict:
             "compact_refusals": compact_refusals()}
 
 
-def text(doc: dict) -> str:
-    """The file's text: one case a line."""
-    def dump(value: object) -> str:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-    parts = [f" {dump(key)}: " + ("[\n" + ",\n".join(f"  {dump(c)}" for c in value) + "\n ]"
-                                  if isinstance(value, list) else dump(value))
-             for key, value in doc.items()]
-    return "{\n" + ",\n".join(parts) + "\n}\n"
-
-
 if __name__ == "__main__":
+    from tests.golden.dgc_sets_golden import text  # the golden files' one-case-a-line layout
+
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else GOLDEN_PATH
     path.write_text(text(golden()), encoding="utf-8")
     print(f"wrote {path}", file=sys.stderr)
