@@ -126,13 +126,14 @@ def pull_interval(empty_pulls: int) -> float:
     return min(PULL_INTERVAL_S * 2.0 ** min(empty_pulls - 1, 32), PULL_INTERVAL_MAX_S)
 
 
-def staleness_weight(staleness: int, how: str = "polynomial", exponent: float = 0.75) -> float:
+def staleness_weight(staleness: int, how: str, exponent: float) -> float:
     """The weight of a reply trained on a model ``staleness`` applied steps old.
 
     ``polynomial``: ``(1 + s) ** -exponent`` (FedBuff's ``1 / sqrt(1 + s)`` at 0.5; APPFL's
-    polynomial family; 0.75 by default, ``async.staleness_exponent``); ``constant``: 1.
+    polynomial family; ``async.staleness`` and ``async.staleness_exponent`` give ``how`` and
+    ``exponent``); ``constant``: 1.
 
-    >>> staleness_weight(3, exponent=0.5)
+    >>> staleness_weight(3, "polynomial", 0.5)
     0.5
     """
     if staleness < 0:

@@ -50,16 +50,19 @@ def _csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def test_staleness_weight_is_fedbuffs_by_default() -> None:
-    assert staleness_weight(0) == 1.0
-    assert staleness_weight(3, exponent=0.5) == 0.5  # 1 / sqrt(1 + 3)
-    assert staleness_weight(15) == 0.125  # the default exponent, 0.75
+def test_staleness_weight_is_fedbuffs_at_half_and_the_keys_by_default() -> None:
+    from fedgc.settings import RunConfig
+
+    assert staleness_weight(0, "polynomial", 0.5) == 1.0
+    assert staleness_weight(3, "polynomial", 0.5) == 0.5  # FedBuff's 1 / sqrt(1 + 3)
+    s = RunConfig.from_flat({}).server  # the keys' defaults: polynomial, 0.75
+    assert staleness_weight(15, s.async_staleness, s.async_staleness_exponent) == 0.125
     assert math.isclose(staleness_weight(8, "polynomial", 1.0), 1 / 9)
-    assert staleness_weight(100, "constant") == 1.0
+    assert staleness_weight(100, "constant", 0.5) == 1.0
     with pytest.raises(ValueError, match="staleness must be >= 0, got -1"):
-        staleness_weight(-1)
+        staleness_weight(-1, "polynomial", 0.5)
     with pytest.raises(ValueError, match="'hinge'"):
-        staleness_weight(1, "hinge")
+        staleness_weight(1, "hinge", 0.5)
 
 
 def test_a_grid_without_replies_is_pulled_less_and_less() -> None:
