@@ -31,12 +31,12 @@ from client.state import ClientState, ClientStateStore
 from dgc import SparseUpdate
 from dgc.int8_grid import round_initial
 from dgc.signs.codec import RANK_MAGIC
-from dgc.wire import max_numel_of
 from fedgc import context_patch, methods
 from fedgc import protocol as P
 from fedgc.keys import TrainSettings
 from fedgc.methods.dgc import RankRequest
 from fedgc.methods.material import material_of
+from fedgc.patching import ProtocolError, decode_patch, encode_patch, is_compact
 
 DEVICE_KEY = "device-id"
 
@@ -199,8 +199,17 @@ def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any],
     from ``model``, the model it produces: a patch whose values replace, the only kind phones
     apply. ``orders``: per tensor sent as segments of its ranking by displacement
     (``patch_context``), that ranking (:func:`fedgc.context_patch.rank_order` of the base
-    against version 0), which places a segment's entries; the segments keep their positions."""
-    update = dgc.decode(patch, max_numel=max_numel_of(t.shape for t in model.values()))
+    against version 0), which places a segment's entries; the segments keep their positions.
+    A compact patch (``downlink_compact``) is read and written on the layout of ``model`` and
+    those segments (:func:`fedgc.patching.decode_patch`), an update message as one.
+    BridgeError (one line) for a patch that does not decode on that layout."""
+    shapes = {k: tuple(v.shape) for k, v in model.items()}
+    context = sorted(orders or {})
+    try:
+        update = decode_patch(patch, shapes, context)
+    except (dgc.DecodeError, ProtocolError) as ex:
+        raise BridgeError(f"the round's patch cannot be rewritten as values for a phone: "
+                          f"{ex}") from ex
     tensors = dict(update.tensors)
     for name in added:
         flat = model[name].reshape(-1)
@@ -215,7 +224,8 @@ def _as_values(patch: bytes, added: list[str], model: Mapping[str, Any],
             continue
         t = tensors[name]
         tensors[name] = dgc.SparseTensor(t.indices, flat[t.indices], t.shape)
-    return dgc.encode(SparseUpdate(tensors, update.sequence), grid_coding=True)
+    return encode_patch(SparseUpdate(tensors, update.sequence), shapes, context,
+                        compact=is_compact(patch))
 
 
 def _version_0_form(initial: Mapping[str, Any], on_grid: bool) -> Mapping[str, Any]:

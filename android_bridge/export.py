@@ -566,15 +566,16 @@ def check_phone_privacy(values: Mapping[str, object]) -> None:
 def check_phone_run(method: methods.Method,
                     server: ServerSettings | None = None) -> methods.PhoneExport:
     """The method's phone export part; ``ConfigError`` when phones cannot run a client of this
-    run as a simulated client does: a method phones do not serve (naming those they do), one of
-    its own keys set to what phones do not run (:meth:`fedgc.methods.PhoneExport.phone_refusals`,
-    from the configured ``method``), or, with the ``server``'s keys, patches the phones' codec
-    does not read (``downlink_compact``; patches ranked by displacement, ``downlink_context``,
-    the reference phone joins on the model it holds)."""
+    run as a simulated client does: a method phones do not serve (naming those they do), or one
+    of its own keys set to what phones do not run
+    (:meth:`fedgc.methods.PhoneExport.phone_refusals`, from the configured ``method``).
+
+    No key of the run's ``server`` is refused: phones join patches ranked by displacement
+    (``downlink_context``) on the model they hold and read compact patches (``downlink_compact``)
+    on that model's layout (:func:`fedgc.patching.decode_patch`), whose differences the bridge
+    rewrites as values in the same form. ``server`` stays so that callers pass the whole run."""
     part = _served(method)
     set_ = part.phone_refusals()
-    if server is not None and server.downlink_compact:
-        set_.append("downlink_compact=True")  # messages the phones' codec does not read
     if set_:
         raise ConfigError(f"{', '.join(set_)}: phones run dgc's default client and not this "
                           f"switch (docs/android.md); leave it at its default in a run with "

@@ -24,7 +24,8 @@ rank request) are derived on the phone from the model it trains on and the versi
 builds (the form the task's ``initial_sha256`` names), with
 ``dgc.signs.planner.displacement_masks``, as the simulated client derives them; a patch ranked by
 displacement (``downlink_context``: the task's ``patch_context``) is joined on the same ranking
-of the model it holds (:func:`apply_context_patch`).
+of the model it holds (:func:`apply_context_patch`), and a compact patch (``downlink_compact``,
+``FGCK``) is read on the layout of that model and those segments, as a simulated client reads it.
 Torch appears as the buffer type of the ExecuTorch Python bindings, in the sign channel's
 scale, a float32 mean (``dgc.signs``), and in those rankings (a stable sort); other host
 arithmetic is numpy, as it would be plain Java on the phone.
@@ -157,11 +158,13 @@ def derive_sets(rank_request: bytes, model: Mapping[str, np.ndarray],
 
 def apply_context_patch(held: Mapping[str, np.ndarray], patch: bytes, context: list[str],
                         version_0: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The model a patch whose ``context`` tensors travel as segments of their entries ranked
-    by displacement of ``held`` from ``version_0`` (``downlink_context``) makes of ``held``:
-    the segments joined on that ranking (:func:`fedgc.protocol.apply_patch`, as a simulated
-    client applies it), every value replacing an entry. ``fedgc.protocol.ProtocolError`` (or
-    ``dgc.DecodeError``) naming a patch that does not fit."""
+    """The model a patch makes of ``held`` (left unchanged), as a simulated client applies it
+    (:func:`fedgc.patching.apply_patch`), every value replacing an entry: an update message or
+    a compact one (``downlink_compact``, on the layout of the model and the segments of its
+    ``context`` tensors); the ``context`` tensors (none: ``[]``) travel as segments of their
+    entries ranked by displacement of ``held`` from ``version_0`` (``downlink_context``) and
+    are joined on that ranking. ``fedgc.protocol.ProtocolError`` (or ``dgc.DecodeError``)
+    naming a patch that does not fit."""
     if missing := sorted(set(context) - set(version_0)):
         raise ProtocolError(f"patch_context names tensors version 0 lacks: {missing}")
     model = apply_patch(_torch(held), patch, (), _torch({n: version_0[n] for n in context}))
@@ -291,7 +294,9 @@ class ReferencePhone:
     # -- one round ------------------------------------------------------------------------
 
     def _global_model(self, task: pb.FetchTaskReply) -> dict[str, np.ndarray]:
-        update = dgc.decode(task.model_bytes, max_numel=max_numel_of(self.shapes.values()))
+        """The model a task sends: dense, or a patch (an update message or a compact one,
+        ranked or not) applied to the model held. PhoneError naming a patch that does not fit;
+        nothing the phone holds changes."""
         if task.encoding == pb.SPARSE_PATCH:
             held = self.model
             if held is None and task.base_version == 0 and task.base_sha256 \
@@ -305,17 +310,13 @@ class ReferencePhone:
             elif held is None or self.model_version != task.base_version:
                 raise PhoneError(f"patch on version {task.base_version}, phone holds "
                                  f"{self.model_version}")
-            if task.patch_context:
-                try:
-                    return apply_context_patch(held, task.model_bytes, list(task.patch_context),
-                                               self._version_0(task))
-                except (ProtocolError, dgc.DecodeError) as ex:
-                    raise PhoneError(f"task {task.task_id!r}: {ex}") from ex
-            model = {k: v.copy() for k, v in held.items()}
-            for name, t in update.tensors.items():
-                flat = model[name].reshape(-1)
-                flat[t.indices.numpy()] = t.values.float().numpy()
-            return model
+            context = list(task.patch_context)
+            try:
+                return apply_context_patch(held, task.model_bytes, context,
+                                           self._version_0(task) if context else {})
+            except (ProtocolError, dgc.DecodeError) as ex:
+                raise PhoneError(f"task {task.task_id!r}: {ex}") from ex
+        update = dgc.decode(task.model_bytes, max_numel=max_numel_of(self.shapes.values()))
         if set(update.tensors) != set(self.shapes):
             raise PhoneError(f"model carries tensors {sorted(update.tensors)}, the exported "
                              f"model has {sorted(self.shapes)}")

@@ -9,7 +9,7 @@ import torch
 
 import dgc
 from dgc.wire import max_numel_of
-from dgc.wire.compact import COMPACT_MAGIC, decode_compact
+from dgc.wire.compact import COMPACT_MAGIC, decode_compact, encode_compact
 from fedgc import context_patch
 
 PATCH_ADD = "patch_add"  # tensors whose patch values are added to the held ones (one base only)
@@ -36,15 +36,8 @@ def apply_patch(model: Mapping[str, torch.Tensor], patch: bytes,
     another size, a tensor sent both whole and as segments, or an ``added`` name the patch lacks
     is a :class:`ProtocolError` (``dgc.DecodeError`` for bytes that do not decode).
     """
-    limit = max_numel_of(t.shape for t in model.values())
-    if bytes(patch[:4]) == COMPACT_MAGIC:  # downlink_compact: tensors by place (dgc.wire.compact)
-        if unknown := sorted(set(context or {}) - set(model)):
-            raise ProtocolError(f"{PATCH_CONTEXT} names tensors the model lacks: {unknown}")
-        layout = context_patch.patch_layout({k: tuple(v.shape) for k, v in model.items()},
-                                            sorted(context or {}))
-        update = decode_compact(patch, layout, max_numel=limit)
-    else:
-        update = dgc.decode(patch, max_numel=limit)
+    update = decode_patch(patch, {k: tuple(v.shape) for k, v in model.items()},
+                          sorted(context or {}))
     tensors = dict(update.tensors)
     if context:
         tensors = _joined(model, tensors, context)
@@ -61,6 +54,38 @@ def apply_patch(model: Mapping[str, torch.Tensor], patch: bytes,
         else:
             flat[t.indices] = t.values.to(flat.dtype)
     return out
+
+
+def is_compact(patch: bytes) -> bool:
+    """Whether ``patch`` is a compact message (``downlink_compact``, magic ``FGCK``)."""
+    return bytes(patch[:4]) == COMPACT_MAGIC
+
+
+def decode_patch(patch: bytes, shapes: Mapping[str, tuple[int, ...]],
+                 context: Sequence[str] = ()) -> dgc.SparseUpdate:
+    """The tensors a patch on a model of ``shapes`` carries, its ranked tensors' segments
+    ``NAME#j`` unjoined: ``dgc.decode``, or for a compact message (:func:`is_compact`)
+    :func:`~dgc.wire.compact.decode_compact` on the layout of the model and the segments of
+    its ``context`` tensors (:func:`fedgc.context_patch.patch_layout`). A ``context`` tensor the
+    model lacks is a :class:`ProtocolError`; bytes that do not decode, ``dgc.DecodeError``."""
+    limit = max_numel_of(shapes.values())
+    if not is_compact(patch):
+        return dgc.decode(patch, max_numel=limit)
+    if unknown := sorted(set(context) - set(shapes)):
+        raise ProtocolError(f"{PATCH_CONTEXT} names tensors the model lacks: {unknown}")
+    return decode_compact(patch, context_patch.patch_layout(shapes, sorted(context)),
+                          max_numel=limit)
+
+
+def encode_patch(update: dgc.SparseUpdate, shapes: Mapping[str, tuple[int, ...]],
+                 context: Sequence[str] = (), compact: bool = False) -> bytes:
+    """``update`` (a patch's tensors, as :func:`decode_patch` gives them) in the form a patch
+    travels in: grid-coded ``dgc.encode``, or with ``compact`` a compact message on the layout
+    :func:`decode_patch` reads it with."""
+    if not compact:
+        return dgc.encode(update, grid_coding=True)
+    return encode_compact(update, context_patch.patch_layout(shapes, sorted(context)),
+                          grid_coding=True)
 
 
 def _joined(model: Mapping[str, torch.Tensor], tensors: Mapping[str, dgc.SparseTensor],

@@ -10,14 +10,18 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 import dgc
+from android_bridge.bridge import BridgeError
+from android_bridge.bridge_app import _as_values, _orders
 from android_bridge.export import check_phone_run
+from android_bridge.phone import PhoneError, ReferencePhone
+from android_bridge.proto import fedgc_bridge_pb2 as pb
 from client.app import ClientProtocolError, global_model
 from client.state import ClientState
 from dgc import SparseTensor, SparseUpdate
-from dgc.errors import ConfigError
 from dgc.int8_grid import round_initial
 from fedgc import context_patch
 from fedgc import protocol as P
+from fedgc.patching import decode_patch, is_compact
 from fedgc.settings import RunConfig, SettingsError
 from server.downlink import Downlink
 
@@ -29,10 +33,12 @@ def _initial(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
                         ("v", torch.randn(10, 100, generator=g) * 0.05)])
 
 
-def _run(context: bool, versions: int = 12) -> tuple[Downlink, list[dict[str, torch.Tensor]]]:
+def _run(context: bool, versions: int = 12,
+         compact: bool = False) -> tuple[Downlink, list[dict[str, torch.Tensor]]]:
     """A downlink over ``versions`` versions whose model keeps moving the same entries (as
-    training does: what moved before moves again), and the sent model at each version."""
-    d = Downlink("auto", 1000, 0.05, "int8", True, 1.0, "float16", context)
+    training does: what moved before moves again), and the sent model at each version;
+    ``compact``: its patches as compact messages (``downlink_compact``)."""
+    d = Downlink("auto", 1000, 0.05, "int8", True, 1.0, "float16", context, compact)
     model = _initial()
     d.reset(OrderedDict((k, v.clone()) for k, v in model.items()))
     g = torch.Generator().manual_seed(1)
@@ -189,7 +195,6 @@ def test_the_key_is_validated_and_phones_join_a_ranked_patch():
     reference phone joins a ranked patch, as the bridge hands it on (differences turned into
     the values they produce), on the model it holds and its version 0: the sent model bit for
     bit on every base; a context naming a tensor version 0 lacks is refused, named."""
-    from android_bridge.bridge_app import _as_values, _orders
     from android_bridge.phone import apply_context_patch
 
     with pytest.raises(SettingsError, match="downlink_context"):
@@ -197,8 +202,6 @@ def test_the_key_is_validated_and_phones_join_a_ranked_patch():
     on = RunConfig.from_flat({"downlink_context": True})
     assert on.server.downlink_context and not RunConfig().server.downlink_context
     check_phone_run(on.method, on.server)
-    with pytest.raises(ConfigError, match="downlink_compact"):
-        check_phone_run(on.method, RunConfig.from_flat({"downlink_compact": True}).server)
     d, sent = _run(True, versions=6)
     origin = {k: v.numpy() for k, v in d.origin.items()}
     ranked = 0
@@ -217,6 +220,88 @@ def test_the_key_is_validated_and_phones_join_a_ranked_patch():
     with pytest.raises(P.ProtocolError, match="version 0 lacks"):
         apply_context_patch({k: v.numpy() for k, v in sent[2].items()}, patch.data,
                             list(patch.context), {})
+
+
+def _phone_holding(model: dict[str, torch.Tensor], version: int,
+                   version_0: dict[str, torch.Tensor]) -> ReferencePhone:
+    """A reference phone (no export, no channel) that holds ``model`` at ``version`` and
+    ranks against ``version_0``: enough for :meth:`ReferencePhone._global_model`."""
+    phone = ReferencePhone.__new__(ReferencePhone)
+    phone.shapes = {k: tuple(v.shape) for k, v in model.items()}
+    phone.model = {k: v.numpy().copy() for k, v in model.items()}
+    phone.model_version, phone.initial = version, None
+    phone._ranked_from = ("v0", {k: v.numpy() for k, v in version_0.items()})
+    return phone
+
+
+def _patch_task(data: bytes, base: int, context: list[str]) -> pb.FetchTaskReply:
+    return pb.FetchTaskReply(task_id="t", has_task=True, encoding=pb.SPARSE_PATCH,
+                             base_version=base, model_bytes=data, patch_context=context,
+                             initial_sha256="v0" if context else "")
+
+
+def test_phones_read_compact_patches_as_simulated_clients_do():
+    """downlink_compact on the phone path (issue 39): check_phone_run lets it through; the
+    bridge's _as_values reads a compact patch (FGCK, on the model's layout and its ranked
+    segments) and writes the values it produces in the same form, as apply_patch makes them;
+    the reference phone applies it to the model it holds as a simulated client does
+    (fedgc.patching.apply_patch with the differences added), bit for bit, on every base,
+    ranked or not, in fewer bytes than the update message; a malformed one, or one read on
+    another layout, is refused in one line, the held model unchanged."""
+    run = RunConfig.from_flat({"method": "dgc_sets", "downlink_compact": True})
+    assert run.server.downlink_compact and run.server.downlink_context
+    check_phone_run(run.method, run.server)
+    d, sent = _run(True, versions=6, compact=True)
+    plain, _ = _run(True, versions=6)
+    assert _same_bits(d.sent_model, plain.sent_model)
+    ranked = 0
+    for base in range(1, d.version):
+        patch, other = d.coded_patch((base,)), plain.coded_patch((base,))
+        context = list(patch.context)
+        assert is_compact(patch.data) and patch.added and context == list(other.context)
+        # the simulated client: differences added, segments joined
+        want = P.apply_patch(sent[base], patch.data, patch.added,
+                             {n: d.origin[n] for n in context})
+        assert _same_bits(want, sent[-1]), base
+        orders = _orders(sent[base], context, d.origin)
+        data = _as_values(patch.data, list(patch.added), sent[-1], orders)
+        values = _as_values(other.data, list(other.added), sent[-1], orders)
+        assert is_compact(data) and not is_compact(values)
+        assert len(data) < len(values), base
+        # the values the compact patch carries are the update message's, tensor for tensor
+        shapes = {k: tuple(v.shape) for k, v in sent[base].items()}
+        got, ref = decode_patch(data, shapes, context), decode_patch(values, shapes, context)
+        assert got.tensors.keys() == ref.tensors.keys()
+        for name, t in ref.tensors.items():
+            assert torch.equal(got.tensors[name].indices, t.indices), (base, name)
+            assert torch.equal(got.tensors[name].values.view(torch.int32),
+                               t.values.view(torch.int32)), (base, name)
+        assert _same_bits(P.apply_patch(sent[base], data, (), {n: d.origin[n] for n in context}),
+                          want)
+        phone = _phone_holding(sent[base], base, d.origin)
+        model = phone._global_model(_patch_task(data, base, context))
+        assert _same_bits({k: torch.from_numpy(v) for k, v in model.items()}, want), base
+        ranked += bool(context)
+    assert ranked
+    # refused, named, in one line; nothing held changes
+    base = next(b for b in range(1, d.version) if d.coded_patch((b,)).context)
+    patch = d.coded_patch((base,))
+    context = list(patch.context)
+    orders = _orders(sent[base], context, d.origin)
+    data = _as_values(patch.data, list(patch.added), sent[-1], orders)
+    broken = data[:-5] + bytes([data[-5] ^ 0x01]) + data[-4:]
+    for bad, layout, match in ((broken, context, "bad checksum"),
+                               (data, [], "layout digest"),
+                               (data[:9], context, "truncated")):
+        phone = _phone_holding(sent[base], base, d.origin)
+        with pytest.raises(PhoneError, match=match) as ex:
+            phone._global_model(_patch_task(bad, base, layout))
+        assert "\n" not in str(ex.value) and str(ex.value).startswith("task 't': ")
+        assert phone.model_version == base
+        assert _same_bits({k: torch.from_numpy(v) for k, v in phone.model.items()}, sent[base])
+        with pytest.raises(BridgeError, match=match) as ex:
+            _as_values(bad, list(patch.added), sent[-1], orders if layout else None)
+        assert "\n" not in str(ex.value)
 
 
 def test_segments_split_and_join_back_on_any_ranking():

@@ -183,10 +183,15 @@ def test_compact_patches_rebuild_the_sent_model_on_every_base_in_fewer_bytes():
         P.apply_patch(sent[1], patch.data, patch.added, None)
 
 
-def test_phones_refuse_compact_patches():
+def test_phones_take_compact_patches_and_send_update_messages():
+    """Issue 39: a run with phones may send compact patches (the bridge and the phone read
+    them, tests/test_downlink_context.py); its phones still send update messages, so a
+    compact uplink (dgc.compact_wire) stays refused."""
     from android_bridge.export import check_phone_run
     from fedgc.settings import RunConfig
 
-    run = RunConfig.from_flat({"method": "dgc", "downlink_compact": True})
-    with pytest.raises(dgc.ConfigError, match="downlink_compact=True"):
+    run = RunConfig.from_flat({"method": "dgc_sets", "downlink_compact": True})
+    assert check_phone_run(run.method, run.server) is not None
+    run = RunConfig.from_flat({"method": "dgc", "dgc.compact_wire": True})
+    with pytest.raises(dgc.ConfigError, match="compact_wire"):
         check_phone_run(run.method, run.server)

@@ -220,7 +220,8 @@ class ServerKeys:
     downlink_compact: bool | None = setting(
         None, "downlink_compact", "patches as compact messages (tensors by their place in the "
         "model and its ranked segments, sizes as varints: dgc.wire.compact, docs/wire.md); the "
-        "same sections in fewer bytes; not on phones; empty = the method's default",
+        "same sections in fewer bytes (phones read them too: docs/android.md); empty = the "
+        "method's default",
         fallback=False)
     downlink_lookahead: float = setting(1.0, "downlink_lookahead", "with downlink_density < 1 "
                                         "and server momentum: the broadcast follows the global "
