@@ -458,6 +458,42 @@ def test_phone_sends_the_bytes_a_simulated_client_sends(parity_export, tmp_path,
 
 
 @pytest.mark.slow
+def test_a_phone_sent_compact_patches_sends_the_bytes_a_simulated_client_sends(parity_export,
+                                                                                tmp_path):
+    """dgc_sets with downlink_compact (issue 39): the phone is sent its patches as compact
+    messages (FGCK, the bias vectors' differences rewritten as values by the bridge in the same
+    form), rebuilds the model sent bit for bit, and sends the simulated client's bytes; the
+    downlink being lossless, its updates, signs and every round's accuracy are those of the run
+    without the key, in fewer downlink bytes."""
+    from android_bridge.proto import fedgc_bridge_pb2 as pb
+    from fedgc.patching import is_compact
+
+    runs = {}
+    for compact in (False, True):
+        rounds: list = []
+        config = _run({**SETTINGS, **DGC_SETS, "downlink_compact": compact},
+                      tmp_path / str(compact))
+        compared = _phone_and_simulated(parity_export, config, with_tasks=True, rounds=rounds)
+        assert _assert_same_bytes(compared) >= 2
+        patches = [pair["task"].model_bytes for pair in compared
+                   if pair["task"].encoding == pb.SPARSE_PATCH]
+        assert len(patches) == SETTINGS["rounds"]  # a patch every round, on version 0 first
+        assert all(is_compact(p) == compact for p in patches)
+        runs[compact] = compared, rounds, [len(p) for p in patches]
+    (plain, plain_rounds, plain_bytes), (compact, compact_rounds, compact_bytes) = (
+        runs[False], runs[True])
+    for a, b in zip(plain, compact, strict=True):
+        assert a["phone"][:2] == b["phone"][:2]  # the same update and signs
+    assert [r.accuracy for r in plain_rounds] == [r.accuracy for r in compact_rounds]
+    assert all(c < p for c, p in zip(compact_bytes, plain_bytes, strict=True)), (
+        compact_bytes, plain_bytes)
+    print(f"\nthe phone's downlink bytes per round: update messages {plain_bytes}, compact "
+          f"{compact_bytes}; the simulated client's: {[p['sent_bytes'] for p in plain]}, "
+          f"{[p['sent_bytes'] for p in compact]}; accuracy "
+          f"{[r.accuracy for r in compact_rounds]}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("keys", [{"method": "randk", "density": 0.05}, {"method": "efsign"},
                                   {"method": "signvote"}, {"method": "qsgd"},
                                   {"method": "tcs", "density": 0.05}],
@@ -508,11 +544,13 @@ def _assert_same_bytes(compared: list[dict], folds_back: bool = True) -> int:
     return signs
 
 
-def _phone_and_simulated(parity_export, config, with_tasks: bool = False) -> list[dict]:
+def _phone_and_simulated(parity_export, config, with_tasks: bool = False,
+                         rounds: list | None = None) -> list[dict]:
     """Run ``config`` on a LocalGrid whose client PHONE_KEY is both a reference phone behind
     the bridge and a simulated client given a copy of each train message; the pairs of
     replies (the phone's reply is the one aggregated; round DROPPED_ROUND's is lost), with
-    ``with_tasks`` each round's task as the phone fetched it (``"task"``)."""
+    ``with_tasks`` each round's task as the phone fetched it (``"task"``); ``rounds`` gets
+    the run's round records (server.records.RoundRecord)."""
     from android_bridge.bridge import PhoneBridge
     from android_bridge.bridge_app import make_bridge_app
     from android_bridge.phone import ReferencePhone
@@ -562,7 +600,8 @@ def _phone_and_simulated(parity_export, config, with_tasks: bool = False) -> lis
             sent = held[DEVICE].model
             assert all(np.array_equal(phone.model[k], sent[k].numpy()) for k in sent), \
                 f"round {len(compared) + 1}: the phone's model is not the one sent"
-            pair = {}
+            # what the server sent the simulated client: its patch's bytes (or the dense model's)
+            pair = {"sent_bytes": P.record_nbytes(msg.content.array_records[P.ARRAYS])}
             for name, r in (("simulated", simulated), ("phone", reply)):
                 shared = r.content.array_records.get(P.SHARED)
                 pair[name] = (P.record_to_bytes(r.content.array_records[P.UPDATE], P.UPDATE),
@@ -584,7 +623,7 @@ def _phone_and_simulated(parity_export, config, with_tasks: bool = False) -> lis
 
         grid.intercept = drop
         try:
-            run_server(grid, config)
+            run_server(grid, config, on_round=None if rounds is None else rounds.append)
         finally:
             stop.set()
             worker.join(30)
