@@ -654,6 +654,43 @@ def test_a_round_the_gate_found_clean_is_clipped_at_the_clean_radius():
     assert torch.equal(narrow, combined(flipped, clip_radius=1.0)[0])
 
 
+def test_a_clean_round_with_a_client_whose_record_is_open_keeps_the_narrow_radius():
+    """clip_radius_clean with the gate's memory: a round whose gate left nobody out is clipped
+    at the clean radius only where no client of the round has an open record (a sign flipper
+    whose record decayed under the hold passes the gate late in a run: issue 35, r35), and not
+    in round 1, which the gate cannot judge; with the records closed, the same round is clipped
+    at the clean radius."""
+    rounds, weights = _offenders_rounds()
+    keys = list(range(10))
+
+    def combined(record: dict[int, float], clean_radius: float,
+                 clip_radius: float = 1.0) -> tuple[torch.Tensor, Combine]:
+        combine = _gate_with_memory(0.95, -0.2)
+        combine.centered.radius_ratio = clip_radius
+        combine.clean_radius, combine.record = clean_radius, dict(record)
+        out = combine(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+        return torch.cat([out[n].reshape(-1).double() for n in SHAPES]), combine
+
+    opened, gate = combined({8: 1.2, 9: 1.2}, 2.0)  # open, below 1.5: not held
+    assert not gate.left_out and set(gate.record) == {8, 9}
+    assert torch.equal(opened, combined({8: 1.2, 9: 1.2}, 0.0)[0])
+    closed, gate = combined({}, 2.0)
+    assert not gate.left_out and not gate.record
+    assert torch.equal(closed, combined({}, 0.0, clip_radius=2.0)[0])
+    assert not torch.equal(closed, opened)
+
+    # Round 1 (no reference: the gate judged nothing) keeps the narrow radius too.
+    def first(clean_radius: float, clip_radius: float = 1.0) -> torch.Tensor:
+        combine = Combine("centered_clip", clip_radius=clip_radius, min_cosine=0.0,
+                          gate_reference="trend", gate_memory=0.95, clean_radius=clean_radius)
+        out = combine(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+        assert not combine.left_out
+        return torch.cat([out[n].reshape(-1).double() for n in SHAPES])
+
+    assert torch.equal(first(2.0), first(0.0))
+    assert not torch.equal(first(2.0), first(0.0, clip_radius=2.0))
+
+
 def test_the_deployed_default_bounds_a_crafted_alie_update_whatever_its_size():
     """Two colluders send ALIE (Baruch et al. 2019, mean - z * std of the honest updates), with
     z far beyond the paper's 0.25: it points the honest way, so it is not left out, but its pull
