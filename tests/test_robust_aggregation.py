@@ -356,6 +356,26 @@ def test_a_checkpoint_of_before_the_gates_memory_resumes_without_it():
     check_run_config({k: v for k, v in off.items() if not k.startswith("gate_memory")}, off)
 
 
+def test_a_checkpoint_of_robust_on_with_one_radius_is_refused_naming_clip_radius_clean():
+    """robust = on gives clip_radius_clean = 2 since issue 35's r35: a robust = on run
+    checkpointed before (its config says 0, or lacks the key: one radius in every round) resumes
+    only with clip_radius_clean = 0, and robust = on alone is refused, naming the key."""
+    from server.checkpoint import CheckpointError
+
+    assert ROBUST_PROFILES["on"]["clip_radius_clean"] == 2.0
+    assert ROBUST_PROFILES["off"]["clip_radius_clean"] == 0.0
+    before = RunConfig.from_flat({"robust": "on", "clip_radius_clean": 0}).to_flat()
+    on = RunConfig.from_flat({"robust": "on"}).to_flat()
+    assert before["clip_radius_clean"] == 0.0 and on["clip_radius_clean"] == 2.0
+    lacking = {k: v for k, v in before.items() if k != "clip_radius_clean"}
+    for written in (before, lacking):
+        check_run_config(written, before)
+        with pytest.raises(CheckpointError, match=r"clip_radius_clean = 0.0 \(now 2.0\)"):
+            check_run_config(written, on)
+    off = RunConfig.from_flat({"robust": "off"}).to_flat()
+    check_run_config({k: v for k, v in off.items() if k != "clip_radius_clean"}, off)
+
+
 def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_path):
     """The ServerApp decides by its grid: Flower's deployment grid (the SuperLink's, no
     connection made here) turns it on, fedgc's in-process engine off; ``deploy`` decides before
