@@ -100,6 +100,10 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # clipping honest outliers; a flipper's rounds keep radius 1): robust = on's since r35.
     "on_first02_clean2": {"robust": "on", "gate_first_bar": -0.2, "clip_radius_clean": 2},
     "on_first02_clean4": {"robust": "on", "clip_radius_clean": 4},
+    # ... with the claimed weights uncapped (what the median cap still costs when the crafted
+    # update is an inlier: the colluders claim the median either way).
+    "on_first02_clean2_uncapped": {"robust": "on", "clip_radius_clean": 2,
+                                   "max_weight_ratio": 0},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates
