@@ -73,9 +73,9 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # The gate remembers a repeat offender (a record of left-outs decayed by this per round).
     # Every left-out counts (gate_memory_below 0, robust = on's min_cosine).
     "on_memory95": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
-                    "gate_memory_below": 0, "gate_first_bar": 0},
+                    "gate_memory_below": 0, "gate_first_bar": 0, "clip_radius_clean": 0},
     "on_memory98": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.98,
-                    "gate_memory_below": 0, "gate_first_bar": 0},
+                    "gate_memory_below": 0, "gate_first_bar": 0, "clip_radius_clean": 0},
     # ... and a wider clip radius in a round whose gate left nobody out (a clean round's cost).
     "on_memory95_clean2": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
                            "gate_memory_below": 0, "gate_first_bar": 0,
@@ -84,15 +84,26 @@ AGGREGATIONS: dict[str, dict[str, Any]] = {
     # issue 35's honest outliers under min-max were left out at -0.14 to -0.00), every client
     # judged at min_cosine 0 (robust = on's at stop 46 before gate_first_bar).
     "on_memory95_open02": {"robust": "on", "gate_reference": "trend", "gate_memory": 0.95,
-                           "gate_memory_below": -0.2, "gate_first_bar": 0},
+                           "gate_memory_below": -0.2, "gate_first_bar": 0,
+                           "clip_radius_clean": 0},
     # robust = on with the gate's bar at the memory's: only a clear offence is left out (honest
     # outliers near 0 stay in), a client whose record it opened held as before.
-    "on_bar02": {"robust": "on", "min_cosine": -0.2},
+    "on_bar02": {"robust": "on", "min_cosine": -0.2, "clip_radius_clean": 0},
     # ... the bar -0.2 only for a client without an open record (an honest outlier stays in),
-    # min_cosine 0 for one whose record a clear offence opened: robust = on's since stop 46.
-    "on_first02": {"robust": "on", "gate_first_bar": -0.2},
+    # min_cosine 0 for one whose record a clear offence opened: robust = on's from stop 46 to
+    # r35 (one clip radius in every round).
+    "on_first02": {"robust": "on", "gate_first_bar": -0.2, "clip_radius_clean": 0},
     # The deployed default with a wider radius in rounds the gate left nobody out.
     "on_clean2": {"robust": "on", "gate_reference": "trend", "clip_radius_clean": 2},
+    # on_first02 with a wider radius in rounds the gate judged and found clean, none of their
+    # clients with an open record (issue 35, r35: the clean run's and min-max's cost is
+    # clipping honest outliers; a flipper's rounds keep radius 1): robust = on's since r35.
+    "on_first02_clean2": {"robust": "on", "gate_first_bar": -0.2, "clip_radius_clean": 2},
+    "on_first02_clean4": {"robust": "on", "clip_radius_clean": 4},
+    # ... with the claimed weights uncapped (what the median cap still costs when the crafted
+    # update is an inlier: the colluders claim the median either way).
+    "on_first02_clean2_uncapped": {"robust": "on", "clip_radius_clean": 2,
+                                   "max_weight_ratio": 0},
 }
 ATTACKS = ("none", "sign_flip", "scaled", "targeted", "alie", "ipm", "min_max", "min_sum")
 #: The attacks whose clients collude from what they know of the benign updates

@@ -239,7 +239,8 @@ class Combine:
             # its way, and the gate then leaves out the honest clients (issue 35's sign flip).
             reference = self.centered.clip(clients, weights, reference)
         # No reference yet (round 1 judged by history): nothing to judge by, nothing left out.
-        judged = cosines(clients, reference) if bool(reference.any()) else [1.0] * len(clients)
+        judging = bool(reference.any())
+        judged = cosines(clients, reference) if judging else [1.0] * len(clients)
         keys = client_keys if self.gate_memory > 0 else None
 
         def bar(i: int) -> float:
@@ -266,9 +267,14 @@ class Combine:
             self._remember(keys, {keys[i] for i in below if judged[i] < self.memory_below
                                   or keys[i] in self.record})
         keep = [i for i in range(len(clients)) if i not in self.left_out]
-        # A round the gate found clean: clip less (half the clients are beyond radius 1, and
-        # clipping honest outliers is the robust combine's whole clean-run cost).
-        radius = self.clean_radius if self.clean_radius > 0 and not self.left_out else None
+        # A round the gate judged and found clean: clip less (half the clients are beyond
+        # radius 1, and clipping honest outliers is the robust combine's whole clean-run cost).
+        # Not round 1 (nothing judged: a flipper's first update is not known yet), nor where a
+        # client of the round has an open record: a flipper whose record decayed under the hold
+        # passes the gate, and at the wider radius it pulls twice as hard (issue 35, r35).
+        suspect = keys is not None and any(k in self.record for k in keys)
+        radius = (self.clean_radius if self.clean_radius > 0 and judging and not self.left_out
+                  and not suspect else None)
         out = self._combine([payloads[i] for i in keep], [weights[i] for i in keep],
                             [factors[i] for i in keep], shapes, radius)
         # The gate's trend is kept only while a gate judges by it (plain FedAvg: no work).

@@ -252,7 +252,8 @@ def _serve(grid: Grid, config: RunConfig, started: float,
         line = defences.describe(*guard, bucket_size=s.bucket_size,
                                  gate_reference=s.gate_reference, gate_memory=s.gate_memory,
                                  gate_memory_below=s.gate_memory_below,
-                                 gate_first_bar=s.gate_first_bar)
+                                 gate_first_bar=s.gate_first_bar,
+                                 clip_radius_clean=s.clip_radius_clean)
         print(f"fedgc: {line}{trust}", flush=True)
         if strategy.privacy is not None:
             print(f"fedgc: {strategy.privacy.describe()}", flush=True)

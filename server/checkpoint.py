@@ -107,9 +107,9 @@ RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensor
 
 #: Keys filled by ``robust`` (empty by default) that a run of before them ran without: what a
 #: checkpoint lacking them stands for (no direction gate before issue 35, no memory of its
-#: left-outs before gate_memory).
+#: left-outs before gate_memory, one radius in every round before clip_radius_clean).
 ABSENT_BEFORE = {"min_cosine": -1.0, "gate_memory": 0.0, "gate_memory_below": 0.0,
-                 "gate_first_bar": -1.0}
+                 "gate_first_bar": -1.0, "clip_radius_clean": 0.0}
 
 #: Keys that compute nothing while the key they serve is empty (or 0).
 INERT_WITHOUT = {f"attack.{k}": "attack.clients" for k in (

@@ -113,7 +113,8 @@ class Bounds:
 def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
              trim_fraction: float, min_cosine: float = -1.0, bucket_size: int = 1,
              gate_reference: str = "history", gate_memory: float = 0.0,
-             gate_memory_below: float = 0.0, gate_first_bar: float | None = None) -> str:
+             gate_memory_below: float = 0.0, gate_first_bar: float | None = None,
+             clip_radius_clean: float = 0.0) -> str:
     """The defences a run aggregates with, in one line (the run's header), each with the key
     that sets it, and what plain FedAvg would take instead: they make the ``dense`` method
     something other than plain FedAvg where a client claims far more examples than the others,
@@ -162,6 +163,10 @@ def describe(max_weight_ratio: float, max_norm_ratio: float, aggregation: str,
             parts.append(f"updates combined by centered clipping around last round's aggregate "
                          f"of bucket means, {bucket_size} random clients each "
                          f"(aggregation={aggregation}, bucket_size={bucket_size})")
+        elif aggregation == "centered_clip" and min_cosine > -1 and clip_radius_clean > 0:
+            parts.append(f"updates combined by {how[aggregation]}, at radius "
+                         f"{clip_radius_clean:g} in a round the gate found clean "
+                         f"(aggregation={aggregation}, clip_radius_clean={clip_radius_clean:g})")
         else:
             parts.append(f"updates combined by {how.get(aggregation, aggregation)} "
                          f"(aggregation={aggregation})")

@@ -90,7 +90,7 @@ def test_the_stated_defences_are_the_defaults() -> None:
     assert ROBUST_PROFILES["off"] == {"aggregation": "mean", "max_weight_ratio": 0.0,
                                       "max_norm_ratio": 0.0, "min_cosine": -1.0,
                                       "gate_memory": 0.0, "gate_memory_below": 0.0,
-                                      "gate_first_bar": -1.0}
+                                      "gate_first_bar": -1.0, "clip_radius_clean": 0.0}
     assert cap == "median" and ROBUST_PROFILES["on"]["max_weight_ratio"] == 1.0
     assert ROBUST_PROFILES["on"]["aggregation"] == deployed
     gate = "leaving out updates that point against the aggregates' moving average"

@@ -356,6 +356,26 @@ def test_a_checkpoint_of_before_the_gates_memory_resumes_without_it():
     check_run_config({k: v for k, v in off.items() if not k.startswith("gate_memory")}, off)
 
 
+def test_a_checkpoint_of_robust_on_with_one_radius_is_refused_naming_clip_radius_clean():
+    """robust = on gives clip_radius_clean = 2 since issue 35's r35: a robust = on run
+    checkpointed before (its config says 0, or lacks the key: one radius in every round) resumes
+    only with clip_radius_clean = 0, and robust = on alone is refused, naming the key."""
+    from server.checkpoint import CheckpointError
+
+    assert ROBUST_PROFILES["on"]["clip_radius_clean"] == 2.0
+    assert ROBUST_PROFILES["off"]["clip_radius_clean"] == 0.0
+    before = RunConfig.from_flat({"robust": "on", "clip_radius_clean": 0}).to_flat()
+    on = RunConfig.from_flat({"robust": "on"}).to_flat()
+    assert before["clip_radius_clean"] == 0.0 and on["clip_radius_clean"] == 2.0
+    lacking = {k: v for k, v in before.items() if k != "clip_radius_clean"}
+    for written in (before, lacking):
+        check_run_config(written, before)
+        with pytest.raises(CheckpointError, match=r"clip_radius_clean = 0.0 \(now 2.0\)"):
+            check_run_config(written, on)
+    off = RunConfig.from_flat({"robust": "off"}).to_flat()
+    check_run_config({k: v for k, v in off.items() if k != "clip_radius_clean"}, off)
+
+
 def test_robust_auto_is_on_for_deployed_clients_and_off_for_simulated_ones(tmp_path):
     """The ServerApp decides by its grid: Flower's deployment grid (the SuperLink's, no
     connection made here) turns it on, fedgc's in-process engine off; ``deploy`` decides before
@@ -652,6 +672,43 @@ def test_a_round_the_gate_found_clean_is_clipped_at_the_clean_radius():
     narrow, gate = combined(flipped, clip_radius=1.0, clean_radius=2.0)
     assert set(gate.left_out) == {8, 9}
     assert torch.equal(narrow, combined(flipped, clip_radius=1.0)[0])
+
+
+def test_a_clean_round_with_a_client_whose_record_is_open_keeps_the_narrow_radius():
+    """clip_radius_clean with the gate's memory: a round whose gate left nobody out is clipped
+    at the clean radius only where no client of the round has an open record (a sign flipper
+    whose record decayed under the hold passes the gate late in a run: issue 35, r35), and not
+    in round 1, which the gate cannot judge; with the records closed, the same round is clipped
+    at the clean radius."""
+    rounds, weights = _offenders_rounds()
+    keys = list(range(10))
+
+    def combined(record: dict[int, float], clean_radius: float,
+                 clip_radius: float = 1.0) -> tuple[torch.Tensor, Combine]:
+        combine = _gate_with_memory(0.95, -0.2)
+        combine.centered.radius_ratio = clip_radius
+        combine.clean_radius, combine.record = clean_radius, dict(record)
+        out = combine(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+        return torch.cat([out[n].reshape(-1).double() for n in SHAPES]), combine
+
+    opened, gate = combined({8: 1.2, 9: 1.2}, 2.0)  # open, below 1.5: not held
+    assert not gate.left_out and set(gate.record) == {8, 9}
+    assert torch.equal(opened, combined({8: 1.2, 9: 1.2}, 0.0)[0])
+    closed, gate = combined({}, 2.0)
+    assert not gate.left_out and not gate.record
+    assert torch.equal(closed, combined({}, 0.0, clip_radius=2.0)[0])
+    assert not torch.equal(closed, opened)
+
+    # Round 1 (no reference: the gate judged nothing) keeps the narrow radius too.
+    def first(clean_radius: float, clip_radius: float = 1.0) -> torch.Tensor:
+        combine = Combine("centered_clip", clip_radius=clip_radius, min_cosine=0.0,
+                          gate_reference="trend", gate_memory=0.95, clean_radius=clean_radius)
+        out = combine(rounds[2], weights, [1.0] * 10, SHAPES, client_keys=keys)
+        assert not combine.left_out
+        return torch.cat([out[n].reshape(-1).double() for n in SHAPES])
+
+    assert torch.equal(first(2.0), first(0.0))
+    assert not torch.equal(first(2.0), first(0.0, clip_radius=2.0))
 
 
 def test_the_deployed_default_bounds_a_crafted_alie_update_whatever_its_size():

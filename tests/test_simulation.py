@@ -193,6 +193,13 @@ def test_plain_fedavg_says_so():
         gate_memory_below=-0.2, gate_first_bar=-0.2)
     assert "gate_first_bar" not in describe(  # unread without gate_memory
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_first_bar=-0.2)
+    assert ("updates combined by centered clipping around last round's aggregate, at radius 2 "
+            "in a round the gate found clean (aggregation=centered_clip, clip_radius_clean=2)"
+            ) in describe(  # robust = on's since issue 35's r35
+        1, 0, "centered_clip", 0.1, 0.0, gate_reference="trend", gate_memory=0.95,
+        gate_memory_below=-0.2, gate_first_bar=-0.2, clip_radius_clean=2.0)
+    assert "clip_radius_clean" not in describe(  # unread without the gate
+        1, 0, "centered_clip", 0.1, -1.0, clip_radius_clean=2.0)
     assert "cosine 0 with the last round's aggregate (min_cosine=0);" in describe(
         1, 0, "centered_clip", 0.1, 0.0, gate_reference="history")
     assert describe(0, 0, "centered_clip", 0.1, bucket_size=2) == (  # bucketing: issue 35

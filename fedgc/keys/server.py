@@ -38,10 +38,10 @@ STALENESS_WEIGHTS = ("polynomial", "constant")
 ROBUST_PROFILES: dict[str, dict[str, Any]] = {
     "off": {"aggregation": "mean", "max_weight_ratio": 0.0, "max_norm_ratio": 0.0,
             "min_cosine": -1.0, "gate_memory": 0.0, "gate_memory_below": 0.0,
-            "gate_first_bar": -1.0},
+            "gate_first_bar": -1.0, "clip_radius_clean": 0.0},
     "on": {"aggregation": "centered_clip", "max_weight_ratio": 1.0, "max_norm_ratio": 0.0,
            "min_cosine": 0.0, "gate_memory": 0.95, "gate_memory_below": -0.2,
-           "gate_first_bar": -0.2},
+           "gate_first_bar": -0.2, "clip_radius_clean": 2.0},
 }
 
 
@@ -89,14 +89,16 @@ class ServerKeys:
                                             fallback=0.0)
     robust: str = setting("auto", "robust", "the defaults of the aggregation keys left empty "
                           "(aggregation, max_weight_ratio, max_norm_ratio, min_cosine, "
-                          "gate_memory, gate_memory_below, gate_first_bar): off = plain "
+                          "gate_memory, gate_memory_below, gate_first_bar, "
+                          "clip_radius_clean): off = plain "
                           "FedAvg (mean, no cap, no clip, no gate); on = for clients that "
                           "are not trusted (centered_clip, weights capped at the round's "
                           "median, updates pointing clearly against the aggregates' moving "
                           "average left out: gate_first_bar -0.2, which opens a client's "
                           "record: gate_memory 0.95, gate_memory_below -0.2; a client with an "
                           "open record left out below min_cosine 0 and held while its record "
-                          "is bad); auto = "
+                          "is bad; a round the gate found clean clipped at radius 2: "
+                          "clip_radius_clean); auto = "
                           "on in deployments and behind the phone bridge, off in simulation "
                           "(docs/threat_model.md)",
                           Check(choices=ROBUST_MODES))
@@ -125,10 +127,12 @@ class ServerKeys:
                                  "center", Check(0.0, low_open=True))
     clip_iterations: int = setting(3, "clip_iterations", "with aggregation = centered_clip: "
                                    "clipping iterations per round", Check(1, 100))
-    clip_radius_clean: float = setting(
-        0.0, "clip_radius_clean", "with aggregation = centered_clip and min_cosine above -1: "
-        "the clipping radius (in medians of the distances) of a round whose direction gate left "
-        "nobody out; 0 = clip_radius in every round", Check(0.0))
+    clip_radius_clean: float | None = setting(
+        None, "clip_radius_clean", "with aggregation = centered_clip and min_cosine above -1: "
+        "the clipping radius (in medians of the distances) of a round whose direction gate "
+        "judged it and left nobody out, none of its clients with an open gate_memory record "
+        "(not round 1); 0 = clip_radius in every round; empty = by robust (off: 0, on: 2)",
+        Check(0.0))
     bucket_size: int = setting(1, "bucket_size", "with aggregation = centered_clip: the "
                                "clients, in a seeded random order each round, averaged in "
                                "buckets of this many before clipping (Karimireddy et al. "
