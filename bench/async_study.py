@@ -7,8 +7,10 @@ jsonl alone: per seed, the virtual seconds each run needs to reach sync dense's 
 at the cut (``simulations.netem.target.reach_target``), the ratios against sync dense and sync
 FedAvgM, the worst dip per run, and a plot of accuracy against virtual time and against joules.
 
-The scenario is docs/async.md's: mnist5k, 3G/LTE 50/50, 20% intermittent clients, profile
-``bridge-tls`` (a phone through fedgc's bridge), netem seed = training seed. Each run is long
+The scenario is docs/async.md's: mnist5k (``--scenario``: another of
+``simulations/scenarios``, e.g. ``fashion-mnist-6m``, docs/async.md "The phone-sized
+scenario"), 3G/LTE 50/50, 20% intermittent clients, profile ``bridge-tls`` (a phone through
+fedgc's bridge), netem seed = training seed. Each run is long
 (minutes of one core): run it through ``/work/locks/cpujob`` on the shared machine::
 
     /work/locks/cpujob .venv/bin/python bench/async_study.py run --seeds 0 \
@@ -32,9 +34,11 @@ from typing import Any
 
 from simulations.netem.target import reach_target, virtual_times
 
-#: Settings every run shares (docs/async.md, "A first measurement"); rounds and seeds are added
-#: per run.
-COMMON = ("--scenario", "mnist5k", "--set", "sim.engine=local",
+#: The study's scenario unless ``--scenario`` names another.
+SCENARIO = "mnist5k"
+#: Settings every run shares (docs/async.md, "A first measurement"); the scenario, rounds and
+#: seeds are added per run.
+COMMON = ("--set", "sim.engine=local",
           "--set", "netem.enabled=true", "--set", "netem.mix=3g:0.5,lte:0.5",
           "--set", "netem.intermittent=0.2", "--set", "netem.protocol=bridge-tls")
 SYNC = ("--set", "over_selection=1.3", "--set", "netem.deadline_s=60")
@@ -78,12 +82,12 @@ DIP_WINDOW = 10
 
 
 def command(name: str, seed: int, rounds: int, results_dir: Path,
-            overrides: Sequence[str] = ()) -> list[str]:
-    """The ``python -m simulations run`` command line of run ``name`` on ``seed``;
-    ``overrides`` (``KEY=VALUE``) replace the scenario's keys in every run (a smaller study:
-    ``task=digits``)."""
+            overrides: Sequence[str] = (), scenario: str = SCENARIO) -> list[str]:
+    """The ``python -m simulations run`` command line of run ``name`` on ``seed`` of
+    ``scenario``; ``overrides`` (``KEY=VALUE``) replace the scenario's keys in every run (a
+    smaller study: ``task=digits``)."""
     method, mode, scale = RUNS[name]
-    return [sys.executable, "-m", "simulations", "run", *COMMON, *mode,
+    return [sys.executable, "-m", "simulations", "run", "--scenario", scenario, *COMMON, *mode,
             *(arg for kv in overrides for arg in ("--set", kv)),
             "--set", f"method={method}", "--set", f"seed={seed}", "--set", f"netem.seed={seed}",
             "--set", f"rounds={round(rounds * scale)}", "--set", f"results_dir={results_dir}",
@@ -104,21 +108,22 @@ def read_rows(run_dir: Path) -> list[dict[str, float]]:
 
 
 def run_study(names: Sequence[str], seeds: Sequence[int], rounds: int, out: Path,
-              overrides: Sequence[str] = ()) -> None:
+              overrides: Sequence[str] = (), scenario: str = SCENARIO) -> None:
     """Run each of ``names`` on each seed, one after the other (a run on every seed, then the
     next run: the baseline and the method on every seed come first), appending each to
     ``out``; a run whose folder exists (done, or being run by another job of the study) is
-    skipped. ``overrides``: keys set in every run (:func:`command`)."""
+    skipped. ``overrides``: keys set in every run, ``scenario`` theirs (:func:`command`)."""
     results_dir = out.parent / "runs"
     for name in names:
         for seed in seeds:
             if (results_dir / f"{name}-s{seed}").exists():
                 print(f"{name} seed {seed}: already there, skipped", flush=True)
                 continue
-            cmd = command(name, seed, rounds, results_dir, overrides)
+            cmd = command(name, seed, rounds, results_dir, overrides, scenario)
             start = time.time()
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            record = {"run": name, "seed": seed, "cut": rounds, "command": cmd[1:],
+            record = {"run": name, "seed": seed, "cut": rounds, "scenario": scenario,
+                      "command": cmd[1:],
                       "wall_s": round(time.time() - start, 1),
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "rows": read_rows(results_dir / f"{name}-s{seed}")}
@@ -210,6 +215,7 @@ def plot(runs: Mapping[tuple[str, int], Mapping[str, Any]], out: Path) -> Path:
     from simulations.plots import legend_below, method_styles, readable_log, save
 
     seeds = sorted({seed for _, seed in runs if (BASELINE, seed) in runs})
+    scenario = runs[(BASELINE, seeds[0])].get("scenario", SCENARIO)
     fig, axes = plt.subplots(2, len(seeds), figsize=(5.5 * len(seeds), 9), squeeze=False)
     colours = method_styles(sorted({m for m, _, _ in RUNS.values()}))
     for column, seed in enumerate(seeds):
@@ -230,14 +236,14 @@ def plot(runs: Mapping[tuple[str, int], Mapping[str, Any]], out: Path) -> Path:
                          (ax_energy, "joules, all clients (cumulative)")):
             readable_log(ax, "x")
             ax.axhline(target, color="0.4", linestyle="--", linewidth=1)
-            ax.set(xlabel=what, ylabel="test accuracy", ylim=(0.6, 0.95),
+            ax.set(xlabel=what, ylabel="test accuracy", ylim=(min(0.6, target - 0.2), 0.95),
                    title=f"seed {seed}: target {target:.4f}")
             ax.grid(True, which="major", alpha=0.3)
     shown = [n for n in RUNS if any((n, seed) in runs for seed in seeds)]
     handles = [Line2D([], [], color=colours[RUNS[n][0]]["color"],
                       linestyle="--" if n.startswith("async") else "-") for n in shown]
     room = legend_below(fig, handles, shown)
-    fig.suptitle("mnist5k, 3G/LTE 50/50, 20% intermittent, profile bridge-tls "
+    fig.suptitle(f"{scenario}, 3G/LTE 50/50, 20% intermittent, profile bridge-tls "
                  "(netem seed = training seed)")
     return save(fig, out, room)
 
@@ -264,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.add_argument("--rounds", type=int, default=60,
                      help="the cut: rounds of every run (async dgc: 2.5x); default 60")
     run.add_argument("--out", type=Path, default=Path("results/study37/runs.jsonl"))
+    run.add_argument("--scenario", default=SCENARIO,
+                     help=f"the scenario of every run (default {SCENARIO}; e.g. "
+                     "fashion-mnist-6m)")
     run.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY=VALUE", help="a key of every run over the scenario's "
                      "(repeatable; e.g. task=digits for a smaller study)")
@@ -280,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--runs: unknown run(s) {unknown}; expected some of {list(RUNS)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run_study(names, [int(s) for s in args.seeds.split(",")], args.rounds, args.out,
-              args.overrides)
+              args.overrides, args.scenario)
 
 
 if __name__ == "__main__":

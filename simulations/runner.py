@@ -126,7 +126,12 @@ def _run_scenario(config: RunConfig, verbose: bool,
     extra: dict[str, Any] = {}
     client_app: ClientApp = client.app.app  # read when the run starts (tests replace it)
     if netem is not None and netem.enabled:
+        derived = netem.compute_scale == 0
         netem = for_run(netem, config)
+        if config.server.progress:
+            how = "derived from the model's multiply-adds" if derived else "netem.compute_scale"
+            print(f"fedgc: emulated compute: the device presets' x {netem.compute_factor:.3g} "
+                  f"({how})", flush=True)
         client_app = wrap_client_app(client_app)
         extra["extensions"] = extensions(netem, config)
     # Simulated nodes run the simulating user's own config: any callable it names (a deployed

@@ -27,6 +27,15 @@ def test_every_run_is_a_valid_simulations_run(name: str, tmp_path: Path) -> None
     assert config.train.task == "mnist5k"
 
 
+def test_the_scenario_is_mnist5k_unless_named(tmp_path: Path) -> None:
+    assert command("sync-dense", 0, 30, tmp_path)[3:6] == ["run", "--scenario", "mnist5k"]
+    args = _parser().parse_args(command("async-dgc", 0, 30, tmp_path,
+                                        scenario="fashion-mnist-6m")[3:])
+    config = build_config(args)
+    assert config.train.task == "fashion-mnist" and config.server.rounds == 75
+    assert config.train.model_options == '{"channels": [32, 64], "hidden": 2048}'
+
+
 def test_overrides_replace_the_scenarios_keys(tmp_path: Path) -> None:
     args = _parser().parse_args(command("async-dgc", 1, 60, tmp_path, ["task=digits"])[3:])
     config = build_config(args)

@@ -141,11 +141,12 @@ CHANGED_DEFAULTS = {"max_weight_ratio": (4.0, 0.0), "max_norm_ratio": (10.0, 0.0
 #: The emulator's keys added after the snapshots (issue 25), with the values that compute what
 #: it did before them: no protocol model, the preset power models. Since issue 37 a profile
 #: is charged by default (``bridge-tls``): ``netem_drop`` names ``none``, the default of its
-#: time, and the profile's part keys are left to the profile ("").
+#: time, and the profile's part keys are left to the profile (""). Issue 37's compute scale
+#: (2026-12-07) is derived from the model: 1 for digits' MLP, the presets' charge as before.
 NETEM_ADDED_LATER = {"netem.power_model": "", "netem.protocol": "none",
                      "netem.poll_interval_s": "", "netem.app_startup_s": "",
                      "netem.server_measured": "", "netem.server_s": "",
-                     "netem.server_eval": False}
+                     "netem.server_eval": False, "netem.compute_scale": 1.0}
 #: The network emulator's columns: its extension's since issue 29, absent without it.
 EMULATOR = ["virtual_seconds", "dropped_deadline", "dropped_link", "dropped_rejected"]
 #: Added by the emulator's wire and energy extension (issue 25) after the snapshots, after its

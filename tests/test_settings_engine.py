@@ -38,7 +38,7 @@ def test_keys_lists_every_key_with_its_part(capsys):
                                   if not line.startswith(" "))])
     assert lines[1].startswith("    ") and "weighted by num-examples" in first
     netem = {f.metadata["key"] for f in fields_of(NetemSettings)}
-    assert len(netem) == 27 and all(listed[k] == "netem" for k in netem)
+    assert len(netem) == 28 and all(listed[k] == "netem" for k in netem)
     assert listed["dgc.momentum"] == "dgc" and listed["sim.engine"] == "sim"
     assert listed["density"] == "client" and listed["server_momentum"] == "server"
     assert listed["lr"] == "client" and listed["rounds"] == "run" and listed["task"] == "run"

@@ -160,7 +160,8 @@ class NetemClock(RoundExtension):
         n = self.netem
         deadline = f"{n.deadline_s:g} s" if n.deadline_s > 0 else "none"
         return (f"Network emulator: mix {n.mix}, {100 * n.intermittent:.0f}% intermittent "
-                f"({n.outage_policy}), deadline {deadline}; protocol profile {profile_line(n)}")
+                f"({n.outage_policy}), deadline {deadline}, devices {n.device_mix} x "
+                f"{n.compute_factor:.2f} compute; protocol profile {profile_line(n)}")
 
     def step(self, server_round: int, name: str, begins: bool) -> None:
         """Time the server's work: its ``configure`` and ``aggregate`` steps, and with

@@ -18,7 +18,9 @@ from flwr.clientapp import ClientApp
 
 from fedgc import protocol as P
 from fedgc.settings import RunConfig
+from fedgc.task_loader import load_task
 from server.extensions import RoundExtension
+from simulations.netem.compute import model_compute_scale
 from simulations.netem.extension import NetemClock
 from simulations.netem.mod import netem_mod
 from simulations.netem.settings import PREFIX, NetemSettings
@@ -33,10 +35,14 @@ def split_netem(values: Mapping[str, object]) -> tuple[dict[str, object], NetemS
 
 
 def for_run(netem: NetemSettings, config: RunConfig) -> NetemSettings:
-    """``netem`` with the client count and per-round samples taken from a RunConfig, and the
-    trace, power-model and protocol-profile files as absolute paths (clients may run in
-    another folder)."""
+    """``netem`` with the client count and per-round samples taken from a RunConfig, the
+    compute scale derived from the run's model when it is 0
+    (:func:`simulations.netem.compute.model_compute_scale`), and the trace, power-model and
+    protocol-profile files as absolute paths (clients may run in another folder)."""
     t = config.train
+    scale = netem.compute_scale
+    if netem.enabled and scale == 0:
+        scale, _ = model_compute_scale(load_task(t.task_spec()))
     samples = t.local_steps * t.batch_size if t.local_steps > 0 else 0
     traces = {k: os.path.abspath(getattr(netem, k))
               for k in ("trace_down", "trace_up", "power_model") if getattr(netem, k)}
@@ -44,7 +50,7 @@ def for_run(netem: NetemSettings, config: RunConfig) -> NetemSettings:
         traces["protocol"] = netem.profile_file()
     return dataclasses.replace(netem, num_clients=t.num_clients,
                                local_epochs=float(t.local_epochs), local_samples=samples,
-                               **traces)
+                               compute_scale=scale, **traces)
 
 
 def wrap_client_app(app: ClientApp) -> ClientApp:

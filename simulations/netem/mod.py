@@ -273,6 +273,7 @@ def netem_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         compute_s = net.device.compute_seconds(settings.local_samples)
     else:
         compute_s = net.device.compute_seconds(samples, settings.local_epochs)
+    compute_s *= settings.compute_factor  # the model's cost against the presets' (compute.py)
     reply.content[RECORD] = _record({})
     startup_s = proto.clientapp_startup_s if proto is not None else 0.0
     upload_start = download_end + startup_s + compute_s

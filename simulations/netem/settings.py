@@ -106,6 +106,11 @@ class NetemSettings:
     local_samples: int = setting(0, "netem.local_samples", "samples trained per round instead "
                                  "(local steps times batch size); 0 = num-examples * "
                                  "local_epochs", Check(0))
+    compute_scale: float = setting(0.0, "netem.compute_scale", "factor on the device "
+                                   "presets' per-sample compute (set for the small models); "
+                                   "0 = derived from the model: its multiply-adds a sample "
+                                   "forward / the small CNN's 3.02M, at least 1 "
+                                   "(simulations.netem.compute)", Check(0.0))
     target_accuracy: float = setting(0.0, "netem.target_accuracy", "the accuracy of 'to "
                                      "target' (virtual seconds, wire bytes, joules) in "
                                      "summary.json, compare and the report; 0 = derived: in "
@@ -261,6 +266,12 @@ class NetemSettings:
         """The ``netem.*`` keys, typed, for a Flower ConfigRecord (a key left to the profile
         is "")."""
         return to_flat(self)
+
+    @property
+    def compute_factor(self) -> float:
+        """The factor on the presets' compute: ``compute_scale``, or 1 while it is 0 (derived,
+        but not yet from a model: :func:`simulations.netem.integration.for_run` derives it)."""
+        return self.compute_scale if self.compute_scale > 0 else 1.0
 
     @property
     def deadline(self) -> float:
