@@ -105,11 +105,13 @@ RESUMABLE_KEYS = frozenset({"rounds", "resume", "overwrite", "progress", "tensor
                             "sim.device", "sim.gpus_per_client"})
 
 
-#: Keys filled by ``robust`` (empty by default) that a run of before them ran without: what a
-#: checkpoint lacking them stands for (no direction gate before issue 35, no memory of its
-#: left-outs before gate_memory, one radius in every round before clip_radius_clean).
+#: Keys that a run of before them ran without, and what a checkpoint lacking them stands for:
+#: those filled by ``robust`` (empty by default: no direction gate before issue 35, no memory
+#: of its left-outs before gate_memory, one radius in every round before clip_radius_clean),
+#: and the emulator's compute factor (the presets' per-sample compute unscaled before
+#: netem.compute_scale; every shipped model but fashion-mnist-6m's derives 1 and resumes).
 ABSENT_BEFORE = {"min_cosine": -1.0, "gate_memory": 0.0, "gate_memory_below": 0.0,
-                 "gate_first_bar": -1.0, "clip_radius_clean": 0.0}
+                 "gate_first_bar": -1.0, "clip_radius_clean": 0.0, "netem.compute_scale": 1.0}
 
 #: Keys that compute nothing while the key they serve is empty (or 0).
 INERT_WITHOUT = {f"attack.{k}": "attack.clients" for k in (

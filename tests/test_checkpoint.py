@@ -104,6 +104,12 @@ def test_a_resume_may_change_only_the_keys_that_do_not_change_what_is_computed()
     with pytest.raises(CheckpointError, match=r"netem.enabled = unset \(now True\)"):
         check_run_config(written, {**written, "netem.enabled": True})
     check_run_config(None, written)  # a checkpoint of an earlier fedgc: nothing to compare
+    # An emulated run of before netem.compute_scale ran at the presets' compute (x 1): a model
+    # that derives 1 resumes; one that derives more is refused, naming the value to set.
+    emulated = {**written, "netem.enabled": True}
+    check_run_config(emulated, {**emulated, "netem.compute_scale": 1.0})
+    with pytest.raises(CheckpointError, match=r"netem.compute_scale = 1.0 \(now 5.66\)"):
+        check_run_config(emulated, {**emulated, "netem.compute_scale": 5.66})
     with pytest.raises(CheckpointError, match=r"density = 0.001 \(now 0.02\), seed = 2 "
                                               r"\(now 3\)"):
         check_run_config(written, {**written, "seed": 3, "density": 0.02})
