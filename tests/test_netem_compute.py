@@ -4,11 +4,9 @@ simulations/netem/compute.py): counted multiply-adds, the factor, its key and it
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedgc.settings import RunConfig, SettingsError
 from simulations.netem.compute import REFERENCE_MACS, forward_macs, scale_for
@@ -16,19 +14,13 @@ from simulations.netem.integration import for_run
 from simulations.netem.mod import reply_metrics
 from simulations.netem.settings import NetemSettings, assignment_for
 from tasks import build_model
-from tests.test_netem_mod import _app, _context, _message
+
+# task_identity: test_netem_mod's autouse fixture (a run identity for the messages), used here too.
+from tests.test_netem_mod import _app, _context, _message, task_identity  # noqa: F401
 
 #: LEAF's FEMNIST CNN (fashion-mnist-6m's model) on 28x28x1, by hand: conv 1->32 and 32->64
 #: (5x5, same), fc 3136->2048, fc 2048->10.
 LEAF_MACS = 32 * 25 * 784 + 64 * 32 * 25 * 196 + 3136 * 2048 + 2048 * 10
-
-
-@pytest.fixture(autouse=True)
-def task_identity() -> Iterator[None]:
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def test_multiply_adds_are_counted_layer_by_layer() -> None:
