@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,60 @@ def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_expo
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and int(pid) != os.getpid()
             and any(work in arg for arg in process_args(int(pid)))]
     assert left == []
+
+
+@pytest.mark.slow
+def test_deploy_runs_async_with_phones(digits_phone_export, tmp_path):
+    """Issue 37: ``deploy --phones`` with ``mode = async``: a SuperNode and two reference
+    phones, C = 3 (every client in the first fill, all on version 0), K = 2 (a step needs two
+    clients, so the SuperNode cannot make the steps alone), 4 steps."""
+    arch = _phone_arch()
+    argv = ["--nodes", "1", "--phones", "2", "--phone-arch", arch, "--link", "lte", "--tls",
+            "--phone-export", str(digits_phone_export), "--workdir", str(tmp_path / "work"),
+            "--set", f"results_dir={tmp_path / 'results'}", "--set", "run_name=async",
+            "--set", "mode=async", "--set", "async.concurrency=3", "--set", "async.buffer=2",
+            "--set", "rounds=4", "--set", "round_timeout_s=600"]
+    for key, value in PHONE_RUN.items():
+        argv += ["--set", f"{key}={value}"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0, out.getvalue()[-3000:]
+    run = tmp_path / "results" / "async"
+    record = json.loads((run / "deploy.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    steps = list(csv.DictReader((run / "rounds.csv").open()))
+    rows = list(csv.DictReader((run / "clients.csv").open()))
+    assert summary["rounds"] == 4 and [int(r["round"]) for r in steps] == [1, 2, 3, 4]
+    assert all(0.0 < float(r["accuracy"]) <= 1.0 for r in steps)
+    # Two replies a step, every one aggregated (nothing stale beyond the bound, nothing lost).
+    assert all(r["status"] == "aggregated" for r in rows), rows
+    assert sorted(int(r["round"]) for r in rows) == [1, 1, 2, 2, 3, 3, 4, 4]
+    # Every client was sent version 0 in the first fill: its first reply, applied at step t,
+    # is t - 1 steps stale, a phone's as a SuperNode's. Two of the three wait past step 1.
+    first: dict[int, dict[str, str]] = {}
+    for r in sorted(rows, key=lambda r: int(r["round"])):
+        first.setdefault(int(r["client_key"]), r)
+    assert sorted(first) == [0, 1, 2], rows  # both phones were aggregated
+    assert all(int(r["staleness"]) == int(r["round"]) - 1 for r in first.values()), rows
+    assert any(int(r["staleness"]) > 0 for r in rows)
+    for key in (1, 2):
+        phone = record["phones"][str(key)]
+        assert phone["arch"] == arch
+        # A phone's tasks are dispatches, of increasing sequence, the first the first fill's.
+        seqs = [t["round"] for t in phone["rounds"]]
+        assert seqs == sorted(set(seqs)) and seqs[0] == 1, phone
+        assert all(t["ack"] == "DELIVERED" for t in phone["rounds"])
+        # What the server aggregated from the phone is what the phone sent (the run may end
+        # before a reply the phone delivered is taken: those are left out).
+        sent = sorted(t["uplink_bytes"] for t in phone["rounds"])
+        counted = sorted(int(r["uplink_bytes"]) for r in rows if int(r["client_key"]) == key)
+        assert counted and len(sent) - len(counted) in (0, 1), (sent, counted)
+        assert not Counter(counted) - Counter(sent), (sent, counted)
+        # Its link carried its payload and more (TLS, gRPC, the bridge's framing).
+        link = record["phone_links"][str(key)]
+        assert link["uplink_bytes"] > sum(sent)
+        assert link["downlink_bytes"] > sum(t["downlink_bytes"] for t in phone["rounds"])
+    assert record["links"]["0"]["uplink_bytes"] > 0 and record["phone_tls"] is True
 
 
 @pytest.mark.parametrize("argv,message", [
