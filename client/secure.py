@@ -162,11 +162,12 @@ def masked_content(msg: Message, context: Context, key: int, s: TrainSettings,
 
 def clipped(pseudo_gradient: dict[str, torch.Tensor], s: TrainSettings
             ) -> dict[str, torch.Tensor]:
-    """The pseudo-gradient clipped to ``privacy.clip`` before the method compresses it (the
-    update's scale stays where the method was tuned; the guarantee's clip is the vector's)."""
-    if s.privacy_clip <= 0:
+    """The pseudo-gradient clipped to ``privacy.clip`` x ``privacy.update_clip`` (0: not
+    clipped) before the method compresses it (the update's scale stays where the method was
+    tuned; the guarantee's clip is the vector's, at ``privacy.clip``)."""
+    if s.privacy_clip <= 0 or s.privacy_update_clip <= 0:
         return pseudo_gradient
-    return clip_update(pseudo_gradient, s.privacy_clip)[0]
+    return clip_update(pseudo_gradient, s.privacy_clip * s.privacy_update_clip)[0]
 
 
 def round_clip(s: TrainSettings, config: Any) -> TrainSettings:

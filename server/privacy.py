@@ -366,8 +366,15 @@ class PrivateRound(RoundExtension):
         (the others are zero whatever any client's data, as under secure aggregation) and
         divided by the count, in the method's space."""
         total = np.zeros(layout.length, dtype=np.float64)
+        norms = []
         for payload in payloads:
-            total += clip_vector(layout.vector(payload, strict=False), self._round_clip)[0]
+            clipped, norm = clip_vector(layout.vector(payload, strict=False), self._round_clip)
+            total += clipped
+            norms.append(norm)
+        if norms:  # how much the server's clip cut (the clients' own clip came before compression)
+            log(INFO, "\t> Central DP at the sets: %d of %d vectors clipped to %.3g, norms "
+                "median %.3g, max %.3g", sum(n > self._round_clip for n in norms), len(norms),
+                self._round_clip, float(np.median(norms)), max(norms))
         return layout.combined(total + self._noise((layout.length,)), float(len(payloads)))
 
     def noisy_mean(self, mean: Mapping[str, torch.Tensor], count: int

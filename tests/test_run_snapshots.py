@@ -133,7 +133,8 @@ ADDED_LATER = {"dgc.server_lr": 1.0, "sim.device": "cpu", "sim.gpus_per_client":
                # dgc_sets' sets under secure aggregation (issue 38; no effect without it)
                "dgc.secure_density": 0.2, "dgc.shared_explore": "",
                "privacy.dp": "off", "privacy.neighbours": 0, "privacy.noise_multiplier": 1.0,
-               "privacy.secagg": False, "privacy.value_bits": 16, "privacy.value_range": 0.0}
+               "privacy.secagg": False, "privacy.value_bits": 16, "privacy.value_range": 0.0,
+               "privacy.update_clip": 1.0}
 #: Defaults a simulation changed since (issue 26: robust = off is plain FedAvg, no weight cap
 #: and no norm clip), with the value the snapshots recorded. They cannot move these results: no
 #: client of the snapshots was capped or clipped (asserted on their clients.csv).

@@ -44,6 +44,13 @@ class PrivacyKeys:
         "pseudo-gradient before compression and the vector it adds to the sum (with "
         "privacy.clip_quantile: the first round's); 0 = none (needs privacy.dp = off)",
         Check(0.0))
+    privacy_update_clip: float = setting(
+        1.0, "privacy.update_clip", "the pseudo-gradient's clip before compression, as a "
+        "multiple of privacy.clip (1: the clip itself; 0: none). The guarantee's clip is the "
+        "vector's as it enters the sum, which the server (central) or the client (secure "
+        "aggregation) still applies at privacy.clip; above 1 a method whose clients send its "
+        "sets only (dgc_sets, tcs) lets them carry more of each update (docs/privacy.md)",
+        Check(0.0))
     privacy_clip_quantile: float = setting(
         0.0, "privacy.clip_quantile", "adaptive clipping (Andrew et al., NeurIPS 2021): the "
         "fraction of clients whose update should fall within the clip; privacy.clip is then "
