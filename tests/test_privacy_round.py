@@ -182,6 +182,10 @@ def test_secure_aggregation_refuses_robust_aggregation_and_dp_needs_a_clip():
                              "run_name": "x"})
     with pytest.raises(SettingsError, match="privacy.clip > 0"):
         RunConfig.from_flat({**BASE, "privacy.dp": "central", "run_name": "x"})
+    # privacy.update_clip scales privacy.clip: without a clip it would silently do nothing.
+    with pytest.raises(SettingsError, match=r"privacy.update_clip = 2 is a multiple of "
+                                            r"privacy.clip, which is 0"):
+        RunConfig.from_flat({**BASE, "privacy.update_clip": 2.0, "run_name": "x"})
     # z = 0 passed the key's range and crashed the run at its first round's accountant.
     with pytest.raises(SettingsError, match=r"privacy.noise_multiplier > 0, got 0"):
         RunConfig.from_flat({**BASE, "privacy.dp": "central", "privacy.clip": 1.0,

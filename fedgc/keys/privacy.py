@@ -108,6 +108,9 @@ def check_privacy(train: Any, server: Any) -> None:
         raise SettingsError(f"privacy.dp = {train.privacy_dp} needs privacy.noise_multiplier "
                             f"> 0, got {train.privacy_noise_multiplier:g}: without noise "
                             f"there is no epsilon to account")
+    if train.privacy_update_clip != 1.0 and train.privacy_clip <= 0:
+        raise SettingsError(f"privacy.update_clip = {train.privacy_update_clip:g} is a multiple "
+                            f"of privacy.clip, which is 0 (no clip): set privacy.clip > 0")
     if train.adaptive_clip:
         _check_adaptive_clip(train)
     if train.privacy_dp == "distributed" and not train.privacy_secagg:
