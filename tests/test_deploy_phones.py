@@ -36,20 +36,27 @@ def _phone_arch() -> str:
         return "host"
 
 
-@pytest.mark.slow
-def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_export, tmp_path):
-    arch = _phone_arch()
-    argv = ["--nodes", "1", "--phones", "1", "--phone-arch", arch, "--link", "lte", "--tls",
-            "--phone-export", str(digits_phone_export), "--workdir", str(tmp_path / "work"),
-            "--set", f"results_dir={tmp_path / 'results'}", "--set", "run_name=mixed",
-            "--set", "rounds=2", "--set", "round_timeout_s=600"]
-    for key, value in PHONE_RUN.items():
+def _deploy_with_phones(export: Path, tmp_path: Path, phones: int, run_name: str,
+                        *keys: str) -> tuple[Path, str]:
+    """``deploy`` of one SuperNode and ``phones`` phones on LTE links with TLS, the phone run's
+    keys plus ``keys`` (KEY=VALUE); the run's folder and what it printed."""
+    argv = ["--nodes", "1", "--phones", str(phones), "--phone-arch", _phone_arch(),
+            "--link", "lte", "--tls", "--phone-export", str(export),
+            "--workdir", str(tmp_path / "work"),
+            "--set", f"results_dir={tmp_path / 'results'}", "--set", f"run_name={run_name}"]
+    for key, value in [*PHONE_RUN.items(), *(k.split("=", 1) for k in keys)]:
         argv += ["--set", f"{key}={value}"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0, out.getvalue()[-3000:]
-    text = out.getvalue()
-    run = tmp_path / "results" / "mixed"
+    return tmp_path / "results" / run_name, out.getvalue()
+
+
+@pytest.mark.slow
+def test_deploy_mixes_a_phone_behind_its_link_with_a_supernode(digits_phone_export, tmp_path):
+    arch = _phone_arch()
+    run, text = _deploy_with_phones(digits_phone_export, tmp_path, 1, "mixed",
+                                    "rounds=2", "round_timeout_s=600")
     record = json.loads((run / "deploy.json").read_text())
     # Client 0 is the SuperNode, client 1 the phone: both aggregated in both rounds.
     rows = list(csv.DictReader((run / "clients.csv").open()))
@@ -85,17 +92,9 @@ def test_deploy_runs_async_with_phones(digits_phone_export, tmp_path):
     phones, C = 3 (every client in the first fill, all on version 0), K = 2 (a step needs two
     clients, so the SuperNode cannot make the steps alone), 4 steps."""
     arch = _phone_arch()
-    argv = ["--nodes", "1", "--phones", "2", "--phone-arch", arch, "--link", "lte", "--tls",
-            "--phone-export", str(digits_phone_export), "--workdir", str(tmp_path / "work"),
-            "--set", f"results_dir={tmp_path / 'results'}", "--set", "run_name=async",
-            "--set", "mode=async", "--set", "async.concurrency=3", "--set", "async.buffer=2",
-            "--set", "rounds=4", "--set", "round_timeout_s=600"]
-    for key, value in PHONE_RUN.items():
-        argv += ["--set", f"{key}={value}"]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(argv) == 0, out.getvalue()[-3000:]
-    run = tmp_path / "results" / "async"
+    run, _ = _deploy_with_phones(digits_phone_export, tmp_path, 2, "async", "mode=async",
+                                 "async.concurrency=3", "async.buffer=2", "rounds=4",
+                                 "round_timeout_s=600")
     record = json.loads((run / "deploy.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     steps = list(csv.DictReader((run / "rounds.csv").open()))
